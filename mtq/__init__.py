@@ -1,0 +1,26 @@
+"""mtq: a Redis-backed task queue for AI inference.
+
+FIFO order per stream, fair round robin across streams, batched claims and acks,
+leases with fencing tokens, and nothing lost when a worker dies.
+"""
+
+from mtq.broker.consumer import Consumer, Outcome
+from mtq.broker.protocol import Claimed
+from mtq.client import Queue, Request, Task, TaskInfo
+from mtq.errors import (
+    BrokerError, ConfigError, DuplicateTask, EncodeError, InvalidName, LeaseLost, MtqError,
+    PayloadError, PayloadTooLarge, QueueFull, ResultTimeout, ServerNotFound, TargetError,
+    TaskCancelled, TaskFailed, TaskNotFound,
+)
+from mtq.settings import QueueSettings, RedisSettings
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Queue", "Task", "TaskInfo", "Request", "Consumer", "Claimed", "Outcome",
+    "QueueSettings", "RedisSettings",
+    "MtqError", "ConfigError", "BrokerError", "ServerNotFound", "InvalidName", "PayloadError",
+    "PayloadTooLarge", "EncodeError", "QueueFull", "DuplicateTask", "TaskNotFound",
+    "TaskFailed", "TaskCancelled", "ResultTimeout", "LeaseLost", "TargetError",
+    "__version__",
+]

@@ -1,0 +1,1 @@
+"""Everything that touches Redis: key names, Lua scripts, connections, the embedded server."""

@@ -1,0 +1,46 @@
+"""Redis clients: one connection pool per URL per process, shared by all queues."""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+
+from mtq.broker.embedded import EmbeddedServer
+from mtq.errors import BrokerError
+from mtq.settings import RedisSettings
+
+_lock = threading.Lock()
+_clients: dict[tuple[str, int], redis.Redis] = {}
+
+
+def resolve_url(url: str | None = None) -> str:
+    """The URL to use: ``url``, else ``MTQ_REDIS_URL``, else the embedded server
+    (started if it is not running)."""
+    if url:
+        return url
+    env_url = RedisSettings.from_env().url
+    if env_url:
+        return env_url
+    return EmbeddedServer.from_env().start()
+
+
+def connect(url: str | None = None, settings: RedisSettings | None = None) -> redis.Redis:
+    """A shared, thread-safe client for ``url`` (see :func:`resolve_url`).
+
+    Replies are bytes (payloads are binary msgpack); hiredis parses them when installed.
+    """
+    resolved = resolve_url(url or (settings.url if settings else None))
+    s = settings or RedisSettings()
+    key = (resolved, id(settings) if settings else 0)
+    with _lock:
+        client = _clients.get(key)
+        if client is None:
+            try:
+                client = redis.Redis.from_url(
+                    resolved, socket_timeout=s.socket_timeout,
+                    socket_connect_timeout=s.connect_timeout, health_check_interval=30)
+            except ValueError as exc:
+                raise BrokerError(f"invalid Redis URL {resolved!r}: {exc}") from exc
+            _clients[key] = client
+        return client

@@ -1,0 +1,203 @@
+"""The low-level consumer API that workers are built on.
+
+A :class:`Consumer` claims batches, settles them (ack / retry / fail / dead-letter
+/ release), extends leases and sleeps on the wake list when there is nothing to
+do. Every operation is one round trip for the whole batch, and
+:meth:`Consumer.settle_and_claim` settles one batch and claims the next in a
+single round trip, which is what the workers' hot loop uses.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from mtq import serialization
+from mtq.broker.codes import Code
+from mtq.broker.connection import connect
+from mtq.broker.protocol import (
+    CANCEL, DEAD, FAIL, RELEASE, RETRY, Broker, Claimed, ClaimResult,
+)
+from mtq.errors import PayloadError
+from mtq.settings import QueueSettings
+from mtq.validation import check_queue_name
+
+#: longest single sleep on the wake list when no timer is pending (a safety net)
+MAX_IDLE_S = 10.0
+
+
+def default_worker_id() -> str:
+    """host:pid:random, unique per consumer."""
+    return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one claimed task ended in the handler."""
+
+    task: Claimed
+    ok: bool
+    value: Any = None          # the result when ok
+    error: str | None = None   # "Type: message" when not ok
+    retryable: bool = True     # False: fail at once (e.g. an undecodable payload)
+    cancelled: bool = False    # the handler stopped on a cancel request
+
+
+@dataclass
+class SettleReport:
+    """What a settle call did."""
+
+    succeeded: int = 0
+    retried: int = 0
+    failed: int = 0
+    dead: int = 0
+    cancelled: int = 0
+    #: tasks whose lease had expired: their outcome was discarded (another worker owns them)
+    lost: list[str] = field(default_factory=list)
+
+
+class Consumer:
+    """Claims and settles tasks of one queue on behalf of one worker."""
+
+    def __init__(self, queue: str, url: str | None = None, *,
+                 settings: QueueSettings | None = None, client: redis.Redis | None = None,
+                 worker_id: str | None = None) -> None:
+        self.queue = check_queue_name(queue)
+        self.settings = settings or QueueSettings()
+        self.redis = client if client is not None else connect(url)
+        self.broker = Broker(self.redis, self.queue, self.settings)
+        self.worker_id = worker_id or default_worker_id()
+        #: ms until the next lease deadline / due retry, from the last claim (-1: none)
+        self.next_timer_ms = -1
+        self._rng = random.Random()
+
+    # -- claiming --------------------------------------------------------------
+    def _claimed(self, result: ClaimResult) -> list[Claimed]:
+        self.next_timer_ms = result.next_timer_ms
+        return result.tasks
+
+    def claim(self, batch_size: int, lease_ms: int | None = None) -> list[Claimed]:
+        """Claim up to ``batch_size`` tasks (one round trip)."""
+        return self._claimed(self.broker.claim(self.worker_id, batch_size, lease_ms))
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until woken by a submit, the next timer, or ``timeout`` (BLPOP).
+
+        Returns True if woken by a marker. Call it only after a claim returned nothing.
+        """
+        limit = MAX_IDLE_S if timeout is None else min(timeout, MAX_IDLE_S)
+        if self.next_timer_ms >= 0:
+            limit = min(limit, self.next_timer_ms / 1000 + 0.001)
+        return self.broker.wait_for_work(limit)
+
+    # -- settling --------------------------------------------------------------
+    def backoff_ms(self, attempts: int) -> int:
+        """Exponential backoff with full jitter over the upper half: attempt n waits
+        between 0.5 and 1 times min(max, base * 2**n)."""
+        s = self.settings
+        ceiling = min(s.retry_backoff_max_ms, s.retry_backoff_ms * (2 ** min(attempts, 30)))
+        return int(ceiling * (0.5 + self._rng.random() / 2))
+
+    def _plan(self, outcomes: Sequence[Outcome]) -> tuple[list[tuple[str, str, bytes]],
+                                                          list[tuple[str, str, str, str]],
+                                                          SettleReport]:
+        acks: list[tuple[str, str, bytes]] = []
+        nacks: list[tuple[str, str, str, str]] = []
+        report = SettleReport()
+        for o in outcomes:
+            t = o.task
+            if o.ok:
+                try:
+                    acks.append((t.id, t.token, serialization.dumps(o.value)))
+                    continue
+                except PayloadError as exc:
+                    o = Outcome(t, ok=False, error=f"{type(exc).__name__}: {exc}",
+                                retryable=False)
+            if o.cancelled:
+                nacks.append((t.id, t.token, CANCEL, ""))
+                continue
+            error = (o.error or "error")[:4000]
+            allowed = self.settings.max_retries if t.retries is None else t.retries
+            if o.retryable and t.attempts < allowed:
+                nacks.append((t.id, t.token, RETRY, f"{self.backoff_ms(t.attempts)}|{error}"))
+            elif o.retryable and self.settings.dead_letter:
+                nacks.append((t.id, t.token, DEAD, error))
+            else:
+                nacks.append((t.id, t.token, FAIL, error))
+        return acks, nacks, report
+
+    @staticmethod
+    def _count(report: SettleReport, acks: Sequence[tuple[str, str, bytes]],
+               nacks: Sequence[tuple[str, str, str, str]], ack_codes: list[int],
+               nack_codes: list[int]) -> SettleReport:
+        for (task_id, _, _), code in zip(acks, ack_codes):
+            if code == Code.LEASE_LOST:
+                report.lost.append(task_id)
+            else:
+                report.succeeded += 1
+        names = {RETRY: "retried", FAIL: "failed", DEAD: "dead", CANCEL: "cancelled"}
+        for (task_id, _, action, _), code in zip(nacks, nack_codes):
+            if code == Code.LEASE_LOST:
+                report.lost.append(task_id)
+            elif action in names:
+                setattr(report, names[action], getattr(report, names[action]) + 1)
+        return report
+
+    def settle(self, outcomes: Sequence[Outcome]) -> SettleReport:
+        """Ack the successes and nack the failures (retry with backoff, or dead-letter
+        / fail when retries run out) in one round trip."""
+        report, _ = self.settle_and_claim(outcomes, 0)
+        return report
+
+    def settle_and_claim(self, outcomes: Sequence[Outcome], batch_size: int,
+                         lease_ms: int | None = None) -> tuple[SettleReport, list[Claimed]]:
+        """Settle a batch and claim the next one in one round trip."""
+        acks, nacks, report = self._plan(outcomes)
+        calls = []
+        if acks:
+            calls.append(self.broker.ack_call(acks))
+        if nacks:
+            calls.append(self.broker.nack_call(nacks))
+        if batch_size > 0:
+            calls.append(self.broker.claim_call(self.worker_id, batch_size, lease_ms))
+        if not calls:
+            return report, []
+        replies = self.broker.run(*calls)
+        ack_codes = replies.pop(0) if acks else []
+        nack_codes = replies.pop(0) if nacks else []
+        self._count(report, acks, nacks, ack_codes, nack_codes)
+        claimed = self._claimed(replies[0]) if batch_size > 0 else []
+        return report, claimed
+
+    def release(self, tasks: Sequence[Claimed]) -> int:
+        """Give claimed but unstarted tasks back to the head of their streams,
+        without counting a delivery (graceful drain). Returns how many went back."""
+        if not tasks:
+            return 0
+        codes = self.broker.nack([(t.id, t.token, RELEASE, "") for t in tasks])
+        return sum(1 for c in codes if c == 1)
+
+    def extend(self, tasks: Sequence[Claimed], lease_ms: int | None = None
+               ) -> tuple[list[str], list[str]]:
+        """Extend the leases of ``tasks`` (one round trip).
+
+        Returns (lost ids, ids with a cancel request).
+        """
+        if not tasks:
+            return [], []
+        codes = self.broker.extend([(t.id, t.token) for t in tasks], lease_ms)
+        lost = [t.id for t, c in zip(tasks, codes) if c == Code.LEASE_LOST]
+        cancel = [t.id for t, c in zip(tasks, codes) if c == 2]
+        return lost, cancel
+
+    def reap(self) -> int:
+        """Reclaim expired leases and promote due retries now; returns leases reclaimed."""
+        reaped, _promoted, nxt = self.broker.reap()
+        self.next_timer_ms = nxt
+        return reaped

@@ -1,0 +1,68 @@
+"""Every Redis key and channel name mtq uses is built here and nowhere else.
+
+All keys of one queue share the hash tag ``{queue}`` so each Lua script touches a
+single Redis Cluster slot. Queue names are validated before they reach this module
+(:func:`mtq.validation.check_queue_name`), so they cannot contain braces or
+whitespace and cannot escape their key space.
+"""
+
+from __future__ import annotations
+
+PREFIX = "mtq"
+
+#: the set of known queue names (outside any queue's slot; never touched by Lua)
+QUEUES = f"{PREFIX}:queues"
+
+
+class QueueKeys:
+    """Key and channel names of one queue.
+
+    ``script_keys`` is the KEYS vector every Lua script receives, in the order
+    documented at the top of ``lua/_lib.lua``.
+    """
+
+    __slots__ = (
+        "queue", "base", "task_prefix", "stream_prefix", "ready", "busy", "leases",
+        "delayed", "dead", "wake", "stats", "free", "idem_prefix", "seq", "events",
+        "done_prefix", "script_keys", "channels",
+    )
+
+    def __init__(self, queue: str) -> None:
+        self.queue = queue
+        self.base = f"{PREFIX}:{{{queue}}}:"
+        self.task_prefix = self.base + "task:"
+        self.stream_prefix = self.base + "stream:"
+        self.ready = self.base + "ready"
+        self.busy = self.base + "busy"
+        self.leases = self.base + "leases"
+        self.delayed = self.base + "delayed"
+        self.dead = self.base + "dead"
+        self.wake = self.base + "wake"
+        self.stats = self.base + "stats"
+        self.free = self.base + "free"
+        self.idem_prefix = self.base + "idem:"
+        self.seq = self.base + "seq"
+        self.events = self.base + "events"
+        self.done_prefix = self.base + "done:"
+        self.script_keys = [
+            self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
+            self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,
+            self.seq,
+        ]
+        self.channels = [self.events, self.done_prefix]
+
+    def task(self, task_id: str) -> str:
+        """The hash of one task."""
+        return self.task_prefix + task_id
+
+    def stream(self, stream: str) -> str:
+        """The list of one stream's waiting task ids."""
+        return self.stream_prefix + stream
+
+    def idem(self, key: str) -> str:
+        """The idempotency key record."""
+        return self.idem_prefix + key
+
+    def done(self, task_id: str) -> str:
+        """The channel on which a task's terminal status is published."""
+        return self.done_prefix + task_id

@@ -1,0 +1,185 @@
+--[[ _lib.lua -- shared by every mtq script (pasted in by the loader at "--@include _lib.lua").
+
+KEYS, identical for every script (mtq/broker/keys.py builds them; all carry the
+hash tag {queue}, so every script touches one Redis Cluster slot):
+  KEYS[1]  task key prefix    mtq:{q}:task:      (+ id  -> hash)
+  KEYS[2]  stream key prefix  mtq:{q}:stream:    (+ name -> list of waiting ids, FIFO)
+  KEYS[3]  ready              list: the round-robin ring of claimable streams ('' = stream-less tasks)
+  KEYS[4]  busy               set: streams with a task running or waiting to be retried
+  KEYS[5]  leases             zset: running id -> lease deadline (ms, server time)
+  KEYS[6]  delayed            zset: id waiting for a retry -> due time (ms)
+  KEYS[7]  dead               list: dead-letter ids, newest first
+  KEYS[8]  wake               list: markers sleeping workers BLPOP on
+  KEYS[9]  stats              hash: O(1) counters
+  KEYS[10] free               list: waiting stream-less ids, FIFO
+  KEYS[11] idempotency prefix mtq:{q}:idem:      (+ key -> task id, expires)
+  KEYS[12] seq                string: lease token counter
+ARGV[1] events channel, ARGV[2] per-task completion channel prefix; the rest is per script.
+
+Prefix keys are the one place where Lua appends to a key name: ids are only
+known inside the script (claim pops them). The hash tag sits in the prefix, so
+the result always hashes to the queue's slot.
+
+Ring invariant (what makes ordering hold): a stream whose list is non-empty and
+which is not in busy is in the ring. The ring may also hold stale or duplicate
+entries; claim checks each popped stream (busy? list empty?) and drops those.
+Cancelled and expired ids may remain in lists as tombstones; claim skips any id
+whose status is not 'queued'.
+]]
+local K_TASK, K_STREAM, K_READY, K_BUSY = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_LEASES, K_DELAYED, K_DEAD, K_WAKE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_STATS, K_FREE, K_IDEM, K_SEQ = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
+local EVENTS, DONE = ARGV[1], ARGV[2]
+local FREE = ''
+
+-- error codes (mtq/broker/codes.py mirrors them)
+local E_QUEUE_FULL, E_DUPLICATE_ID, E_LEASE_LOST, E_NOT_FOUND, E_FINISHED, E_BAD_ARGUMENT =
+  -1, -2, -3, -4, -5, -6
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function event(name, now, extra)
+  extra = extra or {}
+  extra['event'] = name
+  extra['ts'] = now
+  redis.call('PUBLISH', EVENTS, cjson.encode(extra))
+end
+
+-- Make sure the stream-less marker is in the ring (at most one live marker).
+local function free_mark()
+  if redis.call('HGET', K_STATS, 'free_marked') ~= '1' then
+    redis.call('HSET', K_STATS, 'free_marked', '1')
+    redis.call('RPUSH', K_READY, FREE)
+    return 1
+  end
+  return 0
+end
+
+-- Wake up to n sleeping workers, keeping the marker list at most cap long.
+local function wake(n, cap)
+  if n <= 0 then return end
+  local k = math.min(n, cap - redis.call('LLEN', K_WAKE))
+  if k > 0 then
+    local m = {}
+    for i = 1, k do m[i] = '1' end
+    redis.call('RPUSH', K_WAKE, unpack(m))
+  end
+end
+
+-- Wake one sleeper unless a marker is already waiting.
+local function nudge()
+  if redis.call('LLEN', K_WAKE) == 0 then redis.call('RPUSH', K_WAKE, '1') end
+end
+
+-- The stream has no running task any more: make it claimable if it has work.
+local function release_stream(s)
+  redis.call('SREM', K_BUSY, s)
+  if redis.call('LLEN', K_STREAM .. s) > 0 then
+    redis.call('RPUSH', K_READY, s)
+    return 1
+  end
+  return 0
+end
+
+-- Put a task back at the head of its stream (or of the free list), claimable at once.
+local function requeue_head(id, s)
+  redis.call('HSET', K_TASK .. id, 'status', 'queued')
+  if s then
+    if redis.call('LPUSH', K_STREAM .. s, id) == 1 then
+      redis.call('HINCRBY', K_STATS, 'streams', 1)
+    end
+    redis.call('SREM', K_BUSY, s)
+    redis.call('LPUSH', K_READY, s)
+  else
+    redis.call('LPUSH', K_FREE, id)
+    free_mark()
+  end
+  redis.call('HINCRBY', K_STATS, 'waiting', 1)
+end
+
+-- Record a terminal state: status, time, retention, completion message.
+local function finish(id, status, now, ttl, field, value)
+  local tk = K_TASK .. id
+  if field then
+    redis.call('HSET', tk, 'status', status, 'finished', now, field, value)
+  else
+    redis.call('HSET', tk, 'status', status, 'finished', now)
+  end
+  redis.call('HDEL', tk, 'token')
+  if ttl > 0 then redis.call('EXPIRE', tk, ttl) end
+  redis.call('PUBLISH', DONE .. id, status)
+end
+
+-- Dead-letter a task; the list keeps at most dead_max ids (the oldest are deleted).
+local function dead_letter(id, now, dead_ttl, dead_max, err)
+  finish(id, 'dead', now, dead_ttl, 'error', err)
+  if redis.call('LPUSH', K_DEAD, id) > dead_max then
+    local old = redis.call('RPOP', K_DEAD)
+    if old and old ~= id then redis.call('DEL', K_TASK .. old) end
+  end
+  redis.call('HINCRBY', K_STATS, 'dead_total', 1)
+end
+
+-- Reclaim tasks whose lease expired (their worker died or hung): back to the
+-- head of their stream, or dead as poison after max_deliveries, or cancelled
+-- if a cancel was requested while it ran. Returns the number of reclaimed ids.
+local function reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
+  local ids = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, limit)
+  if #ids == 0 then return 0 end
+  local requeued, dead, cancelled = {}, {}, {}
+  for _, id in ipairs(ids) do
+    redis.call('ZREM', K_LEASES, id)
+    local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream', 'deliveries', 'cancel')
+    local s = f[2]
+    if f[1] == 'running' then
+      if f[4] then
+        finish(id, 'cancelled', now, ttl)
+        redis.call('HINCRBY', K_STATS, 'cancelled', 1)
+        if s then release_stream(s) end
+        cancelled[#cancelled + 1] = id
+      elseif tonumber(f[3] or '0') >= max_deliveries then
+        dead_letter(id, now, dead_ttl, dead_max,
+          'PoisonTask: lease expired on each of ' .. f[3] .. ' deliveries')
+        if s then release_stream(s) end
+        dead[#dead + 1] = id
+      else
+        requeue_head(id, s)
+        requeued[#requeued + 1] = id
+      end
+    end
+  end
+  if #requeued > 0 then
+    redis.call('HINCRBY', K_STATS, 'redelivered', #requeued)
+    event('restarted', now, {ids = requeued})
+  end
+  if #dead > 0 then event('dead', now, {ids = dead}) end
+  if #cancelled > 0 then event('cancelled', now, {ids = cancelled}) end
+  return #ids
+end
+
+-- Move retries that are due back to the head of their stream.
+local function promote_due(now, limit)
+  local ids = redis.call('ZRANGEBYSCORE', K_DELAYED, '-inf', now, 'LIMIT', 0, limit)
+  for _, id in ipairs(ids) do
+    redis.call('ZREM', K_DELAYED, id)
+    local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream')
+    if f[1] == 'delayed' then requeue_head(id, f[2]) end
+  end
+  return #ids
+end
+
+-- Milliseconds until the earliest lease deadline or retry is due; -1 if none.
+local function next_timer(now)
+  local nxt = -1
+  for _, key in ipairs({K_LEASES, K_DELAYED}) do
+    local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    if first[2] then
+      local d = math.max(0, tonumber(first[2]) - now)
+      if nxt < 0 or d < nxt then nxt = d end
+    end
+  end
+  return nxt
+end

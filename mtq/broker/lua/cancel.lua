@@ -1,0 +1,34 @@
+--[[ cancel.lua -- cancel one task.
+KEYS: the standard twelve (see _lib.lua).
+ARGV[1] events channel   ARGV[2] completion channel prefix
+ARGV[3] task id   ARGV[4] retention s
+Returns: {1, previous status} cancelled now (it was queued or waiting for a retry;
+  a queued id stays in its list as a tombstone that claim skips, so cancelling is
+  O(1) and the tasks behind it are not held up);
+  {2, 'running'} a running task: a cancel is requested, its worker learns it on
+  its next heartbeat (extend) and stops it;
+  {E_NOT_FOUND, ''} no such task (never existed, or its retention ran out);
+  {E_FINISHED, status} already in a terminal state; nothing changed.
+]]
+--@include _lib.lua
+local id, ttl = ARGV[3], tonumber(ARGV[4])
+local now = now_ms()
+local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream')
+local status, s = f[1], f[2]
+if not status then return {E_NOT_FOUND, ''} end
+if status == 'queued' then
+  redis.call('HINCRBY', K_STATS, 'waiting', -1)
+elseif status == 'delayed' then
+  redis.call('ZREM', K_DELAYED, id)
+  if s and release_stream(s) == 1 then nudge() end
+elseif status == 'running' then
+  redis.call('HSET', K_TASK .. id, 'cancel', '1')
+  event('cancel_requested', now, {ids = {id}})
+  return {2, status}
+else
+  return {E_FINISHED, status}
+end
+finish(id, 'cancelled', now, ttl)
+redis.call('HINCRBY', K_STATS, 'cancelled', 1)
+event('cancelled', now, {ids = {id}})
+return {1, status}

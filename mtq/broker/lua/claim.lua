@@ -1,0 +1,96 @@
+--[[ claim.lua -- reap, promote due retries, then claim up to B tasks.
+KEYS: the standard twelve (see _lib.lua).
+ARGV[1] events channel   ARGV[2] completion channel prefix
+ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
+ARGV[6] max deliveries   ARGV[7] wake cap   ARGV[8] reap/promote limit per call
+ARGV[9] retention s   ARGV[10] dead-letter retention s   ARGV[11] dead-letter max length
+Returns: {next_timer_ms, reaped, then 7 entries per claimed task:
+  id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default)}
+  next_timer_ms is the time until the earliest lease deadline or due retry (-1: none);
+  a worker that claimed nothing blocks on the wake list for at most that long.
+Order: streams are taken round robin from the ring, one task each (the head of
+the stream, which becomes busy); the stream-less marker gives one task per turn;
+capacity left after the ring is empty is filled from the stream-less list.
+A task whose deadline has passed is marked expired and skipped, never run.
+]]
+--@include _lib.lua
+local worker, B, lease = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_deliveries, cap, limit = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local ttl, dead_ttl, dead_max = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local now = now_ms()
+local reaped = reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
+promote_due(now, limit)
+
+local out = {0, reaped}
+local n, taken, base = 0, 0, 0
+local until_ms = now + lease
+local claimed, expired = {}, {}
+if B > 0 then base = redis.call('INCRBY', K_SEQ, B) - B end
+
+-- Claim one popped id. Returns true if it now runs; false for a tombstone or an expired task.
+local function take(id, s)
+  local tk = K_TASK .. id
+  local f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries')
+  if f[1] ~= 'queued' then return false end
+  taken = taken + 1
+  if f[3] and tonumber(f[3]) < now then
+    finish(id, 'expired', now, ttl)
+    expired[#expired + 1] = id
+    return false
+  end
+  n = n + 1
+  local token = tostring(base + n)
+  local deliveries = tonumber(f[4] or '0') + 1
+  redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
+    'started', now, 'deliveries', deliveries)
+  redis.call('ZADD', K_LEASES, until_ms, id)
+  local o = #out
+  out[o + 1] = id; out[o + 2] = token; out[o + 3] = f[2]; out[o + 4] = s or ''
+  out[o + 5] = f[5] or '0'; out[o + 6] = deliveries; out[o + 7] = f[6] or ''
+  claimed[#claimed + 1] = id
+  return true
+end
+
+local marker_popped = false
+while n < B do
+  local s = redis.call('LPOP', K_READY)
+  if not s then break end
+  if s == FREE then
+    marker_popped = true
+    redis.call('HSET', K_STATS, 'free_marked', '0')
+    while true do
+      local id = redis.call('LPOP', K_FREE)
+      if not id or take(id, false) then break end
+    end
+  elseif redis.call('SISMEMBER', K_BUSY, s) == 0 then
+    local sk, popped = K_STREAM .. s, false
+    while true do
+      local id = redis.call('LPOP', sk)
+      if not id then break end
+      popped = true
+      if take(id, s) then
+        redis.call('SADD', K_BUSY, s)
+        break
+      end
+    end
+    if popped and redis.call('LLEN', sk) == 0 then redis.call('HINCRBY', K_STATS, 'streams', -1) end
+  end
+end
+if n < B then
+  local ids = redis.call('LPOP', K_FREE, B - n)
+  if ids then
+    for _, id in ipairs(ids) do take(id, false) end
+  end
+end
+if redis.call('LLEN', K_FREE) > 0 then free_mark() end
+if taken > 0 then redis.call('HINCRBY', K_STATS, 'waiting', -taken) end
+if #expired > 0 then
+  redis.call('HINCRBY', K_STATS, 'expired', #expired)
+  event('expired', now, {ids = expired})
+end
+if n > 0 then event('started', now, {ids = claimed, worker = worker}) end
+-- Work left over: wake one more worker to help (it will chain on if still more).
+-- No work left: drop stale markers so sleepers do not wake for nothing.
+if redis.call('LLEN', K_READY) > 0 then nudge() else redis.call('DEL', K_WAKE) end
+out[1] = next_timer(now)
+return out

@@ -1,0 +1,77 @@
+--[[ nack.lua -- settle tasks that did not succeed, fenced by lease token.
+KEYS: the standard twelve (see _lib.lua).
+ARGV[1] events channel   ARGV[2] completion channel prefix
+ARGV[3] retention s   ARGV[4] dead-letter retention s   ARGV[5] dead-letter max length
+ARGV[6] n, then n groups of 4: id, lease token, action, delay ms / error
+  action 'retry'   : attempts+1, status 'delayed', due after the delay; its stream
+                     stays busy, so the retry runs before anything behind it.
+                     The 4th field is "<delay ms>|<error>".
+  action 'fail'    : attempts+1, terminal 'failed' with the error.
+  action 'dead'    : attempts+1, terminal 'dead', id pushed on the dead-letter list.
+  action 'cancel'  : terminal 'cancelled' (the worker stopped it on request).
+  action 'release' : give the task back unrun: head of its stream, delivery not counted.
+  A task with a pending cancel request is cancelled instead of retried or released.
+Returns: one code per task: 1 = done; E_LEASE_LOST (not running under this token,
+  nothing changed); E_BAD_ARGUMENT (unknown action, nothing changed).
+]]
+--@include _lib.lua
+local ttl, dead_ttl, dead_max, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local now = now_ms()
+local codes, woken = {}, 0
+local by = {retried = {}, failed = {}, dead = {}, cancelled = {}, released = {}}
+for i = 0, n - 1 do
+  local b = 7 + i * 4
+  local id, token, action, arg = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
+  local tk = K_TASK .. id
+  local f = redis.call('HMGET', tk, 'status', 'token', 'stream', 'cancel', 'deliveries')
+  local s = f[3]
+  if f[1] ~= 'running' or f[2] ~= token then
+    codes[i + 1] = E_LEASE_LOST
+  elseif action ~= 'retry' and action ~= 'fail' and action ~= 'dead'
+      and action ~= 'cancel' and action ~= 'release' then
+    codes[i + 1] = E_BAD_ARGUMENT
+  else
+    redis.call('ZREM', K_LEASES, id)
+    if f[4] and (action == 'retry' or action == 'release') then action = 'cancel' end
+    if action == 'retry' then
+      local sep = string.find(arg, '|', 1, true)
+      local delay = tonumber(string.sub(arg, 1, sep - 1))
+      redis.call('HSET', tk, 'status', 'delayed', 'error', string.sub(arg, sep + 1))
+      redis.call('HINCRBY', tk, 'attempts', 1)
+      redis.call('HDEL', tk, 'token')
+      redis.call('ZADD', K_DELAYED, now + delay, id)
+      by.retried[#by.retried + 1] = id
+    elseif action == 'release' then
+      redis.call('HSET', tk, 'deliveries', math.max(0, tonumber(f[5] or '1') - 1))
+      redis.call('HDEL', tk, 'token')
+      requeue_head(id, s)
+      woken = woken + 1
+      by.released[#by.released + 1] = id
+    else
+      if action == 'cancel' then
+        finish(id, 'cancelled', now, ttl)
+        by.cancelled[#by.cancelled + 1] = id
+      else
+        redis.call('HINCRBY', tk, 'attempts', 1)
+        if action == 'fail' then
+          finish(id, 'failed', now, ttl, 'error', arg)
+          by.failed[#by.failed + 1] = id
+        else
+          dead_letter(id, now, dead_ttl, dead_max, arg)
+          by.dead[#by.dead + 1] = id
+        end
+      end
+      if s then woken = woken + release_stream(s) end
+    end
+    codes[i + 1] = 1
+  end
+end
+for name, ids in pairs(by) do
+  if #ids > 0 then
+    if name ~= 'released' and name ~= 'dead' then redis.call('HINCRBY', K_STATS, name, #ids) end
+    event(name, now, {ids = ids})
+  end
+end
+-- A retry becomes due later: wake a sleeper so it re-reads the timers.
+if woken > 0 or #by.retried > 0 then nudge() end
+return codes

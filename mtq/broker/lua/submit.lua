@@ -1,0 +1,61 @@
+--[[ submit.lua -- enqueue one or many tasks in one call.
+KEYS: the standard twelve (see _lib.lua).
+ARGV[1] events channel   ARGV[2] completion channel prefix
+ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
+ARGV[6] n, then n groups of 6: id, payload, stream ('' = none), key ('' = none),
+        ttl_ms (0 = no deadline), retries ('' = the worker's default)
+Returns: a list with one entry per task: its id (for an idempotency hit, the id
+  of the task that already holds the key) or E_DUPLICATE_ID when the id exists.
+  Or {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is written).
+]]
+--@include _lib.lua
+local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local now = now_ms()
+if max_length > 0 then
+  local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
+  if waiting + n > max_length then return {E_QUEUE_FULL, waiting} end
+end
+local out, added, newly, new_streams = {}, 0, 0, 0
+for i = 0, n - 1 do
+  local b = 7 + i * 6
+  local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
+  local tk = K_TASK .. id
+  local existing = false
+  if key ~= '' then existing = redis.call('GET', K_IDEM .. key) end
+  if existing then
+    out[i + 1] = existing
+  elseif redis.call('EXISTS', tk) == 1 then
+    out[i + 1] = E_DUPLICATE_ID
+  else
+    local f = {'payload', payload, 'status', 'queued', 'created', now}
+    if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
+    if key ~= '' then
+      f[#f + 1] = 'key'; f[#f + 1] = key
+      redis.call('SET', K_IDEM .. key, id, 'EX', window)
+    end
+    if ttl ~= '0' then f[#f + 1] = 'deadline'; f[#f + 1] = now + tonumber(ttl) end
+    if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
+    redis.call('HSET', tk, unpack(f))
+    if s ~= '' then
+      if redis.call('RPUSH', K_STREAM .. s, id) == 1 then
+        new_streams = new_streams + 1
+        if redis.call('SISMEMBER', K_BUSY, s) == 0 then
+          redis.call('RPUSH', K_READY, s)
+          newly = newly + 1
+        end
+      end
+    elseif redis.call('RPUSH', K_FREE, id) == 1 then
+      newly = newly + free_mark()
+    end
+    added = added + 1
+    out[i + 1] = id
+  end
+end
+if added > 0 then
+  redis.call('HINCRBY', K_STATS, 'waiting', added)
+  redis.call('HINCRBY', K_STATS, 'submitted', added)
+  if new_streams > 0 then redis.call('HINCRBY', K_STATS, 'streams', new_streams) end
+  wake(newly, cap)
+  event('queued', now, {n = added})
+end
+return out

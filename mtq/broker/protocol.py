@@ -1,0 +1,210 @@
+"""The queue protocol: one method per Lua script, with typed arguments and replies.
+
+A :class:`Broker` is bound to one queue and one Redis client. Each operation has
+a ``*_call`` form that returns a :class:`~mtq.broker.scripts.Call`, so callers on
+hot paths can pipeline several operations in one round trip (a worker acks its
+last batch and claims the next one together), and a plain form that runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from mtq.broker import scripts
+from mtq.broker.codes import Code
+from mtq.broker.keys import QUEUES, QueueKeys
+from mtq.errors import BrokerError
+from mtq.settings import QueueSettings
+
+#: nack actions understood by nack.lua
+RETRY, FAIL, DEAD, CANCEL, RELEASE = "retry", "fail", "dead", "cancel", "release"
+
+TERMINAL = frozenset({"succeeded", "failed", "dead", "cancelled", "expired"})
+
+
+@dataclass(frozen=True, slots=True)
+class NewTask:
+    """One task to submit, already encoded and validated."""
+
+    id: str
+    payload: bytes
+    stream: str = ""
+    key: str = ""
+    ttl_ms: int = 0
+    retries: int | None = None
+
+
+@dataclass(slots=True)
+class Claimed:
+    """A task a worker holds a lease on."""
+
+    id: str
+    token: str
+    payload: bytes
+    stream: str | None
+    attempts: int
+    deliveries: int
+    retries: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What one claim call returned."""
+
+    tasks: list[Claimed]
+    #: ms until the earliest lease deadline or due retry; -1 if there is none
+    next_timer_ms: int
+    #: expired leases reclaimed by this call
+    reaped: int
+
+
+def _s(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _parse_claim(raw: list[Any]) -> ClaimResult:
+    tasks = []
+    for i in range(2, len(raw), 7):
+        stream = _s(raw[i + 3])
+        retries = _s(raw[i + 6])
+        tasks.append(Claimed(
+            id=_s(raw[i]), token=_s(raw[i + 1]), payload=raw[i + 2],
+            stream=stream or None, attempts=int(raw[i + 4]), deliveries=int(raw[i + 5]),
+            retries=int(retries) if retries else None,
+        ))
+    return ClaimResult(tasks, int(raw[0]), int(raw[1]))
+
+
+def _codes(raw: list[Any]) -> list[int]:
+    return [int(c) for c in raw]
+
+
+class Broker:
+    """Protocol operations of one queue over one Redis client (thread-safe)."""
+
+    def __init__(self, client: redis.Redis, queue: str, settings: QueueSettings) -> None:
+        self.redis = client
+        self.queue = queue
+        self.keys = QueueKeys(queue)
+        self.settings = settings
+        self._head = [self.keys.events, self.keys.done_prefix]
+
+    def run(self, *calls: scripts.Call) -> list[Any]:
+        """Run several calls in one round trip."""
+        return scripts.run(self.redis, *calls)
+
+    def _call(self, name: str, args: Sequence[Any], parse: Any) -> scripts.Call:
+        return scripts.Call(scripts.script(name), self.keys.script_keys, [*self._head, *args], parse)
+
+    # -- producers -------------------------------------------------------------
+    def submit_call(self, tasks: Sequence[NewTask]) -> scripts.Call:
+        s = self.settings
+        args: list[Any] = [s.max_length, s.wake_cap, s.idempotency_window_s, len(tasks)]
+        for t in tasks:
+            args += [t.id, t.payload, t.stream, t.key, t.ttl_ms,
+                     "" if t.retries is None else t.retries]
+        return self._call("submit", args, lambda raw: [
+            int(r) if isinstance(r, int) else _s(r) for r in raw])
+
+    def submit(self, tasks: Sequence[NewTask]) -> list[str | int]:
+        """Submit tasks in one round trip. Returns ids (or negative codes per task);
+        ``[Code.QUEUE_FULL, waiting]`` if they do not fit."""
+        return self.run(self.submit_call(tasks))[0]  # type: ignore[no-any-return]
+
+    def register(self) -> None:
+        """Record the queue name in the global registry (read by mtq status)."""
+        try:
+            self.redis.sadd(QUEUES, self.queue)
+        except redis.exceptions.RedisError as exc:
+            raise BrokerError(f"cannot reach Redis: {exc}") from exc
+
+    def cancel(self, task_id: str) -> tuple[int, str]:
+        """Cancel one task; returns (code, previous status). See cancel.lua."""
+        raw = self.run(self._call("cancel", [task_id, self.settings.retention_s],
+                                  lambda r: (int(r[0]), _s(r[1]))))
+        return raw[0]  # type: ignore[no-any-return]
+
+    # -- consumers -------------------------------------------------------------
+    def claim_call(self, worker: str, batch: int, lease_ms: int | None = None) -> scripts.Call:
+        s = self.settings
+        args = [worker, batch, s.lease_ms if lease_ms is None else lease_ms, s.max_deliveries,
+                s.wake_cap, s.reap_limit, s.retention_s, s.dead_retention_s, s.dead_max]
+        return self._call("claim", args, _parse_claim)
+
+    def claim(self, worker: str, batch: int, lease_ms: int | None = None) -> ClaimResult:
+        """Claim up to ``batch`` tasks (after reaping and promoting due retries)."""
+        return self.run(self.claim_call(worker, batch, lease_ms))[0]  # type: ignore[no-any-return]
+
+    def ack_call(self, results: Sequence[tuple[str, str, bytes]]) -> scripts.Call:
+        args: list[Any] = [self.settings.retention_s, len(results)]
+        for task_id, token, result in results:
+            args += [task_id, token, result]
+        return self._call("ack", args, _codes)
+
+    def ack(self, results: Sequence[tuple[str, str, bytes]]) -> list[int]:
+        """Record (id, token, encoded result) triples; one code per task."""
+        return self.run(self.ack_call(results))[0]  # type: ignore[no-any-return]
+
+    def nack_call(self, items: Sequence[tuple[str, str, str, str]]) -> scripts.Call:
+        s = self.settings
+        args: list[Any] = [s.retention_s, s.dead_retention_s, s.dead_max, len(items)]
+        for item in items:
+            args += item
+        return self._call("nack", args, _codes)
+
+    def nack(self, items: Sequence[tuple[str, str, str, str]]) -> list[int]:
+        """Settle (id, token, action, argument) tuples; see nack.lua."""
+        return self.run(self.nack_call(items))[0]  # type: ignore[no-any-return]
+
+    def extend_call(self, leases: Sequence[tuple[str, str]], lease_ms: int | None = None
+                    ) -> scripts.Call:
+        args: list[Any] = [self.settings.lease_ms if lease_ms is None else lease_ms, len(leases)]
+        for task_id, token in leases:
+            args += [task_id, token]
+        return self._call("extend", args, _codes)
+
+    def extend(self, leases: Sequence[tuple[str, str]], lease_ms: int | None = None) -> list[int]:
+        """Extend leases of (id, token) pairs; 1 ok, 2 ok + cancel requested, LEASE_LOST."""
+        return self.run(self.extend_call(leases, lease_ms))[0]  # type: ignore[no-any-return]
+
+    def reap(self) -> tuple[int, int, int]:
+        """Reclaim expired leases and promote due retries: (reaped, promoted, next timer ms)."""
+        s = self.settings
+        args = [s.max_deliveries, s.reap_limit, s.retention_s, s.dead_retention_s,
+                s.dead_max, s.wake_cap]
+        raw = self.run(self._call("reap", args, lambda r: tuple(int(x) for x in r)))
+        return raw[0]  # type: ignore[no-any-return]
+
+    def wait_for_work(self, timeout_s: float) -> bool:
+        """Block until a submit wakes this worker or ``timeout_s`` passes (BLPOP)."""
+        try:
+            return self.redis.blpop([self.keys.wake], timeout=max(timeout_s, 0.001)) is not None
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            raise BrokerError(f"cannot reach Redis while waiting for work: {exc}") from exc
+
+    # -- inspection ------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        """O(1) counters of the queue (one round trip, cost independent of its size)."""
+        k = self.keys
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hgetall(k.stats).zcard(k.leases).zcard(k.delayed).llen(k.dead)
+            pipe.scard(k.busy)
+            counters, running, delayed, dead, busy = pipe.execute()
+        except redis.exceptions.RedisError as exc:
+            raise BrokerError(f"cannot reach Redis: {exc}") from exc
+        out = {_s(name): int(value) for name, value in counters.items()}
+        out.pop("free_marked", None)
+        names = ("waiting", "streams", "submitted", "succeeded", "failed", "dead_total",
+                 "cancelled", "expired", "retried", "redelivered")
+        result = {name: out.get(name, 0) for name in names}
+        result.update(running=running, delayed=delayed, dead=dead, busy_streams=busy)
+        return result
+
+
+__all__ = ["Broker", "Claimed", "ClaimResult", "NewTask", "Code", "TERMINAL",
+           "RETRY", "FAIL", "DEAD", "CANCEL", "RELEASE"]

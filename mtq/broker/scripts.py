@@ -1,0 +1,118 @@
+"""Loading the Lua scripts and running them with EVALSHA, alone or pipelined.
+
+Scripts live in ``lua/``, one file per operation; a line ``--@include NAME``
+pastes a shared file in. Each script is sent to Redis with SCRIPT LOAD only when
+Redis answers NOSCRIPT (first use, or after a restart), so a call costs exactly
+one round trip, and a pipeline of calls costs one round trip in all (redis-py's
+own pipelined scripts add a SCRIPT EXISTS round trip to every execute).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from typing import Any
+
+import redis
+from redis.exceptions import NoScriptError
+
+from mtq.errors import BrokerError
+
+NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap")
+
+
+@dataclass(frozen=True)
+class LuaScript:
+    """One operation's source and SHA1."""
+
+    name: str
+    source: str
+    sha: str
+
+
+def _read(name: str) -> str:
+    return resources.files("mtq.broker").joinpath("lua").joinpath(name).read_text(encoding="utf-8")
+
+
+def _expand(name: str) -> str:
+    lines = []
+    for line in _read(name).splitlines():
+        if line.startswith("--@include "):
+            lines.append(_read(line.split(None, 1)[1].strip()))
+        else:
+            lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+@cache
+def script(name: str) -> LuaScript:
+    """The script named ``name`` (cached; read from the package once)."""
+    if name not in NAMES:
+        raise KeyError(f"no Lua script named {name!r}")
+    source = _expand(name + ".lua")
+    return LuaScript(name, source, hashlib.sha1(source.encode()).hexdigest())
+
+
+@dataclass(frozen=True)
+class Call:
+    """A script invocation plus the function that turns its raw reply into a value."""
+
+    script: LuaScript
+    keys: Sequence[str]
+    args: Sequence[Any]
+    parse: Callable[[Any], Any]
+
+
+def load_all(client: redis.Redis) -> None:
+    """SCRIPT LOAD every script in one round trip (after a NOSCRIPT reply)."""
+    pipe = client.pipeline(transaction=False)
+    for name in NAMES:
+        pipe.script_load(script(name).source)
+    pipe.execute()
+
+
+def run(client: redis.Redis, *calls: Call) -> list[Any]:
+    """Run ``calls`` in one round trip (a non-transactional pipeline if several).
+
+    Scripts Redis does not know yet are loaded and only those calls re-run: a
+    NOSCRIPT reply means the script did not execute at all, so re-running it is safe.
+    """
+    try:
+        if len(calls) == 1:
+            c = calls[0]
+            try:
+                raw = client.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+            except NoScriptError:
+                load_all(client)
+                raw = client.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+            return [c.parse(raw)]
+        pipe = client.pipeline(transaction=False)
+        for c in calls:
+            pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+        raws = pipe.execute(raise_on_error=False)
+        missing = [i for i, r in enumerate(raws) if isinstance(r, NoScriptError)]
+        if missing:
+            # Each script is atomic and order-independent for correctness (the busy
+            # set, not call order, keeps streams ordered); re-running only the
+            # missing calls may just leave a claim emptier than it could have been.
+            load_all(client)
+            pipe = client.pipeline(transaction=False)
+            for i in missing:
+                c = calls[i]
+                pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+            for i, r in zip(missing, pipe.execute(raise_on_error=False)):
+                raws[i] = r
+        for r in raws:
+            if isinstance(r, Exception):
+                raise r
+        return [c.parse(r) for c, r in zip(calls, raws)]
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        raise BrokerError(
+            f"cannot reach Redis ({exc}); check MTQ_REDIS_URL or start the embedded "
+            "server with 'mtq server start'"
+        ) from exc
+    except redis.exceptions.ResponseError as exc:
+        raise BrokerError(f"Redis rejected an mtq script: {exc}") from exc

@@ -1,0 +1,269 @@
+"""The producer side: :class:`Queue`, :class:`Task` and :class:`Request`."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from mtq import serialization
+from mtq.broker.codes import Code
+from mtq.broker.connection import connect
+from mtq.broker.protocol import TERMINAL, Broker, NewTask
+from mtq.errors import (
+    BrokerError, DuplicateTask, PayloadTooLarge, QueueFull, ResultTimeout, TaskCancelled,
+    TaskFailed, TaskNotFound,
+)
+from mtq.settings import QueueSettings
+from mtq.validation import check_queue_name, check_stream_name, check_task_id
+
+#: most tasks sent in one submit script call (keeps each call's Redis time short)
+SUBMIT_CHUNK = 1000
+
+
+def new_task_id() -> str:
+    """A random 96-bit id, 16 URL-safe characters."""
+    return secrets.token_urlsafe(12)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One item for :meth:`Queue.submit_many` with options of its own."""
+
+    payload: Any
+    stream: str | None = None
+    key: str | None = None
+    ttl: float | None = None
+    retries: int | None = None
+    id: str | None = None
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """A snapshot of a task's stored state. Times are Redis server ms since the epoch."""
+
+    id: str
+    status: str
+    stream: str | None
+    attempts: int
+    deliveries: int
+    created: int | None
+    started: int | None
+    finished: int | None
+    deadline: int | None
+    worker: str | None
+    error: str | None
+    cancel_requested: bool
+
+
+def _s(value: bytes | None) -> str | None:
+    return None if value is None else value.decode()
+
+
+def _i(value: bytes | None) -> int | None:
+    return None if value is None else int(value)
+
+
+class Task:
+    """A handle on one submitted task. Cheap to create from an id (:meth:`Queue.task`)."""
+
+    __slots__ = ("id", "queue")
+
+    def __init__(self, queue: Queue, task_id: str) -> None:
+        self.queue = queue
+        self.id = task_id
+
+    def __repr__(self) -> str:
+        return f"<Task {self.queue.name}/{self.id}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Task) and (other.queue.name, other.id) == (self.queue.name, self.id)
+
+    def __hash__(self) -> int:
+        return hash((self.queue.name, self.id))
+
+    def _hmget(self, *names: str) -> list[bytes | None]:
+        try:
+            return self.queue.redis.hmget(self.queue.broker.keys.task(self.id), names)  # type: ignore[no-any-return]
+        except redis.exceptions.RedisError as exc:
+            raise BrokerError(f"cannot reach Redis: {exc}") from exc
+
+    def status(self) -> str:
+        """The task's state: queued, running, delayed, succeeded, failed, dead,
+        cancelled or expired. Raises TaskNotFound."""
+        (status,) = self._hmget("status")
+        if status is None:
+            raise TaskNotFound(f"no task {self.id} in queue {self.queue.name!r} "
+                               "(wrong id or queue, or its retention time ran out)")
+        return status.decode()
+
+    def info(self) -> TaskInfo:
+        """Everything stored about the task except payload and result. Raises TaskNotFound."""
+        names = ("status", "stream", "attempts", "deliveries", "created", "started",
+                 "finished", "deadline", "worker", "error", "cancel")
+        v = dict(zip(names, self._hmget(*names)))
+        if v["status"] is None:
+            raise TaskNotFound(f"no task {self.id} in queue {self.queue.name!r}")
+        return TaskInfo(
+            id=self.id, status=v["status"].decode(), stream=_s(v["stream"]),
+            attempts=_i(v["attempts"]) or 0, deliveries=_i(v["deliveries"]) or 0,
+            created=_i(v["created"]), started=_i(v["started"]), finished=_i(v["finished"]),
+            deadline=_i(v["deadline"]), worker=_s(v["worker"]), error=_s(v["error"]),
+            cancel_requested=v["cancel"] is not None,
+        )
+
+    def _outcome(self, status: bytes | None, result: bytes | None, error: bytes | None) -> Any:
+        state = status.decode() if status else None
+        if state == "succeeded":
+            return serialization.loads(result) if result is not None else None
+        if state == "cancelled":
+            raise TaskCancelled(self.id, state, _s(error))
+        raise TaskFailed(self.id, state or "unknown", _s(error))
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for the task to finish and return its result.
+
+        Waits on the task's completion channel (no polling), after checking the
+        stored state so a completion that happened first is not missed.
+        Raises TaskFailed (failed, dead, expired), TaskCancelled, ResultTimeout,
+        TaskNotFound.
+        """
+        done_channel = self.queue.broker.keys.done(self.id)
+        pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(done_channel)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                status, result, error = self._hmget("status", "result", "error")
+                if status is None:
+                    raise TaskNotFound(f"no task {self.id} in queue {self.queue.name!r}")
+                if status.decode() in TERMINAL:
+                    return self._outcome(status, result, error)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise ResultTimeout(self.id, timeout or 0.0, status.decode())
+                # One message on this channel means the task reached a terminal state;
+                # the stored state is re-read at least every 5 s in case a message was
+                # lost to a reconnect.
+                wait = 5.0 if remaining is None else min(remaining, 5.0)
+                pubsub.get_message(timeout=wait)
+        except redis.exceptions.RedisError as exc:
+            raise BrokerError(f"cannot reach Redis while waiting for {self.id}: {exc}") from exc
+        finally:
+            pubsub.close()
+
+    def cancel(self) -> bool:
+        """Cancel the task. Returns True if it is cancelled now (it was waiting),
+        False if it is running and its worker has been asked to stop it.
+        Raises TaskNotFound, or TaskFailed-free: a finished task returns False."""
+        code, _status = self.queue.broker.cancel(self.id)
+        if code == Code.NOT_FOUND:
+            raise TaskNotFound(f"no task {self.id} in queue {self.queue.name!r}")
+        return code == 1
+
+
+class Queue:
+    """A named queue: submit tasks, look them up, read its counters.
+
+    ``url`` defaults to ``MTQ_REDIS_URL``, else the embedded server. Settings may
+    be given as a :class:`QueueSettings` or as keyword overrides
+    (``Queue("embed", max_length=10_000)``); unknown names raise ConfigError.
+    """
+
+    def __init__(self, name: str, url: str | None = None, *,
+                 settings: QueueSettings | None = None, client: redis.Redis | None = None,
+                 **overrides: Any) -> None:
+        self.name = check_queue_name(name)
+        base = settings or QueueSettings()
+        self.settings = base.replace(**overrides) if overrides else base
+        self.redis = client if client is not None else connect(url)
+        self.broker = Broker(self.redis, self.name, self.settings)
+        self._registered = False
+
+    def __repr__(self) -> str:
+        return f"<Queue {self.name}>"
+
+    def _new(self, payload: Any, stream: str | None, key: str | None, ttl: float | None,
+             retries: int | None, task_id: str | None) -> NewTask:
+        data = serialization.dumps(payload)
+        if len(data) > self.settings.max_payload_bytes:
+            raise PayloadTooLarge(
+                f"payload is {len(data)} bytes encoded, over this queue's max_payload_bytes "
+                f"({self.settings.max_payload_bytes}); send a reference (a URL or a key) "
+                "instead, or raise max_payload_bytes"
+            )
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        if retries is not None and (not isinstance(retries, int) or retries < 0):
+            raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+        return NewTask(
+            id=check_task_id(task_id) if task_id is not None else new_task_id(),
+            payload=data,
+            stream=check_stream_name(stream) if stream is not None else "",
+            key=check_stream_name(key, "idempotency key") if key is not None else "",
+            ttl_ms=max(1, int(ttl * 1000)) if ttl is not None else 0,
+            retries=retries,
+        )
+
+    def _send(self, tasks: list[NewTask]) -> list[Task]:
+        if not self._registered:
+            self.broker.register()
+            self._registered = True
+        out: list[Task] = []
+        for start in range(0, len(tasks), SUBMIT_CHUNK):
+            chunk = tasks[start:start + SUBMIT_CHUNK]
+            reply = self.broker.submit(chunk)
+            if reply and reply[0] == Code.QUEUE_FULL:  # only ever [QUEUE_FULL, waiting]
+                raise QueueFull(self.name, int(reply[1]), self.settings.max_length, len(chunk))
+            for item, value in zip(chunk, reply):
+                if value == Code.DUPLICATE_ID:
+                    raise DuplicateTask(f"a task with id {item.id!r} already exists in queue "
+                                        f"{self.name!r}; use a new id or Queue.task(id)")
+                out.append(Task(self, str(value)))
+        return out
+
+    def submit(self, payload: Any, *, stream: str | None = None, key: str | None = None,
+               ttl: float | None = None, retries: int | None = None,
+               id: str | None = None) -> Task:
+        """Submit one task (one round trip) and return its handle.
+
+        ``stream``: tasks of one stream run one at a time in submit order.
+        ``key``: idempotency key; within the window, the same key returns the same task.
+        ``ttl``: seconds after which the task, if not started, ends expired unrun.
+        ``retries``: retries after a handler error (default: the queue's max_retries).
+        Raises InvalidName, PayloadTooLarge, EncodeError, QueueFull, DuplicateTask,
+        BrokerError.
+        """
+        return self._send([self._new(payload, stream, key, ttl, retries, id)])[0]
+
+    def submit_many(self, items: Iterable[Any], *, stream: str | None = None,
+                    ttl: float | None = None, retries: int | None = None) -> list[Task]:
+        """Submit many tasks, up to 1 000 per round trip, and return their handles.
+
+        Items are payloads, or :class:`Request` objects for per-task options
+        (their fields override the keyword defaults). Every item is validated and
+        encoded before anything is sent; with max_length set, each chunk of up to
+        1 000 is admitted whole or refused whole (QueueFull).
+        """
+        tasks = []
+        for item in items:
+            if isinstance(item, Request):
+                tasks.append(self._new(
+                    item.payload, item.stream if item.stream is not None else stream, item.key,
+                    item.ttl if item.ttl is not None else ttl,
+                    item.retries if item.retries is not None else retries, item.id))
+            else:
+                tasks.append(self._new(item, stream, None, ttl, retries, None))
+        return self._send(tasks) if tasks else []
+
+    def task(self, task_id: str) -> Task:
+        """A handle on an existing task by id (not checked until used)."""
+        return Task(self, check_task_id(task_id))
+
+    def stats(self) -> dict[str, int]:
+        """O(1) counters: waiting, running, delayed, dead, streams, totals."""
+        return self.broker.stats()

@@ -1,0 +1,147 @@
+"""mtq's exceptions, one tree.
+
+::
+
+    MtqError
+    ├── ConfigError                 a setting is unknown or out of range
+    ├── BrokerError                 Redis is unreachable or answered unexpectedly
+    │   └── ServerNotFound          no redis-server binary for the embedded default
+    ├── InvalidName                 a queue or stream name that is not allowed
+    ├── PayloadError                a payload or result that cannot be stored
+    │   ├── PayloadTooLarge         bigger than the queue's max_payload_bytes
+    │   └── EncodeError             not msgpack-encodable (and never pickled)
+    ├── QueueFull                   the queue holds max_length waiting tasks
+    ├── DuplicateTask               a task with this id already exists
+    ├── TaskNotFound                no such task (or its retention ran out)
+    ├── TaskFailed                  the task ended failed, dead or expired
+    │   └── TaskCancelled           the task was cancelled
+    ├── ResultTimeout               the task did not finish in time (also a TimeoutError)
+    ├── LeaseLost                   a worker's lease on a task expired; another owns it
+    └── TargetError                 a worker target (``module:attr``) cannot be loaded
+
+Every message says what was wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "MtqError",
+    "ConfigError",
+    "BrokerError",
+    "ServerNotFound",
+    "InvalidName",
+    "PayloadError",
+    "PayloadTooLarge",
+    "EncodeError",
+    "QueueFull",
+    "DuplicateTask",
+    "TaskNotFound",
+    "TaskFailed",
+    "TaskCancelled",
+    "ResultTimeout",
+    "LeaseLost",
+    "TargetError",
+]
+
+
+class MtqError(Exception):
+    """Root of every error mtq raises on purpose."""
+
+
+class ConfigError(MtqError, ValueError):
+    """A setting is unknown, misspelled or out of range."""
+
+
+class BrokerError(MtqError):
+    """Redis could not be reached or answered something mtq did not expect."""
+
+
+class ServerNotFound(BrokerError):
+    """No ``redis-server`` binary was found for the embedded server."""
+
+
+class InvalidName(MtqError, ValueError):
+    """A queue or stream name that mtq does not accept."""
+
+
+class PayloadError(MtqError, ValueError):
+    """A payload or result that cannot be stored."""
+
+
+class PayloadTooLarge(PayloadError):
+    """The encoded payload is bigger than the queue allows."""
+
+
+class EncodeError(PayloadError, TypeError):
+    """The value is not msgpack-encodable (mtq never falls back to pickle)."""
+
+
+class QueueFull(MtqError):
+    """The queue already holds its maximum number of waiting tasks."""
+
+    def __init__(self, queue: str, waiting: int, max_length: int, adding: int = 1) -> None:
+        self.queue, self.waiting, self.max_length = queue, waiting, max_length
+        super().__init__(
+            f"queue {queue!r} is full: {waiting} tasks wait and max_length is {max_length}, "
+            f"so {adding} more do not fit; retry later, add workers, or raise max_length"
+        )
+
+
+class DuplicateTask(MtqError):
+    """A task with the given id already exists in the queue."""
+
+
+class TaskNotFound(MtqError, LookupError):
+    """No such task: it never existed or its retention time ran out."""
+
+
+class TaskFailed(MtqError):
+    """The task ended in a state other than succeeded.
+
+    ``status`` is the terminal state (failed, dead, expired, cancelled) and
+    ``error`` the worker's error text, if any.
+    """
+
+    def __init__(self, task_id: str, status: str, error: str | None = None) -> None:
+        self.task_id, self.status, self.error = task_id, status, error
+        detail = f": {error}" if error else ""
+        super().__init__(f"task {task_id} ended {status}{detail}")
+
+
+class TaskCancelled(TaskFailed):
+    """The task was cancelled before it could finish."""
+
+
+class ResultTimeout(MtqError, TimeoutError):
+    """The task did not reach a terminal state within the timeout."""
+
+    def __init__(self, task_id: str, timeout: float, status: str) -> None:
+        self.task_id, self.timeout, self.status = task_id, timeout, status
+        super().__init__(
+            f"task {task_id} did not finish within {timeout:g}s (it is {status}); "
+            "wait longer, or check that a worker serves its queue (mtq status)"
+        )
+
+
+class LeaseLost(MtqError):
+    """This worker's lease on a task expired and the task was reclaimed.
+
+    Its result is discarded: the worker that now owns the task records the outcome.
+    """
+
+    def __init__(self, task_ids: list[str]) -> None:
+        self.task_ids = task_ids
+        super().__init__(
+            f"lease lost on {len(task_ids)} task(s) ({', '.join(task_ids[:5])}...): "
+            "they were reclaimed after their lease expired; raise lease_ms if tasks run long"
+        )
+
+
+class TargetError(MtqError):
+    """A worker target (``package.module:attr``) could not be loaded."""
+
+
+def _plain(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,97 @@
+"""msgpack encoding of payloads and results; never pickle.
+
+Anyone who can write to Redis must not be able to run code on a worker, so only
+data types travel: None, bool, int, float, str, bytes, lists (tuples arrive as
+lists), dicts, and two extension types:
+
+* ``EXT_NDARRAY`` (1): a numpy array, as ``[dtype.str, shape, raw bytes]``;
+* ``EXT_TENSOR`` (2): a torch tensor, as ``[dtype name, shape, raw bytes]``
+  (moved to CPU; any dtype, bfloat16 included).
+
+numpy and torch are imported only when such a value is met, so producers do not
+need them installed.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import msgpack
+
+from mtq.errors import EncodeError, PayloadError
+
+EXT_NDARRAY = 1
+EXT_TENSOR = 2
+
+
+def _default(obj: Any) -> Any:
+    module = type(obj).__module__
+    if module == "numpy":
+        import numpy as np
+
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                raise EncodeError("numpy arrays of dtype=object cannot be encoded")
+            arr = np.ascontiguousarray(obj)
+            data = msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()])
+            return msgpack.ExtType(EXT_NDARRAY, data)
+        if isinstance(obj, np.generic):
+            return obj.item()
+    if module.startswith("torch") and type(obj).__name__ in ("Tensor", "Parameter"):
+        import torch
+
+        t = obj.detach().contiguous().cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        name = str(t.dtype).removeprefix("torch.")
+        data = msgpack.packb([name, list(t.shape), raw])
+        return msgpack.ExtType(EXT_TENSOR, data)
+    raise EncodeError(
+        f"cannot encode a {type(obj).__module__}.{type(obj).__qualname__}: payloads and "
+        "results must be msgpack data (None, bool, int, float, str, bytes, list, dict, "
+        "numpy arrays, torch tensors); convert it first"
+    )
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == EXT_NDARRAY:
+        import numpy as np
+
+        dtype, shape, raw = msgpack.unpackb(data, raw=False)
+        return np.frombuffer(raw, dtype=np.dtype(dtype)).reshape(shape).copy()
+    if code == EXT_TENSOR:
+        import torch
+
+        name, shape, raw = msgpack.unpackb(data, raw=False)
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise PayloadError(f"unknown torch dtype {name!r} in payload")
+        if not raw:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(shape)
+    return msgpack.ExtType(code, data)
+
+
+def dumps(value: Any) -> bytes:
+    """Encode ``value``; raises EncodeError for values msgpack cannot carry."""
+    try:
+        return msgpack.packb(value, default=_default, use_bin_type=True, datetime=False)
+    except EncodeError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise EncodeError(f"cannot encode value: {exc}") from exc
+
+
+def loads(data: bytes) -> Any:
+    """Decode bytes written by :func:`dumps`; raises PayloadError on garbage."""
+    try:
+        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    except PayloadError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise PayloadError(f"cannot decode stored value: {exc}") from exc
+
+
+def torch_loaded() -> bool:
+    """True if torch has been imported in this process (used by tests)."""
+    return "torch" in sys.modules

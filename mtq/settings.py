@@ -1,0 +1,109 @@
+"""Settings: small frozen dataclasses, built explicitly, that reject unknown keys.
+
+Environment variables are read only by the ``from_env`` constructors (called by
+the CLI and by :func:`mtq.broker.connection.connect` when no URL is given), never
+at import time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from mtq.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _build(cls: type[T], values: Mapping[str, Any]) -> T:
+    known = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"unknown {cls.__name__} setting(s) {', '.join(unknown)}; "
+            f"known settings are {', '.join(sorted(known))}"
+        )
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where Redis is. ``url=None`` means the embedded server (see mtq.broker.embedded)."""
+
+    url: str | None = None
+    socket_timeout: float = 30.0
+    connect_timeout: float = 5.0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RedisSettings:
+        """Read ``MTQ_REDIS_URL`` (empty or unset: the embedded server)."""
+        env = os.environ if environ is None else environ
+        return cls(url=env.get("MTQ_REDIS_URL") or None)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> RedisSettings:
+        """Build from a mapping; unknown keys raise ConfigError."""
+        return _build(cls, values)
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """Behaviour of one queue, shared by its producers and its workers.
+
+    Raises ConfigError for unknown keys (``from_dict``) and out-of-range values.
+    """
+
+    #: waiting tasks beyond which submit raises QueueFull (0: unbounded)
+    max_length: int = 0
+    #: largest encoded payload accepted by submit, in bytes
+    max_payload_bytes: int = 8 * 1024 * 1024
+    #: how long a claimed task stays leased without a heartbeat
+    lease_ms: int = 30_000
+    #: a task whose lease expired on this many deliveries is dead (poison)
+    max_deliveries: int = 5
+    #: retries after a handler error, unless the task sets its own
+    max_retries: int = 3
+    #: first retry delay; doubles per attempt, with jitter, up to retry_backoff_max_ms
+    retry_backoff_ms: int = 500
+    retry_backoff_max_ms: int = 60_000
+    #: what happens when retries run out: dead-letter (True) or plain failed (False)
+    dead_letter: bool = True
+    #: how long finished tasks (and their results) are kept
+    retention_s: int = 3600
+    #: how long dead-lettered tasks are kept, and how many at most
+    dead_retention_s: int = 7 * 24 * 3600
+    dead_max: int = 10_000
+    #: how long an idempotency key maps to its task
+    idempotency_window_s: int = 3600
+    #: most wake-up markers kept for sleeping workers
+    wake_cap: int = 64
+    #: most expired leases / due retries handled per claim call
+    reap_limit: int = 100
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ConfigError(f"{f.name} must be an integer, got {value!r}")
+        minimums = {
+            "max_length": 0, "max_payload_bytes": 1, "lease_ms": 1, "max_deliveries": 1,
+            "max_retries": 0, "retry_backoff_ms": 0, "retry_backoff_max_ms": 0,
+            "retention_s": 1, "dead_retention_s": 1, "dead_max": 1,
+            "idempotency_window_s": 1, "wake_cap": 1, "reap_limit": 1,
+        }
+        for name, low in minimums.items():
+            if getattr(self, name) < low:
+                raise ConfigError(f"{name} must be >= {low}, got {getattr(self, name)}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> QueueSettings:
+        """Build from a mapping; unknown keys raise ConfigError."""
+        return _build(cls, values)
+
+    def replace(self, **changes: Any) -> QueueSettings:
+        """A copy with some settings changed; unknown keys raise ConfigError."""
+        _build(QueueSettings, changes) if changes else None
+        return dataclasses.replace(self, **changes)

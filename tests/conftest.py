@@ -1,0 +1,114 @@
+"""Fixtures: a real redis-server on a free port for the session, a fresh queue per test."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from mtq.broker.embedded import find_redis_server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, message: str,
+             interval: float = 0.01) -> Any:
+    """Wait until ``predicate()`` is truthy; fail with ``message`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s: {message}")
+        time.sleep(interval)
+
+
+class RedisServer:
+    """A redis-server process on a free loopback port."""
+
+    def __init__(self, tmp: Path, appendonly: bool = False) -> None:
+        self.binary = find_redis_server()
+        self.port = free_port()
+        self.dir = tmp
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.dir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port)
+
+        def up() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.exceptions.ConnectionError:
+                assert self.proc is not None and self.proc.poll() is None, "redis-server exited"
+                return False
+
+        wait_for(up, 10, f"redis-server on port {self.port} did not accept connections")
+        client.close()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server: RedisServer) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def qname() -> str:
+    """A queue name of its own for each test (tests share one server)."""
+    return "t-" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def subprocess_env(redis_url: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["MTQ_REDIS_URL"] = redis_url
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"),
+                                         env.get("PYTHONPATH", "")])
+    return env
+
+
+PY = sys.executable
