@@ -1,0 +1,17 @@
+.PHONY: install test lint bench demo
+
+install:
+	python -m pip install -e '.[dev]'
+
+test:
+	python -m pytest -q
+
+lint:
+	ruff check mtq tests benchmarks
+	mypy mtq
+
+bench:
+	python benchmarks/broker.py
+
+demo:
+	mtq demo

@@ -1,0 +1,3 @@
+from mtq.cli.main import main
+
+main()
