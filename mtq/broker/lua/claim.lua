@@ -76,11 +76,11 @@ while n < B do
     if popped and redis.call('LLEN', sk) == 0 then redis.call('HINCRBY', K_STATS, 'streams', -1) end
   end
 end
-if n < B then
+-- Tombstones (cancelled, expired) do not count: keep popping until full or empty.
+while n < B do
   local ids = redis.call('LPOP', K_FREE, B - n)
-  if ids then
-    for _, id in ipairs(ids) do take(id, false) end
-  end
+  if not ids then break end
+  for _, id in ipairs(ids) do take(id, false) end
 end
 if redis.call('LLEN', K_FREE) > 0 then free_mark() end
 if taken > 0 then redis.call('HINCRBY', K_STATS, 'waiting', -taken) end

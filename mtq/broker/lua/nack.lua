@@ -10,7 +10,8 @@ ARGV[6] n, then n groups of 4: id, lease token, action, delay ms / error
   action 'dead'    : attempts+1, terminal 'dead', id pushed on the dead-letter list.
   action 'cancel'  : terminal 'cancelled' (the worker stopped it on request).
   action 'release' : give the task back unrun: head of its stream, delivery not counted.
-  A task with a pending cancel request is cancelled instead of retried or released.
+  A task with a pending cancel request ends cancelled whatever the action (the
+  user's intent wins; it does not land in the dead-letter list).
 Returns: one code per task: 1 = done; E_LEASE_LOST (not running under this token,
   nothing changed); E_BAD_ARGUMENT (unknown action, nothing changed).
 ]]
@@ -32,7 +33,7 @@ for i = 0, n - 1 do
     codes[i + 1] = E_BAD_ARGUMENT
   else
     redis.call('ZREM', K_LEASES, id)
-    if f[4] and (action == 'retry' or action == 'release') then action = 'cancel' end
+    if f[4] then action = 'cancel' end  -- a pending cancel request wins over any outcome but success
     if action == 'retry' then
       local sep = string.find(arg, '|', 1, true)
       local delay = tonumber(string.sub(arg, 1, sep - 1))

@@ -1,0 +1,144 @@
+"""Fairness, many consumer processes, and kill -9 of a consumer mid-batch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+import pytest
+import redis
+
+import mtq
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_one_task_streams_finish_in_the_first_round(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url)
+    c = mtq.Consumer(qname, redis_url)
+    q.submit_many([{"big": i} for i in range(10_000)], stream="heavy")
+    small = q.submit_many([mtq.Request({"small": i}, stream=f"light-{i}") for i in range(50)])
+    # One round of claims = one pass over the ring: 51 streams with batch 64.
+    got = c.claim(64)
+    assert len(got) == 51
+    c.settle([mtq.Outcome(t, ok=True) for t in got])
+    assert all(t.status() == "succeeded" for t in small)
+    # With a smaller batch, a round is ceil(51 / 8) = 7 claims.
+    q2 = mtq.Queue(qname + "-b", redis_url)
+    c2 = mtq.Consumer(qname + "-b", redis_url)
+    q2.submit_many([{"big": i} for i in range(10_000)], stream="heavy")
+    small2 = q2.submit_many([mtq.Request({}, stream=f"light-{i}") for i in range(50)])
+    heavy_runs = 0
+    for _ in range(7):
+        got = c2.claim(8)
+        heavy_runs += sum(1 for t in got if t.stream == "heavy")
+        c2.settle([mtq.Outcome(t, ok=True) for t in got])
+    assert all(t.status() == "succeeded" for t in small2)
+    assert heavy_runs <= 7   # the heavy stream got at most one task per claim
+
+
+CONSUMER = r"""
+import os, sys, mtq, redis
+url, queue, log_key = sys.argv[1], sys.argv[2], sys.argv[3]
+r = redis.Redis.from_url(url)
+c = mtq.Consumer(queue, url)
+while True:
+    tasks = c.claim(32)
+    if not tasks:
+        if c.next_timer_ms < 0 and r.llen(log_key.replace(":log", ":stop")):
+            break
+        c.wait(timeout=0.5)
+        continue
+    outcomes = []
+    pipe = r.pipeline(transaction=False)
+    for t in tasks:
+        pipe.rpush(log_key, f"{t.stream}|{t.id}|{os.getpid()}")
+        outcomes.append(mtq.Outcome(t, ok=True, value=os.getpid()))
+    pipe.execute()
+    c.settle(outcomes)
+"""
+
+
+@pytest.mark.slow
+def test_many_consumer_processes_every_task_once_in_order(qname: str, redis_url: str,
+                                                          r: redis.Redis,
+                                                          subprocess_env: dict[str, str]) -> None:
+    q = mtq.Queue(qname, redis_url)
+    expected: dict[str, list[str]] = defaultdict(list)
+    requests = [mtq.Request({"s": s, "i": i}, stream=f"user-{s}")
+                for i in range(50) for s in range(200)]
+    for req, task in zip(requests, q.submit_many(requests)):
+        expected[req.stream].append(task.id)  # type: ignore[index]
+    log_key = f"test:{qname}:log"
+    procs = [subprocess.Popen([sys.executable, "-c", CONSUMER, redis_url, qname, log_key],
+                              env=subprocess_env) for _ in range(4)]
+    try:
+        wait_for(lambda: q.stats()["succeeded"] == 10_000, 120,
+                 f"10 000 tasks did not all succeed: {q.stats()}")
+        r.rpush(f"test:{qname}:stop", 1)
+        for p in procs:
+            assert p.wait(30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    log = [x.decode().split("|") for x in r.lrange(log_key, 0, -1)]
+    assert len(log) == 10_000 and len({task_id for _, task_id, _ in log}) == 10_000
+    ran: dict[str, list[str]] = defaultdict(list)
+    for stream, task_id, _pid in log:
+        ran[stream].append(task_id)
+    assert ran == expected                      # per-stream order intact
+    assert len({pid for _, _, pid in log}) > 1  # the work really was shared
+    s = q.stats()
+    assert (s["waiting"], s["running"], s["redelivered"]) == (0, 0, 0)
+
+
+HOLDER = r"""
+import sys, mtq
+url, queue = sys.argv[1], sys.argv[2]
+c = mtq.Consumer(queue, url, settings=mtq.QueueSettings(lease_ms=int(sys.argv[3])))
+tasks = c.claim(10)
+print(",".join(t.id for t in tasks), flush=True)
+sys.stdin.read()   # hold the batch until killed
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_mid_batch_tasks_come_back_at_head(qname: str, redis_url: str,
+                                                  subprocess_env: dict[str, str]) -> None:
+    lease_ms = 600
+    q = mtq.Queue(qname, redis_url, lease_ms=lease_ms)
+    streams = {f"u{s}": q.submit_many([{"s": s, "i": i} for i in range(3)], stream=f"u{s}")
+               for s in range(10)}
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, redis_url, qname, str(lease_ms)],
+                            env=subprocess_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    held = set(proc.stdout.readline().strip().split(","))  # type: ignore[union-attr]
+    assert held == {tasks[0].id for tasks in streams.values()}
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+    # A live worker blocks until the dead worker's lease runs out, then reclaims.
+    c = mtq.Consumer(qname, redis_url, settings=q.settings)
+    order: dict[str, list[str]] = defaultdict(list)
+    redelivered_at = None
+    t0 = time.monotonic()
+    while q.stats()["succeeded"] < 30:
+        tasks = c.claim(10)
+        if not tasks:
+            assert time.monotonic() - t0 < 2 * lease_ms / 1000 + 5, "tasks never came back"
+            c.wait(timeout=5)
+            continue
+        if redelivered_at is None:
+            redelivered_at = time.monotonic() - t0
+            assert {t.id for t in tasks} == held and all(t.deliveries == 2 for t in tasks)
+        for t in tasks:
+            order[t.stream or ""].append(t.id)
+        c.settle([mtq.Outcome(t, ok=True) for t in tasks])
+    assert redelivered_at is not None and redelivered_at < 2 * lease_ms / 1000 + 0.5
+    assert order == {s: [t.id for t in tasks] for s, tasks in streams.items()}
+    assert q.stats()["redelivered"] == 10
