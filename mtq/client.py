@@ -15,8 +15,14 @@ from mtq.broker.codes import Code
 from mtq.broker.connection import connect
 from mtq.broker.protocol import TERMINAL, Broker, NewTask
 from mtq.errors import (
-    BrokerError, DuplicateTask, PayloadTooLarge, QueueFull, ResultTimeout, TaskCancelled,
-    TaskFailed, TaskNotFound,
+    BrokerError,
+    DuplicateTask,
+    PayloadTooLarge,
+    QueueFull,
+    ResultTimeout,
+    TaskCancelled,
+    TaskFailed,
+    TaskNotFound,
 )
 from mtq.settings import QueueSettings
 from mtq.validation import check_queue_name, check_stream_name, check_task_id
@@ -86,9 +92,9 @@ class Task:
     def __hash__(self) -> int:
         return hash((self.queue.name, self.id))
 
-    def _hmget(self, *names: str) -> list[bytes | None]:
+    def _hmget(self, *names: str) -> list[Any]:
         try:
-            return self.queue.redis.hmget(self.queue.broker.keys.task(self.id), names)  # type: ignore[no-any-return]
+            return list(self.queue.redis.hmget(self.queue.broker.keys.task(self.id), names))
         except redis.exceptions.RedisError as exc:
             raise BrokerError(f"cannot reach Redis: {exc}") from exc
 

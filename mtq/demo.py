@@ -15,9 +15,10 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
-from mtq.client import Queue, Task
+from mtq.client import Queue, Request, Task
 
 DEMO_QUEUE = "mtq-demo"
 
@@ -77,9 +78,8 @@ def run_demo(url: str, *, tasks: int = 400, streams: int = 20, workers: int = 2,
         started = time.perf_counter()
         payloads = [{"stream": f"user-{i % streams}", "seq": i // streams, "text": f"hello {i}",
                      "work_ms": 2} for i in range(tasks)]
-        from mtq.client import Request
         handles: list[Task] = queue.submit_many(
-            [Request(p, stream=p["stream"]) for p in payloads])
+            [Request(p, stream=str(p["stream"])) for p in payloads])
         progress(f"submitted {tasks} tasks over {streams} streams in one call per 1000")
         if kill_one and workers > 1:
             victim = procs[0]
@@ -99,7 +99,7 @@ def run_demo(url: str, *, tasks: int = 400, streams: int = 20, workers: int = 2,
             try:
                 t.result(timeout=60)
                 report.succeeded += 1
-            except Exception as exc:  # noqa: BLE001 - counted and reported
+            except Exception as exc:
                 name = type(exc).__name__
                 outcomes[name] = outcomes.get(name, 0) + 1
         report.seconds = time.perf_counter() - started
@@ -122,10 +122,14 @@ def run_demo(url: str, *, tasks: int = 400, streams: int = 20, workers: int = 2,
 
 def _holds_lease(queue: Queue, pid: int) -> bool:
     for task_id in queue.redis.zrange(queue.broker.keys.leases, 0, 20):
-        worker = queue.redis.hget(queue.broker.keys.task(task_id.decode()), "worker")
-        if worker and f":{pid}:" in worker.decode():
+        worker: Any = queue.redis.hget(queue.broker.keys.task(_text(task_id)), "worker")
+        if worker and f":{pid}:" in _text(worker):
             return True
     return False
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _check(queue: Queue, handles: list[Task], payloads: list[dict[str, Any]],
@@ -143,7 +147,7 @@ def _check(queue: Queue, handles: list[Task], payloads: list[dict[str, Any]],
     errors = []
     for stream, rows in per_stream.items():
         rows.sort()
-        for (s1, _, f1), (s2, st2, _) in zip(rows, rows[1:]):
+        for (s1, _, f1), (s2, st2, _) in pairwise(rows):
             if st2 < f1:
                 errors.append(f"{stream}: task {s2} started before task {s1} finished")
     report.order_errors = errors[:10]

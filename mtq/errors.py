@@ -27,22 +27,22 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "MtqError",
-    "ConfigError",
     "BrokerError",
-    "ServerNotFound",
+    "ConfigError",
+    "DuplicateTask",
+    "EncodeError",
     "InvalidName",
+    "LeaseLost",
+    "MtqError",
     "PayloadError",
     "PayloadTooLarge",
-    "EncodeError",
     "QueueFull",
-    "DuplicateTask",
-    "TaskNotFound",
-    "TaskFailed",
-    "TaskCancelled",
     "ResultTimeout",
-    "LeaseLost",
+    "ServerNotFound",
     "TargetError",
+    "TaskCancelled",
+    "TaskFailed",
+    "TaskNotFound",
 ]
 
 

@@ -22,7 +22,14 @@ from mtq import serialization
 from mtq.broker.codes import Code
 from mtq.broker.connection import connect
 from mtq.broker.protocol import (
-    CANCEL, DEAD, FAIL, RELEASE, RETRY, Broker, Claimed, ClaimResult,
+    CANCEL,
+    DEAD,
+    FAIL,
+    RELEASE,
+    RETRY,
+    Broker,
+    Claimed,
+    ClaimResult,
 )
 from mtq.errors import PayloadError
 from mtq.settings import QueueSettings

@@ -22,9 +22,24 @@ class QueueKeys:
     """
 
     __slots__ = (
-        "queue", "base", "task_prefix", "stream_prefix", "ready", "busy", "leases",
-        "delayed", "dead", "wake", "stats", "free", "idem_prefix", "seq", "events",
-        "done_prefix", "script_keys", "channels",
+        "base",
+        "busy",
+        "channels",
+        "dead",
+        "delayed",
+        "done_prefix",
+        "events",
+        "free",
+        "idem_prefix",
+        "leases",
+        "queue",
+        "ready",
+        "script_keys",
+        "seq",
+        "stats",
+        "stream_prefix",
+        "task_prefix",
+        "wake",
     )
 
     def __init__(self, queue: str) -> None:

@@ -113,7 +113,7 @@ class Broker:
     def submit(self, tasks: Sequence[NewTask]) -> list[str | int]:
         """Submit tasks in one round trip. Returns ids (or negative codes per task);
         ``[Code.QUEUE_FULL, waiting]`` if they do not fit."""
-        return self.run(self.submit_call(tasks))[0]  # type: ignore[no-any-return]
+        return self.run(self.submit_call(tasks))[0]
 
     def register(self) -> None:
         """Record the queue name in the global registry (read by mtq status)."""
@@ -126,7 +126,7 @@ class Broker:
         """Cancel one task; returns (code, previous status). See cancel.lua."""
         raw = self.run(self._call("cancel", [task_id, self.settings.retention_s],
                                   lambda r: (int(r[0]), _s(r[1]))))
-        return raw[0]  # type: ignore[no-any-return]
+        return raw[0]
 
     # -- consumers -------------------------------------------------------------
     def claim_call(self, worker: str, batch: int, lease_ms: int | None = None) -> scripts.Call:
@@ -137,7 +137,7 @@ class Broker:
 
     def claim(self, worker: str, batch: int, lease_ms: int | None = None) -> ClaimResult:
         """Claim up to ``batch`` tasks (after reaping and promoting due retries)."""
-        return self.run(self.claim_call(worker, batch, lease_ms))[0]  # type: ignore[no-any-return]
+        return self.run(self.claim_call(worker, batch, lease_ms))[0]
 
     def ack_call(self, results: Sequence[tuple[str, str, bytes]]) -> scripts.Call:
         args: list[Any] = [self.settings.retention_s, len(results)]
@@ -147,7 +147,7 @@ class Broker:
 
     def ack(self, results: Sequence[tuple[str, str, bytes]]) -> list[int]:
         """Record (id, token, encoded result) triples; one code per task."""
-        return self.run(self.ack_call(results))[0]  # type: ignore[no-any-return]
+        return self.run(self.ack_call(results))[0]
 
     def nack_call(self, items: Sequence[tuple[str, str, str, str]]) -> scripts.Call:
         s = self.settings
@@ -158,7 +158,7 @@ class Broker:
 
     def nack(self, items: Sequence[tuple[str, str, str, str]]) -> list[int]:
         """Settle (id, token, action, argument) tuples; see nack.lua."""
-        return self.run(self.nack_call(items))[0]  # type: ignore[no-any-return]
+        return self.run(self.nack_call(items))[0]
 
     def extend_call(self, leases: Sequence[tuple[str, str]], lease_ms: int | None = None
                     ) -> scripts.Call:
@@ -169,7 +169,7 @@ class Broker:
 
     def extend(self, leases: Sequence[tuple[str, str]], lease_ms: int | None = None) -> list[int]:
         """Extend leases of (id, token) pairs; 1 ok, 2 ok + cancel requested, LEASE_LOST."""
-        return self.run(self.extend_call(leases, lease_ms))[0]  # type: ignore[no-any-return]
+        return self.run(self.extend_call(leases, lease_ms))[0]
 
     def reap(self) -> tuple[int, int, int]:
         """Reclaim expired leases and promote due retries: (reaped, promoted, next timer ms)."""
@@ -177,7 +177,7 @@ class Broker:
         args = [s.max_deliveries, s.reap_limit, s.retention_s, s.dead_retention_s,
                 s.dead_max, s.wake_cap]
         raw = self.run(self._call("reap", args, lambda r: tuple(int(x) for x in r)))
-        return raw[0]  # type: ignore[no-any-return]
+        return raw[0]
 
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a submit wakes this worker or ``timeout_s`` passes (BLPOP)."""
@@ -192,7 +192,10 @@ class Broker:
         k = self.keys
         try:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.hgetall(k.stats).zcard(k.leases).zcard(k.delayed).llen(k.dead)
+            pipe.hgetall(k.stats)
+            pipe.zcard(k.leases)
+            pipe.zcard(k.delayed)
+            pipe.llen(k.dead)
             pipe.scard(k.busy)
             counters, running, delayed, dead, busy = pipe.execute()
         except redis.exceptions.RedisError as exc:
@@ -206,5 +209,16 @@ class Broker:
         return result
 
 
-__all__ = ["Broker", "Claimed", "ClaimResult", "NewTask", "Code", "TERMINAL",
-           "RETRY", "FAIL", "DEAD", "CANCEL", "RELEASE"]
+__all__ = [
+    "CANCEL",
+    "DEAD",
+    "FAIL",
+    "RELEASE",
+    "RETRY",
+    "TERMINAL",
+    "Broker",
+    "ClaimResult",
+    "Claimed",
+    "Code",
+    "NewTask",
+]

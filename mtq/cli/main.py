@@ -99,7 +99,7 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int, lease_
                burst: bool) -> None:
     """Serve QUEUE with TARGET, a plain function 'package.module:function'
     called once per task payload. SIGTERM/SIGINT stop it after the current batch."""
-    from mtq.settings import RedisSettings, QueueSettings
+    from mtq.settings import QueueSettings, RedisSettings
     from mtq.workers.simple import SimpleWorker, WorkerInterrupted
     from mtq.workers.target import load_target
 

@@ -33,4 +33,4 @@ def load_target(spec: str) -> Callable[..., Any]:
                               f"(target {spec!r})") from None
     if not callable(obj):
         raise TargetError(f"target {spec!r} is a {type(obj).__name__}, not a callable")
-    return obj  # type: ignore[no-any-return]
+    return obj
