@@ -32,9 +32,14 @@ def _default(obj: Any) -> Any:
 
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
-                raise EncodeError("numpy arrays of dtype=object cannot be encoded")
-            arr = np.ascontiguousarray(obj)
-            data = msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()])
+                raise EncodeError("numpy arrays of dtype=object cannot be encoded (they hold "
+                                  "Python objects); convert to a list or a numeric dtype first")
+            if obj.dtype.fields is not None:
+                raise EncodeError("structured numpy arrays cannot be encoded; send a dict of "
+                                  "plain arrays (one per field) instead")
+            # tobytes() is C order whatever the layout; ascontiguousarray would turn
+            # a 0-d array into shape (1,).
+            data = msgpack.packb([obj.dtype.str, list(obj.shape), obj.tobytes()])
             return msgpack.ExtType(EXT_NDARRAY, data)
         if isinstance(obj, np.generic):
             return obj.item()
@@ -46,6 +51,9 @@ def _default(obj: Any) -> Any:
         name = str(t.dtype).removeprefix("torch.")
         data = msgpack.packb([name, list(t.shape), raw])
         return msgpack.ExtType(EXT_TENSOR, data)
+    if isinstance(obj, int):
+        raise EncodeError(f"integer {obj} is outside the 64-bit range msgpack carries; "
+                          "send it as a str")
     raise EncodeError(
         f"cannot encode a {type(obj).__module__}.{type(obj).__qualname__}: payloads and "
         "results must be msgpack data (None, bool, int, float, str, bytes, list, dict, "

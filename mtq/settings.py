@@ -88,6 +88,8 @@ class QueueSettings:
             value = getattr(self, f.name)
             if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ConfigError(f"{f.name} must be an integer, got {value!r}")
+            if f.type in ("bool", bool) and not isinstance(value, bool):
+                raise ConfigError(f"{f.name} must be True or False, got {value!r}")
         minimums = {
             "max_length": 0, "max_payload_bytes": 1, "lease_ms": 1, "max_deliveries": 1,
             "max_retries": 0, "retry_backoff_ms": 0, "retry_backoff_max_ms": 0,

