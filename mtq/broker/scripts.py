@@ -66,8 +66,19 @@ class Call:
     parse: Callable[[Any], Any]
 
 
+MIN_REDIS = (6, 2)
+
+
 def load_all(client: redis.Redis) -> None:
-    """SCRIPT LOAD every script in one round trip (after a NOSCRIPT reply)."""
+    """SCRIPT LOAD every script in one round trip (after a NOSCRIPT reply).
+
+    Checks the server version first: the scripts use ``LPOP key count`` (6.2+).
+    """
+    version = str(client.info("server").get("redis_version", "0"))
+    parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    if parts < MIN_REDIS:
+        raise BrokerError(f"Redis {version} is too old: mtq needs Redis "
+                          f"{'.'.join(map(str, MIN_REDIS))} or newer (or Valkey)")
     pipe = client.pipeline(transaction=False)
     for name in NAMES:
         pipe.script_load(script(name).source)
