@@ -8,6 +8,7 @@ within each stream the tasks ran one after another in submit order.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -47,6 +48,7 @@ class DemoReport:
     order_ok: bool = False
     order_errors: list[str] = field(default_factory=list)
     killed_pid: int | None = None
+    lease_ms: int = 0
     redelivered: int = 0
     by_worker: dict[str, int] = field(default_factory=dict)
     latency_ms_p50: float = 0.0
@@ -71,29 +73,31 @@ def run_demo(url: str, *, tasks: int = 400, streams: int = 20, workers: int = 2,
     """Run the demo against ``url`` and return the report (workers are always stopped)."""
     queue = Queue(DEMO_QUEUE, url, lease_ms=lease_ms, retention_s=600)
     queue.redis.delete(*queue.broker.keys.script_keys[2:])  # a clean slate for the demo queue
-    report = DemoReport(tasks=tasks, streams=streams, workers=workers)
+    report = DemoReport(tasks=tasks, streams=streams, workers=workers, lease_ms=lease_ms)
     procs = [_spawn_worker(url, DEMO_QUEUE, lease_ms) for _ in range(workers)]
     try:
         progress(f"started {workers} worker processes (pids {', '.join(str(p.pid) for p in procs)})")
+        events = queue.redis.pubsub(ignore_subscribe_messages=True)
+        events.subscribe(queue.broker.keys.events)
         started = time.perf_counter()
         payloads = [{"stream": f"user-{i % streams}", "seq": i // streams, "text": f"hello {i}",
                      "work_ms": 2} for i in range(tasks)]
         handles: list[Task] = queue.submit_many(
             [Request(p, stream=str(p["stream"])) for p in payloads])
         progress(f"submitted {tasks} tasks over {streams} streams in one call per 1000")
-        if kill_one and workers > 1:
-            victim = procs[0]
-            # Wait until the victim holds a lease, then kill it mid-batch.
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline and not _holds_lease(queue, victim.pid):
-                time.sleep(0.005)
-            victim.send_signal(signal.SIGKILL)
-            victim.wait()
-            report.killed_pid = victim.pid
-            progress(f"killed worker {victim.pid} with SIGKILL while it held a batch; "
-                     "its tasks come back after the lease expires")
-            procs[0] = _spawn_worker(url, DEMO_QUEUE, lease_ms)
-            progress(f"started a replacement worker (pid {procs[0].pid})")
+        if kill_one:
+            # The first "started" event names a worker that holds a batch right now.
+            victim_pid = _first_claimer(events, {p.pid for p in procs}, timeout=20)
+            if victim_pid is not None:
+                i = next(i for i, p in enumerate(procs) if p.pid == victim_pid)
+                procs[i].send_signal(signal.SIGKILL)
+                procs[i].wait()
+                report.killed_pid = victim_pid
+                progress(f"killed worker {victim_pid} with SIGKILL while it held a batch; "
+                         "its tasks come back after the lease expires")
+                procs[i] = _spawn_worker(url, DEMO_QUEUE, lease_ms)
+                progress(f"started a replacement worker (pid {procs[i].pid})")
+        events.close()
         outcomes: dict[str, int] = {}
         for t in handles:
             try:
@@ -120,12 +124,18 @@ def run_demo(url: str, *, tasks: int = 400, streams: int = 20, workers: int = 2,
     return report
 
 
-def _holds_lease(queue: Queue, pid: int) -> bool:
-    for task_id in queue.redis.zrange(queue.broker.keys.leases, 0, 20):
-        worker: Any = queue.redis.hget(queue.broker.keys.task(_text(task_id)), "worker")
-        if worker and f":{pid}:" in _text(worker):
-            return True
-    return False
+def _first_claimer(events: Any, pids: set[int], timeout: float) -> int | None:
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        message = events.get_message(timeout=left)
+        if not message:
+            continue
+        event = json.loads(message["data"])
+        if event.get("event") == "started":
+            pid = int(str(event.get("worker", "::")).split(":")[1] or 0)
+            if pid in pids:
+                return pid
+    return None
 
 
 def _text(value: Any) -> str:

@@ -11,7 +11,7 @@ from mtq.errors import BrokerError
 from mtq.settings import RedisSettings
 
 _lock = threading.Lock()
-_clients: dict[tuple[str, int], redis.Redis] = {}
+_clients: dict[tuple[str, RedisSettings], redis.Redis] = {}
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -32,7 +32,7 @@ def connect(url: str | None = None, settings: RedisSettings | None = None) -> re
     """
     resolved = resolve_url(url or (settings.url if settings else None))
     s = settings or RedisSettings()
-    key = (resolved, id(settings) if settings else 0)
+    key = (resolved, s)
     with _lock:
         client = _clients.get(key)
         if client is None:

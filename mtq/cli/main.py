@@ -183,7 +183,9 @@ def demo(url: str | None, tasks: int, streams: int, workers: int, no_kill: bool)
     table = Table(title="what happened", show_header=False)
     table.add_row("tasks", f"{report.tasks} over {report.streams} streams")
     table.add_row("succeeded", f"{report.succeeded}" + (f"  other: {report.other}" if report.other else ""))
-    table.add_row("time", f"{report.seconds:.2f} s ({report.tasks / report.seconds:.0f} tasks/s)")
+    note = (f"; includes waiting out the killed worker's {report.lease_ms / 1000:g} s lease"
+            if report.killed_pid else "")
+    table.add_row("time", f"{report.seconds:.2f} s ({report.tasks / report.seconds:.0f} tasks/s{note})")
     table.add_row("latency p50 / p99", f"{report.latency_ms_p50:.0f} / {report.latency_ms_p99:.0f} ms (submit to finish)")
     if report.killed_pid:
         table.add_row("worker killed", f"pid {report.killed_pid} (SIGKILL); tasks redelivered: {report.redelivered}")
