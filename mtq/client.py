@@ -27,6 +27,9 @@ from mtq.errors import (
 from mtq.settings import QueueSettings
 from mtq.validation import check_queue_name, check_stream_name, check_task_id
 
+#: longest accepted ttl (about 31 years); keeps deadlines exact integers in Lua
+MAX_TTL_S = 1e9
+
 #: most tasks sent in one submit script call (keeps each call's Redis time short)
 SUBMIT_CHUNK = 1000
 
@@ -202,8 +205,9 @@ class Queue:
                 f"({self.settings.max_payload_bytes}); send a reference (a URL or a key) "
                 "instead, or raise max_payload_bytes"
             )
-        if ttl is not None and not ttl > 0:
-            raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
+        if ttl is not None and not (isinstance(ttl, (int, float)) and 0 < ttl <= MAX_TTL_S):
+            raise ValueError(f"ttl must be a number of seconds in (0, {MAX_TTL_S:.0e}], "
+                             f"got {ttl!r}")
         if retries is not None and (not isinstance(retries, int) or retries < 0):
             raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
         return NewTask(
@@ -220,16 +224,25 @@ class Queue:
             self.broker.register()
             self._registered = True
         out: list[Task] = []
+        duplicates: list[str] = []
         for start in range(0, len(tasks), SUBMIT_CHUNK):
             chunk = tasks[start:start + SUBMIT_CHUNK]
             reply = self.broker.submit(chunk)
             if reply and reply[0] == Code.QUEUE_FULL:  # only ever [QUEUE_FULL, waiting]
-                raise QueueFull(self.name, int(reply[1]), self.settings.max_length, len(chunk))
+                full = QueueFull(self.name, int(reply[1]), self.settings.max_length, len(chunk))
+                full.created = out  # earlier chunks went in
+                raise full
             for item, value in zip(chunk, reply):
                 if value == Code.DUPLICATE_ID:
-                    raise DuplicateTask(f"a task with id {item.id!r} already exists in queue "
-                                        f"{self.name!r}; use a new id or Queue.task(id)")
-                out.append(Task(self, str(value)))
+                    duplicates.append(item.id)
+                else:
+                    out.append(Task(self, str(value)))
+        if duplicates:
+            dup = DuplicateTask(f"task id(s) {', '.join(map(repr, duplicates[:5]))} already "
+                                f"exist in queue {self.name!r}; the other tasks were submitted "
+                                "(see .created); use new ids or Queue.task(id)")
+            dup.created, dup.duplicates = out, duplicates
+            raise dup
         return out
 
     def submit(self, payload: Any, *, stream: str | None = None, key: str | None = None,

@@ -83,6 +83,8 @@ class QueueFull(MtqError):
 
     def __init__(self, queue: str, waiting: int, max_length: int, adding: int = 1) -> None:
         self.queue, self.waiting, self.max_length = queue, waiting, max_length
+        #: tasks of the same submit_many call that went in before the full chunk
+        self.created: list[Any] = []
         super().__init__(
             f"queue {queue!r} is full: {waiting} tasks wait and max_length is {max_length}, "
             f"so {adding} more do not fit; retry later, add workers, or raise max_length"
@@ -90,7 +92,14 @@ class QueueFull(MtqError):
 
 
 class DuplicateTask(MtqError):
-    """A task with the given id already exists in the queue."""
+    """A task with the given id already exists in the queue.
+
+    ``created`` holds the handles of the tasks of the same call that were
+    submitted; ``duplicates`` the refused ids.
+    """
+
+    created: list[Any]
+    duplicates: list[str]
 
 
 class TaskNotFound(MtqError, LookupError):

@@ -187,7 +187,8 @@ class Consumer:
         without counting a delivery (graceful drain). Returns how many went back."""
         if not tasks:
             return 0
-        codes = self.broker.nack([(t.id, t.token, RELEASE, "") for t in tasks])
+        # Each release LPUSHes to the head: send them last-first so the batch keeps its order.
+        codes = self.broker.nack([(t.id, t.token, RELEASE, "") for t in reversed(tasks)])
         return sum(1 for c in codes if c == 1)
 
     def extend(self, tasks: Sequence[Claimed], lease_ms: int | None = None

@@ -528,3 +528,61 @@ def test_cancel_request_wins_over_a_final_failure(qname: str, redis_url: str,
     t.cancel()
     c.settle([mtq.Outcome(held, ok=False, error="E: x")])  # would be dead-lettered
     assert t.status() == "cancelled" and r.llen(q.broker.keys.dead) == 0
+
+
+# -- regressions found in review: reused ids, order of released stream-less tasks ------
+def test_dead_letter_trim_never_deletes_a_live_task(qname: str, redis_url: str,
+                                                    r: redis.Redis) -> None:
+    q, c = make(qname, redis_url, dead_max=1, max_retries=0)
+    x = q.submit({}, id="x")
+    c.settle([mtq.Outcome(c.claim(1)[0], ok=False, error="E: 1")])
+    r.delete(q.broker.keys.task("x"))            # as if its dead retention ran out
+    x2 = q.submit({}, id="x")                    # the id is reused by a live task
+    y = q.submit({}, id="y")
+    held = {t.id: t for t in c.claim(2)}
+    c.settle([mtq.Outcome(held["y"], ok=False, error="E: 2")])  # trims the old "x"
+    assert x2.status() == "running"
+    assert c.settle([mtq.Outcome(held["x"], ok=True, value=1)]).succeeded == 1
+    assert x.result(timeout=5) == 1 and y.status() == "dead"
+
+
+def test_cancelled_tombstone_keeps_its_id_until_claimed(qname: str, redis_url: str,
+                                                        r: redis.Redis) -> None:
+    q, c = make(qname, redis_url, retention_s=1)
+    a = q.submit({}, stream="s")
+    q.submit({}, stream="s", id="x")
+    (held,) = c.claim(5)
+    assert q.task("x").cancel() is True
+    assert r.ttl(q.broker.keys.task("x")) == -1    # no expiry while the tombstone exists
+    with pytest.raises(mtq.DuplicateTask):
+        q.submit({}, stream="s2", id="x")
+    y = q.submit({}, stream="s")
+    c.settle([mtq.Outcome(held, ok=True)])
+    assert [t.id for t in c.claim(5)] == [y.id]    # the tombstone is skipped ...
+    assert 0 < r.ttl(q.broker.keys.task("x")) <= 1  # ... and its retention starts
+    assert a.status() == "succeeded"
+
+
+def test_released_streamless_batch_keeps_its_order(qname: str, redis_url: str) -> None:
+    q, c = make(qname, redis_url)
+    tasks = q.submit_many([{}, {}, {}])
+    c.release(c.claim(3))
+    assert [t.id for t in c.claim(3)] == [t.id for t in tasks]
+
+
+def test_ttl_must_be_finite_and_bounded(qname: str, redis_url: str) -> None:
+    q, _ = make(qname, redis_url)
+    for bad in (float("inf"), float("nan"), 1e15, -1, "10"):
+        with pytest.raises(ValueError):
+            q.submit({}, ttl=bad)  # type: ignore[arg-type]
+
+
+def test_duplicate_in_submit_many_reports_what_went_in(qname: str, redis_url: str) -> None:
+    q, _ = make(qname, redis_url)
+    q.submit({}, id="taken")
+    with pytest.raises(mtq.DuplicateTask) as exc:
+        q.submit_many([mtq.Request({}, id="new-1"), mtq.Request({}, id="taken"),
+                       mtq.Request({}, id="new-2")])
+    assert [t.id for t in exc.value.created] == ["new-1", "new-2"]
+    assert exc.value.duplicates == ["taken"]
+    assert q.stats()["waiting"] == 3

@@ -118,7 +118,10 @@ local function dead_letter(id, now, dead_ttl, dead_max, err)
   finish(id, 'dead', now, dead_ttl, 'error', err)
   if redis.call('LPUSH', K_DEAD, id) > dead_max then
     local old = redis.call('RPOP', K_DEAD)
-    if old and old ~= id then redis.call('DEL', K_TASK .. old) end
+    -- the id may have been reused by a live task after the old hash expired
+    if old and old ~= id and redis.call('HGET', K_TASK .. old, 'status') == 'dead' then
+      redis.call('DEL', K_TASK .. old)
+    end
   end
   redis.call('HINCRBY', K_STATS, 'dead_total', 1)
 end

@@ -4,7 +4,8 @@ ARGV[1] events channel   ARGV[2] completion channel prefix
 ARGV[3] task id   ARGV[4] retention s
 Returns: {1, previous status} cancelled now (it was queued or waiting for a retry;
   a queued id stays in its list as a tombstone that claim skips, so cancelling is
-  O(1) and the tasks behind it are not held up);
+  O(1) and the tasks behind it are not held up; its hash starts its retention
+  only when claim pops the tombstone, so the id cannot be reused before);
   {2, 'running'} a running task: a cancel is requested, its worker learns it on
   its next heartbeat (extend) and stops it;
   {E_NOT_FOUND, ''} no such task (never existed, or its retention ran out);
@@ -28,7 +29,9 @@ elseif status == 'running' then
 else
   return {E_FINISHED, status}
 end
-finish(id, 'cancelled', now, ttl)
+-- A queued task's id stays in its list as a tombstone: keep the hash (no expiry)
+-- until claim pops the tombstone, so the id cannot be reused while it exists.
+if status == 'queued' then finish(id, 'cancelled', now, 0) else finish(id, 'cancelled', now, ttl) end
 redis.call('HINCRBY', K_STATS, 'cancelled', 1)
 event('cancelled', now, {ids = {id}})
 return {1, status}

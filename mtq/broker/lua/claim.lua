@@ -31,7 +31,11 @@ if B > 0 then base = redis.call('INCRBY', K_SEQ, B) - B end
 local function take(id, s)
   local tk = K_TASK .. id
   local f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries')
-  if f[1] ~= 'queued' then return false end
+  if f[1] ~= 'queued' then
+    -- a cancelled tombstone: its retention starts now that it left the list
+    if f[1] == 'cancelled' then redis.call('EXPIRE', tk, ttl) end
+    return false
+  end
   taken = taken + 1
   if f[3] and tonumber(f[3]) < now then
     finish(id, 'expired', now, ttl)
