@@ -1,4 +1,4 @@
-"""mtq: a Redis-backed task queue for AI inference.
+"""mtq, a Redis-backed task queue for AI inference.
 
 FIFO order per stream, fair round robin across streams, batched claims and acks,
 leases with fencing tokens, and nothing lost when a worker dies.

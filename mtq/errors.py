@@ -138,6 +138,8 @@ class LeaseLost(MtqError):
     """This worker's lease on a task expired and the task was reclaimed.
 
     Its result is discarded: the worker that now owns the task records the outcome.
+    (The consumer API reports lost ids in ``SettleReport.lost`` rather than raising;
+    worker code that must abort a task raises this.)
     """
 
     def __init__(self, task_ids: list[str]) -> None:
@@ -150,7 +152,3 @@ class LeaseLost(MtqError):
 
 class TargetError(MtqError):
     """A worker target (``package.module:attr``) could not be loaded."""
-
-
-def _plain(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)

@@ -27,7 +27,7 @@ def _fail(exc: Exception, code: int = 1) -> None:
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.version_option(package_name="mtq")
 def cli(verbose: int) -> None:
-    """mtq: a Redis-backed task queue for AI inference.
+    """mtq, a Redis-backed task queue for AI inference.
 
     Redis is MTQ_REDIS_URL (or --redis); without one, mtq uses its embedded
     redis-server (see 'mtq server').
