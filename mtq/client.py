@@ -12,10 +12,9 @@ import redis
 
 from mtq import serialization
 from mtq.broker.codes import Code
-from mtq.broker.connection import connect
+from mtq.broker.connection import connect, redis_errors
 from mtq.broker.protocol import TERMINAL, Broker, NewTask
 from mtq.errors import (
-    BrokerError,
     DuplicateTask,
     PayloadTooLarge,
     QueueFull,
@@ -96,18 +95,19 @@ class Task:
         return hash((self.queue.name, self.id))
 
     def _hmget(self, *names: str) -> list[Any]:
-        try:
+        with redis_errors():
             return list(self.queue.redis.hmget(self.queue.broker.keys.task(self.id), names))
-        except redis.exceptions.RedisError as exc:
-            raise BrokerError(f"cannot reach Redis: {exc}") from exc
+
+    def _not_found(self) -> TaskNotFound:
+        return TaskNotFound(f"no task {self.id} in queue {self.queue.name!r} "
+                            "(wrong id or queue, or its retention time ran out)")
 
     def status(self) -> str:
         """The task's state: queued, running, delayed, succeeded, failed, dead,
         cancelled or expired. Raises TaskNotFound."""
         (status,) = self._hmget("status")
         if status is None:
-            raise TaskNotFound(f"no task {self.id} in queue {self.queue.name!r} "
-                               "(wrong id or queue, or its retention time ran out)")
+            raise self._not_found()
         return status.decode()
 
     def info(self) -> TaskInfo:
@@ -116,7 +116,7 @@ class Task:
                  "finished", "deadline", "worker", "error", "cancel")
         v = dict(zip(names, self._hmget(*names)))
         if v["status"] is None:
-            raise TaskNotFound(f"no task {self.id} in queue {self.queue.name!r}")
+            raise self._not_found()
         return TaskInfo(
             id=self.id, status=v["status"].decode(), stream=_s(v["stream"]),
             attempts=_i(v["attempts"]) or 0, deliveries=_i(v["deliveries"]) or 0,
@@ -144,24 +144,23 @@ class Task:
         done_channel = self.queue.broker.keys.done(self.id)
         pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
         try:
-            pubsub.subscribe(done_channel)
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:
-                status, result, error = self._hmget("status", "result", "error")
-                if status is None:
-                    raise TaskNotFound(f"no task {self.id} in queue {self.queue.name!r}")
-                if status.decode() in TERMINAL:
-                    return self._outcome(status, result, error)
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise ResultTimeout(self.id, timeout or 0.0, status.decode())
-                # One message on this channel means the task reached a terminal state;
-                # the stored state is re-read at least every 5 s in case a message was
-                # lost to a reconnect.
-                wait = 5.0 if remaining is None else min(remaining, 5.0)
-                pubsub.get_message(timeout=wait)
-        except redis.exceptions.RedisError as exc:
-            raise BrokerError(f"cannot reach Redis while waiting for {self.id}: {exc}") from exc
+            with redis_errors(f"while waiting for {self.id}"):
+                pubsub.subscribe(done_channel)
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while True:
+                    status, result, error = self._hmget("status", "result", "error")
+                    if status is None:
+                        raise self._not_found()
+                    if status.decode() in TERMINAL:
+                        return self._outcome(status, result, error)
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise ResultTimeout(self.id, timeout or 0.0, status.decode())
+                    # One message on this channel means the task reached a terminal
+                    # state; the stored state is re-read at least every 5 s in case a
+                    # message was lost to a reconnect.
+                    wait = 5.0 if remaining is None else min(remaining, 5.0)
+                    pubsub.get_message(timeout=wait)
         finally:
             pubsub.close()
 
@@ -171,7 +170,7 @@ class Task:
         Raises TaskNotFound, or TaskFailed-free: a finished task returns False."""
         code, _status = self.queue.broker.cancel(self.id)
         if code == Code.NOT_FOUND:
-            raise TaskNotFound(f"no task {self.id} in queue {self.queue.name!r}")
+            raise self._not_found()
         return code == 1
 
 

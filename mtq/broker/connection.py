@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import redis
 
@@ -12,6 +14,25 @@ from mtq.settings import RedisSettings
 
 _lock = threading.Lock()
 _clients: dict[tuple[str, RedisSettings], redis.Redis] = {}
+
+
+@contextmanager
+def redis_errors(doing: str = "") -> Iterator[None]:
+    """Turn redis-py errors raised inside the block into BrokerError.
+
+    ``doing`` completes the message ("while waiting for work"). The one place
+    that words these errors, for every call mtq makes to Redis.
+    """
+    where = f" {doing}" if doing else ""
+    try:
+        yield
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        raise BrokerError(
+            f"cannot reach Redis{where} ({exc}); check MTQ_REDIS_URL or start the "
+            "embedded server with 'mtq server start'"
+        ) from exc
+    except redis.exceptions.RedisError as exc:
+        raise BrokerError(f"Redis answered with an error{where}: {exc}") from exc
 
 
 def resolve_url(url: str | None = None) -> str:

@@ -56,6 +56,10 @@ class Outcome:
     cancelled: bool = False    # the handler stopped on a cancel request
 
 
+#: the counters a SettleReport and a worker's running totals share
+OUTCOME_COUNTERS = ("succeeded", "retried", "failed", "dead", "cancelled")
+
+
 @dataclass
 class SettleReport:
     """What a settle call did."""
@@ -111,12 +115,10 @@ class Consumer:
         ceiling = min(s.retry_backoff_max_ms, s.retry_backoff_ms * (2 ** min(attempts, 30)))
         return int(ceiling * (0.5 + self._rng.random() / 2))
 
-    def _plan(self, outcomes: Sequence[Outcome]) -> tuple[list[tuple[str, str, bytes]],
-                                                          list[tuple[str, str, str, str]],
-                                                          SettleReport]:
+    def _plan(self, outcomes: Sequence[Outcome]
+              ) -> tuple[list[tuple[str, str, bytes]], list[tuple[str, str, str, str]]]:
         acks: list[tuple[str, str, bytes]] = []
         nacks: list[tuple[str, str, str, str]] = []
-        report = SettleReport()
         for o in outcomes:
             t = o.task
             if o.ok:
@@ -137,12 +139,12 @@ class Consumer:
                 nacks.append((t.id, t.token, DEAD, error))
             else:
                 nacks.append((t.id, t.token, FAIL, error))
-        return acks, nacks, report
+        return acks, nacks
 
     @staticmethod
-    def _count(report: SettleReport, acks: Sequence[tuple[str, str, bytes]],
-               nacks: Sequence[tuple[str, str, str, str]], ack_codes: list[int],
-               nack_codes: list[int]) -> SettleReport:
+    def _count(acks: Sequence[tuple[str, str, bytes]], nacks: Sequence[tuple[str, str, str, str]],
+               ack_codes: list[int], nack_codes: list[int]) -> SettleReport:
+        report = SettleReport()
         for (task_id, _, _), code in zip(acks, ack_codes):
             if code == Code.LEASE_LOST:
                 report.lost.append(task_id)
@@ -165,7 +167,7 @@ class Consumer:
     def settle_and_claim(self, outcomes: Sequence[Outcome], batch_size: int,
                          lease_ms: int | None = None) -> tuple[SettleReport, list[Claimed]]:
         """Settle a batch and claim the next one in one round trip."""
-        acks, nacks, report = self._plan(outcomes)
+        acks, nacks = self._plan(outcomes)
         calls = []
         if acks:
             calls.append(self.broker.ack_call(acks))
@@ -174,11 +176,11 @@ class Consumer:
         if batch_size > 0:
             calls.append(self.broker.claim_call(self.worker_id, batch_size, lease_ms))
         if not calls:
-            return report, []
+            return SettleReport(), []
         replies = self.broker.run(*calls)
         ack_codes = replies.pop(0) if acks else []
         nack_codes = replies.pop(0) if nacks else []
-        self._count(report, acks, nacks, ack_codes, nack_codes)
+        report = self._count(acks, nacks, ack_codes, nack_codes)
         claimed = self._claimed(replies[0]) if batch_size > 0 else []
         return report, claimed
 

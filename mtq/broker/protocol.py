@@ -16,8 +16,8 @@ import redis
 
 from mtq.broker import scripts
 from mtq.broker.codes import Code
+from mtq.broker.connection import redis_errors
 from mtq.broker.keys import QUEUES, QueueKeys
-from mtq.errors import BrokerError
 from mtq.settings import QueueSettings
 
 #: nack actions understood by nack.lua
@@ -91,7 +91,7 @@ class Broker:
         self.queue = queue
         self.keys = QueueKeys(queue)
         self.settings = settings
-        self._head = [self.keys.events, self.keys.done_prefix]
+        self._head = self.keys.channels
 
     def run(self, *calls: scripts.Call) -> list[Any]:
         """Run several calls in one round trip."""
@@ -117,10 +117,8 @@ class Broker:
 
     def register(self) -> None:
         """Record the queue name in the global registry (read by mtq status)."""
-        try:
+        with redis_errors():
             self.redis.sadd(QUEUES, self.queue)
-        except redis.exceptions.RedisError as exc:
-            raise BrokerError(f"cannot reach Redis: {exc}") from exc
 
     def cancel(self, task_id: str) -> tuple[int, str]:
         """Cancel one task; returns (code, previous status). See cancel.lua."""
@@ -132,7 +130,7 @@ class Broker:
     def claim_call(self, worker: str, batch: int, lease_ms: int | None = None) -> scripts.Call:
         s = self.settings
         args = [worker, batch, s.lease_ms if lease_ms is None else lease_ms, s.max_deliveries,
-                s.wake_cap, s.reap_limit, s.retention_s, s.dead_retention_s, s.dead_max]
+                s.reap_limit, s.retention_s, s.dead_retention_s, s.dead_max]
         return self._call("claim", args, _parse_claim)
 
     def claim(self, worker: str, batch: int, lease_ms: int | None = None) -> ClaimResult:
@@ -181,16 +179,14 @@ class Broker:
 
     def wait_for_work(self, timeout_s: float) -> bool:
         """Block until a submit wakes this worker or ``timeout_s`` passes (BLPOP)."""
-        try:
+        with redis_errors("while waiting for work"):
             return self.redis.blpop([self.keys.wake], timeout=max(timeout_s, 0.001)) is not None
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-            raise BrokerError(f"cannot reach Redis while waiting for work: {exc}") from exc
 
     # -- inspection ------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         """O(1) counters of the queue (one round trip, cost independent of its size)."""
         k = self.keys
-        try:
+        with redis_errors():
             pipe = self.redis.pipeline(transaction=False)
             pipe.hgetall(k.stats)
             pipe.zcard(k.leases)
@@ -198,8 +194,6 @@ class Broker:
             pipe.llen(k.dead)
             pipe.scard(k.busy)
             counters, running, delayed, dead, busy = pipe.execute()
-        except redis.exceptions.RedisError as exc:
-            raise BrokerError(f"cannot reach Redis: {exc}") from exc
         out = {_s(name): int(value) for name, value in counters.items()}
         out.pop("free_marked", None)
         names = ("waiting", "streams", "submitted", "succeeded", "failed", "dead_total",

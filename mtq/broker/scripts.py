@@ -19,6 +19,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
+from mtq.broker.connection import redis_errors
 from mtq.errors import BrokerError
 
 NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap")
@@ -91,7 +92,7 @@ def run(client: redis.Redis, *calls: Call) -> list[Any]:
     Scripts Redis does not know yet are loaded and only those calls re-run: a
     NOSCRIPT reply means the script did not execute at all, so re-running it is safe.
     """
-    try:
+    with redis_errors():
         if len(calls) == 1:
             c = calls[0]
             try:
@@ -120,10 +121,3 @@ def run(client: redis.Redis, *calls: Call) -> list[Any]:
             if isinstance(r, Exception):
                 raise r
         return [c.parse(r) for c, r in zip(calls, raws)]
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise BrokerError(
-            f"cannot reach Redis ({exc}); check MTQ_REDIS_URL or start the embedded "
-            "server with 'mtq server start'"
-        ) from exc
-    except redis.exceptions.ResponseError as exc:
-        raise BrokerError(f"Redis rejected an mtq script: {exc}") from exc

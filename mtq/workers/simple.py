@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtq import serialization
-from mtq.broker.consumer import Consumer, Outcome
+from mtq.broker.consumer import OUTCOME_COUNTERS, Consumer, Outcome, SettleReport
 from mtq.broker.protocol import Claimed
 from mtq.errors import PayloadError
 from mtq.settings import QueueSettings
@@ -122,8 +122,9 @@ class SimpleWorker:
                 outcomes = [self._run_one(t) for t in tasks]
                 with self._lock:
                     cancel, self._cancel = self._cancel, set()
-                outcomes = [Outcome(o.task, ok=False, cancelled=True)
-                            if o.task.id in cancel and not o.ok else o for o in outcomes]
+                if cancel:
+                    outcomes = [Outcome(o.task, ok=False, cancelled=True)
+                                if o.task.id in cancel and not o.ok else o for o in outcomes]
                 done += len(outcomes)
                 stopping = self.stop_event.is_set() or (max_tasks is not None and done >= max_tasks)
                 report, tasks = c.settle_and_claim(outcomes, 0 if stopping else self.batch_size)
@@ -137,14 +138,11 @@ class SimpleWorker:
             beat.join(timeout=5)
         return self.stats
 
-    def _record(self, report: Any) -> None:
+    def _record(self, report: SettleReport) -> None:
         s = self.stats
         s.batches += 1
-        s.succeeded += report.succeeded
-        s.retried += report.retried
-        s.failed += report.failed
-        s.dead += report.dead
-        s.cancelled += report.cancelled
+        for name in OUTCOME_COUNTERS:
+            setattr(s, name, getattr(s, name) + getattr(report, name))
         s.lost += len(report.lost)
         if report.lost:
             log.warning("lease lost on %d task(s); their results were discarded", len(report.lost))

@@ -416,6 +416,7 @@ def test_blocked_consumer_is_woken_by_submit(qname: str, redis_url: str) -> None
         time.sleep(0.005)
     t = q.submit({"wake": 1})
     th.join(10)
+    assert not th.is_alive(), "the woken consumer did not finish its claim within 10 s"
     assert result["woken"] is True and result["after"] < 5
     assert [x.id for x in result["claimed"]] == [t.id]
 
@@ -457,7 +458,8 @@ def test_result_waits_for_completion_from_another_thread(qname: str, redis_url: 
     th = threading.Thread(target=lambda: c.settle(ok(c.claim(1), 42)))
     th.start()
     assert t.result(timeout=10) == 42
-    th.join()
+    th.join(10)
+    assert not th.is_alive(), "the settling thread did not finish within 10 s"
 
 
 def test_result_timeout_and_not_found(qname: str, redis_url: str) -> None:

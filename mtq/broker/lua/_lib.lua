@@ -20,6 +20,10 @@ Prefix keys are the one place where Lua appends to a key name: ids are only
 known inside the script (claim pops them). The hash tag sits in the prefix, so
 the result always hashes to the queue's slot.
 
+Fencing: ack, nack and extend act only on a task whose status is 'running' AND
+whose token matches, so a token left in the hash after the task moves on is inert
+(retry and release leave it for the next claim to overwrite).
+
 Ring invariant (what makes ordering hold): a stream whose list is non-empty and
 which is not in busy is in the ring. The ring may also hold stale or duplicate
 entries; claim checks each popped stream (busy? list empty?) and drops those.
@@ -108,6 +112,7 @@ local function finish(id, status, now, ttl, field, value)
   else
     redis.call('HSET', tk, 'status', status, 'finished', now)
   end
+  -- not needed for fencing (see the header); it keeps retained results lean
   redis.call('HDEL', tk, 'token')
   if ttl > 0 then redis.call('EXPIRE', tk, ttl) end
   redis.call('PUBLISH', DONE .. id, status)

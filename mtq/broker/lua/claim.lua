@@ -2,8 +2,8 @@
 KEYS: the standard twelve (see _lib.lua).
 ARGV[1] events channel   ARGV[2] completion channel prefix
 ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
-ARGV[6] max deliveries   ARGV[7] wake cap   ARGV[8] reap/promote limit per call
-ARGV[9] retention s   ARGV[10] dead-letter retention s   ARGV[11] dead-letter max length
+ARGV[6] max deliveries   ARGV[7] reap/promote limit per call
+ARGV[8] retention s   ARGV[9] dead-letter retention s   ARGV[10] dead-letter max length
 Returns: {next_timer_ms, reaped, then 7 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default)}
   next_timer_ms is the time until the earliest lease deadline or due retry (-1: none);
@@ -15,8 +15,8 @@ A task whose deadline has passed is marked expired and skipped, never run.
 ]]
 --@include _lib.lua
 local worker, B, lease = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-local max_deliveries, cap, limit = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-local ttl, dead_ttl, dead_max = tonumber(ARGV[9]), tonumber(ARGV[10]), tonumber(ARGV[11])
+local max_deliveries, limit = tonumber(ARGV[6]), tonumber(ARGV[7])
+local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local now = now_ms()
 local reaped = reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
 promote_due(now, limit)
@@ -55,12 +55,10 @@ local function take(id, s)
   return true
 end
 
-local marker_popped = false
 while n < B do
   local s = redis.call('LPOP', K_READY)
   if not s then break end
   if s == FREE then
-    marker_popped = true
     redis.call('HSET', K_STATS, 'free_marked', '0')
     while true do
       local id = redis.call('LPOP', K_FREE)

@@ -39,12 +39,10 @@ for i = 0, n - 1 do
       local delay = tonumber(string.sub(arg, 1, sep - 1))
       redis.call('HSET', tk, 'status', 'delayed', 'error', string.sub(arg, sep + 1))
       redis.call('HINCRBY', tk, 'attempts', 1)
-      redis.call('HDEL', tk, 'token')
       redis.call('ZADD', K_DELAYED, now + delay, id)
       by.retried[#by.retried + 1] = id
     elseif action == 'release' then
       redis.call('HSET', tk, 'deliveries', math.max(0, tonumber(f[5] or '1') - 1))
-      redis.call('HDEL', tk, 'token')
       requeue_head(id, s)
       woken = woken + 1
       by.released[#by.released + 1] = id
