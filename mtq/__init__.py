@@ -26,6 +26,7 @@ from mtq.errors import (
     TaskNotFound,
 )
 from mtq.settings import QueueSettings, RedisSettings
+from mtq.workers.model import Model
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "EncodeError",
     "InvalidName",
     "LeaseLost",
+    "Model",
     "MtqError",
     "Outcome",
     "PayloadError",

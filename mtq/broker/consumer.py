@@ -20,12 +20,13 @@ import redis
 
 from mtq import serialization
 from mtq.broker.codes import Code
-from mtq.broker.connection import connect
+from mtq.broker.connection import connect, redis_errors
 from mtq.broker.protocol import (
     CANCEL,
     DEAD,
     FAIL,
     RELEASE,
+    REQUEUE,
     RETRY,
     Broker,
     Claimed,
@@ -84,6 +85,7 @@ class Consumer:
         self.redis = client if client is not None else connect(url)
         self.broker = Broker(self.redis, self.queue, self.settings)
         self.worker_id = worker_id or default_worker_id()
+        self.wake_key = self.broker.keys.worker_wake(self.worker_id)
         #: ms until the next lease deadline / due retry, from the last claim (-1: none)
         self.next_timer_ms = -1
         self._rng = random.Random()
@@ -105,7 +107,16 @@ class Consumer:
         limit = MAX_IDLE_S if timeout is None else min(timeout, MAX_IDLE_S)
         if self.next_timer_ms >= 0:
             limit = min(limit, self.next_timer_ms / 1000 + 0.001)
-        return self.broker.wait_for_work(limit)
+        return self.broker.wait_for_work(limit, self.wake_key)
+
+    def interrupt(self) -> None:
+        """End a :meth:`wait` in progress (from another thread) at once."""
+        self.broker.interrupt(self.wake_key)
+
+    def clear_interrupts(self) -> None:
+        """Drop this worker's own wake key (when it stops)."""
+        with redis_errors("while stopping"):
+            self.redis.delete(self.wake_key)
 
     # -- settling --------------------------------------------------------------
     def backoff_ms(self, attempts: int) -> int:
@@ -191,6 +202,22 @@ class Consumer:
             return 0
         # Each release LPUSHes to the head: send them last-first so the batch keeps its order.
         codes = self.broker.nack([(t.id, t.token, RELEASE, "") for t in reversed(tasks)])
+        return sum(1 for c in codes if c == 1)
+
+    def requeue(self, leases: Sequence[tuple[str, str]], reason: str) -> list[int]:
+        """The process running these (id, token) tasks died or was killed: put them
+        back at the head of their streams now instead of waiting for their leases,
+        with the delivery counted (dead as poison at ``max_deliveries``)."""
+        if not leases:
+            return []
+        arg = f"{self.settings.max_deliveries}|{reason}"
+        return self.broker.nack([(i, t, REQUEUE, arg) for i, t in reversed(leases)])
+
+    def release_leases(self, leases: Sequence[tuple[str, str]]) -> int:
+        """:meth:`release` by (id, token) pairs (a supervisor holds no Claimed objects)."""
+        if not leases:
+            return 0
+        codes = self.broker.nack([(i, t, RELEASE, "") for i, t in reversed(leases)])
         return sum(1 for c in codes if c == 1)
 
     def extend(self, tasks: Sequence[Claimed], lease_ms: int | None = None

@@ -12,6 +12,13 @@ PREFIX = "mtq"
 
 #: the set of known queue names (outside any queue's slot; never touched by Lua)
 QUEUES = f"{PREFIX}:queues"
+#: the worker registry: sorted set of worker id -> last heartbeat (ms)
+WORKERS = f"{PREFIX}:workers"
+
+
+def worker(worker_id: str) -> str:
+    """The hash one worker process reports its health in (expires when it stops beating)."""
+    return f"{PREFIX}:worker:{worker_id}"
 
 
 class QueueKeys:
@@ -25,6 +32,7 @@ class QueueKeys:
         "base",
         "busy",
         "channels",
+        "control",
         "dead",
         "delayed",
         "done_prefix",
@@ -59,6 +67,7 @@ class QueueKeys:
         self.seq = self.base + "seq"
         self.events = self.base + "events"
         self.done_prefix = self.base + "done:"
+        self.control = self.base + "control"
         self.script_keys = [
             self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
             self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,
@@ -77,6 +86,10 @@ class QueueKeys:
     def idem(self, key: str) -> str:
         """The idempotency key record."""
         return self.idem_prefix + key
+
+    def worker_wake(self, worker_id: str) -> str:
+        """A worker's own wake list: pushed to by its own threads to end its BLPOP."""
+        return self.base + "wake:" + worker_id
 
     def done(self, task_id: str) -> str:
         """The channel on which a task's terminal status is published."""

@@ -22,6 +22,7 @@ from mtq.settings import QueueSettings
 
 #: nack actions understood by nack.lua
 RETRY, FAIL, DEAD, CANCEL, RELEASE = "retry", "fail", "dead", "cancel", "release"
+REQUEUE = "requeue"
 
 TERMINAL = frozenset({"succeeded", "failed", "dead", "cancelled", "expired"})
 
@@ -49,6 +50,14 @@ class Claimed:
     attempts: int
     deliveries: int
     retries: int | None
+    #: ms since it was submitted (server clock) when it was claimed
+    age_ms: int = 0
+
+    @property
+    def suspect(self) -> bool:
+        """True if an earlier delivery ended without an outcome (its worker died,
+        hung or was killed): such a task is run alone, so it cannot take a batch down."""
+        return self.deliveries - self.attempts > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +77,13 @@ def _s(value: Any) -> str:
 
 def _parse_claim(raw: list[Any]) -> ClaimResult:
     tasks = []
-    for i in range(2, len(raw), 7):
+    for i in range(2, len(raw), 8):
         stream = _s(raw[i + 3])
         retries = _s(raw[i + 6])
         tasks.append(Claimed(
             id=_s(raw[i]), token=_s(raw[i + 1]), payload=raw[i + 2],
             stream=stream or None, attempts=int(raw[i + 4]), deliveries=int(raw[i + 5]),
-            retries=int(retries) if retries else None,
+            retries=int(retries) if retries else None, age_ms=int(raw[i + 7]),
         ))
     return ClaimResult(tasks, int(raw[0]), int(raw[1]))
 
@@ -177,10 +186,25 @@ class Broker:
         raw = self.run(self._call("reap", args, lambda r: tuple(int(x) for x in r)))
         return raw[0]
 
-    def wait_for_work(self, timeout_s: float) -> bool:
-        """Block until a submit wakes this worker or ``timeout_s`` passes (BLPOP)."""
+    def wait_for_work(self, timeout_s: float, interrupt: str | None = None) -> bool:
+        """Block until a submit wakes this worker or ``timeout_s`` passes (BLPOP).
+
+        ``interrupt``: a worker's own wake key (:meth:`QueueKeys.worker_wake`), which
+        its other threads push to when they need the sleeper back (pause, stop).
+        Redis checks blocking timeouts at its ``hz`` (10/s by default), so a timeout
+        may overrun by up to 100 ms; nothing on a latency path depends on it.
+        """
+        keys = [self.keys.wake] if interrupt is None else [self.keys.wake, interrupt]
         with redis_errors("while waiting for work"):
-            return self.redis.blpop([self.keys.wake], timeout=max(timeout_s, 0.001)) is not None
+            return self.redis.blpop(keys, timeout=max(timeout_s, 0.001)) is not None
+
+    def interrupt(self, key: str) -> None:
+        """Wake the worker sleeping on its own wake key ``key``."""
+        with redis_errors("while waking a worker"):
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.rpush(key, "1")
+            pipe.expire(key, 60)
+            pipe.execute()
 
     # -- inspection ------------------------------------------------------------
     def stats(self) -> dict[str, int]:
@@ -208,6 +232,7 @@ __all__ = [
     "DEAD",
     "FAIL",
     "RELEASE",
+    "REQUEUE",
     "RETRY",
     "TERMINAL",
     "Broker",

@@ -6,6 +6,7 @@ import json
 import logging
 import signal
 import sys
+import threading
 from typing import Any
 
 import click
@@ -86,47 +87,176 @@ def server_status(as_json: bool) -> None:
 
 
 # -- worker ----------------------------------------------------------------------
+_redis_opt = click.option("--redis", "url", default=None,
+                          help="Redis URL (default: MTQ_REDIS_URL, else the embedded server).")
+_queue_opt = click.option("--queue", "-q", required=True, help="Queue to serve.")
+
+
 @cli.group()
 def worker() -> None:
-    """Run a worker process."""
+    """Run one worker in this process (no supervisor; see 'mtq workers start')."""
 
 
 @worker.command("run")
 @click.argument("target")
-@click.option("--queue", "-q", required=True, help="Queue to serve.")
-@click.option("--redis", "url", default=None, help="Redis URL (default: MTQ_REDIS_URL / embedded).")
-@click.option("--batch-size", default=64, show_default=True, type=click.IntRange(1, 10_000))
+@_queue_opt
+@_redis_opt
+@click.option("--batch-size", default=None, type=click.IntRange(1, 100_000),
+              help="Most tasks per batch (default: the model's max_batch_size).")
+@click.option("--max-wait-ms", default=None, type=click.FloatRange(0, 60_000),
+              help="Longest wait for a batch to fill (default: the model's max_wait_ms).")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or mps.")
 @click.option("--lease-ms", default=30_000, show_default=True, type=click.IntRange(1))
 @click.option("--burst", is_flag=True, help="Exit when the queue has nothing left to do.")
-def worker_run(target: str, queue: str, url: str | None, batch_size: int, lease_ms: int,
-               burst: bool) -> None:
-    """Serve QUEUE with TARGET, a plain function 'package.module:function'
-    called once per task payload. SIGTERM/SIGINT stop it after the current batch."""
-    from mtq.settings import QueueSettings, RedisSettings
-    from mtq.workers.simple import SimpleWorker, WorkerInterrupted
-    from mtq.workers.target import load_target
+def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
+               max_wait_ms: float | None, device: str, lease_ms: int, burst: bool) -> None:
+    """Serve QUEUE with TARGET ('package.module:attr': an mtq.Model subclass or a
+    plain function). SIGTERM/SIGINT stop it after the running batch; a second
+    signal exits at once (its tasks return when their leases expire)."""
+    import os
+
+    from mtq.settings import QueueSettings
+    from mtq.workers.control import Listener
+    from mtq.workers.worker import Worker
 
     try:
-        func = load_target(target)
-        w = SimpleWorker(queue, func, url=url or RedisSettings.from_env().url,
-                         settings=QueueSettings(lease_ms=lease_ms), batch_size=batch_size)
+        w = Worker(target, queue, url=url, settings=QueueSettings(lease_ms=lease_ms),
+                   device=device, max_batch_size=batch_size, max_wait_ms=max_wait_ms)
+        w.setup()
     except MtqError as exc:
         _fail(exc, 2)
+    signals = 0
 
     def on_signal(signum: int, _frame: Any) -> None:
-        w.stop()
-        if w.waiting:
-            raise WorkerInterrupted()
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            os._exit(130)
+        threading.Thread(target=w.stop, daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    listener = Listener(w.consumer.redis, w.queue, w.command)
+    listener.start()
+    if burst:
+        w.command({"cmd": "drain"})
     try:
-        stats = w.run(burst=burst)
-    except WorkerInterrupted:  # a signal that landed just as the idle wait returned
-        stats = w.stats
+        totals = w.run()
     except MtqError as exc:
         _fail(exc)
-    err_console.print(f"worker stopped: {stats}")
+    finally:
+        listener.close()
+    err_console.print(f"worker stopped: {totals}")
+
+
+@cli.group()
+def workers() -> None:
+    """Start, list and control supervised worker processes."""
+
+
+@workers.command("start")
+@click.argument("target")
+@_queue_opt
+@_redis_opt
+@click.option("--devices", "devices_spec", default="cpu", show_default=True,
+              help="cpu | cuda:0,cuda:1 | all (every GPU, or cpu without one).")
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(0, 256),
+              help="Worker processes per device.")
+@click.option("--max-batch-size", default=None, type=click.IntRange(1, 100_000),
+              help="Override the model's max_batch_size.")
+@click.option("--max-wait-ms", default=None, type=click.FloatRange(0, 60_000),
+              help="Override the model's max_wait_ms.")
+@click.option("--timeout", "timeout_s", default=None, type=click.FloatRange(min=0.001),
+              help="Override the model's timeout_s: longest one predict call may run.")
+@click.option("--lease-ms", default=30_000, show_default=True, type=click.IntRange(100))
+def workers_start(target: str, queue: str, url: str | None, devices_spec: str, replicas: int,
+                  max_batch_size: int | None, max_wait_ms: float | None,
+                  timeout_s: float | None, lease_ms: int) -> None:
+    """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
+    device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
+    signal forces."""
+    from mtq.settings import QueueSettings
+    from mtq.workers.supervisor import Supervisor
+
+    try:
+        sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,
+                         settings=QueueSettings(lease_ms=lease_ms),
+                         max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+                         timeout_s=timeout_s, on_event=lambda m: err_console.print(f"mtq: {m}"))
+    except MtqError as exc:
+        _fail(exc, 2)
+    err_console.print(f"mtq: supervisor {sup.id} serving {queue!r} with {target} on "
+                      f"{', '.join(sup.devices)} x {replicas}")
+    sys.exit(sup.run())
+
+
+@workers.command("list")
+@click.option("--queue", "-q", default=None, help="Only workers of this queue.")
+@_redis_opt
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def workers_list(queue: str | None, url: str | None, as_json: bool) -> None:
+    """Live workers from the registry (host, device, model, state, batch sizes, rate)."""
+    from mtq.broker.connection import connect
+    from mtq.workers.registry import list_workers
+
+    try:
+        rows = list_workers(connect(url), queue)
+    except MtqError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title=f"{len(rows)} worker(s)")
+    for col in ("id", "queue", "device", "model", "state", "batch", "typical", "tasks/s",
+                "done", "beat age"):
+        table.add_column(col)
+    for w in rows:
+        table.add_row(w["id"], str(w.get("queue")), str(w.get("device")),
+                      f"{w.get('model')}/{w.get('version')}", str(w.get("state")),
+                      str(w.get("batch")), str(w.get("typical_batch")),
+                      str(w.get("tasks_per_s")), str(w.get("succeeded")),
+                      f"{w['heartbeat_age_s']:.1f}s")
+    console.print(table)
+
+
+def _control(cmd: str, queue: str, url: str | None, worker_id: str | None = None,
+             replicas: int | None = None) -> None:
+    from mtq.broker.connection import connect
+    from mtq.workers import control
+
+    try:
+        n = control.send(connect(url), queue, cmd, worker=worker_id, replicas=replicas)
+    except MtqError as exc:
+        _fail(exc)
+    if n == 0:
+        err_console.print(f"[yellow]no supervisor of queue {queue!r} is listening[/]")
+        sys.exit(4)
+    console.print(f"{cmd}: sent to {n} supervisor(s) of {queue!r}")
+
+
+def _control_command(cmd: str, help_text: str) -> None:
+    @workers.command(cmd, help=help_text)
+    @_queue_opt
+    @_redis_opt
+    @click.option("--worker", "worker_id", default=None, help="Only this worker id.")
+    def _cmd(queue: str, url: str | None, worker_id: str | None) -> None:
+        _control(cmd, queue, url, worker_id)
+
+
+_control_command("pause", "Stop claiming; claimed-ahead tasks go back to the queue.")
+_control_command("resume", "Claim again after a pause.")
+_control_command("reload", "Re-import the target and run setup again, losing no task.")
+_control_command("drain", "Work until the queue is empty, then exit.")
+_control_command("stop", "Finish running batches, give the rest back, exit.")
+
+
+@workers.command("scale")
+@click.argument("replicas", type=click.IntRange(0, 256))
+@_queue_opt
+@_redis_opt
+def workers_scale(replicas: int, queue: str, url: str | None) -> None:
+    """Set the number of worker processes per device of the running supervisors."""
+    _control("scale", queue, url, replicas=replicas)
 
 
 # -- submit ----------------------------------------------------------------------

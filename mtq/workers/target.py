@@ -1,26 +1,31 @@
-"""Loading a worker target named ``package.module:attr``."""
+"""Loading a worker target named ``package.module:attr``.
+
+A target is a :class:`~mtq.workers.model.Model` subclass (or instance) or a plain
+function. Every mistake is a :class:`~mtq.errors.TargetError` raised at start-up,
+which the supervisor reports once instead of restarting into a crash loop.
+"""
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+import sys
+from dataclasses import dataclass
 from typing import Any
 
 from mtq.errors import TargetError
+from mtq.workers.model import FunctionModel, Model
 
 
-def load_target(spec: str) -> Callable[..., Any]:
-    """Import ``package.module:attr`` and return the attribute.
-
-    Raises TargetError (at start-up, not in a crash loop) when the spec is
-    malformed, the module cannot be imported or the attribute is missing or not callable.
-    """
+def _resolve(spec: str, reload: bool = False) -> Any:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise TargetError(f"bad target {spec!r}: write it as package.module:attr, "
-                          "e.g. myapp.models:embed")
+                          "e.g. myapp.models:Embedder")
     try:
-        module = importlib.import_module(module_name)
+        if reload and module_name in sys.modules:
+            module = importlib.reload(sys.modules[module_name])
+        else:
+            module = importlib.import_module(module_name)
     except Exception as exc:
         raise TargetError(f"cannot import {module_name!r} for target {spec!r}: "
                           f"{type(exc).__name__}: {exc} (is it on PYTHONPATH?)") from exc
@@ -31,6 +36,72 @@ def load_target(spec: str) -> Callable[..., Any]:
         except AttributeError:
             raise TargetError(f"module {module_name!r} has no attribute {attr!r} "
                               f"(target {spec!r})") from None
+    return obj
+
+
+def load_target(spec: str) -> Any:
+    """Import ``package.module:attr`` and return the attribute, which must be callable.
+
+    Raises TargetError when the spec is malformed, the module cannot be imported or
+    the attribute is missing or not callable.
+    """
+    obj = _resolve(spec)
     if not callable(obj):
         raise TargetError(f"target {spec!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+@dataclass(frozen=True)
+class BatchPolicy:
+    """How a worker batches and guards one model (class attributes, then overrides)."""
+
+    max_batch_size: int
+    max_wait_ms: float
+    timeout_s: float | None
+
+    @classmethod
+    def of(cls, model: Model, *, max_batch_size: int | None = None,
+           max_wait_ms: float | None = None, timeout_s: float | None = None) -> BatchPolicy:
+        """Read the model's attributes, apply the overrides that are not None, check them.
+
+        Raises TargetError naming the bad value."""
+        b = model.max_batch_size if max_batch_size is None else max_batch_size
+        w = model.max_wait_ms if max_wait_ms is None else max_wait_ms
+        t = model.timeout_s if timeout_s is None else timeout_s
+        name = model.describe()[0]
+        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= 100_000:
+            raise TargetError(f"{name}: max_batch_size must be an int in 1..100000, got {b!r}")
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w <= 60_000:
+            raise TargetError(f"{name}: max_wait_ms must be a number in 0..60000, got {w!r}")
+        if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or t <= 0):
+            raise TargetError(f"{name}: timeout_s must be a positive number or None, got {t!r}")
+        return cls(b, float(w), None if t is None else float(t))
+
+
+def load_model(spec: str, *, reload: bool = False) -> Model:
+    """Import the target and turn it into a :class:`Model` instance (not set up yet).
+
+    ``reload``: re-import the module first (the ``reload`` control command).
+    Raises TargetError for anything that is not a Model subclass, a Model instance
+    or a plain callable, or a Model class that cannot be constructed without arguments.
+    """
+    obj = _resolve(spec, reload)
+    if isinstance(obj, type):
+        if not issubclass(obj, Model):
+            if callable(getattr(obj, "predict", None)):
+                raise TargetError(f"target {spec!r}: class {obj.__name__} has a predict method "
+                                  "but does not subclass mtq.Model; write "
+                                  f"'class {obj.__name__}(mtq.Model)'")
+            raise TargetError(f"target {spec!r} is a class that is not an mtq.Model")
+        try:
+            return obj()
+        except Exception as exc:
+            raise TargetError(f"target {spec!r}: {obj.__name__}() failed: "
+                              f"{type(exc).__name__}: {exc} (load weights in setup(), "
+                              "and give __init__ no required arguments)") from exc
+    if isinstance(obj, Model):
+        return obj
+    if callable(obj):
+        return FunctionModel(obj)
+    raise TargetError(f"target {spec!r} is a {type(obj).__name__}, not an mtq.Model "
+                      "or a function")

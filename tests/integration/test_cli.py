@@ -146,7 +146,7 @@ def test_worker_run_malformed_target(runner):
 
 @pytest.mark.parametrize("spec,expected", [
     ("tests.handlers:nope", "has no attribute 'nope'"),
-    ("tests.handlers:os", "not a callable"),
+    ("tests.handlers:os", "not an mtq.Model or a function"),
     (":double", "bad target"),
     ("tests.handlers:", "bad target"),
 ])
@@ -241,7 +241,7 @@ def test_worker_subprocess_serves_and_stops_on_sigterm(redis_url, qname, subproc
         output = log_path.read_text()
         assert code == 0, output
         assert "worker stopped" in output
-        assert "succeeded=50" in output
+        assert "'succeeded': 50" in output
         assert "Traceback" not in output
     finally:
         _stop(proc)

@@ -494,14 +494,16 @@ def test_bad_input_gets_named_errors_and_queue_stays_healthy(qname: str, redis_u
 
 
 def test_garbage_payload_fails_only_that_task(qname: str, redis_url: str, r: redis.Redis) -> None:
-    from mtq.workers.simple import SimpleWorker
+    from mtq.workers.model import FunctionModel
+    from mtq.workers.worker import Worker
 
     q, c = make(qname, redis_url)
     good = q.submit({"x": 1})
     bad = q.submit({"x": 2})
     r.hset(q.broker.keys.task(bad.id), "payload", b"\xc1\xc1")  # not msgpack
-    w = SimpleWorker(qname, lambda p: p["x"], consumer=c)
-    w.run(burst=True)
+    w = Worker(FunctionModel(lambda p: p["x"]), qname, consumer=c)
+    w.command({"cmd": "drain"})
+    w.run()
     assert good.result(timeout=5) == 1
     assert bad.status() == "failed" and "PayloadError" in (bad.info().error or "")
 

@@ -17,6 +17,7 @@ EXPECTED_ALL = [
     "EncodeError",
     "InvalidName",
     "LeaseLost",
+    "Model",
     "MtqError",
     "Outcome",
     "PayloadError",

@@ -131,40 +131,53 @@ local function dead_letter(id, now, dead_ttl, dead_max, err)
   redis.call('HINCRBY', K_STATS, 'dead_total', 1)
 end
 
--- Reclaim tasks whose lease expired (their worker died or hung): back to the
--- head of their stream, or dead as poison after max_deliveries, or cancelled
--- if a cancel was requested while it ran. Returns the number of reclaimed ids.
+-- Take back one running task whose worker is gone (lease expired, or its
+-- supervisor saw the process die): back to the head of its stream, or dead as
+-- poison after max_deliveries, or cancelled if a cancel was requested while it
+-- ran. f = HMGET of status, stream, deliveries, cancel. The lease is already
+-- removed. Returns 'requeued', 'dead' or 'cancelled'.
+local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
+  local s = f[2]
+  if f[4] then
+    finish(id, 'cancelled', now, ttl)
+    redis.call('HINCRBY', K_STATS, 'cancelled', 1)
+    if s then release_stream(s) end
+    return 'cancelled'
+  elseif tonumber(f[3] or '0') >= max_deliveries then
+    dead_letter(id, now, dead_ttl, dead_max,
+      'PoisonTask: ' .. why .. ' on each of ' .. f[3] .. ' deliveries')
+    if s then release_stream(s) end
+    return 'dead'
+  end
+  requeue_head(id, s)
+  return 'requeued'
+end
+
+-- Publish what reclaim() did, grouped: by = {requeued = ids, dead = ids, cancelled = ids}.
+local function reclaim_events(by, now)
+  if #by.requeued > 0 then
+    redis.call('HINCRBY', K_STATS, 'redelivered', #by.requeued)
+    event('restarted', now, {ids = by.requeued})
+  end
+  if #by.dead > 0 then event('dead', now, {ids = by.dead}) end
+  if #by.cancelled > 0 then event('cancelled', now, {ids = by.cancelled}) end
+end
+
+-- Reclaim tasks whose lease expired (their worker died or hung). Returns the
+-- number of expired leases handled.
 local function reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
   local ids = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, limit)
   if #ids == 0 then return 0 end
-  local requeued, dead, cancelled = {}, {}, {}
+  local by = {requeued = {}, dead = {}, cancelled = {}}
   for _, id in ipairs(ids) do
     redis.call('ZREM', K_LEASES, id)
     local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream', 'deliveries', 'cancel')
-    local s = f[2]
     if f[1] == 'running' then
-      if f[4] then
-        finish(id, 'cancelled', now, ttl)
-        redis.call('HINCRBY', K_STATS, 'cancelled', 1)
-        if s then release_stream(s) end
-        cancelled[#cancelled + 1] = id
-      elseif tonumber(f[3] or '0') >= max_deliveries then
-        dead_letter(id, now, dead_ttl, dead_max,
-          'PoisonTask: lease expired on each of ' .. f[3] .. ' deliveries')
-        if s then release_stream(s) end
-        dead[#dead + 1] = id
-      else
-        requeue_head(id, s)
-        requeued[#requeued + 1] = id
-      end
+      local what = reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, 'lease expired')
+      by[what][#by[what] + 1] = id
     end
   end
-  if #requeued > 0 then
-    redis.call('HINCRBY', K_STATS, 'redelivered', #requeued)
-    event('restarted', now, {ids = requeued})
-  end
-  if #dead > 0 then event('dead', now, {ids = dead}) end
-  if #cancelled > 0 then event('cancelled', now, {ids = cancelled}) end
+  reclaim_events(by, now)
   return #ids
 end
 

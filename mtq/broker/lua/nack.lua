@@ -10,6 +10,10 @@ ARGV[6] n, then n groups of 4: id, lease token, action, delay ms / error
   action 'dead'    : attempts+1, terminal 'dead', id pushed on the dead-letter list.
   action 'cancel'  : terminal 'cancelled' (the worker stopped it on request).
   action 'release' : give the task back unrun: head of its stream, delivery not counted.
+  action 'requeue' : the process running it died or was killed (a supervisor reports
+                     it): as if its lease expired now -- head of its stream with the
+                     delivery counted, or dead as poison at the delivery limit.
+                     The 4th field is "<max deliveries>|<reason>".
   A task with a pending cancel request ends cancelled whatever the action (the
   user's intent wins; it does not land in the dead-letter list).
 Returns: one code per task: 1 = done; E_LEASE_LOST (not running under this token,
@@ -20,6 +24,7 @@ local ttl, dead_ttl, dead_max, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumbe
 local now = now_ms()
 local codes, woken = {}, 0
 local by = {retried = {}, failed = {}, dead = {}, cancelled = {}, released = {}}
+by.reclaimed = {requeued = {}, dead = {}, cancelled = {}}
 for i = 0, n - 1 do
   local b = 7 + i * 4
   local id, token, action, arg = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
@@ -28,9 +33,17 @@ for i = 0, n - 1 do
   local s = f[3]
   if f[1] ~= 'running' or f[2] ~= token then
     codes[i + 1] = E_LEASE_LOST
-  elseif action ~= 'retry' and action ~= 'fail' and action ~= 'dead'
-      and action ~= 'cancel' and action ~= 'release' then
+  elseif action ~= 'retry' and action ~= 'fail' and action ~= 'dead' and action ~= 'cancel'
+      and action ~= 'release' and action ~= 'requeue' then
     codes[i + 1] = E_BAD_ARGUMENT
+  elseif action == 'requeue' then
+    redis.call('ZREM', K_LEASES, id)
+    local sep = string.find(arg, '|', 1, true) or (#arg + 1)
+    local limit = tonumber(string.sub(arg, 1, sep - 1)) or 1
+    local what = reclaim(id, {'running', s, f[5], f[4]}, now, limit, ttl, dead_ttl, dead_max,
+      string.sub(arg, sep + 1))
+    by.reclaimed[what][#by.reclaimed[what] + 1] = id
+    codes[i + 1] = 1
   else
     redis.call('ZREM', K_LEASES, id)
     if f[4] then action = 'cancel' end  -- a pending cancel request wins over any outcome but success
@@ -65,6 +78,9 @@ for i = 0, n - 1 do
     codes[i + 1] = 1
   end
 end
+reclaim_events(by.reclaimed, now)
+woken = woken + #by.reclaimed.requeued
+by.reclaimed = nil
 for name, ids in pairs(by) do
   if #ids > 0 then
     if name ~= 'released' and name ~= 'dead' then redis.call('HINCRBY', K_STATS, name, #ids) end

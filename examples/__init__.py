@@ -1,0 +1,2 @@
+"""Runnable examples of mtq targets (``examples.tiny:TinyClassifier`` and
+``examples.embeddings:MiniLM``)."""

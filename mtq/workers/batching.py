@@ -1,0 +1,188 @@
+"""Dynamic batching: the batch being formed, and running a batch with failure isolation.
+
+The fetcher thread claims tasks into a :class:`BatchSlot`; the model thread takes a
+batch from it as soon as ``max_batch_size`` tasks are there, or when the oldest has
+waited ``max_wait_ms`` since it was *submitted* (the claim reports each task's age
+in server time, so the deadline does not depend on clock skew). Deadlines are
+kept with a local condition variable: Redis checks blocking timeouts only at its
+``hz`` (every 100 ms by default), far too coarse for a 5 ms batching window.
+
+While the model is busy the slot keeps filling, so a batch that waited for the
+device is as large as the traffic allows, at no latency cost.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mtq.broker.protocol import Claimed
+
+
+@dataclass(slots=True)
+class _Pending:
+    task: Claimed
+    ready_at: float  # monotonic time at which it must run (arrival + max wait)
+
+
+class BatchSlot:
+    """The batch being formed: filled by the fetcher, taken by the model thread."""
+
+    def __init__(self, max_batch_size: int, max_wait_ms: float) -> None:
+        self.cond = threading.Condition()
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000
+        self._pending: list[_Pending] = []
+        self.paused = False
+        self.closed = False
+        self._kicked = False
+
+    def configure(self, max_batch_size: int, max_wait_ms: float) -> None:
+        """New limits (after a reload)."""
+        with self.cond:
+            self.max_batch_size = max_batch_size
+            self.max_wait_s = max_wait_ms / 1000
+            self.cond.notify_all()
+
+    def __len__(self) -> int:
+        with self.cond:
+            return len(self._pending)
+
+    def ids(self) -> list[Claimed]:
+        """The tasks waiting in the slot (a copy)."""
+        with self.cond:
+            return [p.task for p in self._pending]
+
+    # -- fetcher side -----------------------------------------------------------
+    def wait_space(self) -> int:
+        """Block until the slot has room and is not paused; returns how many tasks to
+        claim, or 0 once the slot is closed."""
+        with self.cond:
+            while not self.closed and (self.paused or
+                                       len(self._pending) >= self.max_batch_size):
+                self.cond.wait()
+            return 0 if self.closed else self.max_batch_size - len(self._pending)
+
+    def put(self, tasks: Sequence[Claimed], claimed_at: float) -> list[Claimed]:
+        """Add claimed tasks; returns those refused (the slot is paused or closed),
+        which the caller must give back."""
+        with self.cond:
+            if self.closed or self.paused:
+                return list(tasks)
+            for t in tasks:
+                self._pending.append(_Pending(t, claimed_at - t.age_ms / 1000 + self.max_wait_s))
+            self.cond.notify_all()
+            return []
+
+    # -- model side -------------------------------------------------------------
+    def take(self) -> list[Claimed] | None:
+        """Block until a batch is due and return it; None once closed; [] after
+        :meth:`kick` (the caller has something to do between batches)."""
+        with self.cond:
+            while True:
+                if self.closed:
+                    return None
+                if self._kicked:
+                    self._kicked = False
+                    return []
+                pending = self._pending
+                if pending and not self.paused:
+                    for i, p in enumerate(pending):
+                        if p.task.suspect:  # it killed a worker before: run it alone
+                            del pending[i]
+                            return [p.task]
+                    b = self.max_batch_size
+                    due = min(p.ready_at for p in pending)
+                    wait = due - time.monotonic()
+                    if len(pending) >= b or wait <= 0:
+                        batch, self._pending = pending[:b], pending[b:]
+                        self.cond.notify_all()
+                        return [p.task for p in batch]
+                    self.cond.wait(wait)
+                else:
+                    self.cond.wait()
+
+    # -- control ----------------------------------------------------------------
+    def kick(self) -> None:
+        """Make a waiting :meth:`take` return [] once."""
+        with self.cond:
+            self._kicked = True
+            self.cond.notify_all()
+
+    def set_paused(self, paused: bool) -> list[Claimed]:
+        """Pause or resume; pausing empties the slot and returns its tasks."""
+        with self.cond:
+            self.paused = paused
+            out = [] if not paused else [p.task for p in self._pending]
+            if paused:
+                self._pending = []
+            self.cond.notify_all()
+            return out
+
+    def close(self) -> list[Claimed]:
+        """Stop both sides; returns the unstarted tasks to give back."""
+        with self.cond:
+            self.closed = True
+            out = [p.task for p in self._pending]
+            self._pending = []
+            self.cond.notify_all()
+            return out
+
+    def remove(self, ids: set[str]) -> list[Claimed]:
+        """Take the tasks with these ids out of the slot (cancelled, or lease lost)."""
+        with self.cond:
+            out = [p.task for p in self._pending if p.task.id in ids]
+            if out:
+                self._pending = [p for p in self._pending if p.task.id not in ids]
+            return out
+
+
+class BatchShapeError(Exception):
+    """predict returned the wrong number of results."""
+
+
+@dataclass(slots=True)
+class ItemResult:
+    """What happened to one payload of a batch."""
+
+    ok: bool
+    value: Any = None
+    error: BaseException | None = None
+
+
+def run_isolated(call: Callable[[int, int], Any], n: int) -> list[ItemResult]:
+    """Run ``call(lo, hi)`` (predict on items lo..hi-1) for the whole batch; when it
+    raises, bisect so the items that succeed on their own keep their results and
+    only the failing ones get an error. An exception instance returned in place of
+    a result fails that item only."""
+    out: list[ItemResult] = []
+
+    def go(lo: int, hi: int) -> None:
+        try:
+            results = call(lo, hi)
+            if isinstance(results, (str, bytes, dict)) or not hasattr(results, "__len__"):
+                raise BatchShapeError(f"predict must return a list, got {type(results).__name__}")
+            if len(results) != hi - lo:
+                raise BatchShapeError(f"predict returned {len(results)} results for "
+                                      f"{hi - lo} payloads")
+            rows = list(results)
+        except Exception as exc:
+            if hi - lo == 1:
+                out.append(ItemResult(False, error=exc))
+                return
+            mid = (lo + hi) // 2
+            go(lo, mid)
+            go(mid, hi)
+            return
+        for r in rows:
+            if isinstance(r, BaseException):
+                out.append(ItemResult(False, error=r))
+            else:
+                out.append(ItemResult(True, value=r))
+
+    if n:
+        go(0, n)
+    return out

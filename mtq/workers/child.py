@@ -1,0 +1,120 @@
+"""The entry point of a worker process started by the supervisor (spawned, never forked).
+
+It reports to the supervisor over a pipe: its worker id, that its model is set up,
+which tasks it holds and which it is running (so a supervisor that sees it die can
+give them back at once), and, through a small shared array, when the current
+predict call started (so the supervisor can kill it when the call overruns its
+timeout; a hung kernel cannot be interrupted from a thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mtq.workers.worker import Monitor
+
+#: exit codes the supervisor reads
+EXIT_OK = 0
+EXIT_TARGET = 3   # the target cannot be loaded: do not restart, report
+EXIT_SETUP = 4    # setup() raised: restart with backoff, give up after a few in a row
+
+# shared array layout: predict call started at (time.monotonic(), 0 = idle), first, end item
+STARTED, LO, HI = 0, 1, 2
+
+log = logging.getLogger("mtq.workers.child")
+
+
+class PipeMonitor(Monitor):
+    """The child's side of the supervisor link (thread-safe)."""
+
+    def __init__(self, conn: Connection, shared: Any) -> None:
+        self.conn = conn
+        self.shared = shared
+        self.lock = threading.Lock()
+
+    def send(self, *msg: Any) -> None:
+        with self.lock:
+            try:
+                self.conn.send(msg)
+            except (OSError, ValueError):  # the supervisor is gone; the reader thread stops us
+                pass
+
+    def held(self, leases: Sequence[tuple[str, str]]) -> None:
+        self.send("held", list(leases))
+
+    def batch(self, leases: Sequence[tuple[str, str]]) -> None:
+        self.send("batch", list(leases))
+
+    def call(self, lo: int, hi: int) -> None:
+        import time
+
+        self.shared[LO] = lo
+        self.shared[HI] = hi
+        self.shared[STARTED] = time.monotonic()
+
+    def idle(self) -> None:
+        self.shared[STARTED] = 0.0
+
+    def settled(self, ids: Sequence[str]) -> None:
+        self.send("settled", list(ids))
+
+
+def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
+    """Run one worker process. ``config``: target, queue, url, settings (dict), device,
+    overrides (max_batch_size, max_wait_ms, timeout_s), supervisor id, slot, env."""
+    os.environ.update(config.get("env") or {})  # already in the spawn environment
+    logging.basicConfig(level=config.get("log_level", logging.INFO),
+                        format=f"%(asctime)s [worker {config['slot']}] %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which leads
+    monitor = PipeMonitor(conn, shared)
+
+    from mtq.errors import TargetError
+    from mtq.settings import QueueSettings
+    from mtq.workers.worker import Worker
+
+    try:
+        worker = Worker(config["target"], config["queue"], url=config.get("url"),
+                        settings=QueueSettings.from_dict(config.get("settings") or {}),
+                        device=config["device"], monitor=monitor,
+                        supervisor=config.get("supervisor", ""), **config.get("overrides", {}))
+    except TargetError as exc:
+        monitor.send("fatal", str(exc))
+        sys.exit(EXIT_TARGET)
+    monitor.send("hello", worker.worker_id)
+    try:
+        worker.setup()
+    except Exception as exc:
+        text = "".join(traceback.format_exception_only(exc)).strip()
+        log.error("setup failed:\n%s", traceback.format_exc())
+        monitor.send("setup_failed", text)
+        sys.exit(EXIT_SETUP)
+    monitor.send("ready", {"timeout_s": worker.policy.timeout_s,
+                           "model": "/".join(worker.model.describe())})
+
+    def stop_on_signal(signum: int, frame: Any) -> None:
+        threading.Thread(target=worker.stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop_on_signal)
+
+    def read_commands() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the supervisor died: stop gracefully
+                log.warning("lost the supervisor; stopping")
+                worker.stop()
+                return
+            worker.command(msg)
+
+    threading.Thread(target=read_commands, name="mtq-control", daemon=True).start()
+    worker.run()
+    monitor.send("bye", worker.totals)
+    sys.exit(EXIT_OK)

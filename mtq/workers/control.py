@@ -1,0 +1,120 @@
+"""Control messages over pub/sub: what operators send to running workers.
+
+Commands (JSON on the queue's control channel ``mtq:{q}:control``):
+
+=========  ===========================================================  ===============
+command    effect                                                       addressed to
+=========  ===========================================================  ===============
+pause      stop claiming; give back what was claimed ahead               workers
+resume     claim again                                                  workers
+reload     re-import the target and run ``setup`` again; no task lost    workers
+drain      work until the queue is empty, then exit                     supervisors
+stop       finish the running batch, give the rest back, exit            supervisors
+scale      ``replicas``: processes per device, added or retired live     supervisors
+=========  ===========================================================  ===============
+
+``worker`` (a worker id) or ``supervisor`` (a supervisor id) narrow a command to one
+process. Pub/sub delivers to whoever listens now: :func:`send` returns how many
+supervisors received the message, and the registry shows the state they reached.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from mtq.broker.connection import redis_errors
+from mtq.broker.keys import QueueKeys
+from mtq.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+COMMANDS = ("pause", "resume", "reload", "drain", "stop", "scale")
+
+
+def message(cmd: str, *, worker: str | None = None, supervisor: str | None = None,
+            replicas: int | None = None) -> dict[str, Any]:
+    """Build and check a control message; raises ConfigError for a bad one."""
+    if cmd not in COMMANDS:
+        raise ConfigError(f"unknown control command {cmd!r}; use one of {', '.join(COMMANDS)}")
+    msg: dict[str, Any] = {"cmd": cmd}
+    if cmd == "scale":
+        if replicas is None or replicas < 0:
+            raise ConfigError("scale needs a number of replicas >= 0")
+        msg["replicas"] = replicas
+    if worker:
+        msg["worker"] = worker
+    if supervisor:
+        msg["supervisor"] = supervisor
+    return msg
+
+
+def send(client: redis.Redis, queue: str, cmd: str, **fields: Any) -> int:
+    """Publish a command to the queue's supervisors; returns how many received it."""
+    msg = message(cmd, **fields)
+    with redis_errors("while sending a control command"):
+        return int(client.publish(QueueKeys(queue).control, json.dumps(msg)))
+
+
+class Listener:
+    """A daemon thread that hands every control message of a queue to ``callback``,
+    resubscribing with backoff when the connection drops."""
+
+    def __init__(self, client: redis.Redis, queue: str,
+                 callback: Callable[[dict[str, Any]], None]) -> None:
+        self.client = client
+        self.channel = QueueKeys(queue).control
+        self.callback = callback
+        self._closed = threading.Event()
+        self._pubsub: Any = None
+        self.subscribed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mtq-control", daemon=True)
+
+    def start(self) -> None:
+        """Subscribe and start delivering (returns once subscribed, or after 5 s)."""
+        self._thread.start()
+        self.subscribed.wait(5)
+
+    def close(self) -> None:
+        """Stop listening."""
+        self._closed.set()
+        ps = self._pubsub
+        if ps is not None:
+            try:
+                ps.close()
+            except Exception:  # closing a broken connection may raise anything
+                pass
+        self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        delay = 0.1
+        while not self._closed.is_set():
+            try:
+                self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+                self._pubsub.subscribe(self.channel)
+                self.subscribed.set()
+                delay = 0.1
+                for item in self._pubsub.listen():
+                    if self._closed.is_set():
+                        return
+                    if item.get("type") != "message":
+                        continue
+                    try:
+                        msg = json.loads(item["data"])
+                        if not isinstance(msg, dict):
+                            raise ValueError("not an object")
+                    except ValueError:
+                        log.warning("malformed control message %r ignored", item["data"])
+                        continue
+                    self.callback(msg)
+            except (redis.RedisError, OSError, ValueError, AttributeError):
+                if self._closed.is_set():
+                    return
+                log.warning("control channel lost; resubscribing in %.1f s", delay)
+                self._closed.wait(delay)
+                delay = min(delay * 2, 5.0)

@@ -1,0 +1,86 @@
+"""Device slots: parsing ``--devices``, pinning a child process, building its device.
+
+A worker process pinned to ``cuda:N`` is started with ``CUDA_VISIBLE_DEVICES=N``
+(set in its environment before it exists, so before torch is imported in it) and
+sees that GPU as ``cuda:0``. A CPU worker gets ``CUDA_VISIBLE_DEVICES=""`` so it
+cannot touch a GPU by accident. torch is imported here only inside functions that
+need it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from mtq.errors import ConfigError
+
+_CUDA = re.compile(r"^cuda:(\d+)$")
+
+
+def cuda_count() -> int:
+    """How many CUDA devices this machine has (0 without torch or without a GPU)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def parse_devices(spec: str) -> list[str]:
+    """``cpu`` | ``cuda:0,cuda:1`` | ``all`` (every GPU, or cpu when there is none).
+
+    Raises ConfigError for anything else, naming the accepted forms."""
+    spec = spec.strip()
+    if spec == "all":
+        n = cuda_count()
+        return [f"cuda:{i}" for i in range(n)] if n else ["cpu"]
+    out: list[str] = []
+    for part in (p.strip() for p in spec.split(",")):
+        if part == "cpu" or _CUDA.match(part):
+            out.append(part)
+        elif part == "cuda":
+            out.append("cuda:0")
+        else:
+            raise ConfigError(f"bad device {part!r} in --devices {spec!r}: use cpu, "
+                              "cuda:N[,cuda:M...] or all")
+    if not out:
+        raise ConfigError("--devices is empty: use cpu, cuda:N[,cuda:M...] or all")
+    return out
+
+
+def child_env(device: str) -> tuple[dict[str, str], str]:
+    """(environment entries for a child pinned to ``device``, the device it should use)."""
+    m = _CUDA.match(device)
+    if m:
+        return {"CUDA_VISIBLE_DEVICES": m.group(1)}, "cuda:0"
+    return {"CUDA_VISIBLE_DEVICES": ""}, device
+
+
+def torch_device(name: str) -> Any:
+    """A ``torch.device`` for ``name`` when torch is installed, else the string
+    (a plain function worker on a machine without torch)."""
+    try:
+        import torch
+    except ImportError:
+        if name != "cpu":
+            raise ConfigError(f"device {name!r} needs torch: pip install 'mtq[workers]'") from None
+        return name
+    return torch.device(name)
+
+
+def memory(device: Any) -> dict[str, int] | None:
+    """Allocated / reserved / total bytes of a CUDA device; None for other devices."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch  # already imported: the device is a torch.device
+
+    props = torch.cuda.get_device_properties(device)
+    return {"allocated": int(torch.cuda.memory_allocated(device)),
+            "reserved": int(torch.cuda.memory_reserved(device)),
+            "total": int(props.total_memory)}
+
+
+def visible() -> str | None:
+    """CUDA_VISIBLE_DEVICES as this process sees it (None if unset)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -1,0 +1,80 @@
+"""The model contract: what a worker process runs.
+
+A target is either a :class:`Model` subclass (weights loaded once per process in
+:meth:`Model.setup`, payloads run in dynamic batches through :meth:`Model.predict`)
+or a plain function ``handle(payload) -> result``, which runs one payload per call.
+
+This module does not import torch: ``setup`` receives a ``torch.device`` built by
+the worker process only when torch is installed (see :mod:`mtq.workers.devices`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+
+class Model:
+    """Base class of a batched model served by mtq workers.
+
+    Override :meth:`setup` and :meth:`predict`; tune the class attributes::
+
+        class Embedder(mtq.Model):
+            max_batch_size = 32   # run as soon as 32 requests are claimable ...
+            max_wait_ms = 5       # ... or when the oldest has waited 5 ms
+            def setup(self, device): self.net = load(device)
+            def predict(self, batch): return self.net(batch)
+
+    ``predict`` returns one result per payload, in order. To fail a single item
+    without failing the batch, put an exception instance in its place. If
+    ``predict`` raises, the worker bisects the batch to find the failing items,
+    so one bad request does not fail the others.
+    """
+
+    #: most payloads per predict call
+    max_batch_size: ClassVar[int] = 32
+    #: longest a request waits for the batch to fill, from its arrival (ms)
+    max_wait_ms: ClassVar[float] = 5.0
+    #: longest one predict call may run (s); past it the supervisor kills the process
+    #: (a hung kernel cannot be interrupted from a thread). None: no limit.
+    timeout_s: ClassVar[float | None] = 300.0
+    #: reported in the worker registry; ``name`` defaults to the class name
+    name: ClassVar[str] = ""
+    version: ClassVar[str] = "0"
+
+    def setup(self, device: Any) -> None:
+        """Load weights once per process onto ``device`` (a ``torch.device`` when
+        torch is installed, else the device string)."""
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        """Run a batch of decoded payloads; return one result per payload, in order."""
+        raise NotImplementedError(f"{type(self).__name__}.predict is not implemented")
+
+    def describe(self) -> tuple[str, str]:
+        """(name, version) for the registry."""
+        return (self.name or type(self).__name__, str(self.version))
+
+
+class FunctionModel(Model):
+    """Adapts ``handle(payload) -> result`` to the model contract: one payload per
+    call, so failures are per item and no bisection is needed."""
+
+    max_batch_size = 64
+    max_wait_ms = 0.0
+    #: the worker calls predict with one payload at a time (the timeout is per call)
+    per_item: ClassVar[bool] = True
+
+    def __init__(self, func: Callable[[Any], Any]) -> None:
+        self.func = func
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return [self.func(p) for p in batch]
+
+    def describe(self) -> tuple[str, str]:
+        name = getattr(self.func, "__qualname__", None) or type(self.func).__name__
+        return (f"{getattr(self.func, '__module__', '?')}.{name}", str(self.version))
+
+
+def is_per_item(model: Model) -> bool:
+    """True if the worker should call ``predict`` one payload at a time."""
+    return bool(getattr(model, "per_item", False))

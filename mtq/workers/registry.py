@@ -1,0 +1,89 @@
+"""The worker registry: each worker process reports its health every heartbeat.
+
+A hash per worker (``mtq:worker:<id>``, expiring after a few missed beats) and a
+sorted set of worker id by last beat. A worker that stops beating expires from
+both (readers prune the sorted set), and the reaper takes its tasks back when
+their leases run out. Reading costs one round trip per call plus one pipelined
+HGETALL per live worker: it grows with the number of workers, never with tasks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from mtq.broker import keys
+from mtq.broker.connection import redis_errors
+
+
+def beat(client: redis.Redis, worker_id: str, fields: dict[str, Any], ttl_s: float) -> None:
+    """Write one worker's entry (one round trip). Non-string values are JSON-encoded."""
+    now = time.time()
+    flat: dict[str | bytes, str] = {
+        k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()}
+    flat["beat"] = repr(now)
+    key = keys.worker(worker_id)
+    with redis_errors("while reporting to the worker registry"):
+        pipe = client.pipeline(transaction=False)
+        pipe.hset(key, mapping=flat)  # type: ignore[arg-type]
+        pipe.expire(key, max(1, int(ttl_s + 0.999)))
+        pipe.zadd(keys.WORKERS, {worker_id: now})
+        pipe.execute()
+
+
+def remove(client: redis.Redis, worker_id: str) -> None:
+    """Delete a worker's entry (it stopped cleanly)."""
+    with redis_errors("while leaving the worker registry"):
+        pipe = client.pipeline(transaction=False)
+        pipe.delete(keys.worker(worker_id))
+        pipe.zrem(keys.WORKERS, worker_id)
+        pipe.execute()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _decode(raw: dict[bytes, bytes]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in raw.items():
+        text = v.decode()
+        try:
+            out[k.decode()] = json.loads(text)
+        except ValueError:
+            out[k.decode()] = text
+    return out
+
+
+def list_workers(client: redis.Redis, queue: str | None = None,
+                 stale_s: float = 60.0) -> list[dict[str, Any]]:
+    """Live workers (optionally of one queue), oldest first, each a dict of the fields
+    it reported plus ``id`` and ``heartbeat_age_s``. Entries whose hash expired are
+    pruned from the index, and so is anything not seen for ``stale_s``."""
+    now = time.time()
+    with redis_errors("while reading the worker registry"):
+        client.zremrangebyscore(keys.WORKERS, "-inf", now - stale_s)
+        ids = [_text(i) for i in client.zrange(keys.WORKERS, 0, -1)]
+        if not ids:
+            return []
+        pipe = client.pipeline(transaction=False)
+        for worker_id in ids:
+            pipe.hgetall(keys.worker(worker_id))
+        rows = pipe.execute()
+        gone = [w for w, raw in zip(ids, rows) if not raw]
+        if gone:
+            client.zrem(keys.WORKERS, *gone)
+    out = []
+    for worker_id, raw in zip(ids, rows):
+        if not raw:
+            continue
+        entry = _decode(raw)
+        if queue is not None and entry.get("queue") != queue:
+            continue
+        entry["id"] = worker_id
+        entry["heartbeat_age_s"] = round(max(0.0, now - float(entry.get("beat", now))), 3)
+        out.append(entry)
+    return out

@@ -1,0 +1,413 @@
+"""The supervisor: one worker process per device slot, kept alive and under control.
+
+``mtq workers start TARGET --queue Q --devices cuda:0,cuda:1 --replicas 2`` runs a
+:class:`Supervisor`. It spawns (never forks) ``replicas`` processes per device,
+each pinned with ``CUDA_VISIBLE_DEVICES`` set in its environment before it starts,
+and then waits, without polling, on three things at once: its children's pipes,
+their exit sentinels, and a wake-up socket (signals and control messages).
+
+* A child that dies is restarted with backoff. The tasks it was running go back
+  to the head of their streams at once with the delivery counted (so a request
+  that always kills its process ends dead-lettered after ``max_deliveries``); the
+  tasks it had claimed but not started go back uncounted.
+* A child whose predict call runs past the model's ``timeout_s`` is killed (a
+  hung kernel cannot be interrupted from a thread) and handled as above.
+* A target that cannot be loaded stops the supervisor at once with the error; a
+  ``setup`` that fails again and again stops it after a few tries, with the error.
+* SIGTERM / SIGINT: graceful drain (every child finishes its running batch and
+  gives back what it claimed ahead); a second signal kills the children and gives
+  their tasks back.
+* Control messages on the queue's control channel: pause, resume, reload (to the
+  children), drain, stop, scale (to the supervisor).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from mtq.broker.consumer import Consumer
+from mtq.errors import ConfigError, MtqError
+from mtq.settings import QueueSettings
+from mtq.workers import child, control, devices
+
+log = logging.getLogger(__name__)
+
+#: a child that dies before set-up this many times in a row stops the supervisor
+MAX_SETUP_FAILURES = 3
+#: restart delay after a crash: BASE * 2**(crashes in a row - 1), at most MAX
+RESTART_BASE_S, RESTART_MAX_S = 0.1, 30.0
+
+
+@dataclass
+class _Child:
+    slot: int
+    device: str
+    process: Any
+    conn: Connection
+    shared: Any
+    started: float
+    worker_id: str = ""
+    ready: bool = False
+    timeout_s: float | None = None
+    held: dict[str, str] = field(default_factory=dict)   # id -> token
+    batch: list[tuple[str, str]] = field(default_factory=list)
+    error: str = ""
+    fatal: bool = False
+    retiring: bool = False
+    killed_for: str = ""
+
+
+@dataclass
+class _Slot:
+    index: int
+    device: str
+    crashes: int = 0        # in a row without progress
+    due: float = 0.0        # when to (re)start it
+    progress: bool = False  # a task settled since the last restart
+
+
+class Supervisor:
+    """Starts and keeps ``replicas`` worker processes per device for one target."""
+
+    def __init__(self, target: str, queue: str, *, url: str | None = None,
+                 devices_spec: str = "cpu", replicas: int = 1,
+                 settings: QueueSettings | None = None, max_batch_size: int | None = None,
+                 max_wait_ms: float | None = None, timeout_s: float | None = None,
+                 log_level: int = logging.INFO, on_event: Callable[[str], None] | None = None
+                 ) -> None:
+        if replicas < 0:
+            raise ConfigError(f"--replicas must be >= 0, got {replicas}")
+        self.target = target
+        self.devices = devices.parse_devices(devices_spec)
+        self.replicas = replicas
+        self.settings = settings or QueueSettings()
+        self.consumer = Consumer(queue, url, settings=self.settings)
+        self.queue = self.consumer.queue
+        self.url = url
+        self.id = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
+        self.overrides = {k: v for k, v in (("max_batch_size", max_batch_size),
+                                            ("max_wait_ms", max_wait_ms),
+                                            ("timeout_s", timeout_s)) if v is not None}
+        self.log_level = log_level
+        self.on_event = on_event or (lambda msg: log.info("%s", msg))
+        self.children: dict[int, _Child] = {}
+        self.slots: dict[int, _Slot] = {}
+        self.stopping = False
+        self.draining = False
+        self.error = ""
+        self._ctx = mp.get_context("spawn")
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._inbox: list[dict[str, Any]] = []
+        self._inbox_lock = threading.Lock()
+        self._signals = 0
+        self._signals_pending = 0
+        self.paused = False
+        self._listener: control.Listener | None = None
+        self._next_slot = 0
+        self._resize()
+
+    # -- public ------------------------------------------------------------------
+    def request(self, msg: dict[str, Any]) -> None:
+        """Queue a control command for the main loop (thread-safe, signal-safe)."""
+        with self._inbox_lock:
+            self._inbox.append(msg)
+        self._poke()
+
+    def run(self) -> int:
+        """Supervise until stopped; returns the exit code (0 clean, 3 bad target or
+        set-up failing again and again)."""
+        prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._listener = control.Listener(self.consumer.redis, self.queue, self.request)
+        self._listener.start()
+        try:
+            self._loop()
+        finally:
+            self._listener.close()
+            for s, h in prev.items():
+                signal.signal(s, h)
+        if self.error:
+            self.on_event(f"stopped: {self.error}")
+            return child.EXIT_TARGET
+        return 0
+
+    # -- main loop ---------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            self._handle_inbox()
+            now = time.monotonic()
+            if not self.stopping:
+                for slot in list(self.slots.values()):
+                    if slot.index not in self.children and slot.due <= now:
+                        self._spawn(slot)
+            if not self.children and (self.stopping or (self.draining and not self.slots)):
+                return
+            waitables: list[Any] = [self._wake_r]
+            for c in self.children.values():
+                waitables += [c.conn, c.process.sentinel]
+            for ready in wait(waitables, timeout=self._next_deadline()):
+                if ready is self._wake_r:
+                    self._drain_wake()
+                    continue
+                for c in list(self.children.values()):
+                    if ready is c.conn:
+                        self._read(c)
+                    elif ready == c.process.sentinel:
+                        self._reap(c)
+            self._check_timeouts()
+
+    def _next_deadline(self) -> float | None:
+        now = time.monotonic()
+        out: float | None = None
+        for c in self.children.values():
+            if c.timeout_s:
+                started = c.shared[child.STARTED]
+                d = (started + c.timeout_s - now) if started else c.timeout_s / 4
+                out = d if out is None else min(out, d)
+        if not self.stopping:
+            for slot in self.slots.values():
+                if slot.index not in self.children:
+                    d = slot.due - now
+                    out = d if out is None else min(out, d)
+        return None if out is None else max(out, 0.0)
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        for c in self.children.values():
+            started = c.shared[child.STARTED]
+            if c.timeout_s and started and now - started > c.timeout_s and not c.killed_for:
+                c.killed_for = f"predict ran past its {c.timeout_s:g} s timeout"
+                self.on_event(f"worker {c.slot} ({c.worker_id}): {c.killed_for}; killing it")
+                c.process.kill()
+
+    # -- children ----------------------------------------------------------------
+    def _spawn(self, slot: _Slot) -> None:
+        env, device = devices.child_env(slot.device)
+        config = {"target": self.target, "queue": self.queue, "url": self.url,
+                  "settings": dataclasses.asdict(self.settings), "device": device, "env": env,
+                  "overrides": self.overrides, "supervisor": self.id, "slot": slot.index,
+                  "log_level": self.log_level}
+        parent, kid = self._ctx.Pipe()
+        shared = self._ctx.RawArray("d", 3)
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # the spawned interpreter starts with this environment
+        try:
+            p = self._ctx.Process(target=child.main, args=(config, kid, shared),
+                                  name=f"mtq-worker-{slot.index}", daemon=False)
+            p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        kid.close()
+        slot.progress = False
+        self.children[slot.index] = _Child(slot.index, slot.device, p, parent, shared,
+                                           time.monotonic())
+        log.debug("spawned worker %d on %s (pid %s)", slot.index, slot.device, p.pid)
+
+    def _read(self, c: _Child) -> None:
+        try:
+            while c.conn.poll():
+                self._message(c, c.conn.recv())
+        except (EOFError, OSError):
+            pass  # it exited; the sentinel handles the rest
+
+    def _message(self, c: _Child, msg: tuple[Any, ...]) -> None:
+        kind = msg[0]
+        if kind == "held":
+            c.held.update(dict(msg[1]))
+        elif kind == "batch":
+            c.batch = list(msg[1])
+        elif kind == "settled":
+            slot = self.slots.get(c.slot)
+            for i in msg[1]:
+                c.held.pop(i, None)
+            if slot is not None and msg[1]:
+                slot.progress = True
+                slot.crashes = 0
+        elif kind == "hello":
+            c.worker_id = msg[1]
+        elif kind == "ready":
+            c.ready = True
+            c.timeout_s = msg[1].get("timeout_s")
+            self.on_event(f"worker {c.slot} ready on {c.device} (pid {c.process.pid}, "
+                          f"{msg[1].get('model')})")
+            if self.draining:  # a replacement joins what the others are doing
+                self._send(c, {"cmd": "drain"})
+            elif self.paused:
+                self._send(c, {"cmd": "pause"})
+        elif kind == "fatal":
+            c.fatal, c.error = True, msg[1]
+        elif kind == "setup_failed":
+            c.error = msg[1]
+
+    def _reap(self, c: _Child) -> None:
+        self._read(c)
+        c.process.join(timeout=5)
+        code = c.process.exitcode
+        del self.children[c.slot]
+        c.conn.close()
+        self._give_back(c)
+        slot = self.slots.get(c.slot)
+        if c.fatal:
+            self.error = c.error
+            self._stop_all()
+            return
+        if slot is None or self.stopping or c.retiring or (self.draining and code == 0):
+            if slot is not None and (self.draining or c.retiring):
+                self.slots.pop(c.slot, None)
+            return
+        if not c.ready:
+            slot.crashes += 1
+            if slot.crashes >= MAX_SETUP_FAILURES:
+                self.error = (f"worker {c.slot} failed during setup {slot.crashes} times in a "
+                              f"row; last error: {c.error or f'exit code {code}'}")
+                self._stop_all()
+                return
+        elif not slot.progress:
+            slot.crashes += 1
+        else:
+            slot.crashes = 1
+        delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (slot.crashes - 1))
+        slot.due = time.monotonic() + delay
+        why = c.killed_for or f"exit code {code}"
+        self.on_event(f"worker {c.slot} ({c.worker_id or 'starting'}) died ({why}); "
+                      f"restarting in {delay:.1f} s")
+
+    def _give_back(self, c: _Child) -> None:
+        """Return the dead child's tasks: the running call's items counted, the rest not."""
+        if not c.held:
+            return
+        running: list[tuple[str, str]] = []
+        started = c.shared[child.STARTED]
+        if started and c.batch:  # it died inside predict: those items are suspects
+            lo, hi = int(c.shared[child.LO]), int(c.shared[child.HI])
+            running = [(i, t) for i, t in c.batch[lo:hi] if c.held.get(i) == t]
+        counted = {i for i, _ in running}
+        rest = [(i, t) for i, t in c.held.items() if i not in counted]
+        reason = c.killed_for or "worker process died"
+        try:
+            if running:
+                self.consumer.requeue(running, reason)
+            if rest:
+                self.consumer.release_leases(rest)
+        except MtqError:
+            log.warning("could not give back the tasks of worker %d; they return when their "
+                        "leases expire", c.slot, exc_info=True)
+        c.held.clear()
+
+    def _stop_all(self, force: bool = False) -> None:
+        self.stopping = True
+        for c in self.children.values():
+            if force:
+                c.process.kill()
+            else:
+                self._send(c, {"cmd": "stop"})
+
+    def _send(self, c: _Child, msg: dict[str, Any]) -> None:
+        try:
+            c.conn.send(msg)
+        except (OSError, ValueError):
+            pass
+
+    # -- control -----------------------------------------------------------------
+    def _resize(self) -> None:
+        want = self.replicas * len(self.devices)
+        live = sorted(self.slots)
+        while len(live) < want:
+            index = self._next_slot
+            self._next_slot += 1
+            self.slots[index] = _Slot(index, self.devices[index % len(self.devices)])
+            live.append(index)
+        for index in live[want:]:
+            self.slots.pop(index)
+            c = self.children.get(index)
+            if c is not None:
+                c.retiring = True
+                self._send(c, {"cmd": "stop"})
+
+    def _handle_inbox(self) -> None:
+        pending, self._signals_pending = self._signals_pending, 0
+        with self._inbox_lock:
+            msgs, self._inbox = self._inbox, []
+        msgs += [{"cmd": "signal"}] * pending
+        for msg in msgs:
+            self._command(msg)
+
+    def _command(self, msg: dict[str, Any]) -> None:
+        cmd = msg.get("cmd")
+        if msg.get("supervisor") not in (None, "", self.id):
+            return
+        worker = msg.get("worker")
+        if cmd == "signal":
+            self._signals += 1
+            if self._signals == 1:
+                self.on_event("stopping: finishing running batches (signal again to force)")
+                self._stop_all()
+            else:
+                self.on_event("forced stop: killing workers, giving their tasks back")
+                self._stop_all(force=True)
+        elif cmd in ("pause", "resume", "reload"):
+            if not worker and cmd != "reload":
+                self.paused = cmd == "pause"
+            for c in self.children.values():
+                if not worker or worker == c.worker_id:
+                    self._send(c, {"cmd": cmd})
+        elif cmd == "stop" and not worker:
+            self.on_event("stop requested")
+            self._stop_all()
+        elif cmd == "drain" and not worker:
+            self.on_event("drain requested: working until the queue is empty")
+            self.draining = True
+            for c in self.children.values():
+                self._send(c, {"cmd": "drain"})
+        elif cmd in ("stop", "drain"):  # one worker: it leaves for good
+            for c in self.children.values():
+                if worker == c.worker_id:
+                    c.retiring = True
+                    self._send(c, {"cmd": cmd})
+        elif cmd == "scale":
+            try:
+                n = int(msg["replicas"])
+                if n < 0:
+                    raise ValueError(n)
+            except (KeyError, TypeError, ValueError):
+                log.warning("bad scale command %r ignored", msg)
+                return
+            self.on_event(f"scaling to {n} replica(s) per device")
+            self.replicas = n
+            self._resize()
+        else:
+            log.warning("unknown control command %r ignored", msg)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        # no lock here: the handler runs on the main thread, which may hold it
+        self._signals_pending += 1
+        self._poke()
+
+    def _poke(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except (BlockingIOError, OSError):
+            pass  # already pending
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass

@@ -1,0 +1,454 @@
+"""One worker process: a model served in dynamic batches, as in an inference engine.
+
+Threads, each with one job:
+
+* **model thread** (the caller of :meth:`Worker.run`): takes a due batch from the
+  :class:`~mtq.workers.batching.BatchSlot`, decodes it, runs ``predict`` (bisecting
+  a batch that raises) and hands the outcomes to the publisher. It never talks to
+  Redis, so a slow network never stalls the device.
+* **fetcher**: claims tasks into the slot (one round trip per claim), keeping up to
+  one batch claimed ahead while the model runs; sleeps on the wake list (BLPOP)
+  when there is nothing to claim.
+* **publisher**: settles outcomes (acks with results, retries, failures) in one
+  pipelined round trip for everything that finished since its last trip.
+* **heartbeat**: extends the leases of every task this process holds, reports to
+  the worker registry, picks up cancel requests, and runs the reaper on a schedule.
+
+Control commands (pause, resume, drain, stop, reload) arrive through
+:meth:`Worker.command` from the supervisor's pipe or the queue's control channel.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+import queue as queue_mod
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mtq import serialization
+from mtq.broker.consumer import OUTCOME_COUNTERS, Consumer, Outcome, SettleReport
+from mtq.broker.protocol import Claimed
+from mtq.errors import MtqError, PayloadError, TargetError
+from mtq.settings import QueueSettings
+from mtq.workers import devices, registry
+from mtq.workers.batching import BatchSlot, ItemResult, run_isolated
+from mtq.workers.model import Model, is_per_item
+from mtq.workers.target import BatchPolicy, load_model
+
+log = logging.getLogger(__name__)
+
+#: how often the heartbeat reports to the registry (leases are extended at least
+#: every lease/3, whichever comes first)
+BEAT_S = 1.0
+
+Lease = tuple[str, str]
+
+
+class Monitor:
+    """What a worker tells its supervisor (nothing, when it runs alone).
+
+    The supervisor uses it to give back the tasks of a process that died and to kill
+    a process whose predict call overran the timeout; see :mod:`mtq.workers.supervisor`.
+    """
+
+    def held(self, leases: Sequence[Lease]) -> None:
+        """Tasks were claimed into this process."""
+
+    def batch(self, leases: Sequence[Lease]) -> None:
+        """The model thread started on these tasks, in this order."""
+
+    def call(self, lo: int, hi: int) -> None:
+        """predict started on items lo..hi-1 of the current batch."""
+
+    def idle(self) -> None:
+        """predict returned."""
+
+    def settled(self, ids: Sequence[str]) -> None:
+        """These tasks left this process (settled or given back)."""
+
+
+class Worker:
+    """Serves one model for one queue in this process until stopped."""
+
+    def __init__(self, target: str | Model, queue: str, *, url: str | None = None,
+                 settings: QueueSettings | None = None, device: str = "cpu",
+                 max_batch_size: int | None = None, max_wait_ms: float | None = None,
+                 timeout_s: float | None = None, worker_id: str | None = None,
+                 monitor: Monitor | None = None, supervisor: str = "",
+                 consumer: Consumer | None = None) -> None:
+        self.spec = target if isinstance(target, str) else None
+        self.model = load_model(target) if isinstance(target, str) else target
+        self.overrides: dict[str, Any] = {"max_batch_size": max_batch_size,
+                                          "max_wait_ms": max_wait_ms, "timeout_s": timeout_s}
+        self.policy = BatchPolicy.of(self.model, **self.overrides)
+        self.consumer = consumer or Consumer(queue, url, settings=settings, worker_id=worker_id)
+        self.queue = self.consumer.queue
+        self.worker_id = self.consumer.worker_id
+        self.device_name = device
+        self.device: Any = None
+        self.monitor = monitor or Monitor()
+        self.supervisor = supervisor
+        self.slot = BatchSlot(self.policy.max_batch_size, self.policy.max_wait_ms)
+        self.state = "starting"
+        self.last_error = ""
+        # bookkeeping shared by the threads
+        self._lock = threading.Lock()
+        self._held: dict[str, Claimed] = {}
+        self._cancel: set[str] = set()
+        self._outbox: queue_mod.SimpleQueue[list[Outcome] | None] = queue_mod.SimpleQueue()
+        self._stop = threading.Event()
+        self._draining = False
+        self._reload = False
+        self._busy = False
+        self._current = 0
+        self.hist: collections.Counter[int] = collections.Counter()
+        self.totals = dict.fromkeys((*OUTCOME_COUNTERS, "lost", "batches", "tasks"), 0)
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+    def setup(self) -> None:
+        """Build the device and run the model's ``setup`` (once per process)."""
+        self.device = devices.torch_device(self.device_name)
+        self.model.setup(self.device)
+        self.state = "idle"
+
+    def command(self, msg: dict[str, Any]) -> None:
+        """Apply a control command: pause, resume, drain, stop, reload (thread-safe)."""
+        cmd = msg.get("cmd")
+        log.info("worker %s: %s", self.worker_id, cmd)
+        if cmd == "pause":
+            self.state = "paused"
+            self._give_back(self.slot.set_paused(True))
+            self._interrupt_fetcher()
+        elif cmd == "resume":
+            self.slot.set_paused(False)
+            self.state = "idle"
+        elif cmd == "drain":
+            self._draining = True
+            self.state = "draining"
+            self.slot.set_paused(False)
+            self._interrupt_fetcher()
+        elif cmd == "stop":
+            self.stop()
+        elif cmd == "reload":
+            self._reload = True
+            self._give_back(self.slot.set_paused(True))
+            self._interrupt_fetcher()
+            self.slot.kick()
+        else:
+            log.warning("unknown control command %r ignored", cmd)
+
+    def stop(self) -> None:
+        """Graceful stop: finish the running batch, give back what was claimed ahead."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self.state = "stopping"
+        self._give_back(self.slot.close())
+        self._interrupt_fetcher()
+
+    def run(self) -> dict[str, int]:
+        """Serve until stopped (or drained). Returns the totals."""
+        if self.device is None:
+            self.setup()
+        for name, fn in (("fetcher", self._fetch_loop), ("publisher", self._publish_loop),
+                         ("heartbeat", self._heartbeat_loop)):
+            t = threading.Thread(target=fn, name=f"mtq-{name}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        try:
+            self._model_loop()
+        finally:
+            self.stop()
+            for t in self._threads[:1]:  # the fetcher may hold a claim in flight
+                t.join(timeout=10)
+            self._outbox.put(None)
+            self._threads[1].join(timeout=30)
+            self._threads[2].join(timeout=5)
+            try:
+                registry.remove(self.consumer.redis, self.worker_id)
+                self.consumer.clear_interrupts()
+            except MtqError:
+                log.warning("could not leave the worker registry", exc_info=True)
+        return dict(self.totals)
+
+    # -- model thread --------------------------------------------------------------
+    def _model_loop(self) -> None:
+        per_item = is_per_item(self.model)
+        while True:
+            batch = self.slot.take()
+            if batch is None:
+                return
+            if self._reload:
+                self._do_reload()
+                per_item = is_per_item(self.model)
+                continue
+            if not batch:
+                continue
+            with self._lock:
+                self._busy = True
+                self._current = len(batch)
+            self.state = "running"
+            self.monitor.batch([(t.id, t.token) for t in batch])
+            self._run_batch(batch, per_item)
+            with self._lock:
+                self._busy = False
+                self._current = 0
+            if self.state == "running":
+                self.state = "draining" if self._draining else "idle"
+            if self._draining:
+                self._interrupt_fetcher()  # let it check whether the queue is empty
+
+    def _run_batch(self, batch: list[Claimed], per_item: bool) -> None:
+        self.hist[len(batch)] += 1
+        self.totals["batches"] += 1
+        self.totals["tasks"] += len(batch)
+        outcomes: list[Outcome | None] = [None] * len(batch)
+        payloads: list[Any] = []
+        index: list[int] = []
+        for i, t in enumerate(batch):
+            try:
+                payloads.append(serialization.loads(t.payload))
+                index.append(i)
+            except PayloadError as exc:
+                outcomes[i] = Outcome(t, ok=False, error=f"PayloadError: {exc}", retryable=False)
+        model = self.model
+
+        def call(lo: int, hi: int) -> Any:
+            self.monitor.call(index[lo], index[hi - 1] + 1)
+            try:
+                return model.predict(payloads[lo:hi])
+            finally:
+                self.monitor.idle()
+
+        if per_item:  # one call per payload; each outcome leaves as soon as it exists
+            done = [o for o in outcomes if o is not None]
+            if done:
+                self._outbox.put(done)
+            for j, i in enumerate(index):
+                r = run_isolated(functools.partial(self._call_one, call, j), 1)[0]
+                self._outbox.put([self._outcome(batch[i], r)])
+            return
+        results = run_isolated(call, len(payloads))
+        for i, r in zip(index, results):
+            outcomes[i] = self._outcome(batch[i], r)
+        self._outbox.put([o for o in outcomes if o is not None])
+
+    @staticmethod
+    def _call_one(call: Callable[[int, int], Any], j: int, lo: int, hi: int) -> Any:
+        return call(j, j + 1)
+
+    def _outcome(self, task: Claimed, r: ItemResult) -> Outcome:
+        if r.ok:
+            return Outcome(task, ok=True, value=r.value)
+        exc = r.error
+        log.debug("task %s failed: %s", task.id,
+                  "".join(traceback.format_exception(exc)) if exc else "?")
+        with self._lock:
+            cancelled = task.id in self._cancel
+        return Outcome(task, ok=False, error=f"{type(exc).__name__}: {exc}", cancelled=cancelled)
+
+    def _do_reload(self) -> None:
+        """Re-import the target and set the new model up; keep the old one if that fails."""
+        self._reload = False
+        self.state = "reloading"
+        try:
+            if self.spec is None:
+                raise TargetError("this worker was given a model object, not a target name; "
+                                  "it cannot re-import it")
+            model = load_model(self.spec, reload=True)
+            policy = BatchPolicy.of(model, **self.overrides)
+            model.setup(self.device)
+        except Exception as exc:
+            self.last_error = f"reload failed, kept the old model: {type(exc).__name__}: {exc}"
+            log.error("%s", self.last_error, exc_info=True)
+        else:
+            self.model, self.policy = model, policy
+            self.slot.configure(policy.max_batch_size, policy.max_wait_ms)
+            self.last_error = ""
+            log.info("worker %s reloaded %s", self.worker_id, "/".join(model.describe()))
+        if not self._stop.is_set():
+            self.slot.set_paused(False)
+            self.state = "idle"
+
+    # -- fetcher -------------------------------------------------------------------
+    def _interrupt_fetcher(self) -> None:
+        try:
+            self.consumer.interrupt()
+        except MtqError:
+            log.warning("could not wake the fetcher", exc_info=True)
+
+    def _fetch_loop(self) -> None:
+        c = self.consumer
+        errors = 0
+        while True:
+            need = self.slot.wait_space()
+            if need <= 0:
+                return
+            try:
+                tasks = c.claim(need)
+                now = time.monotonic()
+                errors = 0
+            except MtqError:
+                errors += 1
+                log.warning("claim failed (Redis unreachable?); retrying", exc_info=errors == 1)
+                if self._stop.wait(min(5.0, 0.1 * 2 ** min(errors, 6))):
+                    return
+                continue
+            if tasks:
+                with self._lock:
+                    for t in tasks:
+                        self._held[t.id] = t
+                self.monitor.held([(t.id, t.token) for t in tasks])
+                refused = self.slot.put(tasks, now)
+                if refused:
+                    self._give_back(refused)
+                if len(tasks) == need:
+                    continue
+            if self._draining and not tasks and self._idle():
+                log.info("worker %s drained the queue; stopping", self.worker_id)
+                self.stop()
+                self.slot.kick()
+                return
+            try:
+                c.wait()
+            except MtqError:
+                if self._stop.wait(1.0):
+                    return
+
+    def _idle(self) -> bool:
+        with self._lock:
+            return not self._busy and len(self.slot) == 0
+
+    def _give_back(self, tasks: Sequence[Claimed]) -> None:
+        """Release unstarted tasks to the head of their streams (no delivery counted)."""
+        if not tasks:
+            return
+        try:
+            self.consumer.release(tasks)
+        except MtqError:
+            log.warning("could not give back %d task(s); they return when their leases "
+                        "expire", len(tasks), exc_info=True)
+        self._forget([t.id for t in tasks])
+
+    def _forget(self, ids: Sequence[str]) -> None:
+        with self._lock:
+            for i in ids:
+                self._held.pop(i, None)
+                self._cancel.discard(i)
+        self.monitor.settled(ids)
+
+    # -- publisher -----------------------------------------------------------------
+    def _publish_loop(self) -> None:
+        done = False
+        while not done:
+            item = self._outbox.get()
+            batch: list[Outcome] = []
+            if item is None:
+                done = True
+            else:
+                batch.extend(item)
+            while True:  # everything that finished meanwhile goes in the same trip
+                try:
+                    more = self._outbox.get_nowait()
+                except queue_mod.Empty:
+                    break
+                if more is None:
+                    done = True
+                else:
+                    batch.extend(more)
+            if batch:
+                self._settle(batch, give_up_after=10.0 if done else None)
+
+    def _settle(self, outcomes: list[Outcome], give_up_after: float | None) -> None:
+        start = time.monotonic()
+        delay = 0.05
+        while True:
+            try:
+                report = self.consumer.settle(outcomes)
+                break
+            except MtqError:
+                log.warning("settling %d task(s) failed; retrying", len(outcomes), exc_info=True)
+                if give_up_after is not None and time.monotonic() - start > give_up_after:
+                    log.error("gave up settling %d task(s); they run again when their leases "
+                              "expire", len(outcomes))
+                    self._forget([o.task.id for o in outcomes])
+                    return
+                time.sleep(delay)  # back off while Redis is unreachable
+                delay = min(delay * 2, 2.0)
+        self._record(report)
+        self._forget([o.task.id for o in outcomes])
+
+    def _record(self, report: SettleReport) -> None:
+        for name in OUTCOME_COUNTERS:
+            self.totals[name] += getattr(report, name)
+        self.totals["lost"] += len(report.lost)
+        if report.lost:
+            log.warning("lease lost on %d task(s); their results were discarded", len(report.lost))
+
+    # -- heartbeat -----------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        s = self.consumer.settings
+        interval = min(BEAT_S, s.lease_ms / 3000)
+        reap_every = max(interval, s.lease_ms / 2000)
+        last_reap = time.monotonic()
+        last_tasks, last_t = 0, time.monotonic()
+        while True:
+            try:
+                self._extend()
+                now = time.monotonic()
+                rate = (self.totals["tasks"] - last_tasks) / max(now - last_t, 1e-6)
+                last_tasks, last_t = self.totals["tasks"], now
+                registry.beat(self.consumer.redis, self.worker_id,
+                              self.report(rate), ttl_s=max(3 * interval, 5.0))
+                if now - last_reap >= reap_every:
+                    self.consumer.reap()
+                    last_reap = now
+            except MtqError:
+                log.warning("heartbeat failed; will retry", exc_info=True)
+            if self._stop.wait(interval):
+                return
+
+    def _extend(self) -> None:
+        with self._lock:
+            tasks = list(self._held.values())
+        if not tasks:
+            return
+        lost, cancel = self.consumer.extend(tasks)
+        if cancel:
+            with self._lock:
+                self._cancel.update(cancel)
+            dropped = self.slot.remove(set(cancel))
+            if dropped:  # not started: settle them as cancelled now
+                self._outbox.put([Outcome(t, ok=False, cancelled=True) for t in dropped])
+        if lost:
+            self._forget([t.id for t in self.slot.remove(set(lost))])
+
+    def report(self, rate: float = 0.0) -> dict[str, Any]:
+        """The registry entry of this worker."""
+        name, version = self.model.describe()
+        with self._lock:
+            current = self._current
+            held = len(self._held)
+        typical = self.hist.most_common(1)[0][0] if self.hist else 0
+        entry: dict[str, Any] = {
+            "host": socket.gethostname(), "pid": os.getpid(), "queue": self.queue,
+            "device": self.device_name, "model": name, "version": version,
+            "state": self.state, "batch": current, "typical_batch": typical,
+            "max_batch_size": self.policy.max_batch_size, "held": held,
+            "histogram": {str(k): v for k, v in sorted(self.hist.items())},
+            "tasks_per_s": round(rate, 2), "supervisor": self.supervisor,
+            "visible_devices": devices.visible() or "", "last_error": self.last_error,
+            **{k: v for k, v in self.totals.items()},
+        }
+        mem = devices.memory(self.device)
+        if mem:
+            entry["memory"] = mem
+        return entry
