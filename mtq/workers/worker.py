@@ -96,7 +96,8 @@ class Worker:
         self.monitor = monitor or Monitor()
         self.supervisor = supervisor
         self.slot = BatchSlot(self.policy.max_batch_size, self.policy.max_wait_ms)
-        self.state = "starting"
+        self._ready = False
+        self._reloading = False
         self.last_error = ""
         # bookkeeping shared by the threads
         self._lock = threading.Lock()
@@ -109,6 +110,8 @@ class Worker:
         self._busy = False
         self._current = 0
         self.hist: collections.Counter[int] = collections.Counter()
+        #: model-thread seconds inside predict, and around it (decode, hand-off)
+        self.timing = {"predict_s": 0.0, "overhead_s": 0.0}
         self.totals = dict.fromkeys((*OUTCOME_COUNTERS, "lost", "batches", "tasks"), 0)
         self._threads: list[threading.Thread] = []
 
@@ -117,22 +120,34 @@ class Worker:
         """Build the device and run the model's ``setup`` (once per process)."""
         self.device = devices.torch_device(self.device_name)
         self.model.setup(self.device)
-        self.state = "idle"
+        self._ready = True
+
+    @property
+    def state(self) -> str:
+        """starting, idle, running, paused, draining, reloading or stopping."""
+        if self._stop.is_set():
+            return "stopping"
+        if self._reloading:
+            return "reloading"
+        if self._busy:
+            return "running"
+        if not self._ready:
+            return "starting"
+        if self.slot.paused:
+            return "paused"
+        return "draining" if self._draining else "idle"
 
     def command(self, msg: dict[str, Any]) -> None:
         """Apply a control command: pause, resume, drain, stop, reload (thread-safe)."""
         cmd = msg.get("cmd")
         log.info("worker %s: %s", self.worker_id, cmd)
         if cmd == "pause":
-            self.state = "paused"
             self._give_back(self.slot.set_paused(True))
             self._interrupt_fetcher()
         elif cmd == "resume":
             self.slot.set_paused(False)
-            self.state = "idle"
         elif cmd == "drain":
             self._draining = True
-            self.state = "draining"
             self.slot.set_paused(False)
             self._interrupt_fetcher()
         elif cmd == "stop":
@@ -150,7 +165,6 @@ class Worker:
         if self._stop.is_set():
             return
         self._stop.set()
-        self.state = "stopping"
         self._give_back(self.slot.close())
         self._interrupt_fetcher()
 
@@ -195,14 +209,11 @@ class Worker:
             with self._lock:
                 self._busy = True
                 self._current = len(batch)
-            self.state = "running"
             self.monitor.batch([(t.id, t.token) for t in batch])
             self._run_batch(batch, per_item)
             with self._lock:
                 self._busy = False
                 self._current = 0
-            if self.state == "running":
-                self.state = "draining" if self._draining else "idle"
             if self._draining:
                 self._interrupt_fetcher()  # let it check whether the queue is empty
 
@@ -221,11 +232,17 @@ class Worker:
                 outcomes[i] = Outcome(t, ok=False, error=f"PayloadError: {exc}", retryable=False)
         model = self.model
 
+        start = time.perf_counter()
+        in_predict = 0.0
+
         def call(lo: int, hi: int) -> Any:
+            nonlocal in_predict
             self.monitor.call(index[lo], index[hi - 1] + 1)
+            t0 = time.perf_counter()
             try:
                 return model.predict(payloads[lo:hi])
             finally:
+                in_predict += time.perf_counter() - t0
                 self.monitor.idle()
 
         if per_item:  # one call per payload; each outcome leaves as soon as it exists
@@ -235,11 +252,13 @@ class Worker:
             for j, i in enumerate(index):
                 r = run_isolated(functools.partial(self._call_one, call, j), 1)[0]
                 self._outbox.put([self._outcome(batch[i], r)])
-            return
-        results = run_isolated(call, len(payloads))
-        for i, r in zip(index, results):
-            outcomes[i] = self._outcome(batch[i], r)
-        self._outbox.put([o for o in outcomes if o is not None])
+        else:
+            results = run_isolated(call, len(payloads))
+            for i, r in zip(index, results):
+                outcomes[i] = self._outcome(batch[i], r)
+            self._outbox.put([o for o in outcomes if o is not None])
+        self.timing["predict_s"] += in_predict
+        self.timing["overhead_s"] += time.perf_counter() - start - in_predict
 
     @staticmethod
     def _call_one(call: Callable[[int, int], Any], j: int, lo: int, hi: int) -> Any:
@@ -258,7 +277,7 @@ class Worker:
     def _do_reload(self) -> None:
         """Re-import the target and set the new model up; keep the old one if that fails."""
         self._reload = False
-        self.state = "reloading"
+        self._reloading = True
         try:
             if self.spec is None:
                 raise TargetError("this worker was given a model object, not a target name; "
@@ -274,9 +293,9 @@ class Worker:
             self.slot.configure(policy.max_batch_size, policy.max_wait_ms)
             self.last_error = ""
             log.info("worker %s reloaded %s", self.worker_id, "/".join(model.describe()))
+        self._reloading = False
         if not self._stop.is_set():
             self.slot.set_paused(False)
-            self.state = "idle"
 
     # -- fetcher -------------------------------------------------------------------
     def _interrupt_fetcher(self) -> None:
@@ -447,6 +466,9 @@ class Worker:
             "tasks_per_s": round(rate, 2), "supervisor": self.supervisor,
             "visible_devices": devices.visible() or "", "last_error": self.last_error,
             **{k: v for k, v in self.totals.items()},
+            "predict_s": round(self.timing["predict_s"], 4),
+            "overhead_ms_per_batch": round(
+                1000 * self.timing["overhead_s"] / max(1, self.totals["batches"]), 4),
         }
         mem = devices.memory(self.device)
         if mem:
