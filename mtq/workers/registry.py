@@ -20,11 +20,12 @@ from mtq.broker.connection import redis_errors
 
 
 def beat(client: redis.Redis, worker_id: str, fields: dict[str, Any], ttl_s: float) -> None:
-    """Write one worker's entry (one round trip). Non-string values are JSON-encoded."""
+    """Write one worker's entry (one round trip). Every value is JSON-encoded, so
+    readers get back the types that were written."""
     now = time.time()
     flat: dict[str | bytes, str] = {
-        k: v if isinstance(v, str) else json.dumps(v) for k, v in fields.items()}
-    flat["beat"] = repr(now)
+        k: json.dumps(v) for k, v in fields.items()}
+    flat["beat"] = json.dumps(now)
     key = keys.worker(worker_id)
     with redis_errors("while reporting to the worker registry"):
         pipe = client.pipeline(transaction=False)

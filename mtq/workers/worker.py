@@ -107,6 +107,7 @@ class Worker:
         self._stop = threading.Event()
         self._draining = False
         self._reload = False
+        self._resume_after_reload = True
         self._busy = False
         self._current = 0
         self.hist: collections.Counter[int] = collections.Counter()
@@ -153,6 +154,8 @@ class Worker:
         elif cmd == "stop":
             self.stop()
         elif cmd == "reload":
+            if not self._reload:
+                self._resume_after_reload = not self.slot.paused
             self._reload = True
             self._give_back(self.slot.set_paused(True))
             self._interrupt_fetcher()
@@ -201,6 +204,7 @@ class Worker:
             if batch is None:
                 return
             if self._reload:
+                self._give_back(batch)  # taken just as the reload came in: not started
                 self._do_reload()
                 per_item = is_per_item(self.model)
                 continue
@@ -294,7 +298,7 @@ class Worker:
             self.last_error = ""
             log.info("worker %s reloaded %s", self.worker_id, "/".join(model.describe()))
         self._reloading = False
-        if not self._stop.is_set():
+        if not self._stop.is_set() and self._resume_after_reload:
             self.slot.set_paused(False)
 
     # -- fetcher -------------------------------------------------------------------
@@ -331,7 +335,7 @@ class Worker:
                     self._give_back(refused)
                 if len(tasks) == need:
                     continue
-            if self._draining and not tasks and self._idle():
+            if self._draining and not tasks and c.next_timer_ms < 0 and self._idle():
                 log.info("worker %s drained the queue; stopping", self.worker_id)
                 self.stop()
                 self.slot.kick()
@@ -343,8 +347,9 @@ class Worker:
                     return
 
     def _idle(self) -> bool:
+        """Nothing running, waiting in the slot or waiting to be settled here."""
         with self._lock:
-            return not self._busy and len(self.slot) == 0
+            return not self._busy and not self._held and len(self.slot) == 0
 
     def _give_back(self, tasks: Sequence[Claimed]) -> None:
         """Release unstarted tasks to the head of their streams (no delivery counted)."""
@@ -404,6 +409,8 @@ class Worker:
                 delay = min(delay * 2, 2.0)
         self._record(report)
         self._forget([o.task.id for o in outcomes])
+        if self._draining:  # a stream's next task may be claimable now; let it look
+            self._interrupt_fetcher()
 
     def _record(self, report: SettleReport) -> None:
         for name in OUTCOME_COUNTERS:

@@ -1,0 +1,664 @@
+"""The in-process worker engine against a real redis-server: dynamic batching,
+bisection, control commands, cancel, the registry, and the consumer calls the
+supervisor relies on (requeue, release_leases, claim age)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+import mtq
+from mtq.broker.protocol import TERMINAL, NewTask
+from mtq.settings import QueueSettings
+from mtq.workers import control, registry
+from mtq.workers.model import FunctionModel, Model
+from mtq.workers.worker import Worker
+from tests.conftest import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+#: a lease short enough for the heartbeat (every lease/3) to beat twice a second
+FAST = QueueSettings(lease_ms=1500, retry_backoff_ms=0)
+
+
+# -- tiny models -------------------------------------------------------------------------
+class Recorder(Model):
+    """Records every predict call; ``fn`` maps a payload to its result; ``gate``
+    (when set) holds the first call until released."""
+
+    name = "recorder"
+    version = "7"
+    max_batch_size = 32
+    max_wait_ms = 0.0
+
+    def __init__(self, fn: Callable[[Any], Any] | None = None, *,
+                 gate: threading.Event | None = None, fail_if: Callable[[Any], bool] | None = None,
+                 max_batch_size: int | None = None, max_wait_ms: float | None = None) -> None:
+        self.fn = fn or (lambda p: p)
+        self.gate = gate
+        self.fail_if = fail_if
+        self.calls: list[list[Any]] = []
+        self.times: list[float] = []
+        self.started = threading.Event()
+        self.lock = threading.Lock()
+        if max_batch_size is not None:
+            self.max_batch_size = max_batch_size  # type: ignore[misc]
+        if max_wait_ms is not None:
+            self.max_wait_ms = max_wait_ms  # type: ignore[misc]
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        with self.lock:
+            self.calls.append(list(batch))
+            self.times.append(time.monotonic())
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(20), "test gate never opened"
+        if self.fail_if is not None and any(self.fail_if(p) for p in batch):
+            raise ValueError("bad payload in batch")
+        return [self.fn(p) for p in batch]
+
+    def seen(self) -> list[Any]:
+        with self.lock:
+            return [p for call in self.calls for p in call]
+
+
+class Running:
+    """A Worker whose run() is going in a thread."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.totals: dict[str, int] | None = None
+        self.error: BaseException | None = None
+
+        def body() -> None:
+            try:
+                self.totals = worker.run()
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=body, name="test-worker", daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 20.0) -> dict[str, int]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "Worker.run() did not return"
+        if self.error is not None:
+            raise self.error
+        alive = [t.name for t in self.worker._threads if t.is_alive()]
+        assert not alive, f"worker threads still running after run() returned: {alive}"
+        assert self.totals is not None
+        return self.totals
+
+    def stop(self, timeout: float = 20.0) -> dict[str, int]:
+        self.worker.stop()
+        return self.join(timeout)
+
+
+@contextmanager
+def serving(worker: Worker, *gates: threading.Event) -> Iterator[Running]:
+    """Run the worker; on the way out open any gates and stop it (bounded)."""
+    running = Running(worker)
+    try:
+        yield running
+    finally:
+        for g in gates:
+            g.set()
+        if running.thread.is_alive():
+            running.stop()
+
+
+def make_worker(model: Model | str, qname: str, url: str,
+                settings: QueueSettings | None = None, **kw: Any) -> Worker:
+    return Worker(model, qname, url=url, settings=settings or FAST, **kw)
+
+
+def statuses(tasks: list[mtq.Task]) -> list[str]:
+    return [t.status() for t in tasks]
+
+
+def all_done(tasks: list[mtq.Task]) -> Callable[[], bool]:
+    return lambda: all(s in TERMINAL for s in statuses(tasks))
+
+
+# -- dynamic batching ------------------------------------------------------------------------
+def test_presubmitted_backlog_runs_in_full_batches(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    tasks = q.submit_many([{"i": i} for i in range(64)])
+    model = Recorder(lambda p: p["i"] * 2, max_batch_size=32, max_wait_ms=1000)
+    w = make_worker(model, qname, redis_url)
+    with serving(w) as run:
+        wait_for(lambda: q.stats()["succeeded"] == 64, 10, "64 tasks did not succeed")
+        totals = run.stop()
+    assert [len(c) for c in model.calls] == [32, 32]
+    assert [p["i"] for p in model.seen()] == list(range(64))  # FIFO across batches
+    assert [t.result(timeout=1) for t in tasks] == [i * 2 for i in range(64)]
+    assert w.hist == {32: 2}
+    assert totals["succeeded"] == 64 and totals["batches"] == 2 and totals["tasks"] == 64
+
+
+def test_partial_batch_runs_max_wait_after_submission(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    model = Recorder(max_batch_size=32)
+    w = make_worker(model, qname, redis_url, max_wait_ms=50)
+    assert w.policy.max_wait_ms == 50.0
+    with serving(w) as run:
+        wait_for(lambda: w.state == "idle", 10, "worker did not start")
+        t0 = time.monotonic()
+        tasks = q.submit_many([{"i": i} for i in range(3)])
+        wait_for(model.started.is_set, 5, "the batch of 3 never ran")
+        ran_after = model.times[0] - t0
+        wait_for(all_done(tasks), 5, "tasks did not finish")
+        run.stop()
+    assert [len(c) for c in model.calls] == [3]
+    assert 0.040 <= ran_after < 1.0, f"batch ran {ran_after * 1000:.1f} ms after submission"
+
+
+def test_batch_holds_at_most_one_task_per_stream_in_fifo_order(qname: str,
+                                                               redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    streams = ["a", "b", "c", "d"]
+    by_stream = {s: q.submit_many([{"s": s, "i": i} for i in range(10)], stream=s)
+                 for s in streams}
+    model = Recorder(lambda p: f"{p['s']}{p['i']}", max_batch_size=32)
+    w = make_worker(model, qname, redis_url)
+    with serving(w) as run:
+        wait_for(lambda: q.stats()["succeeded"] == 40, 15, "40 stream tasks did not succeed")
+        run.stop()
+    for call in model.calls:
+        names = [p["s"] for p in call]
+        assert len(names) == len(set(names)), f"two tasks of one stream in a batch: {call}"
+    seen = model.seen()
+    for s in streams:
+        assert [p["i"] for p in seen if p["s"] == s] == list(range(10))
+        assert [t.result(timeout=1) for t in by_stream[s]] == [f"{s}{i}" for i in range(10)]
+        finished = [t.info().finished or 0 for t in by_stream[s]]
+        assert finished == sorted(finished), f"stream {s} finished out of order"
+
+
+# -- failure isolation -----------------------------------------------------------------------
+def test_one_bad_payload_is_bisected_out_then_dead_after_retries(qname: str,
+                                                                 redis_url: str) -> None:
+    settings = FAST.replace(max_retries=1)
+    q = mtq.Queue(qname, redis_url, settings=settings)
+    bad = 13
+    tasks = q.submit_many([{"i": i, "bad": i == bad} for i in range(32)])
+    model = Recorder(lambda p: p["i"] + 100, fail_if=lambda p: p["bad"], max_batch_size=32)
+    w = make_worker(model, qname, redis_url, settings=settings)
+    with serving(w) as run:
+        wait_for(all_done(tasks), 10, "the batch did not settle")
+        totals = run.stop()
+    assert len(model.calls[0]) == 32
+    first_batch_calls = len(model.calls) - 1  # the last call is the lone retry
+    assert first_batch_calls <= 2 * 5 + 2, [len(c) for c in model.calls]
+    assert model.calls[-1] == [{"i": bad, "bad": True}]
+    for i, t in enumerate(tasks):
+        if i == bad:
+            info = t.info()
+            assert (info.status, info.attempts) == ("dead", 2)
+            assert "ValueError: bad payload in batch" in (info.error or "")
+        else:
+            assert t.result(timeout=1) == i + 100
+    assert (totals["succeeded"], totals["retried"], totals["dead"]) == (31, 1, 1)
+
+
+def test_undecodable_payload_fails_only_that_task(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)  # max_retries 3: not retried anyway
+    good = q.submit_many([{"i": i} for i in range(3)])
+    q.broker.submit([NewTask(id="garbage-1", payload=b"\xc1")])
+    more = q.submit_many([{"i": 3}])
+    model = Recorder(lambda p: p["i"], max_batch_size=32)
+    w = make_worker(model, qname, redis_url)
+    with serving(w) as run:
+        garbage = q.task("garbage-1")
+        wait_for(all_done([*good, *more, garbage]), 10, "tasks did not settle")
+        run.stop()
+    info = garbage.info()
+    assert (info.status, info.attempts) == ("failed", 1)
+    assert (info.error or "").startswith("PayloadError: cannot decode")
+    assert [t.result(timeout=1) for t in [*good, *more]] == [0, 1, 2, 3]
+    assert len(model.calls) == 1 and len(model.calls[0]) == 4  # one predict, no bisection
+
+
+def test_unencodable_result_fails_only_that_task(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    tasks = q.submit_many([{"i": i} for i in range(3)])
+    model = Recorder(lambda p: object() if p["i"] == 1 else p["i"], max_batch_size=32)
+    w = make_worker(model, qname, redis_url)
+    with serving(w) as run:
+        wait_for(all_done(tasks), 10, "tasks did not settle")
+        run.stop()
+    assert statuses(tasks) == ["succeeded", "failed", "succeeded"]
+    assert "EncodeError" in (tasks[1].info().error or "")
+
+
+def test_function_model_runs_per_item_and_publishes_each_outcome(qname: str,
+                                                                 redis_url: str) -> None:
+    settings = FAST.replace(max_retries=0)
+    q = mtq.Queue(qname, redis_url, settings=settings)
+    payloads = [{"x": i} for i in range(6)]
+    tasks = q.submit_many(payloads)
+    calls: list[Any] = []
+
+    def handle(p: dict[str, Any]) -> Any:
+        calls.append(p)
+        if p["x"] == 2:
+            raise RuntimeError("item 2 is broken")
+        if p["x"] == 5:  # the first outcome was published before the batch ended
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if tasks[0].status() == "succeeded":
+                    return "saw-first"
+                time.sleep(0.01)
+            return "first-not-published"
+        return p["x"] * 3
+
+    w = make_worker(FunctionModel(handle), qname, redis_url, settings=settings)
+    assert w.policy.max_batch_size == 64
+    with serving(w) as run:
+        wait_for(all_done(tasks), 10, "tasks did not settle")
+        totals = run.stop()
+    assert calls == payloads  # one call per payload, in order, no bisection retries
+    assert [tasks[i].result(timeout=1) for i in (0, 1, 3, 4)] == [0, 3, 9, 12]
+    assert tasks[5].result(timeout=1) == "saw-first"
+    info = tasks[2].info()
+    assert info.status == "dead" and "RuntimeError: item 2 is broken" in (info.error or "")
+    assert (totals["succeeded"], totals["dead"]) == (5, 1)
+
+
+# -- control commands -------------------------------------------------------------------------
+def test_pause_gives_back_claimed_ahead_and_resume_runs_them(qname: str,
+                                                             redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    tasks = q.submit_many([{"i": i} for i in range(4)])
+    gate = threading.Event()
+    model = Recorder(lambda p: p["i"], gate=gate, max_batch_size=2)
+    w = make_worker(model, qname, redis_url)
+    with serving(w, gate) as run:
+        wait_for(lambda: model.started.is_set() and len(w.slot) == 2, 5,
+                 "the first batch did not start with the next one claimed ahead")
+        assert statuses(tasks) == ["running"] * 4
+        w.command({"cmd": "pause"})
+        assert w.slot.paused and w.state == "running"  # the batch in progress goes on
+        # the claimed-ahead tasks are back in the queue, their delivery not counted
+        assert statuses(tasks[2:]) == ["queued", "queued"]
+        assert [t.info().deliveries for t in tasks[2:]] == [0, 0]
+        assert len(w.slot) == 0
+        gate.set()
+        wait_for(lambda: statuses(tasks[:2]) == ["succeeded"] * 2, 5,
+                 "the running batch did not finish while paused")
+        wait_for(lambda: w.state == "paused", 5, "state did not become paused")
+        model.started.clear()
+        assert not model.started.wait(0.3), "predict ran while paused"
+        assert statuses(tasks[2:]) == ["queued", "queued"]
+        assert w.report()["held"] == 0
+        w.command({"cmd": "resume"})
+        wait_for(all_done(tasks), 5, "resumed worker did not run the rest")
+        run.stop()
+    assert [t.result(timeout=1) for t in tasks] == [0, 1, 2, 3]
+    assert [[p["i"] for p in c] for c in model.calls] == [[0, 1], [2, 3]]
+
+
+def test_drain_returns_once_the_queue_is_empty(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    tasks = q.submit_many([{"i": i} for i in range(20)])
+    model = Recorder(lambda p: p["i"], max_batch_size=4)
+    w = make_worker(model, qname, redis_url)
+    run = Running(w)
+    w.command({"cmd": "drain"})
+    totals = run.join(15)  # returns by itself: nobody calls stop()
+    assert statuses(tasks) == ["succeeded"] * 20
+    assert totals["succeeded"] == 20
+    assert registry.list_workers(w.consumer.redis, qname) == []
+
+
+def test_drain_runs_every_task_of_a_stream(qname: str, redis_url: str) -> None:
+    """A stream's next task is claimable only once the previous one is acked, which
+    the publisher does after the model thread moves on. To make the interleaving
+    deterministic (not a race the fetcher usually wins), each settle waits until
+    the fetcher has made one claim after the batch ran; the Redis calls are real."""
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    tasks = q.submit_many([{"i": i} for i in range(4)], stream="s")
+    ran, claimed_after = threading.Event(), threading.Event()
+
+    def fn(p: dict[str, Any]) -> int:
+        claimed_after.clear()
+        ran.set()
+        return int(p["i"])
+
+    model = Recorder(fn, max_batch_size=4)
+    w = make_worker(model, qname, redis_url)
+    claim, settle = w.consumer.claim, w.consumer.settle
+
+    def claim_then_mark(batch_size: int, lease_ms: int | None = None) -> list[mtq.Claimed]:
+        got = claim(batch_size, lease_ms)
+        if not got and ran.is_set():
+            claimed_after.set()
+        return got
+
+    def settle_after_a_claim(outcomes: Any) -> Any:
+        claimed_after.wait(2)
+        ran.clear()
+        return settle(outcomes)
+
+    w.consumer.claim = claim_then_mark  # type: ignore[method-assign]
+    w.consumer.settle = settle_after_a_claim  # type: ignore[method-assign]
+    run = Running(w)
+    w.command({"cmd": "drain"})
+    run.join(20)
+    assert statuses(tasks) == ["succeeded"] * 4
+
+
+RELOADABLE = '''
+import mtq
+
+VERSION = {version!r}
+
+
+class Versioned(mtq.Model):
+    max_batch_size = 4
+    max_wait_ms = 0
+    name = "versioned"
+    version = VERSION
+
+    def predict(self, batch):
+        hook = globals().get("HOOK")
+        if hook is not None:
+            hook(batch)
+        return [{{"v": VERSION, "i": p["i"]}} for p in batch]
+'''
+
+
+@pytest.fixture
+def reloadable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, Path]]:
+    """A module on sys.path the test rewrites; no bytecode cache, so a rewrite within
+    the same second is still seen by importlib.reload."""
+    name = "mtq_reload_" + uuid.uuid4().hex[:10]
+    path = tmp_path / f"{name}.py"
+    path.write_text(RELOADABLE.format(version="1"))
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield name, path
+    sys.modules.pop(name, None)
+
+
+def rewrite(path: Path, text: str) -> None:
+    path.write_text(text)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 2_000_000_000))
+
+
+def test_reload_swaps_the_model_without_losing_tasks(qname: str, redis_url: str,
+                                                     reloadable: tuple[str, Path]) -> None:
+    name, path = reloadable
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    w = make_worker(f"{name}:Versioned", qname, redis_url)
+    module = sys.modules[name]
+    gate, started = threading.Event(), threading.Event()
+
+    def hook(batch: list[Any]) -> None:  # holds the first batch so others wait in the slot
+        started.set()
+        assert gate.wait(20)
+
+    vars(module)["HOOK"] = hook  # survives importlib.reload: the new source does not define it
+    first = q.submit_many([{"i": i} for i in range(12)])
+    with serving(w, gate) as run:
+        wait_for(lambda: started.is_set() and len(w.slot) == 4, 5,
+                 "the first batch did not start with the next one claimed ahead")
+        rewrite(path, RELOADABLE.format(version="22"))
+        w.command({"cmd": "reload"})
+        assert len(w.slot) == 0  # claimed-ahead tasks went back for the new model
+        gate.set()
+        wait_for(lambda: w.model.describe() == ("versioned", "22"), 5, "the model was not reloaded")
+        wait_for(all_done(first), 10, "tasks submitted before the reload did not finish")
+        later = q.submit_many([{"i": i} for i in range(12, 15)])
+        wait_for(all_done(later), 5, "tasks submitted after the reload did not finish")
+        assert w.last_error == ""
+        run.stop()
+    results = [t.result(timeout=1) for t in [*first, *later]]
+    assert [r["i"] for r in results] == list(range(15))
+    assert [r["v"] for r in results[:4]] == ["1"] * 4  # the batch running at reload time
+    assert [r["v"] for r in results[4:]] == ["22"] * 11
+    assert w.policy.max_batch_size == 4 and w.slot.max_batch_size == 4
+
+
+def test_failed_reload_keeps_the_old_model(qname: str, redis_url: str,
+                                           reloadable: tuple[str, Path]) -> None:
+    name, path = reloadable
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    w = make_worker(f"{name}:Versioned", qname, redis_url)
+    with serving(w) as run:
+        t = q.submit({"i": 0})
+        assert t.result(timeout=5) == {"v": "1", "i": 0}
+        rewrite(path, "raise RuntimeError('broken at import')\n")
+        w.command({"cmd": "reload"})
+        wait_for(lambda: "reload failed" in w.last_error, 5, "reload failure not reported")
+        assert "broken at import" in w.last_error and "TargetError" in w.last_error
+        assert w.model.describe() == ("versioned", "1")
+        wait_for(lambda: w.state == "idle", 5, "worker did not go back to idle")
+        t2 = q.submit({"i": 1})
+        assert t2.result(timeout=5) == {"v": "1", "i": 1}
+        assert w.report()["last_error"] == w.last_error
+        run.stop()
+
+
+def test_reload_of_a_model_object_reports_an_error(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    model = Recorder(lambda p: p)
+    w = make_worker(model, qname, redis_url)
+    with serving(w) as run:
+        w.command({"cmd": "reload"})
+        wait_for(lambda: "cannot re-import" in w.last_error, 5, "no error for a model object")
+        assert q.submit(5).result(timeout=5) == 5
+        assert w.model is model
+        run.stop()
+
+
+def test_reload_arriving_right_after_take_does_not_drop_the_batch(
+        qname: str, redis_url: str, reloadable: tuple[str, Path]) -> None:
+    name, _path = reloadable
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    w = make_worker(f"{name}:Versioned", qname, redis_url)
+    take = w.slot.take
+    fired = threading.Event()
+
+    def take_then_reload() -> Any:
+        # the interleaving of a control command landing between take() and the
+        # model loop's check of the reload flag, made deterministic
+        batch = take()
+        if batch and not fired.is_set():
+            fired.set()
+            w.command({"cmd": "reload"})
+        return batch
+
+    w.slot.take = take_then_reload  # type: ignore[method-assign]
+    with serving(w) as run:
+        tasks = q.submit_many([{"i": i} for i in range(3)])
+        wait_for(fired.is_set, 5, "no batch was taken")
+        try:
+            wait_for(all_done(tasks), 1.5, f"tasks stuck: {statuses(tasks)}")
+        finally:
+            run.stop()
+    assert statuses(tasks) == ["succeeded"] * 3
+
+
+def test_cancel_of_a_task_waiting_in_the_slot(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    a, b = q.submit_many([{"i": 0}, {"i": 1}])
+    gate = threading.Event()
+    model = Recorder(lambda p: p["i"], gate=gate, max_batch_size=1)
+    w = make_worker(model, qname, redis_url)
+    with serving(w, gate) as run:
+        wait_for(lambda: model.started.is_set() and [t.id for t in w.slot.ids()] == [b.id], 5,
+                 "b was not claimed ahead while a runs")
+        assert b.cancel() is False  # it is leased: its worker is asked to stop it
+        wait_for(lambda: b.status() == "cancelled", 5, "b was not cancelled from the slot")
+        assert len(w.slot) == 0
+        gate.set()
+        assert a.result(timeout=5) == 0
+        totals = run.stop()
+    assert model.seen() == [{"i": 0}]  # b never ran
+    with pytest.raises(mtq.TaskCancelled):
+        b.result(timeout=1)
+    assert (totals["succeeded"], totals["cancelled"]) == (1, 1)
+
+
+# -- registry and control channel ---------------------------------------------------------
+def test_running_worker_is_in_the_registry_until_stopped(qname: str, redis_url: str,
+                                                         r: redis.Redis) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    model = Recorder(lambda p: p, max_batch_size=8)
+    w = make_worker(model, qname, redis_url, worker_id=f"test-{qname}")
+    with serving(w) as run:
+        tasks = q.submit_many([1, 2, 3])
+        wait_for(all_done(tasks), 5, "tasks did not finish")
+
+        def entry() -> dict[str, Any] | None:
+            rows = [e for e in registry.list_workers(r, qname) if e["id"] == w.worker_id]
+            return rows[0] if rows and rows[0].get("succeeded") == 3 else None
+
+        e = wait_for(entry, 5, "worker not in the registry with its 3 successes")
+        assert e["queue"] == qname and e["device"] == "cpu"
+        assert e["model"] == "recorder" and str(e["version"]) == "7"
+        assert e["state"] in ("idle", "running")
+        assert e["histogram"] == {"3": 1} and e["typical_batch"] == 3
+        assert e["max_batch_size"] == 8 and e["tasks"] == 3 and e["pid"] == os.getpid()
+        assert e["last_error"] == "" and e["heartbeat_age_s"] < 5
+        assert registry.list_workers(r, "other-" + qname) == []
+        run.stop()
+    assert [e for e in registry.list_workers(r) if e["id"] == w.worker_id] == []
+    assert r.exists(f"mtq:worker:{w.worker_id}") == 0
+
+
+def test_listener_delivers_commands_and_send_counts_subscribers(qname: str,
+                                                                r: redis.Redis) -> None:
+    got: list[dict[str, Any]] = []
+    arrived = threading.Event()
+
+    def callback(msg: dict[str, Any]) -> None:
+        got.append(msg)
+        arrived.set()
+
+    assert control.send(r, qname, "pause") == 0  # nobody listens yet
+    listener = control.Listener(r, qname, callback)
+    listener.start()
+    try:
+        assert listener.subscribed.is_set()
+        channel = f"mtq:{{{qname}}}:control"
+        r.publish(channel, "not json")
+        r.publish(channel, json.dumps([1, 2]))
+        assert control.send(r, qname, "reload", worker="w-1") == 1
+        assert arrived.wait(5), "the command never reached the callback"
+        assert got == [{"cmd": "reload", "worker": "w-1"}]  # malformed ones ignored
+    finally:
+        listener.close()
+    assert not listener._thread.is_alive()
+
+
+def test_listener_drives_a_worker(qname: str, redis_url: str, r: redis.Redis) -> None:
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    model = Recorder(lambda p: p)
+    w = make_worker(model, qname, redis_url)
+    listener = control.Listener(r, qname, w.command)
+    with serving(w) as run:
+        listener.start()
+        try:
+            assert control.send(r, qname, "pause") == 1
+            wait_for(lambda: w.state == "paused", 5, "pause did not reach the worker")
+            t = q.submit(1)
+            assert control.send(r, qname, "resume") == 1
+            assert t.result(timeout=5) == 1
+        finally:
+            listener.close()
+        run.stop()
+    assert not listener._thread.is_alive()
+
+
+def test_registry_keeps_string_fields_as_strings(r: redis.Redis) -> None:
+    worker_id = "test-" + uuid.uuid4().hex[:8]
+    registry.beat(r, worker_id, {"queue": "q", "version": "1.10", "model": "null",
+                                 "batch": 3, "histogram": {"3": 1}}, ttl_s=5)
+    try:
+        (e,) = [e for e in registry.list_workers(r) if e["id"] == worker_id]
+        assert e["batch"] == 3 and e["histogram"] == {"3": 1}
+        assert (e["version"], e["model"]) == ("1.10", "null")
+    finally:
+        registry.remove(r, worker_id)
+
+
+# -- consumer calls the supervisor uses -------------------------------------------------------
+def test_requeue_puts_task_back_at_stream_head_counting_the_delivery(qname: str,
+                                                                     redis_url: str) -> None:
+    settings = QueueSettings(max_deliveries=2)
+    q = mtq.Queue(qname, redis_url, settings=settings)
+    c = mtq.Consumer(qname, redis_url, settings=settings, worker_id="w1")
+    a, b = q.submit_many([{"i": 0}, {"i": 1}], stream="s")
+    (t,) = c.claim(10)
+    assert t.id == a.id and t.deliveries == 1 and not t.suspect
+    assert c.requeue([(t.id, "wrong-token")], "worker killed") == [mtq.broker.codes.Code.LEASE_LOST]
+    assert c.requeue([(t.id, t.token)], "worker killed") == [1]
+    info = a.info()
+    assert (info.status, info.deliveries, info.attempts) == ("queued", 1, 0)
+    assert q.stats()["redelivered"] == 1 and q.stats()["running"] == 0
+    (t2,) = c.claim(10)  # back at the head: before b
+    assert t2.id == a.id and t2.deliveries == 2 and t2.suspect
+    assert c.requeue([(t2.id, t2.token)], "worker killed") == [1]
+    info = a.info()
+    assert info.status == "dead"
+    assert info.error == "PoisonTask: worker killed on each of 2 deliveries"
+    assert q.stats()["dead"] == 1
+    (t3,) = c.claim(10)  # the stream was released
+    assert t3.id == b.id
+    assert c.requeue([], "x") == []
+
+
+def test_requeue_keeps_order_of_several_tasks(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url)
+    c = mtq.Consumer(qname, redis_url, worker_id="w1")
+    tasks = q.submit_many([{"i": i} for i in range(5)])
+    got = c.claim(3)
+    assert c.requeue([(t.id, t.token) for t in got], "supervisor saw it die") == [1, 1, 1]
+    again = c.claim(10)
+    assert [t.id for t in again] == [t.id for t in tasks]
+    assert [t.deliveries for t in again] == [2, 2, 2, 1, 1]
+
+
+def test_release_leases_does_not_count_the_delivery(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url)
+    c = mtq.Consumer(qname, redis_url, worker_id="w1")
+    tasks = q.submit_many([{"i": i} for i in range(3)], stream="s") + q.submit_many([{"j": 0}])
+    got = c.claim(10)
+    assert [t.id for t in got] == [tasks[0].id, tasks[3].id]
+    assert c.release_leases([(t.id, t.token) for t in got]) == 2
+    assert [t.info().deliveries for t in (tasks[0], tasks[3])] == [0, 0]
+    assert [t.status() for t in (tasks[0], tasks[3])] == ["queued", "queued"]
+    assert q.stats()["redelivered"] == 0
+    assert c.release_leases([(got[0].id, got[0].token)]) == 0  # not running any more
+    assert c.release_leases([]) == 0
+    again = c.claim(10)
+    assert [t.id for t in again] == [tasks[0].id, tasks[3].id]
+    assert [t.deliveries for t in again] == [1, 1] and not any(t.suspect for t in again)
+
+
+def test_claim_reports_age_since_submission(qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url)
+    c = mtq.Consumer(qname, redis_url, worker_id="w1")
+    start = time.monotonic()
+    q.submit({"x": 1})
+    assert not threading.Event().wait(0.15)  # let the task age
+    (t,) = c.claim(1)
+    elapsed_ms = (time.monotonic() - start) * 1000
+    assert 140 <= t.age_ms <= elapsed_ms + 5, (t.age_ms, elapsed_ms)
+    q.submit({"x": 2})
+    (fresh,) = c.claim(1)
+    assert 0 <= fresh.age_ms < 100
