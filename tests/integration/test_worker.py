@@ -662,3 +662,42 @@ def test_claim_reports_age_since_submission(qname: str, redis_url: str) -> None:
     q.submit({"x": 2})
     (fresh,) = c.claim(1)
     assert 0 <= fresh.age_ms < 100
+
+
+# -- a worker that stops heartbeating ----------------------------------------------------------
+@pytest.mark.slow
+def test_a_frozen_worker_leaves_the_registry_and_its_tasks_are_reclaimed(
+        qname: str, redis_url: str, r: redis.Redis, subprocess_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """SIGSTOP a worker process holding tasks: its registry entry expires, and a live
+    worker's reaper takes its tasks back after the lease and runs them."""
+    import signal
+    import subprocess
+
+    lease_ms = 1500
+    q = mtq.Queue(qname, redis_url, lease_ms=lease_ms)
+    log = (tmp_path / "frozen.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtq", "worker", "run", "tests.models:Probe", "--queue", qname,
+         "--redis", redis_url, "--lease-ms", str(lease_ms)],
+        env=subprocess_env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: [w for w in registry.list_workers(r, qname) if w["pid"] == proc.pid],
+                 20, "the worker process never appeared in the registry")
+        tasks = q.submit_many([mtq.Request({"sleep": 30, "s": s, "i": 0}, stream=s)
+                               for s in ("a", "b")])
+        wait_for(lambda: statuses(tasks) == ["running", "running"], 10,
+                 "the worker did not start both tasks")
+        proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: not [w for w in registry.list_workers(r, qname)
+                              if w["pid"] == proc.pid], 15,
+                 "a worker that stopped heartbeating stayed in the registry")
+        live = make_worker(FunctionModel(lambda p: p["s"]), qname, redis_url,
+                           settings=QueueSettings(lease_ms=lease_ms))
+        with serving(live):
+            assert [t.result(timeout=20) for t in tasks] == ["a", "b"]
+        assert [t.info().deliveries for t in tasks] == [2, 2]
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        log.close()
