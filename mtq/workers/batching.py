@@ -93,6 +93,7 @@ class BatchSlot:
                     for i, p in enumerate(pending):
                         if p.task.suspect:  # it killed a worker before: run it alone
                             del pending[i]
+                            self.cond.notify_all()  # room for the fetcher
                             return [p.task]
                     b = self.max_batch_size
                     due = min(p.ready_at for p in pending)

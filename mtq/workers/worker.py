@@ -108,6 +108,7 @@ class Worker:
         self._draining = False
         self._reload = False
         self._resume_after_reload = True
+        self._fetcher_sleeping = False
         self._busy = False
         self._current = 0
         self.hist: collections.Counter[int] = collections.Counter()
@@ -218,8 +219,8 @@ class Worker:
             with self._lock:
                 self._busy = False
                 self._current = 0
-            if self._draining:
-                self._interrupt_fetcher()  # let it check whether the queue is empty
+            if self._draining:  # the publisher lets the fetcher check if the queue is empty
+                self._outbox.put([])
 
     def _run_batch(self, batch: list[Claimed], per_item: bool) -> None:
         self.hist[len(batch)] += 1
@@ -335,16 +336,21 @@ class Worker:
                     self._give_back(refused)
                 if len(tasks) == need:
                     continue
-            if self._draining and not tasks and c.next_timer_ms < 0 and self._idle():
-                log.info("worker %s drained the queue; stopping", self.worker_id)
-                self.stop()
-                self.slot.kick()
-                return
+            # set before the drain check: whoever makes the worker idle after the check
+            # sees it and wakes the fetcher (see _publish_loop)
+            self._fetcher_sleeping = True
             try:
+                if self._draining and not tasks and c.next_timer_ms < 0 and self._idle():
+                    log.info("worker %s drained the queue; stopping", self.worker_id)
+                    self.stop()
+                    self.slot.kick()
+                    return
                 c.wait()
             except MtqError:
                 if self._stop.wait(1.0):
                     return
+            finally:
+                self._fetcher_sleeping = False
 
     def _idle(self) -> bool:
         """Nothing running, waiting in the slot or waiting to be settled here."""
@@ -390,6 +396,9 @@ class Worker:
                     batch.extend(more)
             if batch:
                 self._settle(batch, give_up_after=10.0 if done else None)
+            if self._draining and self._fetcher_sleeping:
+                # a stream's next task may be claimable now, or the queue is empty
+                self._interrupt_fetcher()
 
     def _settle(self, outcomes: list[Outcome], give_up_after: float | None) -> None:
         start = time.monotonic()
@@ -409,8 +418,6 @@ class Worker:
                 delay = min(delay * 2, 2.0)
         self._record(report)
         self._forget([o.task.id for o in outcomes])
-        if self._draining:  # a stream's next task may be claimable now; let it look
-            self._interrupt_fetcher()
 
     def _record(self, report: SettleReport) -> None:
         for name in OUTCOME_COUNTERS:

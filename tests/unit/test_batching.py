@@ -193,6 +193,17 @@ def test_wait_space_blocks_while_full_and_returns_room() -> None:
     assert filler.join() == 0
 
 
+def test_taking_a_suspect_wakes_a_fetcher_waiting_for_room() -> None:
+    """Regression (found by the batching benchmark): a slot full of suspects was
+    handed out one by one without waking the fetcher, which slept for good."""
+    slot = BatchSlot(max_batch_size=2, max_wait_ms=10_000)
+    slot.put([claimed(i, deliveries=2) for i in range(2)], time.monotonic())
+    filler = Background(slot.wait_space)
+    assert not filler.done.wait(0.05)  # full
+    assert ids(slot.take()) == ["t0"]
+    assert filler.join() == 1, "the fetcher was not woken when a suspect left the slot"
+
+
 def test_remove_takes_tasks_out_by_id() -> None:
     slot = BatchSlot(max_batch_size=8, max_wait_ms=10_000)
     slot.put([claimed(i) for i in range(4)], time.monotonic())
