@@ -92,9 +92,20 @@ class MiniLM(mtq.Model):
         self.encoder = MiniLMEncoder(device)
 
     def predict(self, batch: list[Any]) -> list[Any]:
-        # One bad payload raises for the whole call; the worker then bisects the
-        # batch, so only that item fails (with this message) and the others succeed.
-        return self.encoder([text_of(p) for p in batch])
+        # A bad payload fails alone: its PermanentError goes in its place (the Model
+        # contract), so the good texts are encoded in one call. (Raising would also
+        # isolate it, by bisection, at the cost of running most of the batch again.)
+        # Anything else that raises here, the worker bisects.
+        out: list[Any] = []
+        texts: list[str] = []
+        for p in batch:
+            try:
+                texts.append(text_of(p))
+                out.append(None)
+            except ValueError as exc:  # retrying cannot fix it: fail it at once
+                out.append(mtq.PermanentError(str(exc)))
+        rows = iter(self.encoder(texts) if texts else [])
+        return [next(rows) if r is None else r for r in out]
 
 
 _default: MiniLMEncoder | None = None

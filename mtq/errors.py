@@ -17,7 +17,8 @@
     │   └── TaskCancelled           the task was cancelled
     ├── ResultTimeout               the task did not finish in time (also a TimeoutError)
     ├── LeaseLost                   a worker's lease on a task expired; another owns it
-    └── TargetError                 a worker target (``module:attr``) cannot be loaded
+    ├── TargetError                 a worker target (``module:attr``) cannot be loaded
+    └── PermanentError              raised or returned by a model: fail at once, no retry
 
 Every message says what was wrong and what to do about it.
 """
@@ -36,6 +37,7 @@ __all__ = [
     "MtqError",
     "PayloadError",
     "PayloadTooLarge",
+    "PermanentError",
     "QueueFull",
     "ResultTimeout",
     "ServerNotFound",
@@ -152,3 +154,9 @@ class LeaseLost(MtqError):
 
 class TargetError(MtqError):
     """A worker target (``package.module:attr``) could not be loaded."""
+
+
+class PermanentError(MtqError):
+    """Raise it from ``predict`` (or put an instance in an item's place) when retrying
+    cannot help, e.g. a malformed request: the task fails at once, without retries
+    and without going to the dead-letter list."""

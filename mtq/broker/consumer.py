@@ -200,25 +200,27 @@ class Consumer:
         without counting a delivery (graceful drain). Returns how many went back."""
         if not tasks:
             return 0
-        # Each release LPUSHes to the head: send them last-first so the batch keeps its order.
-        codes = self.broker.nack([(t.id, t.token, RELEASE, "") for t in reversed(tasks)])
-        return sum(1 for c in codes if c == 1)
+        # Each release LPUSHes to the head: they go last-first so the batch keeps its order.
+        return self.release_leases([(t.id, t.token) for t in tasks])
 
-    def requeue(self, leases: Sequence[tuple[str, str]], reason: str) -> list[int]:
-        """The process running these (id, token) tasks died or was killed: put them
-        back at the head of their streams now instead of waiting for their leases,
-        with the delivery counted (dead as poison at ``max_deliveries``)."""
-        if not leases:
-            return []
+    def give_back(self, running: Sequence[tuple[str, str]], rest: Sequence[tuple[str, str]],
+                  reason: str) -> list[int]:
+        """The process holding these (id, token) tasks died or was killed; put them back
+        now instead of waiting for their leases, in one round trip.
+
+        ``running`` (the items of the predict call it died in) go back with the
+        delivery counted, dead as poison at ``max_deliveries``; ``rest`` (claimed, not
+        started) go back uncounted. Both go to the head of their streams, the running
+        ones in front, since they were claimed first.
+        """
         arg = f"{self.settings.max_deliveries}|{reason}"
-        return self.broker.nack([(i, t, REQUEUE, arg) for i, t in reversed(leases)])
+        items = [(i, t, RELEASE, "") for i, t in reversed(rest)]
+        items += [(i, t, REQUEUE, arg) for i, t in reversed(running)]
+        return self.broker.nack(items) if items else []
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> int:
         """:meth:`release` by (id, token) pairs (a supervisor holds no Claimed objects)."""
-        if not leases:
-            return 0
-        codes = self.broker.nack([(i, t, RELEASE, "") for i, t in reversed(leases)])
-        return sum(1 for c in codes if c == 1)
+        return sum(1 for c in self.give_back([], leases, "") if c == 1)
 
     def extend(self, tasks: Sequence[Claimed], lease_ms: int | None = None
                ) -> tuple[list[str], list[str]]:

@@ -28,7 +28,9 @@ class Model:
     ``predict`` returns one result per payload, in order. To fail a single item
     without failing the batch, put an exception instance in its place. If
     ``predict`` raises, the worker bisects the batch to find the failing items,
-    so one bad request does not fail the others.
+    so one bad request does not fail the others. A failed item is retried with
+    backoff, unless its exception is an :class:`mtq.PermanentError` (a malformed
+    request, say): then it fails at once.
     """
 
     #: most payloads per predict call

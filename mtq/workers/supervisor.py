@@ -301,10 +301,7 @@ class Supervisor:
         rest = [(i, t) for i, t in c.held.items() if i not in counted]
         reason = c.killed_for or "worker process died"
         try:
-            if running:
-                self.consumer.requeue(running, reason)
-            if rest:
-                self.consumer.release_leases(rest)
+            self.consumer.give_back(running, rest, reason)
         except MtqError:
             log.warning("could not give back the tasks of worker %d; they return when their "
                         "leases expire", c.slot, exc_info=True)

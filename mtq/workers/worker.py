@@ -35,7 +35,7 @@ from typing import Any
 from mtq import serialization
 from mtq.broker.consumer import OUTCOME_COUNTERS, Consumer, Outcome, SettleReport
 from mtq.broker.protocol import Claimed
-from mtq.errors import MtqError, PayloadError, TargetError
+from mtq.errors import MtqError, PayloadError, PermanentError, TargetError
 from mtq.settings import QueueSettings
 from mtq.workers import devices, registry
 from mtq.workers.batching import BatchSlot, ItemResult, run_isolated
@@ -277,7 +277,8 @@ class Worker:
                   "".join(traceback.format_exception(exc)) if exc else "?")
         with self._lock:
             cancelled = task.id in self._cancel
-        return Outcome(task, ok=False, error=f"{type(exc).__name__}: {exc}", cancelled=cancelled)
+        return Outcome(task, ok=False, error=f"{type(exc).__name__}: {exc}", cancelled=cancelled,
+                       retryable=not isinstance(exc, (PermanentError, PayloadError)))
 
     def _do_reload(self) -> None:
         """Re-import the target and set the new model up; keep the old one if that fails."""

@@ -597,7 +597,7 @@ def test_registry_keeps_string_fields_as_strings(r: redis.Redis) -> None:
 
 
 # -- consumer calls the supervisor uses -------------------------------------------------------
-def test_requeue_puts_task_back_at_stream_head_counting_the_delivery(qname: str,
+def test_give_back_puts_task_back_at_stream_head_counting_the_delivery(qname: str,
                                                                      redis_url: str) -> None:
     settings = QueueSettings(max_deliveries=2)
     q = mtq.Queue(qname, redis_url, settings=settings)
@@ -605,32 +605,48 @@ def test_requeue_puts_task_back_at_stream_head_counting_the_delivery(qname: str,
     a, b = q.submit_many([{"i": 0}, {"i": 1}], stream="s")
     (t,) = c.claim(10)
     assert t.id == a.id and t.deliveries == 1 and not t.suspect
-    assert c.requeue([(t.id, "wrong-token")], "worker killed") == [mtq.broker.codes.Code.LEASE_LOST]
-    assert c.requeue([(t.id, t.token)], "worker killed") == [1]
+    assert c.give_back([(t.id, "wrong-token")], [], "worker killed") == [mtq.broker.codes.Code.LEASE_LOST]
+    assert c.give_back([(t.id, t.token)], [], "worker killed") == [1]
     info = a.info()
     assert (info.status, info.deliveries, info.attempts) == ("queued", 1, 0)
     assert q.stats()["redelivered"] == 1 and q.stats()["running"] == 0
     (t2,) = c.claim(10)  # back at the head: before b
     assert t2.id == a.id and t2.deliveries == 2 and t2.suspect
-    assert c.requeue([(t2.id, t2.token)], "worker killed") == [1]
+    assert c.give_back([(t2.id, t2.token)], [], "worker killed") == [1]
     info = a.info()
     assert info.status == "dead"
     assert info.error == "PoisonTask: worker killed on each of 2 deliveries"
     assert q.stats()["dead"] == 1
     (t3,) = c.claim(10)  # the stream was released
     assert t3.id == b.id
-    assert c.requeue([], "x") == []
+    assert c.give_back([], [], "x") == []
 
 
-def test_requeue_keeps_order_of_several_tasks(qname: str, redis_url: str) -> None:
+def test_give_back_keeps_order_of_several_tasks(qname: str, redis_url: str) -> None:
     q = mtq.Queue(qname, redis_url)
     c = mtq.Consumer(qname, redis_url, worker_id="w1")
     tasks = q.submit_many([{"i": i} for i in range(5)])
     got = c.claim(3)
-    assert c.requeue([(t.id, t.token) for t in got], "supervisor saw it die") == [1, 1, 1]
+    assert c.give_back([(t.id, t.token) for t in got], [], "supervisor saw it die") == [1, 1, 1]
     again = c.claim(10)
     assert [t.id for t in again] == [t.id for t in tasks]
     assert [t.deliveries for t in again] == [2, 2, 2, 1, 1]
+
+
+def test_give_back_puts_the_running_batch_before_the_claimed_ahead_tasks(
+        qname: str, redis_url: str) -> None:
+    """A dead worker's running items were claimed before its claimed-ahead ones, so
+    they go back in front of them: counted, and the others uncounted."""
+    q = mtq.Queue(qname, redis_url)
+    c = mtq.Consumer(qname, redis_url, worker_id="w1")
+    tasks = q.submit_many([{"i": i} for i in range(6)])
+    running, ahead = c.claim(2), c.claim(2)
+    codes = c.give_back([(t.id, t.token) for t in running], [(t.id, t.token) for t in ahead],
+                        "worker process died")
+    assert codes == [1, 1, 1, 1]
+    again = c.claim(10)
+    assert [t.id for t in again] == [t.id for t in tasks]
+    assert [t.deliveries for t in again] == [2, 2, 1, 1, 1, 1]
 
 
 def test_release_leases_does_not_count_the_delivery(qname: str, redis_url: str) -> None:
@@ -701,3 +717,24 @@ def test_a_frozen_worker_leaves_the_registry_and_its_tasks_are_reclaimed(
         proc.kill()
         proc.wait(timeout=10)
         log.close()
+
+
+def test_a_permanent_error_fails_the_item_at_once_without_retries(qname: str,
+                                                                  redis_url: str) -> None:
+    class Picky(Model):
+        max_batch_size = 8
+        max_wait_ms = 0
+
+        def predict(self, batch: list[Any]) -> list[Any]:
+            return [mtq.PermanentError("malformed request") if p.get("bad") else p["x"]
+                    for p in batch]
+
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    good, bad = q.submit_many([{"x": 1}, {"bad": True}])
+    with serving(make_worker(Picky(), qname, redis_url)):
+        assert good.result(timeout=10) == 1
+        with pytest.raises(mtq.TaskFailed, match="PermanentError: malformed request"):
+            bad.result(timeout=10)
+    info = bad.info()
+    assert (info.status, info.attempts) == ("failed", 1), "no retry, no dead-letter"
+    assert q.stats()["retried"] == 0

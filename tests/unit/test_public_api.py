@@ -22,6 +22,7 @@ EXPECTED_ALL = [
     "Outcome",
     "PayloadError",
     "PayloadTooLarge",
+    "PermanentError",
     "Queue",
     "QueueFull",
     "QueueSettings",
