@@ -66,6 +66,9 @@ class PipeMonitor(Monitor):
     def settled(self, ids: Sequence[str]) -> None:
         self.send("settled", list(ids))
 
+    def reloaded(self, timeout_s: float | None, model: str) -> None:
+        self.send("reloaded", {"timeout_s": timeout_s, "model": model})
+
 
 def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
     """Run one worker process. ``config``: target, queue, url, settings (dict), device,
@@ -114,6 +117,10 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
                 return
             worker.command(msg)
 
+    if config.get("draining"):
+        worker.command({"cmd": "drain"})
+    elif config.get("paused"):
+        worker.slot.set_paused(True)
     threading.Thread(target=read_commands, name="mtq-control", daemon=True).start()
     worker.run()
     monitor.send("bye", worker.totals)

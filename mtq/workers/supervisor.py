@@ -39,7 +39,7 @@ from typing import Any
 from mtq.broker.consumer import Consumer
 from mtq.errors import ConfigError, MtqError
 from mtq.settings import QueueSettings
-from mtq.workers import child, control, devices
+from mtq.workers import child, control, devices, registry
 
 log = logging.getLogger(__name__)
 
@@ -198,7 +198,9 @@ class Supervisor:
         config = {"target": self.target, "queue": self.queue, "url": self.url,
                   "settings": dataclasses.asdict(self.settings), "device": device, "env": env,
                   "overrides": self.overrides, "supervisor": self.id, "slot": slot.index,
-                  "log_level": self.log_level}
+                  "log_level": self.log_level,
+                  # a replacement starts in the state the others are in, before it claims
+                  "paused": self.paused, "draining": self.draining}
         parent, kid = self._ctx.Pipe()
         shared = self._ctx.RawArray("d", 3)
         saved = {k: os.environ.get(k) for k in env}
@@ -246,10 +248,9 @@ class Supervisor:
             c.timeout_s = msg[1].get("timeout_s")
             self.on_event(f"worker {c.slot} ready on {c.device} (pid {c.process.pid}, "
                           f"{msg[1].get('model')})")
-            if self.draining:  # a replacement joins what the others are doing
-                self._send(c, {"cmd": "drain"})
-            elif self.paused:
-                self._send(c, {"cmd": "pause"})
+        elif kind == "reloaded":
+            c.timeout_s = msg[1].get("timeout_s")
+            self.on_event(f"worker {c.slot} reloaded ({msg[1].get('model')})")
         elif kind == "fatal":
             c.fatal, c.error = True, msg[1]
         elif kind == "setup_failed":
@@ -262,6 +263,11 @@ class Supervisor:
         del self.children[c.slot]
         c.conn.close()
         self._give_back(c)
+        if c.worker_id and code != 0:  # it could not remove its own registry entry
+            try:
+                registry.remove(self.consumer.redis, c.worker_id)
+            except MtqError:
+                log.debug("could not remove worker %s from the registry", c.worker_id)
         slot = self.slots.get(c.slot)
         if c.fatal:
             self.error = c.error
@@ -328,7 +334,11 @@ class Supervisor:
         while len(live) < want:
             index = self._next_slot
             self._next_slot += 1
-            self.slots[index] = _Slot(index, self.devices[index % len(self.devices)])
+            load = {d: 0 for d in self.devices}
+            for slot in self.slots.values():
+                load[slot.device] = load.get(slot.device, 0) + 1
+            device = min(self.devices, key=lambda d: load[d])  # the least used device
+            self.slots[index] = _Slot(index, device)
             live.append(index)
         for index in live[want:]:
             self.slots.pop(index)

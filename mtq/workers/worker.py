@@ -73,6 +73,9 @@ class Monitor:
     def settled(self, ids: Sequence[str]) -> None:
         """These tasks left this process (settled or given back)."""
 
+    def reloaded(self, timeout_s: float | None, model: str) -> None:
+        """A reload swapped the model in; its timeout may have changed."""
+
 
 class Worker:
     """Serves one model for one queue in this process until stopped."""
@@ -299,6 +302,7 @@ class Worker:
             self.slot.configure(policy.max_batch_size, policy.max_wait_ms)
             self.last_error = ""
             log.info("worker %s reloaded %s", self.worker_id, "/".join(model.describe()))
+            self.monitor.reloaded(policy.timeout_s, "/".join(model.describe()))
         self._reloading = False
         if not self._stop.is_set() and self._resume_after_reload:
             self.slot.set_paused(False)

@@ -1,0 +1,136 @@
+"""Worker targets for the supervisor fault tests (``tests.models:<Name>``).
+
+They run in processes the supervisor spawns, so this module must import without
+pytest and without the test package's conftest. torch is imported only in
+``setup`` (the worker imports it anyway to build the device).
+
+Payloads are dicts; these fields steer :class:`Probe` inside ``predict``:
+
+* ``"sleep": s``  sleep s seconds for this item
+* ``"exit": true``  ``os._exit(1)`` (a crash the worker cannot catch)
+* ``"hang": true``  sleep forever (only the supervisor's timeout ends it)
+* ``"s"``, ``"i"``  stream label and index, echoed in the result and the log
+
+When ``MTQ_TEST_LOG`` names a file, every predict call appends a line as it starts,
+``B <time> <pid> <key> <key>...``, and another after its last item,
+``D <time> <pid> <key>...``, where a key is ``s:i`` (one atomic O_APPEND write
+per line, so several processes can share the file); ``setup`` appends
+``S <time> <pid>`` as it starts, then sleeps ``MTQ_TEST_SETUP_DELAY`` seconds if set.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import mtq
+
+LOG_ENV = "MTQ_TEST_LOG"
+VERSION_ENV = "MTQ_TEST_VERSION_FILE"
+SETUP_DELAY_ENV = "MTQ_TEST_SETUP_DELAY"
+
+
+def _log(tag: str, batch: list[Any]) -> None:
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    keys = " ".join(f"{p.get('s', '-')}:{p.get('i', '-')}" if isinstance(p, dict) else "-:-"
+                    for p in batch)
+    line = f"{tag} {time.time():.6f} {os.getpid()} {keys}\n".encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+class Probe(mtq.Model):
+    """A batched model whose payloads say how to behave (see the module docstring)."""
+
+    max_batch_size = 4
+    max_wait_ms = 20
+    name = "probe"
+    version = "0"
+    #: extra sleep per predict call, whatever the batch (see :class:`Slow`)
+    call_sleep_s = 0.0
+
+    def setup(self, device: Any) -> None:
+        import torch
+
+        _log("S", [])
+        time.sleep(float(os.environ.get(SETUP_DELAY_ENV) or 0))
+        self.device = device
+        # touch the device, so a wrong pinning fails here rather than silently
+        self.bias = torch.zeros(1, device=device)
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        _log("B", batch)
+        if self.call_sleep_s:
+            time.sleep(self.call_sleep_s)
+        out = []
+        for p in batch:
+            p = p if isinstance(p, dict) else {}
+            if p.get("exit"):
+                os._exit(1)
+            if p.get("hang"):
+                while True:
+                    time.sleep(3600)
+            if p.get("sleep"):
+                time.sleep(float(p["sleep"]))
+            out.append({"pid": os.getpid(), "s": p.get("s"), "i": p.get("i"),
+                        "version": self.version, "t": time.time(),
+                        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                        "device": str(self.device),
+                        "tensor_device": str(self.bias.device)})
+        _log("D", batch)
+        return out
+
+
+class Slow(Probe):
+    """Every predict call takes at least 2 s (a big model busy with a batch)."""
+
+    name = "slow"
+    call_sleep_s = 2.0
+
+
+def _version() -> str:
+    path = os.environ.get(VERSION_ENV)
+    return Path(path).read_text().strip() if path else "0"
+
+
+class Versioned(Probe):
+    """Its version is read from the file named by ``MTQ_TEST_VERSION_FILE`` when this
+    module is (re)imported, so the reload command picks up a change of the file."""
+
+    name = "versioned"
+    version = _version()
+
+
+def _tuning() -> tuple[str, float | None]:
+    path = os.environ.get(VERSION_ENV)
+    if not path:
+        return "0", None
+    version, _, timeout = Path(path).read_text().strip().partition(" ")
+    return version, float(timeout) if timeout else None
+
+
+class Retimed(Probe):
+    """Like :class:`Versioned`, but the file holds ``<version> <timeout_s>``, so a
+    reload can change the predict timeout too."""
+
+    name = "retimed"
+    version, timeout_s = _tuning()
+
+
+class SetupFails(mtq.Model):
+    """Its setup always raises (missing weights, say)."""
+
+    name = "setup-fails"
+
+    def setup(self, device: Any) -> None:
+        raise RuntimeError("setup exploded: no weights at /nonexistent/weights.pt")
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return batch
