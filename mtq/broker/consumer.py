@@ -32,7 +32,6 @@ from mtq.broker.protocol import (
     Claimed,
     ClaimResult,
 )
-from mtq.errors import PayloadError
 from mtq.settings import QueueSettings
 from mtq.validation import check_queue_name
 
@@ -136,7 +135,7 @@ class Consumer:
                 try:
                     acks.append((t.id, t.token, serialization.dumps(o.value)))
                     continue
-                except PayloadError as exc:
+                except Exception as exc:  # PayloadError, or anything a tensor's .cpu() raises
                     o = Outcome(t, ok=False, error=f"{type(exc).__name__}: {exc}",
                                 retryable=False)
             if o.cancelled:

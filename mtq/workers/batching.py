@@ -132,12 +132,18 @@ class BatchSlot:
             self.cond.notify_all()
             return out
 
-    def remove(self, ids: set[str]) -> list[Claimed]:
-        """Take the tasks with these ids out of the slot (cancelled, or lease lost)."""
+    def remove(self, ids: set[str], tokens: dict[str, str] | None = None) -> list[Claimed]:
+        """Take the tasks with these ids out of the slot (cancelled, or lease lost).
+        ``tokens``: only a task claimed under this token (an id may have been given
+        back and claimed again under a new lease meanwhile)."""
+        def hit(t: Claimed) -> bool:
+            return t.id in ids and (tokens is None or tokens.get(t.id) == t.token)
+
         with self.cond:
-            out = [p.task for p in self._pending if p.task.id in ids]
+            out = [p.task for p in self._pending if hit(p.task)]
             if out:
-                self._pending = [p for p in self._pending if p.task.id not in ids]
+                self._pending = [p for p in self._pending if not hit(p.task)]
+                self.cond.notify_all()
             return out
 
 

@@ -49,6 +49,18 @@ def parse_devices(spec: str) -> list[str]:
     return out
 
 
+def check_device(name: str) -> str:
+    """One device name: ``cpu``, ``cuda:N`` (``cuda`` means ``cuda:0``) or ``mps``.
+
+    Raises ConfigError naming the accepted forms."""
+    name = name.strip()
+    if name == "cuda":
+        return "cuda:0"
+    if name in ("cpu", "mps") or _CUDA.match(name):
+        return name
+    raise ConfigError(f"bad device {name!r}: use cpu, cuda:N or mps")
+
+
 def child_env(device: str) -> tuple[dict[str, str], str]:
     """(environment entries for a child pinned to ``device``, the device it should use)."""
     m = _CUDA.match(device)

@@ -3,8 +3,8 @@
 A hash per worker (``mtq:worker:<id>``, expiring after a few missed beats) and a
 sorted set of worker id by last beat. A worker that stops beating expires from
 both (readers prune the sorted set), and the reaper takes its tasks back when
-their leases run out. Reading costs one round trip per call plus one pipelined
-HGETALL per live worker: it grows with the number of workers, never with tasks.
+their leases run out. Reading takes three round trips (prune, read the index, one
+pipeline of HGETALL per live worker): it grows with workers, never with tasks.
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ class _Child:
     fatal: bool = False
     retiring: bool = False
     killed_for: str = ""
+    forced: bool = False    # killed on the operator's order: nothing it ran counts
 
 
 @dataclass
@@ -113,7 +114,8 @@ class Supervisor:
         self._inbox: list[dict[str, Any]] = []
         self._inbox_lock = threading.Lock()
         self._signals = 0
-        self._signals_pending = 0
+        self._signals_received = 0
+        self._signals_seen = 0
         self.paused = False
         self._listener: control.Listener | None = None
         self._next_slot = 0
@@ -172,7 +174,7 @@ class Supervisor:
         now = time.monotonic()
         out: float | None = None
         for c in self.children.values():
-            if c.timeout_s:
+            if c.timeout_s and not c.killed_for:  # a killed one is waited for by its sentinel
                 started = c.shared[child.STARTED]
                 d = (started + c.timeout_s - now) if started else c.timeout_s / 4
                 out = d if out is None else min(out, d)
@@ -300,7 +302,7 @@ class Supervisor:
             return
         running: list[tuple[str, str]] = []
         started = c.shared[child.STARTED]
-        if started and c.batch:  # it died inside predict: those items are suspects
+        if started and c.batch and not c.forced:  # it died inside predict: those items are suspects
             lo, hi = int(c.shared[child.LO]), int(c.shared[child.HI])
             running = [(i, t) for i, t in c.batch[lo:hi] if c.held.get(i) == t]
         counted = {i for i, _ in running}
@@ -317,6 +319,7 @@ class Supervisor:
         self.stopping = True
         for c in self.children.values():
             if force:
+                c.forced = True
                 c.process.kill()
             else:
                 self._send(c, {"cmd": "stop"})
@@ -329,18 +332,26 @@ class Supervisor:
 
     # -- control -----------------------------------------------------------------
     def _resize(self) -> None:
+        """Add slots on the least used devices, or retire the newest slots of the most
+        used ones, until there are replicas x devices."""
         want = self.replicas * len(self.devices)
-        live = sorted(self.slots)
-        while len(live) < want:
+
+        def by_device() -> dict[str, list[int]]:
+            load: dict[str, list[int]] = {d: [] for d in self.devices}
+            for slot in self.slots.values():
+                load.setdefault(slot.device, []).append(slot.index)
+            return load
+
+        while len(self.slots) < want:
+            load = by_device()
+            device = min(self.devices, key=lambda d: len(load[d]))
             index = self._next_slot
             self._next_slot += 1
-            load = {d: 0 for d in self.devices}
-            for slot in self.slots.values():
-                load[slot.device] = load.get(slot.device, 0) + 1
-            device = min(self.devices, key=lambda d: load[d])  # the least used device
             self.slots[index] = _Slot(index, device)
-            live.append(index)
-        for index in live[want:]:
+        while len(self.slots) > want:
+            load = by_device()
+            busiest = max(load.values(), key=len)
+            index = max(busiest)
             self.slots.pop(index)
             c = self.children.get(index)
             if c is not None:
@@ -348,7 +359,8 @@ class Supervisor:
                 self._send(c, {"cmd": "stop"})
 
     def _handle_inbox(self) -> None:
-        pending, self._signals_pending = self._signals_pending, 0
+        received = self._signals_received
+        pending, self._signals_seen = received - self._signals_seen, received
         with self._inbox_lock:
             msgs, self._inbox = self._inbox, []
         msgs += [{"cmd": "signal"}] * pending
@@ -402,8 +414,9 @@ class Supervisor:
             log.warning("unknown control command %r ignored", msg)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        # no lock here: the handler runs on the main thread, which may hold it
-        self._signals_pending += 1
+        # no lock and no read-modify-write shared with the loop: the handler runs
+        # on the main thread between any two bytecodes
+        self._signals_received += 1
         self._poke()
 
     def _poke(self) -> None:

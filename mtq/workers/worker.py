@@ -94,7 +94,7 @@ class Worker:
         self.consumer = consumer or Consumer(queue, url, settings=settings, worker_id=worker_id)
         self.queue = self.consumer.queue
         self.worker_id = self.consumer.worker_id
-        self.device_name = device
+        self.device_name = devices.check_device(device)
         self.device: Any = None
         self.monitor = monitor or Monitor()
         self.supervisor = supervisor
@@ -110,7 +110,8 @@ class Worker:
         self._stop = threading.Event()
         self._draining = False
         self._reload = False
-        self._resume_after_reload = True
+        self._user_paused = False  # paused by a command (a reload pauses the slot too)
+        self._beat_stop = threading.Event()  # leases are extended until the batch is settled
         self._fetcher_sleeping = False
         self._busy = False
         self._current = 0
@@ -145,12 +146,18 @@ class Worker:
     def command(self, msg: dict[str, Any]) -> None:
         """Apply a control command: pause, resume, drain, stop, reload (thread-safe)."""
         cmd = msg.get("cmd")
+        if msg.get("worker") not in (None, "", self.worker_id) or \
+                msg.get("supervisor") not in (None, "", self.supervisor):
+            return  # addressed to another process
         log.info("worker %s: %s", self.worker_id, cmd)
         if cmd == "pause":
+            self._user_paused = True
             self._give_back(self.slot.set_paused(True))
             self._interrupt_fetcher()
         elif cmd == "resume":
-            self.slot.set_paused(False)
+            self._user_paused = False
+            if not self._reloading and not self._reload:
+                self.slot.set_paused(False)
         elif cmd == "drain":
             self._draining = True
             self.slot.set_paused(False)
@@ -158,12 +165,12 @@ class Worker:
         elif cmd == "stop":
             self.stop()
         elif cmd == "reload":
-            if not self._reload:
-                self._resume_after_reload = not self.slot.paused
             self._reload = True
             self._give_back(self.slot.set_paused(True))
             self._interrupt_fetcher()
             self.slot.kick()
+        elif cmd == "scale":
+            pass  # a supervisor's business; a worker without one has nothing to scale
         else:
             log.warning("unknown control command %r ignored", cmd)
 
@@ -192,6 +199,7 @@ class Worker:
                 t.join(timeout=10)
             self._outbox.put(None)
             self._threads[1].join(timeout=30)
+            self._beat_stop.set()
             self._threads[2].join(timeout=5)
             try:
                 registry.remove(self.consumer.redis, self.worker_id)
@@ -304,7 +312,9 @@ class Worker:
             log.info("worker %s reloaded %s", self.worker_id, "/".join(model.describe()))
             self.monitor.reloaded(policy.timeout_s, "/".join(model.describe()))
         self._reloading = False
-        if not self._stop.is_set() and self._resume_after_reload:
+        if self._reload:  # asked again while this one ran: the model loop goes round
+            self.slot.kick()
+        elif not self._stop.is_set() and not self._user_paused:
             self.slot.set_paused(False)
 
     # -- fetcher -------------------------------------------------------------------
@@ -325,7 +335,7 @@ class Worker:
                 tasks = c.claim(need)
                 now = time.monotonic()
                 errors = 0
-            except MtqError:
+            except Exception:  # Redis unreachable, or a reply we did not expect
                 errors += 1
                 log.warning("claim failed (Redis unreachable?); retrying", exc_info=errors == 1)
                 if self._stop.wait(min(5.0, 0.1 * 2 ** min(errors, 6))):
@@ -400,7 +410,12 @@ class Worker:
                 else:
                     batch.extend(more)
             if batch:
-                self._settle(batch, give_up_after=10.0 if done else None)
+                try:
+                    self._settle(batch, give_up_after=10.0 if done else None)
+                except Exception:  # never let the publisher die: nothing would settle again
+                    log.exception("settling %d task(s) failed; they run again when their "
+                                  "leases expire", len(batch))
+                    self._forget([o.task.id for o in batch])
             if self._draining and self._fetcher_sleeping:
                 # a stream's next task may be claimable now, or the queue is empty
                 self._interrupt_fetcher()
@@ -449,9 +464,9 @@ class Worker:
                 if now - last_reap >= reap_every:
                     self.consumer.reap()
                     last_reap = now
-            except MtqError:
+            except Exception:  # a Redis blip, or a report that cannot be encoded
                 log.warning("heartbeat failed; will retry", exc_info=True)
-            if self._stop.wait(interval):
+            if self._beat_stop.wait(interval):
                 return
 
     def _extend(self) -> None:
@@ -460,14 +475,15 @@ class Worker:
         if not tasks:
             return
         lost, cancel = self.consumer.extend(tasks)
+        tokens = {t.id: t.token for t in tasks}
         if cancel:
             with self._lock:
                 self._cancel.update(cancel)
-            dropped = self.slot.remove(set(cancel))
+            dropped = self.slot.remove(set(cancel), tokens)
             if dropped:  # not started: settle them as cancelled now
                 self._outbox.put([Outcome(t, ok=False, cancelled=True) for t in dropped])
         if lost:
-            self._forget([t.id for t in self.slot.remove(set(lost))])
+            self._forget([t.id for t in self.slot.remove(set(lost), tokens)])
 
     def report(self, rate: float = 0.0) -> dict[str, Any]:
         """The registry entry of this worker."""

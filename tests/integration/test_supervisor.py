@@ -391,6 +391,34 @@ def test_sigterm_finishes_the_running_batch_and_gives_back_the_rest(
     c.release(heads)
 
 
+@pytest.mark.slow
+def test_a_second_signal_kills_and_gives_everything_back_uncounted(
+        supervise: StartFn, qname: str, redis_url: str, r: redis.Redis,
+        tmp_path: Path) -> None:
+    """Forced stop: the workers die mid-predict, but the operator, not the tasks, killed
+    them, so no delivery counts (nothing becomes a suspect or heads for poison)."""
+    log = tmp_path / "calls.log"
+    sup = supervise("tests.models:Probe", qname, "--replicas", "1", "--lease-ms", "30000",
+                    env={"MTQ_TEST_LOG": str(log)})
+    wait_workers(r, qname, 1, sup)
+    q = mtq.Queue(qname, redis_url, lease_ms=30000)
+    by_stream = streamed(q, streams=8, per_stream=1, sleep=5)
+    tasks = [t for ts in by_stream.values() for t in ts]
+    wait_for(lambda: open_batches(read_log(log)), 20, f"a batch started\n{sup.output()}")
+    wait_for(lambda: sum(t.status() == "running" for t in tasks) == 8, 10,
+             f"8 tasks claimed: {q.stats()}")
+    sup.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: "stopping" in sup.output(), 10, "the first signal was not seen")
+    sup.proc.send_signal(signal.SIGTERM)
+    code = sup.wait_exit(15, "after the second SIGTERM")
+    assert code == 0, sup.output()
+    assert "forced stop" in sup.output()
+    wait_for(lambda: not sup.group_alive(), 5, "worker processes left after the supervisor")
+    # given back at once (no 30 s lease to wait out), none counted
+    assert [(t.status(), t.info().deliveries) for t in tasks] == [("queued", 0)] * 8
+    assert q.stats()["redelivered"] == 0
+
+
 # -- 5. scale up and down under load -------------------------------------------------
 @pytest.mark.slow
 def test_scale_up_and_down_under_load_loses_nothing(

@@ -738,3 +738,92 @@ def test_a_permanent_error_fails_the_item_at_once_without_retries(qname: str,
     info = bad.info()
     assert (info.status, info.attempts) == ("failed", 1), "no retry, no dead-letter"
     assert q.stats()["retried"] == 0
+
+
+# -- regressions from the review ---------------------------------------------------------------
+def test_a_result_whose_encoding_raises_fails_that_task_and_the_worker_goes_on(
+        qname: str, redis_url: str) -> None:
+    """A meta tensor's .cpu() raises NotImplementedError (not a PayloadError) inside the
+    publisher: that task fails, and the publisher lives to settle everything after it."""
+    torch = pytest.importorskip("torch")
+
+    class Meta(Model):
+        max_batch_size = 4
+        max_wait_ms = 0
+
+        def predict(self, batch: list[Any]) -> list[Any]:
+            return [torch.empty(2, device="meta") if p.get("meta") else p["x"] for p in batch]
+
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    bad, good = q.submit_many([{"meta": True}, {"x": 1}])
+    with serving(make_worker(Meta(), qname, redis_url)):
+        assert good.result(timeout=10) == 1
+        with pytest.raises(mtq.TaskFailed):
+            bad.result(timeout=10)
+        later = q.submit({"x": 2})
+        assert later.result(timeout=10) == 2, "the worker stopped settling"
+    assert bad.info().attempts == 1, "an unencodable result is not retried"
+
+
+def test_leases_are_extended_until_a_stopping_worker_settles(qname: str,
+                                                             redis_url: str) -> None:
+    """stop() during a predict longer than the lease: the heartbeat keeps the lease,
+    so the result is recorded, not discarded as lost."""
+    started = threading.Event()
+
+    class Long(Model):
+        max_batch_size = 1
+        max_wait_ms = 0
+
+        def predict(self, batch: list[Any]) -> list[Any]:
+            started.set()
+            assert stopping.wait(10)
+            time.sleep(1.2)  # the work itself: 2 x the 600 ms lease, after stop()
+            # another worker's reaper runs now: it takes the task if its lease lapsed
+            reaped.append(mtq.Consumer(qname, redis_url, settings=settings).reap())
+            return ["done"]
+
+    stopping = threading.Event()
+    reaped: list[int] = []
+    settings = QueueSettings(lease_ms=600)
+    q = mtq.Queue(qname, redis_url, settings=settings)
+    t = q.submit({})
+    running = Running(make_worker(Long(), qname, redis_url, settings=settings))
+    assert started.wait(10), "predict did not start"
+    running.worker.stop()
+    stopping.set()
+    totals = running.join(20)
+    assert reaped == [0], "the lease lapsed while the batch ran"
+    assert totals["succeeded"] == 1 and totals["lost"] == 0, totals
+    assert (t.status(), t.info().deliveries) == ("succeeded", 1)
+
+
+def test_a_command_addressed_to_another_worker_is_ignored(qname: str, redis_url: str) -> None:
+    w = make_worker(FunctionModel(lambda p: p), qname, redis_url)
+    w.setup()
+    w.command({"cmd": "pause", "worker": "someone-else"})
+    w.command({"cmd": "pause", "supervisor": "another-supervisor"})
+    w.command({"cmd": "scale", "replicas": 3})  # a supervisor's command: nothing to do here
+    assert w.state == "idle"
+    w.command({"cmd": "pause", "worker": w.worker_id})
+    assert w.state == "paused"
+
+
+def test_a_poison_task_given_back_at_the_limit_wakes_a_sleeper(qname: str, redis_url: str,
+                                                               r: redis.Redis) -> None:
+    """The next task of its stream becomes claimable: a sleeping worker must hear of it."""
+    settings = QueueSettings(max_deliveries=1)
+    q = mtq.Queue(qname, redis_url, settings=settings)
+    c = mtq.Consumer(qname, redis_url, settings=settings, worker_id="w1")
+    first, second = q.submit_many([{"i": 0}, {"i": 1}], stream="s")
+    (t,) = c.claim(10)
+    r.delete(q.broker.keys.wake)
+    assert c.give_back([(t.id, t.token)], [], "worker process died") == [1]
+    assert first.status() == "dead"
+    assert r.llen(q.broker.keys.wake) > 0, "no wake marker for the stream's next task"
+    assert [x.id for x in c.claim(10)] == [second.id]
+
+
+def test_a_bad_device_name_is_a_config_error(qname: str, redis_url: str) -> None:
+    with pytest.raises(mtq.ConfigError, match="bad device 'gpu'"):
+        make_worker(FunctionModel(lambda p: p), qname, redis_url, device="gpu")

@@ -135,22 +135,25 @@ end
 -- supervisor saw the process die): back to the head of its stream, or dead as
 -- poison after max_deliveries, or cancelled if a cancel was requested while it
 -- ran. f = HMGET of status, stream, deliveries, cancel. The lease is already
--- removed. Returns 'requeued', 'dead' or 'cancelled'.
+-- removed. Returns 'requeued', 'dead' or 'cancelled', and 1 if that made its
+-- stream claimable (the caller wakes a sleeper).
 local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
   local s = f[2]
+  local what = 'requeued'
   if f[4] then
     finish(id, 'cancelled', now, ttl)
     redis.call('HINCRBY', K_STATS, 'cancelled', 1)
-    if s then release_stream(s) end
-    return 'cancelled'
+    what = 'cancelled'
   elseif tonumber(f[3] or '0') >= max_deliveries then
     dead_letter(id, now, dead_ttl, dead_max,
       'PoisonTask: ' .. why .. ' on each of ' .. f[3] .. ' deliveries')
-    if s then release_stream(s) end
-    return 'dead'
+    what = 'dead'
+  else
+    requeue_head(id, s)
+    return what, 1
   end
-  requeue_head(id, s)
-  return 'requeued'
+  if s then return what, release_stream(s) end
+  return what, 0
 end
 
 -- Publish what reclaim() did, grouped: by = {requeued = ids, dead = ids, cancelled = ids}.

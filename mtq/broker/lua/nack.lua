@@ -40,9 +40,10 @@ for i = 0, n - 1 do
     redis.call('ZREM', K_LEASES, id)
     local sep = string.find(arg, '|', 1, true) or (#arg + 1)
     local limit = tonumber(string.sub(arg, 1, sep - 1)) or 1
-    local what = reclaim(id, {'running', s, f[5], f[4]}, now, limit, ttl, dead_ttl, dead_max,
-      string.sub(arg, sep + 1))
+    local what, woke = reclaim(id, {'running', s, f[5], f[4]}, now, limit, ttl, dead_ttl,
+      dead_max, string.sub(arg, sep + 1))
     by.reclaimed[what][#by.reclaimed[what] + 1] = id
+    woken = woken + woke
     codes[i + 1] = 1
   else
     redis.call('ZREM', K_LEASES, id)
@@ -79,7 +80,6 @@ for i = 0, n - 1 do
   end
 end
 reclaim_events(by.reclaimed, now)
-woken = woken + #by.reclaimed.requeued
 by.reclaimed = nil
 for name, ids in pairs(by) do
   if #ids > 0 then
