@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -48,10 +47,18 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from rich.table import Table
 
 import mtq
-from benchmarks.broker import Results, Server, console, median, uniq
+from benchmarks.broker import (
+    Results,
+    Server,
+    console,
+    median,
+    print_table,
+    results_markdown,
+    uniq,
+    write_docs,
+)
 from benchmarks.broker import fmt as broker_fmt
 from mtq.workers import control
 from mtq.workers.registry import list_workers
@@ -1033,24 +1040,6 @@ def fmt(value: float | None) -> str:
     return broker_fmt(value)
 
 
-def print_table(res: Results, title: str) -> None:
-    table = Table(title=title, show_lines=False)
-    table.add_column("measurement")
-    table.add_column("figure", justify="right")
-    table.add_column("unit")
-    table.add_column("ratio / target")
-    section = None
-    for row in res.rows:
-        if row.section != section:
-            section = row.section
-            table.add_row(f"[bold]{section}[/bold]", "", "", "")
-        table.add_row(row.name, fmt(row.figure), row.unit, row.note)
-    console.print(table)
-    for what, met, detail in res.targets:
-        mark = "[green]met[/green]" if met else "[red]NOT MET[/red]"
-        console.print(f"  {mark}  {what}: {detail}")
-
-
 def machine_info(r: redis.Redis) -> dict[str, str]:
     import torch
     import transformers
@@ -1077,9 +1066,6 @@ SECTION = "## Batching (workers)"
 
 
 def markdown(res: Results, command: str, info: dict[str, str], seconds: float) -> str:
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")
-
     lines = [
         SECTION,
         "",
@@ -1094,42 +1080,10 @@ def markdown(res: Results, command: str, info: dict[str, str], seconds: float) -
          "and this script share the 2 cores, and the machine was shared with other jobs: "
          "see the note on other processes for how much."),
         "",
-        "| measurement | figure | unit | ratio / target |",
-        "|---|---:|---|---|",
     ]
-    section = None
-    for row in res.rows:
-        if row.section != section:
-            section = row.section
-            lines.append(f"| **{cell(section)}** | | | |")
-        name = row.name.strip()
-        if row.name.startswith("  "):
-            name = "&nbsp;&nbsp;" + name
-        lines.append(f"| {cell(name)} | {fmt(row.figure)} | {row.unit} | {cell(row.note)} |")
-    lines += ["", "Targets:", ""]
-    for what, met, detail in res.targets:
-        lines.append(f"- {what}: **{'met' if met else 'not met'}** ({detail})")
-    if res.notes:
-        lines += ["", "Notes:", ""]
-        lines += [f"- {n}" for n in res.notes]
+    lines += results_markdown(res, "ratio / target")
     lines.append("")
     return "\n".join(lines)
-
-
-def write_docs(path: Path, section: str) -> None:
-    from benchmarks.broker import INTRO
-
-    if path.exists():
-        text = path.read_text(encoding="utf-8")
-        pattern = re.compile(r"^## Batching \(workers\).*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
-        if pattern.search(text):
-            text = pattern.sub(lambda _m: section.rstrip("\n") + "\n\n", text, count=1)
-        else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
-    else:
-        text = INTRO + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1191,10 +1145,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         info = machine_info(r)
         title = (f"mtq batching ({'quick' if args.quick else 'full'} run, {seconds:.0f} s) - "
                  f"{info['cpus']} cores, {info['torch']}, {info['server']}")
-        print_table(res, title)
+        print_table(res, title, "ratio / target")
         if docs is not None:
             command = "python -m benchmarks.batching" + (" --quick" if args.quick else "")
-            write_docs(docs, markdown(res, command, info, seconds))
+            write_docs(docs, markdown(res, command, info, seconds), SECTION)
             console.print(f"wrote {docs}")
         return 0
     finally:

@@ -619,12 +619,14 @@ def bench_scale(r: redis.Redis, s: Sizes, res: Results) -> None:
 
 
 # -- output ----------------------------------------------------------------------
-def print_table(res: Results, title: str) -> None:
+def print_table(res: Results, title: str, note_header: str = "ratio vs baseline / target"
+                ) -> None:
+    """Print the results and the targets (shared by every benchmark script)."""
     table = Table(title=title, show_lines=False)
     table.add_column("measurement")
     table.add_column("figure", justify="right")
     table.add_column("unit")
-    table.add_column("ratio vs baseline / target")
+    table.add_column(note_header)
     section = None
     for row in res.rows:
         if row.section != section:
@@ -635,6 +637,33 @@ def print_table(res: Results, title: str) -> None:
     for what, met, detail in res.targets:
         mark = "[green]met[/green]" if met else "[red]NOT MET[/red]"
         console.print(f"  {mark}  {what}: {detail}")
+
+
+def cell(text: str) -> str:
+    """Text safe inside a markdown table cell."""
+    return text.replace("|", "\\|")
+
+
+def results_markdown(res: Results, note_header: str = "ratio vs baseline / target"
+                     ) -> list[str]:
+    """The results table, targets and notes as markdown lines (shared by every script)."""
+    lines = [f"| measurement | figure | unit | {note_header} |", "|---|---:|---|---|"]
+    section = None
+    for row in res.rows:
+        if row.section != section:
+            section = row.section
+            lines.append(f"| **{cell(section)}** | | | |")
+        name = row.name.strip()
+        if row.name.startswith("  "):
+            name = "&nbsp;&nbsp;" + name
+        lines.append(f"| {cell(name)} | {fmt(row.figure)} | {row.unit} | {cell(row.note)} |")
+    lines += ["", "Targets:", ""]
+    for what, met, detail in res.targets:
+        lines.append(f"- {what}: **{'met' if met else 'not met'}** ({detail})")
+    if res.notes:
+        lines += ["", "Notes:", ""]
+        lines += [f"- {n}" for n in res.notes]
+    return lines
 
 
 def machine_info(r: redis.Redis, allocator: str) -> dict[str, str]:
@@ -664,9 +693,6 @@ def machine_info(r: redis.Redis, allocator: str) -> dict[str, str]:
 
 
 def markdown(res: Results, command: str, info: dict[str, str], seconds: float) -> str:
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|")
-
     lines = [
         "## Broker core",
         "",
@@ -677,24 +703,8 @@ def markdown(res: Results, command: str, info: dict[str, str], seconds: float) -
          "a private server on loopback TCP started by the script with "
          "`--save \"\" --appendonly no`. Client, server and worker share the same cores."),
         "",
-        "| measurement | figure | unit | ratio vs baseline / target |",
-        "|---|---:|---|---|",
     ]
-    section = None
-    for row in res.rows:
-        if row.section != section:
-            section = row.section
-            lines.append(f"| **{cell(section)}** | | | |")
-        name = row.name.strip()
-        if row.name.startswith("  "):
-            name = "&nbsp;&nbsp;" + name
-        lines.append(f"| {cell(name)} | {fmt(row.figure)} | {row.unit} | {cell(row.note)} |")
-    lines += ["", "Targets:", ""]
-    for what, met, detail in res.targets:
-        lines.append(f"- {what}: **{'met' if met else 'not met'}** ({detail})")
-    if res.notes:
-        lines += ["", "Notes:", ""]
-        lines += [f"- {n}" for n in res.notes]
+    lines += results_markdown(res)
     lines += [
         "",
         ("How it is measured: round trips are counted by a `redis.connection.Connection` "
@@ -716,10 +726,12 @@ figures depend on the machine, so compare ratios rather than absolute numbers.
 """
 
 
-def write_docs(path: Path, section: str) -> None:
+def write_docs(path: Path, section: str, heading: str = "## Broker core") -> None:
+    """Replace the section that starts with ``heading`` in ``path`` (or append it)."""
     if path.exists():
         text = path.read_text(encoding="utf-8")
-        pattern = re.compile(r"^## Broker core\b.*?(?=^## |\Z)", re.DOTALL | re.MULTILINE)
+        pattern = re.compile(rf"^{re.escape(heading)}[ \t]*$.*?(?=^## |\Z)",
+                             re.DOTALL | re.MULTILINE)
         if pattern.search(text):
             text = pattern.sub(lambda _m: section.rstrip("\n") + "\n\n", text, count=1)
         else:

@@ -182,10 +182,10 @@ def workers_start(target: str, queue: str, url: str | None, devices_spec: str, r
         sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,
                          settings=QueueSettings(lease_ms=lease_ms),
                          max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
-                         timeout_s=timeout_s, on_event=lambda m: err_console.print(f"mtq: {m}"))
+                         timeout_s=timeout_s, on_event=lambda m: err_console.print(f"[mtq] {m}"))
     except MtqError as exc:
         _fail(exc, 2)
-    err_console.print(f"mtq: supervisor {sup.id} serving {queue!r} with {target} on "
+    err_console.print(f"[mtq] supervisor {sup.id} serving {queue!r} with {target} on "
                       f"{', '.join(sup.devices)} x {replicas}")
     sys.exit(sup.run())
 
