@@ -29,7 +29,6 @@ docs/benchmarks.md (a full run; ``--quick`` only prints unless ``--docs`` is giv
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -52,6 +51,7 @@ import mtq
 from benchmarks.broker import (
     Results,
     Server,
+    cli_args,
     console,
     median,
     print_table,
@@ -1087,17 +1087,8 @@ def markdown(res: Results, command: str, info: dict[str, str], seconds: float) -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="smaller sizes (~1 minute); does not write docs unless --docs is given")
-    ap.add_argument("--docs", type=Path, default=None,
-                    help="markdown file to update (default: docs/benchmarks.md on a full run)")
-    ap.add_argument("--no-docs", action="store_true", help="only print the table")
-    args = ap.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
-    docs = args.docs or (None if args.quick else ROOT / "docs" / "benchmarks.md")
-    if args.no_docs:
-        docs = None
+    quick, docs = cli_args(argv, __doc__, "~1 minute")
+    sizes = QUICK if quick else FULL
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
@@ -1143,11 +1134,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds = time.perf_counter() - started
         res.notes.append(meter.summary())
         info = machine_info(r)
-        title = (f"mtq batching ({'quick' if args.quick else 'full'} run, {seconds:.0f} s) - "
+        title = (f"mtq batching ({'quick' if quick else 'full'} run, {seconds:.0f} s) - "
                  f"{info['cpus']} cores, {info['torch']}, {info['server']}")
         print_table(res, title, "ratio / target")
         if docs is not None:
-            command = "python -m benchmarks.batching" + (" --quick" if args.quick else "")
+            command = "python -m benchmarks.batching" + (" --quick" if quick else "")
             write_docs(docs, markdown(res, command, info, seconds), SECTION)
             console.print(f"wrote {docs}")
         return 0

@@ -742,18 +742,23 @@ def write_docs(path: Path, section: str, heading: str = "## Broker core") -> Non
     path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def cli_args(argv: Sequence[str] | None, doc: str | None, quick_time: str
+             ) -> tuple[bool, Path | None]:
+    """The options every benchmark script takes: (quick?, markdown file to update or None)."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help="smaller sizes (~20 s); does not write docs unless --docs is given")
+                    help=f"smaller sizes ({quick_time}); does not write docs unless --docs is given")
     ap.add_argument("--docs", type=Path, default=None,
                     help="markdown file to update (default: docs/benchmarks.md on a full run)")
     ap.add_argument("--no-docs", action="store_true", help="only print the table")
     args = ap.parse_args(argv)
-    sizes = QUICK if args.quick else FULL
     docs = args.docs or (None if args.quick else ROOT / "docs" / "benchmarks.md")
-    if args.no_docs:
-        docs = None
+    return args.quick, None if args.no_docs else docs
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    quick, docs = cli_args(argv, __doc__, "~20 s")
+    sizes = QUICK if quick else FULL
 
     server = Server()
     server.start()
@@ -789,11 +794,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(f"[dim]{time.perf_counter() - t0:.1f} s[/dim]")
         seconds = time.perf_counter() - started
         info = machine_info(r, allocator)
-        title = (f"mtq broker core ({'quick' if args.quick else 'full'} run, {seconds:.0f} s) - "
+        title = (f"mtq broker core ({'quick' if quick else 'full'} run, {seconds:.0f} s) - "
                  f"{info['cpus']} cores, {info['python']}, {info['server']} ({allocator})")
         print_table(res, title)
         if docs is not None:
-            command = "python benchmarks/broker.py" + (" --quick" if args.quick else "")
+            command = "python benchmarks/broker.py" + (" --quick" if quick else "")
             write_docs(docs, markdown(res, command, info, seconds))
             console.print(f"wrote {docs}")
         return 0

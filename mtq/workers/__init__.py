@@ -1,2 +1,3 @@
-"""Worker processes: loading targets, running batches, devices (GPU pinning comes with the
-supervisor). torch is imported only by modules that touch a model or a device."""
+"""Worker processes: the model contract, dynamic batching, the worker engine, the
+supervisor, devices and pinning, control and the registry (see docs/workers.md).
+torch is imported only by modules that touch a model or a device."""

@@ -268,6 +268,16 @@ def test_kill_9_of_a_worker_mid_batch_loses_nothing_and_keeps_order(
     assert not pid_exists(pid)
 
 
+def poison_runs(log: Path, key: str, max_deliveries: int) -> list[Call]:
+    """The predict calls that ran the poison task ``key``: one per delivery, each in a
+    process of its own (it killed each one), and alone after the first."""
+    runs = [c for c in read_log(log) if c.tag == "B" and key in c.keys]
+    assert len(runs) == max_deliveries, runs
+    assert all(c.keys == (key,) for c in runs[1:]), runs
+    assert len({c.pid for c in runs}) == max_deliveries, runs
+    return runs
+
+
 # -- 2. os._exit inside predict -----------------------------------------------------
 @pytest.mark.slow
 def test_a_task_that_kills_its_process_ends_dead_others_succeed(
@@ -297,10 +307,7 @@ def test_a_task_that_kills_its_process_ends_dead_others_succeed(
         tasks[5].result(timeout=1)
     assert failed.value.status == "dead"
     # one process died per delivery of the poison task, and each time it ran alone after the first
-    runs = [c for c in read_log(tmp_path / "calls.log") if c.tag == "B" and "x:5" in c.keys]
-    assert len(runs) == max_deliveries, runs
-    assert all(c.keys == ("x:5",) for c in runs[1:]), runs
-    assert len({c.pid for c in runs}) == max_deliveries
+    runs = poison_runs(log, "x:5", max_deliveries)
     assert sup.output().count("died (exit code 1)") == max_deliveries, sup.output()
     # and the supervisor keeps serving with two workers
     wait_workers(r, qname, 2, sup, check=lambda w: w["pid"] not in {c.pid for c in runs})
@@ -330,11 +337,7 @@ def test_a_hung_predict_is_killed_restarted_and_ends_dead(
     assert "timeout" in (hung.error or ""), hung
     assert [t.result(timeout=5)["i"] for i, t in enumerate(tasks) if i != 2] == \
         [i for i in range(12) if i != 2]
-    runs = [c for c in read_log(log) if c.tag == "B" and "h:2" in c.keys]
-    assert len(runs) == max_deliveries, runs
-    assert all(c.keys == ("h:2",) for c in runs[1:]), runs
-    hung_pids = {c.pid for c in runs}
-    assert len(hung_pids) == max_deliveries
+    hung_pids = {c.pid for c in poison_runs(log, "h:2", max_deliveries)}
     out = sup.output()
     assert out.count("predict ran past its 1.5 s timeout; killing it") == max_deliveries, out
     # every hung process is gone, replaced by a new one
