@@ -26,7 +26,10 @@ from mtq.errors import (
     TaskFailed,
     TaskNotFound,
 )
+from mtq.group import Group
+from mtq.replies import Event
 from mtq.settings import QueueSettings, RedisSettings
+from mtq.workers.generator import Generation, Generator
 from mtq.workers.model import Model
 
 __version__ = "0.1.0"
@@ -38,6 +41,10 @@ __all__ = [
     "Consumer",
     "DuplicateTask",
     "EncodeError",
+    "Event",
+    "Generation",
+    "Generator",
+    "Group",
     "InvalidName",
     "LeaseLost",
     "Model",

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 
 from mtq import serialization
 from mtq.broker.codes import Code
 from mtq.broker.connection import connect, redis_errors
-from mtq.broker.protocol import TERMINAL, Broker, NewTask
+from mtq.broker.protocol import Broker, NewTask
 from mtq.errors import (
     DuplicateTask,
+    MtqError,
     PayloadTooLarge,
     QueueFull,
     ResultTimeout,
@@ -23,8 +25,21 @@ from mtq.errors import (
     TaskFailed,
     TaskNotFound,
 )
+from mtq.replies import (
+    RESYNC_S,
+    AsyncFeed,
+    CallbackFeed,
+    Event,
+    Hub,
+    StreamState,
+    SyncFeed,
+    hub_of,
+)
 from mtq.settings import QueueSettings
 from mtq.validation import check_queue_name, check_stream_name, check_task_id
+
+if TYPE_CHECKING:
+    from mtq.group import Group
 
 #: longest accepted ttl (about 31 years); keeps deadlines exact integers in Lua
 MAX_TTL_S = 1e9
@@ -125,44 +140,165 @@ class Task:
             cancel_requested=v["cancel"] is not None,
         )
 
-    def _outcome(self, status: bytes | None, result: bytes | None, error: bytes | None) -> Any:
-        state = status.decode() if status else None
-        if state == "succeeded":
-            return serialization.loads(result) if result is not None else None
-        if state == "cancelled":
-            raise TaskCancelled(self.id, state, _s(error))
-        raise TaskFailed(self.id, state or "unknown", _s(error))
+    # -- waiting -------------------------------------------------------------------
+    def _snapshot(self, state: StreamState) -> list[Event]:
+        b = self.queue.broker
+        snap = b.watch(self.id, b.keys.reply(self.queue.hub.id), state.tokens_from)
+        if snap is None:
+            raise self._not_found()
+        return state.from_snapshot(snap)
+
+    def _outcome(self, ev: Event) -> Any:
+        if ev.kind == "succeeded":
+            return ev.data
+        if ev.kind == "cancelled":
+            raise TaskCancelled(self.id, ev.kind, ev.data)
+        raise TaskFailed(self.id, ev.kind, ev.data)
+
+    def _timeout(self, timeout: float | None, state: StreamState) -> ResultTimeout:
+        try:
+            status = self.status()
+        except MtqError:
+            status = "unknown"
+        return ResultTimeout(self.id, timeout or 0.0, status)
+
+    def events(self, timeout: float | None = None, *, tokens: bool = True) -> Iterator[Event]:
+        """Iterate over the task's events until its terminal one (included).
+
+        Starts from the stored state: the tokens streamed so far (replayed with
+        ``ts`` 0.0), and the terminal event if the task already ended; then live
+        events as they are published, each token index exactly once and in order.
+        ``timeout``: seconds for the whole iteration (ResultTimeout past it).
+        ``tokens=False`` leaves token events out. Raises TaskNotFound, BrokerError.
+        """
+        hub = self.queue.hub
+        self.queue.reply_channel()
+        state = StreamState(self.id, tokens)
+        feed = SyncFeed((self.queue.name, self.id))
+        hub.open(feed)
+        try:
+            yield from self._snapshot(state)
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not state.done:
+                wait = RESYNC_S
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise self._timeout(timeout, state)
+                    wait = min(wait, remaining)
+                item = feed.get(wait)
+                if item is None or isinstance(item, str):  # quiet for long, or reconnected
+                    yield from self._snapshot(state)
+                    continue
+                out, again = state.accept(item)
+                yield from out
+                if again:
+                    yield from self._snapshot(state)
+        finally:
+            hub.close(feed)
+
+    def tokens(self, timeout: float | None = None) -> Iterator[Any]:
+        """Iterate over the task's tokens (or chunks), live as they are produced:
+        those already streamed first, then each new one, each exactly once and in
+        order, also across a worker crash and redelivery. Ends when the task
+        succeeds; raises TaskFailed / TaskCancelled if it does not, ResultTimeout,
+        TaskNotFound."""
+        for ev in self.events(timeout):
+            if ev.kind == "token":
+                yield ev.data
+            elif ev.terminal:
+                self._outcome(ev)
 
     def result(self, timeout: float | None = None) -> Any:
         """Wait for the task to finish and return its result.
 
-        Waits on the task's completion channel (no polling), after checking the
-        stored state so a completion that happened first is not missed.
-        Raises TaskFailed (failed, dead, expired), TaskCancelled, ResultTimeout,
-        TaskNotFound.
+        Waits for the completion event on this client's reply subscription (no
+        polling); the stored state is read first, so a completion that happened
+        before the call is not missed. Raises TaskFailed (failed, dead, expired),
+        TaskCancelled, ResultTimeout, TaskNotFound, BrokerError.
         """
-        done_channel = self.queue.broker.keys.done(self.id)
-        pubsub = self.queue.redis.pubsub(ignore_subscribe_messages=True)
+        for ev in self.events(timeout, tokens=False):
+            if ev.terminal:
+                return self._outcome(ev)
+        raise AssertionError("unreachable: events() ends with a terminal event")
+
+    async def aevents(self, timeout: float | None = None, *, tokens: bool = True
+                      ) -> AsyncIterator[Event]:
+        """:meth:`events` for asyncio (the Redis reads run in a thread)."""
+        hub = self.queue.hub
+        await asyncio.to_thread(self.queue.reply_channel)
+        state = StreamState(self.id, tokens)
+        feed = AsyncFeed((self.queue.name, self.id), asyncio.get_running_loop())
+        hub.open(feed)
         try:
-            with redis_errors(f"while waiting for {self.id}"):
-                pubsub.subscribe(done_channel)
-                deadline = None if timeout is None else time.monotonic() + timeout
-                while True:
-                    status, result, error = self._hmget("status", "result", "error")
-                    if status is None:
-                        raise self._not_found()
-                    if status.decode() in TERMINAL:
-                        return self._outcome(status, result, error)
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise ResultTimeout(self.id, timeout or 0.0, status.decode())
-                    # One message on this channel means the task reached a terminal
-                    # state; the stored state is re-read at least every 5 s in case a
-                    # message was lost to a reconnect.
-                    wait = 5.0 if remaining is None else min(remaining, 5.0)
-                    pubsub.get_message(timeout=wait)
+            for ev in await asyncio.to_thread(self._snapshot, state):
+                yield ev
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not state.done:
+                wait = RESYNC_S
+                if deadline is not None:
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise await asyncio.to_thread(self._timeout, timeout, state)
+                    wait = min(wait, remaining)
+                item = await feed.get(wait)
+                if item is None or isinstance(item, str):
+                    for ev in await asyncio.to_thread(self._snapshot, state):
+                        yield ev
+                    continue
+                out, again = state.accept(item)
+                for ev in out:
+                    yield ev
+                if again:
+                    for ev in await asyncio.to_thread(self._snapshot, state):
+                        yield ev
         finally:
-            pubsub.close()
+            hub.close(feed)
+
+    async def atokens(self, timeout: float | None = None) -> AsyncIterator[Any]:
+        """:meth:`tokens` for asyncio."""
+        async for ev in self.aevents(timeout):
+            if ev.kind == "token":
+                yield ev.data
+            elif ev.terminal:
+                self._outcome(ev)
+
+    async def aresult(self, timeout: float | None = None) -> Any:
+        """:meth:`result` for asyncio."""
+        async for ev in self.aevents(timeout, tokens=False):
+            if ev.terminal:
+                return self._outcome(ev)
+        raise AssertionError("unreachable: aevents() ends with a terminal event")
+
+    # -- callbacks -----------------------------------------------------------------
+    def add_done_callback(self, fn: Callable[[Task, Event], None], *, _known: bool = False
+                          ) -> None:
+        """Call ``fn(task, event)`` once with the task's terminal event, on this
+        client's callback thread (keep it short; it never blocks event delivery).
+        Registered after the task ended, it is called at once. Exceptions it raises
+        are logged."""
+        self.queue.reply_channel()
+        self.queue.hub.add_callback(CallbackFeed(self, fn), known=_known)
+
+    def on_success(self, fn: Callable[[Task, Any], None]) -> Task:
+        """Call ``fn(task, result)`` if the task succeeds (see :meth:`add_done_callback`)."""
+        def done(task: Task, ev: Event) -> None:
+            if ev.kind == "succeeded":
+                fn(task, ev.data)
+        self.add_done_callback(done)
+        return self
+
+    def on_error(self, fn: Callable[[Task, TaskFailed], None]) -> Task:
+        """Call ``fn(task, error)`` if the task ends failed, dead, expired or cancelled;
+        ``error`` is the TaskFailed (or TaskCancelled) that :meth:`result` would raise."""
+        def done(task: Task, ev: Event) -> None:
+            if ev.kind != "succeeded":
+                try:
+                    task._outcome(ev)
+                except TaskFailed as exc:
+                    fn(task, exc)
+        self.add_done_callback(done)
+        return self
 
     def cancel(self) -> bool:
         """Cancel the task. Returns True if it is cancelled now (it was waiting),
@@ -191,6 +327,18 @@ class Queue:
         self.redis = client if client is not None else connect(url)
         self.broker = Broker(self.redis, self.name, self.settings)
         self._registered = False
+        self._reply: str | None = None
+
+    @property
+    def hub(self) -> Hub:
+        """The reply listener this queue's client shares with every queue on it."""
+        return hub_of(self.redis)
+
+    def reply_channel(self) -> str:
+        """This client's reply channel on the queue, subscribed (once per process)."""
+        if self._reply is None:
+            self._reply = self.hub.channel(self.name)
+        return self._reply
 
     def __repr__(self) -> str:
         return f"<Queue {self.name}>"
@@ -222,16 +370,17 @@ class Queue:
         if not self._registered:
             self.broker.register()
             self._registered = True
+        reply = self.reply_channel()
         out: list[Task] = []
         duplicates: list[str] = []
         for start in range(0, len(tasks), SUBMIT_CHUNK):
             chunk = tasks[start:start + SUBMIT_CHUNK]
-            reply = self.broker.submit(chunk)
-            if reply and reply[0] == Code.QUEUE_FULL:  # only ever [QUEUE_FULL, waiting]
-                full = QueueFull(self.name, int(reply[1]), self.settings.max_length, len(chunk))
+            answer = self.broker.submit(chunk, reply)
+            if answer and answer[0] == Code.QUEUE_FULL:  # only ever [QUEUE_FULL, waiting]
+                full = QueueFull(self.name, int(answer[1]), self.settings.max_length, len(chunk))
                 full.created = out  # earlier chunks went in
                 raise full
-            for item, value in zip(chunk, reply):
+            for item, value in zip(chunk, answer):
                 if value == Code.DUPLICATE_ID:
                     duplicates.append(item.id)
                 else:
@@ -267,6 +416,12 @@ class Queue:
         encoded before anything is sent; with max_length set, each chunk of up to
         1 000 is admitted whole or refused whole (QueueFull).
         """
+        tasks = self.prepare(items, stream=stream, ttl=ttl, retries=retries)
+        return self.send(tasks) if tasks else []
+
+    def prepare(self, items: Iterable[Any], *, stream: str | None = None,
+                ttl: float | None = None, retries: int | None = None) -> list[NewTask]:
+        """Validate and encode items for :meth:`send` (ids are chosen here)."""
         tasks = []
         for item in items:
             if isinstance(item, Request):
@@ -276,7 +431,17 @@ class Queue:
                     item.retries if item.retries is not None else retries, item.id))
             else:
                 tasks.append(self._new(item, stream, None, ttl, retries, None))
-        return self._send(tasks) if tasks else []
+        return tasks
+
+    def send(self, tasks: list[NewTask]) -> list[Task]:
+        """Submit prepared tasks (see :meth:`submit_many`)."""
+        return self._send(tasks)
+
+    def group(self) -> Group:
+        """A new :class:`~mtq.group.Group` on this queue: callbacks over many tasks."""
+        from mtq.group import Group
+
+        return Group(self)
 
     def task(self, task_id: str) -> Task:
         """A handle on an existing task by id (not checked until used)."""

@@ -16,6 +16,12 @@ QUEUES = f"{PREFIX}:queues"
 WORKERS = f"{PREFIX}:workers"
 
 
+def hub(client_id: str) -> str:
+    """A client's own channel: its reply listener subscribes to it first, and is poked
+    on it to subscribe to further queues."""
+    return f"{PREFIX}:hub:{client_id}"
+
+
 def worker(worker_id: str) -> str:
     """The hash one worker process reports its health in (expires when it stops beating)."""
     return f"{PREFIX}:worker:{worker_id}"
@@ -35,11 +41,11 @@ class QueueKeys:
         "control",
         "dead",
         "delayed",
-        "done_prefix",
         "events",
         "free",
         "idem_prefix",
         "leases",
+        "out_prefix",
         "queue",
         "ready",
         "script_keys",
@@ -66,14 +72,15 @@ class QueueKeys:
         self.idem_prefix = self.base + "idem:"
         self.seq = self.base + "seq"
         self.events = self.base + "events"
-        self.done_prefix = self.base + "done:"
+        self.out_prefix = self.base + "out:"
         self.control = self.base + "control"
         self.script_keys = [
             self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
             self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,
-            self.seq,
+            self.seq, self.out_prefix,
         ]
-        self.channels = [self.events, self.done_prefix]
+        #: ARGV[1] and ARGV[2] of every script
+        self.channels = [self.events, self.control]
 
     def task(self, task_id: str) -> str:
         """The hash of one task."""
@@ -91,6 +98,13 @@ class QueueKeys:
         """A worker's own wake list: pushed to by its own threads to end its BLPOP."""
         return self.base + "wake:" + worker_id
 
-    def done(self, task_id: str) -> str:
-        """The channel on which a task's terminal status is published."""
-        return self.done_prefix + task_id
+    def out(self, task_id: str) -> str:
+        """The list of a task's streamed tokens (chunks), by index: what a late
+        subscriber replays."""
+        return self.out_prefix + task_id
+
+    def reply(self, client_id: str) -> str:
+        """A client's reply channel on this queue: every event of the tasks it submitted
+        (queued, started, tokens, progress, restarted, done). It carries the queue's
+        hash tag, so a script may publish to it on a sharded-pub/sub cluster."""
+        return self.base + "reply:" + client_id

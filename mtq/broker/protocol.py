@@ -88,6 +88,29 @@ def _parse_claim(raw: list[Any]) -> ClaimResult:
     return ClaimResult(tasks, int(raw[0]), int(raw[1]))
 
 
+#: most reply channels one task carries (its submitter's and clients watching it)
+MAX_WATCHERS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """A task's stored state, as :meth:`Broker.watch` reads it."""
+
+    status: str
+    result: bytes | None
+    error: str | None
+    deliveries: int
+    #: encoded tokens from the index asked for, in order
+    tokens: list[bytes]
+
+
+def _parse_watch(raw: list[Any]) -> Snapshot | None:
+    if not raw:
+        return None
+    status, result, error, deliveries, tokens = raw
+    return Snapshot(_s(status), result or None, _s(error) or None, int(deliveries), list(tokens))
+
+
 def _codes(raw: list[Any]) -> list[int]:
     return [int(c) for c in raw]
 
@@ -110,19 +133,20 @@ class Broker:
         return scripts.Call(scripts.script(name), self.keys.script_keys, [*self._head, *args], parse)
 
     # -- producers -------------------------------------------------------------
-    def submit_call(self, tasks: Sequence[NewTask]) -> scripts.Call:
+    def submit_call(self, tasks: Sequence[NewTask], reply: str = "") -> scripts.Call:
         s = self.settings
-        args: list[Any] = [s.max_length, s.wake_cap, s.idempotency_window_s, len(tasks)]
+        args: list[Any] = [s.max_length, s.wake_cap, s.idempotency_window_s, reply, len(tasks)]
         for t in tasks:
             args += [t.id, t.payload, t.stream, t.key, t.ttl_ms,
                      "" if t.retries is None else t.retries]
         return self._call("submit", args, lambda raw: [
             int(r) if isinstance(r, int) else _s(r) for r in raw])
 
-    def submit(self, tasks: Sequence[NewTask]) -> list[str | int]:
+    def submit(self, tasks: Sequence[NewTask], reply: str = "") -> list[str | int]:
         """Submit tasks in one round trip. Returns ids (or negative codes per task);
-        ``[Code.QUEUE_FULL, waiting]`` if they do not fit."""
-        return self.run(self.submit_call(tasks))[0]
+        ``[Code.QUEUE_FULL, waiting]`` if they do not fit. ``reply``: the submitting
+        client's reply channel (:meth:`QueueKeys.reply`), where their events go."""
+        return self.run(self.submit_call(tasks, reply))[0]
 
     def register(self) -> None:
         """Record the queue name in the global registry (read by mtq status)."""
@@ -134,6 +158,15 @@ class Broker:
         raw = self.run(self._call("cancel", [task_id, self.settings.retention_s],
                                   lambda r: (int(r[0]), _s(r[1]))))
         return raw[0]
+
+    def watch_call(self, task_id: str, reply: str, tokens_from: int = -1) -> scripts.Call:
+        return self._call("watch", [task_id, reply, tokens_from, MAX_WATCHERS], _parse_watch)
+
+    def watch(self, task_id: str, reply: str, tokens_from: int = -1) -> Snapshot | None:
+        """Read a task's state and its stored tokens from ``tokens_from`` (-1: none),
+        adding ``reply`` to the channels its events go to (one round trip).
+        None if there is no such task."""
+        return self.run(self.watch_call(task_id, reply, tokens_from))[0]
 
     # -- consumers -------------------------------------------------------------
     def claim_call(self, worker: str, batch: int, lease_ms: int | None = None) -> scripts.Call:
@@ -166,6 +199,17 @@ class Broker:
     def nack(self, items: Sequence[tuple[str, str, str, str]]) -> list[int]:
         """Settle (id, token, action, argument) tuples; see nack.lua."""
         return self.run(self.nack_call(items))[0]
+
+    def emit_call(self, items: Sequence[tuple[str, str, int, bytes]]) -> scripts.Call:
+        args: list[Any] = [len(items)]
+        for item in items:
+            args += item
+        return self._call("emit", args, _codes)
+
+    def emit(self, items: Sequence[tuple[str, str, int, bytes]]) -> list[int]:
+        """Stream (id, token, index, encoded data) items; index -1 is a progress
+        report. One code per item; see emit.lua."""
+        return self.run(self.emit_call(items))[0]
 
     def extend_call(self, leases: Sequence[tuple[str, str]], lease_ms: int | None = None
                     ) -> scripts.Call:
@@ -240,4 +284,5 @@ __all__ = [
     "Claimed",
     "Code",
     "NewTask",
+    "Snapshot",
 ]

@@ -22,7 +22,7 @@ from redis.exceptions import NoScriptError
 from mtq.broker.connection import redis_errors
 from mtq.errors import BrokerError
 
-NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap")
+NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap", "emit", "watch")
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,27 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
   KEYS[10] free               list: waiting stream-less ids, FIFO
   KEYS[11] idempotency prefix mtq:{q}:idem:      (+ key -> task id, expires)
   KEYS[12] seq                string: lease token counter
-ARGV[1] events channel, ARGV[2] per-task completion channel prefix; the rest is per script.
+  KEYS[13] output prefix      mtq:{q}:out:       (+ id  -> list of streamed tokens, by index)
+ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
+the rest is per script.
+
+Reply channels: a task's hash names the channel of the client that submitted it
+('reply'; clients that wait on a task they did not submit add theirs, space
+separated, see watch.lua). Scripts queue what they tell clients with reply() and publish it with
+flush_replies() at the end, one message per (kind, channel) however many tasks it
+concerns, so a claim of 64 tasks of one client costs one PUBLISH. A message is
+msgpack: {kind, server time in us, items}, items flat per task:
+  queued    id                              (submit; and a release: back in the queue unrun)
+  started   id, delivery                    (claim)
+  token     id, index, data                 (emit; data is the msgpack-encoded token)
+  progress  id, data                        (emit)
+  restarted id, delivery, reason            (its worker died, or a retry was scheduled:
+                                             the stream goes on where it stopped)
+  done      id, status, value               (finish: the result when succeeded and at most
+                                             REPLY_INLINE bytes, false when larger (read
+                                             the task); the error otherwise)
+The result is written to the task before the message is queued, so a client that
+missed the message reads it from the task.
 
 Prefix keys are the one place where Lua appends to a key name: ids are only
 known inside the script (claim pops them). The hash tag sits in the prefix, so
@@ -32,17 +52,54 @@ whose status is not 'queued'.
 ]]
 local K_TASK, K_STREAM, K_READY, K_BUSY = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_LEASES, K_DELAYED, K_DEAD, K_WAKE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local K_STATS, K_FREE, K_IDEM, K_SEQ = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
-local EVENTS, DONE = ARGV[1], ARGV[2]
+local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
+local EVENTS, CONTROL = ARGV[1], ARGV[2]
 local FREE = ''
+-- results up to this size ride in the done message; larger ones are read from the task
+local REPLY_INLINE = 65536
 
 -- error codes (mtq/broker/codes.py mirrors them)
 local E_QUEUE_FULL, E_DUPLICATE_ID, E_LEASE_LOST, E_NOT_FOUND, E_FINISHED, E_BAD_ARGUMENT =
   -1, -2, -3, -4, -5, -6
 
+local NOW_US = 0
 local function now_ms()
   local t = redis.call('TIME')
+  NOW_US = tonumber(t[1]) * 1000000 + tonumber(t[2])
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- What this script tells clients, by kind then reply channel (see the header).
+local REPLY_KINDS = {'queued', 'started', 'token', 'progress', 'restarted', 'done'}
+local REPLIES = {}
+local reply
+function reply(kind, channel, a, b, c)
+  if not channel or channel == '' then return end
+  if string.find(channel, ' ', 1, true) then  -- watched by more than one client
+    for ch in string.gmatch(channel, '%S+') do reply(kind, ch, a, b, c) end
+    return
+  end
+  local by = REPLIES[kind]
+  if not by then by = {}; REPLIES[kind] = by end
+  local items = by[channel]
+  if not items then items = {}; by[channel] = items end
+  local n = #items
+  items[n + 1] = a
+  if b ~= nil then items[n + 2] = b end
+  if c ~= nil then items[n + 3] = c end
+end
+
+-- Publish what reply() queued, in life-cycle order (tokens before done).
+local function flush_replies()
+  for _, kind in ipairs(REPLY_KINDS) do
+    local by = REPLIES[kind]
+    if by then
+      for channel, items in pairs(by) do
+        redis.call('PUBLISH', channel, cmsgpack.pack({kind, NOW_US, items}))
+      end
+    end
+  end
+  REPLIES = {}
 end
 
 local function event(name, now, extra)
@@ -104,7 +161,7 @@ local function requeue_head(id, s)
   redis.call('HINCRBY', K_STATS, 'waiting', 1)
 end
 
--- Record a terminal state: status, time, retention, completion message.
+-- Record a terminal state: status, time, retention, and the done message to its client.
 local function finish(id, status, now, ttl, field, value)
   local tk = K_TASK .. id
   if field then
@@ -114,8 +171,13 @@ local function finish(id, status, now, ttl, field, value)
   end
   -- not needed for fencing (see the header); it keeps retained results lean
   redis.call('HDEL', tk, 'token')
-  if ttl > 0 then redis.call('EXPIRE', tk, ttl) end
-  redis.call('PUBLISH', DONE .. id, status)
+  if ttl > 0 then
+    redis.call('EXPIRE', tk, ttl)
+    redis.call('EXPIRE', K_OUT .. id, ttl)
+  end
+  local v = value or ''
+  if status == 'succeeded' and #v > REPLY_INLINE then v = false end
+  reply('done', redis.call('HGET', tk, 'reply'), id, status, v)
 end
 
 -- Dead-letter a task; the list keeps at most dead_max ids (the oldest are deleted).
@@ -125,7 +187,7 @@ local function dead_letter(id, now, dead_ttl, dead_max, err)
     local old = redis.call('RPOP', K_DEAD)
     -- the id may have been reused by a live task after the old hash expired
     if old and old ~= id and redis.call('HGET', K_TASK .. old, 'status') == 'dead' then
-      redis.call('DEL', K_TASK .. old)
+      redis.call('DEL', K_TASK .. old, K_OUT .. old)
     end
   end
   redis.call('HINCRBY', K_STATS, 'dead_total', 1)
@@ -150,6 +212,7 @@ local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
     what = 'dead'
   else
     requeue_head(id, s)
+    reply('restarted', redis.call('HGET', K_TASK .. id, 'reply'), id, tonumber(f[3] or '0'), why)
     return what, 1
   end
   if s then return what, release_stream(s) end

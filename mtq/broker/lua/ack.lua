@@ -1,6 +1,6 @@
 --[[ ack.lua -- record the results of a batch, fenced by lease token.
-KEYS: the standard twelve (see _lib.lua).
-ARGV[1] events channel   ARGV[2] completion channel prefix
+KEYS: the standard thirteen (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] n, then n groups of 3: id, lease token, result (msgpack)
 Returns: one code per task: 1 = recorded; E_LEASE_LOST = the task is not running
   under this token any more (its lease expired and it was reclaimed, or it was
@@ -29,4 +29,5 @@ if #done > 0 then
   event('succeeded', now, {ids = done})
 end
 if woken > 0 then nudge() end
+flush_replies()
 return codes

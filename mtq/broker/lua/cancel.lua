@@ -1,20 +1,22 @@
 --[[ cancel.lua -- cancel one task.
-KEYS: the standard twelve (see _lib.lua).
-ARGV[1] events channel   ARGV[2] completion channel prefix
+KEYS: the standard thirteen (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] task id   ARGV[4] retention s
 Returns: {1, previous status} cancelled now (it was queued or waiting for a retry;
   a queued id stays in its list as a tombstone that claim skips, so cancelling is
   O(1) and the tasks behind it are not held up; its hash starts its retention
   only when claim pops the tombstone, so the id cannot be reused before);
-  {2, 'running'} a running task: a cancel is requested, its worker learns it on
-  its next heartbeat (extend) and stops it;
+  {2, 'running'} a running task: a cancel is requested and its worker is told at
+  once on the control channel ({"cmd": "cancel", "ids": [id], "worker": w}); a
+  generator drops it at its next step, a batch model's result is discarded; a
+  worker that missed the message learns it on its next heartbeat (extend);
   {E_NOT_FOUND, ''} no such task (never existed, or its retention ran out);
   {E_FINISHED, status} already in a terminal state; nothing changed.
 ]]
 --@include _lib.lua
 local id, ttl = ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
-local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream')
+local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream', 'worker')
 local status, s = f[1], f[2]
 if not status then return {E_NOT_FOUND, ''} end
 if status == 'queued' then
@@ -25,6 +27,7 @@ elseif status == 'delayed' then
 elseif status == 'running' then
   redis.call('HSET', K_TASK .. id, 'cancel', '1')
   event('cancel_requested', now, {ids = {id}})
+  redis.call('PUBLISH', CONTROL, cjson.encode({cmd = 'cancel', ids = {id}, worker = f[3] or ''}))
   return {2, status}
 else
   return {E_FINISHED, status}
@@ -34,4 +37,5 @@ end
 if status == 'queued' then finish(id, 'cancelled', now, 0) else finish(id, 'cancelled', now, ttl) end
 redis.call('HINCRBY', K_STATS, 'cancelled', 1)
 event('cancelled', now, {ids = {id}})
+flush_replies()
 return {1, status}

@@ -1,6 +1,6 @@
 --[[ claim.lua -- reap, promote due retries, then claim up to B tasks.
-KEYS: the standard twelve (see _lib.lua).
-ARGV[1] events channel   ARGV[2] completion channel prefix
+KEYS: the standard thirteen (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
 ARGV[6] max deliveries   ARGV[7] reap/promote limit per call
 ARGV[8] retention s   ARGV[9] dead-letter retention s   ARGV[10] dead-letter max length
@@ -32,7 +32,7 @@ if B > 0 then base = redis.call('INCRBY', K_SEQ, B) - B end
 local function take(id, s)
   local tk = K_TASK .. id
   local f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries',
-    'created')
+    'created', 'reply')
   if f[1] ~= 'queued' then
     -- a cancelled tombstone: its retention starts now that it left the list
     if f[1] == 'cancelled' then redis.call('EXPIRE', tk, ttl) end
@@ -55,6 +55,7 @@ local function take(id, s)
   out[o + 5] = f[5] or '0'; out[o + 6] = deliveries; out[o + 7] = f[6] or ''
   out[o + 8] = math.max(0, now - tonumber(f[7] or now))
   claimed[#claimed + 1] = id
+  reply('started', f[8], id, deliveries)
   return true
 end
 
@@ -98,4 +99,5 @@ if n > 0 then event('started', now, {ids = claimed, worker = worker}) end
 -- No work left: drop stale markers so sleepers do not wake for nothing.
 if redis.call('LLEN', K_READY) > 0 then nudge() else redis.call('DEL', K_WAKE) end
 out[1] = next_timer(now)
+flush_replies()
 return out

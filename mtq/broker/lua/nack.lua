@@ -1,6 +1,6 @@
 --[[ nack.lua -- settle tasks that did not succeed, fenced by lease token.
-KEYS: the standard twelve (see _lib.lua).
-ARGV[1] events channel   ARGV[2] completion channel prefix
+KEYS: the standard thirteen (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] dead-letter retention s   ARGV[5] dead-letter max length
 ARGV[6] n, then n groups of 4: id, lease token, action, delay ms / error
   action 'retry'   : attempts+1, status 'delayed', due after the delay; its stream
@@ -29,7 +29,7 @@ for i = 0, n - 1 do
   local b = 7 + i * 4
   local id, token, action, arg = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
   local tk = K_TASK .. id
-  local f = redis.call('HMGET', tk, 'status', 'token', 'stream', 'cancel', 'deliveries')
+  local f = redis.call('HMGET', tk, 'status', 'token', 'stream', 'cancel', 'deliveries', 'reply')
   local s = f[3]
   if f[1] ~= 'running' or f[2] ~= token then
     codes[i + 1] = E_LEASE_LOST
@@ -55,11 +55,13 @@ for i = 0, n - 1 do
       redis.call('HINCRBY', tk, 'attempts', 1)
       redis.call('ZADD', K_DELAYED, now + delay, id)
       by.retried[#by.retried + 1] = id
+      reply('restarted', f[6], id, tonumber(f[5] or '0'), 'retry after: ' .. string.sub(arg, sep + 1, sep + 200))
     elseif action == 'release' then
       redis.call('HSET', tk, 'deliveries', math.max(0, tonumber(f[5] or '1') - 1))
       requeue_head(id, s)
       woken = woken + 1
       by.released[#by.released + 1] = id
+      reply('queued', f[6], id)
     else
       if action == 'cancel' then
         finish(id, 'cancelled', now, ttl)
@@ -89,4 +91,5 @@ for name, ids in pairs(by) do
 end
 -- A retry becomes due later: wake a sleeper so it re-reads the timers.
 if woken > 0 or #by.retried > 0 then nudge() end
+flush_replies()
 return codes

@@ -1,6 +1,6 @@
 --[[ reap.lua -- reclaim expired leases and promote due retries without claiming.
-KEYS: the standard twelve (see _lib.lua).
-ARGV[1] events channel   ARGV[2] completion channel prefix
+KEYS: the standard thirteen (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max deliveries   ARGV[4] limit per call   ARGV[5] retention s
 ARGV[6] dead-letter retention s   ARGV[7] dead-letter max length   ARGV[8] wake cap
 Returns: {reaped, promoted, next_timer_ms}. Claim does the same work first on
@@ -14,4 +14,5 @@ local now = now_ms()
 local reaped = reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
 local promoted = promote_due(now, limit)
 if reaped + promoted > 0 then wake(reaped + promoted, cap) end
+flush_replies()
 return {reaped, promoted, next_timer(now)}

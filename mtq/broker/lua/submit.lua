@@ -1,15 +1,17 @@
 --[[ submit.lua -- enqueue one or many tasks in one call.
-KEYS: the standard twelve (see _lib.lua).
-ARGV[1] events channel   ARGV[2] completion channel prefix
+KEYS: the standard thirteen (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
-ARGV[6] n, then n groups of 6: id, payload, stream ('' = none), key ('' = none),
+ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
+ARGV[7] n, then n groups of 6: id, payload, stream ('' = none), key ('' = none),
         ttl_ms (0 = no deadline), retries ('' = the worker's default)
 Returns: a list with one entry per task: its id (for an idempotency hit, the id
   of the task that already holds the key) or E_DUPLICATE_ID when the id exists.
   Or {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is written).
 ]]
 --@include _lib.lua
-local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[7])
+local reply_to = ARGV[6]
 local now = now_ms()
 if max_length > 0 then
   local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
@@ -17,7 +19,7 @@ if max_length > 0 then
 end
 local out, added, newly, new_streams = {}, 0, 0, 0
 for i = 0, n - 1 do
-  local b = 7 + i * 6
+  local b = 8 + i * 6
   local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
   local tk = K_TASK .. id
   local existing = false
@@ -35,6 +37,7 @@ for i = 0, n - 1 do
     end
     if ttl ~= '0' then f[#f + 1] = 'deadline'; f[#f + 1] = now + tonumber(ttl) end
     if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
+    if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
     redis.call('HSET', tk, unpack(f))
     if s ~= '' then
       if redis.call('RPUSH', K_STREAM .. s, id) == 1 then
@@ -49,6 +52,7 @@ for i = 0, n - 1 do
     end
     added = added + 1
     out[i + 1] = id
+    reply('queued', reply_to, id)
   end
 end
 if added > 0 then
@@ -58,4 +62,5 @@ if added > 0 then
   wake(newly, cap)
   event('queued', now, {n = added})
 end
+flush_replies()
 return out

@@ -1,0 +1,494 @@
+"""Replies: one subscription per client for the events of all the tasks it waits on.
+
+Every task names the reply channel of the client that submitted it (a client
+waiting on someone else's task adds its own, see ``watch.lua``). A :class:`Hub`
+per Redis client and process holds one pub/sub connection subscribed to that
+client's channel on each queue it uses, and one thread that reads it and hands
+each event to the *feeds* open on its task: an iterator's queue, an asyncio
+queue, or a callback. Nothing polls: a feed wakes when its event arrives.
+
+Nothing is lost either. A feed starts from the task's stored state (status,
+result, the tokens streamed so far: one round trip), then takes live events,
+dropping tokens it already has by index. When the connection drops, redis-py
+reconnects and subscribes again; the hub sees the new subscription confirmed and
+tells every feed of that queue to read the stored state again, so tokens and
+completions published while it was away are replayed from Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import queue as queue_mod
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import redis
+
+from mtq import serialization
+from mtq.broker import keys
+from mtq.broker.protocol import TERMINAL, Snapshot
+from mtq.errors import BrokerError, PayloadError
+
+if TYPE_CHECKING:
+    from mtq.client import Task
+
+log = logging.getLogger(__name__)
+
+#: longest a feed waits without any event before it re-reads the stored state (a
+#: safety net: reconnects already trigger a re-read)
+RESYNC_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One thing that happened to a task.
+
+    ``kind``: queued, started, token, progress, restarted, or a terminal state
+    (succeeded, failed, dead, cancelled, expired). ``data``: the token or progress
+    value, the result (succeeded) or the error text (failed, dead, expired).
+    ``index``: a token's position in the task's stream (0, 1, ...). ``delivery``:
+    which delivery of the task it belongs to (started, restarted). ``ts``: Redis
+    server time (s since the epoch) when it was published; 0.0 for events replayed
+    from the stored state.
+    """
+
+    kind: str
+    task_id: str
+    data: Any = None
+    index: int | None = None
+    delivery: int | None = None
+    ts: float = 0.0
+
+    @property
+    def terminal(self) -> bool:
+        """True for the task's last event (succeeded, failed, dead, cancelled, expired)."""
+        return self.kind in TERMINAL
+
+
+#: a feed's marker meaning "re-read the stored state" (after a reconnect)
+RESYNC = "resync"
+
+
+class _Fetch:
+    """A succeeded event whose result was too large to ride in the message."""
+
+
+FETCH = _Fetch()
+
+
+def decode_message(data: bytes) -> tuple[str, float, list[tuple[str, Event]]]:
+    """Parse one reply-channel message into (kind, ts, [(task id, Event)])."""
+    kind_b, ts_us, items = msgpack.unpackb(data, raw=True, use_list=True)
+    kind = kind_b.decode()
+    ts = ts_us / 1e6
+    out: list[tuple[str, Event]] = []
+    if kind == "token":
+        for i in range(0, len(items), 3):
+            tid = items[i].decode()
+            out.append((tid, Event("token", tid, serialization.loads(items[i + 2]),
+                                   index=int(items[i + 1]), ts=ts)))
+    elif kind == "done":
+        for i in range(0, len(items), 3):
+            tid, status, value = items[i].decode(), items[i + 1].decode(), items[i + 2]
+            if status == "succeeded":
+                data = FETCH if value is False else serialization.loads(value)
+            else:
+                data = value.decode(errors="replace") if value else None
+            out.append((tid, Event(status, tid, data, ts=ts)))
+    elif kind == "started":
+        for i in range(0, len(items), 2):
+            tid = items[i].decode()
+            out.append((tid, Event("started", tid, delivery=int(items[i + 1]), ts=ts)))
+    elif kind == "restarted":
+        for i in range(0, len(items), 3):
+            tid = items[i].decode()
+            out.append((tid, Event("restarted", tid, items[i + 2].decode(errors="replace"),
+                                   delivery=int(items[i + 1]), ts=ts)))
+    elif kind == "progress":
+        for i in range(0, len(items), 2):
+            tid = items[i].decode()
+            out.append((tid, Event("progress", tid, serialization.loads(items[i + 1]), ts=ts)))
+    elif kind == "queued":
+        for item in items:
+            tid = item.decode()
+            out.append((tid, Event("queued", tid, ts=ts)))
+    return kind, ts, out
+
+
+class StreamState:
+    """What a feed has seen of one task: turns the stored state and live events into
+    the events its reader gets (each token index once, in order; one terminal event).
+
+    Sans-IO: the sync and async iterators and the callback runner share it.
+    """
+
+    def __init__(self, task_id: str, tokens: bool) -> None:
+        self.task_id = task_id
+        self.tokens = tokens
+        self.next_index = 0
+        self.done = False
+
+    @property
+    def tokens_from(self) -> int:
+        """The first token index the next snapshot should return (-1: none)."""
+        return self.next_index if self.tokens else -1
+
+    def from_snapshot(self, snap: Snapshot) -> list[Event]:
+        """The events a stored state adds to what was seen (missed tokens, the end)."""
+        out: list[Event] = []
+        if self.done:
+            return out
+        if self.tokens:
+            for data in snap.tokens:
+                out.append(Event("token", self.task_id, serialization.loads(data),
+                                 index=self.next_index))
+                self.next_index += 1
+        if snap.status in TERMINAL:
+            self.done = True
+            if snap.status == "succeeded":
+                value = serialization.loads(snap.result) if snap.result is not None else None
+            else:
+                value = snap.error
+            out.append(Event(snap.status, self.task_id, value, delivery=snap.deliveries))
+        return out
+
+    def accept(self, ev: Event) -> tuple[list[Event], bool]:
+        """A live event: (events to hand on, whether the stored state must be read)."""
+        if self.done:
+            return [], False
+        if ev.kind == "token":
+            if not self.tokens or ev.index is None or ev.index < self.next_index:
+                return [], False
+            if ev.index > self.next_index:  # a message went missing: read the log
+                return [], True
+            self.next_index += 1
+            return [ev], False
+        if ev.terminal:
+            if ev.data is FETCH:
+                return [], True
+            self.done = True
+        return [ev], False
+
+
+class Feed:
+    """Where the hub puts the events of one task for one reader."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: tuple[str, str]) -> None:
+        self.key = key
+
+    def push(self, item: Event | str) -> None:
+        raise NotImplementedError
+
+
+class SyncFeed(Feed):
+    """A thread-safe queue an iterator blocks on."""
+
+    __slots__ = ("cond", "items")
+
+    def __init__(self, key: tuple[str, str]) -> None:
+        super().__init__(key)
+        self.items: collections.deque[Event | str] = collections.deque()
+        self.cond = threading.Condition(threading.Lock())
+
+    def push(self, item: Event | str) -> None:
+        with self.cond:
+            self.items.append(item)
+            self.cond.notify()
+
+    def get(self, timeout: float | None) -> Event | str | None:
+        """The next item, or None after ``timeout`` seconds."""
+        with self.cond:
+            if not self.items and not self.cond.wait_for(lambda: self.items, timeout):
+                return None
+            return self.items.popleft()
+
+
+class AsyncFeed(Feed):
+    """An asyncio queue, fed from the hub thread through the loop."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, key: tuple[str, str], loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(key)
+        self.loop = loop
+        self.queue: asyncio.Queue[Event | str] = asyncio.Queue()
+
+    def push(self, item: Event | str) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is reading any more
+            pass
+
+    async def get(self, timeout: float | None) -> Event | str | None:
+        try:
+            return await asyncio.wait_for(self.queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+
+class CallbackFeed(Feed):
+    """Calls ``fn(task, event)`` once, with the task's terminal event, on the hub's
+    callback thread (so a slow callback never delays event delivery)."""
+
+    __slots__ = ("fired", "fn", "state", "task")
+
+    def __init__(self, task: Task, fn: Callable[[Task, Event], None]) -> None:
+        super().__init__((task.queue.name, task.id))
+        self.task = task
+        self.fn = fn
+        self.state = StreamState(task.id, tokens=False)
+        self.fired = False
+
+    def push(self, item: Event | str) -> None:
+        hub_of(self.task.queue.redis).callbacks.put((self, item))
+
+
+class Hub:
+    """The reply listener of one Redis client in this process (thread-safe)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.id = secrets.token_hex(8)
+        self.hub_channel = keys.hub(self.id)
+        self._lock = threading.Lock()
+        self._feeds: dict[tuple[str, str], list[Feed]] = {}
+        self._queues: dict[bytes, str] = {}          # reply channel -> queue
+        self._confirmed: dict[str, threading.Event] = {}
+        self._pending: list[str] = []
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._pubsub: Any = None
+        self._closed = False
+        #: subscriptions confirmed again after a reconnect (for tests and metrics)
+        self.resyncs = 0
+        self.callbacks: queue_mod.SimpleQueue[tuple[CallbackFeed, Event | str] | None] = \
+            queue_mod.SimpleQueue()
+        self._runner: threading.Thread | None = None
+
+    # -- subscriptions -----------------------------------------------------------
+    def channel(self, queue: str, timeout: float = 10.0) -> str:
+        """This client's reply channel on ``queue``, subscribed before it returns
+        (so no event of a task submitted after this call can be missed)."""
+        name = keys.QueueKeys(queue).reply(self.id)
+        with self._lock:
+            done = self._confirmed.get(queue)
+            if done is None:
+                done = self._confirmed[queue] = threading.Event()
+                self._queues[name.encode()] = queue
+                self._pending.append(name)
+                first = self._thread is None
+                if first:
+                    self._thread = threading.Thread(target=self._run, name="mtq-replies",
+                                                    daemon=True)
+                    self._thread.start()
+            else:
+                first = False
+        if done.is_set():
+            return name
+        if not first:
+            if not self._ready.wait(timeout):
+                raise BrokerError("the reply listener could not subscribe; is Redis reachable?")
+            try:  # wake the listener so it subscribes from its own thread
+                self.client.publish(self.hub_channel, b"subscribe")
+            except redis.RedisError as exc:
+                raise BrokerError(f"cannot reach Redis to subscribe to replies ({exc})") from exc
+        if not done.wait(timeout):
+            raise BrokerError(f"no reply subscription on queue {queue!r} after {timeout:g} s; "
+                              "is Redis reachable?")
+        return name
+
+    def _subscribe_pending(self, ps: Any) -> None:
+        with self._lock:
+            names, self._pending = self._pending, []
+        if names:
+            ps.subscribe(*names)
+
+    def _run(self) -> None:
+        delay = 0.1
+        ps = None
+        while not self._closed:
+            try:
+                if ps is None:
+                    ps = self._pubsub = self.client.pubsub()
+                    ps.subscribe(self.hub_channel)
+                    with self._lock:  # every queue channel, after a full reconnect too
+                        self._pending = [c.decode() for c in self._queues]
+                msg = ps.get_message(timeout=1.0)
+                delay = 0.1
+                if msg is None:
+                    continue
+                kind, channel = msg["type"], msg["channel"]
+                if kind == "message":
+                    if channel == self.hub_channel.encode():
+                        self._subscribe_pending(ps)
+                    else:
+                        self._dispatch(channel, msg["data"])
+                elif kind == "subscribe":
+                    self._confirm(channel, ps)
+            except (redis.RedisError, OSError) as exc:
+                if self._closed:
+                    return
+                (log.warning if delay == 0.1 else log.debug)(
+                    "reply channel lost (%s); reconnecting in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                if isinstance(exc, redis.exceptions.PubSubError):
+                    ps = None
+            except Exception:  # never let the listener die: every waiter would hang
+                log.exception("a reply message could not be handled")
+
+    def _confirm(self, channel: bytes, ps: Any) -> None:
+        if channel == self.hub_channel.encode():
+            self._ready.set()
+            self._subscribe_pending(ps)
+            return
+        queue = self._queues.get(channel)
+        if queue is None:
+            return
+        done = self._confirmed[queue]
+        if done.is_set():  # subscribed again after a reconnect: events may be missing
+            self.resyncs += 1
+            with self._lock:
+                feeds = [f for key, fs in self._feeds.items() if key[0] == queue for f in fs]
+            for f in feeds:
+                f.push(RESYNC)
+        done.set()
+
+    def _dispatch(self, channel: bytes, data: bytes) -> None:
+        queue = self._queues.get(channel)
+        if queue is None:
+            return
+        try:
+            _, _, items = decode_message(data)
+        except (ValueError, TypeError, IndexError, PayloadError, msgpack.UnpackException):
+            log.warning("malformed reply message ignored (%d bytes)", len(data))
+            return
+        with self._lock:
+            targets = [(self._feeds.get((queue, tid)), ev) for tid, ev in items]
+        for feeds, ev in targets:
+            if feeds:
+                for f in feeds:
+                    f.push(ev)
+
+    # -- feeds ---------------------------------------------------------------------
+    def open(self, feed: Feed) -> None:
+        """Start delivering the events of ``feed.key`` to it."""
+        with self._lock:
+            self._feeds.setdefault(feed.key, []).append(feed)
+
+    def close(self, feed: Feed) -> None:
+        """Stop delivering to ``feed``."""
+        with self._lock:
+            feeds = self._feeds.get(feed.key)
+            if feeds is not None:
+                try:
+                    feeds.remove(feed)
+                except ValueError:
+                    pass
+                if not feeds:
+                    del self._feeds[feed.key]
+
+    def watching(self) -> int:
+        """How many tasks have a feed open (for tests and metrics)."""
+        with self._lock:
+            return len(self._feeds)
+
+    # -- callbacks -----------------------------------------------------------------
+    def add_callback(self, feed: CallbackFeed, known: bool = False) -> None:
+        """Call ``feed.fn`` once the task ends. ``known``: registered before the task
+        was submitted, so no event can have been missed and no read is needed."""
+        self.open(feed)
+        self._start_runner()
+        if not known:
+            self.callbacks.put((feed, RESYNC))
+
+    def _start_runner(self) -> None:
+        with self._lock:
+            if self._runner is None:
+                self._runner = threading.Thread(target=self._run_callbacks,
+                                                name="mtq-callbacks", daemon=True)
+                self._runner.start()
+
+    def _run_callbacks(self) -> None:
+        while True:
+            item = self.callbacks.get()
+            if item is None:
+                return
+            batch = [item]
+            while True:  # read the state of every task that needs it in one round trip
+                try:
+                    more = self.callbacks.get_nowait()
+                except queue_mod.Empty:
+                    break
+                if more is None:
+                    self.callbacks.put(None)
+                    break
+                batch.append(more)
+            reads = [f for f, it in batch if it == RESYNC and not f.fired]
+            snaps = _read_many(reads, self.id) if reads else {}
+            for feed, it in batch:
+                if feed.fired:
+                    continue
+                if it == RESYNC:
+                    snap = snaps.get(id(feed))
+                    events = feed.state.from_snapshot(snap) if snap else []
+                    if snap is None and id(feed) in snaps:  # gone: retention ran out
+                        events = [Event("expired", feed.task.id, "the task no longer exists")]
+                        feed.state.done = True
+                else:
+                    assert isinstance(it, Event)
+                    events, again = feed.state.accept(it)
+                    if again:
+                        self.callbacks.put((feed, RESYNC))
+                for ev in events:
+                    if ev.terminal:
+                        feed.fired = True
+                        self.close(feed)
+                        try:
+                            feed.fn(feed.task, ev)
+                        except Exception:
+                            log.exception("a task callback raised")
+
+
+def _read_many(feeds: list[CallbackFeed], hub_id: str) -> dict[int, Snapshot | None]:
+    """Snapshots of several tasks in one round trip (pipelined watch calls)."""
+    from mtq.broker import scripts
+
+    calls = []
+    for f in feeds:
+        b = f.task.queue.broker
+        calls.append(b.watch_call(f.task.id, b.keys.reply(hub_id)))
+    try:
+        snaps = scripts.run(feeds[0].task.queue.redis, *calls)
+    except BrokerError:
+        log.warning("could not read %d task(s) for their callbacks; retrying", len(feeds),
+                    exc_info=True)
+        time.sleep(0.5)
+        hub = hub_of(feeds[0].task.queue.redis)
+        for f in feeds:
+            hub.callbacks.put((f, RESYNC))
+        return {}
+    return {id(f): s for f, s in zip(feeds, snaps)}
+
+
+_hubs: weakref.WeakKeyDictionary[redis.Redis, Hub] = weakref.WeakKeyDictionary()
+_hubs_lock = threading.Lock()
+
+
+def hub_of(client: redis.Redis) -> Hub:
+    """The hub of ``client`` in this process (created on first use)."""
+    with _hubs_lock:
+        hub = _hubs.get(client)
+        if hub is None:
+            hub = _hubs[client] = Hub(client)
+        return hub
