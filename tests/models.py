@@ -134,3 +134,56 @@ class SetupFails(mtq.Model):
 
     def predict(self, batch: list[Any]) -> list[Any]:
         return batch
+
+
+class Counter(mtq.Generator):
+    """A toy generator: payload ``{"n": N, "start": k}`` streams k, k+1, ... (N tokens).
+
+    ``"step_ms"`` sleeps that long in every decode step (for the whole batch),
+    ``"bad": true`` raises PermanentError in admit, ``"boom": true`` raises in prefill,
+    ``"exit_at": i`` calls ``os._exit(1)`` while decoding token i (a crash mid-generation).
+    It records the ids of every decode step in ``self.steps`` (for batching tests).
+    """
+
+    max_running = 8
+    name = "counter"
+
+    def setup(self, device: Any) -> None:
+        self.steps: list[list[str]] = []
+        self.released: list[str] = []
+
+    def admit(self, r: mtq.Generation) -> None:
+        p = r.payload
+        if not isinstance(p, dict) or p.get("bad"):
+            raise mtq.PermanentError("send {'n': tokens}")
+        r.prompt_tokens = int(p.get("prompt", 1))
+        r.max_tokens = int(p.get("n", 3))
+
+    def prefill(self, requests: list[mtq.Generation]) -> list[Any]:
+        for r in requests:
+            if r.payload.get("boom"):
+                raise ValueError("boom in prefill")
+            r.state = int(r.payload.get("start", 0))
+        return [self._next(r) for r in requests]
+
+    def _next(self, r: mtq.Generation) -> int:
+        tok = r.state + len(r.tokens)
+        if r.payload.get("exit_at") == len(r.tokens) and not os.environ.get("MTQ_TEST_NO_EXIT"):
+            _log("X", [r.payload])
+            os._exit(1)
+        if len(r.tokens) + 1 >= r.max_tokens:
+            r.finish()
+        return tok
+
+    def decode(self, requests: list[mtq.Generation]) -> list[Any]:
+        self.steps.append([r.id for r in requests])
+        delay = max((r.payload.get("step_ms", 0) for r in requests), default=0)
+        if delay:
+            time.sleep(delay / 1000)
+        return [self._next(r) for r in requests]
+
+    def release(self, requests: list[mtq.Generation]) -> None:
+        self.released.extend(r.id for r in requests)
+
+    def result(self, r: mtq.Generation) -> Any:
+        return {"tokens": list(r.tokens), "s": r.payload.get("s"), "i": r.payload.get("i")}

@@ -56,6 +56,16 @@ class Outcome:
     cancelled: bool = False    # the handler stopped on a cancel request
 
 
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A token (or chunk) of a running task, streamed to its client; index -1 is a
+    progress report."""
+
+    task: Claimed
+    index: int
+    value: Any
+
+
 #: the counters a SettleReport and a worker's running totals share
 OUTCOME_COUNTERS = ("succeeded", "retried", "failed", "dead", "cancelled")
 
@@ -71,6 +81,11 @@ class SettleReport:
     cancelled: int = 0
     #: tasks whose lease had expired: their outcome was discarded (another worker owns them)
     lost: list[str] = field(default_factory=list)
+    #: running tasks whose tokens were refused (lease lost) or could not be encoded
+    #: (the task was failed): stop generating them
+    stream_lost: list[str] = field(default_factory=list)
+    #: tokens written to the tasks' streams
+    streamed: int = 0
 
 
 class Consumer:
@@ -168,17 +183,41 @@ class Consumer:
                 setattr(report, names[action], getattr(report, names[action]) + 1)
         return report
 
-    def settle(self, outcomes: Sequence[Outcome]) -> SettleReport:
-        """Ack the successes and nack the failures (retry with backoff, or dead-letter
-        / fail when retries run out) in one round trip."""
-        report, _ = self.settle_and_claim(outcomes, 0)
+    def settle(self, outcomes: Sequence[Outcome], chunks: Sequence[Chunk] = ()) -> SettleReport:
+        """Stream ``chunks``, then ack the successes and nack the failures (retry with
+        backoff, or dead-letter / fail when retries run out), in one round trip.
+        A task's chunks reach its client before its completion."""
+        report, _ = self.settle_and_claim(outcomes, 0, chunks=chunks)
         return report
 
+    def _stream_items(self, chunks: Sequence[Chunk]
+                      ) -> tuple[list[tuple[str, str, int, bytes]], list[Outcome], set[str]]:
+        items: list[tuple[str, str, int, bytes]] = []
+        failed: list[Outcome] = []
+        bad: set[str] = set()
+        for c in chunks:
+            t = c.task
+            if t.id in bad:
+                continue
+            try:
+                items.append((t.id, t.token, c.index, serialization.dumps(c.value)))
+            except Exception as exc:  # an unencodable token fails its task, no other
+                bad.add(t.id)
+                failed.append(Outcome(t, ok=False, retryable=False,
+                                      error=f"{type(exc).__name__}: token {c.index}: {exc}"))
+        return items, failed, bad
+
     def settle_and_claim(self, outcomes: Sequence[Outcome], batch_size: int,
-                         lease_ms: int | None = None) -> tuple[SettleReport, list[Claimed]]:
-        """Settle a batch and claim the next one in one round trip."""
+                         lease_ms: int | None = None, chunks: Sequence[Chunk] = ()
+                         ) -> tuple[SettleReport, list[Claimed]]:
+        """(Stream chunks,) settle a batch and claim the next one in one round trip."""
+        items, failed, bad = self._stream_items(chunks) if chunks else ([], [], set())
+        if bad:
+            outcomes = [o for o in outcomes if o.task.id not in bad] + failed
         acks, nacks = self._plan(outcomes)
         calls = []
+        if items:
+            calls.append(self.broker.emit_call(items))
         if acks:
             calls.append(self.broker.ack_call(acks))
         if nacks:
@@ -188,9 +227,13 @@ class Consumer:
         if not calls:
             return SettleReport(), []
         replies = self.broker.run(*calls)
+        emit_codes = replies.pop(0) if items else []
         ack_codes = replies.pop(0) if acks else []
         nack_codes = replies.pop(0) if nacks else []
         report = self._count(acks, nacks, ack_codes, nack_codes)
+        lost = {i[0] for i, c in zip(items, emit_codes) if c == Code.LEASE_LOST}
+        report.stream_lost = sorted(lost | bad)
+        report.streamed = sum(1 for i, c in zip(items, emit_codes) if c == 1 and i[2] >= 0)
         claimed = self._claimed(replies[0]) if batch_size > 0 else []
         return report, claimed
 

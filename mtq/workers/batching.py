@@ -106,6 +106,32 @@ class BatchSlot:
                 else:
                     self.cond.wait()
 
+    def take_now(self, limit: int, block: bool) -> list[Claimed] | None:
+        """Up to ``limit`` tasks at once, without waiting for a batching deadline (the
+        continuous-batching engine admits between steps). ``block``: when the slot is
+        empty, wait for a task. Returns None once closed, [] after :meth:`kick`.
+        A suspect is returned alone (the engine runs it with nothing else)."""
+        with self.cond:
+            while True:
+                if self.closed:
+                    return None
+                if self._kicked:
+                    self._kicked = False
+                    return []
+                pending = self._pending
+                if pending and not self.paused and limit > 0:
+                    for i, p in enumerate(pending):
+                        if p.task.suspect:
+                            del pending[i]
+                            self.cond.notify_all()
+                            return [p.task]
+                    batch, self._pending = pending[:limit], pending[limit:]
+                    self.cond.notify_all()
+                    return [p.task for p in batch]
+                if not block:
+                    return []
+                self.cond.wait()
+
     # -- control ----------------------------------------------------------------
     def kick(self) -> None:
         """Make a waiting :meth:`take` return [] once."""

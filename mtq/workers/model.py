@@ -10,8 +10,18 @@ the worker process only when torch is installed (see :mod:`mtq.workers.devices`)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """Yield ``(i, mtq.Progress(value))`` from a streaming ``predict`` to report the
+    progress of item ``i`` (a progress event; nothing is stored)."""
+
+    value: Any
 
 
 class Model:
@@ -25,7 +35,12 @@ class Model:
             def setup(self, device): self.net = load(device)
             def predict(self, batch): return self.net(batch)
 
-    ``predict`` returns one result per payload, in order. To fail a single item
+    ``predict`` returns one result per payload, in order. It may instead be a
+    generator that streams chunks as they are made (text-to-speech audio, say):
+    ``yield i, chunk`` sends a chunk of item ``i`` (its index in the batch) to that
+    task's client as a token event, in order; ``yield i, mtq.Progress(x)`` reports
+    progress; ``return results`` gives the results (by default each item's result is
+    the list of its chunks). To fail a single item
     without failing the batch, put an exception instance in its place. If
     ``predict`` raises, the worker bisects the batch to find the failing items,
     so one bad request does not fail the others. A failed item is retried with
@@ -68,9 +83,27 @@ class FunctionModel(Model):
 
     def __init__(self, func: Callable[[Any], Any]) -> None:
         self.func = func
+        if inspect.isgeneratorfunction(func):  # a streaming handler: chunks, then a result
+            self.predict = self._stream  # type: ignore[method-assign]
 
     def predict(self, batch: list[Any]) -> list[Any]:
         return [self.func(p) for p in batch]
+
+    def _stream(self, batch: list[Any]) -> Iterator[Any]:
+        results = []
+        for i, p in enumerate(batch):
+            chunks = []
+            gen = self.func(p)
+            while True:
+                try:
+                    chunk = next(gen)
+                except StopIteration as stop:
+                    results.append(chunks if stop.value is None else stop.value)
+                    break
+                if not isinstance(chunk, Progress):
+                    chunks.append(chunk)
+                yield i, chunk
+        return results
 
     def describe(self) -> tuple[str, str]:
         name = getattr(self.func, "__qualname__", None) or type(self.func).__name__

@@ -386,6 +386,10 @@ class Supervisor:
             for c in self.children.values():
                 if not worker or worker == c.worker_id:
                     self._send(c, {"cmd": cmd})
+        elif cmd == "cancel":  # published by cancel.lua, addressed to the task's worker
+            for c in self.children.values():
+                if not worker or worker == c.worker_id:
+                    self._send(c, {"cmd": "cancel", "ids": msg.get("ids") or []})
         elif cmd == "stop" and not worker:
             self.on_event("stop requested")
             self._stop_all()

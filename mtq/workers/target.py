@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtq.errors import TargetError
+from mtq.workers.generator import Generator
 from mtq.workers.model import FunctionModel, Model
+
+Target = Model | Generator
 
 
 def _resolve(spec: str, reload: bool = False) -> Any:
@@ -60,15 +63,24 @@ class BatchPolicy:
     timeout_s: float | None
 
     @classmethod
-    def of(cls, model: Model, *, max_batch_size: int | None = None,
+    def of(cls, model: Target, *, max_batch_size: int | None = None,
            max_wait_ms: float | None = None, timeout_s: float | None = None) -> BatchPolicy:
         """Read the model's attributes, apply the overrides that are not None, check them.
+        For a generator, the batch size is ``max_running`` and there is no wait.
 
         Raises TargetError naming the bad value."""
-        b = model.max_batch_size if max_batch_size is None else max_batch_size
-        w = model.max_wait_ms if max_wait_ms is None else max_wait_ms
-        t = model.timeout_s if timeout_s is None else timeout_s
         name = model.describe()[0]
+        if isinstance(model, Generator):
+            b = model.max_running if max_batch_size is None else max_batch_size
+            w: Any = 0.0
+            for attr in ("max_prefill_tokens", "max_total_tokens"):
+                v = getattr(model, attr)
+                if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                    raise TargetError(f"{name}: {attr} must be an int >= 1 or None, got {v!r}")
+        else:
+            b = model.max_batch_size if max_batch_size is None else max_batch_size
+            w = model.max_wait_ms if max_wait_ms is None else max_wait_ms
+        t = model.timeout_s if timeout_s is None else timeout_s
         if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= 100_000:
             raise TargetError(f"{name}: max_batch_size must be an int in 1..100000, got {b!r}")
         if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w <= 60_000:
@@ -78,8 +90,9 @@ class BatchPolicy:
         return cls(b, float(w), None if t is None else float(t))
 
 
-def load_model(spec: str, *, reload: bool = False) -> Model:
-    """Import the target and turn it into a :class:`Model` instance (not set up yet).
+def load_model(spec: str, *, reload: bool = False) -> Target:
+    """Import the target and turn it into a :class:`Model` or
+    :class:`~mtq.workers.generator.Generator` instance (not set up yet).
 
     ``reload``: re-import the module first (the ``reload`` control command).
     Raises TargetError for anything that is not a Model subclass, a Model instance
@@ -87,7 +100,11 @@ def load_model(spec: str, *, reload: bool = False) -> Model:
     """
     obj = _resolve(spec, reload)
     if isinstance(obj, type):
-        if not issubclass(obj, Model):
+        if not issubclass(obj, (Model, Generator)):
+            if callable(getattr(obj, "decode", None)) and callable(getattr(obj, "prefill", None)):
+                raise TargetError(f"target {spec!r}: class {obj.__name__} has prefill and decode "
+                                  "methods but does not subclass mtq.Generator; write "
+                                  f"'class {obj.__name__}(mtq.Generator)'")
             if callable(getattr(obj, "predict", None)):
                 raise TargetError(f"target {spec!r}: class {obj.__name__} has a predict method "
                                   "but does not subclass mtq.Model; write "
@@ -99,7 +116,7 @@ def load_model(spec: str, *, reload: bool = False) -> Model:
             raise TargetError(f"target {spec!r}: {obj.__name__}() failed: "
                               f"{type(exc).__name__}: {exc} (load weights in setup(), "
                               "and give __init__ no required arguments)") from exc
-    if isinstance(obj, Model):
+    if isinstance(obj, (Model, Generator)):
         return obj
     if callable(obj):
         return FunctionModel(obj)

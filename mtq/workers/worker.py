@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import inspect
 import logging
 import os
 import queue as queue_mod
@@ -33,14 +34,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtq import serialization
-from mtq.broker.consumer import OUTCOME_COUNTERS, Consumer, Outcome, SettleReport
+from mtq.broker.consumer import OUTCOME_COUNTERS, Chunk, Consumer, Outcome, SettleReport
 from mtq.broker.protocol import Claimed
 from mtq.errors import MtqError, PayloadError, PermanentError, TargetError
 from mtq.settings import QueueSettings
 from mtq.workers import devices, registry
-from mtq.workers.batching import BatchSlot, ItemResult, run_isolated
-from mtq.workers.model import Model, is_per_item
-from mtq.workers.target import BatchPolicy, load_model
+from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
+from mtq.workers.generator import Generator
+from mtq.workers.model import Progress, is_per_item
+from mtq.workers.target import BatchPolicy, Target, load_model
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +82,14 @@ class Monitor:
 class Worker:
     """Serves one model for one queue in this process until stopped."""
 
-    def __init__(self, target: str | Model, queue: str, *, url: str | None = None,
+    def __init__(self, target: str | Target, queue: str, *, url: str | None = None,
                  settings: QueueSettings | None = None, device: str = "cpu",
                  max_batch_size: int | None = None, max_wait_ms: float | None = None,
                  timeout_s: float | None = None, worker_id: str | None = None,
                  monitor: Monitor | None = None, supervisor: str = "",
                  consumer: Consumer | None = None) -> None:
         self.spec = target if isinstance(target, str) else None
-        self.model = load_model(target) if isinstance(target, str) else target
+        self.model: Target = load_model(target) if isinstance(target, str) else target
         self.overrides: dict[str, Any] = {"max_batch_size": max_batch_size,
                                           "max_wait_ms": max_wait_ms, "timeout_s": timeout_s}
         self.policy = BatchPolicy.of(self.model, **self.overrides)
@@ -106,7 +108,10 @@ class Worker:
         self._lock = threading.Lock()
         self._held: dict[str, Claimed] = {}
         self._cancel: set[str] = set()
-        self._outbox: queue_mod.SimpleQueue[list[Outcome] | None] = queue_mod.SimpleQueue()
+        #: running tasks whose lease was lost: a generator stops generating them
+        self._lost: set[str] = set()
+        self._outbox: queue_mod.SimpleQueue[list[Outcome | Chunk] | None] = \
+            queue_mod.SimpleQueue()
         self._stop = threading.Event()
         self._draining = False
         self._reload = False
@@ -118,7 +123,7 @@ class Worker:
         self.hist: collections.Counter[int] = collections.Counter()
         #: model-thread seconds inside predict, and around it (decode, hand-off)
         self.timing = {"predict_s": 0.0, "overhead_s": 0.0}
-        self.totals = dict.fromkeys((*OUTCOME_COUNTERS, "lost", "batches", "tasks"), 0)
+        self.totals = dict.fromkeys((*OUTCOME_COUNTERS, "lost", "batches", "tasks", "tokens"), 0)
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ---------------------------------------------------------------
@@ -171,8 +176,24 @@ class Worker:
             self.slot.kick()
         elif cmd == "scale":
             pass  # a supervisor's business; a worker without one has nothing to scale
+        elif cmd == "cancel":
+            self._cancel_running(msg.get("ids") or [])
         else:
             log.warning("unknown control command %r ignored", cmd)
+
+    def _cancel_running(self, ids: Sequence[str]) -> None:
+        """A cancel was requested for tasks this worker may hold: those waiting in the
+        slot are settled cancelled now; a generator drops running ones at its next
+        step; a batch model's result for them is discarded if it fails."""
+        with self._lock:
+            mine = {i for i in ids if isinstance(i, str) and i in self._held}
+            self._cancel.update(mine)
+            tokens = {i: self._held[i].token for i in mine}
+        if not mine:
+            return
+        dropped = self.slot.remove(mine, tokens)
+        if dropped:
+            self._outbox.put([Outcome(t, ok=False, cancelled=True) for t in dropped])
 
     def stop(self) -> None:
         """Graceful stop: finish the running batch, give back what was claimed ahead."""
@@ -210,14 +231,29 @@ class Worker:
 
     # -- model thread --------------------------------------------------------------
     def _model_loop(self) -> None:
+        while True:
+            if isinstance(self.model, Generator):
+                from mtq.workers.engine import GenerationEngine
+
+                if not GenerationEngine(self).run():
+                    return
+                self._do_reload()
+            elif not self._batch_loop():
+                return
+
+    def _batch_loop(self) -> bool:
+        """Dynamic batching until stopped (False) or the model changed kind on a
+        reload (True)."""
         per_item = is_per_item(self.model)
         while True:
             batch = self.slot.take()
             if batch is None:
-                return
+                return False
             if self._reload:
                 self._give_back(batch)  # taken just as the reload came in: not started
                 self._do_reload()
+                if isinstance(self.model, Generator):
+                    return True
                 per_item = is_per_item(self.model)
                 continue
             if not batch:
@@ -256,7 +292,10 @@ class Worker:
             self.monitor.call(index[lo], index[hi - 1] + 1)
             t0 = time.perf_counter()
             try:
-                return model.predict(payloads[lo:hi])
+                out = model.predict(payloads[lo:hi])  # type: ignore[union-attr]
+                if inspect.isgenerator(out):
+                    out = self._stream(out, [batch[index[j]] for j in range(lo, hi)])
+                return out
             finally:
                 in_predict += time.perf_counter() - t0
                 self.monitor.idle()
@@ -275,6 +314,29 @@ class Worker:
             self._outbox.put([o for o in outcomes if o is not None])
         self.timing["predict_s"] += in_predict
         self.timing["overhead_s"] += time.perf_counter() - start - in_predict
+
+    def _stream(self, gen: Any, tasks: list[Claimed]) -> list[Any]:
+        """Run a streaming predict: hand each ``(i, chunk)`` it yields to the publisher
+        (chunk indices restart at 0 on every call: a re-run after bisection or a
+        redelivery is deduplicated by index in Redis). Returns its results."""
+        counters = [0] * len(tasks)
+        chunks: list[list[Any]] = [[] for _ in tasks]
+        while True:
+            try:
+                item = next(gen)
+            except StopIteration as stop:
+                return chunks if stop.value is None else stop.value
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)
+                    and 0 <= item[0] < len(tasks)):
+                raise BatchShapeError(f"a streaming predict must yield (item index, chunk) "
+                                      f"with an index in 0..{len(tasks) - 1}, got {item!r:.80}")
+            i, value = item
+            if isinstance(value, Progress):
+                self._outbox.put([Chunk(tasks[i], -1, value.value)])
+                continue
+            chunks[i].append(value)
+            self._outbox.put([Chunk(tasks[i], counters[i], value)])
+            counters[i] += 1
 
     @staticmethod
     def _call_one(call: Callable[[int, int], Any], j: int, lo: int, hi: int) -> Any:
@@ -388,6 +450,7 @@ class Worker:
             for i in ids:
                 self._held.pop(i, None)
                 self._cancel.discard(i)
+                self._lost.discard(i)
         self.monitor.settled(ids)
 
     # -- publisher -----------------------------------------------------------------
@@ -395,7 +458,7 @@ class Worker:
         done = False
         while not done:
             item = self._outbox.get()
-            batch: list[Outcome] = []
+            batch: list[Outcome | Chunk] = []
             if item is None:
                 done = True
             else:
@@ -410,22 +473,25 @@ class Worker:
                 else:
                     batch.extend(more)
             if batch:
+                outcomes = [o for o in batch if isinstance(o, Outcome)]
+                chunks = [c for c in batch if isinstance(c, Chunk)]
                 try:
-                    self._settle(batch, give_up_after=10.0 if done else None)
+                    self._settle(outcomes, give_up_after=10.0 if done else None, chunks=chunks)
                 except Exception:  # never let the publisher die: nothing would settle again
                     log.exception("settling %d task(s) failed; they run again when their "
-                                  "leases expire", len(batch))
-                    self._forget([o.task.id for o in batch])
+                                  "leases expire", len(outcomes))
+                    self._forget([o.task.id for o in outcomes])
             if self._draining and self._fetcher_sleeping:
                 # a stream's next task may be claimable now, or the queue is empty
                 self._interrupt_fetcher()
 
-    def _settle(self, outcomes: list[Outcome], give_up_after: float | None) -> None:
+    def _settle(self, outcomes: list[Outcome], give_up_after: float | None,
+                chunks: Sequence[Chunk] = ()) -> None:
         start = time.monotonic()
         delay = 0.05
         while True:
             try:
-                report = self.consumer.settle(outcomes)
+                report = self.consumer.settle(outcomes, chunks)
                 break
             except MtqError:
                 log.warning("settling %d task(s) failed; retrying", len(outcomes), exc_info=True)
@@ -443,6 +509,10 @@ class Worker:
         for name in OUTCOME_COUNTERS:
             self.totals[name] += getattr(report, name)
         self.totals["lost"] += len(report.lost)
+        self.totals["tokens"] += report.streamed
+        if report.stream_lost:
+            with self._lock:
+                self._lost.update(i for i in report.stream_lost if i in self._held)
         if report.lost:
             log.warning("lease lost on %d task(s); their results were discarded", len(report.lost))
 
@@ -484,6 +554,8 @@ class Worker:
                 self._outbox.put([Outcome(t, ok=False, cancelled=True) for t in dropped])
         if lost:
             self._forget([t.id for t in self.slot.remove(set(lost), tokens)])
+            with self._lock:  # a generator stops generating the ones it runs
+                self._lost.update(i for i in lost if i in self._held)
 
     def report(self, rate: float = 0.0) -> dict[str, Any]:
         """The registry entry of this worker."""

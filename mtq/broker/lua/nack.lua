@@ -61,7 +61,12 @@ for i = 0, n - 1 do
       requeue_head(id, s)
       woken = woken + 1
       by.released[#by.released + 1] = id
-      reply('queued', f[6], id)
+      -- a generation that had streamed tokens starts over (its stream goes on where it was)
+      if redis.call('EXISTS', K_OUT .. id) == 1 then
+        reply('restarted', f[6], id, tonumber(f[5] or '1') - 1, 'released by its worker')
+      else
+        reply('queued', f[6], id)
+      end
     else
       if action == 'cancel' then
         finish(id, 'cancelled', now, ttl)

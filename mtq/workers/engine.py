@@ -1,0 +1,306 @@
+"""The continuous-batching engine: the model thread's loop for a :class:`Generator`.
+
+As in an LLM scheduler (the pymllm seed), each turn of the loop:
+
+1. drops the requests that were cancelled or whose lease was lost (cooperative
+   abort: at most one step after the worker heard of it);
+2. admits claimed requests into the running batch, within ``max_running`` and the
+   token budgets (prompt tokens per prefill step, tokens in flight);
+3. prefills the admitted ones (a prefill that raises is bisected, so one bad
+   request fails alone);
+4. runs one decode step for every running request;
+5. hands the new tokens, and the outcome of each request that finished, to the
+   publisher thread, which streams and acknowledges them: the model thread never
+   waits on Redis.
+
+When nothing runs and nothing is claimed, it blocks on the batch slot (a
+condition variable) until the fetcher puts a task there: no spinning.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from mtq import serialization
+from mtq.broker.consumer import Chunk, Outcome
+from mtq.broker.protocol import Claimed
+from mtq.errors import PayloadError, PermanentError
+from mtq.workers.batching import BatchShapeError
+from mtq.workers.generator import _UNSET, Generation, Generator
+
+if TYPE_CHECKING:
+    from mtq.workers.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class _Request:
+    __slots__ = ("gen", "next_index", "task")
+
+    def __init__(self, task: Claimed, gen: Generation) -> None:
+        self.task = task
+        self.gen = gen
+        self.next_index = 0
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class GenerationEngine:
+    """Runs a worker's Generator until the worker stops (or asks for a reload)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.model: Generator = worker.model  # type: ignore[assignment]
+        self.running: list[_Request] = []
+        #: claimed and admitted, waiting for room in the budgets
+        self.waiting: collections.deque[_Request] = collections.deque()
+        self.steps = 0
+
+    # -- bookkeeping -------------------------------------------------------------
+    def _room(self) -> int:
+        return max(0, self.w.policy.max_batch_size - len(self.running) - len(self.waiting))
+
+    def _send(self, chunks: list[Chunk], outcomes: list[Outcome]) -> None:
+        if chunks or outcomes:
+            self.w._outbox.put([*chunks, *outcomes])
+
+    def _release(self, reqs: list[_Request]) -> None:
+        if not reqs:
+            return
+        try:
+            self.model.release([r.gen for r in reqs])
+        except Exception:
+            log.exception("release() raised; the requests' state may leak")
+
+    def _fail(self, r: _Request, exc: BaseException) -> Outcome:
+        return Outcome(r.task, ok=False, error=_error(exc),
+                       retryable=not isinstance(exc, (PermanentError, PayloadError)))
+
+    def _monitor(self) -> None:
+        self.w.monitor.batch([(r.task.id, r.task.token) for r in self.running])
+
+    def _call(self, fn: Any, reqs: list[_Request]) -> Any:
+        w = self.w
+        w.monitor.call(0, len(reqs))
+        t0 = time.perf_counter()
+        try:
+            return fn([r.gen for r in reqs])
+        finally:
+            w.timing["predict_s"] += time.perf_counter() - t0
+            w.monitor.idle()
+
+    # -- the loop ------------------------------------------------------------------
+    def run(self) -> bool:
+        """Serve until the worker stops (False) or a reload is due and the running
+        batch has finished (True: the caller reloads and dispatches again)."""
+        w = self.w
+        closed = False
+        while True:
+            self._drop_aborted()
+            reload_due = w._reload
+            if not closed and not reload_due:
+                idle = not self.running and not self.waiting
+                limit = self._room() if (self.model.continuous or idle) else 0
+                tasks = w.slot.take_now(limit, block=idle)
+                if tasks is None:  # stopping: finish what runs, give back the rest
+                    closed = True
+                    w._give_back([r.task for r in self.waiting])
+                    self.waiting.clear()
+                elif tasks:
+                    self._intake(tasks)
+            if not self.running and not self.waiting:
+                self._set_busy(False)
+                if closed:
+                    return False
+                if w._reload:
+                    return True
+                continue
+            self._set_busy(True)
+            start = time.perf_counter()
+            predict_before = w.timing["predict_s"]
+            new = self._admit() if not closed and not reload_due else []
+            chunks: list[Chunk] = []
+            outcomes: list[Outcome] = []
+            if new:
+                self._prefill(new, chunks, outcomes)
+            if self.running:
+                self._decode(chunks, outcomes)
+            self._send(chunks, outcomes)
+            self.steps += 1
+            w.totals["batches"] += 1
+            w.hist[len(self.running)] += 1
+            w.timing["overhead_s"] += (time.perf_counter() - start
+                                       - (w.timing["predict_s"] - predict_before))
+
+    def _set_busy(self, busy: bool) -> None:
+        w = self.w
+        with w._lock:
+            w._busy = busy
+            w._current = len(self.running)
+
+    def _drop_aborted(self) -> None:
+        w = self.w
+        with w._lock:
+            cancel = {i for i in w._cancel}
+            lost = set(w._lost)
+            w._lost.clear()
+        if not cancel and not lost:
+            return
+        gone = [r for r in self.running if r.task.id in cancel or r.task.id in lost]
+        gone += [r for r in self.waiting if r.task.id in cancel or r.task.id in lost]
+        if not gone:
+            return
+        ids = {r.task.id for r in gone}
+        self.running = [r for r in self.running if r.task.id not in ids]
+        self.waiting = collections.deque(r for r in self.waiting if r.task.id not in ids)
+        self._release(gone)
+        self._monitor()
+        cancelled = [Outcome(r.task, ok=False, cancelled=True) for r in gone
+                     if r.task.id in cancel and r.task.id not in lost]
+        self._send([], cancelled)
+        w._forget([r.task.id for r in gone if r.task.id in lost])
+
+    def _intake(self, tasks: list[Claimed]) -> None:
+        """Decode and check newly taken tasks; those that fail leave at once."""
+        outcomes = []
+        self.w.totals["tasks"] += len(tasks)
+        for t in tasks:
+            try:
+                payload = serialization.loads(t.payload)
+            except PayloadError as exc:
+                outcomes.append(Outcome(t, ok=False, error=f"PayloadError: {exc}",
+                                        retryable=False))
+                continue
+            r = _Request(t, Generation(t.id, payload))
+            try:
+                self.model.admit(r.gen)
+            except Exception as exc:
+                outcomes.append(self._fail(r, exc))
+                continue
+            self.waiting.append(r)
+        self._send([], outcomes)
+
+    def _admit(self) -> list[_Request]:
+        """Move waiting requests into the batch within max_running and the budgets.
+        A suspect (it took a process down before) runs alone."""
+        m = self.model
+        if any(r.task.suspect for r in self.running):
+            return []
+        cap = self.w.policy.max_batch_size - len(self.running)
+        prefill_left = m.max_prefill_tokens
+        in_flight = sum(r.gen.prompt_tokens + r.gen.max_tokens for r in self.running)
+        new: list[_Request] = []
+        while self.waiting and len(new) < cap:
+            r = self.waiting[0]
+            if r.task.suspect and (self.running or new):
+                break
+            cost = r.gen.prompt_tokens
+            first = not new and not self.running
+            if not first:
+                if prefill_left is not None and cost > prefill_left and new:
+                    break
+                if m.max_total_tokens is not None and \
+                        in_flight + cost + r.gen.max_tokens > m.max_total_tokens:
+                    break
+            self.waiting.popleft()
+            new.append(r)
+            in_flight += cost + r.gen.max_tokens
+            if prefill_left is not None:
+                prefill_left -= cost
+            if r.task.suspect:
+                break
+        return new
+
+    def _emit(self, r: _Request, token: Any, chunks: list[Chunk]) -> None:
+        if token is None:
+            return
+        r.gen.tokens.append(token)
+        chunks.append(Chunk(r.task, r.next_index, token))
+        r.next_index += 1
+
+    def _finish(self, r: _Request, outcomes: list[Outcome]) -> None:
+        g = r.gen
+        try:
+            value = self.model.result(g) if g._result is _UNSET else g._result
+            outcomes.append(Outcome(r.task, ok=True, value=value))
+        except Exception as exc:
+            outcomes.append(self._fail(r, exc))
+
+    def _prefill(self, new: list[_Request], chunks: list[Chunk], outcomes: list[Outcome]) -> None:
+        self.running.extend(new)
+        self._monitor()
+        failed: list[tuple[_Request, BaseException]] = []
+
+        def go(reqs: list[_Request]) -> None:
+            try:
+                first = self._call(self.model.prefill, reqs)
+                if first is not None and len(first) != len(reqs):
+                    raise BatchShapeError(f"prefill returned {len(first)} tokens for "
+                                          f"{len(reqs)} requests")
+            except Exception as exc:
+                self._release(reqs)
+                if len(reqs) == 1:
+                    failed.append((reqs[0], exc))
+                    return
+                mid = len(reqs) // 2
+                go(reqs[:mid])
+                go(reqs[mid:])
+                return
+            for r, tok in zip(reqs, first or [None] * len(reqs)):
+                self._emit(r, tok, chunks)
+
+        go(new)
+        if failed:
+            bad = {id(r) for r, _ in failed}
+            self.running = [r for r in self.running if id(r) not in bad]
+            outcomes.extend(self._fail(r, exc) for r, exc in failed)
+            self._monitor()
+        self._retire(chunks, outcomes, new)
+
+    def _decode(self, chunks: list[Chunk], outcomes: list[Outcome]) -> None:
+        reqs = [r for r in self.running if not r.gen.finished]
+        if not reqs:
+            return
+        try:
+            tokens = self._call(self.model.decode, reqs)
+            if tokens is None or len(tokens) != len(reqs):
+                raise BatchShapeError(f"decode returned {0 if tokens is None else len(tokens)} "
+                                      f"tokens for {len(reqs)} requests")
+        except Exception as exc:
+            # it cannot be pinned on one request and the batch state may be broken:
+            # every request of the step is released and retried (or failed)
+            log.error("decode raised on %d request(s): %s", len(reqs), _error(exc))
+            self._release(self.running)
+            outcomes.extend(self._fail(r, exc) for r in self.running)
+            self.running = []
+            self._monitor()
+            return
+        for r, tok in zip(reqs, tokens):
+            self._emit(r, tok, chunks)
+        self._retire(chunks, outcomes, reqs)
+
+    def _retire(self, chunks: list[Chunk], outcomes: list[Outcome], reqs: list[_Request]) -> None:
+        """Finish the requests that ended this step (or reached their max_tokens)."""
+        done = []
+        live = {id(r) for r in self.running}
+        for r in reqs:
+            if id(r) not in live:
+                continue
+            g = r.gen
+            if not g.finished and g.max_tokens and len(g.tokens) >= g.max_tokens:
+                g.finish()
+            if g.finished:
+                done.append(r)
+        if not done:
+            return
+        ids = {id(r) for r in done}
+        self.running = [r for r in self.running if id(r) not in ids]
+        for r in done:
+            self._finish(r, outcomes)
+        self._release(done)
+        self._monitor()
