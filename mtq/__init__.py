@@ -30,7 +30,7 @@ from mtq.group import Group
 from mtq.replies import Event
 from mtq.settings import QueueSettings, RedisSettings
 from mtq.workers.generator import Generation, Generator
-from mtq.workers.model import Model
+from mtq.workers.model import Model, Progress
 
 __version__ = "0.1.0"
 
@@ -53,6 +53,7 @@ __all__ = [
     "PayloadError",
     "PayloadTooLarge",
     "PermanentError",
+    "Progress",
     "Queue",
     "QueueFull",
     "QueueSettings",

@@ -27,6 +27,7 @@ EXPECTED_ALL = [
     "PayloadError",
     "PayloadTooLarge",
     "PermanentError",
+    "Progress",
     "Queue",
     "QueueFull",
     "QueueSettings",
