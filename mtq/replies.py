@@ -98,11 +98,12 @@ def decode_message(data: bytes) -> tuple[str, float, list[tuple[str, Event]]]:
     elif kind == "done":
         for i in range(0, len(items), 3):
             tid, status, value = items[i].decode(), items[i + 1].decode(), items[i + 2]
+            result: Any
             if status == "succeeded":
-                data = FETCH if value is False else serialization.loads(value)
+                result = FETCH if value is False else serialization.loads(value)
             else:
-                data = value.decode(errors="replace") if value else None
-            out.append((tid, Event(status, tid, data, ts=ts)))
+                result = value.decode(errors="replace") if value else None
+            out.append((tid, Event(status, tid, result, ts=ts)))
     elif kind == "started":
         for i in range(0, len(items), 2):
             tid = items[i].decode()

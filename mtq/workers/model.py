@@ -11,7 +11,7 @@ the worker process only when torch is installed (see :mod:`mtq.workers.devices`)
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -84,15 +84,15 @@ class FunctionModel(Model):
     def __init__(self, func: Callable[[Any], Any]) -> None:
         self.func = func
         if inspect.isgeneratorfunction(func):  # a streaming handler: chunks, then a result
-            self.predict = self._stream  # type: ignore[method-assign]
+            self.predict = self._stream  # type: ignore[method-assign,assignment]
 
     def predict(self, batch: list[Any]) -> list[Any]:
         return [self.func(p) for p in batch]
 
-    def _stream(self, batch: list[Any]) -> Iterator[Any]:
-        results = []
+    def _stream(self, batch: list[Any]) -> Generator[tuple[int, Any], None, list[Any]]:
+        results: list[Any] = []
         for i, p in enumerate(batch):
-            chunks = []
+            chunks: list[Any] = []
             gen = self.func(p)
             while True:
                 try:
@@ -110,6 +110,6 @@ class FunctionModel(Model):
         return (f"{getattr(self.func, '__module__', '?')}.{name}", str(self.version))
 
 
-def is_per_item(model: Model) -> bool:
+def is_per_item(model: object) -> bool:
     """True if the worker should call ``predict`` one payload at a time."""
     return bool(getattr(model, "per_item", False))

@@ -301,7 +301,7 @@ class Worker:
                 self.monitor.idle()
 
         if per_item:  # one call per payload; each outcome leaves as soon as it exists
-            done = [o for o in outcomes if o is not None]
+            done: list[Outcome | Chunk] = [o for o in outcomes if o is not None]
             if done:
                 self._outbox.put(done)
             for j, i in enumerate(index):
