@@ -39,6 +39,8 @@ class BatchSlot:
         self.paused = False
         self.closed = False
         self._kicked = False
+        #: places taken by tasks already out of the slot (a generator's running batch)
+        self._reserved = 0
 
     def configure(self, max_batch_size: int, max_wait_ms: float) -> None:
         """New limits (after a reload)."""
@@ -61,10 +63,20 @@ class BatchSlot:
         """Block until the slot has room and is not paused; returns how many tasks to
         claim, or 0 once the slot is closed."""
         with self.cond:
-            while not self.closed and (self.paused or
-                                       len(self._pending) >= self.max_batch_size):
+            while not self.closed and (self.paused or len(self._pending) + self._reserved
+                                       >= self.max_batch_size):
                 self.cond.wait()
-            return 0 if self.closed else self.max_batch_size - len(self._pending)
+            return 0 if self.closed else \
+                self.max_batch_size - len(self._pending) - self._reserved
+
+    def reserve(self, n: int) -> None:
+        """``n`` places are held by tasks that left the slot but still count against
+        its size (the generator's running batch): the fetcher claims only into the
+        room that is left, so idle workers get the rest."""
+        with self.cond:
+            if n < self._reserved:
+                self.cond.notify_all()
+            self._reserved = n
 
     def put(self, tasks: Sequence[Claimed], claimed_at: float) -> list[Claimed]:
         """Add claimed tasks; returns those refused (the slot is paused or closed),

@@ -103,15 +103,17 @@ class GenerationEngine:
         while True:
             self._drop_aborted()
             reload_due = w._reload
+            if (closed or reload_due) and self.waiting:  # admitted, never started
+                w._give_back([r.task for r in self.waiting])
+                self.waiting.clear()
             if not closed and not reload_due:
                 idle = not self.running and not self.waiting
                 limit = self._room() if (self.model.continuous or idle) else 0
                 tasks = w.slot.take_now(limit, block=idle)
                 if tasks is None:  # stopping: finish what runs, give back the rest
                     closed = True
-                    w._give_back([r.task for r in self.waiting])
-                    self.waiting.clear()
-                elif tasks:
+                    continue
+                if tasks:
                     self._intake(tasks)
             if not self.running and not self.waiting:
                 self._set_busy(False)
@@ -123,7 +125,9 @@ class GenerationEngine:
             self._set_busy(True)
             start = time.perf_counter()
             predict_before = w.timing["predict_s"]
-            new = self._admit() if not closed and not reload_due else []
+            admitting = not closed and not reload_due and (self.model.continuous
+                                                           or not self.running)
+            new = self._admit() if admitting else []
             chunks: list[Chunk] = []
             outcomes: list[Outcome] = []
             if new:
@@ -142,6 +146,7 @@ class GenerationEngine:
         with w._lock:
             w._busy = busy
             w._current = len(self.running)
+        w.slot.reserve(len(self.running) + len(self.waiting))
 
     def _drop_aborted(self) -> None:
         w = self.w
