@@ -1,9 +1,14 @@
-"""The demo behind ``mtq demo``: real worker processes, many streams, one crash.
+"""The demo behind ``mtq demo``: real worker processes, many streams, one crash,
+then chats streamed token by token.
 
 It starts two worker processes (``mtq worker run mtq.demo:handle``), submits
 tasks over several streams, kills one worker with SIGKILL while it holds a batch,
 and checks the guarantees on the outcome: every task succeeded exactly once, and
 within each stream the tasks ran one after another in submit order.
+
+Then, when torch is installed, :func:`run_chat` serves the reference generator
+(``mtq.reference.gpt:TinyGPT``, continuous batching) and streams simulated users'
+chats: tokens arrive live, each stream's chats in order.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 from mtq.client import Queue, Request, Task
 
 DEMO_QUEUE = "mtq-demo"
+CHAT_QUEUE = "mtq-demo-chat"
 
 
 def handle(payload: dict[str, Any]) -> dict[str, Any]:
@@ -166,3 +172,82 @@ def _check(queue: Queue, handles: list[Task], payloads: list[dict[str, Any]],
     if latencies:
         report.latency_ms_p50 = float(latencies[len(latencies) // 2])
         report.latency_ms_p99 = float(latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))])
+
+
+@dataclass
+class ChatReport:
+    """What the chat part of the demo measured and checked."""
+
+    chats: int = 0
+    users: int = 0
+    succeeded: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    streamed_matches_result: bool = False
+    order_ok: bool = False
+    skipped: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.skipped) or (self.succeeded == self.chats and self.order_ok
+                                      and self.streamed_matches_result)
+
+
+def run_chat(url: str, *, users: int = 6, chats_per_user: int = 4, max_tokens: int = 40,
+             echo: Callable[[str], None] = lambda _: None,
+             progress: Callable[[str], None] = lambda _: None) -> ChatReport:
+    """Serve the reference generator and stream chats of ``users`` users (each its own
+    FIFO stream); ``echo`` receives the first user's tokens live."""
+    import importlib.util
+
+    report = ChatReport(chats=users * chats_per_user, users=users)
+    if importlib.util.find_spec("torch") is None:
+        report.skipped = "torch is not installed (pip install 'mtq[workers]')"
+        return report
+    queue = Queue(CHAT_QUEUE, url, retention_s=600)
+    queue.redis.delete(*queue.broker.keys.script_keys[2:])
+    env = dict(os.environ, MTQ_REDIS_URL=url, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mtq", "worker", "run", "mtq.reference.gpt:TinyGPT",
+         "--queue", CHAT_QUEUE], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        progress(f"started a TinyGPT worker (pid {proc.pid}): continuous batching, KV cache")
+        prompts = ["Hello there", "Tell me a story", "What is a queue?", "Why Redis?"]
+        started = time.perf_counter()
+        chats = [Request({"prompt": prompts[c % len(prompts)], "max_tokens": max_tokens,
+                          "seed": u * 100 + c, "stop_at_eos": False}, stream=f"user-{u}")
+                 for c in range(chats_per_user) for u in range(users)]
+        tasks = queue.submit_many(chats)
+        progress(f"{users} users sent {len(tasks)} chats; user-0's replies stream below")
+        streamed_ok = True
+        for i, t in enumerate(tasks):
+            pieces: list[str] = []
+            live = i % users == 0
+            for ev in t.events(timeout=120):
+                if ev.kind == "token":
+                    pieces.append(ev.data)
+                    if live:
+                        echo(ev.data)
+                elif ev.kind == "succeeded":
+                    report.succeeded += 1
+                    report.tokens += len(ev.data["tokens"])
+                    streamed_ok &= "".join(pieces) == ev.data["text"]
+            if live:
+                echo("\n")
+        report.seconds = time.perf_counter() - started
+        report.streamed_matches_result = streamed_ok
+        infos = [(t.info(), c.stream) for t, c in zip(tasks, chats)]
+        report.order_ok = all(
+            (a.finished or 0) <= (b.started or 0)
+            for u in range(users)
+            for a, b in pairwise([i for i, s in infos if s == f"user-{u}"]))
+        progress("all chats finished; checked order per user and that the streamed "
+                 "text is the result")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return report

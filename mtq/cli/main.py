@@ -299,7 +299,7 @@ def demo(url: str | None, tasks: int, streams: int, workers: int, no_kill: bool)
     """Run worker processes, submit tasks over many streams, kill a worker mid-batch,
     and check that nothing was lost and every stream kept its order."""
     from mtq.broker.connection import resolve_url
-    from mtq.demo import run_demo
+    from mtq.demo import run_chat, run_demo
     from mtq.settings import RedisSettings
 
     try:
@@ -323,7 +323,27 @@ def demo(url: str | None, tasks: int, streams: int, workers: int, no_kill: bool)
     table.add_row("order per stream", "[green]kept[/]" if report.order_ok else f"[red]BROKEN[/] {report.order_errors}")
     table.add_row("nothing lost", "[green]yes[/]" if report.succeeded == report.tasks else "[red]NO[/]")
     console.print(table)
-    sys.exit(0 if report.ok else 1)
+    console.print("[bold]chats[/]: the reference generator (random weights from a fixed "
+                  "seed, so it babbles bytes), tokens streamed live")
+    try:
+        chat = run_chat(resolved, echo=lambda piece: console.print(
+            "".join(c if c.isprintable() or c == "\n" else "·" for c in piece),
+            end="", markup=False, highlight=False),
+                        progress=lambda msg: console.print(f"  • {msg}"))
+    except MtqError as exc:
+        _fail(exc)
+    if chat.skipped:
+        console.print(f"  • skipped: {chat.skipped}")
+    else:
+        table = Table(title="chats", show_header=False)
+        table.add_row("chats", f"{chat.chats} from {chat.users} users, {chat.succeeded} succeeded")
+        table.add_row("tokens", f"{chat.tokens} in {chat.seconds:.2f} s, worker start-up "
+                                "included")
+        table.add_row("order per user", "[green]kept[/]" if chat.order_ok else "[red]BROKEN[/]")
+        table.add_row("streamed text = result", "[green]yes[/]" if chat.streamed_matches_result
+                      else "[red]NO[/]")
+        console.print(table)
+    sys.exit(0 if report.ok and chat.ok else 1)
 
 
 def main() -> None:
