@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
 import redis
 
 from mtq.broker import scripts
@@ -201,10 +202,8 @@ class Broker:
         return self.run(self.nack_call(items))[0]
 
     def emit_call(self, items: Sequence[tuple[str, str, int, bytes]]) -> scripts.Call:
-        args: list[Any] = [len(items)]
-        for item in items:
-            args += item
-        return self._call("emit", args, _codes)
+        # raw strings: the cmsgpack of Redis 6.2 predates the bin types
+        return self._call("emit", [msgpack.packb(items, use_bin_type=False)], _codes)
 
     def emit(self, items: Sequence[tuple[str, str, int, bytes]]) -> list[int]:
         """Stream (id, token, index, encoded data) items; index -1 is a progress

@@ -108,6 +108,8 @@ class GenerationEngine:
                 self.waiting.clear()
             if not closed and not reload_due:
                 idle = not self.running and not self.waiting
+                if idle:  # free the slot's room before sleeping on it
+                    self._set_busy(False)
                 limit = self._room() if (self.model.continuous or idle) else 0
                 tasks = w.slot.take_now(limit, block=idle)
                 if tasks is None:  # stopping: finish what runs, give back the rest
@@ -146,7 +148,9 @@ class GenerationEngine:
         with w._lock:
             w._busy = busy
             w._current = len(self.running)
-        w.slot.reserve(len(self.running) + len(self.waiting))
+        # continuous: claim only into the room the running batch leaves; static: the
+        # next batch gathers in the slot while this one runs
+        w.slot.reserve(len(self.running) + len(self.waiting) if self.model.continuous else 0)
 
     def _drop_aborted(self) -> None:
         w = self.w

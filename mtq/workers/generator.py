@@ -115,6 +115,11 @@ class Generator:
     #: False: static batching (a new batch starts only when the whole previous one
     #: has finished); kept as the baseline the benchmark compares against
     continuous: ClassVar[bool] = True
+    #: the publisher thread sends tokens at most this often (ms): the tokens of the
+    #: steps in between go in one trip. On a CPU with few cores, waking the publisher
+    #: after every short decode step slows the model thread (GIL and scheduling);
+    #: a GPU step (10-30 ms) is longer than this anyway. 0: a trip per step.
+    stream_interval_ms: ClassVar[float] = 2.0
     #: longest one prefill or decode call may run (s); past it the supervisor kills the process
     timeout_s: ClassVar[float | None] = 300.0
     name: ClassVar[str] = ""

@@ -456,8 +456,13 @@ class Worker:
     # -- publisher -----------------------------------------------------------------
     def _publish_loop(self) -> None:
         done = False
+        last = 0.0
         while not done:
             item = self._outbox.get()
+            gap = getattr(self.model, "stream_interval_ms", 0.0) / 1000 - (time.monotonic() - last)
+            if gap > 0 and item is not None:  # let a few decode steps' tokens gather
+                time.sleep(gap)
+            last = time.monotonic()
             batch: list[Outcome | Chunk] = []
             if item is None:
                 done = True
