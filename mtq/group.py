@@ -15,6 +15,7 @@ Callbacks run on the client's callback thread, one at a time, each once per task
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,8 @@ from mtq.replies import CallbackFeed, Event
 
 if TYPE_CHECKING:
     from mtq.client import Queue, Task
+
+log = logging.getLogger(__name__)
 
 
 class Group:
@@ -163,14 +166,16 @@ class Group:
                 return
             self._outcomes[task] = ev
             ok, err = list(self._on_success), list(self._on_error)
-        if ev.kind == "succeeded":
-            for fn in ok:
-                fn(task, ev.data)
-        else:
-            error = _error(task, ev)
-            for fn in err:
-                fn(task, error)
-        self._check_done()
+        try:
+            if ev.kind == "succeeded":
+                for fn in ok:
+                    _call(fn, task, ev.data)
+            else:
+                error = _error(task, ev)
+                for fn in err:
+                    _call(fn, task, error)
+        finally:
+            self._check_done()
 
     def _check_done(self) -> None:
         with self._lock:
@@ -179,7 +184,7 @@ class Group:
             self._done.set()
             fns = list(self._on_done)
         for fn in fns:
-            fn(self)
+            _call(fn, self)
 
     # -- ending ----------------------------------------------------------------------
     def close(self) -> None:
@@ -210,6 +215,13 @@ class Group:
         with self._lock:
             return [e.data if e.kind == "succeeded" else _error(t, e)
                     for t, e in ((t, self._outcomes[t]) for t in self._tasks)]
+
+
+def _call(fn: Callable[..., None], *args: Any) -> None:
+    try:
+        fn(*args)
+    except Exception:  # one bad callback must not stop the others, nor on_done
+        log.exception("a group callback raised")
 
 
 def _error(task: Task, ev: Event) -> TaskFailed:

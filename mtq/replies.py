@@ -136,6 +136,8 @@ class StreamState:
         self.tokens = tokens
         self.next_index = 0
         self.done = False
+        #: server time (s) of the last stored state read: older live events are stale
+        self.since = 0.0
 
     @property
     def tokens_from(self) -> int:
@@ -147,6 +149,7 @@ class StreamState:
         out: list[Event] = []
         if self.done:
             return out
+        self.since = max(self.since, snap.ts)
         if self.tokens:
             for data in snap.tokens:
                 out.append(Event("token", self.task_id, serialization.loads(data),
@@ -176,6 +179,8 @@ class StreamState:
             if ev.data is FETCH:
                 return [], True
             self.done = True
+        elif ev.ts and ev.ts < self.since:  # published before the state we replayed
+            return [], False
         return [ev], False
 
 
@@ -374,8 +379,8 @@ class Hub:
         except (ValueError, TypeError, IndexError, PayloadError, msgpack.UnpackException):
             log.warning("malformed reply message ignored (%d bytes)", len(data))
             return
-        with self._lock:
-            targets = [(self._feeds.get((queue, tid)), ev) for tid, ev in items]
+        with self._lock:  # copies: a reader may close its feed while we deliver
+            targets = [(list(self._feeds.get((queue, tid), ())), ev) for tid, ev in items]
         for feeds, ev in targets:
             if feeds:
                 for f in feeds:
@@ -385,7 +390,9 @@ class Hub:
     def open(self, feed: Feed) -> None:
         """Start delivering the events of ``feed.key`` to it."""
         with self._lock:
-            self._feeds.setdefault(feed.key, []).append(feed)
+            feeds = self._feeds.setdefault(feed.key, [])
+            if feed not in feeds:
+                feeds.append(feed)
 
     def close(self, feed: Feed) -> None:
         """Stop delivering to ``feed``."""
@@ -398,6 +405,24 @@ class Hub:
                     pass
                 if not feeds:
                     del self._feeds[feed.key]
+
+    def close_all(self) -> None:
+        """Stop the listener and callback threads and drop the subscription (a hub
+        for a client that is going away). Waiters still open get no more events."""
+        self._closed = True
+        self.callbacks.put(None)
+        ps = self._pubsub
+        if ps is not None:
+            try:
+                ps.close()
+            except Exception:  # closing a broken connection may raise anything
+                pass
+        for t in (self._thread, self._runner):
+            if t is not None and t is not threading.current_thread():
+                t.join(timeout=2)
+        with _hubs_lock:
+            if _hubs.get(self.client) is self:
+                del _hubs[self.client]
 
     def watching(self) -> int:
         """How many tasks have a feed open (for tests and metrics)."""

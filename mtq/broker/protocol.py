@@ -103,13 +103,16 @@ class Snapshot:
     deliveries: int
     #: encoded tokens from the index asked for, in order
     tokens: list[bytes]
+    #: Redis server time of the read (s)
+    ts: float = 0.0
 
 
 def _parse_watch(raw: list[Any]) -> Snapshot | None:
     if not raw:
         return None
-    status, result, error, deliveries, tokens = raw
-    return Snapshot(_s(status), result or None, _s(error) or None, int(deliveries), list(tokens))
+    status, result, error, deliveries, tokens, now_us = raw
+    return Snapshot(_s(status), result or None, _s(error) or None, int(deliveries), list(tokens),
+                    int(now_us) / 1e6)
 
 
 def _codes(raw: list[Any]) -> list[int]:

@@ -7,11 +7,13 @@ A task carries the reply channel of the client that submitted it; a client that
 waits on a task it did not submit (another process, the CLI) has its own channel
 added here, so one subscription per client serves every task it waits on.
 Returns: {} when there is no such task; else {status, result or '', error or '',
-  deliveries, {data of tokens ARGV[5].. in index order}}.
+  deliveries, {data of tokens ARGV[5].. in index order}, server time in us} (a
+  reader drops live events published before that time: the state includes them).
 ]]
 --@include _lib.lua
 local id, channel, from, cap = ARGV[3], ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
 local tk = K_TASK .. id
+now_ms()
 local f = redis.call('HMGET', tk, 'status', 'result', 'error', 'deliveries', 'reply')
 if not f[1] then return {} end
 local status = f[1]
@@ -31,4 +33,4 @@ if channel ~= '' and not terminal then
 end
 local tokens = {}
 if from >= 0 then tokens = redis.call('LRANGE', K_OUT .. id, from, -1) end
-return {status, f[2] or '', f[3] or '', tonumber(f[4] or '0'), tokens}
+return {status, f[2] or '', f[3] or '', tonumber(f[4] or '0'), tokens, NOW_US}

@@ -1,0 +1,222 @@
+"""Generator targets and the raw decode-rate process for benchmarks/streaming.py.
+
+* :class:`StaticTinyGPT`: the reference TinyGPT with ``continuous = False`` (static
+  batching: a new batch starts only once the whole previous one finished) and
+  ``max_running = 16``; the baseline of the continuous-batching comparison;
+* :class:`ContinuousTinyGPT`: the same with continuous batching;
+* ``python -m benchmarks.gen_targets``: loads TinyGPT once, then for each JSON line
+  ``{"b": B, "steps": n, "prompt": str, "publish": url | null}`` on stdin prints
+  ``{"rate": tokens/s}``: :func:`mtq.reference.gpt.decode_rate`, or with ``publish``
+  the same loop with a thread that streams every step's tokens to Redis as a
+  worker's publisher thread does (:func:`publisher_rate`); :class:`RawDecoder`
+  drives it. The benchmark takes raw rates in turns with the served runs, in a
+  process with the worker's thread settings;
+* ``python -m benchmarks.gen_targets publish PORT N SIZE GAP`` and ``... echo PORT``:
+  the baselines' other process: raw PUBLISH of N messages of SIZE bytes carrying the
+  publish time, one every GAP s (:func:`publish`); a hand-rolled queue worker,
+  BLPOP request -> LPUSH reply (:func:`echo`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from mtq.reference.gpt import TinyGPT, decode_rate
+from mtq.workers.generator import Generation
+
+
+class ContinuousTinyGPT(TinyGPT):
+    """TinyGPT with continuous batching, 16 requests at most.
+
+    Both sides of the comparison compute in float32: the default float64 buys
+    batch-invariant sampling, but on this CPU it makes a step's cost grow almost
+    linearly with its size (16 requests decode only 1.7x faster per token than 4),
+    which hides what batching does on an accelerator; in float32 it is 2.25x.
+    """
+
+    dtype = "float32"
+    max_running = 16
+    max_total_tokens = 16 * 512
+    name = "tinygpt-continuous"
+
+
+class StaticTinyGPT(TinyGPT):
+    """TinyGPT with static batching (the baseline), 16 requests at most, float32."""
+
+    dtype = "float32"
+    max_running = 16
+    max_total_tokens = 16 * 512
+    continuous = False
+    name = "tinygpt-static"
+
+
+def publisher_rate(model: TinyGPT, b: int, steps: int, prompt: str, url: str) -> float:
+    """``decode_rate``'s loop, plus a thread that streams each step's tokens in one
+    ``Consumer.settle`` round trip (emit.lua), taking whatever steps are ready: what
+    the worker's publisher thread does, without the rest of the worker."""
+    import mtq
+    from mtq.broker.consumer import Chunk
+
+    name = f"bench-raw-{os.getpid()}-{time.monotonic_ns()}"
+    consumer = mtq.Consumer(name, url)
+    q = mtq.Queue(name, client=consumer.redis)  # no reply listener: nobody subscribes
+    q.broker.submit(q.prepare([None] * b), f"{name}:reply")
+    tasks = consumer.claim(b)
+    outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
+
+    def publish() -> None:
+        index, done = 0, False
+        while not done:
+            items = [outbox.get()]
+            while True:
+                try:
+                    items.append(outbox.get_nowait())
+                except queue.Empty:
+                    break
+            done = None in items
+            steps_ = [x for x in items if x is not None]
+            consumer.settle([], [Chunk(t, index + k, tok) for k, toks in enumerate(steps_)
+                                 for t, tok in zip(tasks, toks)])
+            index += len(steps_)
+
+    payload = {"prompt": prompt, "max_tokens": steps + 2, "stop_at_eos": False}
+    batch = [Generation(f"rate-{i}", payload, i) for i in range(b)]
+    thread = threading.Thread(target=publish, daemon=True)
+    try:
+        for r in batch:
+            model.admit(r)
+        model.prefill(batch)
+        model.decode(batch)
+        thread.start()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            outbox.put(model.decode(batch))
+        return b * steps / (time.perf_counter() - t0)
+    finally:
+        outbox.put(None)
+        thread.join(30)
+        model.release(batch)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class RawDecoder:
+    """Client of ``python -m benchmarks.gen_targets`` (every wait has a timeout)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gen_targets"], env=env,
+                                     cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.read(120)
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise SystemExit(f"benchmarks.gen_targets gave no answer within {timeout:.0f} s")
+        return dict(json.loads(line))
+
+    def ask(self, b: int, steps: int, prompt: str, publish: str | None = None) -> None:
+        """Start a measurement (answers come back in order, see :meth:`rate`)."""
+        assert self.proc.stdin is not None
+        ask = {"b": b, "steps": steps, "prompt": prompt, "publish": publish}
+        self.proc.stdin.write(json.dumps(ask) + "\n")
+        self.proc.stdin.flush()
+
+    def rate(self, *args: Any, **kwargs: Any) -> float:
+        """With arguments: :meth:`ask`, then wait for its answer; without: the answer
+        to the oldest unanswered :meth:`ask`."""
+        if args or kwargs:
+            self.ask(*args, **kwargs)
+        return float(self.read(120)["rate"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def publish(port: int, n: int, size: int, gap: float) -> None:
+    import redis
+
+    r = redis.Redis(port=port)
+    pad = b"x" * (size - 18)  # 18 bytes: b"%.6f|" % time.time()
+    for _ in range(n):
+        r.publish("bench:pub", b"%.6f|" % time.time() + pad)
+        time.sleep(gap)
+    r.publish("bench:pub", b"stop")
+
+
+def pubsub_latencies(port: int, n: int, size: int, gap: float) -> list[float]:
+    """Milliseconds from raw PUBLISH (by :func:`publish` in another process, its
+    time.time() in the message) to their receipt by a SUBSCRIBE in this thread."""
+    import redis
+
+    sub = redis.Redis(port=port)
+    ps = sub.pubsub()
+    ps.subscribe("bench:pub")
+    ps.get_message(timeout=5)  # the subscribe confirmation
+    out: list[float] = []
+    pub = subprocess.Popen([sys.executable, "-m", "benchmarks.gen_targets", "publish",
+                            str(port), str(n), str(size), str(gap)], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 30 + n * gap * 3
+        while (msg := ps.get_message(timeout=1.0)) is None or msg["data"] != b"stop":
+            if msg is not None and msg["type"] == "message":
+                out.append((time.time() - float(msg["data"].split(b"|", 1)[0])) * 1000)
+            if time.monotonic() > deadline:
+                raise SystemExit("the raw PUBLISH baseline did not finish in time")
+        pub.wait(10)
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.wait(10)
+        ps.close()
+        sub.close()
+    return out
+
+
+def echo(port: int) -> None:
+    import redis
+
+    r = redis.Redis(port=port)
+    while (v := r.blpop(["bench:req"])[1]) != b"stop":  # type: ignore[index]
+        r.lpush("bench:rep", v)
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["publish"]:
+        publish(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+        return 0
+    if sys.argv[1:2] == ["echo"]:
+        echo(int(sys.argv[2]))
+        return 0
+    model = TinyGPT()
+    model.setup("cpu")
+    decode_rate(model, model.max_running, 20)  # allocate the cache, warm up
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        ask = json.loads(line)
+        b, steps, prompt = int(ask["b"]), int(ask["steps"]), str(ask["prompt"])
+        rate = (publisher_rate(model, b, steps, prompt, ask["publish"]) if ask.get("publish")
+                else decode_rate(model, b, steps, prompt=prompt))
+        print(json.dumps({"rate": rate}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
