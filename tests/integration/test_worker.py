@@ -346,10 +346,10 @@ def test_drain_runs_every_task_of_a_stream(qname: str, redis_url: str) -> None:
             claimed_after.set()
         return got
 
-    def settle_after_a_claim(outcomes: Any) -> Any:
+    def settle_after_a_claim(outcomes: Any, chunks: Any = ()) -> Any:
         claimed_after.wait(2)
         ran.clear()
-        return settle(outcomes)
+        return settle(outcomes, chunks)
 
     w.consumer.claim = claim_then_mark  # type: ignore[method-assign]
     w.consumer.settle = settle_after_a_claim  # type: ignore[method-assign]
