@@ -145,8 +145,7 @@ class Run:
 def stream_run(r: redis.Redis, q: mtq.Queue, b: int, max_tokens: int, start: int,
                proc: Proc) -> Run:
     """Submit ``b`` requests at once and read each in its own thread (Task.events)."""
-    # one request asks for a token more, so the batch never ends full (see BUG_NOTE)
-    sizes = [max_tokens] * (b - 1) + [max_tokens + 1]
+    sizes = [max_tokens] * b
     taps: list[tuple[float, bytes]] = []  # time.time() in the listener thread, message
     hub = q.hub
     dispatch = hub._dispatch
@@ -476,20 +475,12 @@ NOTES = [
     "with `Consumer.settle` (gen_targets.publisher_rate). Raw, streaming and served runs are "
     "taken in turns; ratios are per turn.",
     "Continuous vs static: the same 96 payloads (seed 11), one `submit_many` in a group; "
-    "tokens/s = generated tokens / (last success callback - submit). mtq's static mode starts "
-    "a batch with the tasks claimed ahead while the previous one ran, not a full 16.",
+    "tokens/s = generated tokens / (last success callback - submit). Both serve TinyGPT in "
+    "float32 (benchmarks/gen_targets.py says why); static mode gathers the next batch in the "
+    "slot while one runs, so its batches start full.",
     "No-op round trip: `q.submit(payload)` then `task.result()`, one at a time, the worker "
     "idle in BLPOP; blocks of 100 in turns with the hand-rolled queue.",
 ]
-BUG_NOTE = (
-    "mtq bug worked around here (mtq/workers/engine.py, GenerationEngine.run): when the running "
-    "batch empties, the loop blocks in `slot.take_now(limit, block=True)` before "
-    "`_set_busy(False)` calls `slot.reserve(0)`; the reservation still counts the last step's "
-    "requests, so after a step that ran max_running requests which all finished together the "
-    "fetcher sleeps in `wait_space()` and the engine waits for a task: the worker stops "
-    "claiming for good (registry state 'running', held 0). Here one request of each run asks "
-    "for one token more, so that no batch ends full.")
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     quick, docs = cli_args(argv, __doc__, "~40 s")
@@ -524,7 +515,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             wall, share = meter.add(name, mark)
             console.print(f"[dim]{wall:.1f} s (other processes: {share:.0%} of the CPU)[/dim]")
         seconds = time.perf_counter() - started
-        res.notes += [*NOTES, BUG_NOTE, meter.summary()]
+        res.notes += [*NOTES, meter.summary()]
         import torch
 
         info = machine_info(r, str(r.info("memory").get("mem_allocator", "?")))
