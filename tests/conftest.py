@@ -6,9 +6,10 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -112,3 +113,32 @@ def subprocess_env(redis_url: str) -> dict[str, str]:
 
 
 PY = sys.executable
+
+
+class Reader:
+    """Collects what an iterator yields, in a thread of its own (and the error that
+    ended it, if any)."""
+
+    def __init__(self, make: Callable[[], Iterable[Any]]) -> None:
+        self.items: list[Any] = []
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+        def body() -> None:
+            try:
+                for x in make():
+                    self.items.append(x)
+            except BaseException as exc:
+                self.error = exc
+            finally:
+                self.finished.set()
+
+        self.thread = threading.Thread(target=body, name="test-reader", daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 10.0) -> list[Any]:
+        if not self.finished.wait(timeout):
+            pytest.fail(f"the reader did not finish within {timeout}s; it got {self.items!r:.500}")
+        if self.error is not None:
+            raise self.error
+        return self.items

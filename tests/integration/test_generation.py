@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from mtq.workers import control
 from mtq.workers.model import FunctionModel
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import wait_for
+from tests.conftest import Reader, wait_for
 from tests.models import Counter
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,33 +114,6 @@ def client(redis_url: str, r: redis.Redis) -> Iterator[redis.Redis]:
             if conn.get("name") == name_of(c):
                 r.client_kill_filter(_id=conn["id"])
     c.close()
-
-
-class Reader:
-    """Collects what an iterator yields, in a thread of its own."""
-
-    def __init__(self, make: Callable[[], Iterable[Any]]) -> None:
-        self.items: list[Any] = []
-        self.error: BaseException | None = None
-        self.finished = threading.Event()
-
-        def body() -> None:
-            try:
-                for x in make():
-                    self.items.append(x)
-            except BaseException as exc:
-                self.error = exc
-            finally:
-                self.finished.set()
-
-        threading.Thread(target=body, name="test-reader", daemon=True).start()
-
-    def join(self, timeout: float = 10.0) -> list[Any]:
-        if not self.finished.wait(timeout):
-            pytest.fail(f"the reader did not finish within {timeout}s; it got {self.items!r:.500}")
-        if self.error is not None:
-            raise self.error
-        return self.items
 
 
 def snapshot_read(q: mtq.Queue, task_id: str) -> bool:

@@ -26,7 +26,7 @@ from mtq import replies, serialization
 from mtq.broker.codes import Code
 from mtq.broker.consumer import Chunk
 from mtq.settings import QueueSettings
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import Reader, RedisServer, wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,35 +82,6 @@ def client(redis_url: str, r: redis.Redis) -> Iterator[redis.Redis]:
 @pytest.fixture
 def consumer(qname: str, redis_url: str) -> mtq.Consumer:
     return mtq.Consumer(qname, redis_url, settings=FAST)
-
-
-class Reader:
-    """Collects what an iterator yields, in a thread of its own (and the error that
-    ended it, if any)."""
-
-    def __init__(self, make: Callable[[], Iterable[Any]]) -> None:
-        self.items: list[Any] = []
-        self.error: BaseException | None = None
-        self.finished = threading.Event()
-
-        def body() -> None:
-            try:
-                for x in make():
-                    self.items.append(x)
-            except BaseException as exc:
-                self.error = exc
-            finally:
-                self.finished.set()
-
-        self.thread = threading.Thread(target=body, name="test-reader", daemon=True)
-        self.thread.start()
-
-    def join(self, timeout: float = 10.0) -> list[Any]:
-        if not self.finished.wait(timeout):
-            pytest.fail(f"the reader did not finish within {timeout}s; it got {self.items!r:.500}")
-        if self.error is not None:
-            raise self.error
-        return self.items
 
 
 def attach(hub: replies.Hub, start: Callable[[], Reader], feeds: int = 1) -> Reader:
