@@ -155,7 +155,7 @@ class Task:
             raise TaskCancelled(self.id, ev.kind, ev.data)
         raise TaskFailed(self.id, ev.kind, ev.data)
 
-    def _timeout(self, timeout: float | None, state: StreamState) -> ResultTimeout:
+    def _timeout(self, timeout: float | None) -> ResultTimeout:
         try:
             status = self.status()
         except MtqError:
@@ -184,7 +184,7 @@ class Task:
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise self._timeout(timeout, state)
+                        raise self._timeout(timeout)
                     wait = min(wait, remaining)
                 item = feed.get(wait)
                 if item is None or isinstance(item, str):  # quiet for long, or reconnected
@@ -239,7 +239,7 @@ class Task:
                 if deadline is not None:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise await asyncio.to_thread(self._timeout, timeout, state)
+                        raise await asyncio.to_thread(self._timeout, timeout)
                     wait = min(wait, remaining)
                 item = await feed.get(wait)
                 if item is None or isinstance(item, str):

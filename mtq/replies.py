@@ -23,7 +23,6 @@ import logging
 import queue as queue_mod
 import secrets
 import threading
-import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +44,8 @@ log = logging.getLogger(__name__)
 #: longest a feed waits without any event before it re-reads the stored state (a
 #: safety net: reconnects already trigger a re-read)
 RESYNC_S = 10.0
+#: a callback's read of the stored state that failed (Redis unreachable) is retried after this
+RETRY_READ_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +275,7 @@ class Hub:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._pubsub: Any = None
-        self._closed = False
+        self._closed = threading.Event()
         #: subscriptions confirmed again after a reconnect (for tests and metrics)
         self.resyncs = 0
         self.callbacks: queue_mod.SimpleQueue[tuple[CallbackFeed, Event | str] | None] = \
@@ -322,7 +323,7 @@ class Hub:
     def _run(self) -> None:
         delay = 0.1
         ps = None
-        while not self._closed:
+        while not self._closed.is_set():
             try:
                 if ps is None:
                     ps = self._pubsub = self.client.pubsub()
@@ -342,11 +343,11 @@ class Hub:
                 elif kind == "subscribe":
                     self._confirm(channel, ps)
             except (redis.RedisError, OSError) as exc:
-                if self._closed:
+                if self._closed.is_set():
                     return
                 (log.warning if delay == 0.1 else log.debug)(
                     "reply channel lost (%s); reconnecting in %.1f s", exc, delay)
-                time.sleep(delay)
+                self._closed.wait(delay)  # back off; close_all() ends it at once
                 delay = min(delay * 2, 5.0)
                 if isinstance(exc, redis.exceptions.PubSubError):
                     ps = None
@@ -409,7 +410,7 @@ class Hub:
     def close_all(self) -> None:
         """Stop the listener and callback threads and drop the subscription (a hub
         for a client that is going away). Waiters still open get no more events."""
-        self._closed = True
+        self._closed.set()
         self.callbacks.put(None)
         ps = self._pubsub
         if ps is not None:
@@ -497,12 +498,18 @@ def _read_many(feeds: list[CallbackFeed], hub_id: str) -> dict[int, Snapshot | N
     try:
         snaps = scripts.run(feeds[0].task.queue.redis, *calls)
     except BrokerError:
-        log.warning("could not read %d task(s) for their callbacks; retrying", len(feeds),
-                    exc_info=True)
-        time.sleep(0.5)
+        log.warning("could not read %d task(s) for their callbacks; retrying in %g s",
+                    len(feeds), RETRY_READ_S, exc_info=True)
         hub = hub_of(feeds[0].task.queue.redis)
-        for f in feeds:
-            hub.callbacks.put((f, RESYNC))
+
+        def retry() -> None:
+            for f in feeds:
+                hub.callbacks.put((f, RESYNC))
+
+        # later, off the callback thread: the other tasks' callbacks keep running meanwhile
+        timer = threading.Timer(RETRY_READ_S, retry)
+        timer.daemon = True
+        timer.start()
         return {}
     return {id(f): s for f, s in zip(feeds, snaps)}
 

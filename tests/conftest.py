@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 import redis
 
 from mtq.broker.embedded import find_redis_server
+from mtq.workers.worker import Worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -142,3 +144,48 @@ class Reader:
         if self.error is not None:
             raise self.error
         return self.items
+
+
+class Running:
+    """A Worker whose run() is going in a thread."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.totals: dict[str, int] | None = None
+        self.error: BaseException | None = None
+
+        def body() -> None:
+            try:
+                self.totals = worker.run()
+            except BaseException as exc:
+                self.error = exc
+
+        self.thread = threading.Thread(target=body, name="test-worker", daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = 20.0) -> dict[str, int]:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "Worker.run() did not return"
+        if self.error is not None:
+            raise self.error
+        alive = [t.name for t in self.worker._threads if t.is_alive()]
+        assert not alive, f"worker threads still running after run() returned: {alive}"
+        assert self.totals is not None
+        return self.totals
+
+    def stop(self, timeout: float = 20.0) -> dict[str, int]:
+        self.worker.stop()
+        return self.join(timeout)
+
+
+@contextmanager
+def serving(worker: Worker, *gates: threading.Event) -> Iterator[Running]:
+    """Run the worker; on the way out open any gates and stop it (bounded)."""
+    running = Running(worker)
+    try:
+        yield running
+    finally:
+        for g in gates:
+            g.set()
+        if running.thread.is_alive():
+            running.stop()

@@ -90,6 +90,16 @@ class BatchSlot:
             return []
 
     # -- model side -------------------------------------------------------------
+    def _pop_suspect(self) -> Claimed | None:
+        """Take the first suspect out of the slot (it killed a worker before: it runs
+        alone). Call with the lock held."""
+        for i, p in enumerate(self._pending):
+            if p.task.suspect:
+                del self._pending[i]
+                self.cond.notify_all()  # room for the fetcher
+                return p.task
+        return None
+
     def take(self) -> list[Claimed] | None:
         """Block until a batch is due and return it; None once closed; [] after
         :meth:`kick` (the caller has something to do between batches)."""
@@ -102,11 +112,9 @@ class BatchSlot:
                     return []
                 pending = self._pending
                 if pending and not self.paused:
-                    for i, p in enumerate(pending):
-                        if p.task.suspect:  # it killed a worker before: run it alone
-                            del pending[i]
-                            self.cond.notify_all()  # room for the fetcher
-                            return [p.task]
+                    suspect = self._pop_suspect()
+                    if suspect is not None:
+                        return [suspect]
                     b = self.max_batch_size
                     due = min(p.ready_at for p in pending)
                     wait = due - time.monotonic()
@@ -132,11 +140,9 @@ class BatchSlot:
                     return []
                 pending = self._pending
                 if pending and not self.paused and limit > 0:
-                    for i, p in enumerate(pending):
-                        if p.task.suspect:
-                            del pending[i]
-                            self.cond.notify_all()
-                            return [p.task]
+                    suspect = self._pop_suspect()
+                    if suspect is not None:
+                        return [suspect]
                     batch, self._pending = pending[:limit], pending[limit:]
                     self.cond.notify_all()
                     return [p.task for p in batch]

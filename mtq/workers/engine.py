@@ -155,7 +155,7 @@ class GenerationEngine:
     def _drop_aborted(self) -> None:
         w = self.w
         with w._lock:
-            cancel = {i for i in w._cancel}
+            cancel = set(w._cancel)
             lost = set(w._lost)
             w._lost.clear()
         if not cancel and not lost:

@@ -11,10 +11,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,7 @@ from mtq.workers import control
 from mtq.workers.model import FunctionModel
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import Reader, wait_for
+from tests.conftest import Reader, serving, wait_for
 from tests.models import Counter
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,46 +36,7 @@ pytestmark = pytest.mark.timeout(60)
 FAST = QueueSettings(lease_ms=1500, retry_backoff_ms=0)
 
 
-# -- helpers (as in test_worker.py / test_streaming.py) ---------------------------------
-class Running:
-    """A Worker whose run() is going in a thread."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.worker = worker
-        self.totals: dict[str, int] | None = None
-        self.error: BaseException | None = None
-
-        def body() -> None:
-            try:
-                self.totals = worker.run()
-            except BaseException as exc:
-                self.error = exc
-
-        self.thread = threading.Thread(target=body, name="test-worker", daemon=True)
-        self.thread.start()
-
-    def stop(self, timeout: float = 20.0) -> dict[str, int]:
-        self.worker.stop()
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "Worker.run() did not return"
-        if self.error is not None:
-            raise self.error
-        assert self.totals is not None
-        return self.totals
-
-
-@contextmanager
-def serving(worker: Worker, *gates: threading.Event) -> Iterator[Running]:
-    """Run the worker; on the way out open any gates and stop it (bounded)."""
-    running = Running(worker)
-    try:
-        yield running
-    finally:
-        for g in gates:
-            g.set()
-        if running.thread.is_alive():
-            running.stop()
-
+# -- helpers ---------------------------------------------------------------------------------
 
 def make_worker(model: Any, qname: str, url: str, settings: QueueSettings | None = None,
                 **kw: Any) -> Worker:
@@ -107,12 +66,8 @@ def client(redis_url: str, r: redis.Redis) -> Iterator[redis.Redis]:
     c = redis.Redis.from_url(redis_url, client_name="mtqtest-" + uuid.uuid4().hex[:10])
     yield c
     hub = replies._hubs.get(c)
-    if hub is not None:  # mtq has no public Hub.close()
-        hub._closed = True
-        hub.callbacks.put(None)
-        for conn in r.client_list(_type="pubsub"):
-            if conn.get("name") == name_of(c):
-                r.client_kill_filter(_id=conn["id"])
+    if hub is not None:
+        hub.close_all()
     c.close()
 
 

@@ -53,19 +53,11 @@ def pubsub_conns(admin: redis.Redis, name: str) -> list[dict[str, Any]]:
 
 
 def close_hub(client: redis.Redis, admin: redis.Redis) -> None:
-    """Stop the reply hub of ``client`` (its listener and callback threads).
-
-    mtq has no public Hub.close(): a hub lives as long as the process. A test that
-    made a client of its own stops the hub's threads here so they do not outlive it.
-    """
+    """Stop the reply hub of ``client`` (a hub otherwise lives as long as the process):
+    a test that made a client of its own stops the hub's threads so they do not outlive it."""
     hub = replies._hubs.get(client)
     if hub is not None:
-        hub._closed = True
-        hub.callbacks.put(None)
-        for c in pubsub_conns(admin, name_of(client)):
-            admin.client_kill_filter(_id=c["id"])
-        if hub._thread is not None:
-            hub._thread.join(5)
+        hub.close_all()
     client.close()
 
 
