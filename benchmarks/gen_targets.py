@@ -8,7 +8,8 @@
   ``{"b": B, "steps": n, "prompt": str, "publish": url | null}`` on stdin prints
   ``{"rate": tokens/s}``: :func:`mtq.reference.gpt.decode_rate`, or with ``publish``
   the same loop with a thread that streams every step's tokens to Redis as a
-  worker's publisher thread does (:func:`publisher_rate`); :class:`RawDecoder`
+  worker's publisher thread does (:func:`publisher_rate`; a generator's worker
+  now publishes from its outlet process instead, and this is what that replaced); :class:`RawDecoder`
   drives it. The benchmark takes raw rates in turns with the served runs, in a
   process with the worker's thread settings;
 * ``python -m benchmarks.gen_targets publish PORT N SIZE GAP`` and ``... echo PORT``:
@@ -62,7 +63,7 @@ class StaticTinyGPT(TinyGPT):
 def publisher_rate(model: TinyGPT, b: int, steps: int, prompt: str, url: str) -> float:
     """``decode_rate``'s loop, plus a thread that streams each step's tokens in one
     ``Consumer.settle`` round trip (emit.lua), taking whatever steps are ready: what
-    the worker's publisher thread does, without the rest of the worker."""
+    a worker's publisher thread does, without the rest of the worker."""
     import mtq
     from mtq.broker.consumer import Chunk
 

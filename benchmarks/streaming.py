@@ -274,8 +274,9 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
         res.add(f"raw decode_rate(TinyGPT, {b}, {steps}), 1 thread", raw_rate, "tokens/s",
                 f"baseline; {b / raw_rate * 1000:.2f} ms/step; {runs_of(raws[b])}")
         res.add("  the same loop + a thread streaming each step (emit.lua)", pub, "tokens/s",
-                f"{median([p / rw for p, rw in zip(pubs[b], raws[b])]):.1%} of raw: the "
-                f"worker's publisher alone, no worker around it; {runs_of(pubs[b])}")
+                f"{median([p / rw for p, rw in zip(pubs[b], raws[b])]):.1%} of raw: a "
+                "publisher thread in the model's process, the design the outlet process "
+                f"replaced; {runs_of(pubs[b])}")
         res.add(f"delivered to {b} reader threads", rate, "tokens/s",
                 f"{k:.1%} of raw (paired, {min(ratios):.0%}-{max(ratios):.0%}); publish clock "
                 f"{median([x.rate_pub for x in runs[b]]):,.0f}/s; "
@@ -472,8 +473,9 @@ NOTES = [
     "request's last token. Raw: `decode_rate(TinyGPT(), B, 279)` with the prompt padded by 19 "
     "bytes, so its timed steps run at the window's cache positions (a step's cost grows with "
     "position); 'streaming thread': the same loop plus a thread that sends each step's tokens "
-    "with `Consumer.settle` (gen_targets.publisher_rate). Raw, streaming and served runs are "
-    "taken in turns; ratios are per turn.",
+    "with `Consumer.settle` (gen_targets.publisher_rate), what a worker did before its "
+    "tokens went to an outlet process (mtq/workers/outlet.py; docs/streaming.md says why). "
+    "Raw, streaming and served runs are taken in turns; ratios are per turn.",
     "Continuous vs static: the same 96 payloads (seed 11), one `submit_many` in a group; "
     "tokens/s = generated tokens / (last success callback - submit). Both serve TinyGPT in "
     "float32 (benchmarks/gen_targets.py says why); static mode gathers the next batch in the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from urllib.parse import quote
 
 import redis
 
@@ -65,3 +66,25 @@ def connect(url: str | None = None, settings: RedisSettings | None = None) -> re
                 raise BrokerError(f"invalid Redis URL {resolved!r}: {exc}") from exc
             _clients[key] = client
         return client
+
+
+def client_url(client: redis.Redis) -> str | None:
+    """A URL that reaches the same server and database as ``client``, for another
+    process; None when its connection cannot be described by one (TLS options, a
+    custom connection class)."""
+    with _lock:
+        for (url, _), c in _clients.items():
+            if c is client:
+                return url
+    pool = client.connection_pool
+    kw = pool.connection_kwargs
+    user, password = kw.get("username"), kw.get("password")
+    auth = ""
+    if password is not None:
+        auth = f"{quote(user or '', safe='')}:{quote(str(password), safe='')}@"
+    db = int(kw.get("db") or 0)
+    if pool.connection_class is redis.UnixDomainSocketConnection:
+        return f"unix://{auth}{kw['path']}?db={db}"
+    if pool.connection_class is redis.Connection:
+        return f"redis://{auth}{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{db}"
+    return None

@@ -44,6 +44,19 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """A result or chunk value already encoded with :func:`mtq.serialization.dumps`
+    (by the worker process, before it crossed to its outlet process)."""
+
+    data: bytes
+
+
+def encode(value: Any) -> bytes:
+    """``value`` as stored bytes (an :class:`Encoded` is passed through)."""
+    return value.data if isinstance(value, Encoded) else serialization.dumps(value)
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How one claimed task ended in the handler."""
@@ -148,7 +161,7 @@ class Consumer:
             t = o.task
             if o.ok:
                 try:
-                    acks.append((t.id, t.token, serialization.dumps(o.value)))
+                    acks.append((t.id, t.token, encode(o.value)))
                     continue
                 except Exception as exc:  # PayloadError, or anything a tensor's .cpu() raises
                     o = Outcome(t, ok=False, error=f"{type(exc).__name__}: {exc}",
@@ -200,7 +213,7 @@ class Consumer:
             if t.id in bad:
                 continue
             try:
-                items.append((t.id, t.token, c.index, serialization.dumps(c.value)))
+                items.append((t.id, t.token, c.index, encode(c.value)))
             except Exception as exc:  # an unencodable token fails its task, no other
                 bad.add(t.id)
                 failed.append(Outcome(t, ok=False, retryable=False,

@@ -10,8 +10,9 @@ As in an LLM scheduler (the pymllm seed), each turn of the loop:
    request fails alone);
 4. runs one decode step for every running request;
 5. hands the new tokens, and the outcome of each request that finished, to the
-   publisher thread, which streams and acknowledges them: the model thread never
-   waits on Redis.
+   worker's outlet process (:mod:`mtq.workers.outlet`), which streams and
+   acknowledges them: the model thread never waits on Redis, and never shares
+   the GIL with a Redis client.
 
 When nothing runs and nothing is claimed, it blocks on the batch slot (a
 condition variable) until the fetcher puts a task there: no spinning.
@@ -67,7 +68,7 @@ class GenerationEngine:
 
     def _send(self, chunks: list[Chunk], outcomes: list[Outcome]) -> None:
         if chunks or outcomes:
-            self.w._outbox.put([*chunks, *outcomes])
+            self.w._publish([*chunks, *outcomes])
 
     def _release(self, reqs: list[_Request]) -> None:
         if not reqs:

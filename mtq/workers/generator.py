@@ -115,11 +115,13 @@ class Generator:
     #: False: static batching (a new batch starts only when the whole previous one
     #: has finished); kept as the baseline the benchmark compares against
     continuous: ClassVar[bool] = True
-    #: the publisher thread sends tokens at most this often (ms): the tokens of the
-    #: steps in between go in one trip. On a CPU with few cores, waking the publisher
-    #: after every short decode step slows the model thread (GIL and scheduling);
+    #: the publisher sends tokens at most this often (ms): the tokens of the steps
+    #: in between go in one Redis trip (fewer trips, fewer wake-ups on a busy host);
     #: a GPU step (10-30 ms) is longer than this anyway. 0: a trip per step.
     stream_interval_ms: ClassVar[float] = 2.0
+    #: publish from a process of its own (mtq.workers.outlet), so that Redis trips
+    #: never take the GIL from the model thread; False: from a thread of the worker
+    outlet: ClassVar[bool] = True
     #: longest one prefill or decode call may run (s); past it the supervisor kills the process
     timeout_s: ClassVar[float | None] = 300.0
     name: ClassVar[str] = ""

@@ -10,7 +10,9 @@ Threads, each with one job:
   one batch claimed ahead while the model runs; sleeps on the wake list (BLPOP)
   when there is nothing to claim.
 * **publisher**: settles outcomes (acks with results, retries, failures) in one
-  pipelined round trip for everything that finished since its last trip.
+  pipelined round trip for everything that finished since its last trip. A
+  :class:`~mtq.workers.generator.Generator` publishes from a process of its own
+  instead (:mod:`mtq.workers.outlet`); the thread is its fallback.
 * **heartbeat**: extends the leases of every task this process holds, reports to
   the worker registry, picks up cancel requests, and runs the reaper on a schedule.
 
@@ -34,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtq import serialization
+from mtq.broker.connection import client_url
 from mtq.broker.consumer import OUTCOME_COUNTERS, Chunk, Consumer, Outcome, SettleReport
 from mtq.broker.protocol import Claimed
 from mtq.errors import MtqError, PayloadError, PermanentError, TargetError
@@ -42,6 +45,7 @@ from mtq.workers import devices, registry
 from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
 from mtq.workers.generator import Generator
 from mtq.workers.model import Progress, is_per_item
+from mtq.workers.outlet import Outlet
 from mtq.workers.target import BatchPolicy, Target, load_model
 
 log = logging.getLogger(__name__)
@@ -112,6 +116,8 @@ class Worker:
         self._lost: set[str] = set()
         self._outbox: queue_mod.SimpleQueue[list[Outcome | Chunk] | None] = \
             queue_mod.SimpleQueue()
+        #: a generator's publisher process (see mtq.workers.outlet); None: the thread
+        self._outlet: Outlet | None = None
         self._stop = threading.Event()
         self._draining = False
         self._reload = False
@@ -193,7 +199,7 @@ class Worker:
             return
         dropped = self.slot.remove(mine, tokens)
         if dropped:
-            self._outbox.put([Outcome(t, ok=False, cancelled=True) for t in dropped])
+            self._publish([Outcome(t, ok=False, cancelled=True) for t in dropped])
 
     def stop(self) -> None:
         """Graceful stop: finish the running batch, give back what was claimed ahead."""
@@ -207,6 +213,7 @@ class Worker:
         """Serve until stopped (or drained). Returns the totals."""
         if self.device is None:
             self.setup()
+        self._start_outlet()
         for name, fn in (("fetcher", self._fetch_loop), ("publisher", self._publish_loop),
                          ("heartbeat", self._heartbeat_loop)):
             t = threading.Thread(target=fn, name=f"mtq-{name}", daemon=True)
@@ -218,6 +225,8 @@ class Worker:
             self.stop()
             for t in self._threads[:1]:  # the fetcher may hold a claim in flight
                 t.join(timeout=10)
+            if self._outlet is not None:
+                self._outlet.close()
             self._outbox.put(None)
             self._threads[1].join(timeout=30)
             self._beat_stop.set()
@@ -228,6 +237,29 @@ class Worker:
             except MtqError:
                 log.warning("could not leave the worker registry", exc_info=True)
         return dict(self.totals)
+
+    def _start_outlet(self) -> None:
+        """A generator publishes from a process of its own (mtq.workers.outlet) unless
+        it sets ``outlet = False`` or its Redis connection cannot be named by a URL."""
+        if not isinstance(self.model, Generator) or not getattr(self.model, "outlet", True):
+            return
+        url = client_url(self.consumer.redis)
+        if url is None:
+            log.info("the Redis connection has no URL form; publishing from a thread")
+            return
+        outlet = Outlet(self, url, getattr(self.model, "stream_interval_ms", 0.0))
+        try:
+            outlet.start()
+        except OSError:
+            log.warning("could not start the outlet process; publishing from a thread",
+                        exc_info=True)
+            return
+        self._outlet = outlet
+
+    def _publish(self, items: list[Outcome | Chunk]) -> None:
+        """Hand outcomes and chunks to the outlet process, or the publisher thread."""
+        if self._outlet is None or not self._outlet.put(items):
+            self._outbox.put(items)
 
     # -- model thread --------------------------------------------------------------
     def _model_loop(self) -> None:
@@ -303,15 +335,15 @@ class Worker:
         if per_item:  # one call per payload; each outcome leaves as soon as it exists
             done: list[Outcome | Chunk] = [o for o in outcomes if o is not None]
             if done:
-                self._outbox.put(done)
+                self._publish(done)
             for j, i in enumerate(index):
                 r = run_isolated(functools.partial(self._call_one, call, j), 1)[0]
-                self._outbox.put([self._outcome(batch[i], r)])
+                self._publish([self._outcome(batch[i], r)])
         else:
             results = run_isolated(call, len(payloads))
             for i, r in zip(index, results):
                 outcomes[i] = self._outcome(batch[i], r)
-            self._outbox.put([o for o in outcomes if o is not None])
+            self._publish([o for o in outcomes if o is not None])
         self.timing["predict_s"] += in_predict
         self.timing["overhead_s"] += time.perf_counter() - start - in_predict
 
@@ -332,10 +364,10 @@ class Worker:
                                       f"with an index in 0..{len(tasks) - 1}, got {item!r:.80}")
             i, value = item
             if isinstance(value, Progress):
-                self._outbox.put([Chunk(tasks[i], -1, value.value)])
+                self._publish([Chunk(tasks[i], -1, value.value)])
                 continue
             chunks[i].append(value)
-            self._outbox.put([Chunk(tasks[i], counters[i], value)])
+            self._publish([Chunk(tasks[i], counters[i], value)])
             counters[i] += 1
 
     @staticmethod
@@ -556,7 +588,7 @@ class Worker:
                 self._cancel.update(cancel)
             dropped = self.slot.remove(set(cancel), tokens)
             if dropped:  # not started: settle them as cancelled now
-                self._outbox.put([Outcome(t, ok=False, cancelled=True) for t in dropped])
+                self._publish([Outcome(t, ok=False, cancelled=True) for t in dropped])
         if lost:
             self._forget([t.id for t in self.slot.remove(set(lost), tokens)])
             with self._lock:  # a generator stops generating the ones it runs

@@ -436,6 +436,8 @@ def test_worker_killed_mid_generation_resumes_the_stream(
         for ev in t.events(timeout=60):
             events.append(ev)
             if ev.kind == "token" and ev.index == 9:
+                outlets = outlet_children(first["pid"])
+                assert len(outlets) == 1, "the worker has no outlet process"
                 os.kill(first["pid"], signal.SIGKILL)
         kinds = [e.kind for e in events]
         assert kinds[-1] == "succeeded", kinds
@@ -452,12 +454,107 @@ def test_worker_killed_mid_generation_resumes_the_stream(
         info = t.info()
         assert (info.deliveries, info.status) == (2, "succeeded")
         assert "died (exit code -9)" in " ".join(output().split())
+        # its outlet read end-of-file and left too: no process outlives a worker
+        wait_for(lambda: not any(_alive(p) for p in outlets), 10,
+                 "the dead worker's outlet process is still running")
     finally:
         try:
             os.killpg(sup.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         sup.wait(10)
+
+
+# -- the outlet process --------------------------------------------------------------
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def outlet_children(parent: int) -> list[int]:
+    """Live (not zombie) ``mtq.workers.outlet`` processes whose parent is ``parent``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if b"mtq.workers.outlet" in cmd and fields[0] != "Z" and int(fields[1]) == parent:
+            found.append(int(d.name))
+    return found
+
+
+def test_a_generator_publishes_through_its_outlet_process(
+        qname: str, redis_url: str, client: redis.Redis) -> None:
+    q = mtq.Queue(qname, client=client, settings=FAST)
+    w = make_worker(Counter(), qname, redis_url)
+    with serving(w) as run:
+        t = q.submit({"n": 30, "start": 5})
+        assert list(t.tokens(timeout=10)) == list(range(5, 35))
+        outlet = w._outlet
+        assert outlet is not None and outlet.proc is not None and not outlet.dead
+        assert outlet.proc.poll() is None
+        totals = run.stop()
+    assert outlet.proc.returncode == 0  # it settled everything and said goodbye
+    assert (totals["succeeded"], totals["tokens"]) == (1, 30)
+    assert t.info().status == "succeeded"
+
+
+def test_outlet_killed_mid_generation_the_stream_restarts_and_the_worker_goes_on(
+        qname: str, redis_url: str, client: redis.Redis,
+        caplog: pytest.LogCaptureFixture) -> None:
+    q = mtq.Queue(qname, client=client, settings=FAST)
+    w = make_worker(Counter(), qname, redis_url)
+    with serving(w) as run:
+        t = q.submit({"n": 60, "step_ms": 15})
+        events: list[mtq.Event] = []
+        killed = None
+        for ev in t.events(timeout=30):
+            events.append(ev)
+            if ev.kind == "token" and ev.index == 9 and killed is None:
+                assert w._outlet is not None and w._outlet.proc is not None
+                killed = w._outlet.proc.pid
+                os.kill(killed, signal.SIGKILL)
+        kinds = [e.kind for e in events]
+        assert kinds[-1] == "succeeded", kinds
+        assert kinds.count("restarted") == 1, kinds
+        assert tokens_of(events) == list(range(60))  # each index once, in order
+        assert t.result(timeout=5)["tokens"] == list(range(60))
+        assert t.info().deliveries == 2
+        assert w._outlet.dead
+        # the worker settles through its publisher thread from now on
+        later = q.submit({"n": 5, "start": 100})
+        assert list(later.tokens(timeout=10)) == [100, 101, 102, 103, 104]
+        assert later.result(timeout=5)["tokens"] == [100, 101, 102, 103, 104]
+        run.stop()
+    assert "the outlet process died (exit code -9)" in caplog.text
+
+
+def test_bad_token_through_the_outlet_fails_its_task_alone(
+        qname: str, redis_url: str, client: redis.Redis) -> None:
+    class Unencodable(Counter):
+        def decode(self, requests: list[mtq.Generation]) -> list[Any]:
+            toks = super().decode(requests)
+            return [object() if r.payload.get("poison") == len(r.tokens) else tok
+                    for r, tok in zip(requests, toks)]
+
+    q = mtq.Queue(qname, client=client, settings=FAST)
+    bad, good = q.submit_many([{"n": 20, "poison": 3, "step_ms": 5}, {"n": 20, "step_ms": 5}])
+    w = make_worker(Unencodable(), qname, redis_url)
+    with serving(w) as run:
+        assert good.result(timeout=10)["tokens"] == list(range(20))
+        with pytest.raises(mtq.TaskFailed, match="token 3"):
+            bad.result(timeout=10)
+        assert tokens_of(list(bad.events(timeout=5))) == [0, 1, 2]  # before the bad one
+        run.stop()
+    assert bad.info().status == "failed"
+    assert w._outlet is not None and not w._outlet.dead
 
 
 # -- 7. seeds --------------------------------------------------------------------------

@@ -1,0 +1,359 @@
+"""The outlet: a worker's publisher in a process of its own.
+
+A generator streams every decode step: with the publisher as a thread of the
+worker process, each Redis trip (encode the call, send, parse the reply; about
+0.1 ms of Python) takes the GIL from the model thread and hands it back, and on a
+small host that costs the model 10-15 % of its decode rate. So, as vLLM moved
+output processing out of its engine process, a worker serving a
+:class:`~mtq.workers.generator.Generator` hands its tokens and outcomes, already
+encoded, through a pipe to ``python -m mtq.workers.outlet``, which streams,
+acknowledges and retries them exactly as the publisher thread would (the same
+:meth:`Consumer.settle <mtq.broker.consumer.Consumer.settle>`, fenced by the same
+lease tokens). The model thread's cost per step is one ``msgpack.packb`` and one
+``os.write``.
+
+The outlet answers with what each trip settled (counters, lost leases, streams to
+stop), read by a thread of the worker that never blocks the model. Ordering and
+guarantees do not change: a task is forgotten by the worker (its lease no longer
+extended) only once the outlet reports it settled or given up.
+
+Faults:
+
+* the worker dies: the outlet reads end-of-file, settles what it already has and
+  exits; the rest is redelivered when its leases expire, as for any dead worker;
+* the outlet dies: the worker logs it, forgets the outcomes it had sent and not
+  seen settled and stops the generations it runs (their streams may have holes),
+  so their leases expire and they run again with a ``restarted`` event; it then
+  settles through its publisher thread for the rest of its life;
+* SIGINT / SIGTERM aimed at the process group are ignored here: the outlet ends
+  when its worker closes the pipe, after the worker's graceful stop.
+
+Wire format, msgpack over two pipes: worker -> outlet ``["hello", {...}]`` then
+``["settle", chunks, outcomes]`` ... ``["end"]``; outlet -> worker ``["report",
+{...}]`` ... ``["bye"]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from mtq.broker.consumer import (
+    OUTCOME_COUNTERS,
+    Chunk,
+    Consumer,
+    Encoded,
+    Outcome,
+    SettleReport,
+    encode,
+)
+from mtq.broker.protocol import Claimed
+from mtq.errors import MtqError
+from mtq.settings import QueueSettings
+
+if TYPE_CHECKING:
+    from mtq.workers.worker import Worker
+
+log = logging.getLogger(__name__)
+
+#: the outlet reports tokens streamed at least this often when no task finishes
+REPORT_EVERY_S = 1.0
+#: how long a stopping outlet keeps retrying while Redis is unreachable
+GIVE_UP_AFTER_S = 10.0
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _messages(fd: int) -> Any:
+    """Yield the msgpack messages read from ``fd`` until end-of-file."""
+    unpacker = msgpack.Unpacker(raw=False)
+    while True:
+        data = os.read(fd, 1 << 16)
+        if not data:
+            return
+        unpacker.feed(data)
+        yield from unpacker
+
+
+# -- worker side -----------------------------------------------------------------
+class Outlet:
+    """The worker's handle on its outlet process (see the module docstring)."""
+
+    def __init__(self, worker: Worker, url: str, interval_ms: float = 0.0) -> None:
+        self.w = worker
+        self.url = url
+        self.interval_ms = interval_ms
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.dead = False
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()  # outcomes sent, not yet reported settled
+        self._out = -1
+        self._in = -1
+        self._bye = threading.Event()
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> None:
+        to_r, to_w = os.pipe()
+        from_r, from_w = os.pipe()
+        env = dict(os.environ)
+        root = str(Path(__file__).resolve().parent.parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "mtq.workers.outlet", str(to_r), str(from_w)],
+                pass_fds=(to_r, from_w), stdin=subprocess.DEVNULL, env=env)
+        finally:
+            os.close(to_r)
+            os.close(from_w)
+        self._out, self._in = to_w, from_r
+        c = self.w.consumer
+        _write_all(self._out, msgpack.packb(["hello", {
+            "url": self.url, "queue": c.queue, "worker_id": c.worker_id,
+            "settings": dataclasses.asdict(c.settings), "interval_ms": self.interval_ms}]))
+        self._reader = threading.Thread(target=self._read_loop, name="mtq-outlet-reader",
+                                        daemon=True)
+        self._reader.start()
+
+    def put(self, items: Sequence[Outcome | Chunk]) -> bool:
+        """Encode ``items`` here and send them; False if the outlet is gone (the
+        caller settles them another way)."""
+        if self.dead:
+            return False
+        chunks: list[list[Any]] = []
+        outcomes: list[list[Any]] = []
+        bad: set[str] = set()
+        for x in items:
+            t = x.task
+            if isinstance(x, Chunk):
+                if t.id in bad:
+                    continue
+                try:
+                    chunks.append([t.id, t.token, x.index, encode(x.value)])
+                except Exception as exc:  # an unencodable token fails its task alone
+                    bad.add(t.id)
+                    outcomes.append(self._row(t, False, None, f"{type(exc).__name__}: token "
+                                              f"{x.index}: {exc}", False, False))
+                continue
+            if t.id in bad:
+                continue
+            if x.ok:
+                try:
+                    outcomes.append(self._row(t, True, encode(x.value), None, True, False))
+                    continue
+                except Exception as exc:  # PayloadError, or anything a tensor's .cpu() raises
+                    x = Outcome(t, ok=False, error=f"{type(exc).__name__}: {exc}",
+                                retryable=False)
+            outcomes.append(self._row(t, False, None, x.error, x.retryable, x.cancelled))
+        if bad:
+            with self.w._lock:  # a generator stops generating them
+                self.w._lost.update(i for i in bad if i in self.w._held)
+        data = msgpack.packb(["settle", chunks, outcomes])
+        with self._lock:
+            if self.dead:
+                return False
+            self._pending.update(o[0] for o in outcomes)
+            try:
+                _write_all(self._out, data)
+            except OSError:  # it died; the reader thread reports it
+                self._pending.difference_update(o[0] for o in outcomes)
+                self.dead = True
+                return False
+        return True
+
+    @staticmethod
+    def _row(t: Claimed, ok: bool, data: bytes | None, error: str | None, retryable: bool,
+             cancelled: bool) -> list[Any]:
+        return [t.id, t.token, t.attempts, t.deliveries, t.retries, ok, data, error,
+                retryable, cancelled]
+
+    def _read_loop(self) -> None:
+        w = self.w
+        try:
+            for msg in _messages(self._in):
+                if msg[0] == "bye":
+                    self._bye.set()
+                    continue
+                body = msg[1]
+                report = SettleReport(**{k: body[k] for k in OUTCOME_COUNTERS},
+                                      lost=body["lost"], stream_lost=body["stream_lost"],
+                                      streamed=body["streamed"])
+                w._record(report)
+                settled = body["settled"]
+                with self._lock:
+                    self._pending.difference_update(settled)
+                w._forget(settled)
+                if w._draining and w._fetcher_sleeping:
+                    w._interrupt_fetcher()  # a stream's next task may be claimable now
+        except Exception:
+            log.exception("reading the outlet's reports failed")
+        finally:
+            os.close(self._in)
+        if not self._bye.is_set():
+            self._died()
+
+    def _died(self) -> None:
+        with self._lock:
+            self.dead = True
+            pending = sorted(self._pending)
+            self._pending.clear()
+        code = self.proc.wait(5) if self.proc is not None else None
+        w = self.w
+        with w._lock:
+            running = set(w._held)
+            w._lost.update(running)
+        log.error("the outlet process died (exit code %s): %d unsettled outcome(s) and the "
+                  "running generations run again once their leases expire; settling in "
+                  "the worker process from now on", code, len(pending))
+        w._forget(pending)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Send everything left, wait for the outlet to settle it and exit."""
+        with self._lock:
+            if not self.dead:
+                try:
+                    _write_all(self._out, msgpack.packb(["end"]))
+                except OSError:
+                    self.dead = True
+            os.close(self._out)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        if self.proc is not None:
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                log.error("the outlet process did not exit; killing it")
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+# -- outlet side ---------------------------------------------------------------------
+def _claimed(row: Sequence[Any]) -> Claimed:
+    """The task of an outcome row: what settling it reads (id, lease token, attempts)."""
+    return Claimed(row[0], row[1], b"", None, row[2], row[3], row[4])
+
+
+def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int,
+                 interval_s: float) -> None:
+    done = ended = False
+    last_trip = 0.0
+    last_report = time.monotonic()
+    tally = SettleReport()
+    settled: list[str] = []
+    while not done:
+        msg = inbox.get()
+        gap = interval_s - (time.monotonic() - last_trip)
+        if gap > 0 and msg is not None and msg[0] == "settle":
+            time.sleep(gap)  # let a few decode steps' tokens gather into one trip
+        last_trip = time.monotonic()
+        chunks: list[Chunk] = []
+        outcomes: list[Outcome] = []
+        while msg is not None:
+            if msg[0] == "settle":
+                chunks += [Chunk(Claimed(c[0], c[1], b"", None, 0, 0, None), c[2], Encoded(c[3]))
+                           for c in msg[1]]
+                outcomes += [Outcome(_claimed(o), ok=o[5], value=Encoded(o[6]) if o[5] else None,
+                                     error=o[7], retryable=o[8], cancelled=o[9]) for o in msg[2]]
+            elif msg[0] == "end":
+                ended = done = True
+            elif msg[0] == "eof":
+                done = True
+            try:
+                msg = inbox.get_nowait()
+            except queue.Empty:
+                msg = None
+        if chunks or outcomes:
+            report = _settle(consumer, outcomes, chunks, GIVE_UP_AFTER_S if done else None)
+            ids = [o.task.id for o in outcomes]
+            settled += ids
+            if report is not None:
+                for name in OUTCOME_COUNTERS:
+                    setattr(tally, name, getattr(tally, name) + getattr(report, name))
+                tally.lost += report.lost
+                tally.stream_lost += report.stream_lost
+                tally.streamed += report.streamed
+        now = time.monotonic()
+        if settled or tally.lost or tally.stream_lost or done or \
+                (tally.streamed and now - last_report >= REPORT_EVERY_S):
+            body = dataclasses.asdict(tally)
+            body["settled"] = settled
+            try:
+                _write_all(out_fd, msgpack.packb(["report", body]))
+            except OSError:
+                pass  # the worker is gone; what was settled stays settled
+            tally, settled, last_report = SettleReport(), [], now
+    if ended:
+        try:
+            _write_all(out_fd, msgpack.packb(["bye"]))
+        except OSError:
+            pass
+
+
+def _settle(consumer: Consumer, outcomes: list[Outcome], chunks: list[Chunk],
+            give_up_after: float | None) -> SettleReport | None:
+    """Settle in one round trip, retrying while Redis is unreachable; None when it
+    gave up (the tasks run again when their leases expire)."""
+    start = time.monotonic()
+    delay = 0.05
+    while True:
+        try:
+            return consumer.settle(outcomes, chunks)
+        except MtqError:
+            log.warning("settling %d task(s) failed; retrying", len(outcomes), exc_info=True)
+            if give_up_after is not None and time.monotonic() - start > give_up_after:
+                log.error("gave up settling %d task(s); they run again when their leases "
+                          "expire", len(outcomes))
+                return None
+            time.sleep(delay)  # back off while Redis is unreachable
+            delay = min(delay * 2, 2.0)
+        except Exception:  # never die on one bad batch: nothing would settle again
+            log.exception("settling %d task(s) failed; they run again when their leases "
+                          "expire", len(outcomes))
+            return None
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m mtq.workers.outlet IN_FD OUT_FD`` (started by :class:`Outlet`)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=os.environ.get("MTQ_LOG_LEVEL", "WARNING").upper(),
+                        format="%(asctime)s %(levelname)s mtq.outlet[%(process)d] %(message)s")
+    in_fd, out_fd = int(argv[0]), int(argv[1])
+    inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    messages = _messages(in_fd)
+    hello = next(messages, None)
+    if hello is None or hello[0] != "hello":
+        return 2
+    h = hello[1]
+    consumer = Consumer(h["queue"], h["url"], settings=QueueSettings(**h["settings"]),
+                        worker_id=h["worker_id"])
+
+    def read() -> None:  # keeps the pipe drained, so the model thread never blocks on it
+        try:
+            for msg in messages:
+                inbox.put(msg)
+        finally:
+            inbox.put(["eof"])
+
+    threading.Thread(target=read, name="mtq-outlet-read", daemon=True).start()
+    _settle_loop(consumer, inbox, out_fd, float(h["interval_ms"]) / 1000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
