@@ -46,11 +46,22 @@ MAX_TTL_S = 1e9
 
 #: most tasks sent in one submit script call (keeps each call's Redis time short)
 SUBMIT_CHUNK = 1000
+#: most tasks one purge / dead-letter script call handles
+PURGE_CHUNK = 1000
 
 
 def new_task_id() -> str:
     """A random 96-bit id, 16 URL-safe characters."""
     return secrets.token_urlsafe(12)
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEntry:
+    """One step of a task's life (:meth:`Task.trace`)."""
+
+    ts: float    # Redis server time, seconds since the epoch
+    kind: str    # queued, started, retry, restarted, released, cancel requested, <status>
+    detail: str  # delivery and worker, the error, the reason
 
 
 @dataclass(frozen=True)
@@ -300,6 +311,16 @@ class Task:
         self.add_done_callback(done)
         return self
 
+    def trace(self) -> list[TraceEntry]:
+        """The task's life, oldest first: queued, started (delivery, worker), retry,
+        restarted, released, cancel requested, and how it ended. Kept as long as
+        the task. Raises TaskNotFound."""
+        entries = [TraceEntry(ts / 1000, kind, detail)
+                   for ts, kind, detail in self.queue.broker.trace(self.id)]
+        if not entries:
+            self.status()  # raises TaskNotFound if it does not exist
+        return entries
+
     def cancel(self) -> bool:
         """Cancel the task. Returns True if it is cancelled now (it was waiting),
         False if it is running and its worker has been asked to stop it.
@@ -450,3 +471,40 @@ class Queue:
     def stats(self) -> dict[str, int]:
         """O(1) counters: waiting, running, delayed, dead, streams, totals."""
         return self.broker.stats()
+
+    # -- maintenance -----------------------------------------------------------------
+    def purge(self) -> int:
+        """Drop every waiting task (each ends cancelled with the error 'purged'; a
+        client waiting on one is told). Running tasks, retries waiting for their
+        delay and dead letters stay. Works in chunks of 1000, so Redis is never
+        blocked for long. Returns how many were dropped."""
+        total, more = 0, True
+        while more:
+            n, more = self.broker.purge(PURGE_CHUNK)
+            total += n
+        return total
+
+    def dead_letters(self, start: int = 0, count: int = 20) -> list[dict[str, Any]]:
+        """Dead letters, newest first: id, stream, error, attempts, deliveries,
+        created and finished (ms since the epoch)."""
+        return self.broker.dead_letters(start, count)
+
+    def retry_dead(self, ids: Iterable[str] | None = None) -> int:
+        """Queue dead letters again (``ids``, or all of them): each goes to the tail
+        of its stream with its attempts reset. Returns how many were queued."""
+        return self._dlq("retry", ids)
+
+    def purge_dead(self, ids: Iterable[str] | None = None) -> int:
+        """Delete dead letters (``ids``, or all of them). Returns how many."""
+        return self._dlq("purge", ids)
+
+    def _dlq(self, action: str, ids: Iterable[str] | None) -> int:
+        if ids is not None:
+            chosen = [check_task_id(i) for i in ids]
+            return sum(self.broker.dlq(action, chosen[k:k + PURGE_CHUNK])[0]
+                       for k in range(0, len(chosen), PURGE_CHUNK))
+        total, more = 0, True
+        while more:
+            n, more = self.broker.dlq(action, (), PURGE_CHUNK)
+            total += n
+        return total

@@ -42,8 +42,10 @@ class QueueKeys:
         "dead",
         "delayed",
         "events",
+        "failures",
         "free",
         "idem_prefix",
+        "latency",
         "leases",
         "out_prefix",
         "queue",
@@ -53,6 +55,7 @@ class QueueKeys:
         "stats",
         "stream_prefix",
         "task_prefix",
+        "trace_prefix",
         "wake",
     )
 
@@ -73,11 +76,14 @@ class QueueKeys:
         self.seq = self.base + "seq"
         self.events = self.base + "events"
         self.out_prefix = self.base + "out:"
+        self.trace_prefix = self.base + "trace:"
+        self.latency = self.base + "latency"
+        self.failures = self.base + "failures"
         self.control = self.base + "control"
         self.script_keys = [
             self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
             self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,
-            self.seq, self.out_prefix,
+            self.seq, self.out_prefix, self.trace_prefix, self.latency, self.failures,
         ]
         #: ARGV[1] and ARGV[2] of every script
         self.channels = [self.events, self.control]
@@ -97,6 +103,10 @@ class QueueKeys:
     def worker_wake(self, worker_id: str) -> str:
         """A worker's own wake list: pushed to by its own threads to end its BLPOP."""
         return self.base + "wake:" + worker_id
+
+    def trace(self, task_id: str) -> str:
+        """The list of a task's life events ("ms|kind|detail"), oldest first."""
+        return self.trace_prefix + task_id
 
     def out(self, task_id: str) -> str:
         """The list of a task's streamed tokens (chunks), by index: what a late

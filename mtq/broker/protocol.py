@@ -8,6 +8,7 @@ last batch and claims the next one together), and a plain form that runs it.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -252,7 +253,77 @@ class Broker:
             pipe.expire(key, 60)
             pipe.execute()
 
+    # -- maintenance -------------------------------------------------------------
+    def purge(self, limit: int = 1000) -> tuple[int, bool]:
+        """Drop up to ``limit`` waiting tasks (they end cancelled, error 'purged').
+        Returns (purged, more may remain). See purge.lua."""
+        raw = self.run(self._call("purge", [limit, self.settings.retention_s],
+                                  lambda r: (int(r[0]), bool(int(r[1])))))
+        return raw[0]
+
+    def dlq(self, action: str, ids: Sequence[str] = (), limit: int = 1000) -> tuple[int, bool]:
+        """Retry (``"retry"``) or delete (``"purge"``) dead letters: ``ids``, or the
+        oldest ``limit``. Returns (done, more may remain). See dlq.lua."""
+        raw = self.run(self._call("dlq", [action, limit, self.settings.wake_cap, len(ids), *ids],
+                                  lambda r: (int(r[0]), bool(int(r[1])))))
+        done, more = raw[0]
+        if done == Code.BAD_ARGUMENT:
+            raise ValueError(f"unknown dead-letter action {action!r}: use retry or purge")
+        return done, more
+
     # -- inspection ------------------------------------------------------------
+    def dead_letters(self, start: int = 0, count: int = 20) -> list[dict[str, Any]]:
+        """Dead letters, newest first: id, stream, error, attempts, deliveries,
+        created, finished (ms). Two round trips; cost grows with ``count`` only."""
+        k = self.keys
+        with redis_errors("while reading the dead letters"):
+            ids = [_s(i) for i in self.redis.lrange(k.dead, start, start + count - 1)]
+            pipe = self.redis.pipeline(transaction=False)
+            names = ("stream", "error", "attempts", "deliveries", "created", "finished")
+            for i in ids:
+                pipe.hmget(k.task(i), *names)
+            rows = pipe.execute() if ids else []
+        out = []
+        for i, values in zip(ids, rows):
+            row: dict[str, Any] = {"id": i}
+            for name, v in zip(names, values):
+                text = None if v is None else _s(v)
+                row[name] = int(text) if text is not None and name in (
+                    "attempts", "deliveries", "created", "finished") else text
+            out.append(row)
+        return out
+
+    def trace(self, task_id: str) -> list[tuple[int, str, str]]:
+        """A task's life, oldest first: (server ms, kind, detail)."""
+        with redis_errors("while reading a task's trace"):
+            raw = self.redis.lrange(self.keys.trace(task_id), 0, -1)
+        out = []
+        for line in raw:
+            ts, kind, detail = _s(line).split("|", 2)
+            out.append((int(ts), kind, detail))
+        return out
+
+    def snapshot_into(self, pipe: Any) -> Any:
+        """Queue the reads of :meth:`parse_snapshot` on ``pipe``: O(1) counters, the
+        last latencies and failures. Cost grows with nothing but their caps."""
+        k = self.keys
+        pipe.hgetall(k.stats)
+        pipe.zcard(k.leases)
+        pipe.zcard(k.delayed)
+        pipe.llen(k.dead)
+        pipe.scard(k.busy)
+        pipe.lrange(k.latency, 0, -1)
+        pipe.lrange(k.failures, 0, 9)
+        return 7
+
+    @staticmethod
+    def parse_snapshot(replies: Sequence[Any]) -> dict[str, Any]:
+        counters, running, delayed, dead, busy, latency, failures = replies
+        out = _counters(counters, running, delayed, dead, busy)
+        out["latency_ms"] = [int(v) for v in latency]
+        out["failures"] = [json.loads(f) for f in failures]
+        return out
+
     def stats(self) -> dict[str, int]:
         """O(1) counters of the queue (one round trip, cost independent of its size)."""
         k = self.keys
@@ -264,13 +335,18 @@ class Broker:
             pipe.llen(k.dead)
             pipe.scard(k.busy)
             counters, running, delayed, dead, busy = pipe.execute()
-        out = {_s(name): int(value) for name, value in counters.items()}
-        out.pop("free_marked", None)
-        names = ("waiting", "streams", "submitted", "succeeded", "failed", "dead_total",
-                 "cancelled", "expired", "retried", "redelivered")
-        result = {name: out.get(name, 0) for name in names}
-        result.update(running=running, delayed=delayed, dead=dead, busy_streams=busy)
-        return result
+        return _counters(counters, running, delayed, dead, busy)
+
+
+def _counters(counters: dict[bytes, bytes], running: int, delayed: int, dead: int,
+              busy: int) -> dict[str, Any]:
+    out = {_s(name): int(value) for name, value in counters.items()}
+    out.pop("free_marked", None)
+    names = ("waiting", "streams", "submitted", "succeeded", "failed", "dead_total",
+             "cancelled", "expired", "retried", "redelivered")
+    result: dict[str, Any] = {name: out.get(name, 0) for name in names}
+    result.update(running=running, delayed=delayed, dead=dead, busy_streams=busy)
+    return result
 
 
 __all__ = [

@@ -22,7 +22,8 @@ from redis.exceptions import NoScriptError
 from mtq.broker.connection import redis_errors
 from mtq.errors import BrokerError
 
-NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap", "emit", "watch")
+NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap", "emit", "watch", "purge",
+         "dlq")
 
 
 @dataclass(frozen=True)

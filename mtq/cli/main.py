@@ -10,28 +10,33 @@ import threading
 from typing import Any
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from mtq.cli import tasks
+from mtq.cli.common import EXIT_CODES, code_for, console, err_console, redis_option
 from mtq.errors import MtqError
 
-console = Console()
-err_console = Console(stderr=True)
+
+def _fail(exc: Exception, code: int | None = None) -> None:
+    err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    sys.exit(code_for(exc) if code is None else code)
 
 
-def _fail(exc: Exception, code: int = 1) -> None:
-    err_console.print(f"[bold red]error:[/] {exc}")
-    sys.exit(code)
-
-
-@click.group()
+@click.group(epilog=EXIT_CODES)
 @click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
 @click.version_option(package_name="mtq")
 def cli(verbose: int) -> None:
     """mtq, a Redis-backed task queue for AI inference.
 
     Redis is MTQ_REDIS_URL (or --redis); without one, mtq uses its embedded
-    redis-server (see 'mtq server').
+    redis-server (see 'mtq server'). Shell completion: 'mtq completion --help'.
+
+    \b
+    Start here:
+      mtq demo                                   the whole product in a minute
+      mtq workers start my_app.models:Chat -q chat
+      mtq submit chat '{"prompt": "hi"}' --follow
+      mtq status / mtq dashboard                 what is going on
     """
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -87,8 +92,7 @@ def server_status(as_json: bool) -> None:
 
 
 # -- worker ----------------------------------------------------------------------
-_redis_opt = click.option("--redis", "url", default=None,
-                          help="Redis URL (default: MTQ_REDIS_URL, else the embedded server).")
+_redis_opt = redis_option
 _queue_opt = click.option("--queue", "-q", required=True, help="Queue to serve.")
 
 
@@ -259,38 +263,50 @@ def workers_scale(replicas: int, queue: str, url: str | None) -> None:
     _control("scale", queue, url, replicas=replicas)
 
 
-# -- submit ----------------------------------------------------------------------
+for _command in tasks.COMMANDS:
+    cli.add_command(_command)
+
+
+# -- dashboard -------------------------------------------------------------------
 @cli.command()
-@click.argument("queue")
-@click.argument("payload")
-@click.option("--stream", "-s", default=None, help="Ordering key (user, session).")
-@click.option("--redis", "url", default=None, help="Redis URL (default: MTQ_REDIS_URL / embedded).")
-@click.option("--wait", "wait", type=float, default=None, metavar="SECONDS",
-              help="Wait up to SECONDS for the result and print it.")
-def submit(queue: str, payload: str, stream: str | None, url: str | None,
-           wait: float | None) -> None:
-    """Submit one task: PAYLOAD is JSON. Prints the task id (or the result with --wait)."""
-    from mtq.client import Queue
-    from mtq.settings import RedisSettings
+@click.option("--queue", "-q", "queues", multiple=True,
+              help="Only this queue (repeatable; default: every queue).")
+@click.option("--refresh", default=1.0, show_default=True, type=click.FloatRange(0.2, 60),
+              help="Seconds between refreshes.")
+@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@_redis_opt
+def dashboard(queues: tuple[str, ...], refresh: float, once: bool, url: str | None) -> None:
+    """Live view of queues, workers, failures and throughput (q or Ctrl-C quits).
+    Reads one cheap snapshot per refresh, whatever the number of tasks."""
+    from mtq.dashboard.app import run
 
     try:
-        value = json.loads(payload)
-    except json.JSONDecodeError as exc:
-        _fail(ValueError(f"PAYLOAD is not valid JSON ({exc}); quote it, e.g. '{{\"x\": 1}}'"), 2)
-    try:
-        q = Queue(queue, url or RedisSettings.from_env().url)
-        task = q.submit(value, stream=stream)
-        if wait is None:
-            click.echo(task.id)
-        else:
-            click.echo(json.dumps(task.result(timeout=wait), default=repr))
+        sys.exit(run(url, list(queues) or None, refresh_s=refresh, once=once))
     except MtqError as exc:
         _fail(exc)
 
 
+# -- completion ------------------------------------------------------------------
+@cli.command()
+@click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
+def completion(shell: str) -> None:
+    """Print the shell completion script for SHELL.
+
+    \b
+    bash:  eval "$(mtq completion bash)"     (add it to ~/.bashrc)
+    zsh:   eval "$(mtq completion zsh)"      (add it to ~/.zshrc)
+    fish:  mtq completion fish > ~/.config/fish/completions/mtq.fish
+    """
+    from click.shell_completion import get_completion_class
+
+    cls = get_completion_class(shell)
+    assert cls is not None  # the three choices are click's own
+    click.echo(cls(cli, {}, "mtq", "_MTQ_COMPLETE").source())
+
+
 # -- demo ------------------------------------------------------------------------
 @cli.command()
-@click.option("--redis", "url", default=None, help="Redis URL (default: MTQ_REDIS_URL / embedded).")
+@_redis_opt
 @click.option("--tasks", default=400, show_default=True, type=click.IntRange(1))
 @click.option("--streams", default=20, show_default=True, type=click.IntRange(1))
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 32))

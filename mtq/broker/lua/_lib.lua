@@ -15,6 +15,14 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
   KEYS[11] idempotency prefix mtq:{q}:idem:      (+ key -> task id, expires)
   KEYS[12] seq                string: lease token counter
   KEYS[13] output prefix      mtq:{q}:out:       (+ id  -> list of streamed tokens, by index)
+  KEYS[14] trace prefix       mtq:{q}:trace:     (+ id  -> list of "ms|kind|detail", the
+                                                  task's life: queued, started, retry,
+                                                  restarted, released, cancel requested, <terminal
+                                                  status>; expires with the task)
+  KEYS[15] latency            list: submit-to-finish ms of the last LATENCY_KEEP finished
+                              tasks, newest first (dashboards: p50/p99 in O(1) of the queue)
+  KEYS[16] failures           list: JSON {id, status, ts, error} of the last FAILURES_KEEP
+                              tasks that ended failed, dead or expired, newest first
 ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
 the rest is per script.
 
@@ -53,6 +61,8 @@ whose status is not 'queued'.
 local K_TASK, K_STREAM, K_READY, K_BUSY = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_LEASES, K_DELAYED, K_DEAD, K_WAKE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
+local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
+local LATENCY_KEEP, FAILURES_KEEP = 1000, 100
 local EVENTS, CONTROL = ARGV[1], ARGV[2]
 local FREE = ''
 -- results up to this size ride in the done message; larger ones are read from the task
@@ -89,8 +99,27 @@ function reply(kind, channel, a, b, c)
   if c ~= nil then items[n + 3] = c end
 end
 
--- Publish what reply() queued, in life-cycle order (tokens before done).
+-- One line of a task's trace (see KEYS[14]).
+local function note(id, now, kind, detail)
+  redis.call('RPUSH', K_TRACE .. id, now .. '|' .. kind .. '|' .. (detail or ''))
+end
+
+-- Finished tasks' latencies and failures, written once per script by flush_replies().
+local LATENCIES, FAILURES = {}, {}
+
+-- Publish what reply() queued, in life-cycle order (tokens before done), and
+-- record the latencies and failures finish() gathered.
 local function flush_replies()
+  if #LATENCIES > 0 then
+    redis.call('LPUSH', K_LATENCY, unpack(LATENCIES))
+    redis.call('LTRIM', K_LATENCY, 0, LATENCY_KEEP - 1)
+    LATENCIES = {}
+  end
+  if #FAILURES > 0 then
+    redis.call('LPUSH', K_FAILURES, unpack(FAILURES))
+    redis.call('LTRIM', K_FAILURES, 0, FAILURES_KEEP - 1)
+    FAILURES = {}
+  end
   for _, kind in ipairs(REPLY_KINDS) do
     local by = REPLIES[kind]
     if by then
@@ -171,13 +200,23 @@ local function finish(id, status, now, ttl, field, value)
   end
   -- not needed for fencing (see the header); it keeps retained results lean
   redis.call('HDEL', tk, 'token')
+  local v = value or ''
+  note(id, now, status, status ~= 'succeeded' and string.sub(v, 1, 300) or nil)
   if ttl > 0 then
     redis.call('EXPIRE', tk, ttl)
     redis.call('EXPIRE', K_OUT .. id, ttl)
+    redis.call('EXPIRE', K_TRACE .. id, ttl)
   end
-  local v = value or ''
+  local f = redis.call('HMGET', tk, 'reply', 'created')
+  if status ~= 'cancelled' and status ~= 'expired' and f[2] then
+    LATENCIES[#LATENCIES + 1] = now - tonumber(f[2])
+  end
+  if status == 'failed' or status == 'dead' or status == 'expired' then
+    FAILURES[#FAILURES + 1] = cjson.encode({id = id, status = status, ts = now,
+      error = string.sub(v, 1, 300)})
+  end
   if status == 'succeeded' and #v > REPLY_INLINE then v = false end
-  reply('done', redis.call('HGET', tk, 'reply'), id, status, v)
+  reply('done', f[1], id, status, v)
 end
 
 -- Dead-letter a task; the list keeps at most dead_max ids (the oldest are deleted).
@@ -187,7 +226,7 @@ local function dead_letter(id, now, dead_ttl, dead_max, err)
     local old = redis.call('RPOP', K_DEAD)
     -- the id may have been reused by a live task after the old hash expired
     if old and old ~= id and redis.call('HGET', K_TASK .. old, 'status') == 'dead' then
-      redis.call('DEL', K_TASK .. old, K_OUT .. old)
+      redis.call('DEL', K_TASK .. old, K_OUT .. old, K_TRACE .. old)
     end
   end
   redis.call('HINCRBY', K_STATS, 'dead_total', 1)
@@ -212,6 +251,7 @@ local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
     what = 'dead'
   else
     requeue_head(id, s)
+    note(id, now, 'restarted', why)
     reply('restarted', redis.call('HGET', K_TASK .. id, 'reply'), id, tonumber(f[3] or '0'), why)
     return what, 1
   end

@@ -1,5 +1,5 @@
 --[[ cancel.lua -- cancel one task.
-KEYS: the standard thirteen (see _lib.lua).
+KEYS: the standard sixteen (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] task id   ARGV[4] retention s
 Returns: {1, previous status} cancelled now (it was queued or waiting for a retry;
@@ -26,6 +26,7 @@ elseif status == 'delayed' then
   if s and release_stream(s) == 1 then nudge() end
 elseif status == 'running' then
   redis.call('HSET', K_TASK .. id, 'cancel', '1')
+  note(id, now, 'cancel requested', 'its worker is told')
   event('cancel_requested', now, {ids = {id}})
   redis.call('PUBLISH', CONTROL, cjson.encode({cmd = 'cancel', ids = {id}, worker = f[3] or ''}))
   return {2, status}

@@ -1,5 +1,5 @@
 --[[ claim.lua -- reap, promote due retries, then claim up to B tasks.
-KEYS: the standard thirteen (see _lib.lua).
+KEYS: the standard sixteen (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
 ARGV[6] max deliveries   ARGV[7] reap/promote limit per call
@@ -35,7 +35,10 @@ local function take(id, s)
     'created', 'reply')
   if f[1] ~= 'queued' then
     -- a cancelled tombstone: its retention starts now that it left the list
-    if f[1] == 'cancelled' then redis.call('EXPIRE', tk, ttl) end
+    if f[1] == 'cancelled' then
+      redis.call('EXPIRE', tk, ttl)
+      redis.call('EXPIRE', K_TRACE .. id, ttl)
+    end
     return false
   end
   taken = taken + 1
@@ -50,6 +53,7 @@ local function take(id, s)
   redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
     'started', now, 'deliveries', deliveries)
   redis.call('ZADD', K_LEASES, until_ms, id)
+  note(id, now, 'started', 'delivery ' .. deliveries .. ' on ' .. worker)
   local o = #out
   out[o + 1] = id; out[o + 2] = token; out[o + 3] = f[2]; out[o + 4] = s or ''
   out[o + 5] = f[5] or '0'; out[o + 6] = deliveries; out[o + 7] = f[6] or ''

@@ -1,5 +1,5 @@
 --[[ nack.lua -- settle tasks that did not succeed, fenced by lease token.
-KEYS: the standard thirteen (see _lib.lua).
+KEYS: the standard sixteen (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] dead-letter retention s   ARGV[5] dead-letter max length
 ARGV[6] n, then n groups of 4: id, lease token, action, delay ms / error
@@ -54,11 +54,13 @@ for i = 0, n - 1 do
       redis.call('HSET', tk, 'status', 'delayed', 'error', string.sub(arg, sep + 1))
       redis.call('HINCRBY', tk, 'attempts', 1)
       redis.call('ZADD', K_DELAYED, now + delay, id)
+      note(id, now, 'retry', 'in ' .. delay .. ' ms after: ' .. string.sub(arg, sep + 1, sep + 300))
       by.retried[#by.retried + 1] = id
       reply('restarted', f[6], id, tonumber(f[5] or '0'), 'retry after: ' .. string.sub(arg, sep + 1, sep + 200))
     elseif action == 'release' then
       redis.call('HSET', tk, 'deliveries', math.max(0, tonumber(f[5] or '1') - 1))
       requeue_head(id, s)
+      note(id, now, 'released', 'given back unrun by its worker')
       woken = woken + 1
       by.released[#by.released + 1] = id
       -- a generation that had streamed tokens starts over (its stream goes on where it was)

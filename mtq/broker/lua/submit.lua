@@ -1,5 +1,5 @@
 --[[ submit.lua -- enqueue one or many tasks in one call.
-KEYS: the standard thirteen (see _lib.lua).
+KEYS: the standard sixteen (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
 ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
@@ -39,6 +39,7 @@ for i = 0, n - 1 do
     if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
     if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
     redis.call('HSET', tk, unpack(f))
+    note(id, now, 'queued', s ~= '' and ('stream ' .. s) or nil)
     if s ~= '' then
       if redis.call('RPUSH', K_STREAM .. s, id) == 1 then
         new_streams = new_streams + 1

@@ -1,0 +1,98 @@
+"""What every ``mtq`` command shares: consoles, exit codes, options, error output."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, NoReturn, TypeVar
+
+import click
+from rich.console import Console
+
+from mtq.errors import (
+    BrokerError,
+    ConfigError,
+    InvalidName,
+    MtqError,
+    PayloadError,
+    ResultTimeout,
+    TaskFailed,
+    TaskNotFound,
+)
+
+console = Console()
+err_console = Console(stderr=True)
+
+#: exit codes (listed in ``mtq --help`` and the README)
+OK, FAILED, USAGE, NOT_FOUND, NO_LISTENER, UNREACHABLE, TIMEOUT = 0, 1, 2, 3, 4, 5, 6
+
+EXIT_CODES = (
+    "Exit codes: 0 ok; 1 the task or the work failed; 2 bad input (JSON, names, "
+    "options); 3 not found (queue, task, server); 4 no supervisor listening; "
+    "5 Redis unreachable; 6 timed out waiting."
+)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fail(message: object, code: int = FAILED) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    sys.exit(code)
+
+
+def code_for(exc: BaseException) -> int:
+    """The exit code an exception means."""
+    if isinstance(exc, BrokerError) and "cannot reach Redis" in str(exc):
+        return UNREACHABLE
+    if isinstance(exc, (InvalidName, PayloadError, ConfigError, ValueError)):
+        return USAGE
+    if isinstance(exc, TaskNotFound):
+        return NOT_FOUND
+    if isinstance(exc, ResultTimeout):
+        return TIMEOUT
+    if isinstance(exc, TaskFailed):
+        return FAILED
+    return FAILED
+
+
+def fail_on(exc: MtqError) -> NoReturn:
+    fail(exc, code_for(exc))
+
+
+def redis_option(fn: F) -> F:
+    return click.option(
+        "--redis", "url", default=None, envvar="MTQ_REDIS_URL", show_envvar=True,
+        help="Redis URL (default: MTQ_REDIS_URL, else the embedded server).")(fn)
+
+
+def json_option(fn: F) -> F:
+    return click.option("--json", "as_json", is_flag=True,
+                        help="Print JSON instead of tables.")(fn)
+
+
+def echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, default=repr, ensure_ascii=False))
+
+
+def when(ms: float | int | None) -> str:
+    """Local time of a server timestamp in ms (or '-')."""
+    if not ms:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000).strftime("%H:%M:%S.%f")[:-3]
+
+
+def millis(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+
+
+def parse_json(text: str, what: str) -> Any:
+    """``text`` as JSON, or exit 2 with how to fix it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        fail(f"{what} is not valid JSON ({exc}); quote it for the shell, e.g. "
+             "'{\"prompt\": \"hi\"}', or pass - to read it from stdin", USAGE)

@@ -1,0 +1,517 @@
+"""``mtq submit``, ``status``, ``task``, ``cancel``, ``dlq`` and ``purge``: thin over
+:class:`mtq.Queue`, :class:`mtq.Task` and :mod:`mtq.admin`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import IO, Any
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from mtq.cli.common import (
+    FAILED,
+    NOT_FOUND,
+    OK,
+    TIMEOUT,
+    USAGE,
+    console,
+    echo_json,
+    err_console,
+    fail,
+    fail_on,
+    json_option,
+    millis,
+    parse_json,
+    redis_option,
+    when,
+)
+from mtq.errors import MtqError, ResultTimeout, TaskCancelled, TaskFailed
+
+#: requests sent per round trip by ``mtq submit --file``
+FILE_CHUNK = 500
+
+
+def _queue(name: str, url: str | None) -> Any:
+    from mtq.client import Queue
+
+    try:
+        return Queue(name, url)
+    except MtqError as exc:
+        fail_on(exc)
+
+
+def _known(client: Any, name: str) -> None:
+    """Exit 3 if no task was ever submitted to queue ``name``."""
+    from mtq.admin import queue_names
+
+    names = queue_names(client)
+    if name not in names:
+        known = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
+        fail(f"unknown queue {name!r}: nothing was ever submitted to it"
+             + (f" (known: {known})" if names else " (no queues yet)"), NOT_FOUND)
+
+
+# -- submit ----------------------------------------------------------------------------
+@click.command()
+@click.argument("queue")
+@click.argument("payload", required=False)
+@click.option("--stream", "-s", default=None,
+              help="Ordering key (a user, a session): its tasks run one at a time, in order.")
+@click.option("--file", "file", type=click.File("r"), default=None,
+              help="Submit every line of a JSON Lines file (- for stdin) as one task.")
+@click.option("--stream-from", default=None, metavar="FIELD",
+              help="With --file: each task's stream is this field of its payload.")
+@click.option("--key", default=None, help="Idempotency key (one task per key per hour).")
+@click.option("--ttl", type=click.FloatRange(min=0.001), default=None,
+              help="Seconds after which the task, if not started, expires unrun.")
+@click.option("--wait", "wait", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
+              help="Wait up to SECONDS for the result(s) and print them.")
+@click.option("--follow", "-f", is_flag=True,
+              help="Print tokens live as they arrive, then the end (implies waiting).")
+@redis_option
+@json_option
+def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | None,
+           stream_from: str | None, key: str | None, ttl: float | None, wait: float | None,
+           follow: bool, url: str | None, as_json: bool) -> None:
+    """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
+
+    Prints the task id; with --wait, the result; with --follow, the tokens as
+    they stream, then the result. --file submits many (one JSON payload per
+    line) with a progress bar and prints a summary.
+
+    \b
+    mtq submit chat '{"prompt": "hello"}' --stream user-42 --follow
+    mtq submit embed --file requests.jsonl --stream-from user --wait 60
+    """
+    if file is not None:
+        if payload is not None:
+            fail("give PAYLOAD or --file, not both", USAGE)
+        if follow or key:
+            fail("--follow and --key take one task; drop them with --file", USAGE)
+        _submit_file(queue, file, stream, stream_from, ttl, wait, url, as_json)
+        return
+    if stream_from:
+        fail("--stream-from goes with --file", USAGE)
+    if payload is None:
+        fail("give a PAYLOAD (JSON), '-' to read it from stdin, or --file FILE", USAGE)
+    text = sys.stdin.read() if payload == "-" else payload
+    value = parse_json(text, "PAYLOAD")
+    q = _queue(queue, url)
+    try:
+        task = q.submit(value, stream=stream, key=key, ttl=ttl)
+    except MtqError as exc:
+        fail_on(exc)
+    if follow:
+        sys.exit(_follow(task, wait, as_json))
+    if wait is None:
+        click.echo(json.dumps({"id": task.id, "queue": queue}) if as_json else task.id)
+        return
+    try:
+        result = task.result(timeout=wait)
+    except (TaskFailed, TaskCancelled, ResultTimeout) as exc:
+        if as_json:
+            echo_json({"id": task.id, "status": getattr(exc, "status", "waiting"),
+                       "error": str(exc)})
+        fail_on(exc)
+    except MtqError as exc:
+        fail_on(exc)
+    click.echo(json.dumps({"id": task.id, "status": "succeeded", "result": result},
+                          default=repr, ensure_ascii=False) if as_json
+               else json.dumps(result, default=repr, ensure_ascii=False))
+
+
+def _follow(task: Any, timeout: float | None, as_json: bool) -> int:
+    """Print a task's events live; returns the exit code."""
+    last = None
+    printed = False
+    try:
+        for ev in task.events(timeout=timeout):
+            last = ev
+            if as_json:
+                click.echo(json.dumps({"event": ev.kind, "id": ev.task_id, "data": ev.data,
+                                       "index": ev.index, "delivery": ev.delivery,
+                                       "ts": ev.ts}, default=repr, ensure_ascii=False))
+                continue
+            if ev.kind == "token":
+                text = ev.data if isinstance(ev.data, str) else json.dumps(ev.data, default=repr)
+                sep = "" if isinstance(ev.data, str) else " "
+                click.echo(text + sep, nl=False)
+                printed = True
+                sys.stdout.flush()
+            elif ev.kind == "progress":
+                err_console.print(f"[dim]progress: {ev.data}[/]")
+            elif ev.kind == "restarted":
+                err_console.print(f"\n[yellow]restarted[/] (delivery {ev.delivery}: {ev.data}); "
+                                  "the stream goes on where it stopped")
+            elif ev.kind in ("queued", "started"):
+                err_console.print(f"[dim]{ev.kind}[/]")
+    except ResultTimeout as exc:
+        if printed:
+            click.echo()
+        fail(exc, TIMEOUT)
+    except MtqError as exc:
+        fail_on(exc)
+    if printed and not as_json:
+        click.echo()
+    if last is None:
+        return FAILED
+    if as_json:
+        return OK if last.kind == "succeeded" else FAILED
+    if last.kind == "succeeded":
+        if not printed:  # no tokens: the result is the output
+            click.echo(json.dumps(last.data, default=repr, ensure_ascii=False))
+        err_console.print(f"[green]succeeded[/] {task.id}")
+        return OK
+    err_console.print(f"[red]{last.kind}[/] {task.id}: {last.data}")
+    return FAILED
+
+
+def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str | None,
+                 ttl: float | None, wait: float | None, url: str | None, as_json: bool) -> None:
+    from mtq.client import Request
+
+    items: list[Request] = []
+    errors: list[str] = []
+    for n, line in enumerate(file, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            errors.append(f"line {n}: not valid JSON ({exc})")
+            continue
+        s = stream
+        if stream_from is not None:
+            if not isinstance(value, dict) or value.get(stream_from) is None:
+                errors.append(f"line {n}: no field {stream_from!r} to take the stream from")
+                continue
+            s = str(value[stream_from])
+        items.append(Request(value, stream=s, ttl=ttl))
+    if errors:  # nothing is sent when any line is bad
+        shown = "\n  ".join(errors[:10])
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        fail(f"{len(errors)} bad line(s) in {file.name}; nothing was submitted:\n  "
+             f"{shown}{more}", USAGE)
+    if not items:
+        fail(f"{file.name} has no requests (one JSON payload per line)", USAGE)
+    q = _queue(queue, url)
+    try:
+        tasks = q.prepare(items)  # validates and encodes every request first
+    except MtqError as exc:
+        fail_on(exc)
+    sent: list[Any] = []
+    t0 = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err_console, disable=as_json) as bar:
+        job = bar.add_task("submitting", total=len(tasks))
+        for k in range(0, len(tasks), FILE_CHUNK):
+            try:
+                sent += q.send(tasks[k:k + FILE_CHUNK])
+            except MtqError as exc:
+                bar.stop()
+                err_console.print(f"{len(sent)} of {len(tasks)} submitted before the error")
+                fail_on(exc)
+            bar.advance(job, min(FILE_CHUNK, len(tasks) - k))
+    seconds = time.perf_counter() - t0
+    summary: dict[str, Any] = {"queue": queue, "submitted": len(sent),
+                               "seconds": round(seconds, 3),
+                               "per_s": round(len(sent) / max(seconds, 1e-9))}
+    code = OK
+    if wait is not None:
+        summary.update(_wait_all(sent, wait, as_json))
+        if summary["timed_out"]:
+            code = TIMEOUT
+        elif summary["failed"]:
+            code = FAILED
+    if as_json:
+        summary["ids"] = [t.id for t in sent]
+        echo_json(summary)
+    else:
+        table = Table(title="submitted", show_header=False)
+        table.add_row("queue", queue)
+        table.add_row("tasks", f"{len(sent)} in {seconds:.2f} s ({summary['per_s']}/s)")
+        if wait is not None:
+            table.add_row("succeeded", str(summary["succeeded"]))
+            table.add_row("failed", str(summary["failed"]))
+            if summary["timed_out"]:
+                table.add_row("still running", f"{summary['timed_out']} after {wait:g} s")
+            table.add_row("latency p50 / p99", f"{millis(summary['p50_ms'])} / "
+                                               f"{millis(summary['p99_ms'])} ms")
+        console.print(table)
+    sys.exit(code)
+
+
+def _wait_all(tasks: list[Any], wait: float, quiet: bool) -> dict[str, Any]:
+    """Wait for every task (a group's callbacks, no polling)."""
+    import threading
+
+    if not tasks:
+        return {"succeeded": 0, "failed": 0, "timed_out": 0, "p50_ms": None, "p99_ms": None}
+    lock = threading.Lock()
+    done = {"succeeded": 0, "failed": 0}
+    finished = threading.Event()
+    t0 = time.time()
+    lat: list[float] = []
+
+    def on_done(task: Any, ev: Any) -> None:
+        with lock:
+            done["succeeded" if ev.kind == "succeeded" else "failed"] += 1
+            lat.append((time.time() - t0) * 1000)
+            if done["succeeded"] + done["failed"] == len(tasks):
+                finished.set()
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, disable=quiet) as bar:
+        job = bar.add_task("waiting", total=len(tasks))
+        for t in tasks:
+            t.add_done_callback(on_done)
+        deadline = time.monotonic() + wait
+        while not finished.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            with lock:
+                bar.update(job, completed=done["succeeded"] + done["failed"])
+            if time.monotonic() >= deadline:
+                break
+        with lock:
+            bar.update(job, completed=done["succeeded"] + done["failed"])
+    with lock:
+        lat.sort()
+        n = len(lat)
+        return {**done, "timed_out": len(tasks) - done["succeeded"] - done["failed"],
+                "p50_ms": lat[n // 2] if n else None,
+                "p99_ms": lat[min(n - 1, int(n * 0.99))] if n else None}
+
+
+# -- status ----------------------------------------------------------------------------
+@click.command()
+@click.argument("queue", required=False)
+@redis_option
+@json_option
+def status(queue: str | None, url: str | None, as_json: bool) -> None:
+    """The queues: waiting, streams with work, running, delayed, dead, totals and
+    latency (one cheap snapshot; cost independent of the number of tasks)."""
+    from dataclasses import asdict
+
+    from mtq.admin import snapshot
+    from mtq.broker.connection import connect
+
+    try:
+        client = connect(url)
+        if queue is not None:
+            _queue(queue, url)  # checks the name
+            _known(client, queue)
+        snap = snapshot(client, [queue] if queue else None)
+    except MtqError as exc:
+        fail_on(exc)
+    if as_json:
+        echo_json({"ts": snap.ts, "queues": [asdict(q) for q in snap.queues]})
+        return
+    if not snap.queues:
+        console.print("no queues yet: submit a task ('mtq submit QUEUE PAYLOAD')")
+        return
+    table = Table(title=f"{len(snap.queues)} queue(s)")
+    table.add_column("queue", no_wrap=True, min_width=max(len(v.name) for v in snap.queues))
+    for col in ("waiting", "streams", "running", "delayed", "dead", "succeeded", "failed",
+                "p50 ms", "p99 ms", "workers"):
+        table.add_column(col, justify="right")
+    for v in snap.queues:
+        table.add_row(v.name, f"{v.waiting:,}", f"{v.streams:,}", f"{v.running:,}",
+                      f"{v.delayed:,}", f"{v.dead:,}", f"{v.succeeded:,}",
+                      f"{v.failed:,}", millis(v.p50_ms), millis(v.p99_ms), str(v.workers))
+    console.print(table)
+
+
+# -- task ------------------------------------------------------------------------------
+@click.command()
+@click.argument("task_id")
+@click.option("--queue", "-q", default=None, help="Its queue (default: look in every queue).")
+@redis_option
+@json_option
+def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> None:
+    """Details of a task and the timeline of its life."""
+    from dataclasses import asdict
+
+    from mtq.admin import find_task
+    from mtq.broker.connection import connect
+
+    try:
+        t = find_task(connect(url), task_id, queue)
+        info = t.info()
+        trace = t.trace()
+        result = t.result(timeout=0) if info.status == "succeeded" else None
+    except MtqError as exc:
+        fail_on(exc)
+    if as_json:
+        echo_json({**asdict(info), "queue": t.queue.name, "result": result,
+                   "timeline": [asdict(e) for e in trace]})
+        return
+    table = Table(title=f"task {t.id}", show_header=False)
+    table.add_row("queue", t.queue.name)
+    style = {"succeeded": "green", "failed": "red", "dead": "red", "running": "yellow"}
+    table.add_row("status", f"[{style.get(info.status, 'white')}]{info.status}[/]")
+    table.add_row("stream", info.stream or "-")
+    table.add_row("attempts / deliveries", f"{info.attempts} / {info.deliveries}")
+    table.add_row("created / started / finished",
+                  f"{when(info.created)} / {when(info.started)} / {when(info.finished)}")
+    if info.worker:
+        table.add_row("worker", info.worker)
+    if info.error:
+        table.add_row("error", info.error)
+    if info.cancel_requested:
+        table.add_row("cancel", "requested")
+    if result is not None:
+        text = json.dumps(result, default=repr, ensure_ascii=False)
+        table.add_row("result", text if len(text) <= 300 else text[:300] + " ...")
+    console.print(table)
+    timeline = Table(title="timeline")
+    for col in ("time", "+ms", "event", "detail"):
+        timeline.add_column(col)
+    first = trace[0].ts if trace else 0.0
+    for e in trace:
+        timeline.add_row(when(e.ts * 1000), f"{(e.ts - first) * 1000:.0f}", e.kind, e.detail)
+    console.print(timeline)
+
+
+# -- cancel ----------------------------------------------------------------------------
+@click.command()
+@click.argument("task_id")
+@click.option("--queue", "-q", default=None, help="Its queue (default: look in every queue).")
+@redis_option
+@json_option
+def cancel(task_id: str, queue: str | None, url: str | None, as_json: bool) -> None:
+    """Cancel a task: a waiting one at once; a running one is stopped by its worker
+    (a generator at its next step). Exit 1 if it had already finished."""
+    from mtq.admin import find_task
+    from mtq.broker.codes import Code
+    from mtq.broker.connection import connect
+
+    try:
+        t = find_task(connect(url), task_id, queue)
+        code, before = t.queue.broker.cancel(t.id)
+    except MtqError as exc:
+        fail_on(exc)
+    outcome = {1: "cancelled", 2: "cancel requested"}.get(code, "finished")
+    if as_json:
+        echo_json({"id": t.id, "queue": t.queue.name, "outcome": outcome, "was": before})
+    elif code == 1:
+        console.print(f"cancelled {t.id} (it was {before})")
+    elif code == 2:
+        console.print(f"cancel requested: {t.id} is running; its worker stops it")
+    if code == Code.FINISHED:
+        if not as_json:
+            err_console.print(f"[yellow]{t.id} already {before}; nothing to cancel[/]")
+        sys.exit(FAILED)
+    if code == Code.NOT_FOUND:
+        fail(f"no task {t.id!r}", NOT_FOUND)
+
+
+# -- dead letters, purge ----------------------------------------------------------------
+@click.group()
+def dlq() -> None:
+    """Dead letters: tasks that failed on every retry or killed their workers."""
+
+
+@dlq.command("list")
+@click.argument("queue")
+@click.option("--count", "-n", default=20, show_default=True, type=click.IntRange(1, 10_000))
+@redis_option
+@json_option
+def dlq_list(queue: str, count: int, url: str | None, as_json: bool) -> None:
+    """The newest dead letters of QUEUE, with their errors."""
+    q = _queue(queue, url)
+    try:
+        _known(q.redis, queue)
+        rows = q.dead_letters(0, count)
+        total = q.stats()["dead"]
+    except MtqError as exc:
+        fail_on(exc)
+    if as_json:
+        echo_json({"queue": queue, "dead": total, "tasks": rows})
+        return
+    table = Table(title=f"{total} dead letter(s) in {queue!r}"
+                  + (f", newest {len(rows)}" if total > len(rows) else ""))
+    for col in ("id", "stream", "attempts", "deliveries", "died", "error"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(row["id"], row["stream"] or "-", str(row["attempts"]),
+                      str(row["deliveries"]), when(row["finished"]),
+                      (row["error"] or "")[:120])
+    console.print(table)
+
+
+def _dlq_action(action: str, queue: str, ids: tuple[str, ...], all_: bool, url: str | None,
+                as_json: bool) -> None:
+    if bool(ids) == all_:
+        fail(f"name the ids to {action}, or --all", USAGE)
+    q = _queue(queue, url)
+    try:
+        _known(q.redis, queue)
+        n = q.retry_dead(ids or None) if action == "retry" else q.purge_dead(ids or None)
+    except MtqError as exc:
+        fail_on(exc)
+    if as_json:
+        echo_json({"queue": queue, action: n})
+    else:
+        verb = "queued again" if action == "retry" else "deleted"
+        console.print(f"{n} dead letter(s) {verb}")
+    if ids and n < len(ids):
+        err_console.print(f"[yellow]{len(ids) - n} id(s) were not dead letters of {queue!r}[/]")
+        sys.exit(NOT_FOUND)
+
+
+@dlq.command("retry")
+@click.argument("queue")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Every dead letter of the queue.")
+@redis_option
+@json_option
+def dlq_retry(queue: str, ids: tuple[str, ...], all_: bool, url: str | None,
+              as_json: bool) -> None:
+    """Queue dead letters again (each at the tail of its stream, attempts reset)."""
+    _dlq_action("retry", queue, ids, all_, url, as_json)
+
+
+@dlq.command("purge")
+@click.argument("queue")
+@click.argument("ids", nargs=-1)
+@click.option("--all", "all_", is_flag=True, help="Every dead letter of the queue.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@redis_option
+@json_option
+def dlq_purge(queue: str, ids: tuple[str, ...], all_: bool, yes: bool, url: str | None,
+              as_json: bool) -> None:
+    """Delete dead letters for good."""
+    if all_ and not yes:
+        click.confirm(f"Delete every dead letter of {queue!r}?", abort=True, err=True)
+    _dlq_action("purge", queue, ids, all_, url, as_json)
+
+
+@click.command()
+@click.argument("queue")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@redis_option
+@json_option
+def purge(queue: str, yes: bool, url: str | None, as_json: bool) -> None:
+    """Drop every waiting task of QUEUE (each ends cancelled, 'purged'). Running
+    tasks, retries waiting for their delay and dead letters stay."""
+    q = _queue(queue, url)
+    try:
+        _known(q.redis, queue)
+        waiting = q.stats()["waiting"]
+        if not yes:
+            click.confirm(f"Drop the {waiting:,} waiting task(s) of {queue!r}?", abort=True,
+                          err=True)
+        n = q.purge()
+    except MtqError as exc:
+        fail_on(exc)
+    if as_json:
+        echo_json({"queue": queue, "purged": n})
+    else:
+        console.print(f"{n:,} waiting task(s) purged from {queue!r}")
+
+
+COMMANDS = (submit, status, task, cancel, dlq, purge)
