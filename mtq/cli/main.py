@@ -13,7 +13,7 @@ import click
 from rich.table import Table
 
 from mtq.cli import tasks
-from mtq.cli.common import EXIT_CODES, code_for, console, err_console, redis_option
+from mtq.cli.common import EXIT_CODES, code_for, console, err_console, fail, redis_option
 from mtq.errors import MtqError
 
 
@@ -307,59 +307,87 @@ def completion(shell: str) -> None:
 # -- demo ------------------------------------------------------------------------
 @cli.command()
 @_redis_opt
-@click.option("--tasks", default=400, show_default=True, type=click.IntRange(1))
-@click.option("--streams", default=20, show_default=True, type=click.IntRange(1))
-@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 32))
+@click.option("--users", default=24, show_default=True, type=click.IntRange(1, 500),
+              help="Simulated users, each chatting in a stream of their own.")
+@click.option("--duration", default=20.0, show_default=True, type=click.FloatRange(1, 600),
+              help="Seconds over which the users arrive.")
 @click.option("--no-kill", is_flag=True, help="Do not kill a worker mid-run.")
-def demo(url: str | None, tasks: int, streams: int, workers: int, no_kill: bool) -> None:
-    """Run worker processes, submit tasks over many streams, kill a worker mid-batch,
-    and check that nothing was lost and every stream kept its order."""
+@click.option("--no-dashboard", is_flag=True,
+              help="Print progress lines instead of the live dashboard.")
+def demo(url: str | None, users: int, duration: float, no_kill: bool,
+         no_dashboard: bool) -> None:
+    """Run the whole product for about a minute: a generator and an embedding
+    model served by supervised worker processes, a crowd of users chatting in
+    their own FIFO streams, a worker killed mid-run, the dashboard live; then a
+    summary of what was checked. Leaves no process behind."""
+    import time
+
     from mtq.broker.connection import resolve_url
-    from mtq.demo import run_chat, run_demo
-    from mtq.settings import RedisSettings
+    from mtq.demo import Tick, run
 
     try:
-        resolved = resolve_url(url or RedisSettings.from_env().url)
-        console.print(f"[bold]mtq demo[/] on {resolved}")
-        report = run_demo(resolved, tasks=tasks, streams=streams, workers=workers,
-                          kill_one=not no_kill,
-                          progress=lambda msg: console.print(f"  • {msg}"))
+        resolved = resolve_url(url)
     except MtqError as exc:
         _fail(exc)
-    table = Table(title="what happened", show_header=False)
-    table.add_row("tasks", f"{report.tasks} over {report.streams} streams")
-    table.add_row("succeeded", f"{report.succeeded}" + (f"  other: {report.other}" if report.other else ""))
-    note = (f"; includes waiting out the killed worker's {report.lease_ms / 1000:g} s lease"
-            if report.killed_pid else "")
-    table.add_row("time", f"{report.seconds:.2f} s ({report.tasks / report.seconds:.0f} tasks/s{note})")
-    table.add_row("latency p50 / p99", f"{report.latency_ms_p50:.0f} / {report.latency_ms_p99:.0f} ms (submit to finish)")
-    if report.killed_pid:
-        table.add_row("worker killed", f"pid {report.killed_pid} (SIGKILL); tasks redelivered: {report.redelivered}")
-    table.add_row("tasks per worker pid", ", ".join(f"{k}: {v}" for k, v in sorted(report.by_worker.items())))
-    table.add_row("order per stream", "[green]kept[/]" if report.order_ok else f"[red]BROKEN[/] {report.order_errors}")
-    table.add_row("nothing lost", "[green]yes[/]" if report.succeeded == report.tasks else "[red]NO[/]")
-    console.print(table)
-    console.print("[bold]chats[/]: the reference generator (random weights from a fixed "
-                  "seed, so it babbles bytes), tokens streamed live")
+    console.print(f"[bold]mtq demo[/] on {resolved}")
+    live_view = console.is_terminal and not no_dashboard
+    last_line = [0.0]
+
+    def plain_tick(t: Tick) -> None:
+        if t.elapsed_s - last_line[0] >= 5 or t.finished == t.total:
+            last_line[0] = t.elapsed_s
+            console.print(f"  {t.elapsed_s:5.1f} s  submitted {t.submitted}/{t.total}, "
+                          f"finished {t.finished}/{t.total}", highlight=False)
+
     try:
-        chat = run_chat(resolved, echo=lambda piece: console.print(
-            "".join(c if c.isprintable() or c == "\n" else "·" for c in piece),
-            end="", markup=False, highlight=False),
-                        progress=lambda msg: console.print(f"  • {msg}"))
+        if live_view:
+            from mtq.dashboard.demo_view import DemoScreen
+
+            with DemoScreen(console, resolved) as screen:
+                report = run(resolved, users=users, duration_s=duration, kill_one=not no_kill,
+                             on_tick=screen.tick)
+        else:
+            report = run(resolved, users=users, duration_s=duration, kill_one=not no_kill,
+                         on_tick=plain_tick,
+                         progress=lambda msg: console.print(f"  • {msg}", highlight=False))
     except MtqError as exc:
         _fail(exc)
-    if chat.skipped:
-        console.print(f"  • skipped: {chat.skipped}")
-    else:
-        table = Table(title="chats", show_header=False)
-        table.add_row("chats", f"{chat.chats} from {chat.users} users, {chat.succeeded} succeeded")
-        table.add_row("tokens", f"{chat.tokens} in {chat.seconds:.2f} s, worker start-up "
-                                "included")
-        table.add_row("order per user", "[green]kept[/]" if chat.order_ok else "[red]BROKEN[/]")
-        table.add_row("streamed text = result", "[green]yes[/]" if chat.streamed_matches_result
-                      else "[red]NO[/]")
-        console.print(table)
-    sys.exit(0 if report.ok and chat.ok else 1)
+    if report.skipped:
+        fail(f"the demo needs torch: {report.skipped}", 2)
+    _demo_summary(report, time.monotonic())
+    sys.exit(0 if report.ok else 1)
+
+
+def _demo_summary(report: Any, _now: float) -> None:
+    def yes(ok: bool, detail: str = "") -> str:
+        return ("[green]yes[/]" if ok else "[red]NO[/]") + (f" ({detail})" if detail else "")
+
+    table = Table(title="mtq demo: what happened", show_header=False)
+    table.add_row("users", f"{report.users}, each in a FIFO stream of their own per queue")
+    for name, part in (("chats (TinyGPT)", report.chat), ("embeddings (TinyEmbedder)",
+                                                          report.embed)):
+        other = f", other: {part.other}" if part.other else ""
+        table.add_row(name, f"{part.succeeded}/{part.tasks} succeeded{other}; latency p50 "
+                            f"{part.p50_ms:.0f} ms, p99 {part.p99_ms:.0f} ms")
+    rate = report.tasks / report.seconds if report.seconds else 0.0
+    table.add_row("throughput", f"{report.tasks} tasks in {report.seconds:.1f} s ({rate:.0f}/s "
+                                f"while users arrived); {report.tokens:,} tokens streamed")
+    if report.killed_pid:
+        table.add_row("worker killed", f"pid {report.killed_pid} (SIGKILL); tasks it held ran "
+                                       f"again: {report.embed.redelivered}")
+    table.add_row("nothing lost", yes(report.succeeded == report.tasks,
+                                      f"{report.succeeded}/{report.tasks}"))
+    table.add_row("no task finished twice",
+                  yes(report.chat.finished_twice + report.embed.finished_twice == 0))
+    table.add_row("order per user stream", yes(report.order_ok, "; ".join(report.order_errors)))
+    table.add_row("streamed tokens = results", yes(report.streamed_matches_result))
+    table.add_row("processes left behind", yes(not report.processes_left,
+                                               f"{len(report.processes_left)} of "
+                                               f"{report.processes} started"))
+    console.print(table)
+    if not report.ok and report.log:
+        err_console.print("[dim]supervisors' output (last lines):[/]")
+        err_console.print(report.log, markup=False, highlight=False)
 
 
 def main() -> None:

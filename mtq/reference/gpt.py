@@ -129,19 +129,28 @@ def make_weights(path: str | os.PathLike[str], config: GPTConfig | None = None,
             else:
                 std = resid_std if name.endswith(("proj.weight", "out.weight")) else 0.02
                 p.normal_(0.0, std, generator=gen)
+    path = save_atomic(module.state_dict(), path)
+    logger.info("created reference weights %s (seed %d)", path, seed)
+    return path
+
+
+def save_atomic(state: Any, path: str | os.PathLike[str]) -> Path:
+    """``torch.save`` to ``path`` through a temp file in the same directory and
+    ``os.replace``, so processes starting at once never read a half-written file."""
+    import torch
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(module.state_dict(), f)
+            torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    logger.info("created reference weights %s (seed %d)", path, seed)
     return path
 
 

@@ -1,36 +1,75 @@
-"""The demo (the README's first command) against the test server."""
+"""The demo (the README's first command) against the test server: real supervisors,
+a real SIGKILL, and no process left behind."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
 
-from mtq.demo import run_demo
+from mtq.demo import Tick, run
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 
-def test_demo_survives_a_killed_worker_and_keeps_order(redis_url: str) -> None:
+def processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains ``text`` (not this one)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append(int(d.name))
+    return found
+
+
+def test_demo_checks_everything_it_promises(redis_url: str, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MTQ_HOME", str(tmp_path / "home"))  # weights made on first use
+    ticks: list[Tick] = []
     messages: list[str] = []
-    report = run_demo(redis_url, tasks=120, streams=12, workers=2, lease_ms=800,
-                      progress=messages.append)
-    assert report.ok, (report.order_errors, report.other)
-    assert report.succeeded == 120 and report.order_ok
-    assert report.killed_pid is not None and report.redelivered > 0
-    assert any("SIGKILL" in m for m in messages)
-
-
-def test_demo_without_kill(redis_url: str) -> None:
-    report = run_demo(redis_url, tasks=60, streams=5, workers=1, kill_one=False)
-    assert report.ok and report.killed_pid is None and report.redelivered == 0
-
-
-def test_demo_chats_stream_tokens_in_order(redis_url: str, tmp_path, monkeypatch) -> None:
-    from mtq.demo import run_chat
-
-    monkeypatch.setenv("MTQ_REFERENCE_WEIGHTS", str(tmp_path / "tinygpt.pt"))
-    pieces: list[str] = []
-    report = run_chat(redis_url, users=3, chats_per_user=2, max_tokens=12, echo=pieces.append)
+    started = time.monotonic()
+    report = run(redis_url, users=8, chats_per_user=2, embeds_per_user=3, duration_s=5,
+                 on_tick=ticks.append, progress=messages.append)
+    took = time.monotonic() - started
     assert not report.skipped
-    assert report.ok and report.succeeded == 6 and report.tokens == 6 * 12
-    assert report.order_ok and report.streamed_matches_result
-    assert pieces.count("\n") == 2  # user-0's two chats were echoed live
+    assert report.ok, (report.order_errors, report.chat, report.embed, report.log)
+    assert (report.chat.tasks, report.embed.tasks) == (16, 24 + 8)  # + the kill's burst
+    assert report.tokens == 16 * 40
+    assert report.killed_pid is not None
+    assert report.processes >= 6 and report.processes_left == []
+    assert not Path(f"/proc/{report.killed_pid}").exists() or \
+        "Z" in Path(f"/proc/{report.killed_pid}/stat").read_text()
+    # on_tick saw the work flow, about once a second, and user-0's chat streamed
+    assert ticks and ticks[-1].finished == ticks[-1].total
+    assert any(0 < t.finished < t.total for t in ticks)
+    assert any("> " in t.live_text for t in ticks)
+    assert any("killed embedding worker" in m for m in messages)
+    assert took < 60, f"the demo took {took:.0f} s"
+
+
+def test_mtq_demo_command_finishes_in_time_and_leaves_nothing(
+        redis_url: str, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    env = dict(subprocess_env, MTQ_HOME=str(tmp_path / "home"), COLUMNS="120")
+    started = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "mtq", "demo", "--redis", redis_url,
+                          "--users", "6", "--duration", "4"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    took = time.monotonic() - started
+    out = " ".join(res.stdout.split())
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for line in ("nothing lost │ yes", "order per user stream │ yes",
+                 "streamed tokens = results │ yes", "processes left behind │ yes"):
+        assert line in out, out[-2000:]
+    assert "killed embedding worker" in out  # not a terminal: progress lines, no dashboard
+    assert took < 60, f"mtq demo took {took:.0f} s"
+    assert processes_naming(redis_url) == [], "processes of the demo outlived it"
