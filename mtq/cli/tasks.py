@@ -105,6 +105,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         task = q.submit(value, stream=stream, key=key, ttl=ttl)
     except MtqError as exc:
         fail_on(exc)
+    if follow or wait is not None:
+        _hint_if_unserved(q)
     if follow:
         sys.exit(_follow(task, wait, as_json))
     if wait is None:
@@ -122,6 +124,18 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     click.echo(json.dumps({"id": task.id, "status": "succeeded", "result": result},
                           default=repr, ensure_ascii=False) if as_json
                else json.dumps(result, default=repr, ensure_ascii=False))
+
+
+def _hint_if_unserved(q: Any) -> None:
+    """Say so when no worker serves the queue: waiting would wait for nothing."""
+    from mtq.workers.registry import list_workers
+
+    try:
+        if not list_workers(q.redis, q.name):
+            err_console.print(f"[yellow]no worker serves {q.name!r} yet[/]: the task waits "
+                              f"until one does ('mtq workers start TARGET --queue {q.name}')")
+    except MtqError:
+        pass  # the wait itself reports an unreachable Redis
 
 
 def _follow(task: Any, timeout: float | None, as_json: bool) -> int:

@@ -288,6 +288,7 @@ def test_submit_follow_prints_tokens_live(runner: CliRunner, redis_url: str,
 def test_submit_follow_times_out(runner: CliRunner, redis_url: str, qname: str) -> None:
     res = run(runner, "submit", qname, "{}", "--follow", "--wait", "0.3", "--redis", redis_url)
     assert res.exit_code == 6 and "did not finish" in flat(res.output), res.output
+    assert f"no worker serves '{qname}' yet" in flat(res.output)  # a new user's hint
 
 
 def test_submit_file_with_a_summary(runner: CliRunner, redis_url: str, qname: str,
