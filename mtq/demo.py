@@ -373,8 +373,8 @@ def _kill_an_embedder(q: Queue, users: int, out: list[tuple[Task, int, int]],
             if not message:
                 continue
             event = json.loads(message["data"])
-            if event.get("event") != "started":
-                continue
+            if event.get("event") != "started" or len(event.get("ids", [])) < min(4, users):
+                continue  # a batch big enough to be still running when the kill lands
             pid = int(str(event.get("worker", "::")).split(":")[1] or 0)
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -248,6 +248,39 @@ def test_purge_in_chunks(runner: CliRunner, redis_url: str, qname: str) -> None:
     assert (q.stats()["waiting"], q.stats()["streams"]) == (0, 0)
 
 
+def test_purge_killed_mid_way_leaves_a_consistent_queue(
+        redis_url: str, qname: str, r: Any, subprocess_env: dict[str, str]) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    q = mtq.Queue(qname, redis_url)
+    tasks = q.submit_many([mtq.Request({"i": i}, stream=f"s{i % 500}") for i in range(20_000)])
+    proc = subprocess.Popen([sys.executable, "-m", "mtq", "purge", qname, "--yes",
+                             "--redis", redis_url], env=subprocess_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: q.stats()["waiting"] < 20_000 or proc.poll() is not None, 30,
+                 "the purge did not start")
+        proc.send_signal(signal.SIGKILL)  # between two chunks, or inside Redis' atomic one
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    keys = q.broker.keys
+    pipe = r.pipeline(transaction=False)
+    for t in tasks:
+        pipe.hget(keys.task(t.id), "status")
+    statuses = [s.decode() for s in pipe.execute()]
+    assert set(statuses) <= {"queued", "cancelled"}
+    stats = q.stats()
+    assert stats["waiting"] == statuses.count("queued")  # the counters match the tasks
+    assert stats["cancelled"] == statuses.count("cancelled")
+    assert q.purge() == statuses.count("queued")  # a second purge finishes the job
+    assert (q.stats()["waiting"], q.stats()["streams"]) == (0, 0)
+    assert mtq.Consumer(qname, redis_url).claim(10) == []
+
+
 def test_purge_unknown_queue(runner: CliRunner, redis_url: str, qname: str) -> None:
     res = run(runner, "purge", qname, "--yes", "--redis", redis_url)
     assert res.exit_code == 3 and "unknown queue" in flat(res.output)
