@@ -178,7 +178,7 @@ class _Supervisors:
         deadline = time.monotonic() + 10
         while (left := [pid for pid in self.seen if _alive(pid)]) and \
                 time.monotonic() < deadline:
-            time.sleep(0.05)
+            time.sleep(0.05)  # they are not our children: nothing to wait on but /proc
         self.log.close()
         return sorted(left)
 

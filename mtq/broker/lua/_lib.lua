@@ -174,6 +174,25 @@ local function release_stream(s)
   return 0
 end
 
+-- Queue a task at the tail of its stream (s: a name, or false / '' for none) or of
+-- the free list. Returns two counts (0 or 1): the stream or the free list became
+-- claimable (wake a worker), and the stream list was empty before (stats 'streams').
+local function push_tail(id, s)
+  if s and s ~= '' then
+    if redis.call('RPUSH', K_STREAM .. s, id) == 1 then
+      if redis.call('SISMEMBER', K_BUSY, s) == 0 then
+        redis.call('RPUSH', K_READY, s)
+        return 1, 1
+      end
+      return 0, 1
+    end
+    return 0, 0
+  elseif redis.call('RPUSH', K_FREE, id) == 1 then
+    return free_mark(), 0
+  end
+  return 0, 0
+end
+
 -- Put a task back at the head of its stream (or of the free list), claimable at once.
 local function requeue_head(id, s)
   redis.call('HSET', K_TASK .. id, 'status', 'queued')

@@ -34,18 +34,8 @@ for _, id in ipairs(ids) do
       redis.call('PERSIST', K_TRACE .. id)
       redis.call('DEL', K_OUT .. id)
       note(id, now, 'queued', 'retried from the dead letters')
-      local s = redis.call('HGET', tk, 'stream')
-      if s then
-        if redis.call('RPUSH', K_STREAM .. s, id) == 1 then
-          new_streams = new_streams + 1
-          if redis.call('SISMEMBER', K_BUSY, s) == 0 then
-            redis.call('RPUSH', K_READY, s)
-            newly = newly + 1
-          end
-        end
-      elseif redis.call('RPUSH', K_FREE, id) == 1 then
-        newly = newly + free_mark()
-      end
+      local claimable, new_stream = push_tail(id, redis.call('HGET', tk, 'stream'))
+      newly, new_streams = newly + claimable, new_streams + new_stream
       reply('queued', redis.call('HGET', tk, 'reply'), id)
       requeued[#requeued + 1] = id
     end

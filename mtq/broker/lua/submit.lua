@@ -40,17 +40,8 @@ for i = 0, n - 1 do
     if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
     redis.call('HSET', tk, unpack(f))
     note(id, now, 'queued', s ~= '' and ('stream ' .. s) or nil)
-    if s ~= '' then
-      if redis.call('RPUSH', K_STREAM .. s, id) == 1 then
-        new_streams = new_streams + 1
-        if redis.call('SISMEMBER', K_BUSY, s) == 0 then
-          redis.call('RPUSH', K_READY, s)
-          newly = newly + 1
-        end
-      end
-    elseif redis.call('RPUSH', K_FREE, id) == 1 then
-      newly = newly + free_mark()
-    end
+    local claimable, new_stream = push_tail(id, s)
+    newly, new_streams = newly + claimable, new_streams + new_stream
     added = added + 1
     out[i + 1] = id
     reply('queued', reply_to, id)
