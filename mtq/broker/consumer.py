@@ -9,9 +9,11 @@ single round trip, which is what the workers' hot loop uses.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,8 +34,11 @@ from mtq.broker.protocol import (
     Claimed,
     ClaimResult,
 )
+from mtq.errors import MtqError
 from mtq.settings import QueueSettings
 from mtq.validation import check_queue_name
+
+log = logging.getLogger(__name__)
 
 #: longest single sleep on the wake list when no timer is pending (a safety net)
 MAX_IDLE_S = 10.0
@@ -219,6 +224,25 @@ class Consumer:
                 failed.append(Outcome(t, ok=False, retryable=False,
                                       error=f"{type(exc).__name__}: token {c.index}: {exc}"))
         return items, failed, bad
+
+    def settle_retrying(self, outcomes: Sequence[Outcome], chunks: Sequence[Chunk] = (),
+                        give_up_after: float | None = None) -> SettleReport | None:
+        """:meth:`settle`, retried with backoff while Redis is unreachable; None when
+        ``give_up_after`` seconds passed (the tasks run again when their leases expire)."""
+        start = time.monotonic()
+        delay = 0.05
+        while True:
+            try:
+                return self.settle(outcomes, chunks)
+            except MtqError:
+                log.warning("settling %d task(s) failed; retrying", len(outcomes),
+                            exc_info=True)
+                if give_up_after is not None and time.monotonic() - start > give_up_after:
+                    log.error("gave up settling %d task(s); they run again when their "
+                              "leases expire", len(outcomes))
+                    return None
+                time.sleep(delay)  # back off while Redis is unreachable
+                delay = min(delay * 2, 2.0)
 
     def settle_and_claim(self, outcomes: Sequence[Outcome], batch_size: int,
                          lease_ms: int | None = None, chunks: Sequence[Chunk] = ()

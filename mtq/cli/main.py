@@ -320,8 +320,6 @@ def demo(url: str | None, users: int, duration: float, no_kill: bool,
     model served by supervised worker processes, a crowd of users chatting in
     their own FIFO streams, a worker killed mid-run, the dashboard live; then a
     summary of what was checked. Leaves no process behind."""
-    import time
-
     from mtq.broker.connection import resolve_url
     from mtq.demo import Tick, run
 
@@ -354,11 +352,11 @@ def demo(url: str | None, users: int, duration: float, no_kill: bool,
         _fail(exc)
     if report.skipped:
         fail(f"the demo needs torch: {report.skipped}", 2)
-    _demo_summary(report, time.monotonic())
+    _demo_summary(report)
     sys.exit(0 if report.ok else 1)
 
 
-def _demo_summary(report: Any, _now: float) -> None:
+def _demo_summary(report: Any) -> None:
     def yes(ok: bool, detail: str = "") -> str:
         return ("[green]yes[/]" if ok else "[red]NO[/]") + (f" ({detail})" if detail else "")
 

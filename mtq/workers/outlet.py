@@ -60,7 +60,6 @@ from mtq.broker.consumer import (
     encode,
 )
 from mtq.broker.protocol import Claimed
-from mtq.errors import MtqError
 from mtq.settings import QueueSettings
 
 if TYPE_CHECKING:
@@ -212,7 +211,11 @@ class Outlet:
             self.dead = True
             pending = sorted(self._pending)
             self._pending.clear()
-        code = self.proc.wait(5) if self.proc is not None else None
+        try:
+            code = self.proc.wait(5) if self.proc is not None else None
+        except subprocess.TimeoutExpired:  # it closed its pipe but lives on: end it
+            self.proc.kill()  # type: ignore[union-attr]
+            code = self.proc.wait(5)  # type: ignore[union-attr]
         w = self.w
         with w._lock:
             running = set(w._held)
@@ -306,25 +309,14 @@ def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int,
 
 def _settle(consumer: Consumer, outcomes: list[Outcome], chunks: list[Chunk],
             give_up_after: float | None) -> SettleReport | None:
-    """Settle in one round trip, retrying while Redis is unreachable; None when it
-    gave up (the tasks run again when their leases expire)."""
-    start = time.monotonic()
-    delay = 0.05
-    while True:
-        try:
-            return consumer.settle(outcomes, chunks)
-        except MtqError:
-            log.warning("settling %d task(s) failed; retrying", len(outcomes), exc_info=True)
-            if give_up_after is not None and time.monotonic() - start > give_up_after:
-                log.error("gave up settling %d task(s); they run again when their leases "
-                          "expire", len(outcomes))
-                return None
-            time.sleep(delay)  # back off while Redis is unreachable
-            delay = min(delay * 2, 2.0)
-        except Exception:  # never die on one bad batch: nothing would settle again
-            log.exception("settling %d task(s) failed; they run again when their leases "
-                          "expire", len(outcomes))
-            return None
+    """Settle in one round trip (retried while Redis is unreachable); None when it
+    gave up or failed (the tasks run again when their leases expire)."""
+    try:
+        return consumer.settle_retrying(outcomes, chunks, give_up_after)
+    except Exception:  # never die on one bad batch: nothing would settle again
+        log.exception("settling %d task(s) failed; they run again when their leases "
+                      "expire", len(outcomes))
+        return None
 
 
 def main(argv: Sequence[str]) -> int:

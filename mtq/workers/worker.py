@@ -524,22 +524,9 @@ class Worker:
 
     def _settle(self, outcomes: list[Outcome], give_up_after: float | None,
                 chunks: Sequence[Chunk] = ()) -> None:
-        start = time.monotonic()
-        delay = 0.05
-        while True:
-            try:
-                report = self.consumer.settle(outcomes, chunks)
-                break
-            except MtqError:
-                log.warning("settling %d task(s) failed; retrying", len(outcomes), exc_info=True)
-                if give_up_after is not None and time.monotonic() - start > give_up_after:
-                    log.error("gave up settling %d task(s); they run again when their leases "
-                              "expire", len(outcomes))
-                    self._forget([o.task.id for o in outcomes])
-                    return
-                time.sleep(delay)  # back off while Redis is unreachable
-                delay = min(delay * 2, 2.0)
-        self._record(report)
+        report = self.consumer.settle_retrying(outcomes, chunks, give_up_after)
+        if report is not None:
+            self._record(report)
         self._forget([o.task.id for o in outcomes])
 
     def _record(self, report: SettleReport) -> None:
