@@ -85,7 +85,7 @@ class Sizes:
     quiet_s: float    # longest wait for a quiet machine before each step
 
 
-FULL = Sizes(max_tokens=300, start=20, reps8=6, reps32=3, mixed_n=96, mixed_reps=4,
+FULL = Sizes(max_tokens=300, start=20, reps8=10, reps32=4, mixed_n=96, mixed_reps=4,
              noop_n=2000, noop_warm=100, pub_msgs=3000, quiet_s=15)
 QUICK = Sizes(max_tokens=300, start=20, reps8=2, reps32=1, mixed_n=96, mixed_reps=1,
               noop_n=300, noop_warm=100, pub_msgs=800, quiet_s=2)
@@ -216,9 +216,12 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
         for b, reps in ((8, s.reps8), (32, s.reps32)):
             before = worker_entry(r, q.name, proc)
             for _ in range(reps):  # in turns, so that a change of load hits all three
-                raws[b].append(raw.rate(b, steps, raw_prompt))
+                before = raw.rate(b, steps, raw_prompt)
                 pubs[b].append(raw.rate(b, steps, raw_prompt, publish=server.url))
                 runs[b].append(stream_run(r, q, b, s.max_tokens, s.start, proc))
+                # raw on both sides of the turn: this host's speed drifts by several
+                # percent within seconds, and a turn is compared with its own raw rate
+                raws[b].append((before + raw.rate(b, steps, raw_prompt)) / 2)
             after = worker_entry(r, q.name, proc)
             work[b] = {k: float(after[k]) - float(before[k]) for k in ("predict_s", "batches")}
         proc.stop()
@@ -475,7 +478,8 @@ NOTES = [
     "position); 'streaming thread': the same loop plus a thread that sends each step's tokens "
     "with `Consumer.settle` (gen_targets.publisher_rate), what a worker did before its "
     "tokens went to an outlet process (mtq/workers/outlet.py; docs/streaming.md says why). "
-    "Raw, streaming and served runs are taken in turns; ratios are per turn.",
+    "Raw, streaming and served runs are taken in turns, raw at the start and at the end of "
+    "each turn; a turn's ratios are against the mean of its two raw rates.",
     "Continuous vs static: the same 96 payloads (seed 11), one `submit_many` in a group; "
     "tokens/s = generated tokens / (last success callback - submit). Both serve TinyGPT in "
     "float32 (benchmarks/gen_targets.py says why); static mode gathers the next batch in the "

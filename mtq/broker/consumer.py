@@ -74,10 +74,11 @@ class Outcome:
     cancelled: bool = False    # the handler stopped on a cancel request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Chunk:
     """A token (or chunk) of a running task, streamed to its client; index -1 is a
-    progress report."""
+    progress report. (Not frozen: a generator makes one per token, and a frozen
+    dataclass's ``__init__`` costs three times as much.)"""
 
     task: Claimed
     index: int

@@ -131,6 +131,9 @@ class BatchSlot:
         continuous-batching engine admits between steps). ``block``: when the slot is
         empty, wait for a task. Returns None once closed, [] after :meth:`kick`.
         A suspect is returned alone (the engine runs it with nothing else)."""
+        if not block and not self._pending and not self.closed and not self._kicked:
+            return []  # most decode steps: nothing new (no lock taken; a task put just
+            # now is taken at the next step)
         with self.cond:
             while True:
                 if self.closed:

@@ -61,6 +61,7 @@ class GenerationEngine:
         #: claimed and admitted, waiting for room in the budgets
         self.waiting: collections.deque[_Request] = collections.deque()
         self.steps = 0
+        self._state: tuple[bool, int, int] | None = None  # what _set_busy last told
 
     # -- bookkeeping -------------------------------------------------------------
     def _room(self) -> int:
@@ -146,15 +147,23 @@ class GenerationEngine:
 
     def _set_busy(self, busy: bool) -> None:
         w = self.w
-        with w._lock:
-            w._busy = busy
-            w._current = len(self.running)
+        current = len(self.running)
         # continuous: claim only into the room the running batch leaves; static: the
         # next batch gathers in the slot while this one runs
-        w.slot.reserve(len(self.running) + len(self.waiting) if self.model.continuous else 0)
+        reserve = current + len(self.waiting) if self.model.continuous else 0
+        state = (busy, current, reserve)
+        if state == self._state:  # most steps: nothing to tell (no lock taken)
+            return
+        self._state = state
+        with w._lock:
+            w._busy = busy
+            w._current = current
+        w.slot.reserve(reserve)
 
     def _drop_aborted(self) -> None:
         w = self.w
+        if not w._cancel and not w._lost:  # most steps (a set's truth needs no lock)
+            return
         with w._lock:
             cancel = set(w._cancel)
             lost = set(w._lost)
@@ -199,7 +208,7 @@ class GenerationEngine:
         """Move waiting requests into the batch within max_running and the budgets.
         A suspect (it took a process down before) runs alone."""
         m = self.model
-        if any(r.task.suspect for r in self.running):
+        if not self.waiting or any(r.task.suspect for r in self.running):
             return []
         cap = self.w.policy.max_batch_size - len(self.running)
         prefill_left = m.max_prefill_tokens
@@ -296,16 +305,16 @@ class GenerationEngine:
 
     def _retire(self, chunks: list[Chunk], outcomes: list[Outcome], reqs: list[_Request]) -> None:
         """Finish the requests that ended this step (or reached their max_tokens)."""
-        done = []
-        live = {id(r) for r in self.running}
+        ended = False
         for r in reqs:
-            if id(r) not in live:
-                continue
             g = r.gen
             if not g.finished and g.max_tokens and len(g.tokens) >= g.max_tokens:
                 g.finish()
-            if g.finished:
-                done.append(r)
+            ended = ended or g.finished
+        if not ended:  # most steps
+            return
+        live = {id(r) for r in self.running}
+        done = [r for r in reqs if id(r) in live and r.gen.finished]
         if not done:
             return
         ids = {id(r) for r in done}

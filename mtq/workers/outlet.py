@@ -5,12 +5,23 @@ worker process, each Redis trip (encode the call, send, parse the reply; about
 0.1 ms of Python) takes the GIL from the model thread and hands it back, and on a
 small host that costs the model 10-15 % of its decode rate. So, as vLLM moved
 output processing out of its engine process, a worker serving a
-:class:`~mtq.workers.generator.Generator` hands its tokens and outcomes, already
-encoded, through a pipe to ``python -m mtq.workers.outlet``, which streams,
-acknowledges and retries them exactly as the publisher thread would (the same
-:meth:`Consumer.settle <mtq.broker.consumer.Consumer.settle>`, fenced by the same
-lease tokens). The model thread's cost per step is one ``msgpack.packb`` and one
-``os.write``.
+:class:`~mtq.workers.generator.Generator` hands its tokens and outcomes through a
+pipe to ``python -m mtq.workers.outlet``, which streams, acknowledges and retries
+them exactly as the publisher thread would (the same :meth:`Consumer.settle
+<mtq.broker.consumer.Consumer.settle>`, fenced by the same lease tokens).
+
+The model thread's cost per step is one ``msgpack.packb`` and one ``os.write``,
+and no wake-up of another process:
+
+* plain tokens (str, bytes, int, float, bool) cross the pipe as they are and
+  the outlet encodes them; anything else (a tensor, a list) is encoded in the
+  worker, so a value that cannot be encoded fails its own task there;
+* while tokens flow, the outlet reads the pipe on its own timer, every
+  ``Generator.stream_interval_ms`` (see :class:`_PacedReader`), so a write
+  finds nobody waiting on the pipe. A write that wakes a waiting reader runs
+  that reader, as often as not, on the model thread's core, preempting it. It
+  waits on the pipe again only once it finds the pipe empty, so the first token
+  after a pause leaves at once.
 
 The outlet answers with what each trip settled (counters, lost leases, streams to
 stop), read by a thread of the worker that never blocks the model. Ordering and
@@ -29,8 +40,9 @@ Faults:
   when its worker closes the pipe, after the worker's graceful stop.
 
 Wire format, msgpack over two pipes: worker -> outlet ``["hello", {...}]`` then
-``["settle", chunks, outcomes]`` ... ``["end"]``; outlet -> worker ``["report",
-{...}]`` ... ``["bye"]``.
+``["settle", chunks, outcomes]`` ... ``["end"]``, a chunk being ``[task id, lease
+token, index, value, plain]`` (``plain``: the value itself, else its encoded
+bytes); outlet -> worker ``["report", {...}]`` ... ``["bye"]``.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ import dataclasses
 import logging
 import os
 import queue
+import select
 import signal
 import subprocess
 import sys
@@ -71,6 +84,8 @@ log = logging.getLogger(__name__)
 REPORT_EVERY_S = 1.0
 #: how long a stopping outlet keeps retrying while Redis is unreachable
 GIVE_UP_AFTER_S = 10.0
+#: the ints msgpack carries (a token outside goes through encode(), which says so)
+_INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -88,6 +103,49 @@ def _messages(fd: int) -> Any:
             return
         unpacker.feed(data)
         yield from unpacker
+
+
+class _PacedReader:
+    """The outlet's side of the pipe: msgpack messages until end-of-file.
+
+    While tokens flow it reads at most every :attr:`pace_s`, woken by its own
+    timer, and blocks on the pipe only once it found it empty. A pipe write wakes
+    a reader waiting on it synchronously, and the kernel then tends to run that
+    reader on the writer's core, where it preempts the model thread: waiting on a
+    timer instead, the outlet costs the model thread one ``os.write`` per step and
+    no wake-up (the trips were paced anyway: ``Generator.stream_interval_ms``).
+    """
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.pace_s = 0.0
+        self._unpacker = msgpack.Unpacker(raw=False)
+        os.set_blocking(fd, False)
+
+    def _read(self, wait: bool) -> bytes | None:
+        """What the pipe holds (b"" at end-of-file); None if empty and not ``wait``."""
+        while True:
+            try:
+                return os.read(self.fd, 1 << 20)
+            except BlockingIOError:
+                if not wait:
+                    return None
+                select.select([self.fd], [], [])
+
+    def __iter__(self) -> Any:
+        wait = True
+        while True:
+            data = self._read(wait)
+            if data is None:  # found empty after a pause: block until the next write
+                wait = True
+                continue
+            if not data:
+                return
+            self._unpacker.feed(data)
+            yield from self._unpacker
+            wait = self.pace_s <= 0
+            if not wait:
+                time.sleep(self.pace_s)
 
 
 # -- worker side -----------------------------------------------------------------
@@ -139,11 +197,18 @@ class Outlet:
         bad: set[str] = set()
         for x in items:
             t = x.task
-            if isinstance(x, Chunk):
+            if type(x) is Chunk:
                 if t.id in bad:
                     continue
+                v = x.value
+                kind = type(v)
+                if kind is str or kind is bytes or kind is float or v is None or kind is bool \
+                        or (kind is int and _INT_MIN <= v <= _INT_MAX):
+                    # plain: it crosses the pipe as it is, the outlet encodes it
+                    chunks.append([t.id, t.token, x.index, v, True])
+                    continue
                 try:
-                    chunks.append([t.id, t.token, x.index, encode(x.value)])
+                    chunks.append([t.id, t.token, x.index, encode(v), False])
                 except Exception as exc:  # an unencodable token fails its task alone
                     bad.add(t.id)
                     outcomes.append(self._row(t, False, None, f"{type(exc).__name__}: token "
@@ -251,25 +316,19 @@ def _claimed(row: Sequence[Any]) -> Claimed:
     return Claimed(row[0], row[1], b"", None, row[2], row[3], row[4])
 
 
-def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int,
-                 interval_s: float) -> None:
+def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int) -> None:
     done = ended = False
-    last_trip = 0.0
     last_report = time.monotonic()
     tally = SettleReport()
     settled: list[str] = []
     while not done:
         msg = inbox.get()
-        gap = interval_s - (time.monotonic() - last_trip)
-        if gap > 0 and msg is not None and msg[0] == "settle":
-            time.sleep(gap)  # let a few decode steps' tokens gather into one trip
-        last_trip = time.monotonic()
         chunks: list[Chunk] = []
         outcomes: list[Outcome] = []
         while msg is not None:
             if msg[0] == "settle":
-                chunks += [Chunk(Claimed(c[0], c[1], b"", None, 0, 0, None), c[2], Encoded(c[3]))
-                           for c in msg[1]]
+                chunks += [Chunk(Claimed(c[0], c[1], b"", None, 0, 0, None), c[2],
+                                 c[3] if c[4] else Encoded(c[3])) for c in msg[1]]
                 outcomes += [Outcome(_claimed(o), ok=o[5], value=Encoded(o[6]) if o[5] else None,
                                      error=o[7], retryable=o[8], cancelled=o[9]) for o in msg[2]]
             elif msg[0] == "end":
@@ -327,11 +386,13 @@ def main(argv: Sequence[str]) -> int:
                         format="%(asctime)s %(levelname)s mtq.outlet[%(process)d] %(message)s")
     in_fd, out_fd = int(argv[0]), int(argv[1])
     inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-    messages = _messages(in_fd)
+    reader = _PacedReader(in_fd)
+    messages = iter(reader)
     hello = next(messages, None)
     if hello is None or hello[0] != "hello":
         return 2
     h = hello[1]
+    reader.pace_s = float(h["interval_ms"]) / 1000
     consumer = Consumer(h["queue"], h["url"], settings=QueueSettings(**h["settings"]),
                         worker_id=h["worker_id"])
 
@@ -343,7 +404,7 @@ def main(argv: Sequence[str]) -> int:
             inbox.put(["eof"])
 
     threading.Thread(target=read, name="mtq-outlet-read", daemon=True).start()
-    _settle_loop(consumer, inbox, out_fd, float(h["interval_ms"]) / 1000)
+    _settle_loop(consumer, inbox, out_fd)
     return 0
 
 

@@ -557,6 +557,55 @@ def test_bad_token_through_the_outlet_fails_its_task_alone(
     assert w._outlet is not None and not w._outlet.dead
 
 
+def test_token_values_of_every_kind_cross_the_outlet_unchanged(
+        qname: str, redis_url: str, client: redis.Redis) -> None:
+    """Plain tokens cross the pipe as they are and the outlet encodes them; others are
+    encoded in the worker: the client gets the same values either way."""
+    import torch
+
+    values: list[Any] = ["text", "", "é🙂", b"\x00\xffbytes", 0, -(2**63), 2**64 - 1, 2**63,
+                         1.5, float("-inf"), True, False, [1, "a", None], {"k": [1.0]},
+                         torch.arange(3, dtype=torch.int16)]
+
+    class Kinds(Counter):
+        def decode(self, requests: list[mtq.Generation]) -> list[Any]:
+            super().decode(requests)
+            return [values[len(r.tokens)] for r in requests]
+
+    q = mtq.Queue(qname, client=client, settings=FAST)
+    t = q.submit({"n": len(values), "start": 0})
+    w = make_worker(Kinds(), qname, redis_url)
+    with serving(w) as run:
+        got = list(t.tokens(timeout=10))
+        run.stop()
+    assert w._outlet is not None and not w._outlet.dead  # they went through the outlet
+    assert got[0] == 0  # prefill's token; the rest come from decode
+    for want, have in zip(values[1:], got[1:]):
+        if isinstance(want, torch.Tensor):
+            assert torch.equal(have, want) and have.dtype == want.dtype
+        else:
+            assert have == want and type(have) is type(want), (want, have)
+    assert len(got) == len(values)
+
+
+def test_a_token_outside_msgpack_ints_fails_its_task_alone(
+        qname: str, redis_url: str, client: redis.Redis) -> None:
+    class Huge(Counter):
+        def decode(self, requests: list[mtq.Generation]) -> list[Any]:
+            toks = super().decode(requests)
+            return [2**64 if r.payload.get("huge") == len(r.tokens) else tok
+                    for r, tok in zip(requests, toks)]
+
+    q = mtq.Queue(qname, client=client, settings=FAST)
+    bad, good = q.submit_many([{"n": 10, "huge": 2, "step_ms": 5}, {"n": 10, "step_ms": 5}])
+    w = make_worker(Huge(), qname, redis_url)
+    with serving(w) as run:
+        assert good.result(timeout=10)["tokens"] == list(range(10))
+        with pytest.raises(mtq.TaskFailed, match="token 2.*64-bit range"):
+            bad.result(timeout=10)
+        run.stop()
+
+
 # -- 7. seeds --------------------------------------------------------------------------
 def test_tinygpt_seeded_request_gives_the_same_text_alone_and_in_a_batch(
         qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
