@@ -216,12 +216,12 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
         for b, reps in ((8, s.reps8), (32, s.reps32)):
             before = worker_entry(r, q.name, proc)
             for _ in range(reps):  # in turns, so that a change of load hits all three
-                before = raw.rate(b, steps, raw_prompt)
+                raw0 = raw.rate(b, steps, raw_prompt)
                 pubs[b].append(raw.rate(b, steps, raw_prompt, publish=server.url))
                 runs[b].append(stream_run(r, q, b, s.max_tokens, s.start, proc))
                 # raw on both sides of the turn: this host's speed drifts by several
                 # percent within seconds, and a turn is compared with its own raw rate
-                raws[b].append((before + raw.rate(b, steps, raw_prompt)) / 2)
+                raws[b].append((raw0 + raw.rate(b, steps, raw_prompt)) / 2)
             after = worker_entry(r, q.name, proc)
             work[b] = {k: float(after[k]) - float(before[k]) for k in ("predict_s", "batches")}
         proc.stop()

@@ -237,10 +237,17 @@ class AsyncFeed(Feed):
             pass
 
     async def get(self, timeout: float | None) -> Event | str | None:
+        if not self.queue.empty():  # a token stream mostly finds its next item waiting
+            return self.queue.get_nowait()
         try:
             return await asyncio.wait_for(self.queue.get(), timeout)
         except asyncio.TimeoutError:
             return None
+
+
+def _put_all(items: list[tuple[asyncio.Queue[Event | str], Event | str]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 class CallbackFeed(Feed):
@@ -382,10 +389,18 @@ class Hub:
             return
         with self._lock:  # copies: a reader may close its feed while we deliver
             targets = [(list(self._feeds.get((queue, tid), ())), ev) for tid, ev in items]
+        loops: dict[asyncio.AbstractEventLoop, list[Any]] = {}
         for feeds, ev in targets:
-            if feeds:
-                for f in feeds:
+            for f in feeds:
+                if type(f) is AsyncFeed:  # one wake-up of each event loop per message
+                    loops.setdefault(f.loop, []).append((f.queue, ev))
+                else:
                     f.push(ev)
+        for loop, batch in loops.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # the loop is closed: nobody is reading any more
+                pass
 
     # -- feeds ---------------------------------------------------------------------
     def open(self, feed: Feed) -> None:
