@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import select
 import subprocess
 import sys
 import threading
@@ -118,12 +117,23 @@ class RawDecoder:
         self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gen_targets"], env=env,
                                      cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # a thread reads the answers: select() on a buffered pipe misses lines that
+        # readline() already pulled into the buffer (several answers after a few asks)
+        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+        threading.Thread(target=self._read_lines, daemon=True).start()
         self.read(120)
 
-    def read(self, timeout: float) -> dict[str, Any]:
+    def _read_lines(self) -> None:
         assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        line = self.proc.stdout.readline() if ready else ""
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")
+
+    def read(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            line = ""
         if not line:
             self.close()
             raise SystemExit(f"benchmarks.gen_targets gave no answer within {timeout:.0f} s")
