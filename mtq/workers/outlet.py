@@ -144,7 +144,7 @@ class _PacedReader:
             self._unpacker.feed(data)
             yield from self._unpacker
             wait = self.pace_s <= 0
-            if not wait:
+            if not wait:  # pacing, not a wait for an event: see the docstring
                 time.sleep(self.pace_s)
 
 
