@@ -11,7 +11,9 @@
   worker's publisher thread does (:func:`publisher_rate`; a generator's worker
   now publishes from its outlet process instead, and this is what that replaced); :class:`RawDecoder`
   drives it. The benchmark takes raw rates in turns with the served runs, in a
-  process with the worker's thread settings;
+  process with the worker's thread settings. A line ``{"mixed": [payload, ...],
+  "continuous": bool}`` instead runs those payloads through :func:`schedule_rate` on
+  a :class:`ContinuousTinyGPT` (the mixed workload's ceiling, without a queue);
 * ``python -m benchmarks.gen_targets publish PORT N SIZE GAP`` and ``... echo PORT``:
   the baselines' other process: raw PUBLISH of N messages of SIZE bytes carrying the
   publish time, one every GAP s (:func:`publish`); a hand-rolled queue worker,
@@ -20,6 +22,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -107,6 +110,45 @@ def publisher_rate(model: TinyGPT, b: int, steps: int, prompt: str, url: str) ->
         model.release(batch)
 
 
+def _append(requests: list[Generation], tokens: list[Any]) -> None:
+    for r, t in zip(requests, tokens):  # as the engine records a step's tokens
+        r.tokens.append(t)
+
+
+def schedule_rate(model: TinyGPT, payloads: list[Any], continuous: bool) -> float:
+    """Generated tokens/s of ``payloads`` run to completion in this thread, scheduled
+    as the engine schedules them but with nothing between the steps: no queue, no
+    Redis, no outlet, every request claimed before the first step. Each turn admits
+    waiting requests in order up to ``max_running`` (``continuous``: whenever there is
+    room; static: only once the running batch has finished), prefills them and runs
+    one decode step of all running requests: the ceiling of the served figure."""
+    requests = [Generation(f"mix-{i}", p, i) for i, p in enumerate(payloads)]
+    for r in requests:
+        model.admit(r)
+    waiting = collections.deque(requests)
+    running: list[Generation] = []
+    t0 = time.perf_counter()
+    try:
+        while waiting or running:
+            if continuous or not running:
+                new = [waiting.popleft() for _ in range(min(len(waiting),
+                                                            model.max_running - len(running)))]
+                if new:
+                    running += new
+                    _append(new, model.prefill(new))
+            live = [r for r in running if not r.finished]
+            if live:
+                _append(live, model.decode(live))
+            done = [r for r in running if r.finished]
+            if done:
+                model.release(done)
+                running = [r for r in running if not r.finished]
+        seconds = time.perf_counter() - t0
+    finally:
+        model.release(running)
+    return sum(len(r.tokens) for r in requests) / seconds
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -144,6 +186,12 @@ class RawDecoder:
         assert self.proc.stdin is not None
         ask = {"b": b, "steps": steps, "prompt": prompt, "publish": publish}
         self.proc.stdin.write(json.dumps(ask) + "\n")
+        self.proc.stdin.flush()
+
+    def ask_mixed(self, payloads: list[Any], continuous: bool) -> None:
+        """Start a :func:`schedule_rate` run (its answer comes back as :meth:`rate`'s)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"mixed": payloads, "continuous": continuous}) + "\n")
         self.proc.stdin.flush()
 
     def rate(self, *args: Any, **kwargs: Any) -> float:
@@ -217,11 +265,20 @@ def main() -> int:
     model = TinyGPT()
     model.setup("cpu")
     decode_rate(model, model.max_running, 20)  # allocate the cache, warm up
+    mixed: ContinuousTinyGPT | None = None  # loaded on the first mixed ask
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if not line.strip():
             continue
         ask = json.loads(line)
+        if "mixed" in ask:
+            if mixed is None:
+                mixed = ContinuousTinyGPT()
+                mixed.setup("cpu")
+                decode_rate(mixed, mixed.max_running, 20)
+            rate = schedule_rate(mixed, list(ask["mixed"]), bool(ask["continuous"]))
+            print(json.dumps({"rate": rate}), flush=True)
+            continue
         b, steps, prompt = int(ask["b"]), int(ask["steps"]), str(ask["prompt"])
         rate = (publisher_rate(model, b, steps, prompt, ask["publish"]) if ask.get("publish")
                 else decode_rate(model, b, steps, prompt=prompt))
