@@ -51,8 +51,12 @@ PURGE_CHUNK = 1000
 
 
 def new_task_id() -> str:
-    """A random 96-bit id, 16 URL-safe characters."""
-    return secrets.token_urlsafe(12)
+    """A random id of 16 URL-safe characters (about 96 bits) that does not start with
+    ``-``: on a command line, ``mtq cancel -Mx...`` would read as an option."""
+    while True:
+        task_id = secrets.token_urlsafe(12)
+        if task_id[0] != "-":  # 1 in 64 draws
+            return task_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,16 @@ def test_generated_task_ids_are_valid_and_distinct():
         assert check_task_id(tid) == tid
 
 
+def test_generated_task_ids_never_start_with_a_dash():
+    # `mtq cancel -Mx...` would read as an option; 1 draw in 64 starts with "-", so
+    # 20,000 ids would hold ~310 of them if the generator did not redraw
+    from mtq.client import new_task_id
+
+    bad = [tid for tid in (new_task_id() for _ in range(20_000)) if tid.startswith("-")]
+    assert not bad, f"generated ids starting with '-': {bad[:3]}"
+    assert len(new_task_id()) == 16
+
+
 # -- QueueSettings ---------------------------------------------------------------
 def test_queue_settings_defaults_are_valid():
     s = QueueSettings()
