@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mtq.reference.gpt import TinyGPT, decode_rate
+from mtq.reference.gpt import TinyGPT, _append, decode_rate
 from mtq.workers.generator import Generation
 
 
@@ -110,11 +110,6 @@ def publisher_rate(model: TinyGPT, b: int, steps: int, prompt: str, url: str) ->
         model.release(batch)
 
 
-def _append(requests: list[Generation], tokens: list[Any]) -> None:
-    for r, t in zip(requests, tokens):  # as the engine records a step's tokens
-        r.tokens.append(t)
-
-
 def schedule_rate(model: TinyGPT, payloads: list[Any], continuous: bool) -> float:
     """Generated tokens/s of ``payloads`` run to completion in this thread, scheduled
     as the engine schedules them but with nothing between the steps: no queue, no
@@ -135,10 +130,10 @@ def schedule_rate(model: TinyGPT, payloads: list[Any], continuous: bool) -> floa
                                                             model.max_running - len(running)))]
                 if new:
                     running += new
-                    _append(new, model.prefill(new))
+                    _append(model, new, model.prefill(new))
             live = [r for r in running if not r.finished]
             if live:
-                _append(live, model.decode(live))
+                _append(model, live, model.decode(live))
             done = [r for r in running if r.finished]
             if done:
                 model.release(done)
