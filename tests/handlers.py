@@ -27,3 +27,16 @@ def record(payload: Any) -> dict[str, Any]:
 def identity(payload: Any) -> Any:
     """Return the payload unchanged."""
     return payload
+
+
+def logged(payload: dict[str, Any]) -> dict[str, Any]:
+    """Log the call as it starts (``B``) and ends (``D``) in ``MTQ_TEST_LOG`` (the format
+    of tests/models.py), sleeping ``payload["sleep"]`` seconds in between; echo s and i."""
+    import time
+
+    from tests.models import _log
+
+    _log("B", [payload])
+    time.sleep(float(payload.get("sleep", 0)))
+    _log("D", [payload])
+    return {"pid": os.getpid(), "s": payload.get("s"), "i": payload.get("i")}

@@ -187,3 +187,44 @@ class Counter(mtq.Generator):
 
     def result(self, r: mtq.Generation) -> Any:
         return {"tokens": list(r.tokens), "s": r.payload.get("s"), "i": r.payload.get("i")}
+
+
+class Batch8(Probe):
+    """Batches of up to 8; each predict call takes 30 ms whatever its size."""
+
+    name = "batch8"
+    max_batch_size = 8
+    max_wait_ms = 5
+    call_sleep_s = 0.03
+
+
+class Bisecting(Batch8):
+    """Every call on more than one payload raises at once, so each batch is bisected
+    down to single items (each of which then takes 30 ms)."""
+
+    name = "bisecting"
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        if len(batch) > 1:
+            _log("B", batch)
+            raise ValueError(f"a batch of {len(batch)}: bisect it")
+        return super().predict(batch)
+
+
+class LoggedCounter(Counter):
+    """A :class:`Counter` that logs a ``B`` line for each call on its requests (the
+    prefill that admits them, then every decode step) and ``D`` when one ends."""
+
+    name = "logged-counter"
+
+    def prefill(self, requests: list[mtq.Generation]) -> list[Any]:
+        _log("B", [r.payload for r in requests])
+        return super().prefill(requests)
+
+    def decode(self, requests: list[mtq.Generation]) -> list[Any]:
+        _log("B", [r.payload for r in requests])
+        return super().decode(requests)
+
+    def result(self, r: mtq.Generation) -> Any:
+        _log("D", [r.payload])
+        return super().result(r)

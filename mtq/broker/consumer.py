@@ -27,6 +27,7 @@ from mtq.broker.protocol import (
     CANCEL,
     DEAD,
     FAIL,
+    LOST,
     RELEASE,
     REQUEUE,
     RETRY,
@@ -124,13 +125,22 @@ class Consumer:
         self._rng = random.Random()
 
     # -- claiming --------------------------------------------------------------
-    def _claimed(self, result: ClaimResult) -> list[Claimed]:
+    def lease_s(self, lease_ms: int | None = None) -> float:
+        """The lease a claim or extend asks for, in seconds."""
+        return (self.settings.lease_ms if lease_ms is None else lease_ms) / 1000
+
+    def _claimed(self, result: ClaimResult, sent: float, lease_ms: int | None) -> list[Claimed]:
         self.next_timer_ms = result.next_timer_ms
+        until = sent + self.lease_s(lease_ms)
+        for t in result.tasks:
+            t.live_until = until
         return result.tasks
 
     def claim(self, batch_size: int, lease_ms: int | None = None) -> list[Claimed]:
         """Claim up to ``batch_size`` tasks (one round trip)."""
-        return self._claimed(self.broker.claim(self.worker_id, batch_size, lease_ms))
+        sent = time.monotonic()
+        return self._claimed(self.broker.claim(self.worker_id, batch_size, lease_ms), sent,
+                             lease_ms)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Sleep until woken by a submit, the next timer, or ``timeout`` (BLPOP).
@@ -264,6 +274,7 @@ class Consumer:
             calls.append(self.broker.claim_call(self.worker_id, batch_size, lease_ms))
         if not calls:
             return SettleReport(), []
+        sent = time.monotonic()
         replies = self.broker.run(*calls)
         emit_codes = replies.pop(0) if items else []
         ack_codes = replies.pop(0) if acks else []
@@ -272,7 +283,7 @@ class Consumer:
         lost = {i[0] for i, c in zip(items, emit_codes) if c == Code.LEASE_LOST}
         report.stream_lost = sorted(lost | bad)
         report.streamed = sum(1 for i, c in zip(items, emit_codes) if c == 1 and i[2] >= 0)
-        claimed = self._claimed(replies[0]) if batch_size > 0 else []
+        claimed = self._claimed(replies[0], sent, lease_ms) if batch_size > 0 else []
         return report, claimed
 
     def release(self, tasks: Sequence[Claimed]) -> int:
@@ -304,15 +315,25 @@ class Consumer:
 
     def extend(self, tasks: Sequence[Claimed], lease_ms: int | None = None
                ) -> tuple[list[str], list[str]]:
-        """Extend the leases of ``tasks`` (one round trip).
+        """Extend the leases of ``tasks`` (one round trip), and record how long each is
+        now known to be live (``Claimed.live_until``; :data:`LOST` for the lost ones).
 
         Returns (lost ids, ids with a cancel request).
         """
         if not tasks:
             return [], []
+        sent = time.monotonic()
         codes = self.broker.extend([(t.id, t.token) for t in tasks], lease_ms)
-        lost = [t.id for t, c in zip(tasks, codes) if c == Code.LEASE_LOST]
-        cancel = [t.id for t, c in zip(tasks, codes) if c == 2]
+        until = sent + self.lease_s(lease_ms)
+        lost, cancel = [], []
+        for t, c in zip(tasks, codes):
+            if c == Code.LEASE_LOST:
+                t.live_until = LOST
+                lost.append(t.id)
+            else:
+                t.live_until = max(t.live_until, until)
+                if c == 2:
+                    cancel.append(t.id)
         return lost, cancel
 
     def reap(self) -> int:

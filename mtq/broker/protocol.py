@@ -26,6 +26,9 @@ from mtq.settings import QueueSettings
 RETRY, FAIL, DEAD, CANCEL, RELEASE = "retry", "fail", "dead", "cancel", "release"
 REQUEUE = "requeue"
 
+#: ``Claimed.live_until`` of a task whose lease Redis reported lost
+LOST = float("-inf")
+
 TERMINAL = frozenset({"succeeded", "failed", "dead", "cancelled", "expired"})
 
 
@@ -54,6 +57,12 @@ class Claimed:
     retries: int | None
     #: ms since it was submitted (server clock) when it was claimed
     age_ms: int = 0
+    #: local ``time.monotonic()`` until which the lease is known to be live: the time
+    #: the claim (or the last extend) was *sent* plus the lease, so never later than
+    #: Redis's own deadline; :data:`LOST` once Redis said another worker owns it.
+    #: A process that was frozen or starved finds it past and asks Redis again
+    #: before it runs the task (see ``Worker._live``).
+    live_until: float = 0.0
 
     @property
     def suspect(self) -> bool:
@@ -353,6 +362,7 @@ __all__ = [
     "CANCEL",
     "DEAD",
     "FAIL",
+    "LOST",
     "RELEASE",
     "REQUEUE",
     "RETRY",

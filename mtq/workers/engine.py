@@ -31,6 +31,7 @@ from mtq.broker.protocol import Claimed
 from mtq.errors import PayloadError, PermanentError
 from mtq.workers.batching import BatchShapeError
 from mtq.workers.generator import _UNSET, Generation, Generator
+from mtq.workers.worker import REVALIDATE_BELOW
 
 if TYPE_CHECKING:
     from mtq.workers.worker import Worker
@@ -62,6 +63,8 @@ class GenerationEngine:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.steps = 0
         self._state: tuple[bool, int, int] | None = None  # what _set_busy last told
+        #: monotonic time at which a running request's lease needs checking again
+        self._check_at = float("inf")
 
     # -- bookkeeping -------------------------------------------------------------
     def _room(self) -> int:
@@ -132,6 +135,10 @@ class GenerationEngine:
             admitting = not closed and not reload_due and (self.model.continuous
                                                            or not self.running)
             new = self._admit() if admitting else []
+            if self.running and time.monotonic() >= self._check_at:
+                self._check_leases(self.running)
+            if new:
+                new = self._check_leases(new)
             chunks: list[Chunk] = []
             outcomes: list[Outcome] = []
             if new:
@@ -159,6 +166,28 @@ class GenerationEngine:
             w._busy = busy
             w._current = current
         w.slot.reserve(reserve)
+
+    def _check_leases(self, reqs: list[_Request]) -> list[_Request]:
+        """Keep the requests whose lease this process can show to be live (see
+        ``Worker._live``); the others were reclaimed while it was stopped or starved:
+        running ones are dropped before the next step, admitted ones are never
+        prefilled. Returns the live ones of ``reqs``."""
+        w = self.w
+        live = w._live([r.task for r in reqs])
+        if len(live) < len(reqs):
+            kept = {id(t) for t in live}
+            gone = {id(r) for r in reqs if id(r.task) not in kept}
+            was_running = [r for r in self.running if id(r) in gone]
+            if was_running:  # prefilled: their state is freed as for any request leaving
+                self.running = [r for r in self.running if id(r) not in gone]
+                self._release(was_running)
+                self._monitor()
+            reqs = [r for r in reqs if id(r) not in gone]
+        # the next check is due when the earliest of these leases is no longer known live
+        floor = w.consumer.lease_s() * REVALIDATE_BELOW
+        self._check_at = min((r.task.live_until for r in (*self.running, *reqs)),
+                             default=float("inf")) - floor
+        return reqs
 
     def _drop_aborted(self) -> None:
         w = self.w

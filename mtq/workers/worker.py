@@ -38,8 +38,8 @@ from typing import Any
 from mtq import serialization
 from mtq.broker.connection import client_url
 from mtq.broker.consumer import OUTCOME_COUNTERS, Chunk, Consumer, Outcome, SettleReport
-from mtq.broker.protocol import Claimed
-from mtq.errors import MtqError, PayloadError, PermanentError, TargetError
+from mtq.broker.protocol import LOST, Claimed
+from mtq.errors import LeaseLost, MtqError, PayloadError, PermanentError, TargetError
 from mtq.settings import QueueSettings
 from mtq.workers import devices, registry
 from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
@@ -53,6 +53,10 @@ log = logging.getLogger(__name__)
 #: how often the heartbeat reports to the registry (leases are extended at least
 #: every lease/3, whichever comes first)
 BEAT_S = 1.0
+#: a task whose lease is known live for less than this share of the lease is checked
+#: with Redis before the model is called on it (a heartbeat extends every lease/3 at
+#: most, so this happens only when the process was frozen, starved or cut off)
+REVALIDATE_BELOW = 0.5
 
 Lease = tuple[str, str]
 
@@ -129,7 +133,8 @@ class Worker:
         self.hist: collections.Counter[int] = collections.Counter()
         #: model-thread seconds inside predict, and around it (decode, hand-off)
         self.timing = {"predict_s": 0.0, "overhead_s": 0.0}
-        self.totals = dict.fromkeys((*OUTCOME_COUNTERS, "lost", "batches", "tasks", "tokens"), 0)
+        self.totals = dict.fromkeys((*OUTCOME_COUNTERS, "lost", "revoked", "batches", "tasks",
+                                     "tokens"), 0)
         self._threads: list[threading.Thread] = []
 
     # -- lifecycle ---------------------------------------------------------------
@@ -288,6 +293,7 @@ class Worker:
                     return True
                 per_item = is_per_item(self.model)
                 continue
+            batch = self._live(batch)
             if not batch:
                 continue
             with self._lock:
@@ -321,12 +327,18 @@ class Worker:
 
         def call(lo: int, hi: int) -> Any:
             nonlocal in_predict
+            # never call the model on a lease this process cannot show to be live: a
+            # freeze may have fallen between two calls (per item, or bisection)
+            tasks = [batch[index[j]] for j in range(lo, hi)]
+            live = self._live(tasks)
+            if len(live) < len(tasks):
+                return self._call_live(call, lo, tasks, live)
             self.monitor.call(index[lo], index[hi - 1] + 1)
             t0 = time.perf_counter()
             try:
                 out = model.predict(payloads[lo:hi])  # type: ignore[union-attr]
                 if inspect.isgenerator(out):
-                    out = self._stream(out, [batch[index[j]] for j in range(lo, hi)])
+                    out = self._stream(out, tasks)
                 return out
             finally:
                 in_predict += time.perf_counter() - t0
@@ -338,7 +350,9 @@ class Worker:
                 self._publish(done)
             for j, i in enumerate(index):
                 r = run_isolated(functools.partial(self._call_one, call, j), 1)[0]
-                self._publish([self._outcome(batch[i], r)])
+                o = self._outcome(batch[i], r)
+                if o is not None:
+                    self._publish([o])
         else:
             results = run_isolated(call, len(payloads))
             for i, r in zip(index, results):
@@ -374,10 +388,83 @@ class Worker:
     def _call_one(call: Callable[[int, int], Any], j: int, lo: int, hi: int) -> Any:
         return call(j, j + 1)
 
-    def _outcome(self, task: Claimed, r: ItemResult) -> Outcome:
+    def _call_live(self, call: Callable[[int, int], Any], lo: int, tasks: list[Claimed],
+                   live: list[Claimed]) -> list[Any]:
+        """A call on items lo.. of which only ``live`` still belong to this worker: the
+        model runs on those alone (through ``call``, item by item, so each is checked
+        again), and each lost one gets a LeaseLost in its place (never settled)."""
+        alive = {id(t) for t in live}
+        out: list[Any] = []
+        for k, t in enumerate(tasks):
+            if id(t) not in alive:
+                out.append(LeaseLost([t.id]))
+                continue
+            res = call(lo + k, lo + k + 1)
+            if isinstance(res, (str, bytes, dict)) or not hasattr(res, "__len__") \
+                    or len(res) != 1:
+                raise BatchShapeError(f"predict must return a list of 1 result for 1 payload, "
+                                      f"got {res!r:.80}")
+            out.append(next(iter(res)))
+        return out
+
+    def _live(self, tasks: Sequence[Claimed]) -> list[Claimed]:
+        """The tasks whose lease this process can show to be live, the others dropped
+        unrun (Redis gave them to another worker after their lease ran out).
+
+        A lease is known live until its claim or last extend was sent plus the lease
+        (local monotonic clock, which keeps counting while a process is stopped). One
+        that is known live for less than half a lease more, as after a freeze, a
+        starved heartbeat or a lost connection, is checked with Redis first (one
+        extend round trip, from the model thread: the rare path)."""
+        now = time.monotonic()
+        floor = self.consumer.lease_s() * REVALIDATE_BELOW
+        doubtful = [t for t in tasks if t.live_until - now < floor]
+        if not doubtful:
+            return list(tasks)
+        lost = self._revalidate(doubtful)
+        return [t for t in tasks if t.id not in lost] if lost else list(tasks)
+
+    def _revalidate(self, tasks: Sequence[Claimed]) -> set[str]:
+        """Ask Redis which of ``tasks`` this worker still owns (their leases are
+        extended); returns the ids of the others, now forgotten. Tasks Redis already
+        reported lost are not asked about; if Redis cannot be reached, every task
+        asked about is treated as lost (it comes back when its lease expires)."""
+        known = {t.id for t in tasks if t.live_until == LOST}
+        ask = [t for t in tasks if t.live_until != LOST]
+        lost = set(known)
+        if ask:
+            delay = 0.05
+            for attempt in range(4):
+                try:
+                    gone, _cancel = self.consumer.extend(ask)
+                    lost.update(gone)
+                    break
+                except MtqError:
+                    if attempt == 3 or self._stop.wait(delay):
+                        log.warning("could not check %d lease(s) with Redis; not running "
+                                    "those tasks (they return when their leases expire)",
+                                    len(ask), exc_info=True)
+                        lost.update(t.id for t in ask)
+                        break
+                    delay *= 2
+        if lost:
+            with self._lock:
+                fresh = [i for i in sorted(lost) if i in self._held]
+            if fresh:
+                log.warning("worker %s: the lease of %d task(s) ran out while this process "
+                            "was stopped or starved; another worker owns them, so they are "
+                            "dropped unrun", self.worker_id, len(fresh))
+                self.totals["revoked"] += len(fresh)
+                self._forget(fresh)
+            self.slot.remove(lost, {t.id: t.token for t in tasks if t.id in lost})
+        return lost
+
+    def _outcome(self, task: Claimed, r: ItemResult) -> Outcome | None:
         if r.ok:
             return Outcome(task, ok=True, value=r.value)
         exc = r.error
+        if isinstance(exc, LeaseLost):  # not ours any more: nothing to settle
+            return None
         log.debug("task %s failed: %s", task.id,
                   "".join(traceback.format_exception(exc)) if exc else "?")
         with self._lock:
