@@ -60,8 +60,11 @@ class QueueSettings:
     max_length: int = 0
     #: largest encoded payload accepted by submit, in bytes
     max_payload_bytes: int = 8 * 1024 * 1024
-    #: how long a claimed task stays leased without a heartbeat
-    lease_ms: int = 30_000
+    #: how long a claimed task stays leased without a heartbeat. Workers extend their
+    #: leases every second (or every lease/3, if shorter), so a worker can stall 7 s
+    #: before it loses one; a bare worker that dies has its tasks back within ~8 s
+    #: (a supervised one at once). Raise it if a process may freeze longer.
+    lease_ms: int = 8_000
     #: a task whose lease expired on this many deliveries is dead (poison)
     max_deliveries: int = 5
     #: retries after a handler error, unless the task sets its own

@@ -228,3 +228,27 @@ class LoggedCounter(Counter):
     def result(self, r: mtq.Generation) -> Any:
         _log("D", [r.payload])
         return super().result(r)
+
+
+class Orphaner(Probe):
+    """On a payload ``{"orphan": n, "queue": q, "flag": path}`` seen for the first time
+    (``path`` does not exist yet): writes ``path``, waits (at most 10 s) for
+    ``path + ".go"``, then claims ``n`` tasks of ``q`` under this process's own worker
+    id and exits at once: a claim answered just before a crash, which the supervisor
+    never heard of. Seen again, it is an ordinary payload."""
+
+    name = "orphaner"
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        for p in batch:
+            if isinstance(p, dict) and p.get("orphan") and not os.path.exists(p["flag"]):
+                from mtq.broker.consumer import Consumer
+
+                Path(p["flag"]).write_text("started")
+                go = Path(p["flag"] + ".go")
+                deadline = time.monotonic() + 10
+                while not go.exists() and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                Consumer(p["queue"], worker_id=os.environ["MTQ_WORKER_ID"]).claim(p["orphan"])
+                os._exit(1)
+        return super().predict(batch)

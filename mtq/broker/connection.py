@@ -14,7 +14,7 @@ from mtq.errors import BrokerError
 from mtq.settings import RedisSettings
 
 _lock = threading.Lock()
-_clients: dict[tuple[str, RedisSettings], redis.Redis] = {}
+_clients: dict[tuple[str, RedisSettings, str | None], redis.Redis] = {}
 
 
 @contextmanager
@@ -47,21 +47,26 @@ def resolve_url(url: str | None = None) -> str:
     return EmbeddedServer.from_env().start()
 
 
-def connect(url: str | None = None, settings: RedisSettings | None = None) -> redis.Redis:
+def connect(url: str | None = None, settings: RedisSettings | None = None, *,
+            name: str | None = None) -> redis.Redis:
     """A shared, thread-safe client for ``url`` (see :func:`resolve_url`).
 
+    ``name``: every connection of the client announces it (``CLIENT SETNAME``), so
+    another process can tell when they are all gone (a supervisor does, after one of
+    its workers died: see :meth:`mtq.broker.consumer.Consumer.wait_disconnected`).
     Replies are bytes (payloads are binary msgpack); hiredis parses them when installed.
     """
     resolved = resolve_url(url or (settings.url if settings else None))
     s = settings or RedisSettings()
-    key = (resolved, s)
+    key = (resolved, s, name)
     with _lock:
         client = _clients.get(key)
         if client is None:
             try:
                 client = redis.Redis.from_url(
                     resolved, socket_timeout=s.socket_timeout,
-                    socket_connect_timeout=s.connect_timeout, health_check_interval=30)
+                    socket_connect_timeout=s.connect_timeout, health_check_interval=30,
+                    client_name=name)
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {resolved!r}: {exc}") from exc
             _clients[key] = client
@@ -73,7 +78,7 @@ def client_url(client: redis.Redis) -> str | None:
     process; None when its connection cannot be described by one (TLS options, a
     custom connection class)."""
     with _lock:
-        for (url, _), c in _clients.items():
+        for (url, _, _), c in _clients.items():
             if c is client:
                 return url
     pool = client.connection_pool

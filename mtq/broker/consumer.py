@@ -50,6 +50,13 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
+def connection_name(worker_id: str) -> str:
+    """The name a supervised worker process gives its Redis connections (CLIENT SETNAME
+    takes no spaces or newlines; host names and worker ids have none)."""
+    return "mtq-worker:" + "".join(c if c.isprintable() and not c.isspace() else "_"
+                                   for c in worker_id)
+
+
 @dataclass(frozen=True, slots=True)
 class Encoded:
     """A result or chunk value already encoded with :func:`mtq.serialization.dumps`
@@ -308,6 +315,40 @@ class Consumer:
         items = [(i, t, RELEASE, "") for i, t in reversed(rest)]
         items += [(i, t, REQUEUE, arg) for i, t in reversed(running)]
         return self.broker.nack(items) if items else []
+
+    def give_back_all(self, worker: str, running: Sequence[tuple[str, str]],
+                      rest: Sequence[tuple[str, str]], reason: str) -> list[int]:
+        """:meth:`give_back` for a worker process that died, plus every task Redis still
+        shows running under its id ``worker`` that the caller did not know of (a claim
+        answered just before the process died, before it could report it): those
+        were never started, so they go back uncounted. Call it once the process's
+        connections are gone (:meth:`wait_disconnected`), so no claim of it can still
+        run after this. Two round trips, the first O(running tasks of the queue)."""
+        known = {i for i, _ in running} | {i for i, _ in rest}
+        unknown = [(i, t) for i, t in self.broker.orphans(worker) if i not in known]
+        if unknown:
+            log.info("worker %s died with %d task(s) claimed but not reported; giving "
+                     "them back", worker, len(unknown))
+        return self.give_back(running, [*rest, *unknown], reason)
+
+    def wait_disconnected(self, name: str, timeout: float = 1.0) -> bool:
+        """Wait until Redis has closed every connection named ``name`` (see
+        :func:`mtq.broker.connection.connect`): a command a dead process sent before
+        it died has then run. Redis has no blocking call for this, so it asks again
+        every 5 ms; a killed process's connections are normally gone at the first
+        look. Returns False on timeout, or when the server does not allow CLIENT LIST
+        (an ACL user without it), after one look or none."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                clients = self.redis.client_list()
+            except redis.exceptions.RedisError:
+                return False
+            if not any(c.get("name") == name for c in clients):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> int:
         """:meth:`release` by (id, token) pairs (a supervisor holds no Claimed objects)."""

@@ -234,6 +234,14 @@ class Broker:
         """Extend leases of (id, token) pairs; 1 ok, 2 ok + cancel requested, LEASE_LOST."""
         return self.run(self.extend_call(leases, lease_ms))[0]
 
+    def orphans(self, worker: str) -> list[tuple[str, str]]:
+        """(id, lease token) of every task still running under ``worker`` (one round
+        trip, O(running tasks of the queue)). See orphans.lua."""
+        def parse(raw: list[Any]) -> list[tuple[str, str]]:
+            return [(_s(raw[i]), _s(raw[i + 1])) for i in range(0, len(raw), 2)]
+
+        return self.run(self._call("orphans", [worker, 0], parse))[0]
+
     def reap(self) -> tuple[int, int, int]:
         """Reclaim expired leases and promote due retries: (reaped, promoted, next timer ms)."""
         s = self.settings

@@ -23,7 +23,7 @@ from mtq.broker.connection import redis_errors
 from mtq.errors import BrokerError
 
 NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap", "emit", "watch", "purge",
-         "dlq")
+         "dlq", "orphans")
 
 
 @dataclass(frozen=True)

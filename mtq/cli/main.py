@@ -15,6 +15,7 @@ from rich.table import Table
 from mtq.cli import tasks
 from mtq.cli.common import EXIT_CODES, code_for, console, err_console, fail, redis_option
 from mtq.errors import MtqError
+from mtq.settings import QueueSettings
 
 
 def _fail(exc: Exception, code: int | None = None) -> None:
@@ -110,7 +111,8 @@ def worker() -> None:
 @click.option("--max-wait-ms", default=None, type=click.FloatRange(0, 60_000),
               help="Longest wait for a batch to fill (default: the model's max_wait_ms).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or mps.")
-@click.option("--lease-ms", default=30_000, show_default=True, type=click.IntRange(1))
+@click.option("--lease-ms", default=QueueSettings.lease_ms, show_default=True,
+              type=click.IntRange(1), help="Lease of a claimed task; extended every second.")
 @click.option("--burst", is_flag=True, help="Exit when the queue has nothing left to do.")
 def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
                max_wait_ms: float | None, device: str, lease_ms: int, burst: bool) -> None:
@@ -119,7 +121,6 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
     signal exits at once (its tasks return when their leases expire)."""
     import os
 
-    from mtq.settings import QueueSettings
     from mtq.workers.control import Listener
     from mtq.workers.worker import Worker
 
@@ -172,14 +173,14 @@ def workers() -> None:
               help="Override the model's max_wait_ms.")
 @click.option("--timeout", "timeout_s", default=None, type=click.FloatRange(min=0.001),
               help="Override the model's timeout_s: longest one predict call may run.")
-@click.option("--lease-ms", default=30_000, show_default=True, type=click.IntRange(100))
+@click.option("--lease-ms", default=QueueSettings.lease_ms, show_default=True,
+              type=click.IntRange(100), help="Lease of a claimed task; extended every second.")
 def workers_start(target: str, queue: str, url: str | None, devices_spec: str, replicas: int,
                   max_batch_size: int | None, max_wait_ms: float | None,
                   timeout_s: float | None, lease_ms: int) -> None:
     """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
     device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
     signal forces."""
-    from mtq.settings import QueueSettings
     from mtq.workers.supervisor import Supervisor
 
     try:

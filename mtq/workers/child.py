@@ -79,18 +79,29 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which leads
     monitor = PipeMonitor(conn, shared)
 
-    from mtq.errors import TargetError
+    from mtq.broker.connection import connect
+    from mtq.broker.consumer import Consumer, connection_name, default_worker_id
+    from mtq.errors import MtqError, TargetError
     from mtq.settings import QueueSettings
     from mtq.workers.worker import Worker
 
     try:
-        worker = Worker(config["target"], config["queue"], url=config.get("url"),
-                        settings=QueueSettings.from_dict(config.get("settings") or {}),
-                        device=config["device"], monitor=monitor,
-                        supervisor=config.get("supervisor", ""), **config.get("overrides", {}))
+        # named connections: once they are gone, the supervisor knows that no claim of
+        # this process can still run, and sweeps what it held (Consumer.give_back_all)
+        worker_id = default_worker_id()
+        os.environ["MTQ_WORKER_ID"] = worker_id  # for the model's own logs
+        consumer = Consumer(config["queue"], settings=QueueSettings.from_dict(
+            config.get("settings") or {}), worker_id=worker_id,
+            client=connect(config.get("url"), name=connection_name(worker_id)))
+        worker = Worker(config["target"], config["queue"], device=config["device"],
+                        monitor=monitor, supervisor=config.get("supervisor", ""),
+                        consumer=consumer, **config.get("overrides", {}))
     except TargetError as exc:
         monitor.send("fatal", str(exc))
         sys.exit(EXIT_TARGET)
+    except MtqError as exc:  # Redis unreachable, a bad URL: the supervisor restarts it
+        monitor.send("setup_failed", f"{type(exc).__name__}: {exc}")
+        sys.exit(EXIT_SETUP)
     monitor.send("hello", worker.worker_id)
     try:
         worker.setup()

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
-from mtq.broker.consumer import Consumer
+from mtq.broker.consumer import Consumer, connection_name
 from mtq.errors import ConfigError, MtqError
 from mtq.settings import QueueSettings
 from mtq.workers import child, control, devices, registry
@@ -297,8 +297,10 @@ class Supervisor:
                       f"restarting in {delay:.1f} s")
 
     def _give_back(self, c: _Child) -> None:
-        """Return the dead child's tasks: the running call's items counted, the rest not."""
-        if not c.held:
+        """Return the dead child's tasks: the running call's items counted, the rest not,
+        including those it claimed just before it died and never reported (found in
+        Redis by its worker id once its connections are gone)."""
+        if not c.held and not c.worker_id:
             return
         running: list[tuple[str, str]] = []
         started = c.shared[child.STARTED]
@@ -309,7 +311,13 @@ class Supervisor:
         rest = [(i, t) for i, t in c.held.items() if i not in counted]
         reason = c.killed_for or "worker process died"
         try:
-            self.consumer.give_back(running, rest, reason)
+            if c.worker_id:
+                if not self.consumer.wait_disconnected(connection_name(c.worker_id)):
+                    log.debug("worker %s: its Redis connections did not close (or CLIENT "
+                              "LIST is not allowed); sweeping its tasks now", c.worker_id)
+                self.consumer.give_back_all(c.worker_id, running, rest, reason)
+            else:
+                self.consumer.give_back(running, rest, reason)
         except MtqError:
             log.warning("could not give back the tasks of worker %d; they return when their "
                         "leases expire", c.slot, exc_info=True)
