@@ -13,13 +13,14 @@ import redis
 
 from mtq import serialization
 from mtq.broker.codes import Code
-from mtq.broker.connection import connect, redis_errors
+from mtq.broker.connection import Backoff, connect, redis_errors
 from mtq.broker.protocol import Broker, NewTask
 from mtq.errors import (
     DuplicateTask,
     MtqError,
     PayloadTooLarge,
     QueueFull,
+    RedisUnavailable,
     ResultTimeout,
     TaskCancelled,
     TaskFailed,
@@ -48,6 +49,10 @@ MAX_TTL_S = 1e9
 SUBMIT_CHUNK = 1000
 #: most tasks one purge / dead-letter script call handles
 PURGE_CHUNK = 1000
+#: how long submit keeps trying to reach Redis (the first retry at once, then up to
+#: 1 s apart) before it raises RedisUnavailable, and how long a reader does
+SUBMIT_RETRY_S = 10.0
+READ_RETRY_S = 60.0
 
 
 def new_task_id() -> str:
@@ -157,8 +162,19 @@ class Task:
 
     # -- waiting -------------------------------------------------------------------
     def _snapshot(self, state: StreamState) -> list[Event]:
+        """The stored state's news for ``state``, read again while Redis cannot be
+        reached (a dropped connection, a restart), for up to READ_RETRY_S."""
         b = self.queue.broker
-        snap = b.watch(self.id, b.keys.reply(self.queue.hub.id), state.tokens_from)
+        backoff = Backoff()
+        start = time.monotonic()
+        while True:
+            try:
+                snap = b.watch(self.id, b.keys.reply(self.queue.hub.id), state.tokens_from)
+                break
+            except RedisUnavailable:
+                if time.monotonic() - start > READ_RETRY_S:
+                    raise
+                time.sleep(backoff.next())
         if snap is None:
             raise self._not_found()
         return state.from_snapshot(snap)
@@ -384,6 +400,7 @@ class Queue:
             raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
         return NewTask(
             id=check_task_id(task_id) if task_id is not None else new_task_id(),
+            own_id=task_id is None,
             payload=data,
             stream=check_stream_name(stream) if stream is not None else "",
             key=check_stream_name(key, "idempotency key") if key is not None else "",
@@ -400,7 +417,7 @@ class Queue:
         duplicates: list[str] = []
         for start in range(0, len(tasks), SUBMIT_CHUNK):
             chunk = tasks[start:start + SUBMIT_CHUNK]
-            answer = self.broker.submit(chunk, reply)
+            answer = self._submit_chunk(chunk, reply)
             if answer and answer[0] == Code.QUEUE_FULL:  # only ever [QUEUE_FULL, waiting]
                 full = QueueFull(self.name, int(answer[1]), self.settings.max_length, len(chunk))
                 full.created = out  # earlier chunks went in
@@ -416,6 +433,67 @@ class Queue:
                                 "(see .created); use new ids or Queue.task(id)")
             dup.created, dup.duplicates = out, duplicates
             raise dup
+        return out
+
+    def _submit_chunk(self, chunk: list[NewTask], reply: str) -> list[str | int]:
+        """One submit call, retried while Redis cannot be reached. The call is sent once
+        per try, never repeated by the connection; after a retry, the tasks a lost try
+        already wrote are recognised (see :meth:`_written`), so a reset yields neither a
+        ghost nor a duplicate. Raises RedisUnavailable after SUBMIT_RETRY_S."""
+        backoff = Backoff()
+        start = time.monotonic()
+        retried = False
+        while True:
+            try:
+                answer = self.broker.submit(chunk, reply)
+                break
+            except RedisUnavailable as exc:
+                if time.monotonic() - start > SUBMIT_RETRY_S:
+                    err = RedisUnavailable(
+                        f"{exc}; the {len(chunk)} task(s) of this submit may or may not be "
+                        "queued: their ids are in .task_ids, and submitting them again "
+                        "with the same ids (Request(id=...)) is safe")
+                    err.task_ids = [t.id for t in chunk]  # type: ignore[attr-defined]
+                    raise err from exc
+                retried = True
+                time.sleep(backoff.next())
+        return self._written(chunk, answer, reply) if retried else answer
+
+    def _written(self, chunk: list[NewTask], answer: list[str | int], reply: str
+                 ) -> list[str | int]:
+        """Correct the answer of a retried submit for what the lost try wrote: a task it
+        created comes back as a duplicate (or, if it filled the queue, the whole chunk
+        as queue-full). A duplicate is this client's own if its id was generated here
+        (96 random bits) or the stored task names this client's reply channel."""
+        full = bool(answer) and answer[0] == Code.QUEUE_FULL
+        doubtful = range(len(chunk)) if full else \
+            [i for i, v in enumerate(answer) if v == Code.DUPLICATE_ID]
+        if not doubtful:
+            return answer
+        keys = self.broker.keys
+        with redis_errors("while checking a retried submit"):
+            pipe = self.redis.pipeline(transaction=False)
+            for i in doubtful:
+                pipe.hget(keys.task(chunk[i].id), "reply")
+                if chunk[i].key:
+                    pipe.get(keys.idem(chunk[i].key))
+            rows = iter(pipe.execute())
+        mine: dict[int, str] = {}
+        for i in doubtful:
+            stored = next(rows)
+            idem = next(rows) if chunk[i].key else None
+            if stored is not None and (chunk[i].own_id or reply in stored.decode().split()):
+                mine[i] = chunk[i].id
+            elif chunk[i].key and idem is not None:
+                mine[i] = idem.decode()
+        if full:
+            if not any(v == chunk[i].id for i, v in mine.items()):
+                return answer  # the queue really is full: nothing of this chunk was written
+            return [mine.get(i, Code.DUPLICATE_ID) for i in range(len(chunk))]
+        out = list(answer)
+        for i, task_id in mine.items():
+            if task_id == chunk[i].id:
+                out[i] = task_id
         return out
 
     def submit(self, payload: Any, *, stream: str | None = None, key: str | None = None,

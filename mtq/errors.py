@@ -5,6 +5,7 @@
     MtqError
     ├── ConfigError                 a setting is unknown or out of range
     ├── BrokerError                 Redis is unreachable or answered unexpectedly
+    │   ├── RedisUnavailable        the connection was refused, reset or timed out
     │   └── ServerNotFound          no redis-server binary for the embedded default
     ├── InvalidName                 a queue or stream name that is not allowed
     ├── PayloadError                a payload or result that cannot be stored
@@ -39,6 +40,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermanentError",
     "QueueFull",
+    "RedisUnavailable",
     "ResultTimeout",
     "ServerNotFound",
     "TargetError",
@@ -58,6 +60,11 @@ class ConfigError(MtqError, ValueError):
 
 class BrokerError(MtqError):
     """Redis could not be reached or answered something mtq did not expect."""
+
+
+class RedisUnavailable(BrokerError):
+    """Redis could not be reached: the connection was refused, reset or timed out
+    (after mtq's own retries). The operation may or may not have taken effect."""
 
 
 class ServerNotFound(BrokerError):

@@ -33,6 +33,7 @@ import redis
 
 from mtq import serialization
 from mtq.broker import keys
+from mtq.broker.connection import Backoff
 from mtq.broker.protocol import TERMINAL, Snapshot
 from mtq.errors import BrokerError, PayloadError
 
@@ -328,7 +329,7 @@ class Hub:
             ps.subscribe(*names)
 
     def _run(self) -> None:
-        delay = 0.1
+        backoff = Backoff()
         ps = None
         while not self._closed.is_set():
             try:
@@ -338,7 +339,7 @@ class Hub:
                     with self._lock:  # every queue channel, after a full reconnect too
                         self._pending = [c.decode() for c in self._queues]
                 msg = ps.get_message(timeout=1.0)
-                delay = 0.1
+                backoff.reset()
                 if msg is None:
                     continue
                 kind, channel = msg["type"], msg["channel"]
@@ -352,10 +353,10 @@ class Hub:
             except (redis.RedisError, OSError) as exc:
                 if self._closed.is_set():
                     return
-                (log.warning if delay == 0.1 else log.debug)(
-                    "reply channel lost (%s); reconnecting in %.1f s", exc, delay)
-                self._closed.wait(delay)  # back off; close_all() ends it at once
-                delay = min(delay * 2, 5.0)
+                delay = backoff.next()  # the first retry at once, then up to 1 s apart
+                (log.warning if backoff.failures == 2 else log.debug)(
+                    "reply channel lost (%s); reconnecting in %.2f s", exc, delay)
+                self._closed.wait(delay)  # close_all() ends it at once
                 if isinstance(exc, redis.exceptions.PubSubError):
                     ps = None
             except Exception:  # never let the listener die: every waiter would hang

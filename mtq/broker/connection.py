@@ -5,13 +5,84 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import quote
 
 import redis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry
 
 from mtq.broker.embedded import EmbeddedServer
-from mtq.errors import BrokerError
+from mtq.errors import BrokerError, RedisUnavailable
 from mtq.settings import RedisSettings
+
+#: redis-py retries a command this many times after a dropped or refused connection
+#: (the first retry at once, then up to 1 s apart: about 5 s in all) before mtq sees
+#: the error, unless the call was made inside :func:`single_attempt`
+RETRIES = 10
+
+_once = threading.local()
+
+
+class _Retry(Retry):
+    """redis-py's retry, except for calls made inside :func:`single_attempt`."""
+
+    def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
+                        with_failure_count: bool = False) -> Any:
+        if not getattr(_once, "on", False):
+            def retryable(error: Exception) -> bool:  # a refused password stays refused
+                return not isinstance(error, redis.exceptions.AuthenticationError) and \
+                    (is_retryable is None or is_retryable(error))
+
+            return super().call_with_retry(do, fail, retryable, with_failure_count)
+        try:
+            return do()
+        except self._supported_errors as error:
+            if with_failure_count:
+                fail(error, 1)
+            else:
+                fail(error)
+            raise
+
+
+def retry_policy() -> Retry:
+    """The retry every mtq client uses: a dropped connection is re-opened and the
+    command sent again at once, then with jittered backoff up to 1 s apart."""
+    return _Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), RETRIES)
+
+
+@contextmanager
+def single_attempt() -> Iterator[None]:
+    """Send the commands of this block once, whatever the connection does: for
+    operations that must not run twice without the caller knowing (a claim, a
+    submit, a BLPOP whose popped marker would be lost). The caller handles
+    :class:`~mtq.errors.RedisUnavailable` itself."""
+    before = getattr(_once, "on", False)
+    _once.on = True
+    try:
+        yield
+    finally:
+        _once.on = before
+
+
+class Backoff:
+    """Delays between a long-lived loop's tries to reach Redis again: the first retry
+    at once, then 50 ms doubling up to 1 s (:meth:`reset` after a success)."""
+
+    def __init__(self, first: float = 0.05, cap: float = 1.0) -> None:
+        self.first, self.cap = first, cap
+        self.failures = 0
+
+    def next(self) -> float:
+        """The delay before the next try (0.0 for the first retry after a success)."""
+        self.failures += 1
+        if self.failures == 1:
+            return 0.0
+        return min(self.cap, self.first * 2 ** (self.failures - 2))
+
+    def reset(self) -> None:
+        self.failures = 0
+
 
 _lock = threading.Lock()
 _clients: dict[tuple[str, RedisSettings, str | None], redis.Redis] = {}
@@ -28,7 +99,7 @@ def redis_errors(doing: str = "") -> Iterator[None]:
     try:
         yield
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        raise BrokerError(
+        raise RedisUnavailable(
             f"cannot reach Redis{where} ({exc}); check MTQ_REDIS_URL or start the "
             "embedded server with 'mtq server start'"
         ) from exc
@@ -66,7 +137,7 @@ def connect(url: str | None = None, settings: RedisSettings | None = None, *,
                 client = redis.Redis.from_url(
                     resolved, socket_timeout=s.socket_timeout,
                     socket_connect_timeout=s.connect_timeout, health_check_interval=30,
-                    client_name=name)
+                    client_name=name, retry=retry_policy())
             except ValueError as exc:
                 raise BrokerError(f"invalid Redis URL {resolved!r}: {exc}") from exc
             _clients[key] = client

@@ -22,7 +22,7 @@ import redis
 
 from mtq import serialization
 from mtq.broker.codes import Code
-from mtq.broker.connection import connect, redis_errors
+from mtq.broker.connection import Backoff, connect, redis_errors
 from mtq.broker.protocol import (
     CANCEL,
     DEAD,
@@ -35,7 +35,7 @@ from mtq.broker.protocol import (
     Claimed,
     ClaimResult,
 )
-from mtq.errors import MtqError
+from mtq.errors import MtqError, RedisUnavailable
 from mtq.settings import QueueSettings
 from mtq.validation import check_queue_name
 
@@ -248,19 +248,20 @@ class Consumer:
         """:meth:`settle`, retried with backoff while Redis is unreachable; None when
         ``give_up_after`` seconds passed (the tasks run again when their leases expire)."""
         start = time.monotonic()
-        delay = 0.05
+        backoff = Backoff()
         while True:
             try:
                 return self.settle(outcomes, chunks)
-            except MtqError:
-                log.warning("settling %d task(s) failed; retrying", len(outcomes),
-                            exc_info=True)
+            except MtqError as exc:
+                delay = backoff.next()
+                log.warning("settling %d task(s) failed (%s); retrying in %.2f s",
+                            len(outcomes), exc, delay,
+                            exc_info=not isinstance(exc, RedisUnavailable))
                 if give_up_after is not None and time.monotonic() - start > give_up_after:
                     log.error("gave up settling %d task(s); they run again when their "
                               "leases expire", len(outcomes))
                     return None
                 time.sleep(delay)  # back off while Redis is unreachable
-                delay = min(delay * 2, 2.0)
 
     def settle_and_claim(self, outcomes: Sequence[Outcome], batch_size: int,
                          lease_ms: int | None = None, chunks: Sequence[Chunk] = ()

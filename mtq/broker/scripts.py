@@ -19,7 +19,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from mtq.broker.connection import redis_errors
+from mtq.broker.connection import redis_errors, single_attempt
 from mtq.errors import BrokerError
 
 NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap", "emit", "watch", "purge",
@@ -87,12 +87,29 @@ def load_all(client: redis.Redis) -> None:
     pipe.execute()
 
 
+#: scripts that must not be sent twice without their caller knowing: a repeated
+#: claim leaves the first one's tasks held by nobody (until their leases expire), a
+#: repeated submit of tasks without ids of their own would duplicate them. They go
+#: out once; their callers retry (Queue dedupes by task id, a worker sweeps orphans).
+SEND_ONCE = frozenset({"claim", "submit"})
+
+
 def run(client: redis.Redis, *calls: Call) -> list[Any]:
     """Run ``calls`` in one round trip (a non-transactional pipeline if several).
 
-    Scripts Redis does not know yet are loaded and only those calls re-run: a
-    NOSCRIPT reply means the script did not execute at all, so re-running it is safe.
+    A dropped connection is re-opened and the calls sent again (see
+    :func:`mtq.broker.connection.retry_policy`), except calls of :data:`SEND_ONCE`
+    scripts: a round trip that holds one raises RedisUnavailable instead. Scripts
+    Redis does not know yet are loaded and only those calls re-run: a NOSCRIPT reply
+    means the script did not execute at all, so re-running it is safe.
     """
+    if any(c.script.name in SEND_ONCE for c in calls):
+        with single_attempt():
+            return _run(client, calls)
+    return _run(client, calls)
+
+
+def _run(client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
     with redis_errors():
         if len(calls) == 1:
             c = calls[0]

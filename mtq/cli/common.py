@@ -17,6 +17,7 @@ from mtq.errors import (
     InvalidName,
     MtqError,
     PayloadError,
+    RedisUnavailable,
     ResultTimeout,
     TaskFailed,
     TaskNotFound,
@@ -44,7 +45,8 @@ def fail(message: object, code: int = FAILED) -> NoReturn:
 
 def code_for(exc: BaseException) -> int:
     """The exit code an exception means."""
-    if isinstance(exc, BrokerError) and "cannot reach Redis" in str(exc):
+    if isinstance(exc, RedisUnavailable) or (
+            isinstance(exc, BrokerError) and "cannot reach Redis" in str(exc)):
         return UNREACHABLE
     if isinstance(exc, (InvalidName, PayloadError, ConfigError, ValueError)):
         return USAGE

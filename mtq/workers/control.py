@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from mtq.broker.connection import redis_errors
+from mtq.broker.connection import Backoff, redis_errors
 from mtq.broker.keys import QueueKeys
 from mtq.errors import ConfigError
 
@@ -92,13 +92,13 @@ class Listener:
         self._thread.join(timeout=2)
 
     def _run(self) -> None:
-        delay = 0.1
+        backoff = Backoff()
         while not self._closed.is_set():
             try:
                 self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
                 self._pubsub.subscribe(self.channel)
                 self.subscribed.set()
-                delay = 0.1
+                backoff.reset()
                 for item in self._pubsub.listen():
                     if self._closed.is_set():
                         return
@@ -115,6 +115,7 @@ class Listener:
             except (redis.RedisError, OSError, ValueError, AttributeError):
                 if self._closed.is_set():
                     return
-                log.warning("control channel lost; resubscribing in %.1f s", delay)
+                delay = backoff.next()  # the first retry at once, then up to 1 s apart
+                (log.warning if backoff.failures == 2 else log.debug)(
+                    "control channel lost; resubscribing in %.2f s", delay)
                 self._closed.wait(delay)
-                delay = min(delay * 2, 5.0)

@@ -216,6 +216,7 @@ class Outlet:
                 continue
             if t.id in bad:
                 continue
+            assert isinstance(x, Outcome)  # not a Chunk (above): one check per task
             if x.ok:
                 try:
                     outcomes.append(self._row(t, True, encode(x.value), None, True, False))

@@ -36,10 +36,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtq import serialization
-from mtq.broker.connection import client_url
+from mtq.broker.connection import Backoff, client_url
 from mtq.broker.consumer import OUTCOME_COUNTERS, Chunk, Consumer, Outcome, SettleReport
 from mtq.broker.protocol import LOST, Claimed
-from mtq.errors import LeaseLost, MtqError, PayloadError, PermanentError, TargetError
+from mtq.errors import (
+    LeaseLost,
+    MtqError,
+    PayloadError,
+    PermanentError,
+    RedisUnavailable,
+    TargetError,
+)
 from mtq.settings import QueueSettings
 from mtq.workers import devices, registry
 from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
@@ -507,19 +514,26 @@ class Worker:
 
     def _fetch_loop(self) -> None:
         c = self.consumer
-        errors = 0
+        backoff = Backoff()
+        in_doubt = False  # a claim failed: it may have run, its reply lost with the connection
         while True:
             need = self.slot.wait_space()
             if need <= 0:
                 return
             try:
+                if in_doubt:
+                    self._release_unknown()
+                    in_doubt = False
                 tasks = c.claim(need)
                 now = time.monotonic()
-                errors = 0
-            except Exception:  # Redis unreachable, or a reply we did not expect
-                errors += 1
-                log.warning("claim failed (Redis unreachable?); retrying", exc_info=errors == 1)
-                if self._stop.wait(min(5.0, 0.1 * 2 ** min(errors, 6))):
+                backoff.reset()
+            except Exception as exc:  # Redis unreachable, or a reply we did not expect
+                in_doubt = True
+                delay = backoff.next()
+                (log.warning if backoff.failures in (1, 2) else log.debug)(
+                    "claim failed (%s); retrying in %.2f s", exc, delay,
+                    exc_info=not isinstance(exc, RedisUnavailable))
+                if self._stop.wait(delay):
                     return
                 continue
             if tasks:
@@ -542,11 +556,24 @@ class Worker:
                     self.slot.kick()
                     return
                 c.wait()
-            except MtqError:
-                if self._stop.wait(1.0):
+            except MtqError as exc:
+                # the wake-up may have been lost with the connection: claim again now
+                log.debug("waiting for work failed (%s); claiming again", exc)
+                if self._stop.wait(backoff.next()):
                     return
             finally:
                 self._fetcher_sleeping = False
+
+    def _release_unknown(self) -> None:
+        """After a claim whose reply was lost: give back the tasks Redis shows running
+        under this worker that it does not hold (that claim ran), uncounted."""
+        mine = self.consumer.broker.orphans(self.worker_id)
+        with self._lock:
+            unknown = [(i, t) for i, t in mine if i not in self._held]
+        if unknown:
+            n = self.consumer.release_leases(unknown)
+            log.info("worker %s: gave back %d task(s) of a claim whose reply was lost",
+                     self.worker_id, n)
 
     def _idle(self) -> bool:
         """Nothing running, waiting in the slot or waiting to be settled here."""

@@ -30,6 +30,7 @@ EXPECTED_ALL = [
     "Progress",
     "Queue",
     "QueueFull",
+    "RedisUnavailable",
     "QueueSettings",
     "RedisSettings",
     "Request",
