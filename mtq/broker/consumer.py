@@ -14,7 +14,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -318,14 +318,16 @@ class Consumer:
         return self.broker.nack(items) if items else []
 
     def give_back_all(self, worker: str, running: Sequence[tuple[str, str]],
-                      rest: Sequence[tuple[str, str]], reason: str) -> list[int]:
+                      rest: Sequence[tuple[str, str]], reason: str,
+                      skip: Collection[str] = ()) -> list[int]:
         """:meth:`give_back` for a worker process that died, plus every task Redis still
         shows running under its id ``worker`` that the caller did not know of (a claim
         answered just before the process died, before it could report it): those
-        were never started, so they go back uncounted. Call it once the process's
+        were never started, so they go back uncounted; ``skip``: ids another process
+        runs now (a suspect handed to the quarantine process). Call it once the process's
         connections are gone (:meth:`wait_disconnected`), so no claim of it can still
         run after this. Two round trips, the first O(running tasks of the queue)."""
-        known = {i for i, _ in running} | {i for i, _ in rest}
+        known = {i for i, _ in running} | {i for i, _ in rest} | set(skip)
         unknown = [(i, t) for i, t in self.broker.orphans(worker) if i not in known]
         if unknown:
             log.info("worker %s died with %d task(s) claimed but not reported; giving "

@@ -175,9 +175,13 @@ def workers() -> None:
               help="Override the model's timeout_s: longest one predict call may run.")
 @click.option("--lease-ms", default=QueueSettings.lease_ms, show_default=True,
               type=click.IntRange(100), help="Lease of a claimed task; extended every second.")
+@click.option("--standby", default=None, type=click.IntRange(0, 1),
+              help="A warm spare process per device that takes over at once when a worker "
+                   "process dies (default: 1 on the CPU, 0 on a GPU, where it holds a "
+                   "second copy of the model in device memory).")
 def workers_start(target: str, queue: str, url: str | None, devices_spec: str, replicas: int,
                   max_batch_size: int | None, max_wait_ms: float | None,
-                  timeout_s: float | None, lease_ms: int) -> None:
+                  timeout_s: float | None, lease_ms: int, standby: int | None) -> None:
     """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
     device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
     signal forces."""
@@ -187,7 +191,8 @@ def workers_start(target: str, queue: str, url: str | None, devices_spec: str, r
         sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,
                          settings=QueueSettings(lease_ms=lease_ms),
                          max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
-                         timeout_s=timeout_s, on_event=lambda m: err_console.print(f"[mtq] {m}"))
+                         timeout_s=timeout_s, standby=standby,
+                         on_event=lambda m: err_console.print(f"[mtq] {m}"))
     except MtqError as exc:
         _fail(exc, 2)
     err_console.print(f"[mtq] supervisor {sup.id} serving {queue!r} with {target} on "

@@ -69,6 +69,25 @@ class PipeMonitor(Monitor):
     def reloaded(self, timeout_s: float | None, model: str) -> None:
         self.send("reloaded", {"timeout_s": timeout_s, "model": model})
 
+    def quarantine(self, task: Any) -> bool:
+        self.send("quarantine", [task.id, task.token, task.payload, task.stream, task.attempts,
+                                 task.deliveries, task.retries, task.age_ms, task.live_until])
+        return True
+
+
+def _await_promotion(conn: Connection) -> dict[str, Any] | None:
+    """A standby's wait: the "go" message (with the state to start in: paused,
+    draining), or None when told to stop or when the supervisor is gone."""
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return None
+        if msg.get("cmd") == "go":
+            return {"paused": bool(msg.get("paused")), "draining": bool(msg.get("draining"))}
+        if msg.get("cmd") == "stop":
+            return None
+
 
 def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
     """Run one worker process. ``config``: target, queue, url, settings (dict), device,
@@ -94,8 +113,9 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
             config.get("settings") or {}), worker_id=worker_id,
             client=connect(config.get("url"), name=connection_name(worker_id)))
         worker = Worker(config["target"], config["queue"], device=config["device"],
-                        monitor=monitor, supervisor=config.get("supervisor", ""),
-                        consumer=consumer, **config.get("overrides", {}))
+                        monitor=monitor, supervisor=config.get("supervisor", ""), consumer=consumer,
+                        quarantine=bool(config.get("quarantine")),
+                        hand_off=bool(config.get("hand_off", True)), **config.get("overrides", {}))
     except TargetError as exc:
         monitor.send("fatal", str(exc))
         sys.exit(EXIT_TARGET)
@@ -117,6 +137,14 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
         threading.Thread(target=worker.stop, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop_on_signal)
+    if config.get("standby"):
+        # a warm spare: set up, claiming nothing, until the supervisor promotes it in
+        # place of a process that died (or stops it)
+        go = _await_promotion(conn)
+        if go is None:
+            monitor.send("bye", worker.totals)
+            sys.exit(EXIT_OK)
+        config = {**config, **go}
 
     def read_commands() -> None:
         while True:

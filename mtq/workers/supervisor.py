@@ -1,15 +1,23 @@
 """The supervisor: one worker process per device slot, kept alive and under control.
 
 ``mtq workers start TARGET --queue Q --devices cuda:0,cuda:1 --replicas 2`` runs a
-:class:`Supervisor`. It spawns (never forks) ``replicas`` processes per device,
-each pinned with ``CUDA_VISIBLE_DEVICES`` set in its environment before it starts,
-and then waits, without polling, on three things at once: its children's pipes,
-their exit sentinels, and a wake-up socket (signals and control messages).
+:class:`Supervisor`. It starts ``replicas`` processes per device, forked from a fork
+server that imported torch and mtq but never touched a device (so a start costs a
+fork and the model's ``setup``), each pinned with ``CUDA_VISIBLE_DEVICES`` before
+torch initialises CUDA, and then waits, without polling, on three things at once:
+its children's pipes, their exit sentinels, and a wake-up socket (signals and
+control messages).
 
-* A child that dies is restarted with backoff. The tasks it was running go back
-  to the head of their streams at once with the delivery counted (so a request
-  that always kills its process ends dead-lettered after ``max_deliveries``); the
-  tasks it had claimed but not started go back uncounted.
+* A child that dies is replaced at once by the device's warm standby (a process
+  set up and waiting, claiming nothing; by default on the CPU only), or restarted
+  with backoff. The tasks it was running go back to the head of their streams at
+  once with the delivery counted (so a request that always kills its process ends
+  dead-lettered after ``max_deliveries``); the tasks it had claimed but not
+  started go back uncounted, including a claim it never got to report (found in
+  Redis by its worker id once its connections are gone).
+* A suspect (a task whose delivery ended with its process) is not run by the
+  serving process that claims it: the supervisor runs it alone in a quarantine
+  process, so that a poison request kills a serving process at most once.
 * A child whose predict call runs past the model's ``timeout_s`` is killed (a
   hung kernel cannot be interrupted from a thread) and handled as above.
 * A target that cannot be loaded stops the supervisor at once with the error; a
@@ -37,6 +45,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from mtq.broker.consumer import Consumer, connection_name
+from mtq.broker.protocol import Claimed
 from mtq.errors import ConfigError, MtqError
 from mtq.settings import QueueSettings
 from mtq.workers import child, control, devices, registry
@@ -47,6 +56,8 @@ log = logging.getLogger(__name__)
 MAX_SETUP_FAILURES = 3
 #: restart delay after a crash: BASE * 2**(crashes in a row - 1), at most MAX
 RESTART_BASE_S, RESTART_MAX_S = 0.1, 30.0
+#: the quarantine process stops after this long with no suspect to run
+QUARANTINE_IDLE_S = 30.0
 
 
 @dataclass
@@ -67,6 +78,8 @@ class _Child:
     retiring: bool = False
     killed_for: str = ""
     forced: bool = False    # killed on the operator's order: nothing it ran counts
+    spare: bool = False     # a warm standby: set up, claiming nothing until promoted
+    quarantine: bool = False  # runs the suspects its siblings hand over, one at a time
 
 
 @dataclass
@@ -78,6 +91,18 @@ class _Slot:
     progress: bool = False  # a task settled since the last restart
 
 
+def _context() -> Any:
+    """How worker processes start: forked from a fork server that imported torch and
+    mtq once (never CUDA: nothing there touches a device), so a start or restart costs
+    a fork and the model's own ``setup``, not a new interpreter importing torch (about
+    2 CPU-seconds). Where there is no fork server, spawned."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["mtq.workers.child", "torch"])  # a missing module is skipped
+    return ctx
+
+
 class Supervisor:
     """Starts and keeps ``replicas`` worker processes per device for one target."""
 
@@ -85,10 +110,12 @@ class Supervisor:
                  devices_spec: str = "cpu", replicas: int = 1,
                  settings: QueueSettings | None = None, max_batch_size: int | None = None,
                  max_wait_ms: float | None = None, timeout_s: float | None = None,
-                 log_level: int = logging.INFO, on_event: Callable[[str], None] | None = None
-                 ) -> None:
+                 log_level: int = logging.INFO, on_event: Callable[[str], None] | None = None,
+                 standby: int | None = None) -> None:
         if replicas < 0:
             raise ConfigError(f"--replicas must be >= 0, got {replicas}")
+        if standby is not None and not 0 <= standby <= 1:
+            raise ConfigError(f"--standby must be 0 or 1, got {standby}")
         self.target = target
         self.devices = devices.parse_devices(devices_spec)
         self.replicas = replicas
@@ -107,7 +134,24 @@ class Supervisor:
         self.stopping = False
         self.draining = False
         self.error = ""
-        self._ctx = mp.get_context("spawn")
+        self._ctx = _context()
+        #: a warm standby per device (see the module docstring); None: 1 on the CPU,
+        #: 0 on a GPU (it would hold a second copy of the model in device memory)
+        self.standby = standby
+        self.spares: dict[str, _Child] = {}
+        self._spare_due: dict[str, float] = {}
+        self._spare_failures: dict[str, int] = {}
+        #: the quarantine process (started when a suspect first needs it) and the
+        #: suspects waiting for it, as the fields of a Claimed
+        self.quarantine: _Child | None = None
+        self._suspects: list[list[Any]] = []
+        self._suspects_extended = 0.0
+        self._quarantine_idle_since: float | None = None
+        self._quarantine_failures = 0
+        self._quarantine_due = 0.0
+        #: False once the quarantine process failed to set up again and again: the
+        #: serving processes then run their suspects alone themselves
+        self.hand_off = True
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -154,26 +198,62 @@ class Supervisor:
                 for slot in list(self.slots.values()):
                     if slot.index not in self.children and slot.due <= now:
                         self._spawn(slot)
-            if not self.children and (self.stopping or (self.draining and not self.slots)):
+                for device in self._spare_devices():
+                    if device not in self.spares and self._spare_due.get(device, 0.0) <= now:
+                        self._spawn(_Slot(-1, device), spare=True)
+            if not self.stopping and self._suspects and self.quarantine is None and \
+                    self._quarantine_due <= now:
+                self._spawn(_Slot(-2, self.devices[0]), quarantine=True)
+            self._extend_suspects(now)
+            qc = self.quarantine
+            if qc is not None and not qc.retiring:
+                idle = qc.ready and not qc.held and not self._suspects
+                if not idle:
+                    self._quarantine_idle_since = None
+                elif self._quarantine_idle_since is None:
+                    self._quarantine_idle_since = now
+                # it stops once the queue drained, or after a while with nothing to run
+                if (self.draining and not self.children) or (idle and now - (
+                        self._quarantine_idle_since or now) >= QUARANTINE_IDLE_S):
+                    qc.retiring = True
+                    self._send(qc, {"cmd": "stop"})
+            if not self.children and not self.spares and self.quarantine is None and \
+                    (self.stopping or (self.draining and not self.slots)):
                 return
             waitables: list[Any] = [self._wake_r]
-            for c in self.children.values():
+            for c in self._all():
                 waitables += [c.conn, c.process.sentinel]
             for ready in wait(waitables, timeout=self._next_deadline()):
                 if ready is self._wake_r:
                     self._drain_wake()
                     continue
-                for c in list(self.children.values()):
+                for c in self._all():
                     if ready is c.conn:
                         self._read(c)
                     elif ready == c.process.sentinel:
                         self._reap(c)
             self._check_timeouts()
 
+    def _all(self) -> list[_Child]:
+        q = [self.quarantine] if self.quarantine is not None else []
+        return [*self.children.values(), *self.spares.values(), *q]
+
+    def _spare_devices(self) -> list[str]:
+        """Devices that should have a warm standby now."""
+        if self.draining or self.stopping:
+            return []
+        used = {slot.device for slot in self.slots.values()}
+        out = []
+        for d in self.devices:
+            want = self.standby if self.standby is not None else int(d == "cpu")
+            if want and d in used and self._spare_failures.get(d, 0) < MAX_SETUP_FAILURES:
+                out.append(d)
+        return out
+
     def _next_deadline(self) -> float | None:
         now = time.monotonic()
         out: float | None = None
-        for c in self.children.values():
+        for c in self._running():
             if c.timeout_s and not c.killed_for:  # a killed one is waited for by its sentinel
                 started = c.shared[child.STARTED]
                 d = (started + c.timeout_s - now) if started else c.timeout_s / 4
@@ -183,26 +263,53 @@ class Supervisor:
                 if slot.index not in self.children:
                     d = slot.due - now
                     out = d if out is None else min(out, d)
+            for device in self._spare_devices():
+                if device not in self.spares:
+                    d = self._spare_due.get(device, 0.0) - now
+                    out = d if out is None else min(out, d)
+        if self._suspects:
+            d = self._suspects_extended + self.settings.lease_ms / 3000 - now
+            out = d if out is None else min(out, d)
+            if self.quarantine is None:
+                d = self._quarantine_due - now
+                out = d if out is None else min(out, d)
+        if self._quarantine_idle_since is not None:
+            d = self._quarantine_idle_since + QUARANTINE_IDLE_S - now
+            out = d if out is None else min(out, d)
         return None if out is None else max(out, 0.0)
+
+    def _running(self) -> list[_Child]:
+        """The processes that call the model: serving ones and the quarantine one."""
+        q = [self.quarantine] if self.quarantine is not None else []
+        return [*self.children.values(), *q]
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
-        for c in self.children.values():
+        for c in self._running():
             started = c.shared[child.STARTED]
             if c.timeout_s and started and now - started > c.timeout_s and not c.killed_for:
                 c.killed_for = f"predict ran past its {c.timeout_s:g} s timeout"
-                self.on_event(f"worker {c.slot} ({c.worker_id}): {c.killed_for}; killing it")
+                who = "the quarantine process" if c.quarantine else f"worker {c.slot}"
+                self.on_event(f"{who} ({c.worker_id}): {c.killed_for}; killing it")
                 c.process.kill()
 
     # -- children ----------------------------------------------------------------
-    def _spawn(self, slot: _Slot) -> None:
+    def _spawn(self, slot: _Slot, spare: bool = False, quarantine: bool = False) -> None:
         env, device = devices.child_env(slot.device)
         config = {"target": self.target, "queue": self.queue, "url": self.url,
                   "settings": dataclasses.asdict(self.settings), "device": device, "env": env,
-                  "overrides": self.overrides, "supervisor": self.id, "slot": slot.index,
-                  "log_level": self.log_level,
+                  "overrides": self.overrides, "supervisor": self.id,
+                  "slot": "standby" if spare else "quarantine" if quarantine else slot.index,
+                  "log_level": self.log_level, "quarantine": quarantine,
+                  "hand_off": self.hand_off,
                   # a replacement starts in the state the others are in, before it claims
-                  "paused": self.paused, "draining": self.draining}
+                  "paused": self.paused, "draining": self.draining, "standby": spare}
+        if self._ctx.get_start_method() == "forkserver":
+            # started (once) before the environment below is changed for this child:
+            # the server carries no child's pinning; each child sets its own first thing
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
         parent, kid = self._ctx.Pipe()
         shared = self._ctx.RawArray("d", 3)
         saved = {k: os.environ.get(k) for k in env}
@@ -218,10 +325,17 @@ class Supervisor:
                 else:
                     os.environ[k] = v
         kid.close()
-        slot.progress = False
-        self.children[slot.index] = _Child(slot.index, slot.device, p, parent, shared,
-                                           time.monotonic())
-        log.debug("spawned worker %d on %s (pid %s)", slot.index, slot.device, p.pid)
+        c = _Child(slot.index, slot.device, p, parent, shared, time.monotonic(), spare=spare,
+                   quarantine=quarantine)
+        if quarantine:
+            self.quarantine = c
+        elif spare:
+            self.spares[slot.device] = c
+        else:
+            slot.progress = False
+            self.children[slot.index] = c
+        log.debug("spawned %s on %s (pid %s)", "a standby" if spare else f"worker {slot.index}",
+                  slot.device, p.pid)
 
     def _read(self, c: _Child) -> None:
         try:
@@ -236,6 +350,9 @@ class Supervisor:
             c.held.update(dict(msg[1]))
         elif kind == "batch":
             c.batch = list(msg[1])
+        elif kind == "settled" and c.quarantine:
+            for i in msg[1]:
+                c.held.pop(i, None)
         elif kind == "settled":
             slot = self.slots.get(c.slot)
             for i in msg[1]:
@@ -245,11 +362,21 @@ class Supervisor:
                 slot.crashes = 0
         elif kind == "hello":
             c.worker_id = msg[1]
+        elif kind == "quarantine":  # a suspect c claimed: it runs in the quarantine process
+            self._suspects.append(list(msg[1]))
+            self._dispatch_suspects()
         elif kind == "ready":
             c.ready = True
             c.timeout_s = msg[1].get("timeout_s")
-            self.on_event(f"worker {c.slot} ready on {c.device} (pid {c.process.pid}, "
-                          f"{msg[1].get('model')})")
+            if c.quarantine:
+                self._quarantine_failures = 0
+                self._dispatch_suspects()
+            elif c.spare:
+                self._spare_failures[c.device] = 0
+                self.on_event(f"standby ready on {c.device} (pid {c.process.pid})")
+            else:
+                self.on_event(f"worker {c.slot} ready on {c.device} (pid {c.process.pid}, "
+                              f"{msg[1].get('model')})")
         elif kind == "reloaded":
             c.timeout_s = msg[1].get("timeout_s")
             self.on_event(f"worker {c.slot} reloaded ({msg[1].get('model')})")
@@ -262,8 +389,25 @@ class Supervisor:
         self._read(c)
         c.process.join(timeout=5)
         code = c.process.exitcode
-        del self.children[c.slot]
         c.conn.close()
+        if c.spare:
+            self._reap_spare(c, code)
+            return
+        if c.quarantine:
+            self.quarantine = None
+            self._quarantine_idle_since = None
+            self._give_back(c)  # what it ran goes back counted: dead at max_deliveries
+            if c.fatal:
+                self.error = c.error
+                self._stop_all()
+            elif not c.ready and not self.stopping:
+                self._quarantine_setup_failed(c, code)
+            elif code != 0 and not self.stopping:
+                self.on_event(f"the quarantine process ({c.worker_id}) died "
+                              f"({c.killed_for or f'exit code {code}'}) running a suspect; "
+                              f"{len(self._suspects)} more wait")
+            return
+        del self.children[c.slot]
         self._give_back(c)
         if c.worker_id and code != 0:  # it could not remove its own registry entry
             try:
@@ -291,16 +435,97 @@ class Supervisor:
         else:
             slot.crashes = 1
         delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (slot.crashes - 1))
-        slot.due = time.monotonic() + delay
         why = c.killed_for or f"exit code {code}"
+        spare = self.spares.get(c.device)
+        if c.ready and spare is not None and spare.ready:
+            # the warm standby takes its place at once; a new standby follows
+            del self.spares[c.device]
+            spare.spare, spare.slot = False, c.slot
+            self.children[c.slot] = spare
+            slot.progress = False
+            self._send(spare, {"cmd": "go", "paused": self.paused, "draining": self.draining})
+            self._spare_due[c.device] = time.monotonic() + delay
+            self.on_event(f"worker {c.slot} ({c.worker_id}) died ({why}); its standby (pid "
+                          f"{spare.process.pid}) took over")
+            return
+        slot.due = time.monotonic() + delay
         self.on_event(f"worker {c.slot} ({c.worker_id or 'starting'}) died ({why}); "
                       f"restarting in {delay:.1f} s")
+
+    def _quarantine_setup_failed(self, c: _Child, code: int | None) -> None:
+        """The quarantine process died before it was set up (out of device memory for
+        a second copy of the model, say): try again later; after a few tries, let the
+        serving processes run their suspects alone themselves."""
+        self._quarantine_failures += 1
+        why = c.error or f"exit code {code}"
+        if self._quarantine_failures < MAX_SETUP_FAILURES:
+            self._quarantine_due = time.monotonic() + RESTART_BASE_S * 2 ** (
+                self._quarantine_failures - 1)
+            return
+        self.on_event(f"the quarantine process failed during setup "
+                      f"{self._quarantine_failures} times ({why}); suspects run alone in "
+                      "the serving processes instead")
+        self.hand_off = False
+        for ch in self.children.values():
+            self._send(ch, {"cmd": "hand_off", "on": False})
+        try:  # back to their streams, uncounted: a serving process runs each alone
+            self.consumer.release_leases([(f[0], f[1]) for f in self._suspects])
+        except MtqError:
+            log.warning("could not give back %d suspect(s); they return when their "
+                        "leases expire", len(self._suspects), exc_info=True)
+        self._suspects = []
+
+    def _dispatch_suspects(self) -> None:
+        """Hand the waiting suspects to the quarantine process once it is ready."""
+        qc = self.quarantine
+        if qc is None or not qc.ready or not self._suspects:
+            return
+        for fields in self._suspects:
+            qc.held[fields[0]] = fields[1]
+            self._send(qc, {"cmd": "run", "task": fields})
+        self._suspects = []
+
+    def _extend_suspects(self, now: float) -> None:
+        """Keep the leases of suspects waiting for the quarantine process (nobody else
+        holds them meanwhile)."""
+        if not self._suspects or now - self._suspects_extended < self.settings.lease_ms / 3000:
+            return
+        self._suspects_extended = now
+        tasks = [Claimed(*f) for f in self._suspects]
+        try:
+            lost, _ = self.consumer.extend(tasks)
+        except MtqError:
+            log.warning("could not extend the leases of %d suspect(s)", len(tasks),
+                        exc_info=True)
+            return
+        if lost:
+            gone = set(lost)
+            self._suspects = [f for f in self._suspects if f[0] not in gone]
+
+    def _reap_spare(self, c: _Child, code: int | None) -> None:
+        """A standby exited: told to (stop, reload), or it failed; start another later."""
+        if self.spares.get(c.device) is c:
+            del self.spares[c.device]
+        if c.fatal:
+            self.error = c.error
+            self._stop_all()
+            return
+        if c.retiring or self.stopping:
+            return
+        failures = self._spare_failures.get(c.device, 0) + 1
+        self._spare_failures[c.device] = failures
+        if failures >= MAX_SETUP_FAILURES:
+            self.on_event(f"the standby on {c.device} failed {failures} times in a row "
+                          f"({c.error or f'exit code {code}'}); running without one")
+            return
+        self._spare_due[c.device] = time.monotonic() + min(
+            RESTART_MAX_S, RESTART_BASE_S * 2 ** (failures - 1))
 
     def _give_back(self, c: _Child) -> None:
         """Return the dead child's tasks: the running call's items counted, the rest not,
         including those it claimed just before it died and never reported (found in
         Redis by its worker id once its connections are gone)."""
-        if not c.held and not c.worker_id:
+        if c.spare or (not c.held and not c.worker_id):
             return
         running: list[tuple[str, str]] = []
         started = c.shared[child.STARTED]
@@ -315,7 +540,11 @@ class Supervisor:
                 if not self.consumer.wait_disconnected(connection_name(c.worker_id)):
                     log.debug("worker %s: its Redis connections did not close (or CLIENT "
                               "LIST is not allowed); sweeping its tasks now", c.worker_id)
-                self.consumer.give_back_all(c.worker_id, running, rest, reason)
+                elsewhere = {f[0] for f in self._suspects}
+                if self.quarantine is not None:
+                    elsewhere.update(self.quarantine.held)
+                self.consumer.give_back_all(c.worker_id, running, rest, reason,
+                                            skip=elsewhere)
             else:
                 self.consumer.give_back(running, rest, reason)
         except MtqError:
@@ -325,7 +554,14 @@ class Supervisor:
 
     def _stop_all(self, force: bool = False) -> None:
         self.stopping = True
-        for c in self.children.values():
+        if self._suspects:
+            try:
+                self.consumer.release_leases([(f[0], f[1]) for f in self._suspects])
+            except MtqError:
+                log.warning("could not give back %d suspect(s); they return when their "
+                            "leases expire", len(self._suspects), exc_info=True)
+            self._suspects = []
+        for c in self._all():
             if force:
                 c.forced = True
                 c.process.kill()
@@ -394,6 +630,8 @@ class Supervisor:
             for c in self.children.values():
                 if not worker or worker == c.worker_id:
                     self._send(c, {"cmd": cmd})
+            if cmd == "reload" and not worker:
+                self._retire_spares()  # they hold the old code; fresh ones import the new
         elif cmd == "cancel":  # published by cancel.lua, addressed to the task's worker
             for c in self.children.values():
                 if not worker or worker == c.worker_id:
@@ -406,6 +644,7 @@ class Supervisor:
             self.draining = True
             for c in self.children.values():
                 self._send(c, {"cmd": "drain"})
+            self._retire_spares()
         elif cmd in ("stop", "drain"):  # one worker: it leaves for good
             for c in self.children.values():
                 if worker == c.worker_id:
@@ -424,6 +663,12 @@ class Supervisor:
             self._resize()
         else:
             log.warning("unknown control command %r ignored", msg)
+
+    def _retire_spares(self) -> None:
+        for c in self.spares.values():
+            c.retiring = True
+            self._spare_due[c.device] = 0.0
+            self._send(c, {"cmd": "stop"})
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # no lock and no read-modify-write shared with the loop: the handler runs

@@ -93,6 +93,12 @@ class Monitor:
     def reloaded(self, timeout_s: float | None, model: str) -> None:
         """A reload swapped the model in; its timeout may have changed."""
 
+    def quarantine(self, task: Claimed) -> bool:
+        """A claimed task is a suspect (a process died while running it): True if the
+        supervisor takes it, to run it alone in its quarantine process; False (no
+        supervisor) and this process runs it alone itself."""
+        return False
+
 
 class Worker:
     """Serves one model for one queue in this process until stopped."""
@@ -102,7 +108,8 @@ class Worker:
                  max_batch_size: int | None = None, max_wait_ms: float | None = None,
                  timeout_s: float | None = None, worker_id: str | None = None,
                  monitor: Monitor | None = None, supervisor: str = "",
-                 consumer: Consumer | None = None) -> None:
+                 consumer: Consumer | None = None, quarantine: bool = False,
+                 hand_off: bool = True) -> None:
         self.spec = target if isinstance(target, str) else None
         self.model: Target = load_model(target) if isinstance(target, str) else target
         self.overrides: dict[str, Any] = {"max_batch_size": max_batch_size,
@@ -115,6 +122,11 @@ class Worker:
         self.device: Any = None
         self.monitor = monitor or Monitor()
         self.supervisor = supervisor
+        #: a supervisor's quarantine process: it claims nothing and runs the suspects
+        #: its supervisor hands it (the "run" command), one at a time
+        self.quarantine = quarantine
+        #: offer the suspects it claims to the supervisor (Monitor.quarantine)
+        self.hand_off = hand_off
         self.slot = BatchSlot(self.policy.max_batch_size, self.policy.max_wait_ms)
         self._ready = False
         self._reloading = False
@@ -172,7 +184,7 @@ class Worker:
         if msg.get("worker") not in (None, "", self.worker_id) or \
                 msg.get("supervisor") not in (None, "", self.supervisor):
             return  # addressed to another process
-        log.info("worker %s: %s", self.worker_id, cmd)
+        (log.debug if cmd == "run" else log.info)("worker %s: %s", self.worker_id, cmd)
         if cmd == "pause":
             self._user_paused = True
             self._give_back(self.slot.set_paused(True))
@@ -196,6 +208,10 @@ class Worker:
             pass  # a supervisor's business; a worker without one has nothing to scale
         elif cmd == "cancel":
             self._cancel_running(msg.get("ids") or [])
+        elif cmd == "run" and self.quarantine:
+            self._take_suspect(msg["task"])
+        elif cmd == "hand_off":
+            self.hand_off = bool(msg.get("on"))
         else:
             log.warning("unknown control command %r ignored", cmd)
 
@@ -212,6 +228,17 @@ class Worker:
         dropped = self.slot.remove(mine, tokens)
         if dropped:
             self._publish([Outcome(t, ok=False, cancelled=True) for t in dropped])
+
+    def _take_suspect(self, fields: Sequence[Any]) -> None:
+        """A suspect handed over by the supervisor (quarantine): held and run here,
+        alone, under the lease its claimer took (fenced by its token as ever)."""
+        t = Claimed(*fields)
+        with self._lock:
+            self._held[t.id] = t
+        self.monitor.held([(t.id, t.token)])
+        refused = self.slot.put([t], time.monotonic())
+        if refused:
+            self._give_back(refused)
 
     def stop(self) -> None:
         """Graceful stop: finish the running batch, give back what was claimed ahead."""
@@ -513,6 +540,9 @@ class Worker:
             log.warning("could not wake the fetcher", exc_info=True)
 
     def _fetch_loop(self) -> None:
+        if self.quarantine:  # its tasks come from the supervisor
+            self._stop.wait()
+            return
         c = self.consumer
         backoff = Backoff()
         in_doubt = False  # a claim failed: it may have run, its reply lost with the connection
@@ -536,6 +566,11 @@ class Worker:
                 if self._stop.wait(delay):
                     return
                 continue
+            full = len(tasks) == need
+            if self.hand_off and any(t.suspect for t in tasks):
+                # a process died running these: under a supervisor they run in its
+                # quarantine process, so that if they kill it again, no batch is lost
+                tasks = [t for t in tasks if not (t.suspect and self.monitor.quarantine(t))]
             if tasks:
                 with self._lock:
                     for t in tasks:
@@ -544,8 +579,8 @@ class Worker:
                 refused = self.slot.put(tasks, now)
                 if refused:
                     self._give_back(refused)
-                if len(tasks) == need:
-                    continue
+            if full:
+                continue
             # set before the drain check: whoever makes the worker idle after the check
             # sees it and wakes the fetcher (see _publish_loop)
             self._fetcher_sleeping = True
@@ -706,6 +741,7 @@ class Worker:
             "host": socket.gethostname(), "pid": os.getpid(), "queue": self.queue,
             "device": self.device_name, "model": name, "version": version,
             "state": self.state, "batch": current, "typical_batch": typical,
+            "role": "quarantine" if self.quarantine else "serving",
             "max_batch_size": self.policy.max_batch_size, "held": held,
             "histogram": {str(k): v for k, v in sorted(self.hist.items())},
             "tasks_per_s": round(rate, 2), "supervisor": self.supervisor,
