@@ -463,8 +463,10 @@ class Queue:
                  ) -> list[str | int]:
         """Correct the answer of a retried submit for what the lost try wrote: a task it
         created comes back as a duplicate (or, if it filled the queue, the whole chunk
-        as queue-full). A duplicate is this client's own if its id was generated here
-        (96 random bits) or the stored task names this client's reply channel."""
+        as queue-full). A duplicate is this call's own if its id was generated here
+        (96 random bits), or if the stored task names this client's reply channel and
+        holds the very same payload (a task this client merely watched, or submitted
+        before with another payload, stays a duplicate)."""
         full = bool(answer) and answer[0] == Code.QUEUE_FULL
         doubtful = range(len(chunk)) if full else \
             [i for i, v in enumerate(answer) if v == Code.DUPLICATE_ID]
@@ -474,15 +476,16 @@ class Queue:
         with redis_errors("while checking a retried submit"):
             pipe = self.redis.pipeline(transaction=False)
             for i in doubtful:
-                pipe.hget(keys.task(chunk[i].id), "reply")
+                pipe.hmget(keys.task(chunk[i].id), "reply", "payload")
                 if chunk[i].key:
                     pipe.get(keys.idem(chunk[i].key))
             rows = iter(pipe.execute())
         mine: dict[int, str] = {}
         for i in doubtful:
-            stored = next(rows)
+            stored, payload = next(rows)
             idem = next(rows) if chunk[i].key else None
-            if stored is not None and (chunk[i].own_id or reply in stored.decode().split()):
+            if stored is not None and (chunk[i].own_id or (
+                    reply in stored.decode().split() and payload == chunk[i].payload)):
                 mine[i] = chunk[i].id
             elif chunk[i].key and idem is not None:
                 mine[i] = idem.decode()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -25,30 +26,42 @@ _once = threading.local()
 
 
 class _Retry(Retry):
-    """redis-py's retry, except for calls made inside :func:`single_attempt`."""
+    """A dropped or refused connection is re-opened and the command sent again, except
+    for calls made inside :func:`single_attempt` and for a refused password. Timeouts
+    are not retried here (a hung server or an unreachable host would cost a socket
+    timeout per try); the caller's own loop decides. The loop is written out, rather
+    than redis-py's own extended, so that it works with every redis-py mtq supports
+    (the signature of ``Retry.call_with_retry`` changed across releases)."""
 
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
                         with_failure_count: bool = False) -> Any:
-        if not getattr(_once, "on", False):
-            def retryable(error: Exception) -> bool:  # a refused password stays refused
-                return not isinstance(error, redis.exceptions.AuthenticationError) and \
-                    (is_retryable is None or is_retryable(error))
-
-            return super().call_with_retry(do, fail, retryable, with_failure_count)
-        try:
-            return do()
-        except self._supported_errors as error:
-            if with_failure_count:
-                fail(error, 1)
-            else:
-                fail(error)
-            raise
+        once = getattr(_once, "on", False)
+        self._backoff.reset()
+        failures = 0
+        while True:
+            try:
+                return do()
+            except self._supported_errors as error:
+                if is_retryable is not None and not is_retryable(error):
+                    raise
+                failures += 1
+                if with_failure_count:
+                    fail(error, failures)
+                else:
+                    fail(error)
+                if once or isinstance(error, redis.exceptions.AuthenticationError) or \
+                        failures > self._retries:
+                    raise
+                delay = self._backoff.compute(failures)
+                if delay > 0:
+                    time.sleep(delay)
 
 
 def retry_policy() -> Retry:
     """The retry every mtq client uses: a dropped connection is re-opened and the
     command sent again at once, then with jittered backoff up to 1 s apart."""
-    return _Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), RETRIES)
+    return _Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), RETRIES,
+                  supported_errors=(redis.exceptions.ConnectionError,))
 
 
 @contextmanager

@@ -198,9 +198,14 @@ class Supervisor:
                 for slot in list(self.slots.values()):
                     if slot.index not in self.children and slot.due <= now:
                         self._spawn(slot)
-                for device in self._spare_devices():
+                wanted = self._spare_devices()
+                for device in wanted:
                     if device not in self.spares and self._spare_due.get(device, 0.0) <= now:
                         self._spawn(_Slot(-1, device), spare=True)
+                for device, c in self.spares.items():
+                    if device not in wanted and not c.retiring:
+                        c.retiring = True
+                        self._send(c, {"cmd": "stop"})
             if not self.stopping and self._suspects and self.quarantine is None and \
                     self._quarantine_due <= now:
                 self._spawn(_Slot(-2, self.devices[0]), quarantine=True)
@@ -215,8 +220,7 @@ class Supervisor:
                 # it stops once the queue drained, or after a while with nothing to run
                 if (self.draining and not self.children) or (idle and now - (
                         self._quarantine_idle_since or now) >= QUARANTINE_IDLE_S):
-                    qc.retiring = True
-                    self._send(qc, {"cmd": "stop"})
+                    self._retire_quarantine()
             if not self.children and not self.spares and self.quarantine is None and \
                     (self.stopping or (self.draining and not self.slots)):
                 return
@@ -270,7 +274,7 @@ class Supervisor:
         if self._suspects:
             d = self._suspects_extended + self.settings.lease_ms / 3000 - now
             out = d if out is None else min(out, d)
-            if self.quarantine is None:
+            if self.quarantine is None and not self.stopping:
                 d = self._quarantine_due - now
                 out = d if out is None else min(out, d)
         if self._quarantine_idle_since is not None:
@@ -302,8 +306,10 @@ class Supervisor:
                   "slot": "standby" if spare else "quarantine" if quarantine else slot.index,
                   "log_level": self.log_level, "quarantine": quarantine,
                   "hand_off": self.hand_off,
-                  # a replacement starts in the state the others are in, before it claims
-                  "paused": self.paused, "draining": self.draining, "standby": spare}
+                  # a replacement starts in the state the others are in, before it claims;
+                  # the quarantine process claims nothing: it runs what it is given
+                  "paused": self.paused and not quarantine,
+                  "draining": self.draining and not quarantine, "standby": spare}
         if self._ctx.get_start_method() == "forkserver":
             # started (once) before the environment below is changed for this child:
             # the server carries no child's pinning; each child sets its own first thing
@@ -363,8 +369,11 @@ class Supervisor:
         elif kind == "hello":
             c.worker_id = msg[1]
         elif kind == "quarantine":  # a suspect c claimed: it runs in the quarantine process
-            self._suspects.append(list(msg[1]))
-            self._dispatch_suspects()
+            if self.stopping:  # nothing will run it: back to its stream, unrun
+                self._release_suspects([list(msg[1])])
+            else:
+                self._suspects.append(list(msg[1]))
+                self._dispatch_suspects()
         elif kind == "ready":
             c.ready = True
             c.timeout_s = msg[1].get("timeout_s")
@@ -397,9 +406,14 @@ class Supervisor:
             self.quarantine = None
             self._quarantine_idle_since = None
             self._give_back(c)  # what it ran goes back counted: dead at max_deliveries
-            if c.fatal:
-                self.error = c.error
-                self._stop_all()
+            if c.worker_id and code != 0:
+                try:
+                    registry.remove(self.consumer.redis, c.worker_id)
+                except MtqError:
+                    log.debug("could not remove worker %s from the registry", c.worker_id)
+            if c.fatal and not self.stopping:  # cannot load the target: no use trying again
+                self._quarantine_failures = MAX_SETUP_FAILURES - 1
+                self._quarantine_setup_failed(c, code)
             elif not c.ready and not self.stopping:
                 self._quarantine_setup_failed(c, code)
             elif code != 0 and not self.stopping:
@@ -437,13 +451,15 @@ class Supervisor:
         delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (slot.crashes - 1))
         why = c.killed_for or f"exit code {code}"
         spare = self.spares.get(c.device)
-        if c.ready and spare is not None and spare.ready:
+        if c.ready and spare is not None and spare.ready and not spare.retiring:
             # the warm standby takes its place at once; a new standby follows
             del self.spares[c.device]
             spare.spare, spare.slot = False, c.slot
             self.children[c.slot] = spare
             slot.progress = False
             self._send(spare, {"cmd": "go", "paused": self.paused, "draining": self.draining})
+            if not self.hand_off:
+                self._send(spare, {"cmd": "hand_off", "on": False})
             self._spare_due[c.device] = time.monotonic() + delay
             self.on_event(f"worker {c.slot} ({c.worker_id}) died ({why}); its standby (pid "
                           f"{spare.process.pid}) took over")
@@ -468,12 +484,18 @@ class Supervisor:
         self.hand_off = False
         for ch in self.children.values():
             self._send(ch, {"cmd": "hand_off", "on": False})
-        try:  # back to their streams, uncounted: a serving process runs each alone
-            self.consumer.release_leases([(f[0], f[1]) for f in self._suspects])
+        # back to their streams, uncounted: a serving process runs each alone
+        self._release_suspects(self._suspects)
+        self._suspects = []
+
+    def _release_suspects(self, suspects: list[list[Any]]) -> None:
+        if not suspects:
+            return
+        try:
+            self.consumer.release_leases([(f[0], f[1]) for f in suspects])
         except MtqError:
             log.warning("could not give back %d suspect(s); they return when their "
-                        "leases expire", len(self._suspects), exc_info=True)
-        self._suspects = []
+                        "leases expire", len(suspects), exc_info=True)
 
     def _dispatch_suspects(self) -> None:
         """Hand the waiting suspects to the quarantine process once it is ready."""
@@ -506,11 +528,13 @@ class Supervisor:
         """A standby exited: told to (stop, reload), or it failed; start another later."""
         if self.spares.get(c.device) is c:
             del self.spares[c.device]
-        if c.fatal:
-            self.error = c.error
-            self._stop_all()
-            return
         if c.retiring or self.stopping:
+            return
+        if c.fatal:  # the target cannot be loaded any more (a broken reload): the
+            # serving processes keep the old model; a new standby waits for the next reload
+            self._spare_failures[c.device] = MAX_SETUP_FAILURES
+            self.on_event(f"the standby on {c.device} cannot load the target ({c.error}); "
+                          "running without one until the next reload")
             return
         failures = self._spare_failures.get(c.device, 0) + 1
         self._spare_failures[c.device] = failures
@@ -554,13 +578,8 @@ class Supervisor:
 
     def _stop_all(self, force: bool = False) -> None:
         self.stopping = True
-        if self._suspects:
-            try:
-                self.consumer.release_leases([(f[0], f[1]) for f in self._suspects])
-            except MtqError:
-                log.warning("could not give back %d suspect(s); they return when their "
-                            "leases expire", len(self._suspects), exc_info=True)
-            self._suspects = []
+        self._release_suspects(self._suspects)
+        self._suspects = []
         for c in self._all():
             if force:
                 c.forced = True
@@ -631,11 +650,16 @@ class Supervisor:
                 if not worker or worker == c.worker_id:
                     self._send(c, {"cmd": cmd})
             if cmd == "reload" and not worker:
-                self._retire_spares()  # they hold the old code; fresh ones import the new
+                # they hold the old code; fresh ones import the new (and may fail again)
+                self._spare_failures.clear()
+                self._retire_spares()
+                self._retire_quarantine()
         elif cmd == "cancel":  # published by cancel.lua, addressed to the task's worker
             for c in self.children.values():
                 if not worker or worker == c.worker_id:
                     self._send(c, {"cmd": "cancel", "ids": msg.get("ids") or []})
+            if self.quarantine is not None:  # it runs suspects under their claimer's id
+                self._send(self.quarantine, {"cmd": "cancel", "ids": msg.get("ids") or []})
         elif cmd == "stop" and not worker:
             self.on_event("stop requested")
             self._stop_all()
@@ -663,6 +687,13 @@ class Supervisor:
             self._resize()
         else:
             log.warning("unknown control command %r ignored", msg)
+
+    def _retire_quarantine(self) -> None:
+        qc = self.quarantine
+        if qc is not None and not qc.retiring:
+            qc.retiring = True  # it finishes what it runs; a new one starts on need
+            self._quarantine_idle_since = None
+            self._send(qc, {"cmd": "stop"})
 
     def _retire_spares(self) -> None:
         for c in self.spares.values():

@@ -127,6 +127,9 @@ class Worker:
         self.quarantine = quarantine
         #: offer the suspects it claims to the supervisor (Monitor.quarantine)
         self.hand_off = hand_off
+        #: (id, token) of suspects handed to the supervisor: they still run under this
+        #: worker's id in Redis, in the quarantine process (see _release_unknown)
+        self._handed: set[tuple[str, str]] = set()
         self.slot = BatchSlot(self.policy.max_batch_size, self.policy.max_wait_ms)
         self._ready = False
         self._reloading = False
@@ -466,6 +469,7 @@ class Worker:
         known = {t.id for t in tasks if t.live_until == LOST}
         ask = [t for t in tasks if t.live_until != LOST]
         lost = set(known)
+        tokens = {t.id: t.token for t in tasks}
         if ask:
             delay = 0.05
             for attempt in range(4):
@@ -478,12 +482,15 @@ class Worker:
                         log.warning("could not check %d lease(s) with Redis; not running "
                                     "those tasks (they return when their leases expire)",
                                     len(ask), exc_info=True)
+                        for t in ask:  # dropped for good: a later check must not revive it
+                            t.live_until = LOST
                         lost.update(t.id for t in ask)
                         break
                     delay *= 2
         if lost:
-            with self._lock:
-                fresh = [i for i in sorted(lost) if i in self._held]
+            with self._lock:  # the same lease: an id may be held again under a new one
+                fresh = [i for i in sorted(lost)
+                         if i in self._held and self._held[i].token == tokens[i]]
             if fresh:
                 log.warning("worker %s: the lease of %d task(s) ran out while this process "
                             "was stopped or starved; another worker owns them, so they are "
@@ -570,7 +577,10 @@ class Worker:
             if self.hand_off and any(t.suspect for t in tasks):
                 # a process died running these: under a supervisor they run in its
                 # quarantine process, so that if they kill it again, no batch is lost
-                tasks = [t for t in tasks if not (t.suspect and self.monitor.quarantine(t))]
+                handed = [t for t in tasks if t.suspect and self.monitor.quarantine(t)]
+                if handed:
+                    self._handed.update((t.id, t.token) for t in handed)
+                    tasks = [t for t in tasks if t not in handed]
             if tasks:
                 with self._lock:
                     for t in tasks:
@@ -603,8 +613,10 @@ class Worker:
         """After a claim whose reply was lost: give back the tasks Redis shows running
         under this worker that it does not hold (that claim ran), uncounted."""
         mine = self.consumer.broker.orphans(self.worker_id)
+        self._handed &= set(mine)  # those no longer running are done with
         with self._lock:
-            unknown = [(i, t) for i, t in mine if i not in self._held]
+            unknown = [(i, t) for i, t in mine
+                       if i not in self._held and (i, t) not in self._handed]
         if unknown:
             n = self.consumer.release_leases(unknown)
             log.info("worker %s: gave back %d task(s) of a claim whose reply was lost",

@@ -129,6 +129,8 @@ def test_workers_producers_and_readers_ride_through_client_kills(
         expired = [s for s in steps if "lease expired" in s[1]]
         assert not expired, f"tasks came back only through lease expiry: {expired[:5]}"
         gaps = [b[0] - a[0] for a, b in itertools.pairwise(steps)]
+        print(f"figures: {rounds} kill rounds, {killer.killed} connections killed, "
+              f"{n} submits, longest gap between task starts {max(gaps):.3f} s")
         assert max(gaps) <= 2.0, f"workers stalled {max(gaps):.2f} s after a connection kill"
     finally:
         for p, log in procs:
@@ -161,6 +163,10 @@ def test_a_retried_submit_recognises_what_its_lost_try_wrote(qname: str,
     assert q._written(chunk, retry, reply) == [chunk[0].id, "given-1", chunk[2].id,
                                                mtq.broker.protocol.Code.DUPLICATE_ID]
     assert q.stats()["submitted"] == 4  # three of this client's, one of the other's
+    # the same given id again, from this client, with another payload: a real duplicate
+    again = q.prepare([mtq.Request({"x": 99}, id="given-1")])
+    answer = q.broker.submit(again, reply)
+    assert q._written(again, answer, reply) == [mtq.broker.protocol.Code.DUPLICATE_ID]
 
 
 def test_a_retried_submit_that_finds_the_queue_full_of_itself_succeeds(
@@ -214,3 +220,36 @@ def test_calls_sent_once_are_not_repeated_by_the_connection(redis_url: str) -> N
         blocked.join(10)
     finally:
         killer.close()
+
+
+def test_a_failed_claims_sweep_leaves_the_suspects_handed_to_quarantine(
+        qname: str, redis_url: str) -> None:
+    """A suspect this worker claimed and handed to its supervisor still runs under its id
+    in Redis (in the quarantine process): the sweep after a lost claim reply must not give
+    it back, or it would run twice at once."""
+    from mtq.broker.consumer import Consumer
+    from mtq.workers.model import FunctionModel
+    from mtq.workers.worker import Monitor, Worker
+
+    class Handing(Monitor):
+        def __init__(self) -> None:
+            self.handed: list[str] = []
+
+        def quarantine(self, task: mtq.Claimed) -> bool:
+            self.handed.append(task.id)
+            return True
+
+    q = mtq.Queue(qname, redis_url)
+    (suspect,) = q.submit_many([mtq.Request({"i": 0}, stream="s")])
+    died = Consumer(qname, redis_url)
+    (first,) = died.claim(1)
+    died.give_back([(first.id, first.token)], [], "its process died")  # delivery counted
+    monitor = Handing()
+    w = Worker(FunctionModel(lambda p: p), qname, url=redis_url, monitor=monitor)
+    (again,) = w.consumer.claim(1)
+    assert again.suspect
+    # what the fetcher does with a claimed suspect under a supervisor
+    assert monitor.quarantine(again)
+    w._handed.add((again.id, again.token))
+    w._release_unknown()
+    assert q.task(suspect.id).status() == "running", "the handed-off suspect was given back"

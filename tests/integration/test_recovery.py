@@ -3,9 +3,7 @@ including a claim answered just before the kill that the supervisor never heard 
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -19,8 +17,10 @@ from benchmarks.faults import kill_workers, pct, recovery_times
 from mtq.broker.connection import connect
 from mtq.broker.consumer import Consumer, connection_name
 from mtq.broker.keys import QueueKeys
-from mtq.workers.registry import list_workers
 from tests.conftest import wait_for
+from tests.integration.test_supervisor import StartFn, supervise, wait_workers
+
+__all__ = ["supervise"]  # the fixture, imported for this module's tests
 
 PY = sys.executable
 
@@ -83,96 +83,68 @@ def test_a_named_client_is_a_client_of_its_own(redis_url: str) -> None:
 
 @pytest.mark.slow
 def test_a_claim_the_supervisor_never_heard_of_comes_back_at_once(
-        qname: str, redis_url: str, r: redis.Redis, subprocess_env: dict[str, str],
+        supervise: StartFn, qname: str, redis_url: str, r: redis.Redis,
         tmp_path: Path) -> None:
     """The worker process claims 5 tasks and dies before it can tell its supervisor
     (tests.models:Orphaner): they are given back at once, uncounted, and run, instead
     of waiting for their 30 s leases."""
-    log = tmp_path / "sup.log"
-    with open(log, "wb") as out:
-        sup = subprocess.Popen([PY, "-m", "mtq", "workers", "start", "tests.models:Orphaner",
-                                "--queue", qname, "--redis", redis_url, "--lease-ms", "30000"],
-                               env=subprocess_env, stdout=out, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        wait_for(lambda: len(list_workers(r, qname)) == 1, 60,
-                 f"the worker did not start:\n{log.read_text()}")
-        q = mtq.Queue(qname, redis_url)
-        flag = tmp_path / "orphaned"
-        trigger = q.submit({"orphan": 5, "queue": qname, "flag": str(flag), "s": "x", "i": 0},
-                           stream="x")
-        wait_for(flag.exists, 20, "the trigger never ran")
-        # while it waits: 4 of these are claimed ahead by the fetcher (reported), and the
-        # dying process claims the other 5 (never reported)
-        victims = q.submit_many([mtq.Request({"s": f"v{i}", "i": 0}, stream=f"v{i}")
-                                 for i in range(9)])
-        Path(str(flag) + ".go").write_text("go")
-        for t in victims:
-            assert t.result(timeout=10)["s"].startswith("v"), "a victim waited for its lease"
-        released = [e for t in victims for e in t.trace() if e.kind == "released"]
-        assert len(released) == 9, [t.trace() for t in victims]
-        assert [t.info().deliveries for t in victims] == [1] * 9, "given back uncounted"
-        assert trigger.result(timeout=20)["s"] == "x", "the trigger runs again, as a suspect"
-        assert trigger.info().deliveries == 2
-    finally:
-        try:
-            os.killpg(sup.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        sup.wait(10)
+    sup = supervise("tests.models:Orphaner", qname, "--lease-ms", "30000")
+    wait_workers(r, qname, 1, sup, timeout=60)
+    q = mtq.Queue(qname, redis_url)
+    flag = tmp_path / "orphaned"
+    trigger = q.submit({"orphan": 5, "queue": qname, "flag": str(flag), "s": "x", "i": 0},
+                       stream="x")
+    wait_for(flag.exists, 20, "the trigger never ran")
+    # while it waits: 4 of these are claimed ahead by the fetcher (reported), and the
+    # dying process claims the other 5 (never reported)
+    victims = q.submit_many([mtq.Request({"s": f"v{i}", "i": 0}, stream=f"v{i}")
+                             for i in range(9)])
+    Path(str(flag) + ".go").write_text("go")
+    for t in victims:
+        assert t.result(timeout=10)["s"].startswith("v"), "a victim waited for its lease"
+    released = [e for t in victims for e in t.trace() if e.kind == "released"]
+    assert len(released) == 9, [t.trace() for t in victims]
+    assert [t.info().deliveries for t in victims] == [1] * 9, "given back uncounted"
+    assert trigger.result(timeout=20)["s"] == "x", "the trigger runs again, as a suspect"
+    assert trigger.info().deliveries == 2
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_twenty_kills_of_supervised_workers_give_everything_back_within_a_second(
-        qname: str, redis_url: str, r: redis.Redis, subprocess_env: dict[str, str],
-        tmp_path: Path) -> None:
+        supervise: StartFn, qname: str, redis_url: str, r: redis.Redis) -> None:
     """Two supervised processes serve 12 000 tasks over 200 streams while a random one is
     SIGKILLed 20 times at random moments (default settings). Every task a killed process
     held is claimed again within a second of the kill (p99 and max; one process is always
-    left to claim them while the other restarts), none is lost, none
-    succeeds twice, and each stream finishes in submit order."""
-    log = tmp_path / "sup.log"
-    with open(log, "wb") as out:
-        sup = subprocess.Popen([PY, "-m", "mtq", "workers", "start",
-                                "benchmarks.faults_targets:Busy", "--queue", qname,
-                                "--redis", redis_url, "--replicas", "2"],
-                               env=subprocess_env, stdout=out, stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    try:
-        wait_for(lambda: len(list_workers(r, qname)) == 2, 60,
-                 f"two workers did not start:\n{log.read_text()}")
-        q = mtq.Queue(qname, redis_url)
-        streams, n = 200, 12_000
-        tasks = q.submit_many([mtq.Request({"i": i, "sleep": 0.002}, stream=f"s{i % streams}")
-                               for i in range(n)])
-        kills = kill_workers(r, qname, 20, random.Random(7), timeout=120,
-                             done=lambda: q.stats()["waiting"] < 100)
-        assert len(kills) >= 10, f"the load ran out after {len(kills)} kills"
-        wait_for(lambda: q.stats()["succeeded"] >= n, 120,
-                 f"not every task succeeded: {q.stats()}\n{log.read_text()[-3000:]}")
-        times = recovery_times(r, qname, [t.id for t in tasks], kills)
-        assert times, "no kill hit a process holding tasks"
-        assert pct(times, 99) <= 1.0 and max(times) <= 1.0, \
-            f"recovery p99 {pct(times, 99):.3f} s, max {max(times):.3f} s over {len(times)}"
-        stats = q.stats()
-        assert (stats["succeeded"], stats["waiting"], stats["running"], stats["dead"]) == \
-            (n, 0, 0, 0), stats
-        keys = QueueKeys(qname)
-        pipe = r.pipeline(transaction=False)
-        for t in tasks:
-            pipe.hget(keys.task(t.id), "finished")
-            pipe.lrange(keys.trace(t.id), 0, -1)
-        replies = pipe.execute()
-        finished = [int(x) for x in replies[0::2]]
-        ends = [sum(1 for step in tr if b"|succeeded|" in step) for tr in replies[1::2]]
-        assert ends == [1] * n, "a task succeeded more than once"
-        for s in range(streams):
-            mine = finished[s::streams]
-            assert mine == sorted(mine), f"stream s{s} finished out of order"
-    finally:
-        try:
-            os.killpg(sup.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        sup.wait(10)
+    left to claim them while the other restarts), none is lost, none succeeds twice, and
+    each stream finishes in submit order."""
+    sup = supervise("benchmarks.faults_targets:Busy", qname, "--replicas", "2")
+    wait_workers(r, qname, 2, sup, timeout=60)
+    q = mtq.Queue(qname, redis_url)
+    streams, n = 200, 12_000
+    tasks = q.submit_many([mtq.Request({"i": i, "sleep": 0.002}, stream=f"s{i % streams}")
+                           for i in range(n)])
+    kills = kill_workers(r, qname, 20, random.Random(7), timeout=120,
+                         done=lambda: q.stats()["waiting"] < 100)
+    assert len(kills) >= 10, f"the load ran out after {len(kills)} kills"
+    wait_for(lambda: q.stats()["succeeded"] >= n, 120,
+             f"not every task succeeded: {q.stats()}\n{sup.output()[-3000:]}")
+    times = recovery_times(r, qname, [t.id for t in tasks], kills)
+    assert times, "no kill hit a process holding tasks"
+    assert pct(times, 99) <= 1.0 and max(times) <= 1.0, \
+        f"recovery p99 {pct(times, 99):.3f} s, max {max(times):.3f} s over {len(times)}"
+    stats = q.stats()
+    assert (stats["succeeded"], stats["waiting"], stats["running"], stats["dead"]) == \
+        (n, 0, 0, 0), stats
+    keys = QueueKeys(qname)
+    pipe = r.pipeline(transaction=False)
+    for t in tasks:
+        pipe.hget(keys.task(t.id), "finished")
+        pipe.lrange(keys.trace(t.id), 0, -1)
+    replies = pipe.execute()
+    finished = [int(x) for x in replies[0::2]]
+    ends = [sum(1 for step in tr if b"|succeeded|" in step) for tr in replies[1::2]]
+    assert ends == [1] * n, "a task succeeded more than once"
+    for s in range(streams):
+        mine = finished[s::streams]
+        assert mine == sorted(mine), f"stream s{s} finished out of order"

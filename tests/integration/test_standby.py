@@ -11,6 +11,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -18,7 +19,7 @@ import redis
 import mtq
 from mtq.workers import control
 from tests.conftest import wait_for
-from tests.integration.test_supervisor import StartFn, read_log, supervise, wait_workers
+from tests.integration.test_supervisor import StartFn, Sup, read_log, supervise, wait_workers
 
 __all__ = ["supervise"]  # the fixture, imported for this module's tests
 
@@ -30,14 +31,21 @@ def setups(log: Path) -> list[int]:
     return [c.pid for c in read_log(log) if c.tag == "S"]
 
 
+def start_with_standby(supervise: StartFn, queue: str, r: redis.Redis, log: Path
+                       ) -> tuple[Sup, dict[str, Any], int]:
+    """A supervisor of tests.models:Probe with its serving worker and its standby's pid."""
+    sup = supervise("tests.models:Probe", queue, env={"MTQ_TEST_LOG": str(log)})
+    (serving,) = wait_workers(r, queue, 1, sup)
+    wait_for(lambda: len(setups(log)) == 2, 30, f"no standby was set up\n{sup.output()}")
+    (standby,) = [pid for pid in setups(log) if pid != serving["pid"]]
+    return sup, serving, standby
+
+
 def test_a_standby_takes_a_dead_workers_place_at_once(supervise: StartFn, qname: str,
                                                       redis_url: str, r: redis.Redis,
                                                       tmp_path: Path) -> None:
     log = tmp_path / "calls.log"
-    sup = supervise("tests.models:Probe", qname, env={"MTQ_TEST_LOG": str(log)})
-    (serving,) = wait_workers(r, qname, 1, sup)
-    wait_for(lambda: len(setups(log)) == 2, 30, f"no standby was set up\n{sup.output()}")
-    (standby,) = [pid for pid in setups(log) if pid != serving["pid"]]
+    sup, serving, standby = start_with_standby(supervise, qname, r, log)
     assert [w["pid"] for w in wait_workers(r, qname, 1, sup)] == [serving["pid"]], \
         "the standby claims nothing and is not in the registry"
 
@@ -57,9 +65,7 @@ def test_a_standby_promoted_while_paused_claims_nothing(supervise: StartFn, qnam
                                                         redis_url: str, r: redis.Redis,
                                                         tmp_path: Path) -> None:
     log = tmp_path / "calls.log"
-    sup = supervise("tests.models:Probe", qname, env={"MTQ_TEST_LOG": str(log)})
-    (serving,) = wait_workers(r, qname, 1, sup)
-    wait_for(lambda: len(setups(log)) == 2, 30, "no standby was set up")
+    sup, serving, _standby = start_with_standby(supervise, qname, r, log)
     assert control.send(r, qname, "pause") == 1
     wait_workers(r, qname, 1, sup, check=lambda w: w["state"] == "paused")
     q = mtq.Queue(qname, redis_url)
@@ -91,3 +97,23 @@ def test_standby_0_starts_none_and_a_reload_refreshes_the_standby(
     assert control.send(r, qname + "-2", "reload") == 1
     wait_for(lambda: len(setups(log2)) >= 3 and not Path(f"/proc/{old_standby}").exists(), 30,
              f"the standby was not replaced after a reload\n{sup.output()}")
+
+
+def test_a_reload_to_broken_code_keeps_the_supervisor_serving(
+        supervise: StartFn, qname: str, redis_url: str, r: redis.Redis,
+        tmp_path: Path) -> None:
+    """After a reload to a module that no longer imports, the serving process keeps the
+    old model (as without a standby) and the standby that cannot load it is given up,
+    not the supervisor."""
+    version = tmp_path / "version"
+    version.write_text("1")
+    sup = supervise("tests.models:Retimed", qname, env={"MTQ_TEST_VERSION_FILE": str(version)})
+    wait_workers(r, qname, 1, sup)
+    wait_for(lambda: "standby ready" in sup.output(), 30, f"no standby\n{sup.output()}")
+    version.write_text("2 not-a-number")  # tests.models now fails to import
+    assert control.send(r, qname, "reload") == 1
+    wait_for(lambda: "cannot load the target" in sup.output(), 30,
+             f"the standby's failure was not reported\n{sup.output()}")
+    assert sup.running(), sup.output()
+    q = mtq.Queue(qname, redis_url)
+    assert q.submit({"s": "a", "i": 0}).result(timeout=10)["version"] == "1"
