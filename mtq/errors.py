@@ -6,6 +6,7 @@
     ├── ConfigError                 a setting is unknown or out of range
     ├── BrokerError                 Redis is unreachable or answered unexpectedly
     │   ├── RedisUnavailable        the connection was refused, reset or timed out
+    │   ├── RedisAuthError          Redis refused the credentials, or the user lacks a permission
     │   └── ServerNotFound          no redis-server binary for the embedded default
     ├── InvalidName                 a queue or stream name that is not allowed
     ├── PayloadError                a payload or result that cannot be stored
@@ -40,6 +41,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermanentError",
     "QueueFull",
+    "RedisAuthError",
     "RedisUnavailable",
     "ResultTimeout",
     "ServerNotFound",
@@ -65,6 +67,12 @@ class BrokerError(MtqError):
 class RedisUnavailable(BrokerError):
     """Redis could not be reached: the connection was refused, reset or timed out
     (after mtq's own retries). The operation may or may not have taken effect."""
+
+
+class RedisAuthError(BrokerError):
+    """Redis refused mtq's user or password, or the Redis user may not run a command
+    or touch a key mtq needs (ACL). Retrying does not help; the message says what to
+    change."""
 
 
 class ServerNotFound(BrokerError):

@@ -14,7 +14,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from mtq.broker.embedded import EmbeddedServer
-from mtq.errors import BrokerError, RedisUnavailable
+from mtq.errors import BrokerError, RedisAuthError, RedisUnavailable
 from mtq.settings import RedisSettings
 
 #: redis-py retries a command this many times after a dropped or refused connection
@@ -111,6 +111,17 @@ def redis_errors(doing: str = "") -> Iterator[None]:
     where = f" {doing}" if doing else ""
     try:
         yield
+    except redis.exceptions.AuthenticationError as exc:  # a ConnectionError: caught first
+        raise RedisAuthError(
+            f"Redis refused mtq's credentials{where} ({exc}); put the right user and "
+            "password in the URL (redis://USER:PASSWORD@HOST:PORT/DB, or rediss:// for "
+            "TLS) given with --redis or MTQ_REDIS_URL") from exc
+    except redis.exceptions.NoPermissionError as exc:
+        raise RedisAuthError(
+            f"the Redis user may not do this{where} ({exc}); mtq needs its keys and "
+            "channels and a few commands: ACL SETUSER USER ~mtq:* resetchannels &mtq:* "
+            "+@all -@dangerous +info +client|setname +client|list (see docs/guarantees.md)"
+        ) from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         raise RedisUnavailable(
             f"cannot reach Redis{where} ({exc}); check MTQ_REDIS_URL or start the "

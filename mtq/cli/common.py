@@ -17,6 +17,7 @@ from mtq.errors import (
     InvalidName,
     MtqError,
     PayloadError,
+    RedisAuthError,
     RedisUnavailable,
     ResultTimeout,
     TaskFailed,
@@ -32,7 +33,7 @@ OK, FAILED, USAGE, NOT_FOUND, NO_LISTENER, UNREACHABLE, TIMEOUT = 0, 1, 2, 3, 4,
 EXIT_CODES = (
     "Exit codes: 0 ok; 1 the task or the work failed; 2 bad input (JSON, names, "
     "options); 3 not found (queue, task, server); 4 no supervisor listening; "
-    "5 Redis unreachable; 6 timed out waiting."
+    "5 Redis unreachable, or it refused mtq's credentials; 6 timed out waiting."
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,7 +46,7 @@ def fail(message: object, code: int = FAILED) -> NoReturn:
 
 def code_for(exc: BaseException) -> int:
     """The exit code an exception means."""
-    if isinstance(exc, RedisUnavailable) or (
+    if isinstance(exc, (RedisUnavailable, RedisAuthError)) or (
             isinstance(exc, BrokerError) and "cannot reach Redis" in str(exc)):
         return UNREACHABLE
     if isinstance(exc, (InvalidName, PayloadError, ConfigError, ValueError)):

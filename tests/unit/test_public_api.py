@@ -30,6 +30,7 @@ EXPECTED_ALL = [
     "Progress",
     "Queue",
     "QueueFull",
+    "RedisAuthError",
     "RedisUnavailable",
     "QueueSettings",
     "RedisSettings",
