@@ -149,7 +149,7 @@ def kill_workers(client: redis.Redis, queue: str, times: int, rng: random.Random
 class Server:
     """A private redis-server on a free loopback port, persistence off."""
 
-    def __init__(self) -> None:
+    def __init__(self, *extra: str) -> None:
         import socket
 
         with socket.socket() as s:
@@ -158,7 +158,7 @@ class Server:
         self.dir = tempfile.mkdtemp(prefix="mtq-bench-")
         self.proc = subprocess.Popen(
             [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", self.dir],
+             "--save", "", "--appendonly", "no", "--dir", self.dir, *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"redis://127.0.0.1:{self.port}/0"
         client = redis.Redis.from_url(self.url)
@@ -300,6 +300,31 @@ def poison_throughput(url: str, good: int, turns: int, seed: int, workdir: Path
     return {"good": good, "turns": turns, "clean": clean, "poisoned": poisoned}
 
 
+def durable_cost(submits: int, turns: int) -> dict[str, list[float]]:
+    """Latency of one-by-one submits to a primary with one replica, plain and with
+    ``durable_replicas=1`` (WAIT 1 in the same round trip), in alternating turns."""
+    primary = Server()
+    replica = Server("--replicaof", "127.0.0.1", str(primary.port))
+    try:
+        link = redis.Redis(port=replica.port)
+        _wait(lambda: link.info("replication").get("master_link_status") == "up", 10,
+              "the replica")
+        plain = mtq.Queue("dur-plain", primary.url)
+        durable = mtq.Queue("dur-durable", primary.url, durable_replicas=1)
+        out: dict[str, list[float]] = {"plain": [], "durable": []}
+        for _ in range(turns):
+            for name, q in (("plain", plain), ("durable", durable)):
+                q.submit({"warm": True})
+                for i in range(submits):
+                    t0 = time.perf_counter()
+                    q.submit({"i": i})
+                    out[name].append(time.perf_counter() - t0)
+    finally:
+        replica.stop()
+        primary.stop()
+    return out
+
+
 def _row(name: str, times: Sequence[float], target: float, extra: str) -> list[str]:
     p50, p99 = pct(times, 50), pct(times, 99)
     return [name, str(len(times)), f"{p50:.3f}", f"{p99:.3f}", f"{max(times):.3f}",
@@ -318,6 +343,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = Server()
     workdir = Path(tempfile.mkdtemp(prefix="mtq-faults-"))
     try:
+        durable = durable_cost(500 if args.quick else 2000, 2 if args.quick else 3)
         poison = poison_throughput(server.url, 2000, 2 if args.quick else 5, args.seed, workdir)
         sup = supervised_recovery(server.url, tasks, 200, kills, args.seed, workdir, item_s)
         bare = bare_recovery(server.url, rounds, args.seed, workdir)
@@ -341,6 +367,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{', '.join(f'{t:.2f}' for t in poison['clean'])}) | {poisoned:.2f} (turns: "
               f"{', '.join(f'{t:.2f}' for t in poison['poisoned'])}) | {ratio:.0%} | >= 90 % "
               f"{'met' if ratio >= 0.9 else 'NOT MET'} |"]
+    lat = {k: (pct(v, 50) * 1000, pct(v, 99) * 1000, len(v) / sum(v))
+           for k, v in durable.items()}
+    lines += ["", "| one-by-one submit, primary + 1 replica on loopback | p50 ms | p99 ms | "
+              "submits/s |", "|---|---|---|---|"]
+    for name, label in (("plain", "plain (acknowledged by the primary)"),
+                        ("durable", "`durable_replicas=1` (WAIT 1, same round trip)")):
+        p50, p99, rate = lat[name]
+        lines.append(f"| {label} | {p50:.3f} | {p99:.3f} | {rate:,.0f} |")
     table = "\n".join(lines)
     print(table)
     print("supervised stats:", sup["stats"])

@@ -18,6 +18,7 @@ from mtq.broker.protocol import Broker, NewTask
 from mtq.errors import (
     DuplicateTask,
     MtqError,
+    NotDurable,
     PayloadTooLarge,
     QueueFull,
     RedisUnavailable,
@@ -415,9 +416,10 @@ class Queue:
         reply = self.reply_channel()
         out: list[Task] = []
         duplicates: list[str] = []
+        unconfirmed = -1  # the fewest replicas that confirmed a chunk, when too few
         for start in range(0, len(tasks), SUBMIT_CHUNK):
             chunk = tasks[start:start + SUBMIT_CHUNK]
-            answer = self._submit_chunk(chunk, reply)
+            answer, acks = self._submit_chunk(chunk, reply)
             if answer and answer[0] == Code.QUEUE_FULL:  # only ever [QUEUE_FULL, waiting]
                 full = QueueFull(self.name, int(answer[1]), self.settings.max_length, len(chunk))
                 full.created = out  # earlier chunks went in
@@ -427,6 +429,13 @@ class Queue:
                     duplicates.append(item.id)
                 else:
                     out.append(Task(self, str(value)))
+            if 0 <= acks < self.settings.durable_replicas:
+                unconfirmed = acks if unconfirmed < 0 else min(unconfirmed, acks)
+        if unconfirmed >= 0:
+            s = self.settings
+            nd = NotDurable(self.name, unconfirmed, s.durable_replicas, s.durable_timeout_ms)
+            nd.created = out
+            raise nd
         if duplicates:
             dup = DuplicateTask(f"task id(s) {', '.join(map(repr, duplicates[:5]))} already "
                                 f"exist in queue {self.name!r}; the other tasks were submitted "
@@ -435,17 +444,23 @@ class Queue:
             raise dup
         return out
 
-    def _submit_chunk(self, chunk: list[NewTask], reply: str) -> list[str | int]:
+    def _submit_chunk(self, chunk: list[NewTask], reply: str) -> tuple[list[str | int], int]:
         """One submit call, retried while Redis cannot be reached. The call is sent once
         per try, never repeated by the connection; after a retry, the tasks a lost try
         already wrote are recognised (see :meth:`_written`), so a reset yields neither a
-        ghost nor a duplicate. Raises RedisUnavailable after SUBMIT_RETRY_S."""
+        ghost nor a duplicate. Returns the answer and, for a durable queue, how many
+        replicas confirmed it (-1 otherwise). Raises RedisUnavailable after
+        SUBMIT_RETRY_S."""
         backoff = Backoff()
         start = time.monotonic()
         retried = False
+        acks = -1
         while True:
             try:
-                answer = self.broker.submit(chunk, reply)
+                if self.settings.durable_replicas:
+                    answer, acks = self.broker.submit_durable(chunk, reply)
+                else:
+                    answer = self.broker.submit(chunk, reply)
                 break
             except RedisUnavailable as exc:
                 if time.monotonic() - start > SUBMIT_RETRY_S:
@@ -457,7 +472,9 @@ class Queue:
                     raise err from exc
                 retried = True
                 time.sleep(backoff.next())
-        return self._written(chunk, answer, reply) if retried else answer
+        if retried:
+            answer = self._written(chunk, answer, reply)
+        return answer, acks
 
     def _written(self, chunk: list[NewTask], answer: list[str | int], reply: str
                  ) -> list[str | int]:

@@ -13,6 +13,7 @@
     │   ├── PayloadTooLarge         bigger than the queue's max_payload_bytes
     │   └── EncodeError             not msgpack-encodable (and never pickled)
     ├── QueueFull                   the queue holds max_length waiting tasks
+    ├── NotDurable                  queued, but not confirmed by the replicas asked for
     ├── DuplicateTask               a task with this id already exists
     ├── TaskNotFound                no such task (or its retention ran out)
     ├── TaskFailed                  the task ended failed, dead or expired
@@ -37,6 +38,7 @@ __all__ = [
     "InvalidName",
     "LeaseLost",
     "MtqError",
+    "NotDurable",
     "PayloadError",
     "PayloadTooLarge",
     "PermanentError",
@@ -106,6 +108,22 @@ class QueueFull(MtqError):
             f"queue {queue!r} is full: {waiting} tasks wait and max_length is {max_length}, "
             f"so {adding} more do not fit; retry later, add workers, or raise max_length"
         )
+
+
+class NotDurable(MtqError):
+    """A durable submit (``durable_replicas``) was queued, but fewer replicas than asked
+    confirmed it within ``durable_timeout_ms``: a crash of the primary now could lose
+    it. The tasks are queued (``created``); submitting them again would duplicate them."""
+
+    def __init__(self, queue: str, acks: int, wanted: int, timeout_ms: int) -> None:
+        self.queue, self.acks, self.wanted = queue, acks, wanted
+        #: the tasks of the call: all queued (on the primary)
+        self.created: list[Any] = []
+        super().__init__(
+            f"queued on {queue!r}, but only {acks} of the {wanted} replica(s) asked for "
+            f"confirmed it within {timeout_ms} ms: it could be lost if the primary crashes "
+            "now. The tasks are queued (.created): do not submit them again; check the "
+            "replicas (INFO replication), or lower durable_replicas")
 
 
 class DuplicateTask(MtqError):

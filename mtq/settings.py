@@ -85,6 +85,12 @@ class QueueSettings:
     wake_cap: int = 64
     #: most expired leases / due retries handled per claim call
     reap_limit: int = 100
+    #: a submit is acknowledged only once this many replicas have it (Redis WAIT in the
+    #: same round trip), so a crash of the primary host cannot lose it; 0: once the
+    #: primary has it (with appendfsync everysec, a host crash may lose the last second)
+    durable_replicas: int = 0
+    #: how long a durable submit waits for its replicas before it raises NotDurable
+    durable_timeout_ms: int = 1000
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -98,6 +104,7 @@ class QueueSettings:
             "max_retries": 0, "retry_backoff_ms": 0, "retry_backoff_max_ms": 0,
             "retention_s": 1, "dead_retention_s": 1, "dead_max": 1,
             "idempotency_window_s": 1, "wake_cap": 1, "reap_limit": 1,
+            "durable_replicas": 0, "durable_timeout_ms": 1,
         }
         for name, low in minimums.items():
             if getattr(self, name) < low:

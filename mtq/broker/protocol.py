@@ -165,6 +165,15 @@ class Broker:
         client's reply channel (:meth:`QueueKeys.reply`), where their events go."""
         return self.run(self.submit_call(tasks, reply))[0]
 
+    def submit_durable(self, tasks: Sequence[NewTask], reply: str = ""
+                       ) -> tuple[list[str | int], int]:
+        """:meth:`submit`, then wait (same round trip) until ``durable_replicas``
+        replicas have its writes, at most ``durable_timeout_ms``: (the answer, how
+        many replicas acknowledged)."""
+        s = self.settings
+        return scripts.run_then_wait(self.redis, self.submit_call(tasks, reply),
+                                     s.durable_replicas, s.durable_timeout_ms)
+
     def register(self) -> None:
         """Record the queue name in the global registry (read by mtq status)."""
         with redis_errors():

@@ -139,3 +139,27 @@ def _run(client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
             if isinstance(r, Exception):
                 raise r
         return [c.parse(r) for c, r in zip(calls, raws)]
+
+
+def run_then_wait(client: redis.Redis, call: Call, replicas: int, timeout_ms: int
+                  ) -> tuple[Any, int]:
+    """Run ``call``, then ``WAIT replicas timeout_ms`` on the same connection, in one
+    round trip: (the call's value, how many replicas acknowledged its writes).
+
+    WAIT counts the replicas that received every write this connection made, so it
+    must follow the script on the connection that ran it (a pipeline does). Sent
+    once, as a submit is (see :data:`SEND_ONCE`)."""
+    with redis_errors(), single_attempt():
+        for attempt in range(2):
+            pipe = client.pipeline(transaction=False)
+            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            pipe.execute_command("WAIT", replicas, timeout_ms)
+            raw, acks = pipe.execute(raise_on_error=False)
+            if isinstance(raw, NoScriptError) and attempt == 0:
+                load_all(client)  # the script did not run: run both again
+                continue
+            for r in (raw, acks):
+                if isinstance(r, Exception):
+                    raise r
+            return call.parse(raw), int(acks)
+    raise AssertionError("unreachable")

@@ -23,6 +23,7 @@ EXPECTED_ALL = [
     "LeaseLost",
     "Model",
     "MtqError",
+    "NotDurable",
     "Outcome",
     "PayloadError",
     "PayloadTooLarge",
