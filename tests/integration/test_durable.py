@@ -123,7 +123,13 @@ def test_without_durability_an_acknowledged_submit_can_be_lost(pair: Pair, qname
     primary alone; if the primary dies before its replica has the write, the promoted
     replica never saw the task."""
     assert pair.replica.proc is not None and pair.primary.proc is not None
-    os.kill(pair.replica.proc.pid, signal.SIGSTOP)  # the replica lags behind
+    # the replica lags behind: stopped, and its link cut on the primary's side (a stopped
+    # process's kernel would still take the bytes in, and apply them once resumed)
+    os.kill(pair.replica.proc.pid, signal.SIGSTOP)
+    primary = redis.Redis.from_url(pair.primary.url)
+    assert primary.execute_command("CLIENT", "KILL", "TYPE", "replica") == 1
+    wait_for(lambda: primary.info("replication").get("connected_slaves") == 0, 10,
+             "the primary still counts its replica")
     plain = mtq.Queue(qname, pair.primary.url)
     task = plain.submit({"x": 1})  # acknowledged
     pair.primary.proc.kill()
