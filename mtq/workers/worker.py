@@ -471,14 +471,14 @@ class Worker:
         lost = set(known)
         tokens = {t.id: t.token for t in tasks}
         if ask:
-            delay = 0.05
+            backoff = Backoff()
             for attempt in range(4):
                 try:
                     gone, _cancel = self.consumer.extend(ask)
                     lost.update(gone)
                     break
                 except MtqError:
-                    if attempt == 3 or self._stop.wait(delay):
+                    if attempt == 3 or self._stop.wait(backoff.next()):
                         log.warning("could not check %d lease(s) with Redis; not running "
                                     "those tasks (they return when their leases expire)",
                                     len(ask), exc_info=True)
@@ -486,7 +486,6 @@ class Worker:
                             t.live_until = LOST
                         lost.update(t.id for t in ask)
                         break
-                    delay *= 2
         if lost:
             with self._lock:  # the same lease: an id may be held again under a new one
                 fresh = [i for i in sorted(lost)

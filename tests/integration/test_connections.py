@@ -249,7 +249,8 @@ def test_a_failed_claims_sweep_leaves_the_suspects_handed_to_quarantine(
     (again,) = w.consumer.claim(1)
     assert again.suspect
     # what the fetcher does with a claimed suspect under a supervisor
-    assert monitor.quarantine(again)
+    monitor.quarantine(again)
     w._handed.add((again.id, again.token))
     w._release_unknown()
     assert q.task(suspect.id).status() == "running", "the handed-off suspect was given back"
+    assert monitor.handed == [suspect.id]
