@@ -1,6 +1,7 @@
 .PHONY: install test lint bench demo
 
 install:
+	scripts/install-system-deps
 	python -m pip install -e '.[dev]'
 
 test:

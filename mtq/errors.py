@@ -7,6 +7,7 @@
     ├── BrokerError                 Redis is unreachable or answered unexpectedly
     │   ├── RedisUnavailable        the connection was refused, reset or timed out
     │   ├── RedisAuthError          Redis refused the credentials, or the user lacks a permission
+    │   │   └── RedisTLSError       a TLS connection cannot be set up (certificate, port, files)
     │   └── ServerNotFound          no redis-server binary for the embedded default
     ├── InvalidName                 a queue or stream name that is not allowed
     ├── PayloadError                a payload or result that cannot be stored
@@ -44,6 +45,7 @@ __all__ = [
     "PermanentError",
     "QueueFull",
     "RedisAuthError",
+    "RedisTLSError",
     "RedisUnavailable",
     "ResultTimeout",
     "ServerNotFound",
@@ -75,6 +77,13 @@ class RedisAuthError(BrokerError):
     """Redis refused mtq's user or password, or the Redis user may not run a command
     or touch a key mtq needs (ACL). Retrying does not help; the message says what to
     change."""
+
+
+class RedisTLSError(RedisAuthError):
+    """A TLS connection to Redis could not be set up: the server's certificate is not
+    trusted (no or the wrong CA file), the port does not speak TLS, or a certificate
+    file named in the URL cannot be read. Retrying does not help; the message says
+    what to change."""
 
 
 class ServerNotFound(BrokerError):

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import os
+import ssl
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, urlparse, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.retry import Retry
 
 from mtq.broker.embedded import EmbeddedServer
-from mtq.errors import BrokerError, RedisAuthError, RedisUnavailable
+from mtq.errors import BrokerError, ConfigError, RedisAuthError, RedisTLSError, RedisUnavailable
 from mtq.settings import RedisSettings
 
 #: redis-py retries a command this many times after a dropped or refused connection
@@ -23,6 +25,24 @@ from mtq.settings import RedisSettings
 RETRIES = 10
 
 _once = threading.local()
+
+#: TLS errors that a dropped connection also causes (retried like one)
+_TLS_DROPS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+#: the URL options that name a file for TLS (redis-py passes them to ``ssl``)
+TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
+
+
+def tls_failure(error: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind a redis-py error that no retry can fix (a certificate not
+    trusted, a handshake with a port that does not speak TLS), else None."""
+    seen: BaseException | None = error
+    for _ in range(8):  # the chain a redis-py error carries is short; no cycles
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLError) and not isinstance(seen, _TLS_DROPS):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class _Retry(Retry):
@@ -35,12 +55,20 @@ class _Retry(Retry):
 
     def call_with_retry(self, do: Any, fail: Any, is_retryable: Any = None,
                         with_failure_count: bool = False) -> Any:
-        once = getattr(_once, "on", False)
+        # redis-py nests retried calls (a command's retry wraps the connect, whose own
+        # retry wraps the handshake's health check): only the outermost call retries,
+        # or a server that accepts and then hangs up would cost 11 x 11 tries
+        nested = getattr(_once, "depth", 0)
+        once = getattr(_once, "on", False) or nested > 0
         self._backoff.reset()
         failures = 0
         while True:
             try:
-                return do()
+                _once.depth = nested + 1
+                try:
+                    return do()
+                finally:
+                    _once.depth = nested
             except self._supported_errors as error:
                 if is_retryable is not None and not is_retryable(error):
                     raise
@@ -50,7 +78,7 @@ class _Retry(Retry):
                 else:
                     fail(error)
                 if once or isinstance(error, redis.exceptions.AuthenticationError) or \
-                        failures > self._retries:
+                        failures > self._retries or tls_failure(error) is not None:
                     raise
                 delay = self._backoff.compute(failures)
                 if delay > 0:
@@ -123,12 +151,88 @@ def redis_errors(doing: str = "") -> Iterator[None]:
             "+@all -@dangerous +info +client|setname +client|list (see docs/guarantees.md)"
         ) from exc
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        tls = tls_failure(exc)
+        if isinstance(tls, ssl.SSLCertVerificationError):
+            why = tls.verify_message or str(tls)
+            raise RedisTLSError(
+                f"Redis's TLS certificate is not trusted{where} ({why}); name the CA "
+                "that signed it in the URL: "
+                "rediss://HOST:PORT/DB?ssl_ca_certs=/path/to/ca.crt") from exc
+        if tls is not None and "CERTIFICATE_REQUIRED" in str(tls):
+            raise RedisTLSError(
+                f"Redis asks for a client certificate{where} ({tls}); add yours to the "
+                "URL: rediss://HOST:PORT/DB?ssl_ca_certs=CA.crt&ssl_certfile=CLIENT.crt"
+                "&ssl_keyfile=CLIENT.key") from exc
+        if tls is not None:
+            raise RedisTLSError(
+                f"the TLS handshake with Redis failed{where} ({tls}); a rediss:// URL "
+                "needs the server's TLS port (tls-port), a redis:// URL its plain port"
+            ) from exc
         raise RedisUnavailable(
-            f"cannot reach Redis{where} ({exc}); check MTQ_REDIS_URL or start the "
-            "embedded server with 'mtq server start'"
+            f"cannot reach Redis{where} ({exc}); check MTQ_REDIS_URL (rediss:// for a "
+            "TLS port, with ssl_certfile= and ssl_keyfile= if it asks for a client "
+            "certificate) or start the embedded server with 'mtq server start'"
         ) from exc
     except redis.exceptions.RedisError as exc:
         raise BrokerError(f"Redis answered with an error{where}: {exc}") from exc
+
+
+def safe_url(url: str) -> str:
+    """``url`` with its password, if any, replaced by ``***`` (for messages and logs)."""
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        return url
+    if not password:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    port = f":{parts.port}" if parts.port else ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+
+
+#: how long ``mtq worker run`` / ``mtq workers start`` wait for Redis at start
+REACH_TIMEOUT_S = 30.0
+
+
+def reach(client: redis.Redis, url: str, say: Callable[[str], None], *,
+          timeout_s: float | None = REACH_TIMEOUT_S) -> None:
+    """Wait until Redis answers a PING: the first thing a worker or a supervisor does,
+    so that a wrong address, password or certificate is one line, not a traceback from
+    every thread. A refused password or certificate raises :class:`RedisAuthError`
+    (or :class:`RedisTLSError`) at once; an unreachable server is tried again with
+    backoff (0.25 s doubling up to 5 s), one line each through ``say``, until
+    ``timeout_s`` has passed (then :class:`RedisUnavailable`). ``timeout_s=None``
+    waits without a limit and says so once."""
+    where = safe_url(url)
+    backoff = Backoff(first=0.25, cap=5.0)
+    start = time.monotonic()
+    while True:
+        try:
+            with single_attempt(), redis_errors(f"at {where}"):
+                client.ping()
+        except RedisUnavailable as exc:
+            waited = time.monotonic() - start
+            cause = exc.__cause__ or exc
+            if timeout_s is not None and waited >= timeout_s:
+                raise RedisUnavailable(
+                    f"gave up after {waited:.0f} s: cannot reach Redis at {where} ({cause});"
+                    " start it or fix --redis / MTQ_REDIS_URL, or pass --wait-for-redis to "
+                    "wait without a limit") from exc
+            delay = max(backoff.next(), 0.25)
+            if timeout_s is None:
+                if backoff.failures == 1:
+                    say(f"waiting for Redis at {where} ({cause}) without a limit")
+            else:
+                delay = min(delay, max(0.0, timeout_s - waited))
+                say(f"cannot reach Redis at {where} ({cause}); retrying in {delay:.2f} s, "
+                    f"giving up in {timeout_s - waited:.0f} s")
+            time.sleep(delay)
+            continue
+        if backoff.failures:
+            say(f"Redis at {where} answered after {time.monotonic() - start:.1f} s")
+        return
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -157,15 +261,35 @@ def connect(url: str | None = None, settings: RedisSettings | None = None, *,
     with _lock:
         client = _clients.get(key)
         if client is None:
+            check_tls_options(resolved)
             try:
                 client = redis.Redis.from_url(
                     resolved, socket_timeout=s.socket_timeout,
                     socket_connect_timeout=s.connect_timeout, health_check_interval=30,
                     client_name=name, retry=retry_policy())
             except ValueError as exc:
-                raise BrokerError(f"invalid Redis URL {resolved!r}: {exc}") from exc
+                raise ConfigError(f"invalid Redis URL {safe_url(resolved)!r}: {exc}") from exc
             _clients[key] = client
         return client
+
+
+def check_tls_options(url: str) -> None:
+    """Refuse, before any connection, TLS options that would fail later: a file that
+    cannot be read (RedisTLSError), TLS options in a URL that is not rediss://."""
+    parts = urlparse(url)
+    options = parse_qs(parts.query)
+    tls = sorted(name for name in options if name.startswith("ssl_"))
+    if tls and parts.scheme != "rediss":
+        raise ConfigError(
+            f"invalid Redis URL {safe_url(url)!r}: {', '.join(tls)} only apply to TLS; write "
+            "rediss:// for a TLS connection")
+    for name in TLS_FILES:
+        for path in options.get(name, []):
+            if not os.access(path, os.R_OK):
+                raise RedisTLSError(
+                    f"the Redis URL names {name}={path}, which cannot be read; give the "
+                    "path of the PEM file (the CA that signed the server's certificate "
+                    "for ssl_ca_certs)")
 
 
 def client_url(client: redis.Redis) -> str | None:

@@ -10,6 +10,7 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from mtq.errors import (
     BrokerError,
@@ -33,15 +34,22 @@ OK, FAILED, USAGE, NOT_FOUND, NO_LISTENER, UNREACHABLE, TIMEOUT = 0, 1, 2, 3, 4,
 EXIT_CODES = (
     "Exit codes: 0 ok; 1 the task or the work failed; 2 bad input (JSON, names, "
     "options); 3 not found (queue, task, server); 4 no supervisor listening; "
-    "5 Redis unreachable, or it refused mtq's credentials; 6 timed out waiting."
+    "5 Redis unreachable, or it refused mtq's credentials or TLS; 6 timed out waiting."
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def fail(message: object, code: int = FAILED) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    """One line on stderr (not wrapped: a log keeps it whole), then exit ``code``."""
+    err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False,
+                      soft_wrap=True)
     sys.exit(code)
+
+
+def say(line: str) -> None:
+    """A line of a long-running command's own (a supervisor's events), on stderr."""
+    err_console.print(f"[mtq] {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 def code_for(exc: BaseException) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -12,15 +13,24 @@ from typing import Any
 import click
 from rich.table import Table
 
+from mtq.broker.connection import REACH_TIMEOUT_S
 from mtq.cli import tasks
-from mtq.cli.common import EXIT_CODES, code_for, console, err_console, fail, redis_option
+from mtq.cli.common import (
+    EXIT_CODES,
+    USAGE,
+    code_for,
+    console,
+    err_console,
+    fail,
+    redis_option,
+    say,
+)
 from mtq.errors import MtqError
 from mtq.settings import QueueSettings
 
 
 def _fail(exc: Exception, code: int | None = None) -> None:
-    err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-    sys.exit(code_for(exc) if code is None else code)
+    fail(exc, code_for(exc) if code is None else code)
 
 
 @click.group(epilog=EXIT_CODES)
@@ -95,6 +105,29 @@ def server_status(as_json: bool) -> None:
 # -- worker ----------------------------------------------------------------------
 _redis_opt = redis_option
 _queue_opt = click.option("--queue", "-q", required=True, help="Queue to serve.")
+_wait_opt = click.option(
+    "--wait-for-redis", is_flag=True,
+    help="At start, wait for an unreachable Redis without a limit (default: give up "
+         f"after MTQ_REDIS_WAIT_S, {REACH_TIMEOUT_S:.0f} s unless set, and exit 5).")
+
+
+def _reach(url: str | None, wait: bool) -> str:
+    """Wait for Redis before anything starts (see mtq.broker.connection.reach): a wrong
+    address, password or certificate is one line and exit 5. Returns the URL."""
+    from mtq.broker.connection import connect, reach, resolve_url
+
+    try:
+        limit = float(os.environ.get("MTQ_REDIS_WAIT_S") or REACH_TIMEOUT_S)
+        if not 0 <= limit < float("inf"):
+            raise ValueError(limit)
+    except ValueError:
+        fail("MTQ_REDIS_WAIT_S must be a number of seconds (0 or more)", USAGE)
+    try:
+        resolved = resolve_url(url)
+        reach(connect(resolved), resolved, say, timeout_s=None if wait else limit)
+    except MtqError as exc:
+        _fail(exc)
+    return resolved
 
 
 @cli.group()
@@ -114,16 +147,17 @@ def worker() -> None:
 @click.option("--lease-ms", default=QueueSettings.lease_ms, show_default=True,
               type=click.IntRange(1), help="Lease of a claimed task; extended every second.")
 @click.option("--burst", is_flag=True, help="Exit when the queue has nothing left to do.")
+@_wait_opt
 def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
-               max_wait_ms: float | None, device: str, lease_ms: int, burst: bool) -> None:
+               max_wait_ms: float | None, device: str, lease_ms: int, burst: bool,
+               wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr': an mtq.Model subclass or a
     plain function). SIGTERM/SIGINT stop it after the running batch; a second
     signal exits at once (its tasks return when their leases expire)."""
-    import os
-
     from mtq.workers.control import Listener
     from mtq.workers.worker import Worker
 
+    url = _reach(url, wait_for_redis)
     try:
         w = Worker(target, queue, url=url, settings=QueueSettings(lease_ms=lease_ms),
                    device=device, max_batch_size=batch_size, max_wait_ms=max_wait_ms)
@@ -179,24 +213,27 @@ def workers() -> None:
               help="A warm spare process per device that takes over at once when a worker "
                    "process dies (default: 1 on the CPU, 0 on a GPU, where it holds a "
                    "second copy of the model in device memory).")
+@_wait_opt
 def workers_start(target: str, queue: str, url: str | None, devices_spec: str, replicas: int,
                   max_batch_size: int | None, max_wait_ms: float | None,
-                  timeout_s: float | None, lease_ms: int, standby: int | None) -> None:
+                  timeout_s: float | None, lease_ms: int, standby: int | None,
+                  wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
     device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
     signal forces."""
     from mtq.workers.supervisor import Supervisor
 
+    url = _reach(url, wait_for_redis)
     try:
         sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,
                          settings=QueueSettings(lease_ms=lease_ms),
                          max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                          timeout_s=timeout_s, standby=standby,
-                         on_event=lambda m: err_console.print(f"[mtq] {m}"))
+                         on_event=say)
     except MtqError as exc:
         _fail(exc, 2)
-    err_console.print(f"[mtq] supervisor {sup.id} serving {queue!r} with {target} on "
-                      f"{', '.join(sup.devices)} x {replicas}")
+    say(f"supervisor {sup.id} serving {queue!r} with {target} on "
+        f"{', '.join(sup.devices)} x {replicas}")
     sys.exit(sup.run())
 
 

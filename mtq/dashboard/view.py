@@ -23,7 +23,6 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from rich import box
 from rich.console import (
@@ -39,6 +38,7 @@ from rich.table import Table
 from rich.text import Text
 
 from mtq.admin import QueueView, Snapshot
+from mtq.broker.connection import safe_url
 
 #: eighths of a bar, lowest first
 BARS = "▁▂▃▄▅▆▇█"
@@ -140,20 +140,6 @@ def _count(n: int, noun: str) -> str:
 
 def _clock(ts: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(ts))
-
-
-def safe_url(url: str) -> str:
-    """``url`` with its password, if any, replaced by ``***``."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if not parts.password:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
 
 
 _STATE_STYLE = {"running": "green", "idle": "dim", "paused": "yellow", "draining": "yellow",

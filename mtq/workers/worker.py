@@ -718,7 +718,9 @@ class Worker:
                 if now - last_reap >= reap_every:
                     self.consumer.reap()
                     last_reap = now
-            except Exception:  # a Redis blip, or a report that cannot be encoded
+            except MtqError as exc:  # Redis away: one line, no traceback
+                log.warning("heartbeat failed (%s); will retry", exc)
+            except Exception:  # a report that cannot be encoded
                 log.warning("heartbeat failed; will retry", exc_info=True)
             if self._beat_stop.wait(interval):
                 return

@@ -32,6 +32,7 @@ EXPECTED_ALL = [
     "Queue",
     "QueueFull",
     "RedisAuthError",
+    "RedisTLSError",
     "RedisUnavailable",
     "QueueSettings",
     "RedisSettings",
