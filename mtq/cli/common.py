@@ -32,8 +32,9 @@ err_console = Console(stderr=True)
 OK, FAILED, USAGE, NOT_FOUND, NO_LISTENER, UNREACHABLE, TIMEOUT = 0, 1, 2, 3, 4, 5, 6
 
 EXIT_CODES = (
-    "Exit codes: 0 ok; 1 the task or the work failed; 2 bad input (JSON, names, "
-    "options); 3 not found (queue, task, server); 4 no supervisor listening; "
+    "Exit codes: 0 ok; 1 the task or the work failed (a model's setup too); 2 bad "
+    "input (JSON, names, options, a target that cannot be loaded); 3 not found "
+    "(queue, task, server); 4 no supervisor listening; "
     "5 Redis unreachable, or it refused mtq's credentials or TLS; 6 timed out waiting."
 )
 

@@ -17,6 +17,7 @@ from mtq.broker.connection import REACH_TIMEOUT_S
 from mtq.cli import tasks
 from mtq.cli.common import (
     EXIT_CODES,
+    FAILED,
     USAGE,
     code_for,
     console,
@@ -105,10 +106,23 @@ def server_status(as_json: bool) -> None:
 # -- worker ----------------------------------------------------------------------
 _redis_opt = redis_option
 _queue_opt = click.option("--queue", "-q", required=True, help="Queue to serve.")
+_app_dir_opt = click.option(
+    "--app-dir", default=".", show_default=True, type=click.Path(file_okay=False),
+    help="Where the target's code is: put first on the import path of this process "
+         "and of the processes it starts.")
 _wait_opt = click.option(
     "--wait-for-redis", is_flag=True,
     help="At start, wait for an unreachable Redis without a limit (default: give up "
          f"after MTQ_REDIS_WAIT_S, {REACH_TIMEOUT_S:.0f} s unless set, and exit 5).")
+
+
+def _import_from(app_dir: str) -> None:
+    from mtq.workers.target import add_app_dir
+
+    try:
+        add_app_dir(app_dir)
+    except MtqError as exc:
+        _fail(exc, USAGE)
 
 
 def _reach(url: str | None, wait: bool) -> str:
@@ -147,23 +161,30 @@ def worker() -> None:
 @click.option("--lease-ms", default=QueueSettings.lease_ms, show_default=True,
               type=click.IntRange(1), help="Lease of a claimed task; extended every second.")
 @click.option("--burst", is_flag=True, help="Exit when the queue has nothing left to do.")
+@_app_dir_opt
 @_wait_opt
 def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
                max_wait_ms: float | None, device: str, lease_ms: int, burst: bool,
-               wait_for_redis: bool) -> None:
+               app_dir: str, wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr': an mtq.Model subclass or a
     plain function). SIGTERM/SIGINT stop it after the running batch; a second
     signal exits at once (its tasks return when their leases expire)."""
     from mtq.workers.control import Listener
     from mtq.workers.worker import Worker
 
+    _import_from(app_dir)
     url = _reach(url, wait_for_redis)
     try:
         w = Worker(target, queue, url=url, settings=QueueSettings(lease_ms=lease_ms),
                    device=device, max_batch_size=batch_size, max_wait_ms=max_wait_ms)
-        w.setup()
     except MtqError as exc:
-        _fail(exc, 2)
+        _fail(exc, USAGE)  # the target cannot be loaded, or an option is out of range
+    try:
+        w.setup()
+    except Exception as exc:  # the model's own setup(): the work failed
+        logging.getLogger("mtq.cli").info("setup failed", exc_info=True)
+        fail(f"setup of {target} failed: {type(exc).__name__}: {exc} (-v shows the "
+             "traceback)", FAILED)
     signals = 0
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -213,16 +234,18 @@ def workers() -> None:
               help="A warm spare process per device that takes over at once when a worker "
                    "process dies (default: 1 on the CPU, 0 on a GPU, where it holds a "
                    "second copy of the model in device memory).")
+@_app_dir_opt
 @_wait_opt
 def workers_start(target: str, queue: str, url: str | None, devices_spec: str, replicas: int,
                   max_batch_size: int | None, max_wait_ms: float | None,
                   timeout_s: float | None, lease_ms: int, standby: int | None,
-                  wait_for_redis: bool) -> None:
+                  app_dir: str, wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
     device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
     signal forces."""
     from mtq.workers.supervisor import Supervisor
 
+    _import_from(app_dir)
     url = _reach(url, wait_for_redis)
     try:
         sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,

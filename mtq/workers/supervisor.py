@@ -103,6 +103,10 @@ def _context() -> Any:
     return ctx
 
 
+#: the supervisor's exit codes when it gives up (the CLI's: 2 bad input, 1 the work failed)
+EXIT_BAD_TARGET, EXIT_SETUP_FAILED = 2, 1
+
+
 class Supervisor:
     """Starts and keeps ``replicas`` worker processes per device for one target."""
 
@@ -134,6 +138,7 @@ class Supervisor:
         self.stopping = False
         self.draining = False
         self.error = ""
+        self.exit_code = 0
         self._ctx = _context()
         #: a warm standby per device (see the module docstring); None: 1 on the CPU,
         #: 0 on a GPU (it would hold a second copy of the model in device memory)
@@ -173,8 +178,8 @@ class Supervisor:
         self._poke()
 
     def run(self) -> int:
-        """Supervise until stopped; returns the exit code (0 clean, 3 bad target or
-        set-up failing again and again)."""
+        """Supervise until stopped; returns the exit code (0 clean, 2 a target that
+        cannot be loaded, 1 set-up failing again and again), as ``mtq --help`` lists."""
         prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         self._listener = control.Listener(self.consumer.redis, self.queue, self.request)
         self._listener.start()
@@ -186,7 +191,7 @@ class Supervisor:
                 signal.signal(s, h)
         if self.error:
             self.on_event(f"stopped: {self.error}")
-            return child.EXIT_TARGET
+            return self.exit_code
         return 0
 
     # -- main loop ---------------------------------------------------------------
@@ -430,7 +435,7 @@ class Supervisor:
                 log.debug("could not remove worker %s from the registry", c.worker_id)
         slot = self.slots.get(c.slot)
         if c.fatal:
-            self.error = c.error
+            self.error, self.exit_code = c.error, EXIT_BAD_TARGET
             self._stop_all()
             return
         if slot is None or self.stopping or c.retiring or (self.draining and code == 0):
@@ -442,6 +447,7 @@ class Supervisor:
             if slot.crashes >= MAX_SETUP_FAILURES:
                 self.error = (f"worker {c.slot} failed during setup {slot.crashes} times in a "
                               f"row; last error: {c.error or f'exit code {code}'}")
+                self.exit_code = EXIT_SETUP_FAILED
                 self._stop_all()
                 return
         elif not slot.progress:

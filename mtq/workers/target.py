@@ -8,6 +8,7 @@ which the supervisor reports once instead of restarting into a crash loop.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,22 @@ from mtq.workers.generator import Generator
 from mtq.workers.model import FunctionModel, Model
 
 Target = Model | Generator
+
+
+def add_app_dir(path: str | os.PathLike[str] = ".") -> str:
+    """Make the code under ``path`` importable as targets, as ``rq worker``, ``celery -A``
+    and ``uvicorn`` do for the current directory: first on ``sys.path`` here, and on
+    ``PYTHONPATH`` for every process started from here on (worker processes, the fork
+    server, a generator's outlet). Returns the absolute path."""
+    full = os.path.abspath(path)
+    if not os.path.isdir(full):
+        raise TargetError(f"--app-dir {path!r} is not a directory")
+    if full in sys.path:
+        sys.path.remove(full)
+    sys.path.insert(0, full)
+    rest = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != full]
+    os.environ["PYTHONPATH"] = os.pathsep.join([full, *rest])
+    return full
 
 
 def _resolve(spec: str, reload: bool = False) -> Any:
@@ -30,8 +47,14 @@ def _resolve(spec: str, reload: bool = False) -> Any:
         else:
             module = importlib.import_module(module_name)
     except Exception as exc:
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name and \
+                module_name.startswith(exc.name):
+            hint = (f" (mtq looks in the current directory, {os.getcwd()}, and on "
+                    "PYTHONPATH: run it from the directory that holds the code, or pass "
+                    "--app-dir DIR)")
         raise TargetError(f"cannot import {module_name!r} for target {spec!r}: "
-                          f"{type(exc).__name__}: {exc} (is it on PYTHONPATH?)") from exc
+                          f"{type(exc).__name__}: {exc}{hint}") from exc
     obj: Any = module
     for part in attr.split("."):
         try:
