@@ -173,8 +173,9 @@ class ResultTimeout(MtqError, TimeoutError):
     def __init__(self, task_id: str, timeout: float, status: str) -> None:
         self.task_id, self.timeout, self.status = task_id, timeout, status
         super().__init__(
-            f"task {task_id} did not finish within {timeout:g}s (it is {status}); "
-            "wait longer, or check that a worker serves its queue (mtq status)"
+            f"task {task_id} did not finish within {timeout:g}s (it is {status}, and "
+            "goes on); wait longer, check that a worker serves its queue (mtq status), or "
+            f"stop it (mtq cancel {task_id})"
         )
 
 

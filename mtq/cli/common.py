@@ -30,12 +30,17 @@ err_console = Console(stderr=True)
 
 #: exit codes (listed in ``mtq --help`` and the README)
 OK, FAILED, USAGE, NOT_FOUND, NO_LISTENER, UNREACHABLE, TIMEOUT = 0, 1, 2, 3, 4, 5, 6
+#: Ctrl-C while waiting (128 + SIGINT, as shells report it)
+INTERRUPTED = 130
+#: the longest --timeout accepted (a year): longer is "no limit", the default
+MAX_WAIT_S = 365 * 24 * 3600.0
 
 EXIT_CODES = (
     "Exit codes: 0 ok; 1 the task or the work failed (a model's setup too); 2 bad "
     "input (JSON, names, options, a target that cannot be loaded); 3 not found "
     "(queue, task, server); 4 no supervisor listening; "
-    "5 Redis unreachable, or it refused mtq's credentials or TLS; 6 timed out waiting."
+    "5 Redis unreachable, or it refused mtq's credentials or TLS; 6 timed out waiting; "
+    "130 stopped waiting with Ctrl-C."
 )
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from typing import IO, Any
@@ -14,6 +15,8 @@ from rich.table import Table
 
 from mtq.cli.common import (
     FAILED,
+    INTERRUPTED,
+    MAX_WAIT_S,
     NOT_FOUND,
     OK,
     TIMEOUT,
@@ -68,15 +71,20 @@ def _known(client: Any, name: str) -> None:
 @click.option("--key", default=None, help="Idempotency key (one task per key per hour).")
 @click.option("--ttl", type=click.FloatRange(min=0.001), default=None,
               help="Seconds after which the task, if not started, expires unrun.")
-@click.option("--wait", "wait", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
-              help="Wait up to SECONDS for the result(s) and print them.")
+@click.option("--wait", "wait", is_flag=True,
+              help="Wait for the result(s) and print them (the task id goes to stderr "
+                   "first).")
 @click.option("--follow", "-f", is_flag=True,
               help="Print tokens live as they arrive, then the end (implies waiting).")
+@click.option("--timeout", type=click.FloatRange(min=0, max=MAX_WAIT_S), default=None,
+              metavar="SECONDS",
+              help="Stop waiting after SECONDS (exit 6; the task goes on). Implies "
+                   "--wait. Default: no limit (Ctrl-C stops waiting, exit 130).")
 @redis_option
 @json_option
 def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | None,
-           stream_from: str | None, key: str | None, ttl: float | None, wait: float | None,
-           follow: bool, url: str | None, as_json: bool) -> None:
+           stream_from: str | None, key: str | None, ttl: float | None, wait: bool,
+           follow: bool, timeout: float | None, url: str | None, as_json: bool) -> None:
     """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
 
     Prints the task id; with --wait, the result; with --follow, the tokens as
@@ -85,14 +93,17 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
 
     \b
     mtq submit chat '{"prompt": "hello"}' --stream user-42 --follow
-    mtq submit embed --file requests.jsonl --stream-from user --wait 60
+    mtq submit embed --file requests.jsonl --stream-from user --wait --timeout 60
     """
+    wait = wait or follow or timeout is not None
     if file is not None:
         if payload is not None:
             fail("give PAYLOAD or --file, not both", USAGE)
         if follow or key:
             fail("--follow and --key take one task; drop them with --file", USAGE)
-        _submit_file(queue, file, stream, stream_from, ttl, wait, url, as_json)
+        _submit_file(queue, file, stream, stream_from, ttl,
+                     (math.inf if timeout is None else timeout) if wait else None, url,
+                     as_json)
         return
     if stream_from:
         fail("--stream-from goes with --file", USAGE)
@@ -105,15 +116,20 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         task = q.submit(value, stream=stream, key=key, ttl=ttl)
     except MtqError as exc:
         fail_on(exc)
-    if follow or wait is not None:
-        _hint_if_unserved(q)
-    if follow:
-        sys.exit(_follow(task, wait, as_json))
-    if wait is None:
+    if not wait:
         click.echo(json.dumps({"id": task.id, "queue": queue}) if as_json else task.id)
         return
+    # the id first, so that a user who stops waiting can find or cancel the task
+    err_console.print(f"task {task.id} queued on {queue!r}", markup=False, highlight=False)
     try:
-        result = task.result(timeout=wait)
+        _hint_if_unserved(q)
+        if follow:
+            sys.exit(_follow(task, timeout, as_json))
+        result = task.result(timeout=timeout)
+    except KeyboardInterrupt:
+        err_console.print(f"\nstopped waiting; task {task.id} goes on (mtq task {task.id}, "
+                          f"mtq cancel {task.id})", markup=False, highlight=False)
+        sys.exit(INTERRUPTED)
     except (TaskFailed, TaskCancelled, ResultTimeout) as exc:
         if as_json:
             echo_json({"id": task.id, "status": getattr(exc, "status", "waiting"),

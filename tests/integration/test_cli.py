@@ -124,7 +124,7 @@ def test_submit_unreachable_redis(runner):
 
 
 def test_submit_wait_times_out_cleanly(runner, redis_url, qname):
-    result = runner.invoke(cli, ["submit", qname, "{}", "--wait", "0.2", "--redis", redis_url])
+    result = runner.invoke(cli, ["submit", qname, "{}", "--timeout", "0.2", "--redis", redis_url])
     assert result.exit_code == 6, result.output  # timed out waiting
     assert "did not finish within 0.2s" in flat(result.output)
 

@@ -319,7 +319,7 @@ def test_submit_follow_prints_tokens_live(runner: CliRunner, redis_url: str,
 
 
 def test_submit_follow_times_out(runner: CliRunner, redis_url: str, qname: str) -> None:
-    res = run(runner, "submit", qname, "{}", "--follow", "--wait", "0.3", "--redis", redis_url)
+    res = run(runner, "submit", qname, "{}", "--follow", "--timeout", "0.3", "--redis", redis_url)
     assert res.exit_code == 6 and "did not finish" in flat(res.output), res.output
     assert f"no worker serves '{qname}' yet" in flat(res.output)  # a new user's hint
 
@@ -365,7 +365,7 @@ def test_submit_file_and_wait_for_the_results(runner: CliRunner, redis_url: str,
                  + json.dumps({"bad": True}) + "\n")
     w = Worker(Counter(), qname, url=redis_url)
     with serving(w):
-        res = run(runner, "submit", qname, "--file", str(f), "--wait", "30", "--json",
+        res = run(runner, "submit", qname, "--file", str(f), "--timeout", "30", "--json",
                   "--redis", redis_url)
     assert res.exit_code == 1, res.output  # one of them failed
     data = json.loads(res.output)

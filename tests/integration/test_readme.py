@@ -83,7 +83,7 @@ def test_the_quick_start_works(redis_url: str, qname: str, subprocess_env: dict[
     try:
         wait_for(lambda: "ready on cpu" in log.read_text(), 60,
                  "the quick start's supervisor did not start its worker")
-        follow = subprocess.run([*mtq(argvs[1]), "--wait", "60"], env=env, capture_output=True,
+        follow = subprocess.run([*mtq(argvs[1]), "--timeout", "60"], env=env, capture_output=True,
                                 text=True, timeout=90)
         assert follow.returncode == 0, follow.stderr
         assert "succeeded" in follow.stderr and len(follow.stdout.strip()) > 0

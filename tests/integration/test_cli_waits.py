@@ -1,0 +1,47 @@
+"""``mtq submit --wait/--follow`` on a queue no worker serves: the task id comes
+first (so the user can find or cancel the task), ``--timeout`` bounds the wait
+(exit 6), Ctrl-C stops waiting (exit 130); either way the task goes on."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+import mtq
+from tests.conftest import wait_for
+
+PY = sys.executable
+
+
+@pytest.mark.parametrize("how", [["--wait"], ["--follow"]])
+def test_timeout_prints_the_id_first_and_exits_6(how: list[str], redis_url: str,
+                                                 qname: str) -> None:
+    done = subprocess.run([PY, "-m", "mtq", "submit", qname, '{"a": 1}', *how, "--timeout",
+                           "0.5", "--redis", redis_url], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 6, done
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("task ") and f"queued on {qname!r}" in first, done.stderr
+    task_id = first.split()[1]
+    assert f"no worker serves {qname!r}" in done.stderr, done.stderr
+    assert f"mtq cancel {task_id}" in done.stderr, done.stderr
+    assert mtq.Queue(qname, redis_url).task(task_id).status() == "queued"  # it goes on
+
+
+def test_ctrl_c_stops_waiting_with_exit_130(redis_url: str, qname: str) -> None:
+    proc = subprocess.Popen([PY, "-m", "mtq", "submit", qname, "{}", "--wait", "--redis",
+                             redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stderr is not None
+    first = proc.stderr.readline()           # printed before the wait begins
+    task_id = first.split()[1]
+    q = mtq.Queue(qname, redis_url)
+    wait_for(lambda: q.stats()["waiting"] == 1, 10, "the task was not queued")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, (out, err)
+    assert f"stopped waiting; task {task_id} goes on" in err and "Traceback" not in err, err
+    assert q.task(task_id).status() == "queued"
