@@ -102,6 +102,8 @@ class TaskInfo:
     worker: str | None
     error: str | None
     cancel_requested: bool
+    #: the traceback of the last exception the task's handler raised (bounded)
+    traceback: str | None = None
 
 
 def _s(value: bytes | None) -> str | None:
@@ -149,7 +151,7 @@ class Task:
     def info(self) -> TaskInfo:
         """Everything stored about the task except payload and result. Raises TaskNotFound."""
         names = ("status", "stream", "attempts", "deliveries", "created", "started",
-                 "finished", "deadline", "worker", "error", "cancel")
+                 "finished", "deadline", "worker", "error", "cancel", "traceback")
         v = dict(zip(names, self._hmget(*names)))
         if v["status"] is None:
             raise self._not_found()
@@ -158,7 +160,7 @@ class Task:
             attempts=_i(v["attempts"]) or 0, deliveries=_i(v["deliveries"]) or 0,
             created=_i(v["created"]), started=_i(v["started"]), finished=_i(v["finished"]),
             deadline=_i(v["deadline"]), worker=_s(v["worker"]), error=_s(v["error"]),
-            cancel_requested=v["cancel"] is not None,
+            cancel_requested=v["cancel"] is not None, traceback=_s(v["traceback"]),
         )
 
     # -- waiting -------------------------------------------------------------------
@@ -588,7 +590,7 @@ class Queue:
 
     def dead_letters(self, start: int = 0, count: int = 20) -> list[dict[str, Any]]:
         """Dead letters, newest first: id, stream, error, attempts, deliveries,
-        created and finished (ms since the epoch)."""
+        created and finished (ms since the epoch), and traceback (or None)."""
         return self.broker.dead_letters(start, count)
 
     def retry_dead(self, ids: Iterable[str] | None = None) -> int:

@@ -40,3 +40,16 @@ def logged(payload: dict[str, Any]) -> dict[str, Any]:
     time.sleep(float(payload.get("sleep", 0)))
     _log("D", [payload])
     return {"pid": os.getpid(), "s": payload.get("s"), "i": payload.get("i")}
+
+
+def deep(payload: dict[str, Any], depth: int = 0) -> Any:
+    """Recurse ``payload["depth"]`` calls deep (through two functions, so Python
+    cannot fold the frames into "previous line repeated"), then raise: a long
+    traceback."""
+    if depth < payload["depth"]:
+        return _deeper(payload, depth + 1)
+    raise ValueError("bad input to model, deep down")
+
+
+def _deeper(payload: dict[str, Any], depth: int) -> Any:
+    return deep(payload, depth + 1)

@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import time
+import traceback
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,20 @@ class Outcome:
     error: str | None = None   # "Type: message" when not ok
     retryable: bool = True     # False: fail at once (e.g. an undecodable payload)
     cancelled: bool = False    # the handler stopped on a cancel request
+    traceback: str | None = None  # where it was raised (bounded: see format_traceback)
+
+
+#: the most of a traceback kept on a task (its end: the frames nearest the error)
+TRACEBACK_MAX = 8000
+
+
+def format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback as Python prints it, cut to its last TRACEBACK_MAX
+    characters (the frames nearest the error)."""
+    text = "".join(traceback.format_exception(exc)).rstrip("\n")
+    if len(text) > TRACEBACK_MAX:
+        text = "...\n" + text[-TRACEBACK_MAX:].split("\n", 1)[-1]
+    return text
 
 
 @dataclass(slots=True)
@@ -192,7 +207,9 @@ class Consumer:
             if o.cancelled:
                 nacks.append((t.id, t.token, CANCEL, ""))
                 continue
-            error = (o.error or "error")[:4000]
+            error = (o.error or "error")[:4000].replace("\0", " ")
+            if o.traceback:  # nack.lua stores what follows a NUL as the traceback
+                error += "\0" + o.traceback[-TRACEBACK_MAX - 4:]
             allowed = self.settings.max_retries if t.retries is None else t.retries
             if o.retryable and t.attempts < allowed:
                 nacks.append((t.id, t.token, RETRY, f"{self.backoff_ms(t.attempts)}|{error}"))

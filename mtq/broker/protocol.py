@@ -306,12 +306,15 @@ class Broker:
     # -- inspection ------------------------------------------------------------
     def dead_letters(self, start: int = 0, count: int = 20) -> list[dict[str, Any]]:
         """Dead letters, newest first: id, stream, error, attempts, deliveries,
-        created, finished (ms). Two round trips; cost grows with ``count`` only."""
+        created, finished (ms), traceback (None when the handler raised none: a
+        poison task that killed its process). Two round trips; cost grows with
+        ``count`` only."""
         k = self.keys
         with redis_errors("while reading the dead letters"):
             ids = [_s(i) for i in self.redis.lrange(k.dead, start, start + count - 1)]
             pipe = self.redis.pipeline(transaction=False)
-            names = ("stream", "error", "attempts", "deliveries", "created", "finished")
+            names = ("stream", "error", "attempts", "deliveries", "created", "finished",
+                     "traceback")
             for i in ids:
                 pipe.hmget(k.task(i), *names)
             rows = pipe.execute() if ids else []

@@ -10,6 +10,7 @@ import time
 from typing import IO, Any
 
 import click
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -390,7 +391,7 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
     if info.worker:
         table.add_row("worker", info.worker)
     if info.error:
-        table.add_row("error", info.error)
+        table.add_row("error", escape(info.error))
     if info.cancel_requested:
         table.add_row("cancel", "requested")
     if result is not None:
@@ -402,8 +403,12 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
         timeline.add_column(col)
     first = trace[0].ts if trace else 0.0
     for e in trace:
-        timeline.add_row(when(e.ts * 1000), f"{(e.ts - first) * 1000:.0f}", e.kind, e.detail)
+        timeline.add_row(when(e.ts * 1000), f"{(e.ts - first) * 1000:.0f}", e.kind,
+                         escape(e.detail))
     console.print(timeline)
+    if info.traceback:
+        console.print("traceback (the last exception its handler raised):")
+        console.print(info.traceback, markup=False, highlight=False, soft_wrap=True)
 
 
 # -- cancel ----------------------------------------------------------------------------
@@ -448,10 +453,12 @@ def dlq() -> None:
 @dlq.command("list")
 @click.argument("queue")
 @click.option("--count", "-n", default=20, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--verbose", "-v", is_flag=True,
+              help="Each dead letter's whole error and traceback, after the table.")
 @redis_option
 @json_option
-def dlq_list(queue: str, count: int, url: str | None, as_json: bool) -> None:
-    """The newest dead letters of QUEUE, with their errors."""
+def dlq_list(queue: str, count: int, verbose: bool, url: str | None, as_json: bool) -> None:
+    """The newest dead letters of QUEUE, with their errors (--json: tracebacks too)."""
     q = _queue(queue, url)
     try:
         _known(q.redis, queue)
@@ -469,8 +476,15 @@ def dlq_list(queue: str, count: int, url: str | None, as_json: bool) -> None:
     for row in rows:
         table.add_row(row["id"], row["stream"] or "-", str(row["attempts"]),
                       str(row["deliveries"]), when(row["finished"]),
-                      (row["error"] or "")[:120])
+                      escape((row["error"] or "")[:120]))
     console.print(table)
+    if verbose:
+        for row in rows:
+            console.print(f"\n{row['id']}: {row['error'] or '-'}", markup=False,
+                          highlight=False, soft_wrap=True)
+            console.print(row["traceback"] or "(no traceback: the task killed its process "
+                          "or its lease ran out)", markup=False, highlight=False,
+                          soft_wrap=True)
 
 
 def _dlq_action(action: str, queue: str, ids: tuple[str, ...], all_: bool, url: str | None,

@@ -84,7 +84,8 @@ class GenerationEngine:
 
     def _fail(self, r: _Request, exc: BaseException) -> Outcome:
         return Outcome(r.task, ok=False, error=_error(exc),
-                       retryable=not isinstance(exc, (PermanentError, PayloadError)))
+                       retryable=not isinstance(exc, (PermanentError, PayloadError)),
+                       traceback=self.w._traceback(exc, r.task))
 
     def _monitor(self) -> None:
         self.w.monitor.batch([(r.task.id, r.task.token) for r in self.running])

@@ -224,7 +224,8 @@ class Outlet:
                 except Exception as exc:  # PayloadError, or anything a tensor's .cpu() raises
                     x = Outcome(t, ok=False, error=f"{type(exc).__name__}: {exc}",
                                 retryable=False)
-            outcomes.append(self._row(t, False, None, x.error, x.retryable, x.cancelled))
+            error = x.error if not x.traceback else f"{x.error}\0{x.traceback}"
+            outcomes.append(self._row(t, False, None, error, x.retryable, x.cancelled))
         if bad:
             with self.w._lock:  # a generator stops generating them
                 self.w._lost.update(i for i in bad if i in self.w._held)
@@ -317,6 +318,16 @@ def _claimed(row: Sequence[Any]) -> Claimed:
     return Claimed(row[0], row[1], b"", None, row[2], row[3], row[4])
 
 
+def _outcome(o: list[Any]) -> Outcome:
+    """An outcome row from the worker (see ``_row``); an error row may carry the
+    traceback after a NUL."""
+    if o[5]:
+        return Outcome(_claimed(o), ok=True, value=Encoded(o[6]))
+    error, _, tb = (o[7] or "").partition("\0")
+    return Outcome(_claimed(o), ok=False, error=error, retryable=o[8], cancelled=o[9],
+                   traceback=tb or None)
+
+
 def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int) -> None:
     done = ended = False
     last_report = time.monotonic()
@@ -330,8 +341,7 @@ def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int)
             if msg[0] == "settle":
                 chunks += [Chunk(Claimed(c[0], c[1], b"", None, 0, 0, None), c[2],
                                  c[3] if c[4] else Encoded(c[3])) for c in msg[1]]
-                outcomes += [Outcome(_claimed(o), ok=o[5], value=Encoded(o[6]) if o[5] else None,
-                                     error=o[7], retryable=o[8], cancelled=o[9]) for o in msg[2]]
+                outcomes += [_outcome(o) for o in msg[2]]
             elif msg[0] == "end":
                 ended = done = True
             elif msg[0] == "eof":

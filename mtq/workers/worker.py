@@ -31,13 +31,19 @@ import queue as queue_mod
 import socket
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtq import serialization
 from mtq.broker.connection import Backoff, client_url
-from mtq.broker.consumer import OUTCOME_COUNTERS, Chunk, Consumer, Outcome, SettleReport
+from mtq.broker.consumer import (
+    OUTCOME_COUNTERS,
+    Chunk,
+    Consumer,
+    Outcome,
+    SettleReport,
+    format_traceback,
+)
 from mtq.broker.protocol import LOST, Claimed
 from mtq.errors import (
     LeaseLost,
@@ -134,6 +140,8 @@ class Worker:
         self._ready = False
         self._reloading = False
         self.last_error = ""
+        self._last_failure: BaseException | None = None  # logged once (see _traceback)
+        self._last_traceback = ""
         # bookkeeping shared by the threads
         self._lock = threading.Lock()
         self._held: dict[str, Claimed] = {}
@@ -505,12 +513,23 @@ class Worker:
         exc = r.error
         if isinstance(exc, LeaseLost):  # not ours any more: nothing to settle
             return None
-        log.debug("task %s failed: %s", task.id,
-                  "".join(traceback.format_exception(exc)) if exc else "?")
         with self._lock:
             cancelled = task.id in self._cancel
+        if exc is None:
+            return Outcome(task, ok=False, error="error", cancelled=cancelled)
         return Outcome(task, ok=False, error=f"{type(exc).__name__}: {exc}", cancelled=cancelled,
-                       retryable=not isinstance(exc, (PermanentError, PayloadError)))
+                       retryable=not isinstance(exc, (PermanentError, PayloadError)),
+                       traceback=self._traceback(exc, task))
+
+    def _traceback(self, exc: BaseException, task: Claimed) -> str:
+        """The traceback kept on a failed task, logged once per exception (a batch
+        that raised fails all its tasks with the same one)."""
+        if exc is not self._last_failure:
+            self._last_failure = exc
+            self._last_traceback = format_traceback(exc)
+            log.warning("task %s failed (%s attempt(s) before this one):\n%s", task.id,
+                        task.attempts, self._last_traceback)
+        return self._last_traceback
 
     def _do_reload(self) -> None:
         """Re-import the target and set the new model up; keep the old one if that fails."""

@@ -29,7 +29,7 @@ for _, id in ipairs(ids) do
       redis.call('DEL', tk, K_OUT .. id, K_TRACE .. id)
     elseif redis.call('HGET', tk, 'status') == 'dead' then
       redis.call('HSET', tk, 'status', 'queued', 'attempts', 0, 'deliveries', 0)
-      redis.call('HDEL', tk, 'error', 'finished', 'started', 'token', 'worker', 'cancel')
+      redis.call('HDEL', tk, 'error', 'traceback', 'finished', 'started', 'token', 'worker', 'cancel')
       redis.call('PERSIST', tk)
       redis.call('PERSIST', K_TRACE .. id)
       redis.call('DEL', K_OUT .. id)

@@ -3,6 +3,7 @@ KEYS: the standard sixteen (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] dead-letter retention s   ARGV[5] dead-letter max length
 ARGV[6] n, then n groups of 4: id, lease token, action, delay ms / error
+  An error may be followed by a NUL and the traceback, stored in 'traceback'.
   action 'retry'   : attempts+1, status 'delayed', due after the delay; its stream
                      stays busy, so the retry runs before anything behind it.
                      The 4th field is "<delay ms>|<error>".
@@ -48,6 +49,11 @@ for i = 0, n - 1 do
   else
     redis.call('ZREM', K_LEASES, id)
     if f[4] then action = 'cancel' end  -- a pending cancel request wins over any outcome but success
+    local nul = string.find(arg, '\0', 1, true)
+    if nul and (action == 'retry' or action == 'fail' or action == 'dead') then
+      redis.call('HSET', tk, 'traceback', string.sub(arg, nul + 1))
+      arg = string.sub(arg, 1, nul - 1)
+    end
     if action == 'retry' then
       local sep = string.find(arg, '|', 1, true)
       local delay = tonumber(string.sub(arg, 1, sep - 1))
