@@ -21,6 +21,7 @@ from mtq.errors import (
     NotDurable,
     PayloadTooLarge,
     QueueFull,
+    QueueInUse,
     RedisUnavailable,
     ResultTimeout,
     TaskCancelled,
@@ -577,6 +578,21 @@ class Queue:
         return self.broker.stats()
 
     # -- maintenance -----------------------------------------------------------------
+    def delete(self, *, force: bool = False) -> int:
+        """Delete the queue: every task (waiting, running, finished, dead), its
+        streams, counters, settings and timelines, and its name in the list of queues
+        (``mtq status``). Raises QueueInUse while live workers serve it, unless
+        ``force``. A submit made while it runs may be lost with the rest: stop the
+        queue's producers first. A later submit creates the queue anew. Deletes in
+        chunks (SCAN and UNLINK), so Redis is never blocked for long. Returns how
+        many keys were deleted."""
+        from mtq.workers.registry import list_workers
+
+        serving = [w["id"] for w in list_workers(self.redis, self.name)]
+        if serving and not force:
+            raise QueueInUse(self.name, serving)
+        return self.broker.delete_queue()
+
     def purge(self) -> int:
         """Drop every waiting task (each ends cancelled with the error 'purged'; a
         client waiting on one is told). Running tasks, retries waiting for their

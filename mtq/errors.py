@@ -14,6 +14,7 @@
     │   ├── PayloadTooLarge         bigger than the queue's max_payload_bytes
     │   └── EncodeError             not msgpack-encodable (and never pickled)
     ├── QueueFull                   the queue holds max_length waiting tasks
+    ├── QueueInUse                  workers serve the queue that was to be deleted
     ├── NotDurable                  queued, but not confirmed by the replicas asked for
     ├── DuplicateTask               a task with this id already exists
     ├── TaskNotFound                no such task (or its retention ran out)
@@ -44,6 +45,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermanentError",
     "QueueFull",
+    "QueueInUse",
     "RedisAuthError",
     "RedisTLSError",
     "RedisUnavailable",
@@ -117,6 +119,17 @@ class QueueFull(MtqError):
             f"queue {queue!r} is full: {waiting} tasks wait and max_length is {max_length}, "
             f"so {adding} more do not fit; retry later, add workers, or raise max_length"
         )
+
+
+class QueueInUse(MtqError):
+    """A queue that live workers serve was not deleted (``force`` deletes it anyway)."""
+
+    def __init__(self, queue: str, workers: list[str]) -> None:
+        self.queue, self.workers = queue, workers
+        shown = ", ".join(workers[:5]) + (" ..." if len(workers) > 5 else "")
+        super().__init__(
+            f"queue {queue!r} was not deleted: {len(workers)} worker(s) serve it ({shown}); "
+            f"stop them first (mtq workers stop -q {queue}), or force it (--force)")
 
 
 class NotDurable(MtqError):

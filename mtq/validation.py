@@ -33,9 +33,15 @@ def check_stream_name(name: object, what: str = "stream") -> str:
     """
     if not isinstance(name, str) or not name:
         raise InvalidName(f"invalid {what} {name!r}: it must be a non-empty string")
-    if len(name.encode()) > MAX_STREAM_BYTES:
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:  # lone surrogates: bytes that were not UTF-8 (argv, files)
         raise InvalidName(
-            f"invalid {what} {name[:40]!r}...: {len(name.encode())} bytes, at most "
+            f"invalid {what} {name!r}: it is not valid UTF-8 text; give it as UTF-8"
+        ) from None
+    if size > MAX_STREAM_BYTES:
+        raise InvalidName(
+            f"invalid {what} {name[:40]!r}...: {size} bytes, at most "
             f"{MAX_STREAM_BYTES}; hash long names (e.g. sha1) before using them"
         )
     if not name.isprintable() or any(c.isspace() for c in name):

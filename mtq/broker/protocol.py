@@ -179,6 +179,23 @@ class Broker:
         with redis_errors():
             self.redis.sadd(QUEUES, self.queue)
 
+    def delete_queue(self, chunk: int = 500) -> int:
+        """Delete every key of the queue (SCAN and UNLINK, ``chunk`` at a time) and
+        its name in the list of queues. Returns how many keys were deleted."""
+        deleted = 0
+        with redis_errors("while deleting the queue"):
+            batch: list[bytes] = []
+            # queue names hold no glob characters (see check_queue_name)
+            for key in self.redis.scan_iter(match=self.keys.base + "*", count=1000):
+                batch.append(key)
+                if len(batch) >= chunk:
+                    deleted += self.redis.unlink(*batch)
+                    batch = []
+            if batch:
+                deleted += self.redis.unlink(*batch)
+            self.redis.srem(QUEUES, self.queue)
+        return deleted
+
     def cancel(self, task_id: str) -> tuple[int, str]:
         """Cancel one task; returns (code, previous status). See cancel.lua."""
         raw = self.run(self._call("cancel", [task_id, self.settings.retention_s],

@@ -14,7 +14,7 @@ import click
 from rich.table import Table
 
 from mtq.broker.connection import REACH_TIMEOUT_S
-from mtq.cli import tasks
+from mtq.cli import queues, tasks
 from mtq.cli.common import (
     EXIT_CODES,
     FAILED,
@@ -331,6 +331,7 @@ def workers_scale(replicas: int, queue: str, url: str | None) -> None:
 
 for _command in tasks.COMMANDS:
     cli.add_command(_command)
+cli.add_command(queues.queue_group)
 
 
 # -- dashboard -------------------------------------------------------------------

@@ -31,6 +31,7 @@ EXPECTED_ALL = [
     "Progress",
     "Queue",
     "QueueFull",
+    "QueueInUse",
     "RedisAuthError",
     "RedisTLSError",
     "RedisUnavailable",
