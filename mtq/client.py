@@ -16,6 +16,7 @@ from mtq.broker.codes import Code
 from mtq.broker.connection import Backoff, connect, redis_errors
 from mtq.broker.protocol import Broker, NewTask
 from mtq.errors import (
+    ConfigError,
     DuplicateTask,
     MtqError,
     NotDurable,
@@ -38,7 +39,7 @@ from mtq.replies import (
     SyncFeed,
     hub_of,
 )
-from mtq.settings import QueueSettings
+from mtq.settings import MAX_RETRIES, QueueSettings
 from mtq.validation import check_queue_name, check_stream_name, check_task_id
 
 if TYPE_CHECKING:
@@ -397,11 +398,14 @@ class Queue:
                 f"({self.settings.max_payload_bytes}); send a reference (a URL or a key) "
                 "instead, or raise max_payload_bytes"
             )
-        if ttl is not None and not (isinstance(ttl, (int, float)) and 0 < ttl <= MAX_TTL_S):
-            raise ValueError(f"ttl must be a number of seconds in (0, {MAX_TTL_S:.0e}], "
-                             f"got {ttl!r}")
-        if retries is not None and (not isinstance(retries, int) or retries < 0):
-            raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                                or not 0 < ttl <= MAX_TTL_S):
+            raise ConfigError(f"ttl must be a number of seconds in (0, {MAX_TTL_S:.0e}], "
+                              f"got {ttl!r}")
+        if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int)
+                                    or not 0 <= retries <= MAX_RETRIES):
+            raise ConfigError(f"retries must be an integer in [0, {MAX_RETRIES}], got "
+                              f"{retries!r}")
         return NewTask(
             id=check_task_id(task_id) if task_id is not None else new_task_id(),
             own_id=task_id is None,

@@ -49,6 +49,21 @@ class RedisSettings:
         return _build(cls, values)
 
 
+#: the largest value of a count setting: exact in Lua (a double) and in Redis
+_MAX_COUNT = 2**53 - 1
+_YEARS_30_S = 30 * 365 * 24 * 3600
+#: most retries a queue or a task may ask for
+MAX_RETRIES = 10_000
+#: the largest values Redis takes where they end up (EXPIRE, PEXPIRE, a string's size)
+_MAXIMUMS = {
+    "max_payload_bytes": 512 * 1024 * 1024,
+    "lease_ms": _YEARS_30_S * 1000, "retry_backoff_ms": _YEARS_30_S * 1000,
+    "retry_backoff_max_ms": _YEARS_30_S * 1000, "durable_timeout_ms": _YEARS_30_S * 1000,
+    "retention_s": _YEARS_30_S, "dead_retention_s": _YEARS_30_S,
+    "idempotency_window_s": _YEARS_30_S, "max_retries": MAX_RETRIES, "durable_replicas": 100,
+}
+
+
 @dataclass(frozen=True)
 class QueueSettings:
     """Behaviour of one queue, shared by its producers and its workers.
@@ -107,8 +122,10 @@ class QueueSettings:
             "durable_replicas": 0, "durable_timeout_ms": 1,
         }
         for name, low in minimums.items():
-            if getattr(self, name) < low:
-                raise ConfigError(f"{name} must be >= {low}, got {getattr(self, name)}")
+            high = _MAXIMUMS.get(name, _MAX_COUNT)
+            if not low <= getattr(self, name) <= high:
+                raise ConfigError(f"{name} must be in [{low}, {high}], got "
+                                  f"{getattr(self, name)}")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> QueueSettings:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Callable
 from datetime import datetime
@@ -44,6 +45,18 @@ EXIT_CODES = (
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class FloatRange(click.FloatRange):
+    """click's FloatRange, which lets ``nan`` through (every comparison with it is
+    false): refused here, as bad input (exit 2)."""
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if isinstance(number, float) and math.isnan(number):
+            self.fail("nan is not a number of seconds", param, ctx)
+        return number
 
 
 def fail(message: object, code: int = FAILED) -> NoReturn:
@@ -113,3 +126,6 @@ def parse_json(text: str, what: str) -> Any:
     except json.JSONDecodeError as exc:
         fail(f"{what} is not valid JSON ({exc}); quote it for the shell, e.g. "
              "'{\"prompt\": \"hi\"}', or pass - to read it from stdin", USAGE)
+    except RecursionError:
+        fail(f"{what} is nested too deeply to decode (about 1 000 levels at most); flatten it",
+             USAGE)

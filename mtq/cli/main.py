@@ -19,6 +19,7 @@ from mtq.cli.common import (
     EXIT_CODES,
     FAILED,
     USAGE,
+    FloatRange,
     code_for,
     console,
     err_console,
@@ -155,7 +156,7 @@ def worker() -> None:
 @_redis_opt
 @click.option("--batch-size", default=None, type=click.IntRange(1, 100_000),
               help="Most tasks per batch (default: the model's max_batch_size).")
-@click.option("--max-wait-ms", default=None, type=click.FloatRange(0, 60_000),
+@click.option("--max-wait-ms", default=None, type=FloatRange(0, 60_000),
               help="Longest wait for a batch to fill (default: the model's max_wait_ms).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or mps.")
 @click.option("--lease-ms", default=QueueSettings.lease_ms, show_default=True,
@@ -224,9 +225,9 @@ def workers() -> None:
               help="Worker processes per device.")
 @click.option("--max-batch-size", default=None, type=click.IntRange(1, 100_000),
               help="Override the model's max_batch_size.")
-@click.option("--max-wait-ms", default=None, type=click.FloatRange(0, 60_000),
+@click.option("--max-wait-ms", default=None, type=FloatRange(0, 60_000),
               help="Override the model's max_wait_ms.")
-@click.option("--timeout", "timeout_s", default=None, type=click.FloatRange(min=0.001),
+@click.option("--timeout", "timeout_s", default=None, type=FloatRange(min=0.001),
               help="Override the model's timeout_s: longest one predict call may run.")
 @click.option("--lease-ms", default=QueueSettings.lease_ms, show_default=True,
               type=click.IntRange(100), help="Lease of a claimed task; extended every second.")
@@ -338,7 +339,7 @@ cli.add_command(queues.queue_group)
 @cli.command()
 @click.option("--queue", "-q", "queues", multiple=True,
               help="Only this queue (repeatable; default: every queue).")
-@click.option("--refresh", default=1.0, show_default=True, type=click.FloatRange(0.2, 60),
+@click.option("--refresh", default=1.0, show_default=True, type=FloatRange(0.2, 60),
               help="Seconds between refreshes.")
 @click.option("--once", is_flag=True, help="Print one frame and exit.")
 @_redis_opt
@@ -376,7 +377,7 @@ def completion(shell: str) -> None:
 @_redis_opt
 @click.option("--users", default=24, show_default=True, type=click.IntRange(1, 500),
               help="Simulated users, each chatting in a stream of their own.")
-@click.option("--duration", default=20.0, show_default=True, type=click.FloatRange(1, 600),
+@click.option("--duration", default=20.0, show_default=True, type=FloatRange(1, 600),
               help="Seconds over which the users arrive.")
 @click.option("--no-kill", is_flag=True, help="Do not kill a worker mid-run.")
 @click.option("--no-dashboard", is_flag=True,

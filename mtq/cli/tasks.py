@@ -22,6 +22,7 @@ from mtq.cli.common import (
     OK,
     TIMEOUT,
     USAGE,
+    FloatRange,
     console,
     echo_json,
     err_console,
@@ -33,6 +34,7 @@ from mtq.cli.common import (
     redis_option,
     when,
 )
+from mtq.client import MAX_TTL_S
 from mtq.errors import MtqError, ResultTimeout, TaskCancelled, TaskFailed
 
 #: requests sent per round trip by ``mtq submit --file``
@@ -70,14 +72,14 @@ def _known(client: Any, name: str) -> None:
 @click.option("--stream-from", default=None, metavar="FIELD",
               help="With --file: each task's stream is this field of its payload.")
 @click.option("--key", default=None, help="Idempotency key (one task per key per hour).")
-@click.option("--ttl", type=click.FloatRange(min=0.001), default=None,
+@click.option("--ttl", type=FloatRange(min=0.001, max=MAX_TTL_S), default=None,
               help="Seconds after which the task, if not started, expires unrun.")
 @click.option("--wait", "wait", is_flag=True,
               help="Wait for the result(s) and print them (the task id goes to stderr "
                    "first).")
 @click.option("--follow", "-f", is_flag=True,
               help="Print tokens live as they arrive, then the end (implies waiting).")
-@click.option("--timeout", type=click.FloatRange(min=0, max=MAX_WAIT_S), default=None,
+@click.option("--timeout", type=FloatRange(min=0, max=MAX_WAIT_S), default=None,
               metavar="SECONDS",
               help="Stop waiting after SECONDS (exit 6; the task goes on). Implies "
                    "--wait. Default: no limit (Ctrl-C stops waiting, exit 130).")
@@ -214,6 +216,9 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
             value = json.loads(line)
         except json.JSONDecodeError as exc:
             errors.append(f"line {n}: not valid JSON ({exc})")
+            continue
+        except RecursionError:
+            errors.append(f"line {n}: nested too deeply for JSON")
             continue
         s = stream
         if stream_from is not None:
