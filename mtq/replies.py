@@ -360,6 +360,11 @@ class Hub:
                 if isinstance(exc, redis.exceptions.PubSubError):
                     ps = None
             except Exception:  # never let the listener die: every waiter would hang
+                if self._closed.is_set():
+                    # close_all() closed the connection under a read in progress, which
+                    # redis-py may answer with any error (a TypeError for the socket it
+                    # dropped): the end asked for, not a message that failed
+                    return
                 log.exception("a reply message could not be handled")
 
     def _confirm(self, channel: bytes, ps: Any) -> None:

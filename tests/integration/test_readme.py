@@ -1,5 +1,6 @@
-"""The README's commands: each ``mtq`` line in its shell blocks is a command click
-accepts, its set-up installs extras that exist, and its quick start works for real
+"""The README's commands: each ``mtq`` line in the shell blocks of the README and
+docs/*.md is a command click accepts (those not run by test_docs_run.py too), the
+README's set-up installs extras that exist, and its quick start works for real
 (a supervisor serving TinyGPT, ``mtq submit --follow``, ``mtq status``,
 ``mtq dashboard --once``, then Ctrl-C drains and nothing is left running)."""
 
@@ -17,6 +18,7 @@ import tomllib
 
 from tests.cli_parse import parse_mtq
 from tests.conftest import ROOT, wait_for
+from tests.doc_commands import pages, split_comment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,13 +26,13 @@ README = (ROOT / "README.md").read_text()
 
 
 def shell_lines(text: str) -> list[str]:
-    """The command lines of the ```sh blocks (comments dropped)."""
+    """The command lines of the ```sh blocks (comments, tags included, dropped)."""
     lines = []
     for block in re.findall(r"```sh\n(.*?)```", text, re.S):
         for line in block.splitlines():
-            code = shlex.split(line, comments=True)
-            if code:
-                lines.append(line)
+            code = split_comment(line)[0]
+            if code.strip():
+                lines.append(code)
     return lines
 
 
@@ -50,9 +52,9 @@ def test_setup_commands_install_extras_that_exist() -> None:
 
 
 def test_every_mtq_line_of_the_readme_and_docs_parses() -> None:
-    docs = README + (ROOT / "docs" / "cli.md").read_text()
+    docs = "".join(page.read_text() for page in pages())
     lines = [line for line in shell_lines(docs) if "mtq " in line]
-    assert len(lines) >= 8
+    assert len(lines) >= 15
     for line in lines:
         argv = shlex.split(line, comments=True)
         argv = argv[argv.index("mtq"):] if "mtq" in argv else []

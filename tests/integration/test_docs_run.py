@@ -1,0 +1,201 @@
+"""Docs that run: every command of the ```sh blocks of README.md and docs/*.md runs,
+for real, in the order of its page, and exits as the page says (0 unless a tag says
+``exits: N``), within a time limit.
+
+Each page gets a redis-server of its own (``MTQ_REDIS_URL``; ``MTQ_HOME`` and ``HOME``
+point into the test's directory, so no command touches a shared embedded server or
+the user's files), ``mtq`` and ``python`` are this checkout's (``PYTHONPATH`` is the
+repository root), and each line runs in its own ``bash -eo pipefail`` from the
+repository root. The tags (docs/cli.md, "Commands in these docs"; parsed by
+tests/doc_commands.py) say what does not run:
+
+- ``needs: gpu|docker|zsh`` and ``not run: installs``: skipped;
+- ``runs: service``: a long-running command. A worker (``mtq workers start``,
+  ``mtq worker run``) is started in the background when a later line of its page
+  runs (that line may need it: "in another shell"), and only then; the test waits
+  until it serves its queue, and at the end of the page stops it with SIGTERM, upon
+  which it must exit 0. Other services (the live dashboard) are not run.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import site
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from mtq.workers.registry import list_workers
+from tests.cli_parse import parse_mtq
+from tests.conftest import ROOT, RedisServer
+from tests.doc_commands import Command, commands, pages, tag_problem
+
+pytestmark = pytest.mark.timeout(180)
+
+LINE_TIMEOUT_S = 60.0      # one command
+READY_TIMEOUT_S = 60.0     # a worker service until it serves its queue
+STOP_TIMEOUT_S = 30.0      # a worker service after SIGTERM
+WORKER_SERVICES = (("mtq", "workers", "start"), ("mtq", "worker", "run"))
+
+PAGES = [p for p in pages() if commands(p)]
+
+
+def tail(path: Path, n: int = 3000) -> str:
+    text = path.read_text(errors="replace") if path.exists() else ""
+    return text[-n:] if text.strip() else "(nothing)"
+
+
+def runnable(cmd: Command) -> bool:
+    return not cmd.skipped and not cmd.service
+
+
+def test_every_page_tags_its_commands_correctly() -> None:
+    """Tags are well formed, and the commands that must not run here carry one."""
+    problems = []
+    for page in pages():
+        for cmd in commands(page):
+            problem = tag_problem(cmd)
+            if problem:
+                problems.append(problem)
+            words = cmd.code.split()
+            untagged = not cmd.kind
+            if untagged and ("pip install" in cmd.code or "install-system-deps" in cmd.code):
+                problems.append(f"{cmd.where}: installs packages: tag it '# not run: installs'")
+            if untagged and "docker" in words:
+                problems.append(f"{cmd.where}: needs docker: tag it '# needs: docker'")
+            long_running = ("mtq workers start" in cmd.code or "mtq demo" in cmd.code
+                            or ("mtq worker run" in cmd.code and "--burst" not in words)
+                            or ("mtq dashboard" in cmd.code and "--once" not in words))
+            if untagged and long_running:
+                problems.append(f"{cmd.where}: runs until stopped: tag it '# runs: service'")
+    assert not problems, "\n".join(problems)
+    assert len(PAGES) >= 3, [str(p) for p in PAGES]
+
+
+def doc_env(tmp: Path, url: str) -> dict[str, str]:
+    """The environment of a page's commands: this checkout's mtq and python first on
+    PATH, its own Redis, its own MTQ_HOME and HOME."""
+    bin_dir, home = tmp / "bin", tmp / "home"
+    bin_dir.mkdir()
+    home.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    mtq = bin_dir / "mtq"
+    mtq.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m mtq "$@"\n')
+    mtq.chmod(0o755)
+    env = dict(os.environ)
+    env.update(PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]),
+               PYTHONPATH=str(ROOT), MTQ_REDIS_URL=url, MTQ_HOME=str(home / "mtq"),
+               HOME=str(home), PYTHONUSERBASE=site.getuserbase(), COLUMNS="120")
+    return env
+
+
+class Page:
+    """Runs one page's commands in order; keeps the services it started."""
+
+    def __init__(self, tmp: Path, env: dict[str, str], url: str) -> None:
+        self.tmp, self.env = tmp, env
+        self.client = redis.Redis.from_url(url)
+        self.services: list[tuple[Command, subprocess.Popen[bytes], Path]] = []
+        self.ran: list[str] = []
+
+    def run(self, cmd: Command) -> None:
+        out = self.tmp / f"line{cmd.lineno}.out"
+        with open(out, "wb") as sink:
+            proc = subprocess.Popen(["bash", "-eo", "pipefail", "-c", cmd.code], env=self.env,
+                                    cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                rc = proc.wait(LINE_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+                pytest.fail(f"{cmd.where}: `{cmd.code}` did not finish within "
+                            f"{LINE_TIMEOUT_S:g} s; its output:\n{tail(out)}")
+        assert rc == cmd.exit_code, (
+            f"{cmd.where}: `{cmd.code}` exited {rc}, the page implies {cmd.exit_code}; "
+            f"its output:\n{tail(out)}")
+        self.ran.append(cmd.code)
+
+    def start(self, cmd: Command) -> None:
+        argv = shlex.split(cmd.code)
+        parsed = parse_mtq(argv, cmd.where) if argv[:1] == ["mtq"] else None
+        if parsed is None or parsed.path not in WORKER_SERVICES:
+            pytest.fail(f"{cmd.where}: later lines of the page run, but the test can start "
+                        f"only a worker service ({WORKER_SERVICES}), not `{cmd.code}`; "
+                        "teach tests/integration/test_docs_run.py when it is ready")
+        queue = parsed.params["queue"]
+        log = self.tmp / f"service{cmd.lineno}.log"
+        with open(log, "wb") as sink:
+            proc = subprocess.Popen(["bash", "-c", "exec " + cmd.code], env=self.env, cwd=ROOT,
+                                    stdout=sink, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.services.append((cmd, proc, log))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not list_workers(self.client, queue):
+            if proc.poll() is not None:
+                pytest.fail(f"{cmd.where}: `{cmd.code}` exited {proc.returncode} before "
+                            f"serving queue {queue!r}; its output:\n{tail(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{cmd.where}: `{cmd.code}` registered no worker on queue "
+                            f"{queue!r} within {READY_TIMEOUT_S:g} s; its output:\n{tail(log)}")
+            time.sleep(0.05)
+        self.ran.append(cmd.code + "  (started)")
+
+    def stop_services(self) -> None:
+        """SIGTERM each service, newest first: each must exit 0."""
+        while self.services:
+            cmd, proc, log = self.services.pop()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+                pytest.fail(f"{cmd.where}: `{cmd.code}` did not exit within "
+                            f"{STOP_TIMEOUT_S:g} s of SIGTERM; its output:\n{tail(log)}")
+            assert rc == 0, (f"{cmd.where}: `{cmd.code}` exited {rc} after SIGTERM, not 0; "
+                             f"its output:\n{tail(log)}")
+
+    def kill_all(self) -> None:
+        for _cmd, proc, _log in self.services:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        self.client.close()
+
+
+@pytest.fixture
+def page_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server for one page, so its queues (``tiny``, ``chat``) are its own."""
+    (tmp_path / "redis").mkdir()
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_the_commands_of_the_page_run(page: Path, page_redis: RedisServer,
+                                      tmp_path: Path) -> None:
+    cmds = commands(page)
+    assert all(tag_problem(c) is None for c in cmds), [tag_problem(c) for c in cmds]
+    run = Page(tmp_path, doc_env(tmp_path, page_redis.url), page_redis.url)
+    try:
+        for i, cmd in enumerate(cmds):
+            if cmd.service:
+                if any(runnable(later) for later in cmds[i + 1:]):
+                    run.start(cmd)
+            elif runnable(cmd):
+                run.run(cmd)
+        run.stop_services()
+    finally:
+        run.kill_all()
+    if not run.ran:
+        pytest.skip(f"every command of {page.name} is tagged not to run here")
