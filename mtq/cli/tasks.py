@@ -26,7 +26,9 @@ from mtq.cli.common import (
     json_option,
     millis,
     parse_json,
+    printable,
     redis_option,
+    shown,
     when,
 )
 from mtq.errors import MtqError, ResultTimeout, TaskCancelled, TaskFailed
@@ -72,11 +74,15 @@ def _known(client: Any, name: str) -> None:
               help="Wait up to SECONDS for the result(s) and print them.")
 @click.option("--follow", "-f", is_flag=True,
               help="Print tokens live as they arrive, then the end (implies waiting).")
+@click.option("--raw", is_flag=True,
+              help="With --follow: write the tokens exactly as they come, control "
+                   "characters included (default: escaped, e.g. \\x1b, on a terminal; "
+                   "as they come into a pipe or a file).")
 @redis_option
 @json_option
 def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | None,
            stream_from: str | None, key: str | None, ttl: float | None, wait: float | None,
-           follow: bool, url: str | None, as_json: bool) -> None:
+           follow: bool, raw: bool, url: str | None, as_json: bool) -> None:
     """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
 
     Prints the task id; with --wait, the result; with --follow, the tokens as
@@ -96,6 +102,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         return
     if stream_from:
         fail("--stream-from goes with --file", USAGE)
+    if raw and not follow:
+        fail("--raw goes with --follow", USAGE)
     if payload is None:
         fail("give a PAYLOAD (JSON), '-' to read it from stdin, or --file FILE", USAGE)
     text = sys.stdin.read() if payload == "-" else payload
@@ -108,7 +116,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     if follow or wait is not None:
         _hint_if_unserved(q)
     if follow:
-        sys.exit(_follow(task, wait, as_json))
+        sys.exit(_follow(task, wait, as_json, raw))
     if wait is None:
         click.echo(json.dumps({"id": task.id, "queue": queue}) if as_json else task.id)
         return
@@ -138,8 +146,20 @@ def _hint_if_unserved(q: Any) -> None:
         pass  # the wait itself reports an unreachable Redis
 
 
-def _follow(task: Any, timeout: float | None, as_json: bool) -> int:
-    """Print a task's events live; returns the exit code."""
+def _follow(task: Any, timeout: float | None, as_json: bool, raw: bool = False) -> int:
+    """Print a task's events live; returns the exit code.
+
+    The tokens go to stdout: on a terminal, with :func:`printable` escapes for what
+    would move the cursor or recolour the screen (a model's output is arbitrary text);
+    with ``raw``, or into a pipe or a file, exactly as they came (like ``ls``). Every
+    other line goes to stderr, task data in it shown as text, never as markup."""
+    out = sys.stdout
+    escaped = not raw and out.isatty()
+
+    def write(text: str) -> None:  # not click.echo: it drops ANSI codes from a pipe
+        out.write(printable(text) if escaped else text)
+        out.flush()
+
     last = None
     printed = False
     try:
@@ -153,34 +173,36 @@ def _follow(task: Any, timeout: float | None, as_json: bool) -> int:
             if ev.kind == "token":
                 text = ev.data if isinstance(ev.data, str) else json.dumps(ev.data, default=repr)
                 sep = "" if isinstance(ev.data, str) else " "
-                click.echo(text + sep, nl=False)
+                write(text + sep)
                 printed = True
-                sys.stdout.flush()
             elif ev.kind == "progress":
-                err_console.print(f"[dim]progress: {ev.data}[/]")
+                err_console.print(f"[dim]progress: {shown(ev.data)}[/]", highlight=False)
             elif ev.kind == "restarted":
-                err_console.print(f"\n[yellow]restarted[/] (delivery {ev.delivery}: {ev.data}); "
-                                  "the stream goes on where it stopped")
+                err_console.print(f"\n[yellow]restarted[/] (delivery {ev.delivery}: "
+                                  f"{shown(ev.data)}); the stream goes on where it stopped",
+                                  highlight=False)
             elif ev.kind in ("queued", "started"):
                 err_console.print(f"[dim]{ev.kind}[/]")
     except ResultTimeout as exc:
         if printed:
-            click.echo()
+            write("\n")
         fail(exc, TIMEOUT)
     except MtqError as exc:
         fail_on(exc)
     if printed and not as_json:
-        click.echo()
+        write("\n")
     if last is None:
         return FAILED
     if as_json:
         return OK if last.kind == "succeeded" else FAILED
     if last.kind == "succeeded":
         if not printed:  # no tokens: the result is the output
-            click.echo(json.dumps(last.data, default=repr, ensure_ascii=False))
+            text = json.dumps(last.data, default=repr, ensure_ascii=False)
+            out.write((printable(text, json_string=True) if escaped else text) + "\n")
+            out.flush()
         err_console.print(f"[green]succeeded[/] {task.id}")
         return OK
-    err_console.print(f"[red]{last.kind}[/] {task.id}: {last.data}")
+    err_console.print(f"[red]{last.kind}[/] {task.id}: {shown(last.data)}", highlight=False)
     return FAILED
 
 
@@ -372,21 +394,22 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
     table.add_row("created / started / finished",
                   f"{when(info.created)} / {when(info.started)} / {when(info.finished)}")
     if info.worker:
-        table.add_row("worker", info.worker)
+        table.add_row("worker", shown(info.worker))
     if info.error:
-        table.add_row("error", info.error)
+        table.add_row("error", shown(info.error))
     if info.cancel_requested:
         table.add_row("cancel", "requested")
     if result is not None:
         text = json.dumps(result, default=repr, ensure_ascii=False)
-        table.add_row("result", text if len(text) <= 300 else text[:300] + " ...")
+        table.add_row("result", shown(text if len(text) <= 300 else text[:300] + " ..."))
     console.print(table)
     timeline = Table(title="timeline")
     for col in ("time", "+ms", "event", "detail"):
         timeline.add_column(col)
     first = trace[0].ts if trace else 0.0
     for e in trace:
-        timeline.add_row(when(e.ts * 1000), f"{(e.ts - first) * 1000:.0f}", e.kind, e.detail)
+        timeline.add_row(when(e.ts * 1000), f"{(e.ts - first) * 1000:.0f}", e.kind,
+                         shown(e.detail))
     console.print(timeline)
 
 
@@ -453,7 +476,7 @@ def dlq_list(queue: str, count: int, url: str | None, as_json: bool) -> None:
     for row in rows:
         table.add_row(row["id"], row["stream"] or "-", str(row["attempts"]),
                       str(row["deliveries"]), when(row["finished"]),
-                      (row["error"] or "")[:120])
+                      shown((row["error"] or "")[:120]))
     console.print(table)
 
 

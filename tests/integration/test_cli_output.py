@@ -1,0 +1,173 @@
+"""Output a person can read: ``--follow`` on a real terminal (a pseudo-terminal) and
+into a pipe, and task data never read as markup."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+import threading
+import tty
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import mtq
+from mtq.broker.consumer import Outcome
+from mtq.cli.common import printable
+from mtq.cli.main import cli
+from mtq.settings import QueueSettings
+from mtq.workers.worker import Worker
+from tests.conftest import serving, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+#: what the reference generator's byte tokens can hold, and worse
+CHUNKS = ["Hi\x01", "\x1a\r", "\x0c", "\x1b[2J", "tab\tnew\nline", "\u202eevil", " é 👍"]
+#: how a terminal shows them
+ESCAPED = "Hi\\x01\\x1a\\r\\x0c\\x1b[2Jtab\tnew\nline\\u202eevil é 👍"
+#: rich markup, and a closing tag that matches nothing (which rich refuses to print)
+MARKUP = "[SSL: CERTIFICATE_VERIFY_FAILED] [bold]no[/bold] [/] [link=x]y"
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MTQ_HOME", str(tmp_path / "mtq-home"))
+    monkeypatch.delenv("MTQ_REDIS_URL", raising=False)
+
+
+class Terminal:
+    """A command run with its stdout on a pseudo-terminal (in raw mode: the bytes it
+    writes arrive unchanged) and its stderr on a pipe, both read as they come."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        master, slave = pty.openpty()
+        tty.setraw(slave)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=slave,
+                                     stderr=subprocess.PIPE, env=env)
+        os.close(slave)
+        self.screen = bytearray()
+        self.errors: list[str] = []
+        self._master = master
+
+        def read_screen() -> None:
+            while True:
+                try:
+                    data = os.read(master, 4096)
+                except OSError:  # EIO: the command's end of the terminal closed
+                    return
+                if not data:
+                    return
+                self.screen += data
+
+        def read_errors() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.errors.append(line.decode(errors="replace"))
+
+        self._threads = [threading.Thread(target=read_screen, daemon=True),
+                         threading.Thread(target=read_errors, daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def finish(self, timeout: float = 30) -> int:
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+            pytest.fail(f"the command did not finish within {timeout} s; stderr: "
+                        f"{''.join(self.errors)[-2000:]}")
+        for t in self._threads:
+            t.join(10)
+            assert not t.is_alive(), "the terminal's output was not read to its end"
+        os.close(self._master)
+        return code
+
+
+def mtq_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mtq", *args]
+
+
+# -- --follow on a terminal, into a pipe ----------------------------------------------
+def test_follow_on_a_terminal_escapes_what_would_drive_it(
+        redis_url: str, qname: str, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    payload = {"chunks": CHUNKS, "progress": f"{MARKUP} \x1b[31m", "gate": str(gate),
+               "fail": f"{MARKUP} \x1b]0;title\x07"}
+    env = dict(subprocess_env, COLUMNS="300")
+    with serving(Worker("tests.handlers:chunks", qname, url=redis_url)):
+        term = Terminal(mtq_argv("submit", qname, json.dumps(payload), "--follow",
+                                 "--redis", redis_url), env)
+        # progress is not stored: the handler repeats it until this client has shown it
+        wait_for(lambda: any("progress:" in line for line in term.errors), 20,
+                 f"no progress line on stderr: {term.errors}")
+        gate.touch()
+        code = term.finish()
+    errors = "".join(term.errors)
+    assert code == 1, errors  # the handler fails at the end
+    assert term.screen.decode() == ESCAPED + "\n"
+    assert "\x1b" not in errors and "\x07" not in errors
+    out = flat(errors)
+    assert f"progress: {MARKUP} \\x1b[31m" in out, errors  # as written, not as markup
+    assert f"{MARKUP} \\x1b]0;title\\x07" in out, errors   # the failure's error, the same
+    assert re.search(r"\bfailed\b", out), errors
+
+
+def test_follow_raw_on_a_terminal_writes_the_tokens_as_they_came(
+        redis_url: str, qname: str, subprocess_env: dict[str, str]) -> None:
+    with serving(Worker("tests.handlers:chunks", qname, url=redis_url)):
+        term = Terminal(mtq_argv("submit", qname, json.dumps({"chunks": CHUNKS}), "--follow",
+                                 "--raw", "--redis", redis_url), subprocess_env)
+        code = term.finish()
+    assert code == 0, "".join(term.errors)
+    assert term.screen.decode() == "".join(CHUNKS) + "\n"
+
+
+def test_follow_into_a_pipe_writes_the_tokens_as_they_came(
+        redis_url: str, qname: str, subprocess_env: dict[str, str]) -> None:
+    with serving(Worker("tests.handlers:chunks", qname, url=redis_url)):
+        res = subprocess.run(mtq_argv("submit", qname, json.dumps({"chunks": CHUNKS}),
+                                      "--follow", "--redis", redis_url),
+                             env=subprocess_env, capture_output=True, timeout=60)
+    assert res.returncode == 0, res.stderr.decode(errors="replace")
+    assert res.stdout.decode() == "".join(CHUNKS) + "\n"  # ESC and CR included
+    assert b"succeeded" in res.stderr
+
+
+def test_raw_goes_with_follow(redis_url: str, qname: str) -> None:
+    res = CliRunner().invoke(cli, ["submit", qname, "{}", "--raw", "--redis", redis_url])
+    assert res.exit_code == 2 and "--raw goes with --follow" in res.output, res.output
+    assert mtq.Queue(qname, redis_url).stats()["submitted"] == 0
+
+
+def test_printable_escapes_controls_and_keeps_text() -> None:
+    assert printable("".join(CHUNKS)) == ESCAPED
+    assert printable("\x7f\x85\x9b\u2028\u2066") == "\\x7f\\x85\\x9b\\u2028\\u2066"
+    text = "naïve 日本語 👨\u200d👩\u200d👧 a\\x1b\tb\n"  # a ZWJ sequence, a literal backslash
+    assert printable(text) == text
+    inside = json.dumps({"s": "a\x1b\x9b\u202e"}, ensure_ascii=False)
+    assert json.loads(printable(inside, json_string=True)) == {"s": "a\x1b\x9b\u202e"}
+
+
+def test_task_and_dead_letters_show_errors_as_text(redis_url: str, qname: str) -> None:
+    settings = QueueSettings(max_retries=0, retry_backoff_ms=0)
+    task = mtq.Queue(qname, redis_url, settings=settings).submit({"x": 1})
+    consumer = mtq.Consumer(qname, redis_url, settings=settings)
+    (claimed,) = consumer.claim(1)
+    consumer.settle([Outcome(claimed, ok=False, error=f"OSError: {MARKUP} \x1b[2J")])
+    assert task.status() == "dead"
+    runner = CliRunner()
+    for args in (["task", task.id], ["dlq", "list", qname]):
+        res = runner.invoke(cli, [*args, "--redis", redis_url], env={"COLUMNS": "300"})
+        assert res.exit_code == 0, res.output
+        assert "\x1b" not in res.output
+        assert f"{MARKUP} \\x1b[2J" in flat(res.output), res.output
