@@ -9,6 +9,7 @@ import time
 from typing import IO, Any
 
 import click
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -328,8 +329,21 @@ def _wait_all(tasks: list[Any], wait: float, quiet: bool) -> dict[str, Any]:
 @redis_option
 @json_option
 def status(queue: str | None, url: str | None, as_json: bool) -> None:
-    """The queues: waiting, streams with work, running, delayed, dead, totals and
-    latency (one cheap snapshot; cost independent of the number of tasks)."""
+    """The queues, from one cheap snapshot (its cost does not grow with the number
+    of tasks).
+
+    \b
+    Columns (short, so that the table fits 80 columns):
+      wait      tasks waiting
+      strm      streams with waiting work
+      run       tasks running
+      retry     tasks waiting to be retried (after a failure, for their delay)
+      dead      dead letters ('mtq dlq list')
+      ok, fail  tasks succeeded, failed: totals since the queue began
+      p50, p99  submit-to-finish latency in ms, of the last 1000 tasks
+      wkrs      live worker processes
+    Counts from 10,000 up are rounded: 12.3k, 4.6M; --json gives exact figures.
+    """
     from dataclasses import asdict
 
     from mtq.admin import snapshot
@@ -349,16 +363,49 @@ def status(queue: str | None, url: str | None, as_json: bool) -> None:
     if not snap.queues:
         console.print("no queues yet: submit a task ('mtq submit QUEUE PAYLOAD')")
         return
-    table = Table(title=f"{len(snap.queues)} queue(s)")
-    table.add_column("queue", no_wrap=True, min_width=max(len(v.name) for v in snap.queues))
-    for col in ("waiting", "streams", "running", "delayed", "dead", "succeeded", "failed",
-                "p50 ms", "p99 ms", "workers"):
-        table.add_column(col, justify="right")
-    for v in snap.queues:
-        table.add_row(v.name, f"{v.waiting:,}", f"{v.streams:,}", f"{v.running:,}",
-                      f"{v.delayed:,}", f"{v.dead:,}", f"{v.succeeded:,}",
-                      f"{v.failed:,}", millis(v.p50_ms), millis(v.p99_ms), str(v.workers))
-    console.print(table)
+    console.print(status_table(snap.queues))
+    console.print(STATUS_LEGEND, style="dim", highlight=False)
+
+
+#: ``mtq status``'s columns after the queue's name, four or five letters each so that a
+#: queue name of up to about 24 characters fits 80 columns (explained in its help and
+#: in the legend printed under the table)
+STATUS_COLUMNS = ("wait", "strm", "run", "retry", "dead", "ok", "fail", "p50", "p99", "wkrs")
+STATUS_LEGEND = ("wait, run: tasks waiting, running · strm: streams with work · retry: to be "
+                 "retried · ok, fail: totals · p50, p99: latency in ms · wkrs: workers")
+
+
+def compact_count(n: int) -> str:
+    """A count in at most 5 characters: 9,999, then 12.3k, 456k, 1.2M ..."""
+    if n < 10_000:
+        return f"{n:,}"
+    for scale, unit in ((1e3, "k"), (1e6, "M"), (1e9, "G"), (1e12, "T")):
+        v = n / scale
+        if v < 99.95:
+            return f"{v:.1f}{unit}"
+        if v < 999.5:
+            return f"{v:.0f}{unit}"
+    return f"{n / 1e15:.0f}P"
+
+
+def status_table(queues: list[Any]) -> Table:
+    """The queues as a borderless table that fits 80 columns: short headers, two
+    spaces between columns, counts of at most 5 characters; a queue name too long
+    for what is left wraps onto a second line rather than being cut."""
+    from rich import box
+
+    table = Table(title=f"{len(queues)} queue{'s' if len(queues) != 1 else ''}",
+                  title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, padding=(0, 0, 0, 1))
+    table.add_column("queue", overflow="fold")
+    for col in STATUS_COLUMNS:
+        table.add_column(col, justify="right", no_wrap=True)
+    for v in queues:
+        n = compact_count
+        table.add_row(escape(v.name), n(v.waiting), n(v.streams), n(v.running), n(v.delayed),
+                      n(v.dead), n(v.succeeded), n(v.failed), millis(v.p50_ms),
+                      millis(v.p99_ms), n(v.workers))
+    return table
 
 
 # -- task ------------------------------------------------------------------------------

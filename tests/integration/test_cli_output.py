@@ -1,5 +1,5 @@
 """Output a person can read: ``--follow`` on a real terminal (a pseudo-terminal) and
-into a pipe, and task data never read as markup."""
+into a pipe, task data never read as markup, and ``mtq status`` at 80 columns."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import threading
 import tty
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -20,6 +21,7 @@ import mtq
 from mtq.broker.consumer import Outcome
 from mtq.cli.common import printable
 from mtq.cli.main import cli
+from mtq.cli.tasks import STATUS_COLUMNS, compact_count
 from mtq.settings import QueueSettings
 from mtq.workers.worker import Worker
 from tests.conftest import serving, wait_for
@@ -171,3 +173,53 @@ def test_task_and_dead_letters_show_errors_as_text(redis_url: str, qname: str) -
         assert res.exit_code == 0, res.output
         assert "\x1b" not in res.output
         assert f"{MARKUP} \\x1b[2J" in flat(res.output), res.output
+
+
+# -- mtq status at 80 columns ------------------------------------------------------
+def test_status_fits_80_columns_with_every_header_readable(redis_url: str, qname: str,
+                                                           r: Any) -> None:
+    long_name = qname + "-with-a-rather-long-name"
+    q = mtq.Queue(long_name, redis_url)
+    q.submit_many([{"i": i} for i in range(1234)], stream="a")
+    q.submit_many([{"i": i} for i in range(5)], stream="b")
+    c = mtq.Consumer(long_name, redis_url)
+    (done,) = c.claim(1)
+    c.settle([Outcome(done, ok=True, value=1)])
+    c.claim(1)  # one running
+    res = CliRunner().invoke(cli, ["status", long_name, "--redis", redis_url],
+                             env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert max(len(line.rstrip()) for line in lines) <= 80, res.output
+    assert "…" not in res.output, res.output  # nothing cut
+    header = next(line for line in lines if line.startswith("queue"))
+    assert header.split() == ["queue", *STATUS_COLUMNS], res.output
+    # the name folds onto a second line rather than being cut; the counts are whole
+    first = lines.index(header) + 2
+    row = lines[first].split()
+    name = row[0]
+    for line in lines[first + 1:]:
+        if len(line.split()) != 1:
+            break
+        name += line.strip()
+    assert name == long_name, res.output
+    assert row[1:9] == ["1,237", "2", "1", "0", "0", "1", "0", row[8]], res.output
+    legend = flat("\n".join(lines[first + 1:]))
+    for explained in ("wait, run: tasks waiting, running", "strm: streams with work",
+                      "retry: to be retried", "ok, fail: totals", "p50, p99: latency in ms",
+                      "wkrs: workers"):
+        assert explained in legend, res.output
+    help_text = flat(CliRunner().invoke(cli, ["status", "--help"]).output)
+    for col in ("wait tasks waiting", "strm streams with waiting work",
+                "run tasks running", "retry tasks waiting to be retried", "dead dead letters",
+                "ok, fail tasks succeeded, failed", "p50, p99 submit-to-finish latency in ms",
+                "wkrs live worker processes"):
+        assert col in help_text, help_text
+
+
+@pytest.mark.parametrize(("n", "shown"), [
+    (0, "0"), (9_999, "9,999"), (10_000, "10.0k"), (12_345, "12.3k"), (99_949, "99.9k"),
+    (99_950, "100k"), (999_499, "999k"), (999_500, "1.0M"), (4_560_000, "4.6M"),
+    (123_456_789, "123M"), (10**12, "1.0T")])
+def test_counts_fit_five_characters(n: int, shown: str) -> None:
+    assert compact_count(n) == shown and len(shown) <= 5
