@@ -1,5 +1,6 @@
 """Output a person can read: ``--follow`` on a real terminal (a pseudo-terminal) and
-into a pipe, task data never read as markup, and ``mtq status`` at 80 columns."""
+into a pipe, task data never read as markup, ``mtq status`` at 80 columns, and a
+worker start without torch's numpy warning."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from mtq.cli.main import cli
 from mtq.cli.tasks import STATUS_COLUMNS, compact_count
 from mtq.settings import QueueSettings
 from mtq.workers.worker import Worker
-from tests.conftest import serving, wait_for
+from tests.conftest import ROOT, serving, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -223,3 +224,49 @@ def test_status_fits_80_columns_with_every_header_readable(redis_url: str, qname
     (123_456_789, "123M"), (10**12, "1.0T")])
 def test_counts_fit_five_characters(n: int, shown: str) -> None:
     assert compact_count(n) == shown and len(shown) <= 5
+
+
+# -- a worker starts without torch's numpy warning ---------------------------------------
+NO_NUMPY = '''
+import sys
+
+class NoNumpy:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy" or name.startswith("numpy."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoNumpy())
+'''
+
+
+def _worker_start(qname: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(mtq_argv("worker", "run", "mtq.reference.gpt:TinyGPT", "--queue",
+                                   qname, "--burst"),
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_a_worker_starts_without_a_numpy_warning(subprocess_env: dict[str, str], qname: str,
+                                                 tmp_path: Path) -> None:
+    env = dict(subprocess_env, MTQ_HOME=str(tmp_path / "home"))
+    res = _worker_start(qname, env)
+    assert res.returncode == 0, res.stderr
+    assert "worker stopped" in res.stderr
+    assert "Failed to initialize NumPy" not in res.stderr, res.stderr
+    assert "UserWarning" not in res.stderr, res.stderr
+    # what the check catches: the same start where numpy cannot be imported
+    hide = tmp_path / "hide-numpy"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(NO_NUMPY)
+    env["PYTHONPATH"] = os.pathsep.join([str(hide), env["PYTHONPATH"]])
+    res = _worker_start(qname, env)
+    assert "Failed to initialize NumPy: No module named 'numpy'" in res.stderr, res.stderr
+
+
+def test_the_extras_that_bring_torch_bring_numpy() -> None:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    for name in ("workers", "demo"):
+        assert any(re.match(r"numpy\b", dep) for dep in extras[name]), (name, extras[name])
+    assert "mtq[workers]" in extras["examples"]
