@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from mtq.broker.connection import REACH_TIMEOUT_S
@@ -400,8 +401,10 @@ def demo(url: str | None, users: int, duration: float, no_kill: bool,
 
 
 def _demo_summary(report: Any) -> None:
-    def yes(ok: bool, detail: str = "") -> str:
-        return ("[green]yes[/]" if ok else "[red]NO[/]") + (f" ({detail})" if detail else "")
+    """The demo's report: what ran, then one row per check saying what was found
+    (each reads true whether it passed or not), then one line: did every check pass."""
+    def found(ok: bool, text: str) -> str:
+        return f"[green]{text}[/]" if ok else f"[bold red]{text}[/]"
 
     table = Table(title="mtq demo: what happened", show_header=False)
     table.add_row("users", f"{report.users}, each in a FIFO stream of their own per queue")
@@ -414,18 +417,44 @@ def _demo_summary(report: Any) -> None:
     table.add_row("throughput", f"{report.tasks} tasks in {report.seconds:.1f} s ({rate:.0f}/s "
                                 f"while users arrived); {report.tokens:,} tokens streamed")
     if report.killed_pid:
-        table.add_row("worker killed", f"pid {report.killed_pid} (SIGKILL); tasks it held ran "
-                                       f"again: {report.embed.redelivered}")
-    table.add_row("nothing lost", yes(report.succeeded == report.tasks,
-                                      f"{report.succeeded}/{report.tasks}"))
-    table.add_row("no task finished twice",
-                  yes(report.chat.finished_twice + report.embed.finished_twice == 0))
-    table.add_row("order per user stream", yes(report.order_ok, "; ".join(report.order_errors)))
-    table.add_row("streamed tokens = results", yes(report.streamed_matches_result))
-    table.add_row("processes left behind", yes(not report.processes_left,
-                                               f"{len(report.processes_left)} of "
-                                               f"{report.processes} started"))
+        held, done = report.killed_held, report.killed_held_done
+        if not held:
+            what = "it held no task at that moment (its batch had just finished)"
+        elif done == held:
+            what = (f"it held {held} task{'s' if held != 1 else ''}: given back, run again, "
+                    + found(True, f"all {held} completed"))
+        else:
+            what = f"it held {held} tasks: " + found(False, f"{held - done} did not complete")
+        table.add_row("worker killed", f"pid {report.killed_pid} (SIGKILL); {what}")
+    checks = report.checks()
+    lost = report.tasks - report.succeeded
+    table.add_row("tasks lost", found(
+        checks["nothing lost"], f"none ({report.succeeded} of {report.tasks} succeeded)"
+        if not lost else f"{lost} of {report.tasks} did not succeed"))
+    table.add_row("tasks finished twice", found(
+        checks["nothing finished twice"], "none" if not report.finished_twice
+        else str(report.finished_twice)))
+    table.add_row("order per user stream", found(
+        checks["order per user stream"],
+        "kept: each stream's tasks ran one at a time, in submit order" if report.order_ok
+        else "broken: " + escape("; ".join(report.order_errors))))
+    chats = report.chat.tasks
+    table.add_row("streamed tokens", found(
+        checks["streamed tokens = results"], f"spell the result of each of the {chats} chats"
+        if not report.streamed_differ
+        else f"differ from the result in {report.streamed_differ} of {chats} chats"))
+    left = report.processes_left
+    table.add_row("processes left behind", found(
+        checks["no process left behind"], f"none (0 of {report.processes} started)" if not left
+        else f"{len(left)} of {report.processes} started: pids "
+             + ", ".join(map(str, left))))
     console.print(table)
+    failed = [name for name, ok in checks.items() if not ok]
+    if not failed:
+        console.print(f"[bold green]All {len(checks)} checks passed.[/]")
+    else:
+        console.print(f"[bold red]{len(failed)} of {len(checks)} checks failed:[/] "
+                      + ", ".join(failed) + ".")
     if not report.ok and report.log:
         err_console.print("[dim]supervisors' output (last lines):[/]")
         err_console.print(report.log, markup=False, highlight=False)
