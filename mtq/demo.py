@@ -1,4 +1,4 @@
-"""The demo behind ``mtq demo``: the whole product in about a minute.
+"""The demo behind ``mtq demo``: the whole product in about half a minute.
 
 It starts two supervisors (``mtq workers start``), one serving the reference
 generator (:class:`mtq.reference.gpt.TinyGPT`, continuous batching, tokens

@@ -45,7 +45,7 @@ def cli(verbose: int) -> None:
 
     \b
     Start here:
-      mtq demo                                   the whole product in a minute
+      mtq demo                                   the whole product in half a minute
       mtq workers start my_app.models:Chat -q chat
       mtq submit chat '{"prompt": "hi"}' --follow
       mtq status / mtq dashboard                 what is going on
@@ -360,9 +360,10 @@ def completion(shell: str) -> None:
               help="Print progress lines instead of the live dashboard.")
 def demo(url: str | None, users: int, duration: float, no_kill: bool,
          no_dashboard: bool) -> None:
-    """Run the whole product for about a minute: a generator and an embedding
-    model served by supervised worker processes, a crowd of users chatting in
-    their own FIFO streams, a worker killed mid-run, the dashboard live; then a
+    """Run the whole product for about half a minute (the users arrive over
+    --duration seconds, then the checks): a generator and an embedding model
+    served by supervised worker processes, a crowd of users chatting in their
+    own FIFO streams, a worker killed mid-run, the dashboard live; then a
     summary of what was checked. Leaves no process behind."""
     from mtq.broker.connection import resolve_url
     from mtq.demo import Tick, run

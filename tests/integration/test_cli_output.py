@@ -1,6 +1,7 @@
 """Output a person can read: ``--follow`` on a real terminal (a pseudo-terminal) and
-into a pipe, task data never read as markup, ``mtq status`` at 80 columns, and a
-worker start without torch's numpy warning."""
+into a pipe, task data never read as markup, ``mtq status`` at 80 columns, a worker
+start without torch's numpy warning, and the demo's length said the same way
+everywhere."""
 
 from __future__ import annotations
 
@@ -270,3 +271,18 @@ def test_the_extras_that_bring_torch_bring_numpy() -> None:
     for name in ("workers", "demo"):
         assert any(re.match(r"numpy\b", dep) for dep in extras[name]), (name, extras[name])
     assert "mtq[workers]" in extras["examples"]
+
+
+# -- the demo's length, said once ---------------------------------------------------
+def test_the_demo_length_is_said_the_same_everywhere() -> None:
+    runner = CliRunner()
+    places = {
+        "README.md": (ROOT / "README.md").read_text(),
+        "docs/cli.md": (ROOT / "docs" / "cli.md").read_text(),
+        "mtq --help": runner.invoke(cli, ["--help"]).output,
+        "mtq demo --help": runner.invoke(cli, ["demo", "--help"]).output,
+    }
+    for where, text in places.items():
+        text = flat(text).lower()
+        assert "half a minute" in text, where
+        assert not re.search(r"(about|in) a minute", text), where
