@@ -105,6 +105,28 @@ def redis_option(fn: F) -> F:
         help="Redis URL (default: MTQ_REDIS_URL, else the embedded server).")(fn)
 
 
+def running_server(url: str | None) -> str:
+    """The Redis URL for a command that works on what is already there (it reads,
+    or changes existing tasks, queues or workers): ``url`` (``--redis`` or
+    ``MTQ_REDIS_URL``), else the embedded server's if it runs. Such a command never
+    starts the embedded server: a server started to be looked at would undo
+    'mtq server stop' and, in a shell without the MTQ_REDIS_URL meant, answer
+    "no queues yet" from the wrong server. Exits 3 (not found) instead, saying how
+    to start it. Commands that bring work or serve it (submit, workers start,
+    worker run, demo) start it on demand."""
+    if url:
+        return url
+    from mtq.broker.embedded import EmbeddedServer
+
+    server = EmbeddedServer.from_env()
+    if not server.status().running:  # status() reads; it creates nothing
+        fail(f"the embedded redis-server is not running (state in {server.state_dir}), and "
+             "no --redis or MTQ_REDIS_URL names another Redis; start it with 'mtq server "
+             "start' ('mtq submit' and 'mtq workers start' start it too), or set "
+             "MTQ_REDIS_URL", NOT_FOUND)
+    return server.url
+
+
 def json_option(fn: F) -> F:
     return click.option("--json", "as_json", is_flag=True,
                         help="Print JSON instead of tables.")(fn)

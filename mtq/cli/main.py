@@ -24,6 +24,7 @@ from mtq.cli.common import (
     err_console,
     fail,
     redis_option,
+    running_server,
     say,
 )
 from mtq.errors import MtqError
@@ -247,6 +248,7 @@ def workers_list(queue: str | None, url: str | None, as_json: bool) -> None:
     from mtq.broker.connection import connect
     from mtq.workers.registry import list_workers
 
+    url = running_server(url)
     try:
         rows = list_workers(connect(url), queue)
     except MtqError as exc:
@@ -272,6 +274,7 @@ def _control(cmd: str, queue: str, url: str | None, worker_id: str | None = None
     from mtq.broker.connection import connect
     from mtq.workers import control
 
+    url = running_server(url)
     try:
         n = control.send(connect(url), queue, cmd, worker=worker_id, replicas=replicas)
     except MtqError as exc:
@@ -324,6 +327,7 @@ def dashboard(queues: tuple[str, ...], refresh: float, once: bool, url: str | No
     Reads one cheap snapshot per refresh, whatever the number of tasks."""
     from mtq.dashboard.app import run
 
+    url = running_server(url)
     try:
         sys.exit(run(url, list(queues) or None, refresh_s=refresh, once=once))
     except MtqError as exc:

@@ -29,6 +29,7 @@ from mtq.cli.common import (
     parse_json,
     printable,
     redis_option,
+    running_server,
     shown,
     when,
 )
@@ -349,6 +350,7 @@ def status(queue: str | None, url: str | None, as_json: bool) -> None:
     from mtq.admin import snapshot
     from mtq.broker.connection import connect
 
+    url = running_server(url)
     try:
         client = connect(url)
         if queue is not None:
@@ -421,6 +423,7 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
     from mtq.admin import find_task
     from mtq.broker.connection import connect
 
+    url = running_server(url)
     try:
         t = find_task(connect(url), task_id, queue)
         info = t.info()
@@ -473,6 +476,7 @@ def cancel(task_id: str, queue: str | None, url: str | None, as_json: bool) -> N
     from mtq.broker.codes import Code
     from mtq.broker.connection import connect
 
+    url = running_server(url)
     try:
         t = find_task(connect(url), task_id, queue)
         code, before = t.queue.broker.cancel(t.id)
@@ -506,7 +510,7 @@ def dlq() -> None:
 @json_option
 def dlq_list(queue: str, count: int, url: str | None, as_json: bool) -> None:
     """The newest dead letters of QUEUE, with their errors."""
-    q = _queue(queue, url)
+    q = _queue(queue, running_server(url))
     try:
         _known(q.redis, queue)
         rows = q.dead_letters(0, count)
@@ -531,7 +535,7 @@ def _dlq_action(action: str, queue: str, ids: tuple[str, ...], all_: bool, url: 
                 as_json: bool) -> None:
     if bool(ids) == all_:
         fail(f"name the ids to {action}, or --all", USAGE)
-    q = _queue(queue, url)
+    q = _queue(queue, running_server(url))
     try:
         _known(q.redis, queue)
         n = q.retry_dead(ids or None) if action == "retry" else q.purge_dead(ids or None)
@@ -582,7 +586,7 @@ def dlq_purge(queue: str, ids: tuple[str, ...], all_: bool, yes: bool, url: str 
 def purge(queue: str, yes: bool, url: str | None, as_json: bool) -> None:
     """Drop every waiting task of QUEUE (each ends cancelled, 'purged'). Running
     tasks, retries waiting for their delay and dead letters stay."""
-    q = _queue(queue, url)
+    q = _queue(queue, running_server(url))
     try:
         _known(q.redis, queue)
         waiting = q.stats()["waiting"]

@@ -1,7 +1,7 @@
 """Output a person can read: ``--follow`` on a real terminal (a pseudo-terminal) and
 into a pipe, task data never read as markup, ``mtq status`` at 80 columns, a worker
-start without torch's numpy warning, and the demo's length said the same way
-everywhere."""
+start without torch's numpy warning, the embedded server left alone by the commands
+that only look, and the demo's length said the same way everywhere."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from click.testing import CliRunner
 
 import mtq
 from mtq.broker.consumer import Outcome
+from mtq.broker.embedded import EmbeddedServer
 from mtq.cli.common import printable
 from mtq.cli.main import cli
 from mtq.cli.tasks import STATUS_COLUMNS, compact_count
@@ -271,6 +272,40 @@ def test_the_extras_that_bring_torch_bring_numpy() -> None:
     for name in ("workers", "demo"):
         assert any(re.match(r"numpy\b", dep) for dep in extras[name]), (name, extras[name])
     assert "mtq[workers]" in extras["examples"]
+
+
+# -- the embedded server: started by commands that bring work, never by a look ---------
+@pytest.mark.parametrize("args", [
+    ["status"], ["status", "chat"], ["task", "abc123"], ["cancel", "abc123"],
+    ["dlq", "list", "chat"], ["dlq", "retry", "chat", "--all"], ["purge", "chat", "--yes"],
+    ["workers", "list"], ["workers", "pause", "-q", "chat"], ["dashboard", "--once"]])
+def test_commands_that_look_do_not_start_the_embedded_server(args: list[str],
+                                                              tmp_path: Path) -> None:
+    home = tmp_path / "mtq-home"  # MTQ_HOME (see isolated_env)
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 3, res.output
+    out = flat(res.output)
+    assert "the embedded redis-server is not running" in out and "mtq server start" in out
+    assert not EmbeddedServer.from_env().status().running
+    assert not home.exists(), "a command that looks created the server's state"
+
+
+def test_submit_starts_the_embedded_server_and_status_then_reads_it(tmp_path: Path) -> None:
+    server = EmbeddedServer.from_env()
+    runner = CliRunner()
+    try:
+        res = runner.invoke(cli, ["submit", "chat", '{"prompt": "hi"}'])
+        assert res.exit_code == 0, res.output
+        assert server.status().running
+        res = runner.invoke(cli, ["status"], env={"COLUMNS": "80"})
+        assert res.exit_code == 0 and "chat" in res.output, res.output
+        stopped = runner.invoke(cli, ["server", "stop"])
+        assert stopped.exit_code == 0 and "stopped" in stopped.output
+        res = runner.invoke(cli, ["status"])
+        assert res.exit_code == 3, res.output  # a look does not undo the stop
+        assert not server.status().running
+    finally:
+        server.stop()
 
 
 # -- the demo's length, said once ---------------------------------------------------
