@@ -1,4 +1,4 @@
-"""The demo behind ``mtq demo``: the whole product in about a minute.
+"""The demo behind ``mtq demo``: the whole product in about half a minute.
 
 It starts two supervisors (``mtq workers start``), one serving the reference
 generator (:class:`mtq.reference.gpt.TinyGPT`, continuous batching, tokens
@@ -67,7 +67,11 @@ class DemoReport:
     order_ok: bool = False
     order_errors: list[str] = field(default_factory=list)
     streamed_matches_result: bool = False
+    streamed_differ: int = 0        # chats whose streamed tokens do not spell their result
     killed_pid: int | None = None
+    killed_worker: str = ""         # its worker id (as its tasks' traces name it)
+    killed_held: int = 0            # tasks it held when it was killed (given back, run again)
+    killed_held_done: int = 0       # of those, how many then succeeded
     processes: int = 0              # processes the demo started (supervisors, workers, outlets)
     processes_left: list[int] = field(default_factory=list)
     skipped: str = ""               # why it could not run (torch missing)
@@ -82,10 +86,20 @@ class DemoReport:
         return self.chat.succeeded + self.embed.succeeded
 
     @property
+    def finished_twice(self) -> int:
+        return self.chat.finished_twice + self.embed.finished_twice
+
+    def checks(self) -> dict[str, bool]:
+        """What the demo checks, each with whether it held."""
+        return {"nothing lost": self.succeeded == self.tasks,
+                "nothing finished twice": self.finished_twice == 0,
+                "order per user stream": self.order_ok,
+                "streamed tokens = results": self.streamed_matches_result,
+                "no process left behind": not self.processes_left}
+
+    @property
     def ok(self) -> bool:
-        return (not self.skipped and self.succeeded == self.tasks and self.order_ok
-                and self.streamed_matches_result and not self.processes_left
-                and self.chat.finished_twice == self.embed.finished_twice == 0)
+        return not self.skipped and all(self.checks().values())
 
 
 @dataclass
@@ -327,7 +341,8 @@ def _crowd(report: DemoReport, chat_q: Queue, embed_q: Queue, sups: _Supervisors
             killed = True
             with lock:
                 total += users  # the burst below
-            report.killed_pid = _kill_an_embedder(embed_q, users, embeds, on_done, note)
+            report.killed_pid, report.killed_worker = _kill_an_embedder(
+                embed_q, users, embeds, on_done, note)
         if now - last_tick >= 1.0 or done.is_set():
             last_tick = now
             sups.track()
@@ -352,9 +367,10 @@ def _crowd(report: DemoReport, chat_q: Queue, embed_q: Queue, sups: _Supervisors
 
 def _kill_an_embedder(q: Queue, users: int, out: list[tuple[Task, int, int]],
                       on_done: Callable[[Task, Any], None], note: Callable[[str], None]
-                      ) -> int | None:
+                      ) -> tuple[int | None, str]:
     """Submit a burst of embeddings (one more per user, in their streams) and SIGKILL
-    the first worker process the queue's events say took a batch of it."""
+    the first worker process the queue's events say took a batch of it. Returns its
+    pid and worker id (None and "" if no batch big enough started within 10 s)."""
     import json
 
     events = q.redis.pubsub(ignore_subscribe_messages=True)
@@ -375,7 +391,8 @@ def _kill_an_embedder(q: Queue, users: int, out: list[tuple[Task, int, int]],
             event = json.loads(message["data"])
             if event.get("event") != "started" or len(event.get("ids", [])) < min(4, users):
                 continue  # a batch big enough to be still running when the kill lands
-            pid = int(str(event.get("worker", "::")).split(":")[1] or 0)
+            worker = str(event.get("worker", "::"))
+            pid = int(worker.split(":")[1] or 0)
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -383,10 +400,10 @@ def _kill_an_embedder(q: Queue, users: int, out: list[tuple[Task, int, int]],
             note(f"killed embedding worker {pid} with SIGKILL while it held a batch of "
                  f"{len(event.get('ids', []))}; its supervisor requeues them and starts a "
                  "new process")
-            return pid
+            return pid, worker
     finally:
         events.close()
-    return None
+    return None, ""
 
 
 def _check(report: DemoReport, chats: list[tuple[Task, int, int]],
@@ -404,9 +421,14 @@ def _check(report: DemoReport, chats: list[tuple[Task, int, int]],
                 part.other[info.status] = part.other.get(info.status, 0) + 1
             if info.deliveries > 1:
                 part.redelivered += 1
-            ends = [e for e in t.trace() if e.kind in ("succeeded", "failed", "dead")]
+            trace = t.trace()
+            ends = [e for e in trace if e.kind in ("succeeded", "failed", "dead")]
             if len(ends) > 1:
                 part.finished_twice += 1
+            if report.killed_worker and _held_at_kill(trace, report.killed_worker,
+                                                      info.status):
+                report.killed_held += 1
+                report.killed_held_done += info.status == "succeeded"
             if info.finished and info.created:
                 latencies.append(float(info.finished - info.created))
             per_user.setdefault(u, []).append((i, info))
@@ -417,9 +439,19 @@ def _check(report: DemoReport, chats: list[tuple[Task, int, int]],
                     errors.append(f"{name} user-{u}: request {i2} started before {i1} ended")
     report.order_errors = errors[:10]
     report.order_ok = not errors
-    matches = True
     for t, _, _ in chats:
         result = t.result(timeout=10)
         report.tokens += len(result["tokens"])
-        matches &= "".join(t.tokens(timeout=10)) == result["text"]
-    report.streamed_matches_result = matches
+        report.streamed_differ += "".join(t.tokens(timeout=10)) != result["text"]
+    report.streamed_matches_result = report.streamed_differ == 0
+
+
+def _held_at_kill(trace: list[Any], worker: str, status: str) -> bool:
+    """Whether the task whose trace this is was held by ``worker`` when it was killed:
+    it was started there, and did not succeed there (it was started again after, or
+    did not succeed at all). Claimed-ahead tasks count: each claim is a start."""
+    starts = [e for e in trace if e.kind == "started"]
+    there = [e.detail.endswith(f" on {worker}") for e in starts]
+    if not any(there):
+        return False
+    return not there[-1] or status != "succeeded"

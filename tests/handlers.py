@@ -53,3 +53,24 @@ def deep(payload: dict[str, Any], depth: int = 0) -> Any:
 
 def _deeper(payload: dict[str, Any], depth: int) -> Any:
     return deep(payload, depth + 1)
+
+
+def chunks(payload: dict[str, Any]) -> Any:
+    """Stream ``payload["chunks"]`` as tokens, then fail with ``payload["fail"]`` as the
+    error if it is given, else return the number of chunks. With ``"progress": value``
+    and ``"gate": path``, first report progress ``value`` again and again until the
+    file ``path`` exists (at most 10 s): a progress event is not stored, so a test
+    opens the gate once its client has printed one."""
+    import time
+
+    import mtq
+
+    if payload.get("gate"):
+        deadline = time.monotonic() + 10
+        while not os.path.exists(payload["gate"]) and time.monotonic() < deadline:
+            yield mtq.Progress(payload.get("progress"))
+            time.sleep(0.05)  # polling the gate, which a process of its own creates
+    yield from payload.get("chunks", [])
+    if payload.get("fail"):
+        raise mtq.PermanentError(payload["fail"])
+    return len(payload.get("chunks", []))

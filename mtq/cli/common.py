@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from collections.abc import Callable
 from datetime import datetime
@@ -61,9 +62,35 @@ class FloatRange(click.FloatRange):
 
 def fail(message: object, code: int = FAILED) -> NoReturn:
     """One line on stderr (not wrapped: a log keeps it whole), then exit ``code``."""
-    err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False,
+    err_console.print(f"[bold red]error:[/] {shown(message)}", highlight=False,
                       soft_wrap=True)
     sys.exit(code)
+
+
+#: what must not reach a terminal as it is: C0 controls but newline and tab (ESC, CR,
+#: BEL, form feed ...), DEL, C1 controls, the line and paragraph separators, lone
+#: surrogates, and the bidirectional controls that reorder the text after them
+_UNPRINTABLE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u2028-\u202e"
+                          r"\u2066-\u2069\ud800-\udfff]")
+
+
+def printable(text: str, *, json_string: bool = False) -> str:
+    """``text`` made safe to show on a terminal: each character that could move the
+    cursor, clear or recolour the screen, or reorder what follows is written as a
+    Python escape (``\\x1b``, ``\\r``, ``\\u202e``); newlines, tabs and every
+    printable character (any script, emoji) stay. ``json_string``: ``\\u00XX``
+    escapes instead, for text inside a JSON string, so that it stays valid JSON.
+    A backslash is not escaped: the output is for reading, ``--raw`` gives the text."""
+    if json_string:
+        return _UNPRINTABLE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+def shown(value: object) -> str:
+    """``str(value)`` for a rich markup string: :func:`printable`, and markup escaped,
+    so that task data (an error, progress, a payload) is printed as it is written,
+    never read as markup (``[bold]``, ``[/]``) or terminal control."""
+    return escape(printable(str(value)))
 
 
 def say(line: str) -> None:
@@ -95,6 +122,28 @@ def redis_option(fn: F) -> F:
     return click.option(
         "--redis", "url", default=None, envvar="MTQ_REDIS_URL", show_envvar=True,
         help="Redis URL (default: MTQ_REDIS_URL, else the embedded server).")(fn)
+
+
+def running_server(url: str | None) -> str:
+    """The Redis URL for a command that works on what is already there (it reads,
+    or changes existing tasks, queues or workers): ``url`` (``--redis`` or
+    ``MTQ_REDIS_URL``), else the embedded server's if it runs. Such a command never
+    starts the embedded server: a server started to be looked at would undo
+    'mtq server stop' and, in a shell without the MTQ_REDIS_URL meant, answer
+    "no queues yet" from the wrong server. Exits 3 (not found) instead, saying how
+    to start it. Commands that bring work or serve it (submit, workers start,
+    worker run, demo) start it on demand."""
+    if url:
+        return url
+    from mtq.broker.embedded import EmbeddedServer
+
+    server = EmbeddedServer.from_env()
+    if not server.status().running:  # status() reads; it creates nothing
+        fail(f"the embedded redis-server is not running (state in {server.state_dir}), and "
+             "no --redis or MTQ_REDIS_URL names another Redis; start it with 'mtq server "
+             "start' ('mtq submit' and 'mtq workers start' start it too), or set "
+             "MTQ_REDIS_URL", NOT_FOUND)
+    return server.url
 
 
 def json_option(fn: F) -> F:

@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from mtq.broker.connection import REACH_TIMEOUT_S
@@ -25,6 +26,7 @@ from mtq.cli.common import (
     err_console,
     fail,
     redis_option,
+    running_server,
     say,
 )
 from mtq.errors import MtqError
@@ -46,7 +48,7 @@ def cli(verbose: int) -> None:
 
     \b
     Start here:
-      mtq demo                                   the whole product in a minute
+      mtq demo                                   the whole product in half a minute
       mtq workers start my_app.models:Chat -q chat
       mtq submit chat '{"prompt": "hi"}' --follow
       mtq status / mtq dashboard                 what is going on
@@ -270,6 +272,7 @@ def workers_list(queue: str | None, url: str | None, as_json: bool) -> None:
     from mtq.broker.connection import connect
     from mtq.workers.registry import list_workers
 
+    url = running_server(url)
     try:
         rows = list_workers(connect(url), queue)
     except MtqError as exc:
@@ -295,6 +298,7 @@ def _control(cmd: str, queue: str, url: str | None, worker_id: str | None = None
     from mtq.broker.connection import connect
     from mtq.workers import control
 
+    url = running_server(url)
     try:
         n = control.send(connect(url), queue, cmd, worker=worker_id, replicas=replicas)
     except MtqError as exc:
@@ -348,6 +352,7 @@ def dashboard(queues: tuple[str, ...], refresh: float, once: bool, url: str | No
     Reads one cheap snapshot per refresh, whatever the number of tasks."""
     from mtq.dashboard.app import run
 
+    url = running_server(url)
     try:
         sys.exit(run(url, list(queues) or None, refresh_s=refresh, once=once))
     except MtqError as exc:
@@ -384,9 +389,10 @@ def completion(shell: str) -> None:
               help="Print progress lines instead of the live dashboard.")
 def demo(url: str | None, users: int, duration: float, no_kill: bool,
          no_dashboard: bool) -> None:
-    """Run the whole product for about a minute: a generator and an embedding
-    model served by supervised worker processes, a crowd of users chatting in
-    their own FIFO streams, a worker killed mid-run, the dashboard live; then a
+    """Run the whole product for about half a minute (the users arrive over
+    --duration seconds, then the checks): a generator and an embedding model
+    served by supervised worker processes, a crowd of users chatting in their
+    own FIFO streams, a worker killed mid-run, the dashboard live; then a
     summary of what was checked. Leaves no process behind."""
     from mtq.broker.connection import resolve_url
     from mtq.demo import Tick, run
@@ -425,8 +431,10 @@ def demo(url: str | None, users: int, duration: float, no_kill: bool,
 
 
 def _demo_summary(report: Any) -> None:
-    def yes(ok: bool, detail: str = "") -> str:
-        return ("[green]yes[/]" if ok else "[red]NO[/]") + (f" ({detail})" if detail else "")
+    """The demo's report: what ran, then one row per check saying what was found
+    (each reads true whether it passed or not), then one line: did every check pass."""
+    def found(ok: bool, text: str) -> str:
+        return f"[green]{text}[/]" if ok else f"[bold red]{text}[/]"
 
     table = Table(title="mtq demo: what happened", show_header=False)
     table.add_row("users", f"{report.users}, each in a FIFO stream of their own per queue")
@@ -439,18 +447,44 @@ def _demo_summary(report: Any) -> None:
     table.add_row("throughput", f"{report.tasks} tasks in {report.seconds:.1f} s ({rate:.0f}/s "
                                 f"while users arrived); {report.tokens:,} tokens streamed")
     if report.killed_pid:
-        table.add_row("worker killed", f"pid {report.killed_pid} (SIGKILL); tasks it held ran "
-                                       f"again: {report.embed.redelivered}")
-    table.add_row("nothing lost", yes(report.succeeded == report.tasks,
-                                      f"{report.succeeded}/{report.tasks}"))
-    table.add_row("no task finished twice",
-                  yes(report.chat.finished_twice + report.embed.finished_twice == 0))
-    table.add_row("order per user stream", yes(report.order_ok, "; ".join(report.order_errors)))
-    table.add_row("streamed tokens = results", yes(report.streamed_matches_result))
-    table.add_row("processes left behind", yes(not report.processes_left,
-                                               f"{len(report.processes_left)} of "
-                                               f"{report.processes} started"))
+        held, done = report.killed_held, report.killed_held_done
+        if not held:
+            what = "it held no task at that moment (its batch had just finished)"
+        elif done == held:
+            what = (f"it held {held} task{'s' if held != 1 else ''}: given back, run again, "
+                    + found(True, f"all {held} completed"))
+        else:
+            what = f"it held {held} tasks: " + found(False, f"{held - done} did not complete")
+        table.add_row("worker killed", f"pid {report.killed_pid} (SIGKILL); {what}")
+    checks = report.checks()
+    lost = report.tasks - report.succeeded
+    table.add_row("tasks lost", found(
+        checks["nothing lost"], f"none ({report.succeeded} of {report.tasks} succeeded)"
+        if not lost else f"{lost} of {report.tasks} did not succeed"))
+    table.add_row("tasks finished twice", found(
+        checks["nothing finished twice"], "none" if not report.finished_twice
+        else str(report.finished_twice)))
+    table.add_row("order per user stream", found(
+        checks["order per user stream"],
+        "kept: each stream's tasks ran one at a time, in submit order" if report.order_ok
+        else "broken: " + escape("; ".join(report.order_errors))))
+    chats = report.chat.tasks
+    table.add_row("streamed tokens", found(
+        checks["streamed tokens = results"], f"spell the result of each of the {chats} chats"
+        if not report.streamed_differ
+        else f"differ from the result in {report.streamed_differ} of {chats} chats"))
+    left = report.processes_left
+    table.add_row("processes left behind", found(
+        checks["no process left behind"], f"none (0 of {report.processes} started)" if not left
+        else f"{len(left)} of {report.processes} started: pids "
+             + ", ".join(map(str, left))))
     console.print(table)
+    failed = [name for name, ok in checks.items() if not ok]
+    if not failed:
+        console.print(f"[bold green]All {len(checks)} checks passed.[/]")
+    else:
+        console.print(f"[bold red]{len(failed)} of {len(checks)} checks failed:[/] "
+                      + ", ".join(failed) + ".")
     if not report.ok and report.log:
         err_console.print("[dim]supervisors' output (last lines):[/]")
         err_console.print(report.log, markup=False, highlight=False)

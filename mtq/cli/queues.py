@@ -12,6 +12,7 @@ from mtq.cli.common import (
     fail_on,
     json_option,
     redis_option,
+    running_server,
 )
 from mtq.errors import MtqError
 
@@ -36,7 +37,7 @@ def delete(queue: str, force: bool, yes: bool, url: str | None, as_json: bool) -
     from mtq.client import Queue
 
     try:
-        q = Queue(queue, url)
+        q = Queue(queue, running_server(url))
         if queue not in queue_names(q.redis):
             fail(f"unknown queue {queue!r}: there is nothing to delete", NOT_FOUND)
         stats = q.stats()

@@ -31,7 +31,10 @@ from mtq.cli.common import (
     json_option,
     millis,
     parse_json,
+    printable,
     redis_option,
+    running_server,
+    shown,
     when,
 )
 from mtq.client import MAX_TTL_S
@@ -83,11 +86,16 @@ def _known(client: Any, name: str) -> None:
               metavar="SECONDS",
               help="Stop waiting after SECONDS (exit 6; the task goes on). Implies "
                    "--wait. Default: no limit (Ctrl-C stops waiting, exit 130).")
+@click.option("--raw", is_flag=True,
+              help="With --follow: write the tokens exactly as they come, control "
+                   "characters included (default: escaped, e.g. \\x1b, on a terminal; "
+                   "as they come into a pipe or a file).")
 @redis_option
 @json_option
 def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | None,
            stream_from: str | None, key: str | None, ttl: float | None, wait: bool,
-           follow: bool, timeout: float | None, url: str | None, as_json: bool) -> None:
+           follow: bool, timeout: float | None, raw: bool, url: str | None,
+           as_json: bool) -> None:
     """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
 
     Prints the task id; with --wait, the result; with --follow, the tokens as
@@ -110,6 +118,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         return
     if stream_from:
         fail("--stream-from goes with --file", USAGE)
+    if raw and not follow:
+        fail("--raw goes with --follow", USAGE)
     if payload is None:
         fail("give a PAYLOAD (JSON), '-' to read it from stdin, or --file FILE", USAGE)
     text = sys.stdin.read() if payload == "-" else payload
@@ -127,7 +137,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     try:
         _hint_if_unserved(q)
         if follow:
-            sys.exit(_follow(task, timeout, as_json))
+            sys.exit(_follow(task, timeout, as_json, raw))
         result = task.result(timeout=timeout)
     except KeyboardInterrupt:
         err_console.print(f"\nstopped waiting; task {task.id} goes on (mtq task {task.id}, "
@@ -157,8 +167,20 @@ def _hint_if_unserved(q: Any) -> None:
         pass  # the wait itself reports an unreachable Redis
 
 
-def _follow(task: Any, timeout: float | None, as_json: bool) -> int:
-    """Print a task's events live; returns the exit code."""
+def _follow(task: Any, timeout: float | None, as_json: bool, raw: bool = False) -> int:
+    """Print a task's events live; returns the exit code.
+
+    The tokens go to stdout: on a terminal, with :func:`printable` escapes for what
+    would move the cursor or recolour the screen (a model's output is arbitrary text);
+    with ``raw``, or into a pipe or a file, exactly as they came (like ``ls``). Every
+    other line goes to stderr, task data in it shown as text, never as markup."""
+    out = sys.stdout
+    escaped = not raw and out.isatty()
+
+    def write(text: str) -> None:  # not click.echo: it drops ANSI codes from a pipe
+        out.write(printable(text) if escaped else text)
+        out.flush()
+
     last = None
     printed = False
     try:
@@ -172,34 +194,36 @@ def _follow(task: Any, timeout: float | None, as_json: bool) -> int:
             if ev.kind == "token":
                 text = ev.data if isinstance(ev.data, str) else json.dumps(ev.data, default=repr)
                 sep = "" if isinstance(ev.data, str) else " "
-                click.echo(text + sep, nl=False)
+                write(text + sep)
                 printed = True
-                sys.stdout.flush()
             elif ev.kind == "progress":
-                err_console.print(f"[dim]progress: {ev.data}[/]")
+                err_console.print(f"[dim]progress: {shown(ev.data)}[/]", highlight=False)
             elif ev.kind == "restarted":
-                err_console.print(f"\n[yellow]restarted[/] (delivery {ev.delivery}: {ev.data}); "
-                                  "the stream goes on where it stopped")
+                err_console.print(f"\n[yellow]restarted[/] (delivery {ev.delivery}: "
+                                  f"{shown(ev.data)}); the stream goes on where it stopped",
+                                  highlight=False)
             elif ev.kind in ("queued", "started"):
                 err_console.print(f"[dim]{ev.kind}[/]")
     except ResultTimeout as exc:
         if printed:
-            click.echo()
+            write("\n")
         fail(exc, TIMEOUT)
     except MtqError as exc:
         fail_on(exc)
     if printed and not as_json:
-        click.echo()
+        write("\n")
     if last is None:
         return FAILED
     if as_json:
         return OK if last.kind == "succeeded" else FAILED
     if last.kind == "succeeded":
         if not printed:  # no tokens: the result is the output
-            click.echo(json.dumps(last.data, default=repr, ensure_ascii=False))
+            text = json.dumps(last.data, default=repr, ensure_ascii=False)
+            out.write((printable(text, json_string=True) if escaped else text) + "\n")
+            out.flush()
         err_console.print(f"[green]succeeded[/] {task.id}")
         return OK
-    err_console.print(f"[red]{last.kind}[/] {task.id}: {last.data}")
+    err_console.print(f"[red]{last.kind}[/] {task.id}: {shown(last.data)}", highlight=False)
     return FAILED
 
 
@@ -328,13 +352,27 @@ def _wait_all(tasks: list[Any], wait: float, quiet: bool) -> dict[str, Any]:
 @redis_option
 @json_option
 def status(queue: str | None, url: str | None, as_json: bool) -> None:
-    """The queues: waiting, streams with work, running, delayed, dead, totals and
-    latency (one cheap snapshot; cost independent of the number of tasks)."""
+    """The queues, from one cheap snapshot (its cost does not grow with the number
+    of tasks).
+
+    \b
+    Columns (short, so that the table fits 80 columns):
+      wait      tasks waiting
+      strm      streams with waiting work
+      run       tasks running
+      retry     tasks waiting to be retried (after a failure, for their delay)
+      dead      dead letters ('mtq dlq list')
+      ok, fail  tasks succeeded, failed: totals since the queue began
+      p50, p99  submit-to-finish latency in ms, of the last 1000 tasks
+      wkrs      live worker processes
+    Counts from 10,000 up are rounded: 12.3k, 4.6M; --json gives exact figures.
+    """
     from dataclasses import asdict
 
     from mtq.admin import snapshot
     from mtq.broker.connection import connect
 
+    url = running_server(url)
     try:
         client = connect(url)
         if queue is not None:
@@ -349,16 +387,49 @@ def status(queue: str | None, url: str | None, as_json: bool) -> None:
     if not snap.queues:
         console.print("no queues yet: submit a task ('mtq submit QUEUE PAYLOAD')")
         return
-    table = Table(title=f"{len(snap.queues)} queue(s)")
-    table.add_column("queue", no_wrap=True, min_width=max(len(v.name) for v in snap.queues))
-    for col in ("waiting", "streams", "running", "delayed", "dead", "succeeded", "failed",
-                "p50 ms", "p99 ms", "workers"):
-        table.add_column(col, justify="right")
-    for v in snap.queues:
-        table.add_row(v.name, f"{v.waiting:,}", f"{v.streams:,}", f"{v.running:,}",
-                      f"{v.delayed:,}", f"{v.dead:,}", f"{v.succeeded:,}",
-                      f"{v.failed:,}", millis(v.p50_ms), millis(v.p99_ms), str(v.workers))
-    console.print(table)
+    console.print(status_table(snap.queues))
+    console.print(STATUS_LEGEND, style="dim", highlight=False)
+
+
+#: ``mtq status``'s columns after the queue's name, four or five letters each so that a
+#: queue name of up to about 24 characters fits 80 columns (explained in its help and
+#: in the legend printed under the table)
+STATUS_COLUMNS = ("wait", "strm", "run", "retry", "dead", "ok", "fail", "p50", "p99", "wkrs")
+STATUS_LEGEND = ("wait, run: tasks waiting, running · strm: streams with work · retry: to be "
+                 "retried · ok, fail: totals · p50, p99: latency in ms · wkrs: workers")
+
+
+def compact_count(n: int) -> str:
+    """A count in at most 5 characters: 9,999, then 12.3k, 456k, 1.2M ..."""
+    if n < 10_000:
+        return f"{n:,}"
+    for scale, unit in ((1e3, "k"), (1e6, "M"), (1e9, "G"), (1e12, "T")):
+        v = n / scale
+        if v < 99.95:
+            return f"{v:.1f}{unit}"
+        if v < 999.5:
+            return f"{v:.0f}{unit}"
+    return f"{n / 1e15:.0f}P"
+
+
+def status_table(queues: list[Any]) -> Table:
+    """The queues as a borderless table that fits 80 columns: short headers, two
+    spaces between columns, counts of at most 5 characters; a queue name too long
+    for what is left wraps onto a second line rather than being cut."""
+    from rich import box
+
+    table = Table(title=f"{len(queues)} queue{'s' if len(queues) != 1 else ''}",
+                  title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, padding=(0, 0, 0, 1))
+    table.add_column("queue", overflow="fold")
+    for col in STATUS_COLUMNS:
+        table.add_column(col, justify="right", no_wrap=True)
+    for v in queues:
+        n = compact_count
+        table.add_row(escape(v.name), n(v.waiting), n(v.streams), n(v.running), n(v.delayed),
+                      n(v.dead), n(v.succeeded), n(v.failed), millis(v.p50_ms),
+                      millis(v.p99_ms), n(v.workers))
+    return table
 
 
 # -- task ------------------------------------------------------------------------------
@@ -374,6 +445,7 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
     from mtq.admin import find_task
     from mtq.broker.connection import connect
 
+    url = running_server(url)
     try:
         t = find_task(connect(url), task_id, queue)
         info = t.info()
@@ -394,14 +466,14 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
     table.add_row("created / started / finished",
                   f"{when(info.created)} / {when(info.started)} / {when(info.finished)}")
     if info.worker:
-        table.add_row("worker", info.worker)
+        table.add_row("worker", shown(info.worker))
     if info.error:
-        table.add_row("error", escape(info.error))
+        table.add_row("error", shown(info.error))
     if info.cancel_requested:
         table.add_row("cancel", "requested")
     if result is not None:
         text = json.dumps(result, default=repr, ensure_ascii=False)
-        table.add_row("result", text if len(text) <= 300 else text[:300] + " ...")
+        table.add_row("result", shown(text if len(text) <= 300 else text[:300] + " ..."))
     console.print(table)
     timeline = Table(title="timeline")
     for col in ("time", "+ms", "event", "detail"):
@@ -409,7 +481,7 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
     first = trace[0].ts if trace else 0.0
     for e in trace:
         timeline.add_row(when(e.ts * 1000), f"{(e.ts - first) * 1000:.0f}", e.kind,
-                         escape(e.detail))
+                         shown(e.detail))
     console.print(timeline)
     if info.traceback:
         console.print("traceback (the last exception its handler raised):")
@@ -429,6 +501,7 @@ def cancel(task_id: str, queue: str | None, url: str | None, as_json: bool) -> N
     from mtq.broker.codes import Code
     from mtq.broker.connection import connect
 
+    url = running_server(url)
     try:
         t = find_task(connect(url), task_id, queue)
         code, before = t.queue.broker.cancel(t.id)
@@ -464,7 +537,7 @@ def dlq() -> None:
 @json_option
 def dlq_list(queue: str, count: int, verbose: bool, url: str | None, as_json: bool) -> None:
     """The newest dead letters of QUEUE, with their errors (--json: tracebacks too)."""
-    q = _queue(queue, url)
+    q = _queue(queue, running_server(url))
     try:
         _known(q.redis, queue)
         rows = q.dead_letters(0, count)
@@ -481,7 +554,7 @@ def dlq_list(queue: str, count: int, verbose: bool, url: str | None, as_json: bo
     for row in rows:
         table.add_row(row["id"], row["stream"] or "-", str(row["attempts"]),
                       str(row["deliveries"]), when(row["finished"]),
-                      escape((row["error"] or "")[:120]))
+                      shown((row["error"] or "")[:120]))
     console.print(table)
     if verbose:
         for row in rows:
@@ -496,7 +569,7 @@ def _dlq_action(action: str, queue: str, ids: tuple[str, ...], all_: bool, url: 
                 as_json: bool) -> None:
     if bool(ids) == all_:
         fail(f"name the ids to {action}, or --all", USAGE)
-    q = _queue(queue, url)
+    q = _queue(queue, running_server(url))
     try:
         _known(q.redis, queue)
         n = q.retry_dead(ids or None) if action == "retry" else q.purge_dead(ids or None)
@@ -547,7 +620,7 @@ def dlq_purge(queue: str, ids: tuple[str, ...], all_: bool, yes: bool, url: str 
 def purge(queue: str, yes: bool, url: str | None, as_json: bool) -> None:
     """Drop every waiting task of QUEUE (each ends cancelled, 'purged'). Running
     tasks, retries waiting for their delay and dead letters stay."""
-    q = _queue(queue, url)
+    q = _queue(queue, running_server(url))
     try:
         _known(q.redis, queue)
         waiting = q.stats()["waiting"]

@@ -4,6 +4,7 @@ a real SIGKILL, and no process left behind."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -46,6 +47,11 @@ def test_demo_checks_everything_it_promises(redis_url: str, tmp_path: Path,
     assert (report.chat.tasks, report.embed.tasks) == (16, 24 + 8)  # + the kill's burst
     assert report.tokens == 16 * 40
     assert report.killed_pid is not None
+    # the tasks the killed worker held were given back and all completed (none, if the
+    # kill landed just after its batch finished)
+    assert report.killed_worker.split(":")[1] == str(report.killed_pid)
+    assert report.killed_held_done == report.killed_held <= report.embed.tasks
+    assert report.checks() == dict.fromkeys(report.checks(), True)
     assert report.processes >= 6 and report.processes_left == []
     assert not Path(f"/proc/{report.killed_pid}").exists() or \
         "Z" in Path(f"/proc/{report.killed_pid}/stat").read_text()
@@ -67,9 +73,17 @@ def test_mtq_demo_command_finishes_in_time_and_leaves_nothing(
     took = time.monotonic() - started
     out = " ".join(res.stdout.split())
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for line in ("nothing lost │ yes", "order per user stream │ yes",
-                 "streamed tokens = results │ yes", "processes left behind │ yes"):
+    for line in ("tasks lost │ none (60 of 60 succeeded)", "tasks finished twice │ none",
+                 "order per user stream │ kept: each stream's tasks ran one at a time, in "
+                 "submit order", "streamed tokens │ spell the result of each of the 18 chats",
+                 "processes left behind │ none (0 of "):
         assert line in out, out[-2000:]
+    killed = re.search(r"worker killed │ pid \d+ \(SIGKILL\); (it held (\d+) tasks?: given "
+                       r"back, run again, all (\d+) completed|it held no task at that moment)",
+                       out)
+    assert killed and killed[2] == killed[3], out[-2000:]
+    assert res.stdout.rstrip().splitlines()[-1] == "All 5 checks passed.", res.stdout[-2000:]
+    assert "yes" not in out.split("what happened", 1)[1]  # each row says what it found
     assert "killed embedding worker" in out  # not a terminal: progress lines, no dashboard
     assert took < 60, f"mtq demo took {took:.0f} s"
     assert processes_naming(redis_url) == [], "processes of the demo outlived it"
