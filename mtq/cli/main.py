@@ -173,9 +173,14 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
     plain function). SIGTERM/SIGINT stop it after the running batch; a second
     signal exits at once (its tasks return when their leases expire)."""
     from mtq.workers.control import Listener
+    from mtq.workers.target import load_model
     from mtq.workers.worker import Worker
 
     _import_from(app_dir)
+    try:  # a target that cannot be loaded is bad input, whatever Redis does
+        load_model(target)
+    except MtqError as exc:
+        _fail(exc, USAGE)
     url = _reach(url, wait_for_redis)
     try:
         w = Worker(target, queue, url=url, settings=QueueSettings(lease_ms=lease_ms),

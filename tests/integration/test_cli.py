@@ -138,10 +138,15 @@ def test_worker_run_unimportable_target(runner, redis_url):
     assert "cannot import 'nosuchmodule'" in out and "PYTHONPATH" in out
 
 
-def test_worker_run_malformed_target(runner):
+def test_worker_run_malformed_target(runner, tmp_path, monkeypatch):
+    home = tmp_path / "mtq-home"
+    monkeypatch.setenv("MTQ_HOME", str(home))
+    monkeypatch.delenv("MTQ_REDIS_URL", raising=False)
     result = runner.invoke(cli, ["worker", "run", "badspec", "--queue", "q"])
     assert result.exit_code == 2, result.output
     assert "bad target 'badspec'" in flat(result.output)
+    # refused before Redis is reached: no embedded server started (or left behind)
+    assert not home.exists() or not any(home.iterdir()), list(home.iterdir())
 
 
 @pytest.mark.parametrize("spec,expected", [
