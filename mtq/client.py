@@ -13,6 +13,7 @@ import redis
 
 from mtq import serialization
 from mtq.broker.codes import Code
+from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import Backoff, connect, redis_errors
 from mtq.broker.protocol import Broker, NewTask
 from mtq.errors import (
@@ -359,21 +360,41 @@ class Task:
 class Queue:
     """A named queue: submit tasks, look them up, read its counters.
 
-    ``url`` defaults to ``MTQ_REDIS_URL``, else the embedded server. Settings may
-    be given as a :class:`QueueSettings` or as keyword overrides
-    (``Queue("embed", max_length=10_000)``); unknown names raise ConfigError.
+    ``url`` defaults to ``MTQ_REDIS_URL``, else the embedded server. Its settings are
+    the queue's, stored in Redis (``mtq queue config``, :meth:`configure`) and read
+    again every few seconds; keyword overrides (``Queue("embed", max_length=10_000)``)
+    change some for this object only, and a :class:`QueueSettings` given as
+    ``settings`` fixes them all (nothing is read). Unknown names raise ConfigError.
     """
 
     def __init__(self, name: str, url: str | None = None, *,
                  settings: QueueSettings | None = None, client: redis.Redis | None = None,
                  **overrides: Any) -> None:
         self.name = check_queue_name(name)
-        base = settings or QueueSettings()
-        self.settings = base.replace(**overrides) if overrides else base
+        spec: SettingsSpec = overrides or None
+        if settings is not None:
+            spec = settings.replace(**overrides) if overrides else settings
         self.redis = client if client is not None else connect(url)
-        self.broker = Broker(self.redis, self.name, self.settings)
+        self.broker = Broker(self.redis, self.name, SettingsSource(self.redis, self.name,
+                                                                   spec))
         self._registered = False
         self._reply: str | None = None
+
+    @property
+    def settings(self) -> QueueSettings:
+        """The queue's settings as this object uses them now."""
+        return self.broker.settings
+
+    def configure(self, **changes: Any) -> QueueSettings:
+        """Store settings of the queue in Redis, for every producer and worker (they
+        read them within REFRESH_S seconds); returns the queue's stored settings.
+        Raises ConfigError, storing nothing, for an unknown key or a bad value.
+        ``mtq queue config Q KEY VALUE`` does the same."""
+        from mtq.broker import config
+
+        stored = config.store(self.redis, self.name, changes)
+        self.broker.source.refresh()
+        return stored
 
     @property
     def hub(self) -> Hub:

@@ -136,3 +136,29 @@ class QueueSettings:
         """A copy with some settings changed; unknown keys raise ConfigError."""
         _build(QueueSettings, changes) if changes else None
         return dataclasses.replace(self, **changes)
+
+
+#: every queue setting: (unit, what it does), for ``mtq queue config`` and docs/cli.md
+#: (a test checks that the docs list each with its default and unit)
+QUEUE_SETTING_DOCS: dict[str, tuple[str, str]] = {
+    "max_length": ("tasks", "waiting tasks beyond which a submit raises QueueFull (0: no limit)"),
+    "max_payload_bytes": ("bytes", "largest encoded payload a submit accepts"),
+    "lease_ms": ("ms", "how long a claimed task stays leased without a heartbeat (workers "
+                       "extend it every second); a bare worker's death costs this long"),
+    "max_deliveries": ("deliveries", "a task whose lease expired this many times is dead "
+                                     "(poison)"),
+    "max_retries": ("retries", "retries after a handler error, unless the task sets its own"),
+    "retry_backoff_ms": ("ms", "first retry delay; doubles per attempt, with jitter"),
+    "retry_backoff_max_ms": ("ms", "longest retry delay"),
+    "dead_letter": ("true/false", "when retries run out: dead-letter (true) or failed (false)"),
+    "retention_s": ("s", "how long finished tasks and their results are kept"),
+    "dead_retention_s": ("s", "how long dead letters are kept"),
+    "dead_max": ("tasks", "most dead letters kept (the oldest go first)"),
+    "idempotency_window_s": ("s", "how long an idempotency key maps to its task"),
+    "wake_cap": ("markers", "most wake-up markers kept for sleeping workers"),
+    "reap_limit": ("tasks", "most expired leases or due retries handled per claim"),
+    "durable_replicas": ("replicas", "a submit is acknowledged once this many replicas have "
+                                     "it (0: once the primary has it)"),
+    "durable_timeout_ms": ("ms", "how long a durable submit waits for its replicas before it "
+                                 "raises NotDurable"),
+}

@@ -23,6 +23,7 @@ import redis
 
 from mtq import serialization
 from mtq.broker.codes import Code
+from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import Backoff, connect, redis_errors
 from mtq.broker.protocol import (
     CANCEL,
@@ -134,17 +135,23 @@ class Consumer:
     """Claims and settles tasks of one queue on behalf of one worker."""
 
     def __init__(self, queue: str, url: str | None = None, *,
-                 settings: QueueSettings | None = None, client: redis.Redis | None = None,
+                 settings: SettingsSpec = None, client: redis.Redis | None = None,
                  worker_id: str | None = None) -> None:
         self.queue = check_queue_name(queue)
-        self.settings = settings or QueueSettings()
         self.redis = client if client is not None else connect(url)
-        self.broker = Broker(self.redis, self.queue, self.settings)
+        self.broker = Broker(self.redis, self.queue, SettingsSource(self.redis, self.queue,
+                                                                    settings))
         self.worker_id = worker_id or default_worker_id()
         self.wake_key = self.broker.keys.worker_wake(self.worker_id)
         #: ms until the next lease deadline / due retry, from the last claim (-1: none)
         self.next_timer_ms = -1
         self._rng = random.Random()
+
+    @property
+    def settings(self) -> QueueSettings:
+        """The queue's settings now (stored in Redis, with this process's overrides:
+        see mtq.broker.config)."""
+        return self.broker.settings
 
     # -- claiming --------------------------------------------------------------
     def lease_s(self, lease_ms: int | None = None) -> float:

@@ -38,6 +38,7 @@ class QueueKeys:
         "base",
         "busy",
         "channels",
+        "config",
         "control",
         "dead",
         "delayed",
@@ -80,6 +81,8 @@ class QueueKeys:
         self.latency = self.base + "latency"
         self.failures = self.base + "failures"
         self.control = self.base + "control"
+        #: the queue's stored settings (see mtq.broker.config)
+        self.config = self.base + "config"
         self.script_keys = [
             self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
             self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,

@@ -18,6 +18,7 @@ import redis
 
 from mtq.broker import scripts
 from mtq.broker.codes import Code
+from mtq.broker.config import SettingsSource
 from mtq.broker.connection import redis_errors, single_attempt
 from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.settings import QueueSettings
@@ -135,12 +136,20 @@ def _codes(raw: list[Any]) -> list[int]:
 class Broker:
     """Protocol operations of one queue over one Redis client (thread-safe)."""
 
-    def __init__(self, client: redis.Redis, queue: str, settings: QueueSettings) -> None:
+    def __init__(self, client: redis.Redis, queue: str,
+                 settings: QueueSettings | SettingsSource) -> None:
         self.redis = client
         self.queue = queue
         self.keys = QueueKeys(queue)
-        self.settings = settings
+        self.source = settings if isinstance(settings, SettingsSource) else \
+            SettingsSource(client, queue, settings)
         self._head = self.keys.channels
+
+    @property
+    def settings(self) -> QueueSettings:
+        """The queue's settings now (see mtq.broker.config: stored in Redis, re-read
+        every few seconds, with this process's overrides)."""
+        return self.source.get()
 
     def run(self, *calls: scripts.Call) -> list[Any]:
         """Run several calls in one round trip."""

@@ -30,7 +30,6 @@ from mtq.cli.common import (
     say,
 )
 from mtq.errors import MtqError
-from mtq.settings import QueueSettings
 
 
 def _fail(exc: Exception, code: int | None = None) -> None:
@@ -119,6 +118,11 @@ _wait_opt = click.option(
          f"after MTQ_REDIS_WAIT_S, {REACH_TIMEOUT_S:.0f} s unless set, and exit 5).")
 
 
+def _overrides(**given: Any) -> dict[str, Any] | None:
+    """The queue settings given on the command line, over the queue's stored ones."""
+    return {k: v for k, v in given.items() if v is not None} or None
+
+
 def _import_from(app_dir: str) -> None:
     from mtq.workers.target import add_app_dir
 
@@ -161,13 +165,14 @@ def worker() -> None:
 @click.option("--max-wait-ms", default=None, type=FloatRange(0, 60_000),
               help="Longest wait for a batch to fill (default: the model's max_wait_ms).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or mps.")
-@click.option("--lease-ms", default=QueueSettings.lease_ms, show_default=True,
-              type=click.IntRange(1), help="Lease of a claimed task; extended every second.")
+@click.option("--lease-ms", default=None, type=click.IntRange(1),
+              help="Lease of a claimed task, extended every second (default: the queue's "
+                   "lease_ms, see 'mtq queue config').")
 @click.option("--burst", is_flag=True, help="Exit when the queue has nothing left to do.")
 @_app_dir_opt
 @_wait_opt
 def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
-               max_wait_ms: float | None, device: str, lease_ms: int, burst: bool,
+               max_wait_ms: float | None, device: str, lease_ms: int | None, burst: bool,
                app_dir: str, wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr': an mtq.Model subclass or a
     plain function). SIGTERM/SIGINT stop it after the running batch; a second
@@ -183,7 +188,7 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
         _fail(exc, USAGE)
     url = _reach(url, wait_for_redis)
     try:
-        w = Worker(target, queue, url=url, settings=QueueSettings(lease_ms=lease_ms),
+        w = Worker(target, queue, url=url, settings=_overrides(lease_ms=lease_ms),
                    device=device, max_batch_size=batch_size, max_wait_ms=max_wait_ms)
     except MtqError as exc:
         _fail(exc, USAGE)  # the target cannot be loaded, or an option is out of range
@@ -236,8 +241,9 @@ def workers() -> None:
               help="Override the model's max_wait_ms.")
 @click.option("--timeout", "timeout_s", default=None, type=FloatRange(min=0.001),
               help="Override the model's timeout_s: longest one predict call may run.")
-@click.option("--lease-ms", default=QueueSettings.lease_ms, show_default=True,
-              type=click.IntRange(100), help="Lease of a claimed task; extended every second.")
+@click.option("--lease-ms", default=None, type=click.IntRange(100),
+              help="Lease of a claimed task, extended every second (default: the queue's "
+                   "lease_ms, see 'mtq queue config').")
 @click.option("--standby", default=None, type=click.IntRange(0, 1),
               help="A warm spare process per device that takes over at once when a worker "
                    "process dies (default: 1 on the CPU, 0 on a GPU, where it holds a "
@@ -246,7 +252,7 @@ def workers() -> None:
 @_wait_opt
 def workers_start(target: str, queue: str, url: str | None, devices_spec: str, replicas: int,
                   max_batch_size: int | None, max_wait_ms: float | None,
-                  timeout_s: float | None, lease_ms: int, standby: int | None,
+                  timeout_s: float | None, lease_ms: int | None, standby: int | None,
                   app_dir: str, wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
     device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
@@ -257,7 +263,7 @@ def workers_start(target: str, queue: str, url: str | None, devices_spec: str, r
     url = _reach(url, wait_for_redis)
     try:
         sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,
-                         settings=QueueSettings(lease_ms=lease_ms),
+                         settings=_overrides(lease_ms=lease_ms),
                          max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                          timeout_s=timeout_s, standby=standby,
                          on_event=say)

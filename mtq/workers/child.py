@@ -98,10 +98,10 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which leads
     monitor = PipeMonitor(conn, shared)
 
+    from mtq.broker.config import from_wire
     from mtq.broker.connection import connect
     from mtq.broker.consumer import Consumer, connection_name, default_worker_id
     from mtq.errors import MtqError, TargetError
-    from mtq.settings import QueueSettings
     from mtq.workers.worker import Worker
 
     try:
@@ -109,8 +109,8 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
         # this process can still run, and sweeps what it held (Consumer.give_back_all)
         worker_id = default_worker_id()
         os.environ["MTQ_WORKER_ID"] = worker_id  # for the model's own logs
-        consumer = Consumer(config["queue"], settings=QueueSettings.from_dict(
-            config.get("settings") or {}), worker_id=worker_id,
+        consumer = Consumer(config["queue"], settings=from_wire(config.get("settings")),
+                            worker_id=worker_id,
             client=connect(config.get("url"), name=connection_name(worker_id)))
         worker = Worker(config["target"], config["queue"], device=config["device"],
                         monitor=monitor, supervisor=config.get("supervisor", ""), consumer=consumer,

@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from mtq.broker.config import from_wire, to_wire
 from mtq.broker.consumer import (
     OUTCOME_COUNTERS,
     Chunk,
@@ -73,7 +74,6 @@ from mtq.broker.consumer import (
     encode,
 )
 from mtq.broker.protocol import Claimed
-from mtq.settings import QueueSettings
 
 if TYPE_CHECKING:
     from mtq.workers.worker import Worker
@@ -182,7 +182,7 @@ class Outlet:
         c = self.w.consumer
         _write_all(self._out, msgpack.packb(["hello", {
             "url": self.url, "queue": c.queue, "worker_id": c.worker_id,
-            "settings": dataclasses.asdict(c.settings), "interval_ms": self.interval_ms}]))
+            "settings": to_wire(c.broker.source), "interval_ms": self.interval_ms}]))
         self._reader = threading.Thread(target=self._read_loop, name="mtq-outlet-reader",
                                         daemon=True)
         self._reader.start()
@@ -404,7 +404,7 @@ def main(argv: Sequence[str]) -> int:
         return 2
     h = hello[1]
     reader.pace_s = float(h["interval_ms"]) / 1000
-    consumer = Consumer(h["queue"], h["url"], settings=QueueSettings(**h["settings"]),
+    consumer = Consumer(h["queue"], h["url"], settings=from_wire(h["settings"]),
                         worker_id=h["worker_id"])
 
     def read() -> None:  # keeps the pipe drained, so the model thread never blocks on it

@@ -31,7 +31,6 @@ control messages).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -44,10 +43,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from mtq.broker.config import SettingsSpec, to_wire
 from mtq.broker.consumer import Consumer, connection_name
 from mtq.broker.protocol import Claimed
 from mtq.errors import ConfigError, MtqError
-from mtq.settings import QueueSettings
 from mtq.workers import child, control, devices, registry
 
 log = logging.getLogger(__name__)
@@ -112,7 +111,7 @@ class Supervisor:
 
     def __init__(self, target: str, queue: str, *, url: str | None = None,
                  devices_spec: str = "cpu", replicas: int = 1,
-                 settings: QueueSettings | None = None, max_batch_size: int | None = None,
+                 settings: SettingsSpec = None, max_batch_size: int | None = None,
                  max_wait_ms: float | None = None, timeout_s: float | None = None,
                  log_level: int = logging.INFO, on_event: Callable[[str], None] | None = None,
                  standby: int | None = None) -> None:
@@ -123,8 +122,7 @@ class Supervisor:
         self.target = target
         self.devices = devices.parse_devices(devices_spec)
         self.replicas = replicas
-        self.settings = settings or QueueSettings()
-        self.consumer = Consumer(queue, url, settings=self.settings)
+        self.consumer = Consumer(queue, url, settings=settings)
         self.queue = self.consumer.queue
         self.url = url
         self.id = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
@@ -277,7 +275,7 @@ class Supervisor:
                     d = self._spare_due.get(device, 0.0) - now
                     out = d if out is None else min(out, d)
         if self._suspects:
-            d = self._suspects_extended + self.settings.lease_ms / 3000 - now
+            d = self._suspects_extended + self.consumer.settings.lease_ms / 3000 - now
             out = d if out is None else min(out, d)
             if self.quarantine is None and not self.stopping:
                 d = self._quarantine_due - now
@@ -306,7 +304,7 @@ class Supervisor:
     def _spawn(self, slot: _Slot, spare: bool = False, quarantine: bool = False) -> None:
         env, device = devices.child_env(slot.device)
         config = {"target": self.target, "queue": self.queue, "url": self.url,
-                  "settings": dataclasses.asdict(self.settings), "device": device, "env": env,
+                  "settings": to_wire(self.consumer.broker.source), "device": device, "env": env,
                   "overrides": self.overrides, "supervisor": self.id,
                   "slot": "standby" if spare else "quarantine" if quarantine else slot.index,
                   "log_level": self.log_level, "quarantine": quarantine,
@@ -516,7 +514,7 @@ class Supervisor:
     def _extend_suspects(self, now: float) -> None:
         """Keep the leases of suspects waiting for the quarantine process (nobody else
         holds them meanwhile)."""
-        if not self._suspects or now - self._suspects_extended < self.settings.lease_ms / 3000:
+        if not self._suspects or now - self._suspects_extended < self.consumer.settings.lease_ms / 3000:
             return
         self._suspects_extended = now
         tasks = [Claimed(*f) for f in self._suspects]

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtq import serialization
+from mtq.broker.config import SettingsSpec
 from mtq.broker.connection import Backoff, client_url
 from mtq.broker.consumer import (
     OUTCOME_COUNTERS,
@@ -53,7 +54,6 @@ from mtq.errors import (
     RedisUnavailable,
     TargetError,
 )
-from mtq.settings import QueueSettings
 from mtq.workers import devices, registry
 from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
 from mtq.workers.generator import Generator
@@ -110,7 +110,7 @@ class Worker:
     """Serves one model for one queue in this process until stopped."""
 
     def __init__(self, target: str | Target, queue: str, *, url: str | None = None,
-                 settings: QueueSettings | None = None, device: str = "cpu",
+                 settings: SettingsSpec = None, device: str = "cpu",
                  max_batch_size: int | None = None, max_wait_ms: float | None = None,
                  timeout_s: float | None = None, worker_id: str | None = None,
                  monitor: Monitor | None = None, supervisor: str = "",
