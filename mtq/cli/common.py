@@ -178,3 +178,5 @@ def parse_json(text: str, what: str) -> Any:
     except RecursionError:
         fail(f"{what} is nested too deeply to decode (about 1 000 levels at most); flatten it",
              USAGE)
+    except ValueError as exc:  # e.g. an integer of more than 4 300 digits
+        fail(f"{what} cannot be read as JSON ({exc})", USAGE)

@@ -244,6 +244,9 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
         except RecursionError:
             errors.append(f"line {n}: nested too deeply for JSON")
             continue
+        except ValueError as exc:  # e.g. an integer of more than 4 300 digits
+            errors.append(f"line {n}: cannot be read as JSON ({exc})")
+            continue
         s = stream
         if stream_from is not None:
             if not isinstance(value, dict) or value.get(stream_from) is None:

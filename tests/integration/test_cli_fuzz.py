@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import mtq
@@ -32,7 +32,8 @@ json_values = st.recursive(
 
 @st.composite
 def payloads(draw: Any) -> str:
-    kind = draw(st.sampled_from(["json", "json", "json", "deep", "text", "big-number"]))
+    kind = draw(st.sampled_from(["json", "json", "json", "deep", "text", "big-number",
+                                 "big-number"]))
     if kind == "json":
         return json.dumps(draw(json_values), ensure_ascii=draw(st.booleans()))
     if kind == "deep":
@@ -96,6 +97,7 @@ ID = re.compile(r"\b[A-Za-z0-9_-]{16}\b")
 
 
 @settings(max_examples=300, deadline=None,
+          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(argv=submit_args() | other_args(), stdin=payloads())
 def test_no_input_gets_a_traceback_or_a_partial_write(argv: list[str], stdin: str,
