@@ -375,7 +375,7 @@ class Queue:
         if settings is not None:
             spec = settings.replace(**overrides) if overrides else settings
         self.redis = client if client is not None else connect(url)
-        self.broker = Broker(self.redis, self.name, SettingsSource(self.redis, self.name,
+        self.broker = Broker(self.redis, self.name, SettingsSource.shared(self.redis, self.name,
                                                                    spec))
         self._registered = False
         self._reply: str | None = None

@@ -21,12 +21,13 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import redis
 
-from mtq.broker.connection import redis_errors
+from mtq.broker.connection import redis_errors, single_attempt
 from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.errors import ConfigError, MtqError
 from mtq.settings import QueueSettings
@@ -79,9 +80,13 @@ def read(client: redis.Redis, queue: str) -> dict[str, Any]:
     for k, v in raw.items():
         name = k.decode() if isinstance(k, bytes) else str(k)
         try:
-            out[name] = parse(name, v)
+            value = parse(name, v)
+            QueueSettings.from_dict({name: value})  # its range, on its own
         except ConfigError as exc:
-            log.warning("queue %r: stored setting ignored: %s", queue, exc)
+            log.warning("queue %r: stored setting ignored (%s); fix it with 'mtq queue "
+                        "config %s %s VALUE' or '--reset %s'", queue, exc, queue, name, name)
+            continue
+        out[name] = value
     return out
 
 
@@ -133,23 +138,53 @@ class SettingsSource:
         self._read_at = float("-inf")
         self._lock = threading.Lock()
 
+    @classmethod
+    def shared(cls, client: redis.Redis, queue: str, spec: SettingsSpec = None
+               ) -> SettingsSource:
+        """The source of ``queue``'s settings for ``client`` with these overrides, one
+        per process: a web app that makes a Queue per request reads the stored
+        settings once per REFRESH_S, not once per request. Fixed settings get a source
+        of their own (nothing to share)."""
+        if isinstance(spec, QueueSettings):
+            return cls(client, queue, spec)
+        if spec:  # refused before use as a key (a value must be a checked int or bool)
+            QueueSettings().replace(**spec)
+        overrides = tuple(sorted((spec or {}).items()))
+        with _shared_lock:
+            per_client = _shared.setdefault(client, {})
+            source = per_client.get((queue, overrides))
+            if source is None:
+                source = per_client[(queue, overrides)] = cls(client, queue, spec)
+            return source
+
     def get(self) -> QueueSettings:
         if self.fixed is not None:
             return self.fixed
         current = self._current
         if current is not None and time.monotonic() - self._read_at < REFRESH_S:
             return current
-        return self.refresh()
+        return self._read(force=False)
 
     def refresh(self) -> QueueSettings:
         """Read the stored settings now. If Redis cannot be reached, the settings read
         before stay (tried again after REFRESH_S); with none read yet, the error
         goes to the caller."""
+        return self._read(force=True)
+
+    def _read(self, force: bool) -> QueueSettings:
         if self.fixed is not None:
             return self.fixed
         with self._lock:
+            # another thread may have read them while this one waited for the lock
+            if not force and self._current is not None and \
+                    time.monotonic() - self._read_at < REFRESH_S:
+                return self._current
             try:
-                stored = read(self.client, self.queue)
+                if self._current is None:
+                    stored = read(self.client, self.queue)
+                else:  # a re-read tries once: the settings read before do meanwhile
+                    with single_attempt():
+                        stored = read(self.client, self.queue)
             except MtqError:
                 if self._current is None:
                     raise
@@ -166,6 +201,12 @@ class SettingsSource:
         if self.fixed is not None:
             return self.fixed
         return dict(self.overrides) or None
+
+
+_SharedKey = tuple[str, tuple[tuple[str, Any], ...]]  # (queue, sorted overrides)
+_shared: weakref.WeakKeyDictionary[redis.Redis, dict[_SharedKey, SettingsSource]] = \
+    weakref.WeakKeyDictionary()
+_shared_lock = threading.Lock()
 
 
 def to_wire(source: SettingsSource) -> dict[str, Any]:

@@ -98,6 +98,13 @@ def format_traceback(exc: BaseException) -> str:
     return text
 
 
+def _utf8(text: str) -> str:
+    """``text`` that Redis can take: a lone surrogate (bytes of a file name that were
+    not UTF-8, in an exception's message) written as its escape, not an error that
+    would leave the task unsettled."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 @dataclass(slots=True)
 class Chunk:
     """A token (or chunk) of a running task, streamed to its client; index -1 is a
@@ -139,7 +146,7 @@ class Consumer:
                  worker_id: str | None = None) -> None:
         self.queue = check_queue_name(queue)
         self.redis = client if client is not None else connect(url)
-        self.broker = Broker(self.redis, self.queue, SettingsSource(self.redis, self.queue,
+        self.broker = Broker(self.redis, self.queue, SettingsSource.shared(self.redis, self.queue,
                                                                     settings))
         self.worker_id = worker_id or default_worker_id()
         self.wake_key = self.broker.keys.worker_wake(self.worker_id)
@@ -168,6 +175,9 @@ class Consumer:
     def claim(self, batch_size: int, lease_ms: int | None = None) -> list[Claimed]:
         """Claim up to ``batch_size`` tasks (one round trip)."""
         sent = time.monotonic()
+        # the lease asked for and the one recorded must be the same (the settings may
+        # be re-read between two reads of them)
+        lease_ms = self.settings.lease_ms if lease_ms is None else lease_ms
         return self._claimed(self.broker.claim(self.worker_id, batch_size, lease_ms), sent,
                              lease_ms)
 
@@ -214,9 +224,9 @@ class Consumer:
             if o.cancelled:
                 nacks.append((t.id, t.token, CANCEL, ""))
                 continue
-            error = (o.error or "error")[:4000].replace("\0", " ")
+            error = _utf8((o.error or "error")[:4000]).replace("\0", " ")
             if o.traceback:  # nack.lua stores what follows a NUL as the traceback
-                error += "\0" + o.traceback[-TRACEBACK_MAX - 4:]
+                error += "\0" + _utf8(o.traceback[-TRACEBACK_MAX - 4:]).replace("\0", " ")
             allowed = self.settings.max_retries if t.retries is None else t.retries
             if o.retryable and t.attempts < allowed:
                 nacks.append((t.id, t.token, RETRY, f"{self.backoff_ms(t.attempts)}|{error}"))
@@ -295,6 +305,7 @@ class Consumer:
         if bad:
             outcomes = [o for o in outcomes if o.task.id not in bad] + failed
         acks, nacks = self._plan(outcomes)
+        lease_ms = self.settings.lease_ms if lease_ms is None else lease_ms
         calls = []
         if items:
             calls.append(self.broker.emit_call(items))
@@ -391,6 +402,7 @@ class Consumer:
         if not tasks:
             return [], []
         sent = time.monotonic()
+        lease_ms = self.settings.lease_ms if lease_ms is None else lease_ms
         codes = self.broker.extend([(t.id, t.token) for t in tasks], lease_ms)
         until = sent + self.lease_s(lease_ms)
         lost, cancel = [], []

@@ -137,15 +137,17 @@ def _reach(url: str | None, wait: bool) -> str:
     address, password or certificate is one line and exit 5. Returns the URL."""
     from mtq.broker.connection import connect, reach, resolve_url
 
+    limit: float | None = None
     try:
-        limit = float(os.environ.get("MTQ_REDIS_WAIT_S") or REACH_TIMEOUT_S)
-        if not 0 <= limit < float("inf"):
-            raise ValueError(limit)
+        if not wait:
+            limit = float(os.environ.get("MTQ_REDIS_WAIT_S") or REACH_TIMEOUT_S)
+            if not 0 <= limit < float("inf"):
+                raise ValueError(limit)
     except ValueError:
         fail("MTQ_REDIS_WAIT_S must be a number of seconds (0 or more)", USAGE)
     try:
         resolved = resolve_url(url)
-        reach(connect(resolved), resolved, say, timeout_s=None if wait else limit)
+        reach(connect(resolved), resolved, say, timeout_s=limit)
     except MtqError as exc:
         _fail(exc)
     return resolved
@@ -258,8 +260,13 @@ def workers_start(target: str, queue: str, url: str | None, devices_spec: str, r
     device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
     signal forces."""
     from mtq.workers.supervisor import Supervisor
+    from mtq.workers.target import find_target_module
 
     _import_from(app_dir)
+    try:  # (the module is imported in the worker processes, not here)
+        find_target_module(target)
+    except MtqError as exc:
+        _fail(exc, USAGE)
     url = _reach(url, wait_for_redis)
     try:
         sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,

@@ -132,9 +132,10 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     if not wait:
         click.echo(json.dumps({"id": task.id, "queue": queue}) if as_json else task.id)
         return
-    # the id first, so that a user who stops waiting can find or cancel the task
-    err_console.print(f"task {task.id} queued on {queue!r}", markup=False, highlight=False)
     try:
+        # the id first, so that a user who stops waiting can find or cancel the task
+        err_console.print(f"task {task.id} queued on {queue!r}", markup=False,
+                          highlight=False)
         _hint_if_unserved(q)
         if follow:
             sys.exit(_follow(task, timeout, as_json, raw))
@@ -233,7 +234,11 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
 
     items: list[Request] = []
     errors: list[str] = []
-    for n, line in enumerate(file, 1):
+    try:
+        lines = list(enumerate(file, 1))
+    except UnicodeDecodeError as exc:
+        fail(f"{file.name} is not UTF-8 text ({exc}); nothing was submitted", USAGE)
+    for n, line in lines:
         if not line.strip():
             continue
         try:
@@ -286,7 +291,14 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
                                "per_s": round(len(sent) / max(seconds, 1e-9))}
     code = OK
     if wait is not None:
-        summary.update(_wait_all(sent, wait, as_json))
+        try:
+            summary.update(_wait_all(sent, wait, as_json))
+        except KeyboardInterrupt:
+            err_console.print(f"\nstopped waiting; the {len(sent)} task(s) go on "
+                              "(--json lists their ids)", markup=False, highlight=False)
+            if as_json:
+                echo_json({**summary, "interrupted": True, "ids": [t.id for t in sent]})
+            sys.exit(INTERRUPTED)
         if summary["timed_out"]:
             code = TIMEOUT
         elif summary["failed"]:
@@ -488,7 +500,8 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
     console.print(timeline)
     if info.traceback:
         console.print("traceback (the last exception its handler raised):")
-        console.print(info.traceback, markup=False, highlight=False, soft_wrap=True)
+        console.print(printable(info.traceback), markup=False, highlight=False,
+                      soft_wrap=True)
 
 
 # -- cancel ----------------------------------------------------------------------------
@@ -561,11 +574,11 @@ def dlq_list(queue: str, count: int, verbose: bool, url: str | None, as_json: bo
     console.print(table)
     if verbose:
         for row in rows:
-            console.print(f"\n{row['id']}: {row['error'] or '-'}", markup=False,
+            console.print(printable(f"\n{row['id']}: {row['error'] or '-'}"), markup=False,
                           highlight=False, soft_wrap=True)
-            console.print(row["traceback"] or "(no traceback: the task killed its process "
-                          "or its lease ran out)", markup=False, highlight=False,
-                          soft_wrap=True)
+            console.print(printable(row["traceback"] or "(no traceback: the task killed its "
+                                    "process or its lease ran out)"), markup=False,
+                          highlight=False, soft_wrap=True)
 
 
 def _dlq_action(action: str, queue: str, ids: tuple[str, ...], all_: bool, url: str | None,

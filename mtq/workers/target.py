@@ -8,6 +8,7 @@ which the supervisor reports once instead of restarting into a crash loop.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import sys
 from dataclasses import dataclass
@@ -36,11 +37,37 @@ def add_app_dir(path: str | os.PathLike[str] = ".") -> str:
     return full
 
 
-def _resolve(spec: str, reload: bool = False) -> Any:
+def _split(spec: str) -> tuple[str, str]:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise TargetError(f"bad target {spec!r}: write it as package.module:attr, "
                           "e.g. myapp.models:Embedder")
+    return module_name, attr
+
+
+def _not_found_hint() -> str:
+    return (f" (mtq looks in the current directory, {os.getcwd()}, and on PYTHONPATH: "
+            "run it from the directory that holds the code, or pass --app-dir DIR)")
+
+
+def find_target_module(spec: str) -> None:
+    """Check that ``spec`` is well formed and its module can be found, without
+    running the module (a supervisor imports it in its worker processes only).
+    Raises TargetError."""
+    module_name, _ = _split(spec)
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError) as exc:  # a parent package is missing or broken
+        found, error = None, f"{type(exc).__name__}: {exc}"
+    else:
+        error = f"ModuleNotFoundError: No module named {module_name!r}"
+    if found is None:
+        raise TargetError(f"cannot import {module_name!r} for target {spec!r}: "
+                          f"{error}{_not_found_hint()}")
+
+
+def _resolve(spec: str, reload: bool = False) -> Any:
+    module_name, attr = _split(spec)
     try:
         if reload and module_name in sys.modules:
             module = importlib.reload(sys.modules[module_name])
@@ -50,9 +77,7 @@ def _resolve(spec: str, reload: bool = False) -> Any:
         hint = ""
         if isinstance(exc, ModuleNotFoundError) and exc.name and \
                 module_name.startswith(exc.name):
-            hint = (f" (mtq looks in the current directory, {os.getcwd()}, and on "
-                    "PYTHONPATH: run it from the directory that holds the code, or pass "
-                    "--app-dir DIR)")
+            hint = _not_found_hint()
         raise TargetError(f"cannot import {module_name!r} for target {spec!r}: "
                           f"{type(exc).__name__}: {exc}{hint}") from exc
     obj: Any = module

@@ -31,6 +31,7 @@ import queue as queue_mod
 import socket
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ from mtq.errors import (
     RedisUnavailable,
     TargetError,
 )
+from mtq.settings import QueueSettings
 from mtq.workers import devices, registry
 from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
 from mtq.workers.generator import Generator
@@ -527,6 +529,9 @@ class Worker:
         if exc is not self._last_failure:
             self._last_failure = exc
             self._last_traceback = format_traceback(exc)
+            # its frames' locals (a batch's inputs, tensors on the device) are freed
+            # now, not when the next failure replaces it (after a CUDA OOM, that matters)
+            traceback.clear_frames(exc.__traceback__)
             log.warning("task %s failed (%s attempt(s) before this one):\n%s", task.id,
                         task.attempts, self._last_traceback)
         return self._last_traceback
@@ -721,12 +726,14 @@ class Worker:
 
     # -- heartbeat -----------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
-        s = self.consumer.settings
-        interval = min(BEAT_S, s.lease_ms / 3000)
-        reap_every = max(interval, s.lease_ms / 2000)
         last_reap = time.monotonic()
         last_tasks, last_t = 0, time.monotonic()
         while True:
+            # the queue's lease may change while it runs (mtq queue config): the beat
+            # follows it, or leases shortened under it would expire
+            lease_ms = self._lease_ms()
+            interval = min(BEAT_S, lease_ms / 3000)
+            reap_every = max(interval, lease_ms / 2000)
             try:
                 self._extend()
                 now = time.monotonic()
@@ -743,6 +750,12 @@ class Worker:
                 log.warning("heartbeat failed; will retry", exc_info=True)
             if self._beat_stop.wait(interval):
                 return
+
+    def _lease_ms(self) -> int:
+        try:
+            return self.consumer.settings.lease_ms
+        except MtqError:  # the settings could never be read: Redis away since the start
+            return QueueSettings.lease_ms
 
     def _extend(self) -> None:
         with self._lock:

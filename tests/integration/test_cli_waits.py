@@ -4,9 +4,12 @@ first (so the user can find or cancel the task), ``--timeout`` bounds the wait
 
 from __future__ import annotations
 
+import json
+import select
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +39,8 @@ def test_ctrl_c_stops_waiting_with_exit_130(redis_url: str, qname: str) -> None:
                              redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     assert proc.stderr is not None
+    ready, _, _ = select.select([proc.stderr], [], [], 30)
+    assert ready, "no line from mtq submit within 30 s"
     first = proc.stderr.readline()           # printed before the wait begins
     task_id = first.split()[1]
     q = mtq.Queue(qname, redis_url)
@@ -45,3 +50,30 @@ def test_ctrl_c_stops_waiting_with_exit_130(redis_url: str, qname: str) -> None:
     assert proc.returncode == 130, (out, err)
     assert f"stopped waiting; task {task_id} goes on" in err and "Traceback" not in err, err
     assert q.task(task_id).status() == "queued"
+
+
+def test_a_file_that_is_not_utf8_is_bad_input(redis_url: str, qname: str,
+                                              tmp_path: Path) -> None:
+    f = tmp_path / "requests.jsonl"
+    f.write_bytes(b'{"a": 1}\n{"b": "\xff\xfe"}\n')
+    done = subprocess.run([PY, "-m", "mtq", "submit", qname, "--file", str(f), "--redis",
+                           redis_url], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "not UTF-8" in done.stderr, done
+    assert "Traceback" not in done.stderr and mtq.Queue(qname, redis_url).stats()[
+        "submitted"] == 0
+
+
+def test_ctrl_c_while_waiting_for_a_file_exits_130(redis_url: str, qname: str,
+                                                   tmp_path: Path) -> None:
+    f = tmp_path / "requests.jsonl"
+    f.write_text('{"a": 1}\n{"a": 2}\n')
+    proc = subprocess.Popen([PY, "-m", "mtq", "submit", qname, "--file", str(f), "--wait",
+                             "--json", "--redis", redis_url], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    q = mtq.Queue(qname, redis_url)
+    wait_for(lambda: q.stats()["waiting"] == 2, 20, "the tasks were not queued")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, (out, err)
+    assert "stopped waiting; the 2 task(s) go on" in err and "Traceback" not in err, err
+    assert len(json.loads(out)["ids"]) == 2, out

@@ -118,3 +118,47 @@ def test_workers_use_it_a_killed_worker_under_a_short_stored_lease(
     finally:
         sup.terminate()
         sup.wait(30)
+
+
+def test_a_lease_shortened_under_a_running_task_is_kept(redis_url: str, qname: str,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """The heartbeat follows the queue's lease: cut from 8 s to 0.7 s while a 3 s task
+    runs (and another worker waits to take over expired leases), the task is not
+    taken from its worker and runs once."""
+    import threading
+
+    from mtq.workers.model import FunctionModel
+    from mtq.workers.worker import Worker
+    from tests.conftest import serving
+
+    monkeypatch.setattr(config, "REFRESH_S", 0.2)
+    q = mtq.Queue(qname, redis_url)
+    started = threading.Event()
+
+    def slow(p: dict[str, int]) -> int:
+        started.set()
+        time.sleep(3)  # the work itself, while the lease changes under it
+        return p["x"]
+
+    t = q.submit({"x": 7})
+    with serving(Worker(FunctionModel(slow), qname, url=redis_url)):
+        assert started.wait(20), "the task did not start"
+        q.configure(lease_ms=700)
+        with serving(Worker(FunctionModel(lambda p: -1), qname, url=redis_url)):
+            assert t.result(timeout=20) == 7
+    info = t.info()
+    assert info.deliveries == 1, f"taken from its worker: {info}"
+
+
+def test_a_bad_stored_value_is_skipped_not_fatal(redis_url: str, qname: str,
+                                                 r: redis.Redis) -> None:
+    r.hset(f"mtq:{{{qname}}}:config", mapping={"lease_ms": "0", "max_retries": "2",
+                                                "future_key": "1"})
+    q = mtq.Queue(qname, redis_url)
+    assert q.submit({"x": 1})                      # producers go on
+    assert (q.settings.lease_ms, q.settings.max_retries) == (QueueSettings().lease_ms, 2)
+    code, out = run("queue", "config", qname, "--json", "--redis", redis_url)
+    assert code == 0 and json.loads(out)["stored"] == {"max_retries": 2}, out
+    code, out = run("queue", "config", qname, "lease_ms", "9000", "--redis", redis_url)
+    assert code == 0 and "9,000" in out, out       # fixed by setting it again

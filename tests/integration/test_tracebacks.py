@@ -14,6 +14,7 @@ import pytest
 
 import mtq
 from mtq.broker.consumer import TRACEBACK_MAX
+from mtq.settings import QueueSettings
 from mtq.workers.model import FunctionModel
 from mtq.workers.worker import Worker
 from tests.conftest import serving, wait_for
@@ -89,3 +90,36 @@ def test_a_generator_failure_keeps_its_traceback(redis_url: str, qname: str) -> 
             t.result(timeout=30)
     tb = t.info().traceback
     assert tb is not None and "in prefill" in tb and tb.endswith("ValueError: boom in prefill")
+
+
+def test_a_poison_death_does_not_keep_an_older_traceback(redis_url: str, qname: str) -> None:
+    """Attempt 1 raises (its traceback is kept while it waits to retry); attempt 2's
+    process dies (its lease runs out): the task is dead as poison, and the traceback
+    of attempt 1 is not shown under that error."""
+    from mtq.broker.consumer import Consumer, Outcome
+
+    fixed = QueueSettings(max_deliveries=2, retry_backoff_ms=0, retry_backoff_max_ms=0)
+    t = mtq.Queue(qname, redis_url, settings=fixed).submit({"x": 1})
+    c = Consumer(qname, redis_url, settings=fixed)
+    (first,) = c.claim(1)
+    c.settle([Outcome(first, ok=False, error="ValueError: first", traceback="TB of 1")])
+    assert t.info().traceback == "TB of 1"
+    second = wait_for(lambda: c.claim(1, lease_ms=30), 10, "the retry was not claimed")
+    assert second[0].id == t.id
+    wait_for(lambda: c.reap() or t.status() == "dead", 10, "the lease did not run out")
+    info = t.info()
+    assert info.status == "dead" and info.error.startswith("PoisonTask"), info
+    assert info.traceback is None, info.traceback
+
+
+def test_an_error_that_is_not_utf8_still_settles(redis_url: str, qname: str) -> None:
+    def bad_name(p: dict[str, int]) -> int:
+        raise ValueError("cannot open file \udcff.bin")  # a file name's stray byte
+
+    t = mtq.Queue(qname, redis_url).submit({"x": 1}, retries=0)
+    with serving(Worker(FunctionModel(bad_name), qname, url=redis_url)):
+        with pytest.raises(mtq.TaskFailed):
+            t.result(timeout=30)
+    info = t.info()
+    assert info.status == "dead" and "\\udcff" in (info.error or ""), info
+    assert info.traceback is not None and "\\udcff" in info.traceback

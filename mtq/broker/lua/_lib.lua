@@ -265,6 +265,8 @@ local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
     redis.call('HINCRBY', K_STATS, 'cancelled', 1)
     what = 'cancelled'
   elseif tonumber(f[3] or '0') >= max_deliveries then
+    -- a handler's traceback from an earlier attempt is not this death's
+    redis.call('HDEL', K_TASK .. id, 'traceback')
     dead_letter(id, now, dead_ttl, dead_max,
       'PoisonTask: ' .. why .. ' on each of ' .. f[3] .. ' deliveries')
     what = 'dead'
