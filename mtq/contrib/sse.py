@@ -287,13 +287,14 @@ class EventStream:
         return error_event("unavailable", str(exc), True)
 
     def __iter__(self) -> Iterator[bytes]:
-        yield self._preamble()
-        if self._broken is not None:
-            yield self._failure(self._broken)
-            return
-        events = cast(Generator[Event, None, None], self.task.events(
-            self.timeout, start=self.start, idle=self.keepalive_s, fail_fast=True))
+        events: Generator[Event, None, None] | None = None
         try:
+            yield self._preamble()
+            if self._broken is not None:
+                yield self._failure(self._broken)
+                return
+            events = cast(Generator[Event, None, None], self.task.events(
+                self.timeout, start=self.start, idle=self.keepalive_s, fail_fast=True))
             for ev in events:
                 chunk = self._chunk(ev)
                 if chunk is not None:
@@ -304,7 +305,8 @@ class EventStream:
             self.disconnected()
             raise
         finally:
-            events.close()
+            if events is not None:
+                events.close()
 
     async def _aiter(self) -> AsyncIterator[bytes]:
         yield self._preamble()
