@@ -253,6 +253,7 @@ class EventStream:
         #: the task was cancelled because the client went away
         self.cancelled = False
         self._broken: BrokerError | None = None
+        self._sync: Generator[bytes, None, None] | None = None
 
     # -- before the response ---------------------------------------------------------
     def open(self) -> None:
@@ -287,6 +288,18 @@ class EventStream:
         return error_event("unavailable", str(exc), True)
 
     def __iter__(self) -> Iterator[bytes]:
+        self._sync = self._iter()
+        return self._sync
+
+    def close(self) -> None:
+        """End the sync iteration: a WSGI server calls it when the response is over,
+        also when the client went away (then, with ``cancel_on_disconnect``, the
+        task is cancelled). PEP 3333 calls ``close()`` on the object the application
+        returned, so return the EventStream itself."""
+        if self._sync is not None:
+            self._sync.close()
+
+    def _iter(self) -> Generator[bytes, None, None]:
         events: Generator[Event, None, None] | None = None
         try:
             yield self._preamble()

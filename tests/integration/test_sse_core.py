@@ -93,13 +93,17 @@ def test_closing_the_sync_stream_before_the_end_cancels_when_asked(
         qname: str, client: redis.Redis) -> None:
     q = mtq.Queue(qname, client=client, settings=FAST)
     keep, drop = q.submit("keep"), q.submit("drop")
-    for task, cancel in ((keep, False), (drop, True)):
+    also = q.submit("drop too")
+    for task, cancel in ((keep, False), (drop, True), (also, True)):
         s = EventStream(task, cancel_on_disconnect=cancel)
         s.open()
         it = iter(s)
         assert next(it).startswith(b"retry:")
-        it.close()  # what a WSGI server does when the client has gone
+        if task is also:
+            it.close()  # the generator itself
+        else:
+            s.close()  # what a WSGI server does when the client has gone (PEP 3333)
         assert s.cancelled is cancel
     assert keep.status() == "queued"
-    assert drop.status() == "cancelled"
+    assert drop.status() == "cancelled" and also.status() == "cancelled"
     assert q.hub.watching() == 0
