@@ -31,11 +31,11 @@ from mtq.errors import (
     TaskNotFound,
 )
 from mtq.replies import (
-    RESYNC_S,
     AsyncFeed,
     CallbackFeed,
     Event,
     Hub,
+    Pacer,
     StreamState,
     SyncFeed,
     hub_of,
@@ -167,9 +167,10 @@ class Task:
         )
 
     # -- waiting -------------------------------------------------------------------
-    def _snapshot(self, state: StreamState) -> list[Event]:
+    def _snapshot(self, state: StreamState, fail_fast: bool = False) -> list[Event]:
         """The stored state's news for ``state``, read again while Redis cannot be
-        reached (a dropped connection, a restart), for up to READ_RETRY_S."""
+        reached (a dropped connection, a restart), for up to READ_RETRY_S; only once
+        (with redis-py's own retries, a few seconds) when ``fail_fast``."""
         b = self.queue.broker
         backoff = Backoff()
         start = time.monotonic()
@@ -178,7 +179,7 @@ class Task:
                 snap = b.watch(self.id, b.keys.reply(self.queue.hub.id), state.tokens_from)
                 break
             except RedisUnavailable:
-                if time.monotonic() - start > READ_RETRY_S:
+                if fail_fast or time.monotonic() - start > READ_RETRY_S:
                     raise
                 time.sleep(backoff.next())
         if snap is None:
@@ -199,38 +200,56 @@ class Task:
             status = "unknown"
         return ResultTimeout(self.id, timeout or 0.0, status)
 
-    def events(self, timeout: float | None = None, *, tokens: bool = True) -> Iterator[Event]:
+    @staticmethod
+    def _check_start(start: int) -> None:
+        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+            raise ConfigError(f"start must be a token index >= 0, got {start!r}")
+
+    def events(self, timeout: float | None = None, *, tokens: bool = True, start: int = 0,
+               idle: float | None = None, fail_fast: bool = False) -> Iterator[Event]:
         """Iterate over the task's events until its terminal one (included).
 
         Starts from the stored state: the tokens streamed so far (replayed with
         ``ts`` 0.0), and the terminal event if the task already ended; then live
         events as they are published, each token index exactly once and in order.
         ``timeout``: seconds for the whole iteration (ResultTimeout past it).
-        ``tokens=False`` leaves token events out. Raises TaskNotFound, BrokerError.
+        ``tokens=False`` leaves token events out. ``start``: the first token index
+        wanted (a reader resuming a stream it had up to ``start - 1``: no gap, no
+        repeat). ``idle``: yield an ``Event("idle", ...)`` after that many seconds
+        in which nothing was yielded (a keep-alive hook). ``fail_fast``: raise
+        RedisUnavailable as soon as Redis is found unreachable (the reply connection
+        lost and one read failed) instead of retrying reads for up to 60 s. Raises
+        TaskNotFound, BrokerError.
         """
+        self._check_start(start)
         hub = self.queue.hub
         self.queue.reply_channel()
-        state = StreamState(self.id, tokens)
-        feed = SyncFeed((self.queue.name, self.id))
+        state = StreamState(self.id, tokens, start)
+        feed = SyncFeed((self.queue.name, self.id), fail_fast)
+        pace = Pacer(timeout, idle)
         hub.open(feed)
         try:
-            yield from self._snapshot(state)
-            deadline = None if timeout is None else time.monotonic() + timeout
+            yield from pace.handed(self._snapshot(state, fail_fast))
             while not state.done:
-                wait = RESYNC_S
-                if deadline is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise self._timeout(timeout)
-                    wait = min(wait, remaining)
+                wait = pace.wait()
+                if wait is None:
+                    raise self._timeout(timeout)
                 item = feed.get(wait)
-                if item is None or isinstance(item, str):  # quiet for long, or reconnected
-                    yield from self._snapshot(state)
+                if item is None:  # quiet: keep-alive tick, or the safety net's read
+                    quiet = pace.quiet()
+                    if quiet == "idle":
+                        yield Event("idle", self.id)
+                    elif quiet == "read":
+                        yield from pace.handed(self._snapshot(state, fail_fast))
+                    continue
+                pace.item()
+                if isinstance(item, str):  # reconnected (or, fail-fast, lost): read
+                    yield from pace.handed(self._snapshot(state, fail_fast))
                     continue
                 out, again = state.accept(item)
-                yield from out
+                yield from pace.handed(out)
                 if again:
-                    yield from self._snapshot(state)
+                    yield from pace.handed(self._snapshot(state, fail_fast))
         finally:
             hub.close(feed)
 
@@ -259,36 +278,41 @@ class Task:
                 return self._outcome(ev)
         raise AssertionError("unreachable: events() ends with a terminal event")
 
-    async def aevents(self, timeout: float | None = None, *, tokens: bool = True
+    async def aevents(self, timeout: float | None = None, *, tokens: bool = True,
+                      start: int = 0, idle: float | None = None, fail_fast: bool = False
                       ) -> AsyncIterator[Event]:
         """:meth:`events` for asyncio (the Redis reads run in a thread)."""
+        self._check_start(start)
         hub = self.queue.hub
         await asyncio.to_thread(self.queue.reply_channel)
-        state = StreamState(self.id, tokens)
-        feed = AsyncFeed((self.queue.name, self.id), asyncio.get_running_loop())
+        state = StreamState(self.id, tokens, start)
+        feed = AsyncFeed((self.queue.name, self.id), asyncio.get_running_loop(), fail_fast)
+        pace = Pacer(timeout, idle)
         hub.open(feed)
         try:
-            for ev in await asyncio.to_thread(self._snapshot, state):
+            for ev in pace.handed(await asyncio.to_thread(self._snapshot, state, fail_fast)):
                 yield ev
-            deadline = None if timeout is None else time.monotonic() + timeout
             while not state.done:
-                wait = RESYNC_S
-                if deadline is not None:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise await asyncio.to_thread(self._timeout, timeout)
-                    wait = min(wait, remaining)
+                wait = pace.wait()
+                if wait is None:
+                    raise await asyncio.to_thread(self._timeout, timeout)
                 item = await feed.get(wait)
-                if item is None or isinstance(item, str):
-                    for ev in await asyncio.to_thread(self._snapshot, state):
-                        yield ev
-                    continue
-                out, again = state.accept(item)
-                for ev in out:
+                out: list[Event] = []
+                if item is None:
+                    quiet = pace.quiet()
+                    if quiet == "idle":
+                        out = [Event("idle", self.id)]
+                    elif quiet == "read":
+                        out = await asyncio.to_thread(self._snapshot, state, fail_fast)
+                else:
+                    pace.item()
+                    again = isinstance(item, str)
+                    if not isinstance(item, str):
+                        out, again = state.accept(item)
+                    if again:
+                        out = out + await asyncio.to_thread(self._snapshot, state, fail_fast)
+                for ev in pace.handed(out):
                     yield ev
-                if again:
-                    for ev in await asyncio.to_thread(self._snapshot, state):
-                        yield ev
         finally:
             hub.close(feed)
 

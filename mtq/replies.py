@@ -23,6 +23,7 @@ import logging
 import queue as queue_mod
 import secrets
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,7 +55,8 @@ class Event:
     """One thing that happened to a task.
 
     ``kind``: queued, started, token, progress, restarted, or a terminal state
-    (succeeded, failed, dead, cancelled, expired). ``data``: the token or progress
+    (succeeded, failed, dead, cancelled, expired); ``idle`` only for a reader that
+    asked for keep-alive ticks (``Task.events(idle=...)``): nothing happened. ``data``: the token or progress
     value, the result (succeeded) or the error text (failed, dead, expired).
     ``index``: a token's position in the task's stream (0, 1, ...). ``delivery``:
     which delivery of the task it belongs to (started, restarted). ``ts``: Redis
@@ -77,6 +79,10 @@ class Event:
 
 #: a feed's marker meaning "re-read the stored state" (after a reconnect)
 RESYNC = "resync"
+#: a feed's marker meaning "the reply connection was lost and redis-py's retries gave
+#: up": pushed only to feeds opened with ``fail_fast`` (a web response that would rather
+#: end and let its client reconnect than wait for Redis)
+LOST = "lost"
 
 
 class _Fetch:
@@ -133,10 +139,12 @@ class StreamState:
     Sans-IO: the sync and async iterators and the callback runner share it.
     """
 
-    def __init__(self, task_id: str, tokens: bool) -> None:
+    def __init__(self, task_id: str, tokens: bool, start: int = 0) -> None:
         self.task_id = task_id
         self.tokens = tokens
-        self.next_index = 0
+        #: ``start``: tokens before this index are neither read nor handed on (a
+        #: reader that resumes a stream it had up to ``start - 1``)
+        self.next_index = start
         self.done = False
         #: server time (s) of the last stored state read: older live events are stale
         self.since = 0.0
@@ -186,13 +194,62 @@ class StreamState:
         return [ev], False
 
 
+class Pacer:
+    """When a reader of events wakes up without news: its timeout, its keep-alive tick
+    (``idle``) and the re-read safety net (RESYNC_S). Sans-IO, shared by the sync and
+    async iterators."""
+
+    def __init__(self, timeout: float | None, idle: float | None) -> None:
+        now = time.monotonic()
+        self.deadline = None if timeout is None else now + timeout
+        self.idle = idle
+        self.heard = now  # the last item from the feed (or the start)
+        self.said = now   # the last event handed on (or idle tick)
+
+    def wait(self) -> float | None:
+        """Seconds to wait for the feed's next item; None once the timeout has passed."""
+        now = time.monotonic()
+        wait = self.heard + RESYNC_S - now
+        if self.idle is not None:
+            wait = min(wait, self.said + self.idle - now)
+        if self.deadline is not None:
+            if now >= self.deadline:
+                return None
+            wait = min(wait, self.deadline - now)
+        return max(wait, 0.0)
+
+    def item(self) -> None:
+        """The feed gave an item."""
+        self.heard = time.monotonic()
+
+    def handed(self, events: list[Event]) -> list[Event]:
+        """``events`` are handed on (returned as they are)."""
+        if events:
+            self.said = time.monotonic()
+        return events
+
+    def quiet(self) -> str:
+        """The wait ended with no item: ``read`` (re-read the stored state), ``idle``
+        (tell the reader nothing happened) or ``""`` (wait again)."""
+        now = time.monotonic()
+        if now - self.heard >= RESYNC_S:
+            self.heard = now
+            return "read"
+        if self.idle is not None and now - self.said >= self.idle:
+            self.said = now
+            return "idle"
+        return ""
+
+
 class Feed:
-    """Where the hub puts the events of one task for one reader."""
+    """Where the hub puts the events of one task for one reader. ``fail_fast``: it
+    also gets :data:`LOST` when the hub's connection is lost."""
 
-    __slots__ = ("key",)
+    __slots__ = ("fail_fast", "key")
 
-    def __init__(self, key: tuple[str, str]) -> None:
+    def __init__(self, key: tuple[str, str], fail_fast: bool = False) -> None:
         self.key = key
+        self.fail_fast = fail_fast
 
     def push(self, item: Event | str) -> None:
         raise NotImplementedError
@@ -203,8 +260,8 @@ class SyncFeed(Feed):
 
     __slots__ = ("cond", "items")
 
-    def __init__(self, key: tuple[str, str]) -> None:
-        super().__init__(key)
+    def __init__(self, key: tuple[str, str], fail_fast: bool = False) -> None:
+        super().__init__(key, fail_fast)
         self.items: collections.deque[Event | str] = collections.deque()
         self.cond = threading.Condition(threading.Lock())
 
@@ -226,8 +283,9 @@ class AsyncFeed(Feed):
 
     __slots__ = ("loop", "queue")
 
-    def __init__(self, key: tuple[str, str], loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(key)
+    def __init__(self, key: tuple[str, str], loop: asyncio.AbstractEventLoop,
+                 fail_fast: bool = False) -> None:
+        super().__init__(key, fail_fast)
         self.loop = loop
         self.queue: asyncio.Queue[Event | str] = asyncio.Queue()
 
@@ -354,6 +412,8 @@ class Hub:
                 if self._closed.is_set():
                     return
                 delay = backoff.next()  # the first retry at once, then up to 1 s apart
+                if backoff.failures == 1:
+                    self._lost()
                 (log.warning if backoff.failures == 2 else log.debug)(
                     "reply channel lost (%s); reconnecting in %.2f s", exc, delay)
                 self._closed.wait(delay)  # close_all() ends it at once
@@ -366,6 +426,14 @@ class Hub:
                     # dropped): the end asked for, not a message that failed
                     return
                 log.exception("a reply message could not be handled")
+
+    def _lost(self) -> None:
+        """Tell the fail-fast feeds that the connection is gone (redis-py's own retries,
+        a few seconds, already failed); the others wait for the resubscription."""
+        with self._lock:
+            feeds = [f for fs in self._feeds.values() for f in fs if f.fail_fast]
+        for f in feeds:
+            f.push(LOST)
 
     def _confirm(self, channel: bytes, ps: Any) -> None:
         if channel == self.hub_channel.encode():

@@ -189,6 +189,14 @@ class Counter(mtq.Generator):
         return {"tokens": list(r.tokens), "s": r.payload.get("s"), "i": r.payload.get("i")}
 
 
+class SingleCounter(Counter):
+    """A :class:`Counter` with one slot: one request generates at a time, the next
+    waits for it (a generator whose slot a cancel must free)."""
+
+    max_running = 1
+    name = "single-counter"
+
+
 class Batch8(Probe):
     """Batches of up to 8; each predict call takes 30 ms whatever its size."""
 
