@@ -128,7 +128,8 @@ def test_tokens_arrive_progressively_and_the_stream_ends_with_the_result(
     assert done.event == "done" and done.id is None
     assert done.json() == {"status": "succeeded",
                            "result": {"tokens": list(range(30)), "s": None, "i": None}}
-    assert [e.json()["delivery"] for e in got.of("started")] == [1]
+    # "started" is live news: a stream opened after the worker took the task has none
+    assert [e.json()["delivery"] for e in got.of("started")] in ([1], []), got.of("started")
     # progressive: the tokens came in many network reads, not one at the end
     chunks = {e.chunk for e in got.of("token")}
     assert len(chunks) > 5, chunks
