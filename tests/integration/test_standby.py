@@ -8,6 +8,7 @@ the registry (it claims nothing) until the supervisor promotes it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -93,7 +94,11 @@ def test_standby_0_starts_none_and_a_reload_refreshes_the_standby(
     sup = supervise("tests.models:Probe", qname + "-2", env={"MTQ_TEST_LOG": str(log2)})
     wait_workers(r, qname + "-2", 1, sup)
     wait_for(lambda: len(setups(log2)) == 2, 30, "no standby was set up")
-    old_standby = setups(log2)[1]
+    # which of the two set-ups is the standby's: its own line says (either may be first)
+    ready = wait_for(lambda: re.search(r"standby ready on cpu \(pid (\d+)\)", sup.output()),
+                     30, f"no standby ready\n{sup.output()}")
+    old_standby = int(ready.group(1))
+    assert old_standby in setups(log2)
     assert control.send(r, qname + "-2", "reload") == 1
     wait_for(lambda: len(setups(log2)) >= 3 and not Path(f"/proc/{old_standby}").exists(), 30,
              f"the standby was not replaced after a reload\n{sup.output()}")
