@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -49,6 +48,7 @@ from mtq.contrib.sse import (
     headers,
     http_error,
     parse_last_event_id,
+    stream_name,
     to_json,
 )
 from mtq.errors import (
@@ -57,7 +57,7 @@ from mtq.errors import (
     ResultTimeout,
     TaskFailed,
 )
-from mtq.validation import check_stream_name, check_task_id
+from mtq.validation import check_task_id
 
 log = logging.getLogger(__name__)
 
@@ -207,15 +207,6 @@ class EventStreamResponse(Response):
 
 
 # -- submitting into the user's stream -----------------------------------------------------
-def _stream_name(kind: str, value: object) -> str:
-    name = f"{kind}:{value}"
-    try:
-        return check_stream_name(name)
-    except InvalidName:  # spaces, too long, not UTF-8: a stable digest instead
-        digest = hashlib.sha256(repr(value).encode("utf-8", "backslashreplace")).hexdigest()
-        return f"{kind}:sha256:{digest[:40]}"
-
-
 def user_stream(request: Request) -> str | None:
     """The default stream of a request: its authenticated user (``user:<identity>``,
     Starlette's AuthenticationMiddleware), else its session (``session:<id>``, an id
@@ -226,7 +217,7 @@ def user_stream(request: Request) -> str | None:
     if user is not None and getattr(user, "is_authenticated", False):
         ident = getattr(user, "identity", None) or getattr(user, "display_name", None)
         if ident:
-            return _stream_name("user", ident)
+            return stream_name("user", ident)
     session = request.scope.get("session")
     if session is not None:
         from mtq.client import new_task_id
@@ -234,7 +225,7 @@ def user_stream(request: Request) -> str | None:
         sid = session.get(SESSION_KEY)
         if not isinstance(sid, str) or not sid:
             sid = session[SESSION_KEY] = new_task_id()
-        return _stream_name("session", sid)
+        return stream_name("session", sid)
     return None
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
@@ -60,6 +61,7 @@ from mtq.errors import (
     TaskNotFound,
 )
 from mtq.replies import Event
+from mtq.validation import check_stream_name
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,18 @@ MEDIA_TYPE = "text/event-stream"
 
 #: the events a stream sends (``event:`` names)
 EVENT_NAMES = ("started", "token", "progress", "restarted", "done", "error")
+
+
+def stream_name(kind: str, value: object) -> str:
+    """The stream of a user or a session, ``kind:value`` (``user:ann``,
+    ``session:<id>``): FIFO per user. A name that is not a valid stream name (spaces,
+    over 256 bytes, not UTF-8) is replaced by a stable digest, ``kind:sha256:...``."""
+    name = f"{kind}:{value}"
+    try:
+        return check_stream_name(name)
+    except InvalidName:
+        digest = hashlib.sha256(repr(value).encode("utf-8", "backslashreplace")).hexdigest()
+        return f"{kind}:sha256:{digest[:40]}"
 
 
 class BadLastEventId(MtqError, ValueError):
