@@ -1,0 +1,267 @@
+"""Flask: an extension, a server-sent events response, and ``flask mtq`` commands.
+
+* :class:`MTQ`: ``MTQ(app)`` or ``MTQ().init_app(app)`` reads ``MTQ_REDIS_URL`` and
+  ``MTQ_QUEUE`` (the default queue) from ``app.config``; ``mtq_ext.queue(name)`` is
+  the app's :class:`mtq.Queue` of that name (one per app and name, sharing the app's
+  one Redis client); ``mtq_ext.submit(payload)`` in a view submits into the
+  requesting user's own stream (FIFO per user, see :func:`user_stream`). It answers
+  mtq's errors as JSON (:func:`register_error_handlers`: a full queue is a 503 with
+  Retry-After) and adds ``flask mtq status`` and ``flask mtq workers TARGET``.
+* :func:`event_stream_response`: a task's events as ``text/event-stream``
+  (:class:`mtq.contrib.sse.EventStream`, format there), resuming from
+  ``Last-Event-ID``; its body is the EventStream itself, so the WSGI server's
+  ``close()`` reaches it and, with ``cancel_on_disconnect``, cancels the task of a
+  client that went away.
+
+Flask is sync here (WSGI): each open stream holds one server thread for its length,
+so serve it with threads (``gunicorn -k gthread --threads N``) or gevent, not one
+sync worker per stream. The streams of a process share its one reply subscription
+(mtq's reply hub), not a Redis connection each.
+
+The commands are mtq's own click commands (``mtq status``, ``mtq workers start``)
+with their ``--redis`` (and ``--queue``) defaults taken from the app's config; click
+is Flask's CLI library, so this module is the one place outside :mod:`mtq.cli` that
+builds click commands.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+import click
+from flask import Flask, Request, Response, current_app, request, session
+from flask.cli import AppGroup
+
+from mtq.broker.connection import connect
+from mtq.client import Queue, Task, new_task_id
+from mtq.contrib.sse import (
+    KEEPALIVE_S,
+    RETRY_AFTER_S,
+    RETRY_MS,
+    BadLastEventId,
+    Encoder,
+    EventStream,
+    HttpError,
+    headers,
+    http_error,
+    parse_last_event_id,
+    stream_name,
+    to_json,
+)
+from mtq.errors import MtqError
+from mtq.validation import check_task_id
+
+log = logging.getLogger(__name__)
+
+#: the key of ``app.extensions`` (and of the session entry holding a stream id)
+EXTENSION = "mtq"
+SESSION_KEY = "mtq_stream"
+
+StreamOf = Callable[[Request], "str | None"]
+
+
+def user_stream(req: Request) -> str | None:
+    """The default stream of a request: ``session:<id>``, with a random id kept in
+    Flask's session under ``mtq_stream`` (created on first use: the session cookie
+    makes a browser one user), else None (no ordering) when the app has no
+    ``SECRET_KEY`` and so no session. Each user's tasks run one at a time in the
+    order sent; users share the workers fairly. For a logged-in user or an API key,
+    pass ``stream_of=lambda request: ...`` (e.g. ``stream_name("user", user.id)``)."""
+    if not current_app.secret_key:
+        return None
+    sid = session.get(SESSION_KEY)
+    if not isinstance(sid, str) or not sid:
+        sid = session[SESSION_KEY] = new_task_id()
+    return stream_name("session", sid)
+
+
+def json_response(body: Any, status: int = 200,
+                  extra: list[tuple[str, str]] | None = None) -> Response:
+    """A JSON response encoded as the event stream encodes data (bytes as base64)."""
+    return Response(to_json(body), status, extra or [], mimetype="application/json")
+
+
+def error_response(err: HttpError) -> Response:
+    """The JSON answer of an :class:`~mtq.contrib.sse.HttpError`."""
+    return Response(err.body(), err.status, err.all_headers())
+
+
+def register_error_handlers(app: Flask, retry_after_s: int = RETRY_AFTER_S) -> None:
+    """Answer mtq's errors raised in ``app``'s views as JSON (see
+    :func:`mtq.contrib.sse.http_error`): a full queue is a 503 with Retry-After (not
+    a 500 or a hung request), an unknown task a 404, a bad name a 400, a payload over
+    the limit a 413. ``MTQ(app)`` calls it."""
+
+    def handle(exc: MtqError) -> Response:
+        err = http_error(exc, retry_after_s)
+        if err is None:
+            log.error("unexpected mtq error in %s", request.path, exc_info=exc)
+            err = HttpError(500, "internal", f"{type(exc).__name__}: {exc}")
+        return error_response(err)
+
+    app.register_error_handler(MtqError, handle)
+
+
+def event_stream_response(task: Task, *, cancel_on_disconnect: bool = False,
+                          keepalive_s: float = KEEPALIVE_S, retry_ms: int = RETRY_MS,
+                          timeout: float | None = None, encode: Encoder = to_json,
+                          retry_after_s: int = RETRY_AFTER_S) -> Response:
+    """A task's events as ``text/event-stream``, for the current request.
+
+    It starts after the request's ``Last-Event-ID`` (or ``?last_event_id=``; the
+    header wins), answers 400 (JSON) for a malformed one and 404 (JSON) for a task
+    that does not exist, then streams until the task ends. An unreachable Redis is a
+    200 holding one ``error`` event (the browser reconnects and resumes).
+    ``cancel_on_disconnect``: cancel the task when the client goes away before the
+    end (a WSGI server learns it when a write fails, at the next token or keep-alive,
+    and then calls ``close()``). ``keepalive_s``, ``retry_ms``, ``timeout`` and
+    ``encode``: see :class:`~mtq.contrib.sse.EventStream`."""
+    try:
+        start = parse_last_event_id(request.headers.get("Last-Event-ID"),
+                                    request.args.get("last_event_id"))
+        stream = EventStream(task, start=start, keepalive_s=keepalive_s, retry_ms=retry_ms,
+                             timeout=timeout, cancel_on_disconnect=cancel_on_disconnect,
+                             encode=encode)
+        stream.open()  # TaskNotFound before the 200
+    except (BadLastEventId, MtqError) as exc:
+        err = http_error(exc, retry_after_s)
+        if err is None:
+            raise
+        return error_response(err)
+    # the EventStream itself is the body: Werkzeug's response closes its body when the
+    # server closes the response, so the server's close() reaches EventStream.close()
+    return Response(stream, 200, headers(hop_by_hop=False), direct_passthrough=True)
+
+
+class _State:
+    """What the extension keeps per app (``app.extensions["mtq"]``)."""
+
+    def __init__(self, app: Flask) -> None:
+        self.url: str | None = app.config["MTQ_REDIS_URL"]
+        self.default_queue: str = app.config["MTQ_QUEUE"]
+        self.client = connect(self.url)
+        self.queues: dict[str, Queue] = {}
+
+
+class MTQ:
+    """The Flask extension: ``MTQ(app)``, or ``ext = MTQ()`` then ``ext.init_app(app)``
+    (app factories; one extension may serve several apps).
+
+    Config: ``MTQ_REDIS_URL`` (default: None, which is the ``MTQ_REDIS_URL``
+    environment variable, else mtq's embedded server), ``MTQ_QUEUE`` (the default
+    queue, ``"default"``), ``MTQ_RETRY_AFTER_S`` (the Retry-After of a 503, 2).
+    ``stream_of``: the stream a request's submits go to (:func:`user_stream`).
+    ``error_handlers``: register :func:`register_error_handlers`. ``cli``: add the
+    ``flask mtq`` commands.
+    """
+
+    def __init__(self, app: Flask | None = None, *, stream_of: StreamOf = user_stream,
+                 error_handlers: bool = True, cli: bool = True) -> None:
+        self.stream_of = stream_of
+        self.error_handlers = error_handlers
+        self.cli = cli
+        if app is not None:
+            self.init_app(app)
+
+    def init_app(self, app: Flask) -> None:
+        """Read the app's config, register the error answers and the commands."""
+        app.config.setdefault("MTQ_REDIS_URL", None)
+        app.config.setdefault("MTQ_QUEUE", "default")
+        app.config.setdefault("MTQ_RETRY_AFTER_S", RETRY_AFTER_S)
+        app.extensions[EXTENSION] = _State(app)
+        if self.error_handlers:
+            register_error_handlers(app, int(app.config["MTQ_RETRY_AFTER_S"]))
+        if self.cli:
+            app.cli.add_command(cli_group(app))
+
+    @staticmethod
+    def _state() -> _State:
+        try:
+            state: _State = current_app.extensions[EXTENSION]
+            return state
+        except KeyError:
+            raise RuntimeError("mtq is not set up on this app: call MTQ(app) or "
+                               "MTQ().init_app(app) first") from None
+
+    def queue(self, name: str | None = None) -> Queue:
+        """The current app's queue ``name`` (default ``MTQ_QUEUE``), made once per app
+        and name. Raises InvalidName for a name mtq does not accept."""
+        state = self._state()
+        name = name or state.default_queue
+        q = state.queues.get(name)
+        if q is None:
+            q = state.queues.setdefault(name, Queue(name, client=state.client))
+        return q
+
+    def task(self, task_id: str, queue: str | None = None) -> Task:
+        """The task ``task_id`` of ``queue``; an id mtq never makes raises InvalidName
+        (answered 404 by the error handlers). Reads nothing."""
+        return self.queue(queue).task(check_task_id(task_id))
+
+    def submit(self, payload: Any, *, queue: str | None = None, stream: str | None = None,
+               **options: Any) -> Task:
+        """Submit ``payload`` to ``queue`` (default ``MTQ_QUEUE``) from a view, into
+        ``stream`` or else the requesting user's (``stream_of(request)``).
+        ``options``: ``key``, ``ttl``, ``retries``, ``id`` of :meth:`mtq.Queue.submit`.
+        Raises what it raises (QueueFull: a 503 with the error handlers)."""
+        if stream is None:
+            stream = self.stream_of(request)
+        return self.queue(queue).submit(payload, stream=stream, **options)
+
+    def event_stream(self, task_id: str, queue: str | None = None,
+                     **options: Any) -> Response:
+        """:func:`event_stream_response` of the task ``task_id`` of ``queue`` (an id
+        mtq never makes: 404)."""
+        try:
+            task = self.task(task_id, queue)
+        except MtqError as exc:
+            err = http_error(exc)
+            if err is None:
+                raise
+            return error_response(err)
+        return event_stream_response(task, **options)
+
+
+# -- flask mtq ... ----------------------------------------------------------------------
+def _with_defaults(command: click.Command, name: str, **defaults: Callable[[], Any]
+                   ) -> click.Command:
+    """A copy of one of mtq's click commands named ``name``, whose options named in
+    ``defaults`` (by parameter name) take their default from a callable (the app's
+    config), after the command line and before nothing else."""
+    cmd = copy.copy(command)
+    cmd.name = name
+    params: list[click.Parameter] = []
+    for p in command.params:
+        if p.name in defaults and isinstance(p, click.Option):
+            p = copy.copy(p)
+            p.default = defaults[p.name]
+            p.required = False
+            p.envvar = None
+            p.show_envvar = False
+        params.append(p)
+    cmd.params = params
+    return cmd
+
+
+def cli_group(app: Flask) -> click.Group:
+    """The ``flask mtq`` commands of ``app``: ``status`` (``mtq status``) and
+    ``workers TARGET`` (``mtq workers start``), on the app's ``MTQ_REDIS_URL`` (else
+    the ``MTQ_REDIS_URL`` environment variable, as for ``mtq``) and, for
+    ``workers``, its ``MTQ_QUEUE``; every option of the mtq command is there."""
+    from mtq.cli.main import workers_start
+    from mtq.cli.tasks import status
+
+    def url() -> str | None:
+        return app.config.get("MTQ_REDIS_URL") or os.environ.get("MTQ_REDIS_URL")
+
+    def queue() -> str:
+        return str(app.config.get("MTQ_QUEUE") or "default")
+
+    group = AppGroup(EXTENSION, help="mtq: the task queue of this app (see 'mtq --help').")
+    group.add_command(_with_defaults(status, "status", url=url))
+    group.add_command(_with_defaults(workers_start, "workers", url=url, queue=queue))
+    return group
