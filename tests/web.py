@@ -1,4 +1,5 @@
-"""Helpers of the web tests: a real uvicorn process serving ``tests.web_app:app``, and
+"""Helpers of the web tests: a real uvicorn process serving ``tests.web_app:app`` (or
+gunicorn serving ``tests.flask_app``), and
 a reader of server-sent events over a real HTTP connection (httpx)."""
 
 from __future__ import annotations
@@ -106,16 +107,13 @@ class WebServer:
                    **self.env)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "tests.web_app:app", "--host", "127.0.0.1",
-                 "--port", str(self.port), "--log-level", "warning",
-                 "--timeout-graceful-shutdown", "2"],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                self.command(), cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
 
         def up() -> bool:
             assert self.proc is not None
             if self.proc.poll() is not None:
-                raise AssertionError(f"uvicorn exited:\n{self.output()}")
+                raise AssertionError(f"{self.command()[2]} exited:\n{self.output()}")
             try:
                 r = httpx.get(self.base + "/healthz", timeout=2)
             except httpx.TransportError:
@@ -123,7 +121,12 @@ class WebServer:
             self.pid = int(r.json()["pid"])
             return r.status_code == 200
 
-        wait_for(up, 30, f"uvicorn did not answer on {self.base}")
+        wait_for(up, 30, f"{self.command()[2]} did not answer on {self.base}")
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "uvicorn", "tests.web_app:app", "--host", "127.0.0.1",
+                "--port", str(self.port), "--log-level", "warning",
+                "--timeout-graceful-shutdown", "2"]
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -137,3 +140,14 @@ class WebServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+class GunicornServer(WebServer):
+    """``gunicorn 'tests.flask_app:create_app()'`` (threaded workers: each open stream
+    holds a thread) on a free loopback port."""
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "gunicorn", "tests.flask_app:create_app()",
+                "--bind", f"127.0.0.1:{self.port}", "--worker-class", "gthread",
+                "--workers", "1", "--threads", "8", "--graceful-timeout", "2",
+                "--log-level", "warning"]
