@@ -120,6 +120,20 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    """A Redis client of this test's own, so a reply hub of its own (the process-wide
+    client of ``connect(url)`` is shared by every test); its hub is stopped after."""
+    from mtq import replies
+
+    c = redis.Redis.from_url(redis_url, client_name="mtqtest-" + uuid.uuid4().hex[:10])
+    yield c
+    hub = replies._hubs.get(c)
+    if hub is not None:
+        hub.close_all()
+    c.close()
+
+
+@pytest.fixture
 def qname() -> str:
     """A queue name of its own for each test (tests share one server)."""
     return "t-" + uuid.uuid4().hex[:12]

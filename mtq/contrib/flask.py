@@ -261,7 +261,7 @@ def cli_group(app: Flask) -> click.Group:
     def queue() -> str:
         return str(app.config.get("MTQ_QUEUE") or "default")
 
-    group = AppGroup(EXTENSION, help="mtq: the task queue of this app (see 'mtq --help').")
+    group = AppGroup(EXTENSION, help="The task queue of this app (mtq; see 'mtq --help').")
     group.add_command(_with_defaults(status, "status", url=url))
     group.add_command(_with_defaults(workers_start, "workers", url=url, queue=queue))
     return group

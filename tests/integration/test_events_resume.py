@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,6 @@ pytestmark = pytest.mark.timeout(60)
 
 FAST = QueueSettings(lease_ms=5000, retry_backoff_ms=0)
 
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    """A Redis client of this test's own, so a reply hub of its own."""
-    c = redis.Redis.from_url(redis_url, client_name="mtqtest-" + uuid.uuid4().hex[:10])
-    yield c
-    hub = replies._hubs.get(c)
-    if hub is not None:
-        hub.close_all()
-    c.close()
 
 
 def claim(consumer: mtq.Consumer) -> mtq.Claimed:

@@ -11,8 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import pytest
 import redis
 
 import mtq
-from mtq import replies
 from mtq.broker.protocol import TERMINAL
 from mtq.settings import QueueSettings
 from mtq.workers import control
@@ -59,16 +57,6 @@ def until(predicate: Callable[[], Any], timeout: float, message: str,
 def name_of(client: redis.Redis) -> str:
     return str(client.connection_pool.connection_kwargs["client_name"])
 
-
-@pytest.fixture
-def client(redis_url: str, r: redis.Redis) -> Iterator[redis.Redis]:
-    """A Redis client (so a reply hub) of this test's own; its hub is stopped after."""
-    c = redis.Redis.from_url(redis_url, client_name="mtqtest-" + uuid.uuid4().hex[:10])
-    yield c
-    hub = replies._hubs.get(c)
-    if hub is not None:
-        hub.close_all()
-    c.close()
 
 
 def snapshot_read(q: mtq.Queue, task_id: str) -> bool:

@@ -6,14 +6,11 @@ gone) that cancels the task when asked to."""
 from __future__ import annotations
 
 import threading
-import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
 
 import mtq
-from mtq import replies
 from mtq.broker.consumer import Chunk
 from mtq.contrib.sse import EventStream
 from mtq.settings import QueueSettings
@@ -24,15 +21,6 @@ pytestmark = pytest.mark.timeout(60)
 
 FAST = QueueSettings(lease_ms=5000, retry_backoff_ms=0)
 
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url, client_name="mtqtest-" + uuid.uuid4().hex[:10])
-    yield c
-    hub = replies._hubs.get(c)
-    if hub is not None:
-        hub.close_all()
-    c.close()
 
 
 class Client:
