@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -180,3 +181,26 @@ def parse_json(text: str, what: str) -> Any:
              USAGE)
     except ValueError as exc:  # e.g. an integer of more than 4 300 digits
         fail(f"{what} cannot be read as JSON ({exc})", USAGE)
+
+
+def with_defaults(command: click.Command, name: str, **defaults: Callable[[], Any]
+                  ) -> click.Command:
+    """A copy of one of mtq's click commands named ``name``, whose parameters named in
+    ``defaults`` (options and arguments, by parameter name) take their default from a
+    callable (a framework's settings: ``flask mtq``, ``manage.py mtq_status``), after
+    the command line and before nothing else (an option's environment variable is
+    dropped: the callable reads it if it should). The original command is unchanged."""
+    cmd = copy.copy(command)
+    cmd.name = name
+    params: list[click.Parameter] = []
+    for p in command.params:
+        if p.name in defaults and isinstance(p, (click.Option, click.Argument)):
+            p = copy.copy(p)
+            p.default = defaults[p.name]
+            p.required = False
+            p.envvar = None
+            if isinstance(p, click.Option):
+                p.show_envvar = False
+        params.append(p)
+    cmd.params = params
+    return cmd

@@ -26,7 +26,6 @@ builds click commands.
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections.abc import Callable
@@ -227,31 +226,12 @@ class MTQ:
 
 
 # -- flask mtq ... ----------------------------------------------------------------------
-def _with_defaults(command: click.Command, name: str, **defaults: Callable[[], Any]
-                   ) -> click.Command:
-    """A copy of one of mtq's click commands named ``name``, whose options named in
-    ``defaults`` (by parameter name) take their default from a callable (the app's
-    config), after the command line and before nothing else."""
-    cmd = copy.copy(command)
-    cmd.name = name
-    params: list[click.Parameter] = []
-    for p in command.params:
-        if p.name in defaults and isinstance(p, click.Option):
-            p = copy.copy(p)
-            p.default = defaults[p.name]
-            p.required = False
-            p.envvar = None
-            p.show_envvar = False
-        params.append(p)
-    cmd.params = params
-    return cmd
-
-
 def cli_group(app: Flask) -> click.Group:
     """The ``flask mtq`` commands of ``app``: ``status`` (``mtq status``) and
     ``workers TARGET`` (``mtq workers start``), on the app's ``MTQ_REDIS_URL`` (else
     the ``MTQ_REDIS_URL`` environment variable, as for ``mtq``) and, for
     ``workers``, its ``MTQ_QUEUE``; every option of the mtq command is there."""
+    from mtq.cli.common import with_defaults
     from mtq.cli.main import workers_start
     from mtq.cli.tasks import status
 
@@ -262,6 +242,6 @@ def cli_group(app: Flask) -> click.Group:
         return str(app.config.get("MTQ_QUEUE") or "default")
 
     group = AppGroup(EXTENSION, help="The task queue of this app (mtq; see 'mtq --help').")
-    group.add_command(_with_defaults(status, "status", url=url))
-    group.add_command(_with_defaults(workers_start, "workers", url=url, queue=queue))
+    group.add_command(with_defaults(status, "status", url=url))
+    group.add_command(with_defaults(workers_start, "workers", url=url, queue=queue))
     return group
