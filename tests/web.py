@@ -1,5 +1,6 @@
 """Helpers of the web tests: a real uvicorn process serving ``tests.web_app:app`` (or
-gunicorn serving ``tests.flask_app``), and
+gunicorn serving ``tests.flask_app``; both serving the Django project
+``tests.django_project``), and
 a reader of server-sent events over a real HTTP connection (httpx)."""
 
 from __future__ import annotations
@@ -88,7 +89,12 @@ class Stream:
 
 
 class WebServer:
-    """``python -m uvicorn tests.web_app:app`` on a free loopback port."""
+    """``python -m uvicorn tests.web_app:app`` (or ``app``) on a free loopback port."""
+
+    #: the ASGI application, ``module:attr``
+    app = "tests.web_app:app"
+    #: more command-line options
+    options: tuple[str, ...] = ()
 
     def __init__(self, redis_url: str, log: Path, **env: str) -> None:
         self.port = free_port()
@@ -124,9 +130,9 @@ class WebServer:
         wait_for(up, 30, f"{self.command()[2]} did not answer on {self.base}")
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "uvicorn", "tests.web_app:app", "--host", "127.0.0.1",
+        return [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1",
                 "--port", str(self.port), "--log-level", "warning",
-                "--timeout-graceful-shutdown", "2"]
+                "--timeout-graceful-shutdown", "2", *self.options]
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -146,8 +152,23 @@ class GunicornServer(WebServer):
     """``gunicorn 'tests.flask_app:create_app()'`` (threaded workers: each open stream
     holds a thread) on a free loopback port."""
 
+    app = "tests.flask_app:create_app()"
+
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "gunicorn", "tests.flask_app:create_app()",
+        return [sys.executable, "-m", "gunicorn", self.app,
                 "--bind", f"127.0.0.1:{self.port}", "--worker-class", "gthread",
                 "--workers", "1", "--threads", "8", "--graceful-timeout", "2",
                 "--log-level", "warning"]
+
+
+class DjangoWsgiServer(GunicornServer):
+    """The Django test project (tests/django_project) under gunicorn, threaded."""
+
+    app = "tests.django_project.wsgi:application"
+
+
+class DjangoAsgiServer(WebServer):
+    """The Django test project under uvicorn (ASGI: its async views)."""
+
+    app = "tests.django_project.asgi:application"
+    options = ("--lifespan", "off")  # Django speaks no lifespan protocol

@@ -56,8 +56,18 @@ class ClickCommand(BaseCommand):
                                   standalone_mode=True)
 
     def create_parser(self, prog_name: str, subcommand: str, **kwargs: Any) -> CommandParser:
+        """``call_command`` parses with it: every argument is the click command's, as
+        given (argparse would reorder options and positionals)."""
         parser = super().create_parser(prog_name, subcommand, **kwargs)
         self._prog = f"{prog_name} {subcommand}"
+        base = parser.parse_args
+
+        def parse_args(args: Any = None, namespace: Any = None) -> Any:
+            ns = base([], namespace)
+            ns.args = list(args or ())
+            return ns
+
+        parser.parse_args = parse_args  # type: ignore[method-assign]
         return parser
 
     def add_arguments(self, parser: CommandParser) -> None:

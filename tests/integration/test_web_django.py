@@ -1,0 +1,366 @@
+"""The Django integration (mtq.contrib.django) in a real Django project
+(tests/django_project): its sync views under a real gunicorn (gthread, WSGI), its
+async views under a real uvicorn (ASGI), read by a real HTTP client (httpx,
+streaming) against a real redis-server and real Workers; ``submit_on_commit`` with a
+real SQLite transaction; ``manage.py check``, ``mtq_status`` and ``mtq_workers`` as
+real subprocesses."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+import mtq
+from mtq.settings import QueueSettings
+from mtq.workers.registry import list_workers
+from mtq.workers.worker import Worker
+from tests.conftest import ROOT, serving, wait_for
+from tests.models import Counter
+from tests.web import DjangoAsgiServer, DjangoWsgiServer, Stream, WebServer, events
+
+pytestmark = pytest.mark.timeout(90)
+
+FAST = QueueSettings(lease_ms=1500, retry_backoff_ms=0)
+KEEPALIVE = 0.5
+MANAGE = str(ROOT / "tests" / "django_project" / "manage.py")
+#: an address nobody serves
+NOWHERE = "redis://127.0.0.1:1/0"
+
+
+def project_env(redis_url: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ, MTQ_REDIS_URL=redis_url,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+    for key in ("MTQ_DJANGO_REDIS_URL", "MTQ_DJANGO_WORKERS", "MTQ_QUEUE"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def manage(env: dict[str, str], *args: str, timeout: float = 60
+           ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, MANAGE, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def db(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The project's SQLite file, its table made (``migrate --run-syncdb``)."""
+    path = str(tmp_path_factory.mktemp("django") / "db.sqlite3")
+    out = manage(project_env(redis_url, MTQ_DJANGO_DB=path), "migrate", "--run-syncdb")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def wsgi(redis_url: str, db: str, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[WebServer]:
+    server = DjangoWsgiServer(redis_url, tmp_path_factory.mktemp("dj") / "gunicorn.log",
+                              MTQ_WEB_KEEPALIVE=str(KEEPALIVE), MTQ_DJANGO_DB=db)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def asgi(redis_url: str, db: str, tmp_path_factory: pytest.TempPathFactory
+         ) -> Iterator[WebServer]:
+    server = DjangoAsgiServer(redis_url, tmp_path_factory.mktemp("dj") / "uvicorn.log",
+                              MTQ_WEB_KEEPALIVE=str(KEEPALIVE), MTQ_DJANGO_DB=db)
+    server.start()
+    yield server
+    server.stop()
+
+
+@dataclass
+class Site:
+    """One way of serving the project: sync views under gunicorn (``/q``) or async
+    views under uvicorn (``/aq``)."""
+
+    http: httpx.Client
+    prefix: str
+
+    def tasks(self, qname: str) -> str:
+        return f"/{self.prefix}/{qname}/tasks"
+
+    def cancelling(self, events_path: str) -> str:
+        """The events URL of the same task, cancelled on disconnect."""
+        return f"/{self.prefix}c" + events_path.removeprefix(f"/{self.prefix}")
+
+
+@pytest.fixture(params=["wsgi", "asgi"])
+def site(request: pytest.FixtureRequest) -> Iterator[Site]:
+    server: WebServer = request.getfixturevalue(request.param)
+    with httpx.Client(base_url=server.base, timeout=httpx.Timeout(10.0)) as c:
+        yield Site(c, "q" if request.param == "wsgi" else "aq")
+
+
+def worker(qname: str, redis_url: str, target: Any = None) -> Worker:
+    return Worker(target or Counter(), qname, url=redis_url, settings=FAST)
+
+
+def post(http: httpx.Client, path: str, payload: Any, **headers: str) -> dict[str, Any]:
+    r = http.post(path, json=payload, headers=headers)
+    assert r.status_code == 202, r.text
+    return dict(r.json())
+
+
+def read(http: httpx.Client, path: str, *, until: int | None = None,
+         headers: dict[str, str] | None = None) -> Stream:
+    """Read an event stream to its end, or (``until``) to the token of that index."""
+    got = Stream()
+    with http.stream("GET", path, headers=headers or {}) as resp:
+        assert resp.status_code == 200, resp.read()
+        for ev in events(resp):
+            got.events.append(ev)
+            if until is not None and ev.event == "token" and int(ev.id or -1) >= until:
+                break
+    return got
+
+
+# -- the streams ------------------------------------------------------------------------
+def test_tokens_arrive_progressively_and_done_equals_the_result(
+        qname: str, redis_url: str, site: Site) -> None:
+    with serving(worker(qname, redis_url)) as run:
+        task = post(site.http, site.tasks(qname), {"n": 30, "step_ms": 20})
+        with site.http.stream("GET", task["events"]) as resp:
+            assert resp.status_code == 200
+            h = resp.headers
+            assert h["content-type"] == "text/event-stream; charset=utf-8"
+            assert (h["cache-control"], h["x-accel-buffering"]) == ("no-cache", "no")
+            got = Stream(list(events(resp)))
+        run.stop()
+    assert got.events[0].retry == 1000
+    assert got.tokens() == [(i, i) for i in range(30)]
+    assert got.last.event == "done"
+    result = mtq.Queue(qname, redis_url).task(task["id"]).result(timeout=5)
+    assert got.last.json() == {"status": "succeeded", "result": result}
+    assert result["tokens"] == list(range(30))
+    chunks = {e.chunk for e in got.of("token")}
+    assert len(chunks) > 5, chunks  # many network reads, not one at the end
+
+
+def test_each_user_and_session_has_its_own_fifo_stream(
+        qname: str, redis_url: str, site: Site) -> None:
+    q = mtq.Queue(qname, redis_url)
+    mine = [post(site.http, site.tasks(qname), {"n": 3, "step_ms": 10, "i": i})
+            for i in range(3)]
+    stream = mine[0]["stream"]
+    assert stream.startswith("session:") and {t["stream"] for t in mine} == {stream}
+    with httpx.Client(base_url=str(site.http.base_url), timeout=10) as other:
+        theirs = post(other, site.tasks(qname), {"n": 1})
+    assert theirs["stream"].startswith("session:") and theirs["stream"] != stream
+    ann = post(site.http, site.tasks(qname), {"n": 1}, **{"X-User": "ann"})
+    assert ann["stream"] == "user:ann"  # a logged-in user: the user's, not the session's
+    assert q.task(ann["id"]).info().stream == "user:ann"
+    with serving(worker(qname, redis_url)) as run:
+        for t in mine:
+            q.task(t["id"]).result(timeout=10)
+        run.stop()
+    infos = [q.task(t["id"]).info() for t in mine]
+    assert all(i.stream == stream for i in infos)
+    for before, after in itertools.pairwise(infos):  # one at a time, in the order sent
+        assert before.finished is not None and after.started is not None
+        assert after.started >= before.finished, (before, after)
+
+
+def test_reconnect_with_last_event_id_resumes_without_gap_or_repeat(
+        qname: str, redis_url: str, site: Site) -> None:
+    with serving(worker(qname, redis_url)) as run:
+        task = post(site.http, site.tasks(qname), {"n": 40, "step_ms": 20})
+        first = read(site.http, task["events"], until=9)
+        assert first.tokens() == [(i, i) for i in range(10)]
+        second = read(site.http, task["events"], headers={"Last-Event-ID": "9"})
+        assert first.tokens() + second.tokens() == [(i, i) for i in range(40)]
+        assert second.last.json()["status"] == "succeeded"
+        third = read(site.http, task["events"] + "?last_event_id=34")
+        assert third.tokens() == [(i, i) for i in range(35, 40)]
+        both = read(site.http, task["events"] + "?last_event_id=3",
+                    headers={"Last-Event-ID": "37"})
+        assert both.tokens() == [(38, 38), (39, 39)]  # the header wins
+        run.stop()
+
+
+def test_unknown_task_is_404_and_a_malformed_last_event_id_is_400(
+        qname: str, site: Site) -> None:
+    for task_id in ("NoSuchTask123", "bad%21id"):
+        r = site.http.get(f"{site.tasks(qname)}/{task_id}/events")
+        assert r.status_code == 404, (task_id, r.text)
+        assert r.headers["content-type"] == "application/json"
+        assert r.json()["error"] == "not_found", r.text
+    task = post(site.http, site.tasks(qname), {"n": 3})
+    for bad in ("abc", "-1", "1.5", "9" * 19):
+        r = site.http.get(task["events"], headers={"Last-Event-ID": bad})
+        assert (r.status_code, r.json()["error"]) == (400, "bad_last_event_id"), (bad, r.text)
+    assert site.http.get(task["events"] + "?last_event_id=x").status_code == 400
+
+
+def test_a_full_queue_answers_503_with_retry_after(
+        qname: str, redis_url: str, site: Site) -> None:
+    mtq.Queue(qname, redis_url).configure(max_length=2)
+    for i in range(2):
+        post(site.http, site.tasks(qname), {"n": 1, "i": i})
+    t0 = time.monotonic()
+    r = site.http.post(site.tasks(qname), json={"n": 1})
+    assert time.monotonic() - t0 < 2.0
+    assert r.status_code == 503, r.text
+    assert r.headers["retry-after"] == "2"
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["error"] == "queue_full" and "max_length is 2" in r.json()["detail"]
+    assert mtq.Queue(qname, redis_url).stats()["waiting"] == 2
+
+
+def test_a_client_that_goes_away_cancels_its_running_task(
+        qname: str, redis_url: str, site: Site) -> None:
+    with serving(worker(qname, redis_url)) as run:
+        task = post(site.http, site.tasks(qname), {"n": 500, "step_ms": 20})
+        read(site.http, site.cancelling(task["events"]), until=2)  # then it hangs up
+        t = mtq.Queue(qname, redis_url).task(task["id"])
+        wait_for(lambda: t.status() == "cancelled", 10,
+                 "the running task was not cancelled after its client closed the stream")
+        run.stop()
+
+
+def test_without_cancel_on_disconnect_the_task_runs_on(
+        qname: str, redis_url: str, site: Site) -> None:
+    with serving(worker(qname, redis_url)) as run:
+        task = post(site.http, site.tasks(qname), {"n": 20, "step_ms": 10})
+        read(site.http, task["events"], until=1)
+        t = mtq.Queue(qname, redis_url).task(task["id"])
+        assert t.result(timeout=10)["tokens"] == list(range(20))
+        run.stop()
+
+
+# -- submit_on_commit ---------------------------------------------------------------------
+def test_submit_on_commit_submits_after_the_commit_and_never_on_rollback(
+        qname: str, redis_url: str, wsgi: WebServer, r: redis.Redis) -> None:
+    q = mtq.Queue(qname, redis_url)
+    gate = "djgate-" + uuid.uuid4().hex[:8]
+    with httpx.Client(base_url=wsgi.base, timeout=20) as http, \
+            serving(worker(qname, redis_url, "tests.django_project.handlers:read_order")) as run:
+        answer: dict[str, Any] = {}
+        poster = threading.Thread(target=lambda: answer.update(resp=http.post(
+            f"/q/{qname}/orders", json={"item": "tea", "gate": gate})))
+        poster.start()
+        got = r.blpop([f"{gate}:id"], timeout=10)
+        assert got is not None, "the view did not reach its transaction"
+        task_id = got[1].decode()
+        # the row is written, the transaction open: the task is not in Redis
+        with pytest.raises(mtq.TaskNotFound):
+            q.task(task_id).status()
+        assert q.stats()["waiting"] == 0
+        r.rpush(f"{gate}:go", "1")  # commit
+        poster.join(15)
+        assert not poster.is_alive(), "the view did not answer after the commit"
+        resp = answer["resp"]
+        assert resp.status_code == 202, resp.text
+        assert resp.json()["id"] == task_id
+        # submitted after the commit; the worker, another process's connection, sees it
+        assert q.task(task_id).result(timeout=10) == {"item": "tea"}
+
+        rolled = http.post(f"/q/{qname}/orders", json={"item": "milk", "rollback": True})
+        assert rolled.status_code == 200 and rolled.json()["committed"] is False
+        with pytest.raises(mtq.TaskNotFound):
+            q.task(rolled.json()["id"]).status()
+        assert q.stats()["waiting"] == 0
+        run.stop()
+
+
+# -- manage.py ------------------------------------------------------------------------------
+def test_manage_py_check_reports_unreachable_redis_and_missing_target(
+        redis_url: str) -> None:
+    ok = manage(project_env(redis_url, MTQ_DJANGO_WORKERS="tests.models:Counter"), "check")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "no issues" in ok.stdout
+
+    t0 = time.monotonic()
+    down = manage(project_env(redis_url, MTQ_DJANGO_REDIS_URL=NOWHERE), "check")
+    assert down.returncode == 1, down
+    assert "(mtq.E001) cannot reach Redis at redis://127.0.0.1:1/0" in down.stderr, down.stderr
+    assert "HINT:" in down.stderr and "mtq.E002" not in down.stderr
+    assert time.monotonic() - t0 < 20
+
+    name = "no_such_module_" + uuid.uuid4().hex[:6]
+    for target, says in ((f"{name}:Model", name), ("tests.models:NoSuchModel", "NoSuchModel")):
+        bad = manage(project_env(redis_url, MTQ_DJANGO_WORKERS=target), "check")
+        assert bad.returncode == 1, bad
+        assert "(mtq.E002)" in bad.stderr and says in bad.stderr, bad.stderr
+        assert "mtq.E001" not in bad.stderr
+
+    # no Redis URL at all: the embedded server, started on demand (not by a check);
+    # --deploy warns that other hosts cannot reach it
+    env = project_env(redis_url)
+    del env["MTQ_REDIS_URL"]
+    embedded = manage(env, "check", "--deploy", "--tag", "mtq")
+    assert embedded.returncode == 0, embedded.stdout + embedded.stderr
+    assert "(mtq.W001)" in embedded.stderr and "mtq.E001" not in embedded.stderr
+
+
+def test_the_checks_and_commands_do_not_import_torch(redis_url: str) -> None:
+    code = ("import sys, django; django.setup(); from django.core import management; "
+            "management.call_command('check'); management.call_command('mtq_status', '--json'); "
+            "import mtq.contrib.django.management.commands.mtq_workers; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60,
+                         env=project_env(redis_url, MTQ_DJANGO_WORKERS="tests.models:Counter",
+                                         DJANGO_SETTINGS_MODULE="tests.django_project.settings"))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_manage_py_mtq_status(qname: str, redis_url: str) -> None:
+    mtq.Queue(qname, redis_url).submit({"n": 1})
+    out = manage(project_env(redis_url), "mtq_status", "--json")
+    assert out.returncode == 0, out.stderr
+    assert qname in json.dumps(json.loads(out.stdout))
+    out = manage(project_env(redis_url), "mtq_status", qname)
+    assert out.returncode == 0 and qname in out.stdout, out.stdout + out.stderr
+    # the project's MTQ["REDIS_URL"] wins over the environment's
+    out = manage(project_env(NOWHERE, MTQ_DJANGO_REDIS_URL=redis_url), "mtq_status", "--json")
+    assert out.returncode == 0 and qname in out.stdout, out.stderr
+    # the command line's over the project's; Django's --settings is manage.py's
+    out = manage(project_env(redis_url), "mtq_status", "--redis", NOWHERE,
+                 "--settings", "tests.django_project.settings")
+    assert out.returncode == 5 and "cannot reach Redis" in out.stderr, out
+    out = manage(project_env(redis_url), "help", "mtq_workers")
+    assert out.returncode == 0 and "--replicas" in out.stdout and "TARGET" in out.stdout, out
+
+
+def test_manage_py_mtq_workers_serves_the_queue_and_stops_on_sigterm(
+        qname: str, redis_url: str, r: redis.Redis, tmp_path: Path) -> None:
+    env = project_env(redis_url, MTQ_QUEUE=qname, MTQ_DJANGO_WORKERS="tests.models:Counter")
+    log = tmp_path / "workers.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen([sys.executable, MANAGE, "mtq_workers", "--standby", "0"],
+                                cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_for(lambda: list_workers(r, qname) or proc.poll() is not None, 60,
+                 f"manage.py mtq_workers registered no worker on {qname}")
+        assert proc.poll() is None, log.read_text()
+        task = mtq.Queue(qname, redis_url).submit({"n": 4})
+        assert task.result(timeout=20)["tokens"] == [0, 1, 2, 3]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    # without a target in the settings nor on the command line, it says what is missing
+    out = manage(project_env(redis_url, MTQ_QUEUE=qname), "mtq_workers")
+    assert out.returncode == 2 and "TARGET" in out.stderr, out
