@@ -67,7 +67,7 @@ class ClickCommand(BaseCommand):
             ns.args = list(args or ())
             return ns
 
-        parser.parse_args = parse_args  # type: ignore[method-assign]
+        parser.parse_args = parse_args
         return parser
 
     def add_arguments(self, parser: CommandParser) -> None:
