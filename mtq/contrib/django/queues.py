@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import threading
 from typing import Any
@@ -114,9 +113,11 @@ async def asubmit(request: HttpRequest | None, payload: Any, *, queue: str | Non
     in a thread, so the event loop never waits on Redis."""
     if stream is None and request is not None:
         stream = await sync_to_async(stream_of)(request)
-    q = _queue(queue)
-    return await asyncio.to_thread(functools.partial(q.submit, payload, stream=stream,
-                                                     **options))
+
+    def send() -> Task:  # the first queue() of a process may start the embedded server
+        return _queue(queue).submit(payload, stream=stream, **options)
+
+    return await asyncio.to_thread(send)
 
 
 def submit_on_commit(payload: Any, *, request: HttpRequest | None = None,

@@ -152,7 +152,7 @@ async def aevent_stream(request: HttpRequest, task: Task | str, *,
                             "keepalive_s": keepalive_s, "retry_ms": retry_ms,
                             "timeout": timeout, "encode": encode}
     try:
-        stream = _prepare(request, task, queue, opts)
+        stream = await asyncio.to_thread(_prepare, request, task, queue, opts)
         await stream.aopen()
     except (BadLastEventId, MtqError) as exc:
         return error_response(exc)
