@@ -168,13 +168,15 @@ class EventStreamResponse(Response):
     request's ``Last-Event-ID`` (or ``?last_event_id=``) and starts at the next token
     (a malformed one: 400), checks the task exists (404 with a JSON body if not),
     then streams until the task ends. ``cancel_on_disconnect``: cancel the task when
-    the client goes away before the end. ``keepalive_s``, ``retry_ms``, ``timeout``
-    and ``encode``: see :class:`~mtq.contrib.sse.EventStream`.
+    the client goes away before the end (``cancel_grace_s`` later, unless another
+    stream of the task opened meanwhile: a page reloaded). ``keepalive_s``,
+    ``retry_ms``, ``timeout`` and ``encode``: see :class:`~mtq.contrib.sse.EventStream`.
     """
 
     media_type = "text/event-stream"
 
     def __init__(self, task: Task, *, cancel_on_disconnect: bool = False,
+                 cancel_grace_s: float = 0.0,
                  keepalive_s: float = KEEPALIVE_S, retry_ms: int = RETRY_MS,
                  timeout: float | None = None, encode: Encoder = to_json,
                  retry_after_s: int = RETRY_AFTER_S) -> None:
@@ -185,7 +187,8 @@ class EventStreamResponse(Response):
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.task = task
         self.options: dict[str, Any] = {
-            "cancel_on_disconnect": cancel_on_disconnect, "keepalive_s": keepalive_s,
+            "cancel_on_disconnect": cancel_on_disconnect, "cancel_grace_s": cancel_grace_s,
+            "keepalive_s": keepalive_s,
             "retry_ms": retry_ms, "timeout": timeout, "encode": encode}
         self.retry_after_s = retry_after_s
         #: the stream, once the response is being sent (for tests and metrics)

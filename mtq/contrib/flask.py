@@ -106,7 +106,8 @@ def register_error_handlers(app: Flask, retry_after_s: int = RETRY_AFTER_S) -> N
 
 
 def event_stream_response(task: Task, *, cancel_on_disconnect: bool = False,
-                          keepalive_s: float = KEEPALIVE_S, retry_ms: int = RETRY_MS,
+                          cancel_grace_s: float = 0.0, keepalive_s: float = KEEPALIVE_S,
+                          retry_ms: int = RETRY_MS,
                           timeout: float | None = None, encode: Encoder = to_json,
                           retry_after_s: int = RETRY_AFTER_S) -> Response:
     """A task's events as ``text/event-stream``, for the current request.
@@ -117,14 +118,15 @@ def event_stream_response(task: Task, *, cancel_on_disconnect: bool = False,
     200 holding one ``error`` event (the browser reconnects and resumes).
     ``cancel_on_disconnect``: cancel the task when the client goes away before the
     end (a WSGI server learns it when a write fails, at the next token or keep-alive,
-    and then calls ``close()``). ``keepalive_s``, ``retry_ms``, ``timeout`` and
-    ``encode``: see :class:`~mtq.contrib.sse.EventStream`."""
+    and then calls ``close()``), ``cancel_grace_s`` later unless another stream of
+    the task opened in this process meanwhile (a page reloaded). ``keepalive_s``,
+    ``retry_ms``, ``timeout`` and ``encode``: see :class:`~mtq.contrib.sse.EventStream`."""
     try:
         start = parse_last_event_id(request.headers.get("Last-Event-ID"),
                                     request.args.get("last_event_id"))
         stream = EventStream(task, start=start, keepalive_s=keepalive_s, retry_ms=retry_ms,
                              timeout=timeout, cancel_on_disconnect=cancel_on_disconnect,
-                             encode=encode)
+                             cancel_grace_s=cancel_grace_s, encode=encode)
         stream.open()  # TaskNotFound before the 200
     except (BadLastEventId, MtqError) as exc:
         err = http_error(exc, retry_after_s)

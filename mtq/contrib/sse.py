@@ -46,6 +46,7 @@ import base64
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -79,6 +80,37 @@ MEDIA_TYPE = "text/event-stream"
 
 #: the events a stream sends (``event:`` names)
 EVENT_NAMES = ("started", "token", "progress", "restarted", "done", "error")
+
+
+class _Attachments:
+    """How many streams of each task this process has opened, so that a client that
+    left does not cancel a task another stream took over within the grace time (a
+    page reloaded, an EventSource reconnecting). An entry lives while a stream of
+    its task is open or in its grace time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str], list[int]] = {}  # key -> [opened, holds]
+
+    def open(self, key: tuple[str, str]) -> int:
+        """One more stream of ``key`` (held until :meth:`release`): its number, from 1."""
+        with self._lock:
+            entry = self._entries.setdefault(key, [0, 0])
+            entry[0] += 1
+            entry[1] += 1
+            return entry[0]
+
+    def release(self, key: tuple[str, str]) -> int:
+        """Drop one hold of ``key``; returns how many streams of it opened until now."""
+        with self._lock:
+            entry = self._entries.get(key, [0, 1])
+            entry[1] -= 1
+            if entry[1] <= 0:
+                self._entries.pop(key, None)
+            return entry[0]
+
+
+_attachments = _Attachments()
 
 
 def stream_name(kind: str, value: object) -> str:
@@ -249,18 +281,28 @@ class EventStream:
     response lasts (then an ``error`` event with ``"error": "timeout"``: the client
     reconnects and goes on); None: until the task ends. ``cancel_on_disconnect``: a
     client that goes away before the end cancels the task (:meth:`disconnected`;
-    a generator stops at its next decode step). ``encode``: data to one line of text.
+    a generator stops at its next decode step). ``cancel_grace_s``: with
+    ``cancel_on_disconnect``, wait that long first and cancel only if no other stream
+    of the task opened in this process meanwhile: a page that reloads (or an
+    EventSource that reconnects) and re-attaches within it keeps its task. A reload
+    that reaches another server process is not seen there, so the task is cancelled:
+    route a browser to one process (sticky sessions) if that matters. 0: at once.
+    ``encode``: data to one line of text.
     """
 
     def __init__(self, task: Task, *, start: int = 0, keepalive_s: float = KEEPALIVE_S,
                  retry_ms: int = RETRY_MS, timeout: float | None = None,
-                 cancel_on_disconnect: bool = False, encode: Encoder = to_json) -> None:
+                 cancel_on_disconnect: bool = False, cancel_grace_s: float = 0.0,
+                 encode: Encoder = to_json) -> None:
+        if cancel_grace_s < 0:
+            raise ValueError(f"cancel_grace_s must be >= 0, got {cancel_grace_s!r}")
         self.task = task
         self.start = start
         self.keepalive_s = keepalive_s
         self.retry_ms = retry_ms
         self.timeout = timeout
         self.cancel_on_disconnect = cancel_on_disconnect
+        self.cancel_grace_s = cancel_grace_s
         self.encode = encode
         #: the task's terminal event was sent
         self.finished = False
@@ -268,6 +310,41 @@ class EventStream:
         self.cancelled = False
         self._broken: BrokerError | None = None
         self._sync: Generator[bytes, None, None] | None = None
+        self._key = (task.queue.name, task.id)
+        self._number: int | None = None  # this stream's number among its task's
+        self._gone = False               # the client went away (a cancel may follow)
+        self._grace_over = False
+
+    def _attach(self) -> None:
+        """Count this stream as one of its task's (see ``cancel_grace_s``)."""
+        if self._number is None:
+            self._number = _attachments.open(self._key)
+
+    def _detach(self) -> None:
+        """The stream ended: release its hold, after the grace time if the client's
+        leaving may still cancel the task (the client's leaving is learnt just
+        before or just after the stream ends, depending on the server)."""
+        if self._number is None or self._grace_over:
+            return
+        if not (self.cancel_on_disconnect and self.cancel_grace_s > 0 and not self.finished):
+            self._grace_over = True
+            _attachments.release(self._key)
+            return
+        timer = threading.Timer(self.cancel_grace_s, self._after_grace)
+        timer.daemon = True
+        timer.name = f"mtq-cancel-grace-{self.task.id}"
+        timer.start()
+
+    def _after_grace(self) -> None:
+        self._grace_over = True
+        newer = _attachments.release(self._key) != self._number
+        if not self._gone:
+            return
+        if newer:
+            log.debug("task %s: another stream of it opened within %.1f s of its client "
+                      "leaving; not cancelled", self.task.id, self.cancel_grace_s)
+        else:
+            self._cancel()
 
     # -- before the response ---------------------------------------------------------
     def open(self) -> None:
@@ -315,6 +392,7 @@ class EventStream:
 
     def _iter(self) -> Generator[bytes, None, None]:
         events: Generator[Event, None, None] | None = None
+        self._attach()
         try:
             yield self._preamble()
             if self._broken is not None:
@@ -334,12 +412,21 @@ class EventStream:
         finally:
             if events is not None:
                 events.close()
+            self._detach()
 
     async def _aiter(self) -> AsyncIterator[bytes]:
-        yield self._preamble()
-        if self._broken is not None:
-            yield self._failure(self._broken)
-            return
+        self._attach()
+        try:
+            yield self._preamble()
+            if self._broken is not None:
+                yield self._failure(self._broken)
+                return
+            async for chunk in self._achunks():
+                yield chunk
+        finally:
+            self._detach()
+
+    async def _achunks(self) -> AsyncIterator[bytes]:
         events = cast(AsyncGenerator[Event, None], self.task.aevents(
             self.timeout, start=self.start, idle=self.keepalive_s, fail_fast=True))
         try:
@@ -358,19 +445,27 @@ class EventStream:
     # -- the client went away --------------------------------------------------------
     def disconnected(self) -> bool:
         """The client went away: cancel the task if ``cancel_on_disconnect`` and it has
-        not ended. Returns True if a cancel was sent. Never raises (logs instead)."""
-        if not self.cancel_on_disconnect or self.finished or self.cancelled:
+        not ended; with ``cancel_grace_s``, only once that time passed with no other
+        stream of the task opened in this process. Returns True if a cancel was sent
+        or may follow. Never raises (logs instead)."""
+        if not self.cancel_on_disconnect or self.finished or self._gone:
             return False
+        self._gone = True
+        if self.cancel_grace_s <= 0 or self._number is None or self._grace_over:
+            self._cancel()
+        # else: the grace timer, started when the stream ended, decides
+        return True
+
+    def _cancel(self) -> None:
         self.cancelled = True
         try:
             self.task.cancel()
         except MtqError as exc:
             log.warning("could not cancel task %s after its client went away: %s",
                         self.task.id, exc)
-        return True
 
     async def adisconnected(self) -> bool:
         """:meth:`disconnected` for asyncio."""
-        if not self.cancel_on_disconnect or self.finished or self.cancelled:
+        if not self.cancel_on_disconnect or self.finished or self._gone:
             return False
         return await asyncio.to_thread(self.disconnected)

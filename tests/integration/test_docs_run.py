@@ -23,6 +23,7 @@ import os
 import shlex
 import signal
 import site
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +44,32 @@ LINE_TIMEOUT_S = 60.0      # one command
 READY_TIMEOUT_S = 60.0     # a worker service until it serves its queue
 STOP_TIMEOUT_S = 30.0      # a worker service after SIGTERM
 WORKER_SERVICES = (("mtq", "workers", "start"), ("mtq", "worker", "run"))
+#: web servers a page may start, and the port each listens on by default
+WEB_SERVICES = {"uvicorn": 8000, "gunicorn": 8000, "flask": 5000}
+
+
+def web_port(argv: list[str]) -> int | None:
+    """The port a web server command line listens on (``--port N``, ``--bind
+    host:port``, ``-b``, ``-p``), its default otherwise; None if it is not one."""
+    if not argv or argv[0] not in WEB_SERVICES:
+        return None
+    for i, arg in enumerate(argv[:-1]):
+        if arg in ("--port", "-p"):
+            return int(argv[i + 1])
+        if arg in ("--bind", "-b"):
+            return int(argv[i + 1].rsplit(":", 1)[1])
+    for arg in argv:
+        if arg.startswith("--port="):
+            return int(arg.split("=", 1)[1])
+        if arg.startswith("--bind="):
+            return int(arg.rsplit(":", 1)[1])
+    return WEB_SERVICES[argv[0]]
+
+
+def accepts(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
 
 PAGES = [p for p in pages() if commands(p)]
 
@@ -72,7 +99,9 @@ def test_every_page_tags_its_commands_correctly() -> None:
                 problems.append(f"{cmd.where}: needs docker: tag it '# needs: docker'")
             long_running = ("mtq workers start" in cmd.code or "mtq demo" in cmd.code
                             or ("mtq worker run" in cmd.code and "--burst" not in words)
-                            or ("mtq dashboard" in cmd.code and "--once" not in words))
+                            or ("mtq dashboard" in cmd.code and "--once" not in words)
+                            or words[:1] in (["uvicorn"], ["gunicorn"])
+                            or (words[:1] == ["flask"] and "run" in words))
             if untagged and long_running:
                 problems.append(f"{cmd.where}: runs until stopped: tag it '# runs: service'")
     assert not problems, "\n".join(problems)
@@ -86,9 +115,10 @@ def doc_env(tmp: Path, url: str) -> dict[str, str]:
     bin_dir.mkdir()
     home.mkdir()
     (bin_dir / "python").symlink_to(sys.executable)
-    mtq = bin_dir / "mtq"
-    mtq.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m mtq "$@"\n')
-    mtq.chmod(0o755)
+    for tool in ("mtq", *WEB_SERVICES):
+        script = bin_dir / tool
+        script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m {tool} "$@"\n')
+        script.chmod(0o755)
     env = dict(os.environ)
     env.update(PATH=os.pathsep.join([str(bin_dir), env.get("PATH", "")]),
                PYTHONPATH=str(ROOT), MTQ_REDIS_URL=url, MTQ_HOME=str(home / "mtq"),
@@ -125,6 +155,10 @@ class Page:
 
     def start(self, cmd: Command) -> None:
         argv = shlex.split(cmd.code)
+        port = web_port(argv)
+        if port is not None:
+            self.start_web(cmd, port)
+            return
         parsed = parse_mtq(argv, cmd.where) if argv[:1] == ["mtq"] else None
         if parsed is None or parsed.path not in WORKER_SERVICES:
             pytest.fail(f"{cmd.where}: later lines of the page run, but the test can start "
@@ -148,6 +182,28 @@ class Page:
             time.sleep(0.05)
         self.ran.append(cmd.code + "  (started)")
 
+    def start_web(self, cmd: Command, port: int) -> None:
+        """A web server: started, then waited for until its port accepts connections."""
+        if accepts(port):
+            pytest.fail(f"{cmd.where}: port {port} of `{cmd.code}` is taken by another "
+                        "process; free it to run this page's commands")
+        log = self.tmp / f"service{cmd.lineno}.log"
+        with open(log, "wb") as sink:
+            proc = subprocess.Popen(["bash", "-c", "exec " + cmd.code], env=self.env, cwd=ROOT,
+                                    stdout=sink, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.services.append((cmd, proc, log))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not accepts(port):
+            if proc.poll() is not None:
+                pytest.fail(f"{cmd.where}: `{cmd.code}` exited {proc.returncode} before "
+                            f"listening on port {port}; its output:\n{tail(log)}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"{cmd.where}: `{cmd.code}` did not listen on port {port} "
+                            f"within {READY_TIMEOUT_S:g} s; its output:\n{tail(log)}")
+            time.sleep(0.05)
+        self.ran.append(cmd.code + "  (started)")
+
     def stop_services(self) -> None:
         """SIGTERM each service, newest first: each must exit 0."""
         while self.services:
@@ -160,8 +216,10 @@ class Page:
                 proc.wait(10)
                 pytest.fail(f"{cmd.where}: `{cmd.code}` did not exit within "
                             f"{STOP_TIMEOUT_S:g} s of SIGTERM; its output:\n{tail(log)}")
-            assert rc == 0, (f"{cmd.where}: `{cmd.code}` exited {rc} after SIGTERM, not 0; "
-                             f"its output:\n{tail(log)}")
+            # uvicorn re-raises the SIGTERM it handled once it shut down cleanly
+            clean = (0, -signal.SIGTERM) if web_port(shlex.split(cmd.code)) else (0,)
+            assert rc in clean, (f"{cmd.where}: `{cmd.code}` exited {rc} after SIGTERM, not "
+                                 f"{' or '.join(map(str, clean))}; its output:\n{tail(log)}")
 
     def kill_all(self) -> None:
         for _cmd, proc, _log in self.services:

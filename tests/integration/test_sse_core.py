@@ -6,12 +6,14 @@ gone) that cancels the task when asked to."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import redis
 
 import mtq
 from mtq.broker.consumer import Chunk
+from mtq.contrib import sse
 from mtq.contrib.sse import EventStream
 from mtq.settings import QueueSettings
 from tests.conftest import wait_for
@@ -95,3 +97,32 @@ def test_closing_the_sync_stream_before_the_end_cancels_when_asked(
     assert keep.status() == "queued"
     assert drop.status() == "cancelled" and also.status() == "cancelled"
     assert q.hub.watching() == 0
+
+
+def test_with_a_grace_time_a_stream_reopened_in_time_keeps_its_task(
+        qname: str, client: redis.Redis) -> None:
+    """cancel_grace_s: a page that reloads closes its stream and opens another within
+    the grace time: no cancel. A client that does not come back: cancelled after it."""
+    q = mtq.Queue(qname, client=client, settings=FAST)
+    kept, left = q.submit("kept"), q.submit("left")
+    for task in (kept, left):
+        s = EventStream(task, cancel_on_disconnect=True, cancel_grace_s=0.3)
+        s.open()
+        it = iter(s)
+        assert next(it).startswith(b"retry:")
+        gone = time.monotonic()
+        s.close()  # the client went away
+        assert task.status() == "queued", "cancelled before the grace time"
+        if task is kept:  # the reloaded page's stream
+            again = EventStream(task, cancel_on_disconnect=True, cancel_grace_s=0.3)
+            again.open()
+            assert next(iter(again)).startswith(b"retry:")
+    wait_for(lambda: left.status() == "cancelled", 5,
+             "the task of the client that did not come back was not cancelled")
+    assert time.monotonic() - gone >= 0.3
+    time.sleep(0.5)  # past kept's grace time: nothing may cancel it (a negative check)
+    assert kept.status() == "queued"
+    again.close()  # the reloaded page leaves too: now it is cancelled
+    wait_for(lambda: kept.status() == "cancelled", 5, "the re-attached stream's leaving "
+             "did not cancel its task")
+    assert not sse._attachments._entries, "grace bookkeeping leaked"
