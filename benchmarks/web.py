@@ -92,10 +92,10 @@ class Sizes:
 
 
 FULL = Sizes(lat_tasks=8, lat_tokens=200, lat_step_ms=20, lat_runs=3, many=500,
-             many_tokens=60, many_step_ms=50, stages=(1, 100, 500), workers=2,
+             many_tokens=60, many_step_ms=100, stages=(1, 100, 500), workers=2,
              bare_tokens=200, quiet_s=15)
 QUICK = Sizes(lat_tasks=8, lat_tokens=100, lat_step_ms=20, lat_runs=1, many=500,
-              many_tokens=30, many_step_ms=50, stages=(1, 100, 500), workers=2,
+              many_tokens=30, many_step_ms=100, stages=(1, 100, 500), workers=2,
               bare_tokens=100, quiet_s=2)
 
 
@@ -103,18 +103,21 @@ QUICK = Sizes(lat_tasks=8, lat_tokens=100, lat_step_ms=20, lat_runs=1, many=500,
 class Uvicorn:
     """``python -m uvicorn benchmarks.web_app:app``, one process, on a free port."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], profile: Path | None = None) -> None:
         self.port = free_port()
+        self.profile = profile
         self.base = f"http://127.0.0.1:{self.port}"
         self.name = "mtqbench-web-" + uuid.uuid4().hex[:8]
         self.log = tempfile.NamedTemporaryFile(prefix="mtq-bench-uvicorn-", suffix=".log",
                                                delete=False)
         env = dict(env, MTQ_BENCH_CLIENT_NAME=self.name)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "benchmarks.web_app:app", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning", "--no-access-log",
-             "--timeout-graceful-shutdown", "2"],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        command = [sys.executable, "-m", "uvicorn", "benchmarks.web_app:app", "--host",
+                   "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
+                   "--no-access-log", "--timeout-graceful-shutdown", "2"]
+        if profile is not None:
+            command = [sys.executable, "-c", PROFILED, str(self.port), str(profile)]
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
         self.pid = 0
 
         def up() -> bool:
@@ -145,6 +148,17 @@ class Uvicorn:
         t = self.ps.cpu_times()
         return float(t.user + t.system)
 
+    def threads_cpu_s(self) -> tuple[float, float]:
+        """CPU seconds of (the event loop's thread, every other thread: the reply hub's
+        listener, the default executor's)."""
+        main = other = 0.0
+        for t in self.ps.threads():
+            if t.id == self.pid:
+                main += t.user_time + t.system_time
+            else:
+                other += t.user_time + t.system_time
+        return main, other
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -155,6 +169,21 @@ class Uvicorn:
                 self.proc.wait(10)
         self.log.close()
         os.unlink(self.log.name)
+
+
+#: the server under cProfile (its event loop's thread), saving the profile at the end
+#: (SIGUSR1 starts it, SIGUSR2 stops it and saves: the token phase only)
+PROFILED = """
+import cProfile, signal, sys, uvicorn
+prof = cProfile.Profile()
+def save(*_):
+    prof.disable()
+    prof.dump_stats(sys.argv[2])
+signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
+signal.signal(signal.SIGUSR2, save)
+uvicorn.run("benchmarks.web_app:app", host="127.0.0.1", port=int(sys.argv[1]),
+            log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+"""
 
 
 class Sampler:
@@ -189,6 +218,7 @@ class Run:
     cmds: dict[str, int] = field(default_factory=dict)
     rss: tuple[float, float, float] = (0.0, 0.0, 0.0)  # before, peak, after (MiB)
     cpu_s: float = 0.0      # the server's CPU while the tokens flowed
+    loop_cpu_s: float = 0.0  # ... of which its event loop's thread
     wall_s: float = 0.0     # gate open -> every reader done
 
 
@@ -241,7 +271,9 @@ def stream_run(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, n: in
                     p.stdin.write("next\n")
                     p.stdin.flush()
         r.config_resetstat()
-        cpu0, t0 = web.cpu_s(), time.perf_counter()
+        cpu0, loop0, t0 = web.cpu_s(), web.threads_cpu_s()[0], time.perf_counter()
+        if web.profile is not None:
+            web.proc.send_signal(signal.SIGUSR1)
         gate.touch()
         for p, _ in procs.values():
             try:
@@ -251,6 +283,10 @@ def stream_run(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, n: in
             if p.returncode:
                 raise SystemExit(f"a client exited with {p.returncode}")
         run.wall_s, run.cpu_s = time.perf_counter() - t0, web.cpu_s() - cpu0
+        run.loop_cpu_s = web.threads_cpu_s()[0] - loop0
+        if web.profile is not None:
+            web.proc.send_signal(signal.SIGUSR2)
+            wait_for("the server's profile", web.profile.exists, 30)
         run.cmds = {k.removeprefix("cmdstat_"): int(v["calls"])
                     for k, v in r.info("commandstats").items()}
         for w in workers:
@@ -373,6 +409,8 @@ def bench_many(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: Si
     _, b_exact, _ = check(base.recs["inproc"], s.many_tokens)
     b_lat = stamp_lat(base.recs["inproc"])
     b_pub = [(arr - ts) * 1000 for rec in base.recs["inproc"] for _, arr, _, ts in rec["tokens"]]
+    b_out = [(ts - json.loads(d)[1]) * 1000 for rec in base.recs["inproc"]
+             for _, _, d, ts in rec["tokens"]]
     res.section = (f"2. {s.many} concurrent SSE streams on one uvicorn process: {s.many_tokens} "
                    f"tokens each, one step every {s.many_step_ms:g} ms "
                    f"({s.many * 1000 / s.many_step_ms:,.0f} tokens/s offered)")
@@ -386,8 +424,10 @@ def bench_many(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: Si
                                        comparable=True))
     res.add("in-process Task.aevents() x 500 in one process, stamp -> arrival, p50",
             pct(b_lat, 50), "ms", f"baseline (the same tasks and pace, another run); "
-            f"{stats(b_lat)}; publish (Redis TIME) -> arrival p99 {pct(b_pub, 99):.2f} ms; "
-            f"{b_exact} of {s.many} exact")
+            f"{stats(b_lat)}; of which stamp -> publish (the worker's engine and outlet, "
+            f"Redis TIME) p50 {pct(b_out, 50):.1f}, p99 {pct(b_out, 99):.1f} ms and publish -> "
+            f"arrival p50 {pct(b_pub, 50):.1f}, p99 {pct(b_pub, 99):.1f} ms; {b_exact} of "
+            f"{s.many} exact")
     res.add("  p99", pct(b_lat, 99), "ms", "baseline")
     for label, q_ in (("p50", 50), ("p90", 90), ("p99", 99)):
         v = pct(lat, q_)
@@ -399,7 +439,8 @@ def bench_many(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: Si
             f"{tokens:,} tokens in {run.wall_s:.2f} s (gate open -> last stream done)")
     res.add("uvicorn process CPU per token", run.cpu_s / tokens * 1e6, "us",
             f"{run.cpu_s:.2f} CPU s = {run.cpu_s / run.wall_s:.0%} of a core while tokens "
-            f"flowed (the in-process baseline's reader process is not measured)")
+            f"flowed; its event loop's thread {run.loop_cpu_s / tokens * 1e6:.0f} us, the "
+            "reply hub's listener and the executor's threads the rest (psutil, per thread)")
     before, peak, after = run.rss
     res.add("uvicorn RSS before the streams", before, "MiB", "after a warm-up run")
     res.add("  peak with 500 streams", peak, "MiB",
@@ -452,21 +493,74 @@ def bench_floor(web: Uvicorn, s: Sizes, res: Results, tmp: Path, env: dict[str, 
     for k, n, step, lat in rows:
         res.add(f"{k} streams x {n} events, one every {step:g} ms, made -> arrival, p50",
                 pct(lat, 50), "ms", stats(lat))
-        res.add("  p99", pct(lat, 99), "ms", "each stream paces itself (timers apart), not "
-                "one burst per step as the worker's steps are")
+        res.add("  p99", pct(lat, 99), "ms", "every stream on one grid of the clock: a "
+                "burst of events per step, as from the worker")
+
+
+# -- 4. where the server's time goes ----------------------------------------------------
+def profile_groups(path: Path) -> tuple[float, dict[str, float]]:
+    """(busy seconds, {group: seconds}) of the loop thread's own time (tottime), less the
+    time it waited in epoll."""
+    import pstats
+
+    st = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
+    groups: dict[str, float] = {}
+    for (file, _, fn), (_, _, tottime, _, _) in st.items():
+        if "epoll" in fn and "poll" in fn:
+            continue
+        if fn == "<method 'send' of '_socket.socket' objects>":
+            g = "socket send() system calls"
+        elif "/mtq/" in file:
+            g = "mtq (aevents, feeds, SSE formatting, the ASGI pump)"
+        elif any(f"site-packages/{m}/" in file for m in ("uvicorn", "h11", "starlette")):
+            g = "uvicorn, h11, starlette (Python)"
+        elif "/json/" in file:
+            g = "json (event data)"
+        elif "/asyncio/" in file or fn.startswith("<method 'run' of '_contextvars"):
+            g = "asyncio (tasks, queues, timers, callbacks)"
+        else:
+            g = "other"
+        groups[g] = groups.get(g, 0.0) + tottime
+    return sum(groups.values()), groups
+
+
+def bench_profile(r: redis.Redis, q: mtq.Queue, server: Server, s: Sizes, res: Results,
+                  tmp: Path, env: dict[str, str], workers: Sequence[Proc]) -> None:
+    out = tmp / "uvicorn.prof"
+    web = Uvicorn(env, profile=out)
+    try:
+        run = stream_run(r, web, q, server, s.many, s.many_tokens, s.many_step_ms, ("sse",),
+                         (s.many,), tmp, env, workers)
+    finally:
+        web.stop()
+    tokens = sum(len(rec["tokens"]) for rec in run.recs["sse"])
+    busy, groups = profile_groups(out)
+    res.section = (f"4. where the server's event loop spends its time: the {s.many}-stream run "
+                   "again, uvicorn under cProfile (its loop thread; profiling slows it)")
+    res.add("loop thread busy (outside epoll), per token, under the profiler", busy / tokens
+            * 1e6, "us", f"{busy:.2f} s over {tokens:,} tokens (the token phase only); "
+            f"without the profiler: {run.loop_cpu_s / tokens * 1e6:.0f} us in this run")
+    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
+        res.add(f"  {g}", v / busy * 100, "%", f"{v / tokens * 1e6:.1f} us per token")
 
 
 # -- main ------------------------------------------------------------------------------
 NOTES = [
     "Workers: `python -m mtq worker run benchmarks.web_targets:Paced` processes (2), a "
     "generator without a model: up to 1 024 running requests, one token per request per "
-    "decode step, steps on a fixed schedule (20 ms in 1., 50 ms in 2.), each token "
+    "decode step, steps on a fixed schedule (20 ms in 1., 100 ms in 2.), each token "
     "`[index, time.time()]` stamped when the step's tokens leave the handler; the outlet "
     "process publishes them (emit.lua, PUBLISH). A request gets no token until a gate file "
-    "exists, so every reader is open (it has its `started` event) before the first token.",
+    "exists, so every reader is open (it has had its first keep-alive, sent 0.5 s after its read of the task) before the first token.",
     "Server: one `python -m uvicorn benchmarks.web_app:app` process (asyncio loop, h11: "
     "uvloop and httptools are not installed here) serving `EventStreamResponse(task)` in a "
     "Starlette app; its Redis client is named, so CLIENT LIST counts its connections.",
+    "Reading 2.: in the in-process baseline most of the p99 lies before the publish "
+    "(stamp -> publish, the workers' engine and outlet process with 250 requests each, on "
+    "2 shared cores), so it is common to both readers; what SSE adds there is the uvicorn "
+    "process's work per token (section 4), which a burst of 500 events per step queues "
+    "up. The floor (3.) is the same uvicorn process sending the same burst of pre-made "
+    "events without Redis or mtq.",
     "SSE client: `python -m benchmarks.web_targets sse`, one asyncio process, one raw "
     "socket per stream (HTTP/1.1 GET, chunked body parsed by hand), `time.time()` when a "
     "chunk has been read; data is decoded after the run. In-process reader: "
@@ -504,6 +598,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             (f"{s.many} streams", lambda: bench_many(r, web, q, server, s, res, tmp, env,
                                                      workers)),  # type: ignore[arg-type]
             ("floor", lambda: bench_floor(web, s, res, tmp, env)),  # type: ignore[arg-type]
+            ("profile", lambda: bench_profile(r, q, server, s, res, tmp, env,
+                                              workers)),  # type: ignore[arg-type]
         ]
         meter = CpuMeter()
         for name, step in steps:

@@ -7,14 +7,16 @@ the process announces, so that the benchmark counts them in CLIENT LIST).
   :class:`mtq.contrib.asgi.EventStreamResponse` (keep-alive every 0.5 s), in a plain
   Starlette app;
 * ``GET /bare/{n}/{step_ms}``: the floor: a Starlette ``StreamingResponse`` of n
-  pre-made token events of the same size, one every step_ms, each carrying the
-  server's ``time.time()`` when it was made (no Redis, no mtq);
+  token events, one every step_ms on a grid of the clock that every stream shares
+  (a burst per step, like a worker's decode step), each carrying the server's
+  ``time.time()`` when it was made (no Redis, no mtq);
 * ``GET /healthz``: ``{"pid": ...}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -52,10 +54,11 @@ async def bare(request: Request) -> Response:
 
     async def body() -> AsyncIterator[bytes]:
         yield b"retry: 1000\n\n"
-        next_at = time.monotonic()
+        # every stream on the same grid of the clock: one burst of events per step, as
+        # a worker's decode step gives every running request its token at once
+        tick = math.floor(time.time() / step) + 1
         for i in range(n):
-            next_at += step
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            await asyncio.sleep(max(0.0, (tick + i) * step - time.time()))
             yield f"id: {i}\nevent: token\ndata: [{i},{time.time()!r}]\n\n".encode()
         yield b'event: done\ndata: {"status":"succeeded"}\n\n'
 
