@@ -2,7 +2,7 @@
 """Web (SSE) benchmark: tokens to an HTTP client through mtq.contrib.asgi.
 
     python -m benchmarks.web            # full run (~1-2 minutes on 2 cores), writes docs
-    python -m benchmarks.web --quick    # smaller run (~40 s), prints only (add --docs)
+    python -m benchmarks.web --quick    # smaller run (~50 s), prints only (add --docs)
 
 On a private redis-server, with one uvicorn process serving benchmarks/web_app.py (an
 ``EventStreamResponse`` per request) and ``mtq worker run benchmarks.web_targets:Paced``
@@ -571,7 +571,7 @@ NOTES = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    quick, docs = cli_args(argv, __doc__, "~40 s")
+    quick, docs = cli_args(argv, __doc__, "~50 s")
     s = QUICK if quick else FULL
     server = Server()
     server.start()
