@@ -15,7 +15,8 @@ Under another server: ``uvicorn examples.web.django_chat:application``.
   ``{"id", "events"}``; 400 for a bad body. A full queue: 503 with Retry-After.
 * ``GET /chat/<id>/events``: the task's server-sent events, resuming after
   ``Last-Event-ID`` (or ``?last_event_id=``); a tab closed before the end cancels its
-  task.
+  task, unless a stream of it opens again within ``RELOAD_GRACE_S``: a reloaded page
+  keeps its task.
 
 Async views and an async event stream: serve it with an ASGI server (uvicorn), where
 an open stream costs no thread. (Under WSGI, write sync views with
@@ -38,6 +39,9 @@ from django.conf import settings
 PAGE = Path(__file__).with_name("chat.html")
 #: the most tokens one request may ask for (TinyGPT's context is 512, prompt included)
 MAX_TOKENS = 400
+#: a closed tab cancels its task unless a stream of it opens again within this time
+#: (a reloaded page re-attaches and keeps its task)
+RELOAD_GRACE_S = 2.0
 
 if not settings.configured:
     settings.configure(
@@ -88,7 +92,8 @@ async def ask(request: HttpRequest) -> HttpResponse:
 
 @require_GET
 async def events(request: HttpRequest, task_id: str) -> HttpResponse:
-    return await mtqd.aevent_stream(request, task_id, cancel_on_disconnect=True)
+    return await mtqd.aevent_stream(request, task_id, cancel_on_disconnect=True,
+                                    cancel_grace_s=RELOAD_GRACE_S)
 
 
 urlpatterns = [

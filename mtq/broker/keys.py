@@ -116,6 +116,11 @@ class QueueKeys:
         subscriber replays."""
         return self.out_prefix + task_id
 
+    def viewers(self, task_id: str) -> str:
+        """How many event streams of a task web servers opened (mtq.contrib.sse's
+        cancel grace: a stream that left cancels only if no newer one opened)."""
+        return self.base + "viewers:" + task_id
+
     def reply(self, client_id: str) -> str:
         """A client's reply channel on this queue: every event of the tasks it submitted
         (queued, started, tokens, progress, restarted, done). It carries the queue's

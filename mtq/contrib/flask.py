@@ -119,7 +119,7 @@ def event_stream_response(task: Task, *, cancel_on_disconnect: bool = False,
     ``cancel_on_disconnect``: cancel the task when the client goes away before the
     end (a WSGI server learns it when a write fails, at the next token or keep-alive,
     and then calls ``close()``), ``cancel_grace_s`` later unless another stream of
-    the task opened in this process meanwhile (a page reloaded). ``keepalive_s``,
+    the task opened meanwhile, in any process (a page reloaded). ``keepalive_s``,
     ``retry_ms``, ``timeout`` and ``encode``: see :class:`~mtq.contrib.sse.EventStream`."""
     try:
         start = parse_last_event_id(request.headers.get("Last-Event-ID"),

@@ -51,6 +51,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Generator, 
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import redis
+
 from mtq.client import Task
 from mtq.errors import (
     BrokerError,
@@ -82,35 +84,9 @@ MEDIA_TYPE = "text/event-stream"
 EVENT_NAMES = ("started", "token", "progress", "restarted", "done", "error")
 
 
-class _Attachments:
-    """How many streams of each task this process has opened, so that a client that
-    left does not cancel a task another stream took over within the grace time (a
-    page reloaded, an EventSource reconnecting). An entry lives while a stream of
-    its task is open or in its grace time."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: dict[tuple[str, str], list[int]] = {}  # key -> [opened, holds]
-
-    def open(self, key: tuple[str, str]) -> int:
-        """One more stream of ``key`` (held until :meth:`release`): its number, from 1."""
-        with self._lock:
-            entry = self._entries.setdefault(key, [0, 0])
-            entry[0] += 1
-            entry[1] += 1
-            return entry[0]
-
-    def release(self, key: tuple[str, str]) -> int:
-        """Drop one hold of ``key``; returns how many streams of it opened until now."""
-        with self._lock:
-            entry = self._entries.get(key, [0, 1])
-            entry[1] -= 1
-            if entry[1] <= 0:
-                self._entries.pop(key, None)
-            return entry[0]
-
-
-_attachments = _Attachments()
+#: how long a task's count of opened streams is kept (``cancel_grace_s``), renewed at
+#: each open: past it, a stream still open no longer cancels its task when it ends
+VIEWERS_TTL_S = 24 * 3600
 
 
 def stream_name(kind: str, value: object) -> str:
@@ -283,10 +259,10 @@ class EventStream:
     client that goes away before the end cancels the task (:meth:`disconnected`;
     a generator stops at its next decode step). ``cancel_grace_s``: with
     ``cancel_on_disconnect``, wait that long first and cancel only if no other stream
-    of the task opened in this process meanwhile: a page that reloads (or an
-    EventSource that reconnects) and re-attaches within it keeps its task. A reload
-    that reaches another server process is not seen there, so the task is cancelled:
-    route a browser to one process (sticky sessions) if that matters. 0: at once.
+    of the task opened meanwhile, in any server process (each stream of a task takes
+    a number from a counter in Redis, ``mtq:{q}:viewers:<id>``): a page that reloads
+    (or an EventSource that reconnects) and re-attaches within it keeps its task.
+    0: at once.
     ``encode``: data to one line of text.
     """
 
@@ -310,25 +286,38 @@ class EventStream:
         self.cancelled = False
         self._broken: BrokerError | None = None
         self._sync: Generator[bytes, None, None] | None = None
-        self._key = (task.queue.name, task.id)
         self._number: int | None = None  # this stream's number among its task's
         self._gone = False               # the client went away (a cancel may follow)
         self._grace_over = False
 
+    @property
+    def _graced(self) -> bool:
+        return self.cancel_on_disconnect and self.cancel_grace_s > 0
+
     def _attach(self) -> None:
-        """Count this stream as one of its task's (see ``cancel_grace_s``)."""
-        if self._number is None:
-            self._number = _attachments.open(self._key)
+        """Take this stream's number among its task's streams (``cancel_grace_s``): one
+        round trip, only with a grace time. Without Redis there is no number, and the
+        client's leaving cancels at once (if Redis is back by then)."""
+        if self._number is not None or not self._graced:
+            return
+        q = self.task.queue
+        key = q.broker.keys.viewers(self.task.id)
+        try:
+            with q.redis.pipeline(transaction=False) as pipe:
+                pipe.incr(key)
+                pipe.expire(key, VIEWERS_TTL_S)
+                self._number = int(pipe.execute()[0])
+        except redis.RedisError as exc:
+            log.debug("task %s: no stream number (%s); no cancel grace", self.task.id, exc)
 
     def _detach(self) -> None:
-        """The stream ended: release its hold, after the grace time if the client's
-        leaving may still cancel the task (the client's leaving is learnt just
-        before or just after the stream ends, depending on the server)."""
+        """The stream ended: if the client's leaving may cancel the task, decide after
+        the grace time (the leaving is learnt just before or just after the stream
+        ends, depending on the server)."""
         if self._number is None or self._grace_over:
             return
-        if not (self.cancel_on_disconnect and self.cancel_grace_s > 0 and not self.finished):
+        if self.finished:
             self._grace_over = True
-            _attachments.release(self._key)
             return
         timer = threading.Timer(self.cancel_grace_s, self._after_grace)
         timer.daemon = True
@@ -337,14 +326,24 @@ class EventStream:
 
     def _after_grace(self) -> None:
         self._grace_over = True
-        newer = _attachments.release(self._key) != self._number
-        if not self._gone:
+        if self._gone:
+            self._cancel_unless_reattached()
+
+    def _cancel_unless_reattached(self) -> None:
+        """Cancel the task unless a stream of it opened after this one (in any
+        process)."""
+        q = self.task.queue
+        try:
+            latest = q.redis.get(q.broker.keys.viewers(self.task.id))
+        except redis.RedisError as exc:
+            log.warning("could not cancel task %s after its client went away: %s",
+                        self.task.id, exc)
             return
-        if newer:
+        if latest is not None and int(latest) != self._number:
             log.debug("task %s: another stream of it opened within %.1f s of its client "
                       "leaving; not cancelled", self.task.id, self.cancel_grace_s)
-        else:
-            self._cancel()
+            return
+        self._cancel()
 
     # -- before the response ---------------------------------------------------------
     def open(self) -> None:
@@ -415,7 +414,8 @@ class EventStream:
             self._detach()
 
     async def _aiter(self) -> AsyncIterator[bytes]:
-        self._attach()
+        if self._graced:
+            await asyncio.to_thread(self._attach)
         try:
             yield self._preamble()
             if self._broken is not None:
@@ -446,13 +446,15 @@ class EventStream:
     def disconnected(self) -> bool:
         """The client went away: cancel the task if ``cancel_on_disconnect`` and it has
         not ended; with ``cancel_grace_s``, only once that time passed with no other
-        stream of the task opened in this process. Returns True if a cancel was sent
+        stream of the task opened (in any process). Returns True if a cancel was sent
         or may follow. Never raises (logs instead)."""
         if not self.cancel_on_disconnect or self.finished or self._gone:
             return False
         self._gone = True
-        if self.cancel_grace_s <= 0 or self._number is None or self._grace_over:
+        if self._number is None:
             self._cancel()
+        elif self._grace_over:  # learnt after the grace time: the check is due now
+            self._cancel_unless_reattached()
         # else: the grace timer, started when the stream ended, decides
         return True
 

@@ -1,6 +1,7 @@
 """The example chat page (examples/web/chat.html) in a real headless Chromium, driven
-by selenium, against each example app under its real server (uvicorn for FastAPI,
-gunicorn for Flask), a real redis-server and a real supervisor (``mtq workers
+by selenium, against each example app under its real server (uvicorn for FastAPI and
+Django, gunicorn with two processes for Flask: a reload may reach the other process),
+a real redis-server and a real supervisor (``mtq workers
 start``) serving TinyGPT: tokens appear as they come, a reload mid-stream resumes
 without gap or repeat, a closed tab cancels its task and frees the worker's slot, a
 worker killed mid-generation shows ``restarted`` and the full text.
@@ -68,9 +69,12 @@ EXAMPLES = [
         "--timeout-graceful-shutdown", "2"]),
     Example("flask", lambda port: [
         sys.executable, "-m", "gunicorn", "examples.web.flask_chat:app", "--bind",
-        f"127.0.0.1:{port}", "--worker-class", "gthread", "--workers", "1", "--threads",
+        f"127.0.0.1:{port}", "--worker-class", "gthread", "--workers", "2", "--threads",
         "16", "--graceful-timeout", "2", "--log-level", "warning"]),
-    # the Django example joins here as one more Example, with the same URLs
+    Example("django", lambda port: [
+        sys.executable, "-m", "uvicorn", "examples.web.django_chat:application", "--host",
+        "127.0.0.1", "--port", str(port), "--log-level", "warning", "--lifespan", "off",
+        "--timeout-graceful-shutdown", "2"]),
 ]
 
 

@@ -100,10 +100,13 @@ def test_closing_the_sync_stream_before_the_end_cancels_when_asked(
 
 
 def test_with_a_grace_time_a_stream_reopened_in_time_keeps_its_task(
-        qname: str, client: redis.Redis) -> None:
+        qname: str, client: redis.Redis, redis_url: str) -> None:
     """cancel_grace_s: a page that reloads closes its stream and opens another within
-    the grace time: no cancel. A client that does not come back: cancelled after it."""
+    the grace time, maybe in another server process (here: another Queue on a Redis
+    connection of its own; the streams share nothing but Redis): no cancel. A client
+    that does not come back: cancelled after it."""
     q = mtq.Queue(qname, client=client, settings=FAST)
+    elsewhere = mtq.Queue(qname, client=redis.Redis.from_url(redis_url), settings=FAST)
     kept, left = q.submit("kept"), q.submit("left")
     for task in (kept, left):
         s = EventStream(task, cancel_on_disconnect=True, cancel_grace_s=0.3)
@@ -113,8 +116,9 @@ def test_with_a_grace_time_a_stream_reopened_in_time_keeps_its_task(
         gone = time.monotonic()
         s.close()  # the client went away
         assert task.status() == "queued", "cancelled before the grace time"
-        if task is kept:  # the reloaded page's stream
-            again = EventStream(task, cancel_on_disconnect=True, cancel_grace_s=0.3)
+        if task is kept:  # the reloaded page's stream, served by another process
+            again = EventStream(elsewhere.task(task.id), cancel_on_disconnect=True,
+                                cancel_grace_s=0.3)
             again.open()
             assert next(iter(again)).startswith(b"retry:")
     wait_for(lambda: left.status() == "cancelled", 5,
@@ -125,4 +129,12 @@ def test_with_a_grace_time_a_stream_reopened_in_time_keeps_its_task(
     again.close()  # the reloaded page leaves too: now it is cancelled
     wait_for(lambda: kept.status() == "cancelled", 5, "the re-attached stream's leaving "
              "did not cancel its task")
-    assert not sse._attachments._entries, "grace bookkeeping leaked"
+    viewers = q.broker.keys.viewers(kept.id)
+    assert client.get(viewers) == b"2", "each stream of the task takes a number"
+    assert 0 < client.ttl(viewers) <= sse.VIEWERS_TTL_S, "the count must expire"
+    plain = q.submit("no grace")
+    s = EventStream(plain, cancel_on_disconnect=True)
+    s.open()
+    assert next(iter(s)).startswith(b"retry:")
+    s.close()
+    assert not client.exists(q.broker.keys.viewers(plain.id)), "no grace: no Redis work"

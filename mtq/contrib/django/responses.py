@@ -98,7 +98,8 @@ def _streaming(body: Any) -> StreamingHttpResponse:
 
 
 def event_stream(request: HttpRequest, task: Task | str, *, queue: str | None = None,
-                 cancel_on_disconnect: bool = False, keepalive_s: float | None = None,
+                 cancel_on_disconnect: bool = False, cancel_grace_s: float = 0.0,
+                 keepalive_s: float | None = None,
                  retry_ms: int = RETRY_MS, timeout: float | None = None,
                  encode: Encoder = to_json) -> HttpResponse:
     """The events of ``task`` (a :class:`~mtq.Task`, or a task id of ``queue``,
@@ -108,10 +109,12 @@ def event_stream(request: HttpRequest, task: Task | str, *, queue: str | None = 
     unreachable Redis is a 200 holding one ``error`` event (the browser reconnects and
     resumes). ``cancel_on_disconnect``: cancel the task when the client goes away
     before the end (a WSGI server learns it when a write fails, at the next token or
-    keep-alive, then closes the response). ``keepalive_s`` (default
+    keep-alive, then closes the response), ``cancel_grace_s`` later unless another
+    stream of the task opened meanwhile, in any process (a page reloaded). ``keepalive_s`` (default
     ``MTQ["KEEPALIVE_S"]``), ``retry_ms``, ``timeout``, ``encode``: see
     :class:`~mtq.contrib.sse.EventStream`. Under ASGI use :func:`aevent_stream`."""
     opts: dict[str, Any] = {"cancel_on_disconnect": cancel_on_disconnect,
+                            "cancel_grace_s": cancel_grace_s,
                             "keepalive_s": keepalive_s, "retry_ms": retry_ms,
                             "timeout": timeout, "encode": encode}
     try:
@@ -141,7 +144,7 @@ async def _until_gone(stream: EventStream) -> AsyncIterator[bytes]:
 
 async def aevent_stream(request: HttpRequest, task: Task | str, *,
                         queue: str | None = None, cancel_on_disconnect: bool = False,
-                        keepalive_s: float | None = None, retry_ms: int = RETRY_MS,
+                        cancel_grace_s: float = 0.0, keepalive_s: float | None = None, retry_ms: int = RETRY_MS,
                         timeout: float | None = None,
                         encode: Encoder = to_json) -> HttpResponse:
     """:func:`event_stream` for an async view (ASGI: uvicorn, daphne): the body is an
@@ -149,6 +152,7 @@ async def aevent_stream(request: HttpRequest, task: Task | str, *,
     its one reply subscription. Django (4.2+) cancels the response when the client
     disconnects; with ``cancel_on_disconnect`` that cancels the task."""
     opts: dict[str, Any] = {"cancel_on_disconnect": cancel_on_disconnect,
+                            "cancel_grace_s": cancel_grace_s,
                             "keepalive_s": keepalive_s, "retry_ms": retry_ms,
                             "timeout": timeout, "encode": encode}
     try:
