@@ -94,7 +94,14 @@ QUICK = Sizes(noop_rq=1_000, noop_mtq=10_000, noop_reps=1, corpus=320, mini_rq=1
 
 
 def mtq_available() -> bool:
-    return importlib.util.find_spec("mtq.rq") is not None
+    """``mtq.rq`` importable from the checkout whose ``mtq`` this runs (an editable
+    install of another checkout can put its ``mtq/rq`` on ``mtq.__path__`` too)."""
+    import mtq
+
+    spec = importlib.util.find_spec("mtq.rq")
+    home = Path(mtq.__file__).resolve().parent
+    return spec is not None and spec.origin is not None and Path(spec.origin).resolve(
+    ).is_relative_to(home)
 
 
 # -- processes -----------------------------------------------------------------------
