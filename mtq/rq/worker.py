@@ -65,6 +65,10 @@ LEASE_MS = 15_000
 MAX_CLAIM = 256
 
 
+class _Interrupted(Exception):
+    """Raised by the stop signal's handler while the worker waits for work (idle)."""
+
+
 class Prepared:
     """A claimed job on its way: its lease, its queue, its Execution."""
 
@@ -101,6 +105,7 @@ class BatchWorker(SimpleWorker):
         self._avg_job_s = 0.001
         self._beat_stop = threading.Event()
         self._signals = 0
+        self._idle = False
         self.jobs_done = 0
         self.batch_sizes: list[int] = []
 
@@ -132,6 +137,9 @@ class BatchWorker(SimpleWorker):
                     self.log.info("Worker %s: finished executing %d jobs, quitting",
                                   self.name, done)
                     break
+        except _Interrupted:
+            # the blocking call's connection was cut mid-reply: not reusable
+            self.connection.connection_pool.disconnect()
         except redis.exceptions.ConnectionError:
             self.log.error("Worker %s: lost Redis, quitting", self.name, exc_info=True)
             raise
@@ -150,6 +158,9 @@ class BatchWorker(SimpleWorker):
                 os._exit(130)  # cold: the supervisor or the reaper gives the jobs back
             self._stop_requested = True
             self.log.info("Worker %s: warm shutdown requested", self.name)
+            if self._idle:  # blocked on an empty queue: holds no job, stop at once
+                self._idle = False
+                raise _Interrupted()
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -211,7 +222,12 @@ class BatchWorker(SimpleWorker):
             if not block:
                 return []
             self.set_state(WorkerStatus.IDLE)
-            self._wait_for_work(max(1, self.worker_ttl // 3))
+            self._idle = True
+            try:
+                if not self._stop_requested:
+                    self._wait_for_work(max(1, self.worker_ttl // 3))
+            finally:
+                self._idle = False
             got = self._claim_from(want)
             if not got:
                 return []
