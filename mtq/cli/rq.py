@@ -74,11 +74,10 @@ def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spe
     except ImportError:
         fail("mtq rq worker needs RQ: pip install 'mtq[rq]'", USAGE)
     from mtq.broker.connection import connect, reach
+    from mtq.cli.common import code_for
     from mtq.errors import MtqError
     from mtq.rq.supervisor import RQSupervisor
     from mtq.workers.target import add_app_dir
-
-    from mtq.cli.common import code_for
 
     for p in reversed(paths):
         try:

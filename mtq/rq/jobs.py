@@ -16,7 +16,7 @@ from typing import Any
 from rq.job import Job, Retry
 from rq.serializers import JSONSerializer, PickleSerializer
 
-from mtq.rq.batched import Batched, BatchArityError, batched_spec, check_arity
+from mtq.rq.batched import BatchArityError, Batched, batched_spec, check_arity
 
 PICKLE_REFUSED = (
     "this job was pickled; mtq rq worker refuses pickled jobs because unpickling runs "

@@ -178,7 +178,7 @@ class RQSupervisor:
                     time.sleep(timeout or 0.1)
                     continue
                 for s in wait(list(sentinels), timeout):
-                    self._reap(sentinels[s])  # type: ignore[index]
+                    self._reap(sentinels[s])
         finally:
             for s, h in prev.items():
                 signal.signal(s, h)

@@ -34,12 +34,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
-from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
 from rq.executions import Execution
 from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
 from rq.results import Result
 from rq.serializers import JSONSerializer
+from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
 from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
@@ -72,7 +72,7 @@ class _Interrupted(Exception):
 class Prepared:
     """A claimed job on its way: its lease, its queue, its Execution."""
 
-    __slots__ = ("job", "owner", "queue", "execution", "outcome")
+    __slots__ = ("execution", "job", "outcome", "owner", "queue")
 
     def __init__(self, job: Job, owner: str, queue: Queue) -> None:
         self.job = job
@@ -197,14 +197,14 @@ class BatchWorker(SimpleWorker):
         timeout = max(0.001, timeout)
         queues = self._ordered_queues
         if len(queues) == 1:
-            self.connection.blmove(queues[0].key, queues[0].key, timeout, "LEFT", "LEFT")
+            self.connection.blmove(queues[0].key, queues[0].key, timeout, "LEFT", "LEFT")  # type: ignore[arg-type]
             return
         woke = threading.Event()
 
         def wait_one(key: str) -> None:
             client = redis.Redis(connection_pool=self.connection.connection_pool)
             try:
-                if client.blmove(key, key, timeout, "LEFT", "LEFT") is not None:
+                if client.blmove(key, key, timeout, "LEFT", "LEFT")  # type: ignore[arg-type] is not None:
                     woke.set()
             except redis.RedisError:
                 woke.set()
@@ -474,8 +474,8 @@ class BatchWorker(SimpleWorker):
                                             pipeline=pipe)
                 Result.create_max_retries_exceeded(
                     job, job.failure_ttl, return_value=retry, worker_name=self.name,
-                    pipeline=pipe, execution_id=ex_id, execution_started_at=ex_started,
-                    execution_ended_at=ended)
+                    pipeline=pipe, execution_id=ex_id or "",
+                    execution_started_at=ex_started or ended, execution_ended_at=ended)
             else:
                 job._handle_retry_result(queue=queue, pipeline=pipe, retry=retry,
                                          worker_name=self.name, execution_id=ex_id or "",
