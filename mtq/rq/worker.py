@@ -204,7 +204,8 @@ class BatchWorker(SimpleWorker):
         def wait_one(key: str) -> None:
             client = redis.Redis(connection_pool=self.connection.connection_pool)
             try:
-                if client.blmove(key, key, timeout, "LEFT", "LEFT")  # type: ignore[arg-type] is not None:
+                if client.blmove(key, key, timeout,  # type: ignore[arg-type]
+                                 "LEFT", "LEFT") is not None:
                     woke.set()
             except redis.RedisError:
                 woke.set()
