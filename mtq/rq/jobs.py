@@ -1,0 +1,210 @@
+"""Reading RQ jobs safely and running them: serializer choice, pickle refusal, the
+functions' resolution (plain, batched, mtq.Model) and the outcome of each job.
+
+Nothing here writes to Redis; :mod:`mtq.rq.worker` claims, prepares and finishes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+import zlib
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from rq.job import Job, Retry
+from rq.serializers import JSONSerializer, PickleSerializer
+
+from mtq.rq.batched import BatchArityError, Batched, batched_spec, check_arity
+
+PICKLE_REFUSED = (
+    "this job was pickled; mtq rq worker refuses pickled jobs because unpickling runs "
+    "code that anyone with write access to Redis chose. Enqueue with "
+    "Queue(..., serializer=JSONSerializer) (from rq.serializers import JSONSerializer), "
+    "or start the worker with --serializer pickle if you trust every writer to this Redis")
+
+
+class JobRefused(Exception):
+    """A job that this worker will not run (see :data:`PICKLE_REFUSED`)."""
+
+
+class ResultNotStorable(TypeError):
+    """A job's return value cannot be written with the job's serializer."""
+
+
+def raw_data(raw: dict[bytes, bytes]) -> bytes:
+    data = raw.get(b"data", b"")
+    try:
+        return zlib.decompress(data)
+    except zlib.error:
+        return data
+
+
+def is_pickle(data: bytes) -> bool:
+    """A pickle of protocol 2 or later opens with the PROTO opcode (0x80); RQ's JSON
+    serializer writes a JSON array, which opens with '['."""
+    return data[:1] == b"\x80"
+
+
+def load_job(job_id: str, raw: dict[bytes, bytes], connection: Any, accept_pickle: bool
+             ) -> tuple[Job, str | None]:
+    """A Job from its hash, with the serializer its data was written with: (job, why it
+    is refused or None). A pickled job is refused unless ``accept_pickle``; it is read
+    with the JSON serializer then (its data stays undecoded), so that it can be failed."""
+    pickled = is_pickle(raw_data(raw))
+    serializer = PickleSerializer if pickled and accept_pickle else JSONSerializer
+    job = Job(job_id, connection=connection, serializer=serializer)
+    job.restore(raw)
+    if pickled and not accept_pickle:
+        return job, PICKLE_REFUSED
+    return job, None
+
+
+@dataclass
+class Outcome:
+    """How one job ended: ``ok`` (value), ``retry`` (a returned rq.Retry) or ``fail``
+    (exc_string: a traceback or a message)."""
+
+    kind: str
+    value: Any = None
+    exc_string: str = ""
+    ended_at: datetime | None = None
+
+
+def format_exc(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+@dataclass
+class Unit:
+    """What one call runs: one plain job, or the jobs of one batched function or
+    mtq.Model (``batch`` set)."""
+
+    jobs: list[Job]
+    func: Any = None
+    batch: Batched | None = None
+    model: Any = None
+    key: str = ""
+    payloads: list[Any] = field(default_factory=list)
+
+
+class Resolver:
+    """Job function by name, cached per process (an instance method is resolved each
+    time, as RQ does). An mtq.Model subclass is instantiated and set up once."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self._funcs: dict[str, Any] = {}
+        self._models: dict[str, Any] = {}
+
+    def func(self, job: Job) -> Any:
+        name = job.func_name
+        if job.instance is not None or name is None:
+            return job.func
+        f = self._funcs.get(name)
+        if f is None:
+            f = job.func  # rq's import_attribute, with rq's errors
+            self._funcs[name] = f
+        return f
+
+    def model(self, name: str, cls: type) -> Any:
+        m = self._models.get(name)
+        if m is None:
+            from mtq.workers.devices import torch_device
+
+            m = cls()
+            m.setup(torch_device(self.device))
+            self._models[name] = m
+        return m
+
+
+def is_model_class(f: Any) -> bool:
+    if not isinstance(f, type):
+        return False
+    try:
+        from mtq.workers.model import Model
+    except ImportError:  # pragma: no cover
+        return False
+    return issubclass(f, Model)
+
+
+def plan(jobs: list[Job], resolver: Resolver) -> tuple[list[Unit], dict[str, Outcome]]:
+    """Group jobs into units (plain jobs alone, batched ones by function, in the order
+    of their first job); the jobs that fail before running (function cannot be
+    imported, wrong arity) get their outcome at once."""
+    units: list[Unit] = []
+    groups: dict[str, Unit] = {}
+    failed: dict[str, Outcome] = {}
+    for job in jobs:
+        try:
+            f = resolver.func(job)
+        except Exception as exc:
+            failed[job.id] = Outcome("fail", exc_string=(
+                f"mtq rq worker cannot import the function of job {job.id} "
+                f"({job.func_name!r}): {type(exc).__name__}: {exc}; check that the module "
+                "is importable where the worker runs (its current directory, PYTHONPATH, "
+                "--app-dir)\n" + format_exc(exc)))
+            continue
+        spec = batched_spec(f)
+        model_cls = f if is_model_class(f) else None
+        if spec is None and model_cls is None:
+            units.append(Unit([job], func=f))
+            continue
+        try:
+            payload = check_arity(spec.func if spec else f, job.args, job.kwargs)
+        except BatchArityError as exc:
+            failed[job.id] = Outcome("fail", exc_string=format_exc(exc))
+            continue
+        key = job.func_name or ""
+        unit = groups.get(key)
+        if unit is None:
+            if model_cls is not None:
+                try:
+                    model = resolver.model(key, model_cls)
+                except Exception as exc:
+                    failed[job.id] = Outcome("fail", exc_string=(
+                        f"setup of {key} failed: {type(exc).__name__}: {exc}\n"
+                        + format_exc(exc)))
+                    continue
+                spec = Batched(model.predict, int(getattr(model, "max_batch_size", 32)),
+                               float(getattr(model, "max_wait_ms", 5.0)))
+            unit = groups[key] = Unit([], batch=spec, key=key)
+            units.append(unit)
+        unit.jobs.append(job)
+        unit.payloads.append(payload)
+    return units, failed
+
+
+def call_plain(job: Job, func: Any) -> Any:
+    """Call a plain job's function as Job.perform does (get_current_job() works; an
+    async function runs in an event loop of its own)."""
+    from rq.job import _job_stack
+
+    _job_stack.push(job)
+    try:
+        result = func(*job.args, **job.kwargs)
+        if asyncio.iscoroutine(result):
+            loop = asyncio.new_event_loop()
+            try:
+                result = loop.run_until_complete(result)
+            finally:
+                loop.close()
+        return result
+    finally:
+        _job_stack.pop()
+
+
+def check_storable(job: Job, value: Any) -> None:
+    """Raise ResultNotStorable when ``value`` cannot be written with the job's
+    serializer (RQ would store the text 'Unserializable return value' instead)."""
+    if isinstance(value, Retry):
+        return
+    try:
+        job.serializer.dumps(value)
+    except Exception as exc:
+        kind = "JSON" if job.serializer is JSONSerializer else "its"
+        raise ResultNotStorable(
+            f"the return value of job {job.id} ({type(value).__name__}) cannot be stored "
+            f"with {kind} serializer: {type(exc).__name__}: {exc}; return plain data "
+            "(dict, list, str, int, float, bool, None)") from exc

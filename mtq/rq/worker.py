@@ -1,0 +1,643 @@
+"""``BatchWorker``: an RQ worker (rq.worker.SimpleWorker subclass, so ``rq info`` and
+rq-dashboard list it) whose work loop claims jobs in batches.
+
+One round of the loop:
+
+1. claim up to N job ids from the head of the queues, in the worker's queue order,
+   with one atomic script per queue (pop + lease; see :mod:`mtq.rq.leases`); when
+   every queue is empty, block on ``BLMOVE q q LEFT LEFT`` (a rotation of the head
+   onto itself: no job moves, the call returns when one arrives);
+2. read the jobs' hashes (one pipelined round trip) and RQ's start bookkeeping for
+   the whole batch in one pipeline (Execution, StartedJobRegistry, status started);
+3. run the jobs: plain functions one job per call, batched functions and mtq.Model
+   classes one call per group (waiting up to max_wait_ms for the group to fill);
+4. finish the batch in one MULTI/EXEC under WATCH of the jobs' hashes, and only for
+   the jobs whose lease still holds this worker's token (fencing: a worker resumed
+   after a freeze, whose jobs were given back, drops its results); RQ's own
+   success / failure / retry bookkeeping goes into that transaction.
+
+A heartbeat thread extends the leases of the jobs held, RQ's worker and execution
+heartbeats, and gives back jobs whose lease expired (a frozen or killed worker).
+N adapts: as many jobs as take about ``target_batch_ms`` to run (at least 1), so
+slow jobs are claimed one at a time and spread over the workers, fast ones in
+batches (fewer Redis round trips per job).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from rq.executions import Execution
+from rq.job import Job, JobStatus, Retry
+from rq.queue import Queue
+from rq.results import Result
+from rq.serializers import JSONSerializer
+from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
+from rq.utils import now
+from rq.worker import SimpleWorker, WorkerStatus
+
+from mtq.rq import leases
+from mtq.rq.jobs import (
+    Outcome,
+    Resolver,
+    Unit,
+    call_plain,
+    check_storable,
+    format_exc,
+    load_job,
+    plan,
+)
+
+log = logging.getLogger(__name__)
+
+#: lease of a claimed job; extended every LEASE_MS / 3 while it is held. Far shorter
+#: than the expiry of RQ's StartedJobRegistry entries (job_monitoring_interval + 60 s),
+#: so a frozen worker's jobs are given back by mtq before RQ's own cleanup would
+#: call them abandoned.
+LEASE_MS = 15_000
+MAX_CLAIM = 256
+
+
+class _Interrupted(Exception):
+    """Raised by the stop signal's handler while the worker waits for work (idle)."""
+
+
+class Prepared:
+    """A claimed job on its way: its lease, its queue, its Execution."""
+
+    __slots__ = ("execution", "job", "outcome", "owner", "queue")
+
+    def __init__(self, job: Job, owner: str, queue: Queue) -> None:
+        self.job = job
+        self.owner = owner
+        self.queue = queue
+        self.execution: Execution | None = None
+        self.outcome: Outcome | None = None
+
+
+class BatchWorker(SimpleWorker):
+    """Serves RQ queues in batches (see the module docstring). Takes SimpleWorker's
+    arguments plus ``accept_pickle``, ``lease_ms``, ``device``, ``target_batch_ms``."""
+
+    def __init__(self, queues: Any, *, accept_pickle: bool = False, lease_ms: int = LEASE_MS,
+                 device: str = "cpu", target_batch_ms: float = 20.0, max_claim: int = MAX_CLAIM,
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("serializer", JSONSerializer)
+        super().__init__(queues, **kwargs)
+        self.accept_pickle = accept_pickle
+        self.lease_ms = int(lease_ms)
+        self.resolver = Resolver(device)
+        self.target_batch_ms = target_batch_ms
+        self.max_claim = max_claim
+        self.scripts = leases.Scripts(self.connection)
+        self._held: dict[str, tuple[str, str]] = {}  # id -> (queue, owner)
+        self._running: dict[str, Prepared] = {}
+        self._lost: set[str] = set()
+        self._lock = threading.Lock()
+        self._valid_until = 0.0  # monotonic: the leases held are live until then
+        self._avg_job_s = 0.001
+        self._beat_stop = threading.Event()
+        self._signals = 0
+        self._idle = False
+        self.jobs_done = 0
+        self.batch_sizes: list[int] = []
+
+    # -- the loop ----------------------------------------------------------------
+    def work(self, burst: bool = False, logging_level: str | None = "INFO",  # type: ignore[override]
+             max_jobs: int | None = None, with_scheduler: bool = False, **_: Any) -> bool:
+        """Serve until stopped (SIGTERM/SIGINT: finish the running batch, give back the
+        rest), or, with ``burst``, until the queues are empty. Returns whether any job ran."""
+        self.bootstrap(logging_level)
+        if with_scheduler:
+            self._start_scheduler(burst, logging_level)
+        self._install_signal_handlers()
+        beat = threading.Thread(target=self._beat_loop, name="mtq-rq-heartbeat", daemon=True)
+        beat.start()
+        done = 0
+        try:
+            while not self._stop_requested:
+                self.check_for_suspension(burst)
+                if self.should_run_maintenance_tasks:
+                    self.run_maintenance_tasks()
+                batch = self._claim(block=not burst)
+                if not batch:
+                    if burst:
+                        self.log.info("Worker %s: done, quitting", self.name)
+                        break
+                    continue
+                done += self._run_batch(batch)
+                if max_jobs is not None and done >= max_jobs:
+                    self.log.info("Worker %s: finished executing %d jobs, quitting",
+                                  self.name, done)
+                    break
+        except _Interrupted:
+            # the blocking call's connection was cut mid-reply: not reusable
+            self.connection.connection_pool.disconnect()
+        except redis.exceptions.ConnectionError:
+            self.log.error("Worker %s: lost Redis, quitting", self.name, exc_info=True)
+            raise
+        finally:
+            self._beat_stop.set()
+            self._give_back_unstarted()
+            beat.join(timeout=5)
+            self.teardown()
+        self.jobs_done = done
+        return bool(done)
+
+    def _install_signal_handlers(self) -> None:
+        def on_signal(signum: int, _frame: Any) -> None:
+            self._signals += 1
+            if self._signals > 1:
+                os._exit(130)  # cold: the supervisor or the reaper gives the jobs back
+            self._stop_requested = True
+            self.log.info("Worker %s: warm shutdown requested", self.name)
+            if self._idle:  # blocked on an empty queue: holds no job, stop at once
+                self._idle = False
+                raise _Interrupted()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def request_stop(self, signum: Any = None, frame: Any = None) -> None:
+        """RQ's 'rq shutdown' command (and the signals): stop after the running batch."""
+        self._stop_requested = True
+
+    # -- claiming ----------------------------------------------------------------
+    def _claim_size(self) -> int:
+        n = int(self.target_batch_ms / 1000 / max(self._avg_job_s, 1e-6))
+        return max(1, min(self.max_claim, n))
+
+    def _claim_from(self, want: int) -> list[tuple[str, str, Queue]]:
+        got: list[tuple[str, str, Queue]] = []
+        for q in self._ordered_queues:
+            if len(got) >= want:
+                break
+            for job_id, owner in leases.claim(self.scripts, q.name, self.name,
+                                              want - len(got), self.lease_ms):
+                got.append((job_id, owner, q))
+        if got:
+            with self._lock:
+                for job_id, owner, q in got:
+                    self._held[job_id] = (q.name, owner)
+                if not self._running:
+                    self._valid_until = time.monotonic() + self.lease_ms / 1000 * 0.8
+        return got
+
+    def _wait_for_work(self, timeout: float) -> None:
+        """Block until a queue has a job (or ``timeout`` s): BLMOVE rotates the head of
+        one queue onto itself, moving nothing; with several queues, one blocking call
+        per queue in threads of their own (no polling)."""
+        timeout = max(0.001, timeout)
+        queues = self._ordered_queues
+        if len(queues) == 1:
+            self.connection.blmove(queues[0].key, queues[0].key, timeout, "LEFT", "LEFT")  # type: ignore[arg-type]
+            return
+        woke = threading.Event()
+
+        def wait_one(key: str) -> None:
+            client = redis.Redis(connection_pool=self.connection.connection_pool)
+            try:
+                if client.blmove(key, key, timeout,  # type: ignore[arg-type]
+                                 "LEFT", "LEFT") is not None:
+                    woke.set()
+            except redis.RedisError:
+                woke.set()
+
+        threads = [threading.Thread(target=wait_one, args=(q.key,), daemon=True)
+                   for q in queues]
+        for t in threads:
+            t.start()
+        woke.wait(timeout + 1)
+
+    def _claim(self, block: bool) -> list[Prepared]:
+        want = self._claim_size()
+        got = self._claim_from(want)
+        if not got:
+            if not block:
+                return []
+            self.set_state(WorkerStatus.IDLE)
+            self._idle = True
+            try:
+                if not self._stop_requested:
+                    self._wait_for_work(max(1, self.worker_ttl // 3))
+            finally:
+                self._idle = False
+            got = self._claim_from(want)
+            if not got:
+                return []
+        batch = self._load(got)
+        self._fill(batch)
+        return batch
+
+    def _load(self, got: Sequence[tuple[str, str, Queue]]) -> list[Prepared]:
+        with self.connection.pipeline(transaction=False) as pipe:
+            for job_id, _, _ in got:
+                pipe.hgetall(leases.job_key(job_id))
+            raws = pipe.execute()
+        out: list[Prepared] = []
+        gone: list[tuple[str, str, str]] = []
+        for (job_id, owner, q), raw in zip(got, raws):
+            if not raw:  # deleted since it was queued: RQ's dequeue skips it too
+                gone.append((q.name, job_id, owner))
+                continue
+            try:
+                job, refused = load_job(job_id, raw, self.connection, self.accept_pickle)
+            except Exception as exc:
+                job = Job(job_id, connection=self.connection, serializer=JSONSerializer)
+                job.restore({k: v for k, v in raw.items() if k != b"meta"})
+                refused = f"job {job_id} cannot be read: {type(exc).__name__}: {exc}"
+            p = Prepared(job, owner, q)
+            if refused:
+                p.outcome = Outcome("fail", exc_string=refused, ended_at=now())
+            out.append(p)
+        for qname, job_id, owner in gone:
+            leases.give_back(self.scripts, qname, [(job_id, owner)])
+            with self._lock:
+                self._held.pop(job_id, None)
+        return out
+
+    def _fill(self, batch: list[Prepared]) -> None:
+        """If the batch holds jobs of a batched function with room left, claim more for
+        up to its max_wait_ms (mtq's dynamic batching), then stop."""
+        from mtq.rq.batched import batched_spec
+        from mtq.rq.jobs import is_model_class
+
+        size, wait_ms = 0, 0.0
+        for p in batch:
+            if p.outcome is not None:
+                continue
+            try:
+                f = self.resolver.func(p.job)
+            except Exception:
+                continue
+            spec = batched_spec(f)
+            if spec is not None:
+                size, wait_ms = max(size, spec.max_batch_size), max(wait_ms, spec.max_wait_ms)
+            elif is_model_class(f):
+                size = max(size, int(getattr(f, "max_batch_size", 32)))
+                wait_ms = max(wait_ms, float(getattr(f, "max_wait_ms", 5.0)))
+        if not size:
+            return
+        deadline = time.monotonic() + wait_ms / 1000
+        while len(batch) < size:
+            more = self._claim_from(size - len(batch))
+            if more:
+                batch.extend(self._load(more))
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wait_for_work(left)
+
+    # -- running -----------------------------------------------------------------
+    def _prepare(self, batch: list[Prepared]) -> None:
+        """RQ's start bookkeeping for the whole batch, in one pipeline."""
+        with self.connection.pipeline(transaction=False) as pipe:
+            for p in batch:
+                if p.outcome is not None:
+                    continue
+                ttl = self.get_heartbeat_ttl(p.job)
+                p.execution = Execution.create(p.job, ttl, pipeline=pipe, worker_name=self.name)
+                p.job.prepare_for_execution(self.name, pipeline=pipe)
+                pipe.persist(p.job.key)
+            self.set_state(WorkerStatus.BUSY, pipeline=pipe)
+            self.set_current_job_id(batch[0].job.id, pipeline=pipe)
+            pipe.execute()
+        with self._lock:
+            for p in batch:
+                self._running[p.job.id] = p
+
+    def _still_ours(self, batch: list[Prepared]) -> list[Prepared]:
+        """Fencing of starts: past the time the last lease extension vouches for (a
+        freeze, a slow call), ask Redis which leases are still this worker's."""
+        if time.monotonic() < self._valid_until:
+            return batch
+        t0 = time.monotonic()
+        lost: set[str] = set()
+        by_queue: dict[str, list[tuple[str, str]]] = {}
+        for p in batch:
+            by_queue.setdefault(p.queue.name, []).append((p.job.id, p.owner))
+        for qname, held in by_queue.items():
+            lost |= leases.extend(self.scripts, qname, held, self.lease_ms)
+        with self._lock:
+            self._lost |= lost
+            self._valid_until = t0 + self.lease_ms / 1000 * 0.8
+        if lost:
+            self.log.warning("Worker %s: lost the lease of %d job(s) (given back while this "
+                             "worker was stalled); not running them", self.name, len(lost))
+        return [p for p in batch if p.job.id not in lost]
+
+    def _run_batch(self, batch: list[Prepared]) -> int:
+        self._prepare(batch)
+        self.batch_sizes.append(len(batch))
+        by_id = {p.job.id: p for p in batch}
+        todo = [p for p in batch if p.outcome is None]
+        units, failed = plan([p.job for p in todo], self.resolver)
+        for job_id, outcome in failed.items():
+            outcome.ended_at = now()
+            by_id[job_id].outcome = outcome
+        t0 = time.monotonic()
+        ran = 0
+        for unit in units:
+            live = [p for p in self._still_ours([by_id[j.id] for j in unit.jobs])
+                    if p.job.id not in self._lost]
+            live_ids = {p.job.id for p in live}
+            if len(live_ids) != len(unit.jobs):
+                keep = [i for i, j in enumerate(unit.jobs) if j.id in live_ids]
+                unit.jobs = [unit.jobs[i] for i in keep]
+                if unit.payloads:
+                    unit.payloads = [unit.payloads[i] for i in keep]
+            if not unit.jobs:
+                continue
+            for job, outcome in self._run_unit(unit):
+                by_id[job.id].outcome = outcome
+            ran += len(unit.jobs)
+        if ran:
+            per_job = (time.monotonic() - t0) / ran
+            self._avg_job_s = 0.7 * self._avg_job_s + 0.3 * per_job
+        self._finish([p for p in batch if p.outcome is not None])
+        return len(batch)
+
+    def _penalty(self, jobs: Sequence[Job]) -> tuple[int, Any]:
+        timeouts = [j.timeout or self.queue_class.DEFAULT_TIMEOUT for j in jobs]
+        timeout = min(int(t) for t in timeouts)
+        return timeout, UnixSignalDeathPenalty
+
+    def _run_unit(self, unit: Unit) -> list[tuple[Job, Outcome]]:
+        if unit.batch is None:
+            job = unit.jobs[0]
+            return [(job, self._run_plain(job, unit.func))]
+        return self._run_group(unit)
+
+    def _guarded(self, jobs: Sequence[Job], fn: Any, *args: Any) -> Any:
+        timeout, penalty = self._penalty(jobs)
+        if timeout <= 0:
+            return fn(*args)
+        with penalty(timeout, JobTimeoutException, job_id=jobs[0].id):
+            return fn(*args)
+
+    def _run_plain(self, job: Job, func: Any) -> Outcome:
+        try:
+            value = self._guarded([job], call_plain, job, func)
+            job.ended_at = now()
+            check_storable(job, value)
+            if not isinstance(value, Retry):
+                job._result = value
+                job._status = JobStatus.FINISHED
+                job.execute_success_callback(self.death_penalty_class, value)
+                return Outcome("ok", value, ended_at=job.ended_at)
+            return Outcome("retry", value, ended_at=job.ended_at)
+        except Exception as exc:
+            return self._failure(job, exc)
+
+    def _failure(self, job: Job, exc: BaseException) -> Outcome:
+        job.ended_at = job.ended_at or now()
+        job._status = JobStatus.FAILED
+        exc_info = (type(exc), exc, exc.__traceback__)
+        exc_string = format_exc(exc)
+        try:
+            job.execute_failure_callback(self.death_penalty_class, *exc_info)
+        except Exception as cb_exc:
+            exc_string = format_exc(cb_exc)
+        self.handle_exception(job, *exc_info)
+        return Outcome("fail", exc_string=exc_string, ended_at=job.ended_at)
+
+    def _run_group(self, unit: Unit) -> list[tuple[Job, Outcome]]:
+        """One call for the group; if it raises, bisect so a bad job fails alone."""
+        assert unit.batch is not None
+        spec = unit.batch
+        out: list[tuple[Job, Outcome]] = []
+
+        def run(jobs: list[Job], payloads: list[Any]) -> None:
+            try:
+                results = self._guarded(jobs, spec.call_batch, payloads)
+            except Exception as exc:
+                if len(jobs) == 1 or isinstance(exc, JobTimeoutException):
+                    for j in jobs:
+                        out.append((j, self._failure(j, exc)))
+                    return
+                half = len(jobs) // 2
+                run(jobs[:half], payloads[:half])
+                run(jobs[half:], payloads[half:])
+                return
+            ended = now()
+            for j, value in zip(jobs, results):
+                j.ended_at = ended
+                if isinstance(value, BaseException):
+                    out.append((j, self._failure(j, value)))
+                    continue
+                try:
+                    check_storable(j, value)
+                    j._result = value
+                    j._status = JobStatus.FINISHED
+                    j.execute_success_callback(self.death_penalty_class, value)
+                    out.append((j, Outcome("ok", value, ended_at=ended)))
+                except Exception as exc:
+                    out.append((j, self._failure(j, exc)))
+
+        run(list(unit.jobs), list(unit.payloads))
+        return out
+
+    # -- finishing ----------------------------------------------------------------
+    def _bookkeeping(self, p: Prepared, pipe: Any) -> None:
+        """RQ's end-of-job writes for one job (BaseWorker.handle_job_success /
+        handle_job_failure / handle_job_retry, with a per-job Execution), into ``pipe``."""
+        job, outcome, queue, ex = p.job, p.outcome, p.queue, p.execution
+        assert outcome is not None
+        ex_id = ex.id if ex else None
+        ex_started = ex.created_at if ex else None
+        ended = outcome.ended_at or now()
+        job.ended_at = ended
+        if outcome.kind == "ok":
+            result_ttl = job.get_result_ttl(self.default_result_ttl)
+            if result_ttl != 0:
+                job._handle_success(result_ttl, pipeline=pipe, worker_name=self.name,
+                                    execution_id=ex_id, execution_started_at=ex_started,
+                                    execution_ended_at=ended)
+            if job.repeats_left is not None and job.repeats_left > 0:
+                from rq.repeat import Repeat
+
+                Repeat.schedule(job, queue, pipeline=pipe)
+            else:
+                job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+        elif outcome.kind == "retry":
+            retry: Retry = outcome.value
+            if job.number_of_retries and job.number_of_retries >= retry.max:
+                job.set_status(JobStatus.FAILED, pipeline=pipe)
+                job.failed_job_registry.add(job, ttl=job.failure_ttl, exc_string="",
+                                            pipeline=pipe)
+                Result.create_max_retries_exceeded(
+                    job, job.failure_ttl, return_value=retry, worker_name=self.name,
+                    pipeline=pipe, execution_id=ex_id or "",
+                    execution_started_at=ex_started or ended, execution_ended_at=ended)
+            else:
+                job._handle_retry_result(queue=queue, pipeline=pipe, retry=retry,
+                                         worker_name=self.name, execution_id=ex_id or "",
+                                         execution_started_at=ex_started or ended,
+                                         execution_ended_at=ended)
+        elif job.should_retry:
+            job.retry(queue, pipe)
+        else:
+            job.set_status(JobStatus.FAILED, pipeline=pipe)
+            job._handle_failure(outcome.exc_string, pipeline=pipe, worker_name=self.name,
+                                execution_id=ex_id, execution_started_at=ex_started,
+                                execution_ended_at=ended)
+        if ex is not None:
+            ex.delete(job=job, pipeline=pipe)
+
+    def _counters(self, done: list[Prepared], pipe: Any) -> None:
+        ok = sum(1 for p in done if p.outcome and p.outcome.kind == "ok")
+        if ok:
+            self.successful_job_count += ok
+            pipe.hincrby(self.key, "successful_job_count", ok)
+        if len(done) - ok:
+            self.failed_job_count += len(done) - ok
+            pipe.hincrby(self.key, "failed_job_count", len(done) - ok)
+        working = sum(((p.job.ended_at - p.job.started_at).total_seconds()
+                       for p in done if p.job.ended_at and p.job.started_at), 0.0)
+        if working:
+            self.total_working_time += working
+            pipe.hincrbyfloat(self.key, "total_working_time", working)
+
+    def _terminal(self, p: Prepared) -> bool:
+        """Whether this outcome ends the job (then its dependents may be enqueued)."""
+        o = p.outcome
+        assert o is not None
+        if o.kind == "ok":
+            return True
+        if o.kind == "retry":
+            return bool(p.job.number_of_retries and p.job.number_of_retries >= o.value.max)
+        return not p.job.should_retry
+
+    def _finish(self, batch: list[Prepared]) -> None:
+        """Commit the batch's outcomes in one transaction, for the jobs still ours."""
+        if not batch:
+            return
+        pending = list(batch)
+        for _attempt in range(50):
+            if not pending:
+                break
+            with self.connection.pipeline() as pipe:
+                try:
+                    pending = self._commit(pending, pipe)
+                except redis.exceptions.WatchError:
+                    continue
+        else:
+            self.log.error("Worker %s: could not commit %d job(s) after 50 tries; their leases "
+                           "will expire and they run again", self.name, len(pending))
+        with self._lock:
+            for p in batch:
+                self._held.pop(p.job.id, None)
+                self._running.pop(p.job.id, None)
+
+    def _commit(self, batch: list[Prepared], pipe: Any) -> list[Prepared]:
+        """One WATCH / read / MULTI..EXEC. Returns the jobs left for a later round (those
+        with dependents, committed one per transaction as RQ does)."""
+        pipe.watch(*[k for p in batch for k in (p.job.key, p.job.dependents_key)])
+        states: dict[str, tuple[str, str, int]] = {}
+        by_queue: dict[str, list[Prepared]] = {}
+        for p in batch:
+            by_queue.setdefault(p.queue.name, []).append(p)
+        for qname, ps in by_queue.items():
+            ids = [p.job.id for p in ps]
+            for job_id, st in zip(ids, leases.fence(self.scripts, pipe, qname, ids)):
+                states[job_id] = st
+        mine: list[Prepared] = []
+        later: list[Prepared] = []
+        lost: list[Prepared] = []
+        parent: Prepared | None = None  # at most one job with dependents per transaction
+        for p in batch:
+            owner, status, deps = states[p.job.id]
+            if owner != p.owner or status not in ("started", "queued"):
+                lost.append(p)
+            elif deps and self._terminal(p):
+                if parent is None:
+                    parent = p
+                    mine.append(p)
+                else:
+                    later.append(p)
+            else:
+                mine.append(p)
+        if parent is not None:  # reads under WATCH, then MULTI (RQ's handle_job_success)
+            parent.queue.enqueue_dependents(parent.job, pipeline=pipe)
+        if not pipe.explicit_transaction:
+            pipe.multi()
+        for p in mine:
+            self._bookkeeping(p, pipe)
+            pipe.hdel(leases.owner_key(p.queue.name), p.job.id)
+            pipe.zrem(leases.leases_key(p.queue.name), p.job.id)
+        self._counters(mine, pipe)
+        self.set_current_job_id(None, pipeline=pipe)
+        pipe.execute()
+        for p in lost:
+            self.log.warning("Worker %s: job %s was given back while this worker held it "
+                             "(a stall past its lease); its outcome here is dropped",
+                             self.name, p.job.id)
+        for p in mine:
+            o = p.outcome
+            assert o is not None
+            if o.kind == "ok":
+                p.job.send_webhooks(JobStatus.FINISHED)
+            elif self._terminal(p):
+                p.job.send_webhooks(JobStatus.FAILED, exc_string=o.exc_string)
+            self.log.debug("Worker %s: %s: %s (%s)", self.name, p.queue.name, o.kind, p.job.id)
+        return later
+
+    # -- heartbeats, recovery, shutdown ---------------------------------------------
+    def _beat_loop(self) -> None:
+        interval = max(0.05, min(self.lease_ms / 1000 / 3, 5.0))
+        while not self._beat_stop.wait(interval):
+            try:
+                self._beat()
+            except Exception:
+                self.log.warning("Worker %s: heartbeat failed", self.name, exc_info=True)
+
+    def _beat(self) -> None:
+        with self._lock:
+            held = dict(self._held)
+            running = list(self._running.values())
+        t0 = time.monotonic()
+        by_queue: dict[str, list[tuple[str, str]]] = {}
+        for job_id, (qname, owner) in held.items():
+            by_queue.setdefault(qname, []).append((job_id, owner))
+        lost: set[str] = set()
+        for qname, pairs in by_queue.items():
+            lost |= leases.extend(self.scripts, qname, pairs, self.lease_ms)
+        with self._lock:
+            self._lost |= lost
+            if held:
+                self._valid_until = t0 + self.lease_ms / 1000 * 0.8
+        with self.connection.pipeline(transaction=False) as pipe:
+            self.heartbeat(self.job_monitoring_interval + 60, pipeline=pipe)
+            for p in running:
+                if p.execution is not None and p.job.id not in lost:
+                    ttl = int(self.get_heartbeat_ttl(p.job))
+                    p.execution.heartbeat(p.job.started_job_registry, ttl, pipeline=pipe)
+            pipe.execute()
+        for q in self.queues:
+            back = leases.reap_expired(self.scripts, self.connection, q.name)
+            if back:
+                self.log.warning("Worker %s: gave back %d job(s) of %s whose lease expired "
+                                 "(a frozen or dead worker): %s", self.name, len(back), q.name,
+                                 ", ".join(back[:10]))
+
+    def _give_back_unstarted(self) -> None:
+        with self._lock:
+            held = {k: v for k, v in self._held.items() if k not in self._running}
+            self._held = {k: v for k, v in self._held.items() if k in self._running}
+        by_queue: dict[str, list[tuple[str, str]]] = {}
+        for job_id, (qname, owner) in held.items():
+            by_queue.setdefault(qname, []).append((job_id, owner))
+        for qname, pairs in by_queue.items():
+            try:
+                leases.give_back(self.scripts, qname, pairs)
+            except redis.RedisError:
+                self.log.warning("Worker %s: could not give back %d job(s); their leases "
+                                 "expire instead", self.name, len(pairs))

@@ -1,0 +1,253 @@
+"""``mtq rq worker``: jobs enqueued by unchanged RQ code (the real rq package), run by
+real ``mtq rq worker`` processes against the test's redis-server. Job functions are
+in tests/rq_jobs.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+rq = pytest.importorskip("rq")
+
+from rq import Callback, Queue, Retry  # noqa: E402
+from rq.job import Job, JobStatus  # noqa: E402
+from rq.registry import FailedJobRegistry, StartedJobRegistry  # noqa: E402
+from rq.serializers import JSONSerializer  # noqa: E402
+from rq.worker import Worker  # noqa: E402
+
+from tests import rq_jobs as J  # noqa: E402
+from tests.conftest import ROOT, wait_for  # noqa: E402
+
+
+@pytest.fixture
+def env(redis_url: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")])
+    e["MTQ_TEST_REDIS_URL"] = redis_url
+    e.pop("RQ_REDIS_URL", None)
+    return e
+
+
+@pytest.fixture
+def q(client: redis.Redis, qname: str) -> Queue:
+    return Queue(qname, connection=client, serializer=JSONSerializer)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+
+
+def start(procs: list, env: dict, url: str, *args: str) -> subprocess.Popen:
+    p = subprocess.Popen([sys.executable, "-m", "mtq", "rq", "worker", *args, "-u", url],
+                         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)
+    procs.append(p)
+    return p
+
+
+def burst(procs: list, env: dict, url: str, *args: str, timeout: float = 40) -> str:
+    p = start(procs, env, url, *args, "--burst")
+    out, _ = p.communicate(timeout=timeout)
+    assert p.returncode == 0, f"mtq rq worker --burst exited {p.returncode}:\n{out}"
+    return out
+
+
+def fetch(client: redis.Redis, job: Job) -> Job:
+    return Job.fetch(job.id, connection=client, serializer=job.serializer)
+
+
+def test_rq_semantics_in_one_burst(q, client, redis_url, env, procs):
+    ok = q.enqueue(J.add, 2, 3)
+    bad = q.enqueue(J.boom, "kaput")
+    ttl0 = q.enqueue(J.add, 1, 1, result_ttl=0)
+    forever = q.enqueue(J.add, 1, 2, result_ttl=-1)
+    dep = q.enqueue(J.add, 10, 20, depends_on=ok)
+    cb_ok = q.enqueue(J.add, 4, 4, on_success=Callback(J.on_ok))
+    cb_bad = q.enqueue(J.boom, on_failure=Callback(J.on_bad))
+    key = "flaky-" + uuid.uuid4().hex
+    flaky = q.enqueue(J.flaky, key, retry=Retry(max=2))
+    retry_key = "retry-" + uuid.uuid4().hex
+    retried = q.enqueue(J.retry_once, retry_key)
+    timed = q.enqueue(J.sleeper, 5, job_timeout=1)
+    unstorable = q.enqueue(J.unstorable)
+    missing = q.enqueue("tests.rq_jobs.no_such_function")
+    arity = q.enqueue(J.double, 1, 2)
+    model = q.enqueue("tests.rq_jobs.Upper", "hi")
+    pickled = Queue(q.name, connection=client).enqueue(J.add, 5, 5)  # RQ's default: pickle
+    after = q.enqueue(J.add, 100, 1)
+
+    out = burst(procs, env, redis_url, q.name)
+
+    assert fetch(client, ok).get_status() == JobStatus.FINISHED
+    assert fetch(client, ok).return_value() == 5
+    assert fetch(client, ok).latest_result().type.name == "SUCCESSFUL"
+    failed_ids = FailedJobRegistry(q.name, connection=client).get_job_ids()
+    b = fetch(client, bad)
+    assert b.get_status() == JobStatus.FAILED and bad.id in failed_ids
+    assert "ValueError: kaput" in b.latest_result().exc_string
+    assert "Traceback" in b.exc_info
+    assert not client.exists(ttl0.key), "result_ttl=0 keeps the job"
+    assert client.ttl(forever.key) == -1
+    assert fetch(client, dep).return_value() == 30
+    assert client.lrange(f"cb:{cb_ok.id}", 0, -1) == [b"ok:8"]
+    assert client.lrange(f"cb:{cb_bad.id}", 0, -1) == [b"bad:ValueError"]
+    f = fetch(client, flaky)
+    assert f.get_status() == JobStatus.FINISHED and f.return_value() == "ok"
+    assert f.retries_left == 1
+    r = fetch(client, retried)
+    assert r.get_status() == JobStatus.FINISHED and r.return_value() == "retried"
+    assert [x.type.name for x in r.results()] == ["SUCCESSFUL", "RETRIED"]
+    t = fetch(client, timed)
+    assert t.get_status() == JobStatus.FAILED
+    assert "JobTimeoutException" in t.exc_info and "1 seconds" in t.exc_info
+    u = fetch(client, unstorable)
+    assert u.get_status() == JobStatus.FAILED and "cannot be stored" in u.exc_info
+    m = fetch(client, missing)
+    assert m.get_status() == JobStatus.FAILED and "cannot import" in m.exc_info
+    a = fetch(client, arity)
+    assert a.get_status() == JobStatus.FAILED and "exactly one positional" in a.exc_info
+    assert fetch(client, model).return_value() == "HI"
+    p = Job.fetch(pickled.id, connection=client)
+    assert p.get_status() == JobStatus.FAILED and pickled.id in failed_ids
+    assert "refuses pickled jobs" in p.exc_info and "--serializer pickle" in p.exc_info
+    assert fetch(client, after).return_value() == 101, "the queue moved on after the refusal"
+    assert StartedJobRegistry(q.name, connection=client).count == 0
+    assert not client.hlen(f"mtq:rq:{{{q.name}}}:owner"), out
+
+
+def test_pickle_accepted_with_the_flag(q, client, redis_url, env, procs):
+    pickled = Queue(q.name, connection=client).enqueue(J.add, 5, 5)
+    burst(procs, env, redis_url, q.name, "--serializer", "pickle")
+    assert Job.fetch(pickled.id, connection=client).return_value() == 10
+
+
+def test_batched_function_groups_jobs_and_a_bad_one_fails_alone(q, client, redis_url, env,
+                                                                procs):
+    key = "sizes-" + uuid.uuid4().hex
+    env["MTQ_TEST_BATCH_KEY"] = key
+    jobs = [q.enqueue(J.double, i) for i in range(40)]
+    bad = q.enqueue(J.double, "bad")
+    more = [q.enqueue(J.double, i) for i in range(40, 48)]
+    burst(procs, env, redis_url, q.name)
+    sizes = [int(x) for x in client.lrange(key, 0, -1)]
+    assert max(sizes) > 1, f"no batch grouped more than one job: {sizes}"
+    for i, j in enumerate(jobs + more):
+        assert fetch(client, j).return_value() == 2 * i, i
+    b = fetch(client, bad)
+    assert b.get_status() == JobStatus.FAILED and "bad payload" in b.exc_info
+
+
+def test_rq_info_lists_the_worker_and_sigterm_exits_0(q, client, redis_url, env, procs):
+    name = "mtqinfo-" + uuid.uuid4().hex[:8]
+    p = start(procs, env, redis_url, q.name, "--name", name)
+    wait_for(lambda: any(w.name == name for w in Worker.all(connection=client)), 20,
+             f"worker {name} did not register with RQ")
+    info = subprocess.run(["rq", "info", "-u", redis_url, q.name], capture_output=True,
+                          text=True, timeout=30, env=env)
+    assert name in info.stdout, info.stdout + info.stderr
+    job = q.enqueue(J.add, 1, 2)
+    wait_for(lambda: fetch(client, job).get_status() == JobStatus.FINISHED, 20,
+             "the running worker did not finish a job")
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
+
+
+def test_unreachable_redis_exits_5(env):
+    env["MTQ_REDIS_WAIT_S"] = "0"
+    p = subprocess.run([sys.executable, "-m", "mtq", "rq", "worker", "x", "-u",
+                        "redis://127.0.0.1:1/0"], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 5, p.stderr
+
+
+def _busy_child(client: redis.Redis, qname: str) -> Worker:
+    def find() -> Worker | None:
+        for w in Worker.all(connection=client):
+            if qname in w.queue_names() and w.get_current_job_id():
+                return w
+        return None
+
+    return wait_for(find, 20, "no mtq rq worker process is running a batch")
+
+
+@pytest.mark.slow
+def test_sigkill_mid_batch_gives_jobs_back_at_the_head_in_order(q, client, redis_url, env,
+                                                                procs):
+    key = "seen-" + uuid.uuid4().hex
+    env["MTQ_TEST_BATCH_SLEEP"] = "1.0"
+    tags = [f"t{i:03d}" for i in range(120)]
+    jobs = [q.enqueue(J.record_batch, [key, t]) for t in tags]
+    start(procs, env, redis_url, q.name, "--lease-ms", "2000")
+    victim = _busy_child(client, q.name)
+    assert client.llen(key) == 0
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_for(lambda: client.llen(key) >= len(tags), 40,
+             "not every job ran after the kill")
+    wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED for j in jobs),
+             20, "not every job finished after the kill")
+    seen = [x.decode() for x in client.lrange(key, 0, -1)]
+    assert seen == tags, "a job ran twice, was lost, or did not go back to the head in order"
+    for j in jobs:
+        assert len(fetch(client, j).results()) == 1
+
+
+@pytest.mark.slow
+def test_frozen_worker_jobs_recovered_and_not_finished_twice(q, client, redis_url, env,
+                                                             procs):
+    key = "seen-" + uuid.uuid4().hex
+    env["MTQ_TEST_BATCH_SLEEP"] = "1.0"
+    jobs = [q.enqueue(J.record_batch, [key, f"t{i}"]) for i in range(20)]
+    a = start(procs, env, redis_url, q.name, "--lease-ms", "1000", "--name", "frozen")
+    victim = _busy_child(client, q.name)
+    held = set(StartedJobRegistry(q.name, connection=client).get_job_ids())
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        start(procs, env, redis_url, q.name, "--lease-ms", "1000", "--name", "rescuer")
+        wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED
+                             for j in jobs), 40, "the frozen worker's jobs were not recovered")
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    # the resumed worker ends its call, finds its leases gone and drops its results
+    wait_for(lambda: victim.get_current_job_id() is None, 20,
+             "the resumed worker did not get past its batch")
+    a.send_signal(signal.SIGTERM)
+    out, _ = a.communicate(timeout=20)
+    assert "given back while this worker held it" in out, out
+    for j in jobs:
+        results = fetch(client, j).results()
+        assert len(results) == 1, f"job {j.id} finished {len(results)} times"
+        if j.id in held:
+            assert results[0].worker_name.startswith("rescuer"), results[0].worker_name
+
+
+@pytest.mark.slow
+def test_rq_worker_and_mtq_worker_share_a_queue(q, client, redis_url, env, procs):
+    key = "seen-" + uuid.uuid4().hex
+    tags = [f"t{i}" for i in range(300)]
+    jobs = [q.enqueue(J.record, key, t) for t in tags]
+    plain = subprocess.Popen(["rq", "worker", "--burst", "-u", redis_url, "--worker-class",
+                              "rq.worker.SimpleWorker", "--serializer",
+                              "rq.serializers.JSONSerializer", q.name], env=env, cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs.append(plain)
+    burst(procs, env, redis_url, q.name)
+    assert plain.wait(60) == 0
+    seen = sorted(x.decode().split(":")[0] for x in client.lrange(key, 0, -1))
+    assert seen == sorted(tags), "a job ran twice or not at all"
+    workers = {fetch(client, j).worker_name for j in jobs}
+    assert all(fetch(client, j).get_status() == JobStatus.FINISHED for j in jobs)
+    assert len(workers) >= 1

@@ -1,0 +1,103 @@
+"""Job functions for tests/integration/test_rq_worker.py (importable by rq and mtq workers)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import redis
+from rq import Retry, get_current_job
+
+import mtq
+import mtq.rq
+
+
+def _r() -> redis.Redis:
+    return redis.Redis.from_url(os.environ["MTQ_TEST_REDIS_URL"])
+
+
+def noop() -> None:
+    return None
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def boom(msg: str = "boom") -> None:
+    raise ValueError(msg)
+
+
+def record(key: str, tag: str, sleep_s: float = 0.0) -> str:
+    """Appends this job's id to the list ``key`` (a side effect to count), after a sleep."""
+    if sleep_s:
+        time.sleep(sleep_s)
+    job = get_current_job()
+    _r().rpush(key, f"{tag}:{job.id if job else '?'}")
+    return tag
+
+
+def flaky(key: str) -> str:
+    """Fails the first time it runs for ``key``, succeeds after."""
+    if _r().incr(key) == 1:
+        raise RuntimeError("first try fails")
+    return "ok"
+
+
+def retry_once(key: str) -> object:
+    if _r().incr(key) == 1:
+        return Retry(max=2)
+    return "retried"
+
+
+def sleeper(s: float) -> str:
+    time.sleep(s)
+    return "slept"
+
+
+def unstorable() -> object:
+    return {1, 2, 3}
+
+
+def on_ok(job, connection, result, *args, **kwargs) -> None:
+    connection.rpush(f"cb:{job.id}", f"ok:{result}")
+
+
+def on_bad(job, connection, typ, value, tb) -> None:
+    connection.rpush(f"cb:{job.id}", f"bad:{typ.__name__}")
+
+
+@mtq.rq.batched(max_batch_size=16, max_wait_ms=50)
+def double(xs: list) -> list:
+    """Records each call's batch size in MTQ_TEST_BATCH_KEY; a payload 'bad' raises."""
+    key = os.environ.get("MTQ_TEST_BATCH_KEY")
+    if key:
+        _r().rpush(key, len(xs))
+    if "bad" in xs:
+        raise ValueError("bad payload")
+    return [x * 2 for x in xs]
+
+
+@mtq.rq.batched(max_batch_size=64, max_wait_ms=5)
+def record_batch(items: list) -> list:
+    """items: [key, tag] pairs; appends each tag to its key (after an optional sleep)."""
+    pause = float(os.environ.get("MTQ_TEST_BATCH_SLEEP", "0") or 0)
+    if pause:
+        time.sleep(pause)
+    r = _r()
+    with r.pipeline() as p:
+        for key, tag in items:
+            p.rpush(key, tag)
+        p.execute()
+    return [tag for _, tag in items]
+
+
+class Upper(mtq.Model):
+    max_batch_size = 8
+    max_wait_ms = 20
+
+    def setup(self, device):
+        self.device = str(device)
+
+    def predict(self, batch):
+        return [str(x).upper() for x in batch]
