@@ -2,8 +2,8 @@
 """RQ interoperability benchmark: jobs enqueued by plain RQ, drained by ``rq worker``
 and by ``mtq rq worker`` in the same run (issue 17).
 
-    python -m benchmarks.rq            # full run (~2-3 minutes on 2 cores), writes docs
-    python -m benchmarks.rq --quick    # smaller run (~40 s), prints only (add --docs)
+    python -m benchmarks.rq            # full run (~4 minutes on 2 cores), writes docs
+    python -m benchmarks.rq --quick    # smaller run (~1 minute), prints only (add --docs)
     python -m benchmarks.rq --no-pin   # let Linux place the processes (see --help)
 
 Run it as a module (``-m``): as a file, its name would hide the ``rq`` package.
