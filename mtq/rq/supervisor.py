@@ -41,7 +41,8 @@ def child_main(config: dict[str, Any]) -> None:
     logging.basicConfig(level=config.get("log_level", "INFO"),
                         format=f"%(asctime)s [{config['name']}] %(levelname)s %(message)s")
     try:
-        client = redis.Redis.from_url(config["url"])
+        # every connection of the pool carries the worker's name (CLIENT LIST shows them)
+        client = redis.Redis.from_url(config["url"], client_name=config["name"])
         client.ping()
     except redis.RedisError as exc:
         log.error("cannot reach Redis at %s: %s", config["url"], exc)

@@ -5,8 +5,8 @@ One round of the loop:
 
 1. claim up to N job ids from the head of the queues, in the worker's queue order,
    with one atomic script per queue (pop + lease; see :mod:`mtq.rq.leases`); when
-   every queue is empty, block on ``BLMOVE q q LEFT LEFT`` (a rotation of the head
-   onto itself: no job moves, the call returns when one arrives);
+   every queue is empty, wait on the worker's waiter threads (one per queue, blocking
+   on ``BLMOVE q q LEFT LEFT`` only while the loop is idle; :mod:`mtq.rq.waiting`);
 2. read the jobs' hashes (one pipelined round trip) and RQ's start bookkeeping for
    the whole batch in one pipeline (Execution, StartedJobRegistry, status started);
 3. run the jobs: plain functions one job per call, batched functions and mtq.Model
@@ -54,6 +54,7 @@ from mtq.rq.jobs import (
     load_job,
     plan,
 )
+from mtq.rq.waiting import Waiters
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class BatchWorker(SimpleWorker):
         self._beat_stop = threading.Event()
         self._signals = 0
         self._idle = False
+        self._waiters: Waiters | None = None
         self.jobs_done = 0
         self.batch_sizes: list[int] = []
 
@@ -138,13 +140,14 @@ class BatchWorker(SimpleWorker):
                                   self.name, done)
                     break
         except _Interrupted:
-            # the blocking call's connection was cut mid-reply: not reusable
-            self.connection.connection_pool.disconnect()
+            pass  # stopped while idle: it holds no job
         except redis.exceptions.ConnectionError:
             self.log.error("Worker %s: lost Redis, quitting", self.name, exc_info=True)
             raise
         finally:
             self._beat_stop.set()
+            if self._waiters is not None:
+                self._waiters.close(timeout=0)  # daemon threads: gone within one BLMOVE
             self._give_back_unstarted()
             beat.join(timeout=5)
             self.teardown()
@@ -191,30 +194,12 @@ class BatchWorker(SimpleWorker):
         return got
 
     def _wait_for_work(self, timeout: float) -> None:
-        """Block until a queue has a job (or ``timeout`` s): BLMOVE rotates the head of
-        one queue onto itself, moving nothing; with several queues, one blocking call
-        per queue in threads of their own (no polling)."""
-        timeout = max(0.001, timeout)
-        queues = self._ordered_queues
-        if len(queues) == 1:
-            self.connection.blmove(queues[0].key, queues[0].key, timeout, "LEFT", "LEFT")  # type: ignore[arg-type]
-            return
-        woke = threading.Event()
-
-        def wait_one(key: str) -> None:
-            client = redis.Redis(connection_pool=self.connection.connection_pool)
-            try:
-                if client.blmove(key, key, timeout,  # type: ignore[arg-type]
-                                 "LEFT", "LEFT") is not None:
-                    woke.set()
-            except redis.RedisError:
-                woke.set()
-
-        threads = [threading.Thread(target=wait_one, args=(q.key,), daemon=True)
-                   for q in queues]
-        for t in threads:
-            t.start()
-        woke.wait(timeout + 1)
+        """Block until a queue has a job (or ``timeout`` s), through the worker's
+        long-lived waiter threads (one per queue, see :mod:`mtq.rq.waiting`)."""
+        if self._waiters is None:
+            self._waiters = Waiters(self.connection.connection_pool,
+                                    [q.key for q in self._ordered_queues], name=self.name)
+        self._waiters.wait(max(0.001, timeout))
 
     def _claim(self, block: bool) -> list[Prepared]:
         want = self._claim_size()

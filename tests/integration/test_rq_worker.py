@@ -251,3 +251,41 @@ def test_rq_worker_and_mtq_worker_share_a_queue(q, client, redis_url, env, procs
     workers = {fetch(client, j).worker_name for j in jobs}
     assert all(fetch(client, j).get_status() == JobStatus.FINISHED for j in jobs)
     assert len(workers) >= 1
+
+
+def _conns(client: redis.Redis, name: str) -> int:
+    return sum(1 for c in client.client_list() if c.get("name") == name)
+
+
+def test_several_queues_in_order_and_idle_waits_hold_bounded_connections(client, redis_url,
+                                                                        env, procs):
+    names = ["t-" + uuid.uuid4().hex[:12] for _ in range(3)]
+    qs = [Queue(n, connection=client, serializer=JSONSerializer) for n in names]
+    key = "seen-" + uuid.uuid4().hex
+    # queued before the worker starts: the first-listed queue's jobs run first
+    late = [qs[2].enqueue(J.record, key, f"c{i}") for i in range(3)]
+    mid = [qs[1].enqueue(J.record, key, f"b{i}") for i in range(3)]
+    first = [qs[0].enqueue(J.record, key, f"a{i}") for i in range(3)]
+    wname = "multi-" + uuid.uuid4().hex[:8]
+    p = start(procs, env, redis_url, *names, "--name", wname)
+    wait_for(lambda: client.llen(key) == 9, 30, "the worker did not run the 9 queued jobs")
+    seen = [x.decode().split(":")[0] for x in client.lrange(key, 0, -1)]
+    assert seen == [f"{c}{i}" for c in "abc" for i in range(3)], seen
+    # idle, woken again and again (mostly through the first queue, so that waiters on
+    # the others would pile up if each idle wait started new ones): connections bounded
+    counts = []
+    for round_ in (0, 0, 0, 0, 0, 1, 2):
+        wait_for(lambda: any(w.name == wname and w.get_state() == "idle"
+                             for w in Worker.all(connection=client)), 20,
+                 "the worker did not go idle")
+        counts.append(_conns(client, wname))
+        job = qs[round_].enqueue(J.add, round_, 1)
+        wait_for(lambda j=job: fetch(client, j).get_status() == JobStatus.FINISHED, 20,
+                 f"a job on queue {round_} did not wake the idle worker")
+    counts.append(_conns(client, wname))
+    # one per queue's waiter, the loop's, the heartbeat's (when it overlaps)
+    assert max(counts) <= 3 + 2, f"connections grew: {counts}"
+    assert all(fetch(client, j).get_status() == JobStatus.FINISHED for j in first + mid + late)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
