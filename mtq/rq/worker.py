@@ -44,6 +44,7 @@ from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from mtq.rq import leases
+from mtq.rq.faults import ChildLink
 from mtq.rq.jobs import (
     Outcome,
     Resolver,
@@ -73,23 +74,27 @@ class _Interrupted(Exception):
 class Prepared:
     """A claimed job on its way: its lease, its queue, its Execution."""
 
-    __slots__ = ("execution", "job", "outcome", "owner", "queue")
+    __slots__ = ("cap", "deliveries", "execution", "job", "outcome", "owner", "queue")
 
-    def __init__(self, job: Job, owner: str, queue: Queue) -> None:
+    def __init__(self, job: Job, owner: str, queue: Queue, deliveries: int = 0,
+                 cap: int = 0) -> None:
         self.job = job
         self.owner = owner
         self.queue = queue
+        self.deliveries = deliveries  # times a worker died while running it
+        self.cap = cap  # then: the most jobs it may share a call (and a commit) with
         self.execution: Execution | None = None
         self.outcome: Outcome | None = None
 
 
 class BatchWorker(SimpleWorker):
     """Serves RQ queues in batches (see the module docstring). Takes SimpleWorker's
-    arguments plus ``accept_pickle``, ``lease_ms``, ``device``, ``target_batch_ms``."""
+    arguments plus ``accept_pickle``, ``lease_ms``, ``device``, ``target_batch_ms``, and
+    ``link`` (a :class:`mtq.rq.faults.ChildLink` to the supervisor, or None)."""
 
     def __init__(self, queues: Any, *, accept_pickle: bool = False, lease_ms: int = LEASE_MS,
                  device: str = "cpu", target_batch_ms: float = 20.0, max_claim: int = MAX_CLAIM,
-                 **kwargs: Any) -> None:
+                 link: ChildLink | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("serializer", JSONSerializer)
         super().__init__(queues, **kwargs)
         self.accept_pickle = accept_pickle
@@ -97,6 +102,8 @@ class BatchWorker(SimpleWorker):
         self.resolver = Resolver(device)
         self.target_batch_ms = target_batch_ms
         self.max_claim = max_claim
+        self.link = link
+        self._order: dict[str, int] = {}  # job id -> its place in the batch's call order
         self.scripts = leases.Scripts(self.connection)
         self._held: dict[str, tuple[str, str]] = {}  # id -> (queue, owner)
         self._running: dict[str, Prepared] = {}
@@ -134,7 +141,8 @@ class BatchWorker(SimpleWorker):
                         self.log.info("Worker %s: done, quitting", self.name)
                         break
                     continue
-                done += self._run_batch(batch)
+                for part in self._isolate_suspects(batch):
+                    done += self._run_batch(part)
                 if max_jobs is not None and done >= max_jobs:
                     self.log.info("Worker %s: finished executing %d jobs, quitting",
                                   self.name, done)
@@ -225,10 +233,13 @@ class BatchWorker(SimpleWorker):
         with self.connection.pipeline(transaction=False) as pipe:
             for job_id, _, _ in got:
                 pipe.hgetall(leases.job_key(job_id))
-            raws = pipe.execute()
+            for job_id, _, q in got:
+                pipe.hget(leases.deliveries_key(q.name), job_id)
+            replies = pipe.execute()
+        raws, counts = replies[:len(got)], replies[len(got):]
         out: list[Prepared] = []
         gone: list[tuple[str, str, str]] = []
-        for (job_id, owner, q), raw in zip(got, raws):
+        for (job_id, owner, q), raw, count in zip(got, raws, counts):
             if not raw:  # deleted since it was queued: RQ's dequeue skips it too
                 gone.append((q.name, job_id, owner))
                 continue
@@ -238,7 +249,7 @@ class BatchWorker(SimpleWorker):
                 job = Job(job_id, connection=self.connection, serializer=JSONSerializer)
                 job.restore({k: v for k, v in raw.items() if k != b"meta"})
                 refused = f"job {job_id} cannot be read: {type(exc).__name__}: {exc}"
-            p = Prepared(job, owner, q)
+            p = Prepared(job, owner, q, *leases.parse_deliveries(count))
             if refused:
                 p.outcome = Outcome("fail", exc_string=refused, ended_at=now())
             out.append(p)
@@ -280,6 +291,30 @@ class BatchWorker(SimpleWorker):
             if left <= 0:
                 break
             self._wait_for_work(left)
+
+    @staticmethod
+    def _isolate_suspects(batch: list[Prepared]) -> list[list[Prepared]]:
+        """Split the batch so that the jobs that were running when a worker died
+        (suspects: one may kill this worker too) run, and are committed, in parts of
+        at most their cap (half their fatal call: a poison job in a batched call is
+        isolated by bisection, a plain one runs alone); the others keep their batch.
+        Queue order is kept."""
+        if not any(p.deliveries for p in batch):
+            return [batch]
+        parts: list[list[Prepared]] = [[]]
+        suspect = False
+        for p in batch:
+            cur = parts[-1]
+            if p.deliveries:
+                cap = min([p.cap, *(x.cap for x in cur)]) if suspect else p.cap
+                if not suspect or len(cur) >= max(1, cap):
+                    parts.append([])
+                suspect = True
+            elif suspect:
+                parts.append([])
+                suspect = False
+            parts[-1].append(p)
+        return [part for part in parts if part]
 
     # -- running -----------------------------------------------------------------
     def _prepare(self, batch: list[Prepared]) -> None:
@@ -328,6 +363,11 @@ class BatchWorker(SimpleWorker):
         for job_id, outcome in failed.items():
             outcome.ended_at = now()
             by_id[job_id].outcome = outcome
+        # the call order, for the supervisor: it tells running jobs from waiting ones
+        order = [by_id[j.id] for unit in units for j in unit.jobs]
+        self._order = {p.job.id: i for i, p in enumerate(order)}
+        if self.link is not None:
+            self.link.batch([(p.queue.name, p.job.id) for p in order])
         t0 = time.monotonic()
         ran = 0
         for unit in units:
@@ -363,10 +403,18 @@ class BatchWorker(SimpleWorker):
 
     def _guarded(self, jobs: Sequence[Job], fn: Any, *args: Any) -> Any:
         timeout, penalty = self._penalty(jobs)
-        if timeout <= 0:
-            return fn(*args)
-        with penalty(timeout, JobTimeoutException, job_id=jobs[0].id):
-            return fn(*args)
+        link = self.link
+        if link is not None:
+            places = [self._order.get(j.id, 0) for j in jobs]
+            link.call(min(places), max(places) + 1, max(0, timeout))
+        try:
+            if timeout <= 0:
+                return fn(*args)
+            with penalty(timeout, JobTimeoutException, job_id=jobs[0].id):
+                return fn(*args)
+        finally:
+            if link is not None:
+                link.idle()
 
     def _run_plain(self, job: Job, func: Any) -> Outcome:
         try:
@@ -558,6 +606,8 @@ class BatchWorker(SimpleWorker):
             self._bookkeeping(p, pipe)
             pipe.hdel(leases.owner_key(p.queue.name), p.job.id)
             pipe.zrem(leases.leases_key(p.queue.name), p.job.id)
+            if p.deliveries:
+                pipe.hdel(leases.deliveries_key(p.queue.name), p.job.id)
         self._counters(mine, pipe)
         self.set_current_job_id(None, pipeline=pipe)
         pipe.execute()

@@ -289,3 +289,72 @@ def test_several_queues_in_order_and_idle_waits_hold_bounded_connections(client,
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=20)
     assert p.returncode == 0, out
+
+
+@pytest.mark.slow
+def test_a_job_that_kills_its_worker_fails_after_max_deliveries(q, client, redis_url, env,
+                                                                  procs):
+    key = "seen-" + uuid.uuid4().hex
+    runs = "runs-" + uuid.uuid4().hex
+    before = [q.enqueue(J.record, key, f"a{i}") for i in range(3)]
+    poison = q.enqueue(J.die, runs)
+    after = [q.enqueue(J.record, key, f"b{i}") for i in range(5)]
+    p = start(procs, env, redis_url, q.name, "--max-deliveries", "3")
+    wait_for(lambda: fetch(client, poison).get_status() == JobStatus.FAILED, 40,
+             "the poison job was not failed")
+    wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED
+                         for j in before + after), 30, "the other jobs did not all finish")
+    assert int(client.get(runs)) == 3, "the poison job ran other than max-deliveries times"
+    assert poison.id in FailedJobRegistry(q.name, connection=client).get_job_ids()
+    exc = fetch(client, poison).latest_result().exc_string
+    assert "process died 3 times while running it" in exc, exc
+    for j in before + after:
+        assert len(fetch(client, j).results()) == 1, f"job {j.id} completed twice"
+    # the jobs after it ran once: the suspect ran alone after its first kill
+    seen = [x.decode().split(":")[0] for x in client.lrange(key, 0, -1)]
+    assert sorted(t for t in seen if t.startswith("b")) == [f"b{i}" for i in range(5)], seen
+    assert not client.hlen(f"mtq:rq:{{{q.name}}}:deliveries")
+    assert StartedJobRegistry(q.name, connection=client).count == 0
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
+    assert "failed 1 job(s) that was running each of the last 3 times" in out, out
+
+
+@pytest.mark.slow
+def test_a_poison_payload_in_a_batched_call_is_isolated_and_the_rest_complete(
+        q, client, redis_url, env, procs):
+    jobs = [q.enqueue(J.die_on, f"x{i}") for i in range(3)]
+    poison = q.enqueue(J.die_on, "die")
+    jobs += [q.enqueue(J.die_on, f"x{i}") for i in range(3, 8)]
+    start(procs, env, redis_url, q.name, "--max-deliveries", "3")
+    wait_for(lambda: fetch(client, poison).get_status() == JobStatus.FAILED, 50,
+             "the poison payload was not isolated and failed")
+    wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED for j in jobs),
+             20, "the innocent payloads of its batch did not all complete")
+    for i, j in enumerate(jobs):
+        assert fetch(client, j).return_value() == f"ok:x{i}"
+    assert "process died" in fetch(client, poison).latest_result().exc_string
+
+
+@pytest.mark.slow
+def test_a_call_stuck_in_c_past_its_timeout_is_killed_and_failed(q, client, redis_url, env,
+                                                                   procs):
+    runs = "runs-" + uuid.uuid4().hex
+    stuck = q.enqueue(J.stuck_in_c, runs, job_timeout=1)
+    others = [q.enqueue(J.add, i, 1) for i in range(5)]
+    p = start(procs, env, redis_url, q.name, "--hang-grace", "1")
+    wait_for(lambda: fetch(client, stuck).get_status() == JobStatus.FAILED, 30,
+             "the stuck call was not killed and its job failed")
+    wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED for j in others),
+             30, "the rest of the batch was not given back and run")
+    assert int(client.get(runs)) == 1, "the timed-out job was requeued"
+    exc = fetch(client, stuck).latest_result().exc_string
+    assert "JobTimeoutException" in exc and "(1 seconds)" in exc and "killed" in exc, exc
+    assert stuck.id in FailedJobRegistry(q.name, connection=client).get_job_ids()
+    for j in others:
+        assert len(fetch(client, j).results()) == 1
+    assert not client.hlen(f"mtq:rq:{{{q.name}}}:deliveries"), "given-back jobs were counted"
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
