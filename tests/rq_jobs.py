@@ -132,3 +132,17 @@ def die_on(items: list) -> list:
     if "die" in items:
         os.kill(os.getpid(), signal.SIGKILL)
     return [f"ok:{x}" for x in items]
+
+
+def rendezvous(key: str, n: int) -> str:
+    """Counts itself in ``key`` and waits (10 s at most) until ``n`` jobs run at once:
+    finishes only if as many processes serve the queue in parallel."""
+    r = _r()
+    r.incr(key)
+    deadline = time.monotonic() + 10
+    while int(r.get(key) or 0) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {r.get(key)} of {n} jobs ran at once")
+        time.sleep(0.01)
+    job = get_current_job()
+    return job.worker_name if job else "?"

@@ -599,7 +599,13 @@ class BatchWorker(SimpleWorker):
             else:
                 mine.append(p)
         if parent is not None:  # reads under WATCH, then MULTI (RQ's handle_job_success)
-            parent.queue.enqueue_dependents(parent.job, pipeline=pipe)
+            # the parent's status in Redis is still "started": RQ must judge its
+            # dependents by the status this transaction gives it (a failed parent
+            # enqueues only those with allow_failure)
+            ok = parent.outcome is not None and parent.outcome.kind == "ok"
+            parent.job._status = JobStatus.FINISHED if ok else JobStatus.FAILED
+            parent.queue.enqueue_dependents(parent.job, pipeline=pipe,
+                                            refresh_job_status=False)
         if not pipe.explicit_transaction:
             pipe.multi()
         for p in mine:

@@ -358,3 +358,59 @@ def test_a_call_stuck_in_c_past_its_timeout_is_killed_and_failed(q, client, redi
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=20)
     assert p.returncode == 0, out
+
+
+def test_replicas_two_processes_serve_and_stop_on_sigterm(q, client, redis_url, env, procs):
+    base = "rep-" + uuid.uuid4().hex[:8]
+    p = start(procs, env, redis_url, q.name, "--replicas", "2", "--devices", "cpu",
+              "--name", base)
+
+    def ours() -> list[str]:
+        return sorted(w.name for w in Worker.all(connection=client) if w.name.startswith(base))
+
+    wait_for(lambda: len(ours()) == 2, 30, "two worker processes did not register with RQ")
+    info = subprocess.run(["rq", "info", "-u", redis_url, q.name], capture_output=True,
+                          text=True, timeout=30, env=env)
+    assert all(n in info.stdout for n in ours()), info.stdout + info.stderr
+    key = "rdv-" + uuid.uuid4().hex
+    a = q.enqueue(J.rendezvous, key, 2)
+    wait_for(lambda: client.get(key) == b"1", 20, "the first job did not start")
+    b = q.enqueue(J.rendezvous, key, 2)  # only the other process is free to take it
+    wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED for j in (a, b)),
+             20, "the two jobs did not run at once in two processes")
+    assert {fetch(client, j).worker_name for j in (a, b)} == set(ours())
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
+    wait_for(lambda: not ours(), 10, "the stopped processes are still registered")
+
+
+def test_dependencies_with_allow_failure_and_repeat(q, client, redis_url, env, procs):
+    from rq import Repeat
+    from rq.job import Dependency
+
+    ok = q.enqueue(J.add, 1, 1)
+    bad = q.enqueue(J.boom, "no")
+    dep = q.enqueue(J.add, 2, 2, depends_on=Dependency(jobs=[ok, bad], allow_failure=True))
+    strict = q.enqueue(J.add, 3, 3, depends_on=Dependency(jobs=[ok, bad]))
+    key = "rep-" + uuid.uuid4().hex
+    rep = q.enqueue(J.record, key, "r", repeat=Repeat(times=2))
+    burst(procs, env, redis_url, q.name)
+    assert fetch(client, dep).return_value() == 4, "allow_failure: runs after a failure"
+    assert fetch(client, strict).get_status() == JobStatus.DEFERRED
+    assert client.llen(key) == 3, "Repeat(times=2): the first run and two repeats"
+    assert len(fetch(client, rep).results()) == 3
+
+
+@pytest.mark.slow
+def test_scheduler_re_enqueues_retries_with_an_interval(q, client, redis_url, env, procs):
+    key = "flaky-" + uuid.uuid4().hex
+    job = q.enqueue(J.flaky, key, retry=Retry(max=2, interval=1))
+    p = start(procs, env, redis_url, q.name, "--with-scheduler")
+    wait_for(lambda: fetch(client, job).get_status() == JobStatus.FINISHED, 30,
+             "the retry was not re-enqueued by RQ's scheduler and run")
+    assert fetch(client, job).return_value() == "ok"
+    assert int(client.get(key)) == 2
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
