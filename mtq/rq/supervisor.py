@@ -59,6 +59,16 @@ def child_main(config: dict[str, Any], conn: Any = None, shared: Any = None) -> 
 
     logging.basicConfig(level=config.get("log_level", "INFO"),
                         format=f"%(asctime)s [{config['name']}] %(levelname)s %(message)s")
+    if os.environ.get("DJANGO_SETTINGS_MODULE"):
+        # a Django project's jobs (django-rq) use its apps and ORM: set it up once, as
+        # manage.py rqworker does
+        try:
+            import django
+
+            django.setup()
+        except Exception as exc:
+            log.error("DJANGO_SETTINGS_MODULE is set but Django cannot be set up: %s", exc)
+            raise SystemExit(EXIT_CONFIG) from None
     try:
         # every connection of the pool carries the worker's name (CLIENT LIST shows them)
         client = redis.Redis.from_url(config["url"], client_name=config["name"])

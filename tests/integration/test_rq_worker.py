@@ -4,6 +4,7 @@ in tests/rq_jobs.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -414,3 +415,27 @@ def test_scheduler_re_enqueues_retries_with_an_interval(q, client, redis_url, en
     p.send_signal(signal.SIGTERM)
     out, _ = p.communicate(timeout=20)
     assert p.returncode == 0, out
+
+
+def test_django_rq_app_enqueues_and_mtq_rq_worker_runs_it(qname, redis_url, env, procs):
+    import importlib.util
+
+    if importlib.util.find_spec("django_rq") is None:  # importing it needs Django settings
+        pytest.skip("django-rq is not installed")
+    manage = str(ROOT / "tests" / "django_project" / "manage.py")
+    env = {**env, "MTQ_DJANGO_RQ_URL": redis_url, "MTQ_DJANGO_RQ_QUEUE": qname}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+
+    def shell(code: str) -> str:
+        out = subprocess.run([sys.executable, manage, "shell", "-c", code], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().splitlines()[-1]
+
+    job_id = shell("import django_rq; from tests.django_project.rq_tasks import word_count; "
+                   f"print(django_rq.get_queue({qname!r}).enqueue(word_count, 'a b c').id)")
+    burst(procs, {**env, "DJANGO_SETTINGS_MODULE": "tests.django_project.settings"},
+          redis_url, qname)
+    got = shell(f"import django_rq, json; j = django_rq.get_queue({qname!r}).fetch_job("
+                f"{job_id!r}); print(json.dumps([j.get_status(), j.return_value()]))")
+    assert json.loads(got) == ["finished", {"words": 3, "django_rq": True}], got
