@@ -39,6 +39,16 @@ from mtq.workers.model import Model, Progress
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``mtq.rq`` (``@mtq.rq.batched`` for RQ job modules) without an explicit import;
+    loaded on first use, and it imports no part of the rq package itself."""
+    if name == "rq":
+        import importlib
+
+        return importlib.import_module("mtq.rq")
+    raise AttributeError(f"module 'mtq' has no attribute {name!r}")
+
 __all__ = [
     "BrokerError",
     "Claimed",

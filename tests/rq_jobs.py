@@ -101,3 +101,48 @@ class Upper(mtq.Model):
 
     def predict(self, batch):
         return [str(x).upper() for x in batch]
+
+
+def die(key: str) -> None:
+    """A poison job: counts its runs in ``key``, then kills its own process (as a
+    segfault or the out-of-memory killer would)."""
+    import signal
+
+    _r().incr(key)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def stuck_in_c(key: str) -> str:
+    """A call that SIGALRM cannot interrupt: hashlib's PBKDF2 runs in C (with the GIL
+    released) for minutes and never returns to the interpreter, so the Python-level
+    handler of RQ's alarm only runs when it returns, as with a hung GPU kernel or a
+    blocking call in an extension."""
+    import hashlib
+
+    _r().incr(key)
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", 2_000_000_000)
+    return "finished?!"
+
+
+@mtq.rq.batched(max_batch_size=8, max_wait_ms=200)
+def die_on(items: list) -> list:
+    """A batched function whose payload "die" kills the process (the whole call)."""
+    import signal
+
+    if "die" in items:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [f"ok:{x}" for x in items]
+
+
+def rendezvous(key: str, n: int) -> str:
+    """Counts itself in ``key`` and waits (10 s at most) until ``n`` jobs run at once:
+    finishes only if as many processes serve the queue in parallel."""
+    r = _r()
+    r.incr(key)
+    deadline = time.monotonic() + 10
+    while int(r.get(key) or 0) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {r.get(key)} of {n} jobs ran at once")
+        time.sleep(0.01)
+    job = get_current_job()
+    return job.worker_name if job else "?"

@@ -3,7 +3,9 @@
 The options follow ``rq worker``'s where they mean the same (``--url/-u``, ``--burst/-b``,
 ``--name/-n``, ``--results-ttl``, ``--worker-ttl``, ``--job-monitoring-interval``,
 ``--logging_level/-l``, ``--quiet/-q``, ``--with-scheduler/-s``, ``--max-jobs``,
-``--serializer``, ``--path/-P``); see docs/rq.md for what is and is not supported.
+``--serializer``, ``--path/-P``), plus mtq's own (``--devices``, ``--replicas``,
+``--lease-ms``, ``--max-deliveries``, ``--hang-grace``); see docs/rq.md for what is and
+is not supported.
 """
 
 from __future__ import annotations
@@ -52,6 +54,15 @@ def rq_group() -> None:
 @click.option("--lease-ms", default=15_000, show_default=True, type=click.IntRange(300),
               help="mtq's lease of a claimed job, extended every lease/3: a frozen worker's "
                    "jobs go back to the queue after about this long.")
+@click.option("--max-deliveries", default=3, show_default=True, type=click.IntRange(1),
+              help="A job that was running each time a worker process died this many times "
+                   "(a segfault, os._exit, the OOM killer) is failed into RQ's "
+                   "FailedJobRegistry instead of going back to the queue.")
+@click.option("--hang-grace", "hang_grace_s", default=10.0, show_default=True,
+              type=click.FloatRange(0), metavar="SECONDS",
+              help="A call still running this long past its jobs' job_timeout (stuck in C "
+                   "code, where RQ's SIGALRM cannot stop it) has its process killed and its "
+                   "jobs failed with RQ's timeout message.")
 @click.option("--with-scheduler", "-s", is_flag=True,
               help="Run RQ's scheduler too (enqueue_at / enqueue_in, Retry intervals).")
 @click.option("--path", "-P", "paths", multiple=True, default=["."], show_default=True,
@@ -63,7 +74,8 @@ def rq_group() -> None:
 def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spec: str,
               replicas: int, name: str | None, max_jobs: int | None, serializer: str,
               results_ttl: int | None, worker_ttl: int | None,
-              job_monitoring_interval: int | None, lease_ms: int, with_scheduler: bool,
+              job_monitoring_interval: int | None, lease_ms: int, max_deliveries: int,
+              hang_grace_s: float, with_scheduler: bool,
               paths: tuple[str, ...], logging_level: str, quiet: bool, verbose: bool) -> None:
     """Serve the RQ queues QUEUES (in this order of priority) in supervised worker
     processes: plain job functions one job per call, functions marked with
@@ -104,6 +116,7 @@ def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spe
         sup = RQSupervisor(list(queues), url, devices_spec=devices_spec, replicas=replicas,
                            name=name, burst=burst, max_jobs=max_jobs,
                            with_scheduler=with_scheduler, log_level=level, worker=worker,
+                           max_deliveries=max_deliveries, hang_grace_s=hang_grace_s,
                            on_event=say)
     except MtqError as exc:
         fail(exc, USAGE)

@@ -10,6 +10,8 @@ order. Keys (next to RQ's own, under ``mtq:rq:``):
 ``mtq:rq:{<queue>}:leases``     sorted set  job id -> lease deadline (ms, server clock)
 ``mtq:rq:{<queue>}:owner``      hash        job id -> ``"<worker name>|<token>"``
 ``mtq:rq:{<queue>}:token``      string      the token counter (tokens fence and order)
+``mtq:rq:{<queue>}:deliveries`` hash        job id -> ``<deaths>:<cap>``: times a worker
+                                            died running it, most jobs per call since
 ==============================  ==========  =============================================
 
 The scripts are in ``mtq/rq/lua/`` rather than ``mtq/broker/lua/``: they work on RQ's
@@ -45,6 +47,10 @@ def token_key(queue: str) -> str:
     return f"{LEASE_PREFIX}{{{queue}}}:token"
 
 
+def deliveries_key(queue: str) -> str:
+    return f"{LEASE_PREFIX}{{{queue}}}:deliveries"
+
+
 def wip_key(queue: str) -> str:
     return f"rq:wip:{queue}"
 
@@ -67,13 +73,14 @@ def _source(name: str) -> str:
 
 
 class Scripts:
-    """The four scripts registered on one client (EVALSHA; loaded on NOSCRIPT)."""
+    """The five scripts registered on one client (EVALSHA; loaded on NOSCRIPT)."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.claim = client.register_script(_source("claim"))
         self.extend = client.register_script(_source("extend"))
         self.fence = client.register_script(_source("fence"))
         self.reap = client.register_script(_source("reap"))
+        self.count = client.register_script(_source("count"))
 
 
 def _text(v: Any) -> str:
@@ -155,3 +162,22 @@ def reap_worker(scripts: Scripts, client: redis.Redis, queue: str, worker: str) 
     if not ids:
         return []
     return _reap(scripts, queue, "worker", worker, ids, ids)
+
+
+def count_deliveries(scripts: Scripts, queue: str, worker: str, ids: Sequence[str],
+                     call_size: int) -> dict[str, int]:
+    """Count one more delivery of each job in ``ids`` (of a fatal call of ``call_size``
+    jobs) that the dead ``worker`` still owns; returns their death counts."""
+    if not ids:
+        return {}
+    reply = scripts.count(keys=[owner_key(queue), deliveries_key(queue)],
+                          args=[worker, call_size, *ids])
+    return {_text(reply[i]): int(reply[i + 1]) for i in range(0, len(reply), 2)}
+
+
+def parse_deliveries(value: Any) -> tuple[int, int]:
+    """(deaths, cap) of a deliveries entry; (0, 0) when there is none."""
+    if not value:
+        return 0, 0
+    deaths, _, cap = _text(value).partition(":")
+    return int(deaths or 0), int(cap or 1)

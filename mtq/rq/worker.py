@@ -5,8 +5,8 @@ One round of the loop:
 
 1. claim up to N job ids from the head of the queues, in the worker's queue order,
    with one atomic script per queue (pop + lease; see :mod:`mtq.rq.leases`); when
-   every queue is empty, block on ``BLMOVE q q LEFT LEFT`` (a rotation of the head
-   onto itself: no job moves, the call returns when one arrives);
+   every queue is empty, wait on the worker's waiter threads (one per queue, blocking
+   on ``BLMOVE q q LEFT LEFT`` only while the loop is idle; :mod:`mtq.rq.waiting`);
 2. read the jobs' hashes (one pipelined round trip) and RQ's start bookkeeping for
    the whole batch in one pipeline (Execution, StartedJobRegistry, status started);
 3. run the jobs: plain functions one job per call, batched functions and mtq.Model
@@ -44,6 +44,7 @@ from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from mtq.rq import leases
+from mtq.rq.faults import ChildLink
 from mtq.rq.jobs import (
     Outcome,
     Resolver,
@@ -54,6 +55,7 @@ from mtq.rq.jobs import (
     load_job,
     plan,
 )
+from mtq.rq.waiting import Waiters
 
 log = logging.getLogger(__name__)
 
@@ -72,23 +74,27 @@ class _Interrupted(Exception):
 class Prepared:
     """A claimed job on its way: its lease, its queue, its Execution."""
 
-    __slots__ = ("execution", "job", "outcome", "owner", "queue")
+    __slots__ = ("cap", "deliveries", "execution", "job", "outcome", "owner", "queue")
 
-    def __init__(self, job: Job, owner: str, queue: Queue) -> None:
+    def __init__(self, job: Job, owner: str, queue: Queue, deliveries: int = 0,
+                 cap: int = 0) -> None:
         self.job = job
         self.owner = owner
         self.queue = queue
+        self.deliveries = deliveries  # times a worker died while running it
+        self.cap = cap  # then: the most jobs it may share a call (and a commit) with
         self.execution: Execution | None = None
         self.outcome: Outcome | None = None
 
 
 class BatchWorker(SimpleWorker):
     """Serves RQ queues in batches (see the module docstring). Takes SimpleWorker's
-    arguments plus ``accept_pickle``, ``lease_ms``, ``device``, ``target_batch_ms``."""
+    arguments plus ``accept_pickle``, ``lease_ms``, ``device``, ``target_batch_ms``, and
+    ``link`` (a :class:`mtq.rq.faults.ChildLink` to the supervisor, or None)."""
 
     def __init__(self, queues: Any, *, accept_pickle: bool = False, lease_ms: int = LEASE_MS,
                  device: str = "cpu", target_batch_ms: float = 20.0, max_claim: int = MAX_CLAIM,
-                 **kwargs: Any) -> None:
+                 link: ChildLink | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("serializer", JSONSerializer)
         super().__init__(queues, **kwargs)
         self.accept_pickle = accept_pickle
@@ -96,6 +102,8 @@ class BatchWorker(SimpleWorker):
         self.resolver = Resolver(device)
         self.target_batch_ms = target_batch_ms
         self.max_claim = max_claim
+        self.link = link
+        self._order: dict[str, int] = {}  # job id -> its place in the batch's call order
         self.scripts = leases.Scripts(self.connection)
         self._held: dict[str, tuple[str, str]] = {}  # id -> (queue, owner)
         self._running: dict[str, Prepared] = {}
@@ -106,6 +114,7 @@ class BatchWorker(SimpleWorker):
         self._beat_stop = threading.Event()
         self._signals = 0
         self._idle = False
+        self._waiters: Waiters | None = None
         self.jobs_done = 0
         self.batch_sizes: list[int] = []
 
@@ -132,19 +141,21 @@ class BatchWorker(SimpleWorker):
                         self.log.info("Worker %s: done, quitting", self.name)
                         break
                     continue
-                done += self._run_batch(batch)
+                for part in self._isolate_suspects(batch):
+                    done += self._run_batch(part)
                 if max_jobs is not None and done >= max_jobs:
                     self.log.info("Worker %s: finished executing %d jobs, quitting",
                                   self.name, done)
                     break
         except _Interrupted:
-            # the blocking call's connection was cut mid-reply: not reusable
-            self.connection.connection_pool.disconnect()
+            pass  # stopped while idle: it holds no job
         except redis.exceptions.ConnectionError:
             self.log.error("Worker %s: lost Redis, quitting", self.name, exc_info=True)
             raise
         finally:
             self._beat_stop.set()
+            if self._waiters is not None:
+                self._waiters.close(timeout=0)  # daemon threads: gone within one BLMOVE
             self._give_back_unstarted()
             beat.join(timeout=5)
             self.teardown()
@@ -191,30 +202,12 @@ class BatchWorker(SimpleWorker):
         return got
 
     def _wait_for_work(self, timeout: float) -> None:
-        """Block until a queue has a job (or ``timeout`` s): BLMOVE rotates the head of
-        one queue onto itself, moving nothing; with several queues, one blocking call
-        per queue in threads of their own (no polling)."""
-        timeout = max(0.001, timeout)
-        queues = self._ordered_queues
-        if len(queues) == 1:
-            self.connection.blmove(queues[0].key, queues[0].key, timeout, "LEFT", "LEFT")  # type: ignore[arg-type]
-            return
-        woke = threading.Event()
-
-        def wait_one(key: str) -> None:
-            client = redis.Redis(connection_pool=self.connection.connection_pool)
-            try:
-                if client.blmove(key, key, timeout,  # type: ignore[arg-type]
-                                 "LEFT", "LEFT") is not None:
-                    woke.set()
-            except redis.RedisError:
-                woke.set()
-
-        threads = [threading.Thread(target=wait_one, args=(q.key,), daemon=True)
-                   for q in queues]
-        for t in threads:
-            t.start()
-        woke.wait(timeout + 1)
+        """Block until a queue has a job (or ``timeout`` s), through the worker's
+        long-lived waiter threads (one per queue, see :mod:`mtq.rq.waiting`)."""
+        if self._waiters is None:
+            self._waiters = Waiters(self.connection.connection_pool,
+                                    [q.key for q in self._ordered_queues], name=self.name)
+        self._waiters.wait(max(0.001, timeout))
 
     def _claim(self, block: bool) -> list[Prepared]:
         want = self._claim_size()
@@ -240,10 +233,13 @@ class BatchWorker(SimpleWorker):
         with self.connection.pipeline(transaction=False) as pipe:
             for job_id, _, _ in got:
                 pipe.hgetall(leases.job_key(job_id))
-            raws = pipe.execute()
+            for job_id, _, q in got:
+                pipe.hget(leases.deliveries_key(q.name), job_id)
+            replies = pipe.execute()
+        raws, counts = replies[:len(got)], replies[len(got):]
         out: list[Prepared] = []
         gone: list[tuple[str, str, str]] = []
-        for (job_id, owner, q), raw in zip(got, raws):
+        for (job_id, owner, q), raw, count in zip(got, raws, counts):
             if not raw:  # deleted since it was queued: RQ's dequeue skips it too
                 gone.append((q.name, job_id, owner))
                 continue
@@ -253,7 +249,7 @@ class BatchWorker(SimpleWorker):
                 job = Job(job_id, connection=self.connection, serializer=JSONSerializer)
                 job.restore({k: v for k, v in raw.items() if k != b"meta"})
                 refused = f"job {job_id} cannot be read: {type(exc).__name__}: {exc}"
-            p = Prepared(job, owner, q)
+            p = Prepared(job, owner, q, *leases.parse_deliveries(count))
             if refused:
                 p.outcome = Outcome("fail", exc_string=refused, ended_at=now())
             out.append(p)
@@ -295,6 +291,30 @@ class BatchWorker(SimpleWorker):
             if left <= 0:
                 break
             self._wait_for_work(left)
+
+    @staticmethod
+    def _isolate_suspects(batch: list[Prepared]) -> list[list[Prepared]]:
+        """Split the batch so that the jobs that were running when a worker died
+        (suspects: one may kill this worker too) run, and are committed, in parts of
+        at most their cap (half their fatal call: a poison job in a batched call is
+        isolated by bisection, a plain one runs alone); the others keep their batch.
+        Queue order is kept."""
+        if not any(p.deliveries for p in batch):
+            return [batch]
+        parts: list[list[Prepared]] = [[]]
+        suspect = False
+        for p in batch:
+            cur = parts[-1]
+            if p.deliveries:
+                cap = min([p.cap, *(x.cap for x in cur)]) if suspect else p.cap
+                if not suspect or len(cur) >= max(1, cap):
+                    parts.append([])
+                suspect = True
+            elif suspect:
+                parts.append([])
+                suspect = False
+            parts[-1].append(p)
+        return [part for part in parts if part]
 
     # -- running -----------------------------------------------------------------
     def _prepare(self, batch: list[Prepared]) -> None:
@@ -343,6 +363,11 @@ class BatchWorker(SimpleWorker):
         for job_id, outcome in failed.items():
             outcome.ended_at = now()
             by_id[job_id].outcome = outcome
+        # the call order, for the supervisor: it tells running jobs from waiting ones
+        order = [by_id[j.id] for unit in units for j in unit.jobs]
+        self._order = {p.job.id: i for i, p in enumerate(order)}
+        if self.link is not None:
+            self.link.batch([(p.queue.name, p.job.id) for p in order])
         t0 = time.monotonic()
         ran = 0
         for unit in units:
@@ -378,10 +403,18 @@ class BatchWorker(SimpleWorker):
 
     def _guarded(self, jobs: Sequence[Job], fn: Any, *args: Any) -> Any:
         timeout, penalty = self._penalty(jobs)
-        if timeout <= 0:
-            return fn(*args)
-        with penalty(timeout, JobTimeoutException, job_id=jobs[0].id):
-            return fn(*args)
+        link = self.link
+        if link is not None:
+            places = [self._order.get(j.id, 0) for j in jobs]
+            link.call(min(places), max(places) + 1, max(0, timeout))
+        try:
+            if timeout <= 0:
+                return fn(*args)
+            with penalty(timeout, JobTimeoutException, job_id=jobs[0].id):
+                return fn(*args)
+        finally:
+            if link is not None:
+                link.idle()
 
     def _run_plain(self, job: Job, func: Any) -> Outcome:
         try:
@@ -566,13 +599,21 @@ class BatchWorker(SimpleWorker):
             else:
                 mine.append(p)
         if parent is not None:  # reads under WATCH, then MULTI (RQ's handle_job_success)
-            parent.queue.enqueue_dependents(parent.job, pipeline=pipe)
+            # the parent's status in Redis is still "started": RQ must judge its
+            # dependents by the status this transaction gives it (a failed parent
+            # enqueues only those with allow_failure)
+            ok = parent.outcome is not None and parent.outcome.kind == "ok"
+            parent.job._status = JobStatus.FINISHED if ok else JobStatus.FAILED
+            parent.queue.enqueue_dependents(parent.job, pipeline=pipe,
+                                            refresh_job_status=False)
         if not pipe.explicit_transaction:
             pipe.multi()
         for p in mine:
             self._bookkeeping(p, pipe)
             pipe.hdel(leases.owner_key(p.queue.name), p.job.id)
             pipe.zrem(leases.leases_key(p.queue.name), p.job.id)
+            if p.deliveries:
+                pipe.hdel(leases.deliveries_key(p.queue.name), p.job.id)
         self._counters(mine, pipe)
         self.set_current_job_id(None, pipeline=pipe)
         pipe.execute()

@@ -4,6 +4,8 @@
   variable is used, as in any project without the key);
 * ``MTQ_QUEUE``: ``MTQ["QUEUE"]``; ``MTQ_DJANGO_WORKERS``: ``MTQ["WORKERS"]``;
   ``MTQ_WEB_KEEPALIVE``: ``MTQ["KEEPALIVE_S"]``;
+* ``MTQ_DJANGO_RQ_URL`` and ``MTQ_DJANGO_RQ_QUEUE``: django-rq installed, with that
+  one queue (RQ's JSON serializer), for ``mtq rq worker`` to serve;
 * ``MTQ_DJANGO_DB``: the SQLite file (``python tests/django_project/manage.py
   migrate --run-syncdb`` makes its table); ``:memory:`` when unset.
 """
@@ -33,3 +35,8 @@ if os.environ.get("MTQ_DJANGO_REDIS_URL"):
     MTQ["REDIS_URL"] = os.environ["MTQ_DJANGO_REDIS_URL"]
 if os.environ.get("MTQ_DJANGO_WORKERS"):
     MTQ["WORKERS"] = os.environ["MTQ_DJANGO_WORKERS"]
+if os.environ.get("MTQ_DJANGO_RQ_URL"):
+    INSTALLED_APPS.append("django_rq")
+    RQ_QUEUES = {os.environ["MTQ_DJANGO_RQ_QUEUE"]: {
+        "URL": os.environ["MTQ_DJANGO_RQ_URL"],
+        "SERIALIZER": "rq.serializers.JSONSerializer"}}

@@ -4,6 +4,7 @@ in tests/rq_jobs.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -251,3 +252,190 @@ def test_rq_worker_and_mtq_worker_share_a_queue(q, client, redis_url, env, procs
     workers = {fetch(client, j).worker_name for j in jobs}
     assert all(fetch(client, j).get_status() == JobStatus.FINISHED for j in jobs)
     assert len(workers) >= 1
+
+
+def _conns(client: redis.Redis, name: str) -> int:
+    return sum(1 for c in client.client_list() if c.get("name") == name)
+
+
+def test_several_queues_in_order_and_idle_waits_hold_bounded_connections(client, redis_url,
+                                                                        env, procs):
+    names = ["t-" + uuid.uuid4().hex[:12] for _ in range(3)]
+    qs = [Queue(n, connection=client, serializer=JSONSerializer) for n in names]
+    key = "seen-" + uuid.uuid4().hex
+    # queued before the worker starts: the first-listed queue's jobs run first
+    late = [qs[2].enqueue(J.record, key, f"c{i}") for i in range(3)]
+    mid = [qs[1].enqueue(J.record, key, f"b{i}") for i in range(3)]
+    first = [qs[0].enqueue(J.record, key, f"a{i}") for i in range(3)]
+    wname = "multi-" + uuid.uuid4().hex[:8]
+    p = start(procs, env, redis_url, *names, "--name", wname)
+    wait_for(lambda: client.llen(key) == 9, 30, "the worker did not run the 9 queued jobs")
+    seen = [x.decode().split(":")[0] for x in client.lrange(key, 0, -1)]
+    assert seen == [f"{c}{i}" for c in "abc" for i in range(3)], seen
+    # idle, woken again and again (mostly through the first queue, so that waiters on
+    # the others would pile up if each idle wait started new ones): connections bounded
+    counts = []
+    for round_ in (0, 0, 0, 0, 0, 1, 2):
+        wait_for(lambda: any(w.name == wname and w.get_state() == "idle"
+                             for w in Worker.all(connection=client)), 20,
+                 "the worker did not go idle")
+        counts.append(_conns(client, wname))
+        job = qs[round_].enqueue(J.add, round_, 1)
+        wait_for(lambda j=job: fetch(client, j).get_status() == JobStatus.FINISHED, 20,
+                 f"a job on queue {round_} did not wake the idle worker")
+    counts.append(_conns(client, wname))
+    # one per queue's waiter, the loop's, the heartbeat's (when it overlaps)
+    assert max(counts) <= 3 + 2, f"connections grew: {counts}"
+    assert all(fetch(client, j).get_status() == JobStatus.FINISHED for j in first + mid + late)
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
+
+
+@pytest.mark.slow
+def test_a_job_that_kills_its_worker_fails_after_max_deliveries(q, client, redis_url, env,
+                                                                  procs):
+    key = "seen-" + uuid.uuid4().hex
+    runs = "runs-" + uuid.uuid4().hex
+    before = [q.enqueue(J.record, key, f"a{i}") for i in range(3)]
+    poison = q.enqueue(J.die, runs)
+    after = [q.enqueue(J.record, key, f"b{i}") for i in range(5)]
+    p = start(procs, env, redis_url, q.name, "--max-deliveries", "3")
+    wait_for(lambda: fetch(client, poison).get_status() == JobStatus.FAILED, 40,
+             "the poison job was not failed")
+    wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED
+                         for j in before + after), 30, "the other jobs did not all finish")
+    assert int(client.get(runs)) == 3, "the poison job ran other than max-deliveries times"
+    assert poison.id in FailedJobRegistry(q.name, connection=client).get_job_ids()
+    exc = fetch(client, poison).latest_result().exc_string
+    assert "process died 3 times while running it" in exc, exc
+    for j in before + after:
+        assert len(fetch(client, j).results()) == 1, f"job {j.id} completed twice"
+    # the jobs after it ran once: the suspect ran alone after its first kill
+    seen = [x.decode().split(":")[0] for x in client.lrange(key, 0, -1)]
+    assert sorted(t for t in seen if t.startswith("b")) == [f"b{i}" for i in range(5)], seen
+    assert not client.hlen(f"mtq:rq:{{{q.name}}}:deliveries")
+    assert StartedJobRegistry(q.name, connection=client).count == 0
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
+    assert "failed 1 job(s) that was running each of the last 3 times" in out, out
+
+
+@pytest.mark.slow
+def test_a_poison_payload_in_a_batched_call_is_isolated_and_the_rest_complete(
+        q, client, redis_url, env, procs):
+    jobs = [q.enqueue(J.die_on, f"x{i}") for i in range(3)]
+    poison = q.enqueue(J.die_on, "die")
+    jobs += [q.enqueue(J.die_on, f"x{i}") for i in range(3, 8)]
+    start(procs, env, redis_url, q.name, "--max-deliveries", "3")
+    wait_for(lambda: fetch(client, poison).get_status() == JobStatus.FAILED, 50,
+             "the poison payload was not isolated and failed")
+    wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED for j in jobs),
+             20, "the innocent payloads of its batch did not all complete")
+    for i, j in enumerate(jobs):
+        assert fetch(client, j).return_value() == f"ok:x{i}"
+    assert "process died" in fetch(client, poison).latest_result().exc_string
+
+
+@pytest.mark.slow
+def test_a_call_stuck_in_c_past_its_timeout_is_killed_and_failed(q, client, redis_url, env,
+                                                                   procs):
+    runs = "runs-" + uuid.uuid4().hex
+    stuck = q.enqueue(J.stuck_in_c, runs, job_timeout=1)
+    others = [q.enqueue(J.add, i, 1) for i in range(5)]
+    p = start(procs, env, redis_url, q.name, "--hang-grace", "1")
+    wait_for(lambda: fetch(client, stuck).get_status() == JobStatus.FAILED, 30,
+             "the stuck call was not killed and its job failed")
+    wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED for j in others),
+             30, "the rest of the batch was not given back and run")
+    assert int(client.get(runs)) == 1, "the timed-out job was requeued"
+    exc = fetch(client, stuck).latest_result().exc_string
+    assert "JobTimeoutException" in exc and "(1 seconds)" in exc and "killed" in exc, exc
+    assert stuck.id in FailedJobRegistry(q.name, connection=client).get_job_ids()
+    for j in others:
+        assert len(fetch(client, j).results()) == 1
+    assert not client.hlen(f"mtq:rq:{{{q.name}}}:deliveries"), "given-back jobs were counted"
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
+
+
+def test_replicas_two_processes_serve_and_stop_on_sigterm(q, client, redis_url, env, procs):
+    base = "rep-" + uuid.uuid4().hex[:8]
+    p = start(procs, env, redis_url, q.name, "--replicas", "2", "--devices", "cpu",
+              "--name", base)
+
+    def ours() -> list[str]:
+        return sorted(w.name for w in Worker.all(connection=client) if w.name.startswith(base))
+
+    wait_for(lambda: len(ours()) == 2, 30, "two worker processes did not register with RQ")
+    info = subprocess.run(["rq", "info", "-u", redis_url, q.name], capture_output=True,
+                          text=True, timeout=30, env=env)
+    assert all(n in info.stdout for n in ours()), info.stdout + info.stderr
+    key = "rdv-" + uuid.uuid4().hex
+    a = q.enqueue(J.rendezvous, key, 2)
+    wait_for(lambda: client.get(key) == b"1", 20, "the first job did not start")
+    b = q.enqueue(J.rendezvous, key, 2)  # only the other process is free to take it
+    wait_for(lambda: all(fetch(client, j).get_status() == JobStatus.FINISHED for j in (a, b)),
+             20, "the two jobs did not run at once in two processes")
+    assert {fetch(client, j).worker_name for j in (a, b)} == set(ours())
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
+    wait_for(lambda: not ours(), 10, "the stopped processes are still registered")
+
+
+def test_dependencies_with_allow_failure_and_repeat(q, client, redis_url, env, procs):
+    from rq import Repeat
+    from rq.job import Dependency
+
+    ok = q.enqueue(J.add, 1, 1)
+    bad = q.enqueue(J.boom, "no")
+    dep = q.enqueue(J.add, 2, 2, depends_on=Dependency(jobs=[ok, bad], allow_failure=True))
+    strict = q.enqueue(J.add, 3, 3, depends_on=Dependency(jobs=[ok, bad]))
+    key = "rep-" + uuid.uuid4().hex
+    rep = q.enqueue(J.record, key, "r", repeat=Repeat(times=2))
+    burst(procs, env, redis_url, q.name)
+    assert fetch(client, dep).return_value() == 4, "allow_failure: runs after a failure"
+    assert fetch(client, strict).get_status() == JobStatus.DEFERRED
+    assert client.llen(key) == 3, "Repeat(times=2): the first run and two repeats"
+    assert len(fetch(client, rep).results()) == 3
+
+
+@pytest.mark.slow
+def test_scheduler_re_enqueues_retries_with_an_interval(q, client, redis_url, env, procs):
+    key = "flaky-" + uuid.uuid4().hex
+    job = q.enqueue(J.flaky, key, retry=Retry(max=2, interval=1))
+    p = start(procs, env, redis_url, q.name, "--with-scheduler")
+    wait_for(lambda: fetch(client, job).get_status() == JobStatus.FINISHED, 30,
+             "the retry was not re-enqueued by RQ's scheduler and run")
+    assert fetch(client, job).return_value() == "ok"
+    assert int(client.get(key)) == 2
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=20)
+    assert p.returncode == 0, out
+
+
+def test_django_rq_app_enqueues_and_mtq_rq_worker_runs_it(qname, redis_url, env, procs):
+    import importlib.util
+
+    if importlib.util.find_spec("django_rq") is None:  # importing it needs Django settings
+        pytest.skip("django-rq is not installed")
+    manage = str(ROOT / "tests" / "django_project" / "manage.py")
+    env = {**env, "MTQ_DJANGO_RQ_URL": redis_url, "MTQ_DJANGO_RQ_QUEUE": qname}
+    env.pop("DJANGO_SETTINGS_MODULE", None)
+
+    def shell(code: str) -> str:
+        out = subprocess.run([sys.executable, manage, "shell", "-c", code], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().splitlines()[-1]
+
+    job_id = shell("import django_rq; from tests.django_project.rq_tasks import word_count; "
+                   f"print(django_rq.get_queue({qname!r}).enqueue(word_count, 'a b c').id)")
+    burst(procs, {**env, "DJANGO_SETTINGS_MODULE": "tests.django_project.settings"},
+          redis_url, qname)
+    got = shell(f"import django_rq, json; j = django_rq.get_queue({qname!r}).fetch_job("
+                f"{job_id!r}); print(json.dumps([j.get_status(), j.return_value()]))")
+    assert json.loads(got) == ["finished", {"words": 3, "django_rq": True}], got

@@ -147,3 +147,15 @@ def test_error_messages_carry_context():
     assert "1.5s" in str(timeout) and "queued" in str(timeout)
     lost = errors.LeaseLost(["a", "b"])
     assert lost.task_ids == ["a", "b"] and "lease_ms" in str(lost)
+
+
+def test_mtq_rq_is_reachable_lazily_without_importing_rq() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, mtq; assert 'mtq.rq' not in sys.modules; "
+            "f = mtq.rq.batched(lambda xs: xs); assert f(5) == 5; "
+            "assert 'rq' not in sys.modules, 'mtq.rq imported the rq package'; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.strip() == "ok", out.stderr
