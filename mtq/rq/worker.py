@@ -74,7 +74,8 @@ class _Interrupted(Exception):
 class Prepared:
     """A claimed job on its way: its lease, its queue, its Execution."""
 
-    __slots__ = ("cap", "deliveries", "execution", "job", "outcome", "owner", "queue")
+    __slots__ = ("cap", "deliveries", "dependents", "execution", "job", "outcome", "owner",
+                 "queue")
 
     def __init__(self, job: Job, owner: str, queue: Queue, deliveries: int = 0,
                  cap: int = 0) -> None:
@@ -85,6 +86,8 @@ class Prepared:
         self.cap = cap  # then: the most jobs it may share a call (and a commit) with
         self.execution: Execution | None = None
         self.outcome: Outcome | None = None
+        #: how many jobs depend on it (read under WATCH before the commit)
+        self.dependents = 0
 
 
 class BatchWorker(SimpleWorker):
@@ -499,7 +502,7 @@ class BatchWorker(SimpleWorker):
 
                 Repeat.schedule(job, queue, pipeline=pipe)
             else:
-                job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+                self._cleanup(p, result_ttl, pipe)
         elif outcome.kind == "retry":
             retry: Retry = outcome.value
             if job.number_of_retries and job.number_of_retries >= retry.max:
@@ -524,6 +527,23 @@ class BatchWorker(SimpleWorker):
                                 execution_ended_at=ended)
         if ex is not None:
             ex.delete(job=job, pipeline=pipe)
+
+    @staticmethod
+    def _cleanup(p: Prepared, ttl: int, pipe: Any) -> None:
+        """``job.cleanup(ttl)`` after a success, without the writes it would make on
+        keys known not to exist: a job with no dependents (read under WATCH), no
+        dependencies and no group has no ``:dependents`` or ``:dependencies`` key, and
+        its only execution is ours (deleted with it; a give-back deletes the others).
+        With ``result_ttl=0`` RQ's ``Job.delete`` reads the job's status and its
+        executions back from Redis, one job at a time; here the same keys go in one
+        DEL. Any other job: RQ's own cleanup."""
+        job = p.job
+        if p.dependents or job._dependency_ids or job.group_id:
+            job.cleanup(ttl, pipeline=pipe, remove_from_queue=False)
+        elif ttl == 0:
+            pipe.delete(job.key)
+        elif ttl > 0:
+            pipe.expire(job.key, ttl)
 
     def _counters(self, done: list[Prepared], pipe: Any) -> None:
         ok = sum(1 for p in done if p.outcome and p.outcome.kind == "ok")
@@ -588,6 +608,7 @@ class BatchWorker(SimpleWorker):
         parent: Prepared | None = None  # at most one job with dependents per transaction
         for p in batch:
             owner, status, deps = states[p.job.id]
+            p.dependents = deps
             if owner != p.owner or status not in ("started", "queued"):
                 lost.append(p)
             elif deps and self._terminal(p):
@@ -608,12 +629,15 @@ class BatchWorker(SimpleWorker):
                                             refresh_job_status=False)
         if not pipe.explicit_transaction:
             pipe.multi()
+        ended: dict[str, list[str]] = {}
         for p in mine:
             self._bookkeeping(p, pipe)
-            pipe.hdel(leases.owner_key(p.queue.name), p.job.id)
-            pipe.zrem(leases.leases_key(p.queue.name), p.job.id)
+            ended.setdefault(p.queue.name, []).append(p.job.id)
             if p.deliveries:
                 pipe.hdel(leases.deliveries_key(p.queue.name), p.job.id)
+        for qname, ids in ended.items():  # the leases, one command per queue
+            pipe.hdel(leases.owner_key(qname), *ids)
+            pipe.zrem(leases.leases_key(qname), *ids)
         self._counters(mine, pipe)
         self.set_current_job_id(None, pipeline=pipe)
         pipe.execute()
