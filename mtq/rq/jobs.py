@@ -229,11 +229,34 @@ def call_plain(job: Job, func: Any) -> Any:
         _job_stack.pop()
 
 
+_SCALARS = frozenset((str, int, float, bool, type(None)))
+
+
+def _plain_json(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is made of JSON's own types only (then json.dumps takes it):
+    a walk of the types, far cheaper than encoding (an embedding of 384 floats:
+    ~10 µs instead of ~180 µs). False means "not sure": the caller encodes to know."""
+    t = type(value)
+    if t in _SCALARS:
+        return True
+    if depth > 20:
+        return False
+    if t is list or t is tuple:
+        return all(type(v) in _SCALARS for v in value) or all(
+            _plain_json(v, depth + 1) for v in value)
+    if t is dict:
+        return all(type(k) is str for k in value) and all(
+            _plain_json(v, depth + 1) for v in value.values())
+    return False
+
+
 def check_storable(job: Job, value: Any) -> None:
     """Raise ResultNotStorable when ``value`` cannot be written with the job's
     serializer (RQ would store the text 'Unserializable return value' instead)."""
     if isinstance(value, Retry):
         return
+    if job.serializer is JSONSerializer and _plain_json(value):
+        return  # RQ serializes it once more when it stores it: once is enough here
     try:
         job.serializer.dumps(value)
     except Exception as exc:

@@ -14,7 +14,9 @@ One round of the loop:
 4. finish the batch in one MULTI/EXEC under WATCH of the jobs' hashes, and only for
    the jobs whose lease still holds this worker's token (fencing: a worker resumed
    after a freeze, whose jobs were given back, drops its results); RQ's own
-   success / failure / retry bookkeeping goes into that transaction.
+   success / failure / retry bookkeeping goes into that transaction. The commit runs
+   on a thread of its own (:mod:`mtq.rq.committer`) while the loop goes on with the
+   next batch.
 
 A heartbeat thread extends the leases of the jobs held, RQ's worker and execution
 heartbeats, and gives back jobs whose lease expired (a frozen or killed worker).
@@ -44,6 +46,7 @@ from rq.utils import now
 from rq.worker import SimpleWorker, WorkerStatus
 
 from mtq.rq import leases
+from mtq.rq.committer import Committer
 from mtq.rq.faults import ChildLink
 from mtq.rq.jobs import (
     Outcome,
@@ -118,6 +121,7 @@ class BatchWorker(SimpleWorker):
         self._signals = 0
         self._idle = False
         self._waiters: Waiters | None = None
+        self._committer: Committer[list[Prepared]] | None = None
         self.jobs_done = 0
         self.batch_sizes: list[int] = []
 
@@ -132,6 +136,7 @@ class BatchWorker(SimpleWorker):
         self._install_signal_handlers()
         beat = threading.Thread(target=self._beat_loop, name="mtq-rq-heartbeat", daemon=True)
         beat.start()
+        self._committer = Committer(self._finish)
         done = 0
         try:
             while not self._stop_requested:
@@ -139,6 +144,10 @@ class BatchWorker(SimpleWorker):
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()
                 batch = self._claim(block=not burst)
+                if not batch and burst and self._committer is not None:
+                    # a commit still running may enqueue dependents (or retries)
+                    self._committer.drain()
+                    batch = self._claim(block=False)
                 if not batch:
                     if burst:
                         self.log.info("Worker %s: done, quitting", self.name)
@@ -156,12 +165,15 @@ class BatchWorker(SimpleWorker):
             self.log.error("Worker %s: lost Redis, quitting", self.name, exc_info=True)
             raise
         finally:
-            self._beat_stop.set()
-            if self._waiters is not None:
-                self._waiters.close(timeout=0)  # daemon threads: gone within one BLMOVE
-            self._give_back_unstarted()
-            beat.join(timeout=5)
-            self.teardown()
+            try:
+                self._committer.close()  # the batches run so far, committed
+            finally:
+                self._beat_stop.set()
+                if self._waiters is not None:
+                    self._waiters.close(timeout=0)  # daemon threads: gone within one BLMOVE
+                self._give_back_unstarted()
+                beat.join(timeout=5)
+                self.teardown()
         self.jobs_done = done
         return bool(done)
 
@@ -390,7 +402,11 @@ class BatchWorker(SimpleWorker):
         if ran:
             per_job = (time.monotonic() - t0) / ran
             self._avg_job_s = 0.7 * self._avg_job_s + 0.3 * per_job
-        self._finish([p for p in batch if p.outcome is not None])
+        finished = [p for p in batch if p.outcome is not None]
+        if self._committer is not None:
+            self._committer.put(finished)
+        else:
+            self._finish(finished)
         return len(batch)
 
     def _penalty(self, jobs: Sequence[Job]) -> tuple[int, Any]:
@@ -639,7 +655,10 @@ class BatchWorker(SimpleWorker):
             pipe.hdel(leases.owner_key(qname), *ids)
             pipe.zrem(leases.leases_key(qname), *ids)
         self._counters(mine, pipe)
-        self.set_current_job_id(None, pipeline=pipe)
+        with self._lock:
+            idle = not (self._running.keys() - {p.job.id for p in batch})
+        if idle:  # no later batch started meanwhile (commits run beside the loop)
+            self.set_current_job_id(None, pipeline=pipe)
         pipe.execute()
         for p in lost:
             self.log.warning("Worker %s: job %s was given back while this worker held it "
