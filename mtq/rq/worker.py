@@ -56,6 +56,7 @@ from mtq.rq.jobs import (
     check_storable,
     format_exc,
     load_job,
+    memoize_serializer_resolution,
     plan,
 )
 from mtq.rq.waiting import Waiters
@@ -102,6 +103,7 @@ class BatchWorker(SimpleWorker):
                  device: str = "cpu", target_batch_ms: float = 20.0, max_claim: int = MAX_CLAIM,
                  link: ChildLink | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("serializer", JSONSerializer)
+        memoize_serializer_resolution()
         super().__init__(queues, **kwargs)
         self.accept_pickle = accept_pickle
         self.lease_ms = int(lease_ms)
