@@ -7,29 +7,16 @@ torch and the model are imported on the first ``embed`` call, once per process.
 
 ``embed`` is an ``mtq.rq.batched`` function: ``mtq rq worker`` hands it the texts of
 up to 32 single-sentence jobs at once; plain ``rq worker`` calls ``embed(text)``,
-which runs a batch of one. Until ``mtq.rq`` exists (it is being built) a local
-stand-in with the same single-call behaviour is used, so that the RQ side of the
-benchmark runs; ``mtq rq worker`` itself is then not available and not measured.
+which runs a batch of one.
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-try:
-    from mtq.rq import batched
-except ImportError:  # mtq rq worker not available yet: the plain-call behaviour only
-    def batched(max_batch_size: int = 32, max_wait_ms: float = 5
-                ) -> Callable[[Callable[[list[Any]], list[Any]]], Callable[[Any], Any]]:
-        def wrap(fn: Callable[[list[Any]], list[Any]]) -> Callable[[Any], Any]:
-            @functools.wraps(fn)
-            def one(payload: Any) -> Any:
-                return fn([payload])[0]
-            return one
-        return wrap
+from mtq.rq import batched
 
 #: torch intra-op threads of every process that runs the model (the driver's direct
 #: pass and the workers): set explicitly so that all sides run the model alike
