@@ -234,6 +234,20 @@ class CpuMeter:
         self.steps.append((name, wall, share))
         return wall, share
 
+    def run(self, steps: Sequence[tuple[str, Callable[[], Any]]], notes: list[str],
+            quiet_s: float) -> None:
+        """Run the steps in order, each after waiting (at most ``quiet_s``) for a quiet
+        machine (a wait of more than a second is noted), and measure each."""
+        for name, step in steps:
+            waited = wait_quiet(quiet_s)
+            if waited > 1:
+                notes.append(f"Waited {waited:.0f} s for a quiet machine before {name}.")
+            mark = cpu_mark()
+            console.print(f"[dim]running {name}...[/dim]", end=" ")
+            step()
+            wall, share = self.add(name, mark)
+            console.print(f"[dim]{wall:.1f} s (other processes: {share:.0%} of the CPU)[/dim]")
+
     def summary(self) -> str:
         wall = sum(w for _, w, _ in self.steps)
         share = sum(w * f for _, w, f in self.steps) / max(wall, 1e-9)
@@ -1121,16 +1135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("recovery", lambda: bench_recovery(server, r, sizes, res, corpus)),
         ]
         meter = CpuMeter()
-        for name, step in steps:
-            waited = wait_quiet(sizes.quiet_s)
-            if waited > 1:
-                res.notes.append(f"Waited {waited:.0f} s for the machine to quieten down "
-                                 f"before the {name} step.")
-            mark = cpu_mark()
-            console.print(f"[dim]running {name}...[/dim]", end=" ")
-            step()
-            wall, share = meter.add(name, mark)
-            console.print(f"[dim]{wall:.1f} s (other processes: {share:.0%} of the CPU)[/dim]")
+        meter.run(steps, res.notes, sizes.quiet_s)
         seconds = time.perf_counter() - started
         res.notes.append(meter.summary())
         info = machine_info(r)

@@ -52,7 +52,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import utcparse
 
-from benchmarks.batching import CpuMeter, cpu_mark, sentences, wait_quiet, worker_env
+from benchmarks.batching import CpuMeter, sentences, worker_env
 from benchmarks.broker import (
     ROOT,
     Results,
@@ -578,15 +578,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("MiniLM", lambda: bench_minilm(r, server.url, env, s, res, have_mtq, threads)),
         ]
         meter = CpuMeter()
-        for name, step in steps:
-            waited = wait_quiet(s.quiet_s)
-            if waited > 1:
-                res.notes.append(f"Waited {waited:.0f} s for a quiet machine before {name}.")
-            mark = cpu_mark()
-            console.print(f"[dim]running {name}...[/dim]", end=" ")
-            step()
-            wall, share = meter.add(name, mark)
-            console.print(f"[dim]{wall:.1f} s (other processes: {share:.0%} of the CPU)[/dim]")
+        meter.run(steps, res.notes, s.quiet_s)
         seconds = time.perf_counter() - started
         placement = (f"redis-server pinned to CPU {cpus[0]}, this script and the workers to "
                      f"CPU {cpus[1]} (`--pin`, the default): on this 2-vCPU VM a Redis round "

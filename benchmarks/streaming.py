@@ -39,11 +39,9 @@ import mtq
 from benchmarks.batching import (
     CpuMeter,
     Proc,
-    cpu_mark,
     live_workers,
     pct,
     wait_for,
-    wait_quiet,
     worker_env,
 )
 from benchmarks.broker import (
@@ -527,15 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("no-op round trip", lambda: bench_noop(server, r, s, res)),
         ]
         meter = CpuMeter()
-        for name, step in steps:
-            waited = wait_quiet(s.quiet_s)
-            if waited > 1:
-                res.notes.append(f"Waited {waited:.0f} s for a quiet machine before {name}.")
-            mark = cpu_mark()
-            console.print(f"[dim]running {name}...[/dim]", end=" ")
-            step()
-            wall, share = meter.add(name, mark)
-            console.print(f"[dim]{wall:.1f} s (other processes: {share:.0%} of the CPU)[/dim]")
+        meter.run(steps, res.notes, s.quiet_s)
         seconds = time.perf_counter() - started
         res.notes += [*NOTES, meter.summary()]
         import torch

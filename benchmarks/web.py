@@ -50,11 +50,9 @@ import mtq
 from benchmarks.batching import (
     CpuMeter,
     Proc,
-    cpu_mark,
     live_workers,
     pct,
     wait_for,
-    wait_quiet,
     worker_env,
 )
 from benchmarks.broker import (
@@ -602,15 +600,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                               workers)),  # type: ignore[arg-type]
         ]
         meter = CpuMeter()
-        for name, step in steps:
-            waited = wait_quiet(s.quiet_s)
-            if waited > 1:
-                res.notes.append(f"Waited {waited:.0f} s for a quiet machine before {name}.")
-            mark = cpu_mark()
-            console.print(f"[dim]running {name}...[/dim]", end=" ")
-            step()
-            wall, share = meter.add(name, mark)
-            console.print(f"[dim]{wall:.1f} s (other processes: {share:.0%} of the CPU)[/dim]")
+        meter.run(steps, res.notes, s.quiet_s)
         seconds = time.perf_counter() - started
         res.notes += [*NOTES, meter.summary()]
         info = machine_info(r, str(r.info("memory").get("mem_allocator", "?")))
