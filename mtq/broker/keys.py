@@ -27,6 +27,14 @@ def worker(worker_id: str) -> str:
     return f"{PREFIX}:worker:{worker_id}"
 
 
+def rq_lease(queue: str, part: str) -> str:
+    """A key of ``mtq rq worker``'s lease index over the RQ queue ``queue``
+    (:mod:`mtq.rq.leases`): ``part`` is ``leases``, ``owner``, ``token`` or
+    ``deliveries``. RQ's own keys (``rq:queue:<name>``, ``rq:job:<id>``, ...) are
+    RQ's; the bridge names them in :mod:`mtq.rq.leases`."""
+    return f"{PREFIX}:rq:{{{queue}}}:{part}"
+
+
 class QueueKeys:
     """Key and channel names of one queue.
 

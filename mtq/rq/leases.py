@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-LEASE_PREFIX = "mtq:rq:"
+from mtq.broker.keys import rq_lease
 
 
 def queue_key(queue: str) -> str:
@@ -36,19 +36,19 @@ def queue_key(queue: str) -> str:
 
 
 def leases_key(queue: str) -> str:
-    return f"{LEASE_PREFIX}{{{queue}}}:leases"
+    return rq_lease(queue, "leases")
 
 
 def owner_key(queue: str) -> str:
-    return f"{LEASE_PREFIX}{{{queue}}}:owner"
+    return rq_lease(queue, "owner")
 
 
 def token_key(queue: str) -> str:
-    return f"{LEASE_PREFIX}{{{queue}}}:token"
+    return rq_lease(queue, "token")
 
 
 def deliveries_key(queue: str) -> str:
-    return f"{LEASE_PREFIX}{{{queue}}}:deliveries"
+    return rq_lease(queue, "deliveries")
 
 
 def wip_key(queue: str) -> str:
