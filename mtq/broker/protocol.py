@@ -399,6 +399,22 @@ class Broker:
         return _counters(counters, running, delayed, dead, busy)
 
 
+def stats_many(client: redis.Redis, queues: list[str]) -> dict[str, dict[str, Any]]:
+    """:meth:`Broker.stats` of each queue in ``queues``, in ONE pipelined round trip
+    (five O(1) commands a queue), for an exporter that reads many queues at once.
+    Raises redis-py's errors as they are (the caller decides what an outage means)."""
+    pipe = client.pipeline(transaction=False)
+    for name in queues:
+        k = QueueKeys(name)
+        pipe.hgetall(k.stats)
+        pipe.zcard(k.leases)
+        pipe.zcard(k.delayed)
+        pipe.llen(k.dead)
+        pipe.scard(k.busy)
+    replies = pipe.execute() if queues else []
+    return {name: _counters(*replies[5 * i:5 * i + 5]) for i, name in enumerate(queues)}
+
+
 def _counters(counters: dict[bytes, bytes], running: int, delayed: int, dead: int,
               busy: int) -> dict[str, Any]:
     out = {_s(name): int(value) for name, value in counters.items()}
@@ -425,4 +441,5 @@ __all__ = [
     "Code",
     "NewTask",
     "Snapshot",
+    "stats_many",
 ]

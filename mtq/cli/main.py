@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mtq.broker.connection import REACH_TIMEOUT_S
-from mtq.cli import queues, tasks
+from mtq.cli import metrics, queues, tasks
 from mtq.cli import rq as rq_cli
 from mtq.cli.common import (
     EXIT_CODES,
@@ -356,6 +356,7 @@ def workers_scale(replicas: int, queue: str, url: str | None) -> None:
 for _command in tasks.COMMANDS:
     cli.add_command(_command)
 cli.add_command(queues.queue_group)
+cli.add_command(metrics.metrics_group)
 cli.add_command(rq_cli.rq_group)
 
 
