@@ -74,3 +74,10 @@ def chunks(payload: dict[str, Any]) -> Any:
     if payload.get("fail"):
         raise mtq.PermanentError(payload["fail"])
     return len(payload.get("chunks", []))
+
+
+def fail_if(payload: dict[str, Any]) -> Any:
+    """Fails with a ValueError when ``payload["fail"]`` is true, else returns it."""
+    if payload.get("fail"):
+        raise ValueError(f"asked to fail: {payload!r}")
+    return payload
