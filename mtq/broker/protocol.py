@@ -387,16 +387,8 @@ class Broker:
 
     def stats(self) -> dict[str, int]:
         """O(1) counters of the queue (one round trip, cost independent of its size)."""
-        k = self.keys
         with redis_errors():
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.hgetall(k.stats)
-            pipe.zcard(k.leases)
-            pipe.zcard(k.delayed)
-            pipe.llen(k.dead)
-            pipe.scard(k.busy)
-            counters, running, delayed, dead, busy = pipe.execute()
-        return _counters(counters, running, delayed, dead, busy)
+            return stats_many(self.redis, [self.queue])[self.queue]
 
 
 def stats_many(client: redis.Redis, queues: list[str]) -> dict[str, dict[str, Any]]:
