@@ -44,14 +44,16 @@ LINE_TIMEOUT_S = 60.0      # one command
 READY_TIMEOUT_S = 60.0     # a worker service until it serves its queue
 STOP_TIMEOUT_S = 30.0      # a worker service after SIGTERM
 WORKER_SERVICES = (("mtq", "workers", "start"), ("mtq", "worker", "run"))
-#: web servers a page may start, and the port each listens on by default
-WEB_SERVICES = {"uvicorn": 8000, "gunicorn": 8000, "flask": 5000}
+#: HTTP servers a page may start, and the port each listens on by default
+WEB_SERVICES = {"uvicorn": 8000, "gunicorn": 8000, "flask": 5000, "mtq metrics serve": 9808}
 
 
 def web_port(argv: list[str]) -> int | None:
     """The port a web server command line listens on (``--port N``, ``--bind
     host:port``, ``-b``, ``-p``), its default otherwise; None if it is not one."""
-    if not argv or argv[0] not in WEB_SERVICES:
+    name = " ".join(argv[:3]) if argv[:3] == ["mtq", "metrics", "serve"] else (
+        argv[0] if argv else "")
+    if name not in WEB_SERVICES:
         return None
     for i, arg in enumerate(argv[:-1]):
         if arg in ("--port", "-p"):
@@ -63,7 +65,7 @@ def web_port(argv: list[str]) -> int | None:
             return int(arg.split("=", 1)[1])
         if arg.startswith("--bind="):
             return int(arg.rsplit(":", 1)[1])
-    return WEB_SERVICES[argv[0]]
+    return WEB_SERVICES[name]
 
 
 def accepts(port: int) -> bool:
@@ -101,6 +103,7 @@ def test_every_page_tags_its_commands_correctly() -> None:
                             or ("mtq worker run" in cmd.code and "--burst" not in words)
                             or ("mtq dashboard" in cmd.code and "--once" not in words)
                             or words[:1] in (["uvicorn"], ["gunicorn"])
+                            or words[:3] == ["mtq", "metrics", "serve"]
                             or (words[:1] == ["flask"] and "run" in words))
             if untagged and long_running:
                 problems.append(f"{cmd.where}: runs until stopped: tag it '# runs: service'")
