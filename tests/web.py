@@ -88,6 +88,21 @@ class Stream:
         return real[-1]
 
 
+def read(http: httpx.Client, path: str, *, until: int | None = None,
+         headers: dict[str, str] | None = None) -> Stream:
+    """Read an event stream to its end, or (``until``) until the token of that index,
+    then close the connection."""
+    got = Stream()
+    with http.stream("GET", path, headers=headers or {}) as resp:
+        assert resp.status_code == 200, resp.read()
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        for ev in events(resp):
+            got.events.append(ev)
+            if until is not None and ev.event == "token" and int(ev.id or -1) >= until:
+                break
+    return got
+
+
 class WebServer:
     """``python -m uvicorn tests.web_app:app`` (or ``app``) on a free loopback port."""
 

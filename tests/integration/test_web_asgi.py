@@ -29,7 +29,7 @@ from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
 from tests.conftest import RedisServer, serving, wait_for
 from tests.models import Counter
-from tests.web import SSE, Stream, WebServer, events
+from tests.web import SSE, Stream, WebServer, events, read
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -62,21 +62,6 @@ def post(http: httpx.Client, path: str, payload: Any, user: str = "u1") -> dict[
     r = http.post(path, json=payload, headers={"x-user": user})
     assert r.status_code == 202, r.text
     return dict(r.json())
-
-
-def read(http: httpx.Client, path: str, *, until: int | None = None,
-         headers: dict[str, str] | None = None) -> Stream:
-    """Read an event stream to its end, or (``until``) until the token of that index,
-    then close the connection."""
-    got = Stream()
-    with http.stream("GET", path, headers=headers or {}) as resp:
-        assert resp.status_code == 200, resp.read()
-        assert resp.headers["content-type"].startswith("text/event-stream")
-        for ev in events(resp):
-            got.events.append(ev)
-            if until is not None and ev.event == "token" and int(ev.id or -1) >= until:
-                break
-    return got
 
 
 def supervisor(qname: str, redis_url: str, env: dict[str, str], log: Path, target: str,

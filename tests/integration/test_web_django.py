@@ -31,7 +31,7 @@ from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
 from tests.conftest import ROOT, serving, wait_for
 from tests.models import Counter
-from tests.web import DjangoAsgiServer, DjangoWsgiServer, Stream, WebServer, events
+from tests.web import DjangoAsgiServer, DjangoWsgiServer, Stream, WebServer, events, read
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -118,19 +118,6 @@ def post(http: httpx.Client, path: str, payload: Any, **headers: str) -> dict[st
     r = http.post(path, json=payload, headers=headers)
     assert r.status_code == 202, r.text
     return dict(r.json())
-
-
-def read(http: httpx.Client, path: str, *, until: int | None = None,
-         headers: dict[str, str] | None = None) -> Stream:
-    """Read an event stream to its end, or (``until``) to the token of that index."""
-    got = Stream()
-    with http.stream("GET", path, headers=headers or {}) as resp:
-        assert resp.status_code == 200, resp.read()
-        for ev in events(resp):
-            got.events.append(ev)
-            if until is not None and ev.event == "token" and int(ev.id or -1) >= until:
-                break
-    return got
 
 
 # -- the streams ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from mtq.settings import QueueSettings
 from mtq.workers.worker import Worker
 from tests.conftest import ROOT, serving, wait_for
 from tests.models import Counter
-from tests.web import GunicornServer, Stream, events
+from tests.web import GunicornServer, Stream, events, read
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,19 +52,6 @@ def post(http: httpx.Client, qname: str, payload: Any) -> dict[str, Any]:
     r = http.post(f"/q/{qname}/tasks", json=payload)
     assert r.status_code == 202, r.text
     return dict(r.json())
-
-
-def read(http: httpx.Client, path: str, *, until: int | None = None,
-         headers: dict[str, str] | None = None) -> Stream:
-    """Read an event stream to its end, or (``until``) to the token of that index."""
-    got = Stream()
-    with http.stream("GET", path, headers=headers or {}) as resp:
-        assert resp.status_code == 200, resp.read()
-        for ev in events(resp):
-            got.events.append(ev)
-            if until is not None and ev.event == "token" and int(ev.id or -1) >= until:
-                break
-    return got
 
 
 def test_submit_into_the_session_stream_and_tokens_arrive_progressively(
