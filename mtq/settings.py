@@ -60,7 +60,7 @@ _MAXIMUMS = {
     "lease_ms": _YEARS_30_S * 1000, "retry_backoff_ms": _YEARS_30_S * 1000,
     "retry_backoff_max_ms": _YEARS_30_S * 1000, "durable_timeout_ms": _YEARS_30_S * 1000,
     "retention_s": _YEARS_30_S, "dead_retention_s": _YEARS_30_S,
-    "idempotency_window_s": _YEARS_30_S, "max_retries": MAX_RETRIES, "durable_replicas": 100,
+    "idempotency_window_s": _YEARS_30_S, "cache_ttl_s": _YEARS_30_S, "max_retries": MAX_RETRIES, "durable_replicas": 100,
 }
 
 
@@ -106,6 +106,13 @@ class QueueSettings:
     durable_replicas: int = 0
     #: how long a durable submit waits for its replicas before it raises NotDurable
     durable_timeout_ms: int = 1000
+    #: workers keep histograms (queue wait, run time, latency, tokens) for the
+    #: metrics exporter, aggregated in the process and written once per heartbeat
+    metrics: bool = True
+    #: result cache: how long a succeeded result answers identical requests (0: off)
+    cache_ttl_s: int = 0
+    #: most results the cache keeps (the soonest to expire go first)
+    cache_max_entries: int = 10_000
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -119,7 +126,8 @@ class QueueSettings:
             "max_retries": 0, "retry_backoff_ms": 0, "retry_backoff_max_ms": 0,
             "retention_s": 1, "dead_retention_s": 1, "dead_max": 1,
             "idempotency_window_s": 1, "wake_cap": 1, "reap_limit": 1,
-            "durable_replicas": 0, "durable_timeout_ms": 1,
+            "durable_replicas": 0, "durable_timeout_ms": 1, "cache_ttl_s": 0,
+            "cache_max_entries": 1,
         }
         for name, low in minimums.items():
             high = _MAXIMUMS.get(name, _MAX_COUNT)
@@ -161,4 +169,9 @@ QUEUE_SETTING_DOCS: dict[str, tuple[str, str]] = {
                                      "it (0: once the primary has it)"),
     "durable_timeout_ms": ("ms", "how long a durable submit waits for its replicas before it "
                                  "raises NotDurable"),
+    "metrics": ("true/false", "workers keep histograms for `mtq metrics serve` (queue wait, "
+                              "run time, latency, tokens)"),
+    "cache_ttl_s": ("s", "result cache: how long a result answers identical requests "
+                         "(0: no cache)"),
+    "cache_max_entries": ("results", "most results the cache keeps"),
 }

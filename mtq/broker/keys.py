@@ -44,7 +44,10 @@ class QueueKeys:
 
     __slots__ = (
         "base",
+        "batches",
         "busy",
+        "cache_index",
+        "cache_prefix",
         "channels",
         "config",
         "control",
@@ -53,9 +56,11 @@ class QueueKeys:
         "events",
         "failures",
         "free",
+        "hist",
         "idem_prefix",
         "latency",
         "leases",
+        "model",
         "out_prefix",
         "queue",
         "ready",
@@ -91,10 +96,24 @@ class QueueKeys:
         self.control = self.base + "control"
         #: the queue's stored settings (see mtq.broker.config)
         self.config = self.base + "config"
+        #: the result cache: entries (+ model version + ":" + payload digest) and an
+        #: index of them (zset: entry key -> expiry ms) that bounds their number
+        self.cache_prefix = self.base + "cache:"
+        self.cache_index = self.base + "cachex"
+        #: the model the queue's workers serve now (hash: target, version,
+        #: deterministic, loaded); the cache's keys carry its version
+        self.model = self.base + "model"
+        #: histogram buckets the workers aggregate (hash: "<metric>:<bucket>" -> count,
+        #: "<metric>:sum" -> seconds; see mtq.metrics)
+        self.hist = self.base + "hist"
+        #: recent batches, newest first (list: one record per batch a worker ran; what
+        #: `mtq trace` reads)
+        self.batches = self.base + "batches"
         self.script_keys = [
             self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
             self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,
             self.seq, self.out_prefix, self.trace_prefix, self.latency, self.failures,
+            self.cache_prefix, self.cache_index, self.model,
         ]
         #: ARGV[1] and ARGV[2] of every script
         self.channels = [self.events, self.control]

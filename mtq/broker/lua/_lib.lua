@@ -23,6 +23,11 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
                               tasks, newest first (dashboards: p50/p99 in O(1) of the queue)
   KEYS[16] failures           list: JSON {id, status, ts, error} of the last FAILURES_KEEP
                               tasks that ended failed, dead or expired, newest first
+  KEYS[17] cache prefix       mtq:{q}:cache:     (+ model version .. ':' .. payload digest
+                                                  -> a cached result; see submit.lua)
+  KEYS[18] cache index        zset: cache entry key -> expiry (ms), bounds the entries
+  KEYS[19] model              hash: the model the queue's workers serve (target, version,
+                              deterministic, loaded)
 ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
 the rest is per script.
 
@@ -62,6 +67,7 @@ local K_TASK, K_STREAM, K_READY, K_BUSY = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_LEASES, K_DELAYED, K_DEAD, K_WAKE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
+local K_CACHE, K_CACHEX, K_MODEL = KEYS[17], KEYS[18], KEYS[19]
 local LATENCY_KEEP, FAILURES_KEEP = 1000, 100
 local EVENTS, CONTROL = ARGV[1], ARGV[2]
 local FREE = ''

@@ -1,5 +1,5 @@
 --[[ ack.lua -- record the results of a batch, fenced by lease token.
-KEYS: the standard sixteen (see _lib.lua).
+KEYS: the standard nineteen (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] n, then n groups of 3: id, lease token, result (msgpack)
 Returns: one code per task: 1 = recorded; E_LEASE_LOST = the task is not running

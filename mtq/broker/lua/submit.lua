@@ -1,5 +1,5 @@
 --[[ submit.lua -- enqueue one or many tasks in one call.
-KEYS: the standard sixteen (see _lib.lua).
+KEYS: the standard nineteen (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
 ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
