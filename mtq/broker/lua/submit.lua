@@ -3,8 +3,10 @@ KEYS: the standard nineteen (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
 ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
-ARGV[7] n, then n groups of 6: id, payload, stream ('' = none), key ('' = none),
-        ttl_ms (0 = no deadline), retries ('' = the worker's default)
+ARGV[7] n, then n groups of 8: id, payload, stream ('' = none), key ('' = none),
+        ttl_ms (0 = no deadline), retries ('' = the worker's default),
+        digest (the result cache's digest of the payload, '' = do not cache),
+        traceparent (W3C trace context of the submitting request, '' = none)
 Returns: a list with one entry per task: its id (for an idempotency hit, the id
   of the task that already holds the key) or E_DUPLICATE_ID when the id exists.
   Or {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is written).
@@ -19,8 +21,9 @@ if max_length > 0 then
 end
 local out, added, newly, new_streams = {}, 0, 0, 0
 for i = 0, n - 1 do
-  local b = 8 + i * 6
+  local b = 8 + i * 8
   local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
+  local digest, traceparent = ARGV[b + 6], ARGV[b + 7]
   local tk = K_TASK .. id
   local existing = false
   if key ~= '' then existing = redis.call('GET', K_IDEM .. key) end
