@@ -24,7 +24,7 @@ WORKDIR /app
 #    or another dependency by name here.
 COPY pyproject.toml README.md ./
 RUN mkdir mtq && touch mtq/__init__.py \
- && pip install --no-cache-dir ".[workers,examples]" \
+ && pip install --no-cache-dir ".[workers,examples,metrics]" \
  && rm -rf mtq build ./*.egg-info
 
 # 2. The source: the mtq package (installed, for the mtq command) and the examples,

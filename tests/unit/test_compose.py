@@ -37,7 +37,7 @@ DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 
 SERVICES = ("redis", "gpu-worker", "cpu-worker", "dashboard")
-MTQ_SERVICES = ("gpu-worker", "cpu-worker", "dashboard")
+MTQ_SERVICES = ("gpu-worker", "cpu-worker", "dashboard", "exporter")
 WORKERS = ("gpu-worker", "cpu-worker")
 #: mtq commands that serve a TARGET (package.module:attr)
 SERVING = (("mtq", "workers", "start"), ("mtq", "worker", "run"))
@@ -428,6 +428,9 @@ def test_dockerfile_installs_the_extras_the_commands_need(
         package = target.split(":")[0].split(".")[0]
         if package in EXTRA_FOR_PACKAGE:
             needed.setdefault(EXTRA_FOR_PACKAGE[package], name)
+    for name in MTQ_SERVICES:
+        if parse_mtq(command_of(services, name), name).path == ("mtq", "metrics", "serve"):
+            needed.setdefault("metrics", name)  # prometheus-client
     for extra, name in needed.items():
         assert extra in installed, (
             f"Dockerfile: {name} needs the {extra!r} extra; install '.[{','.join(needed)}]'")
