@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
@@ -15,7 +16,7 @@ from mtq import serialization
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import Backoff, connect, redis_errors
-from mtq.broker.protocol import Broker, NewTask
+from mtq.broker.protocol import Broker, NewTask, Submitted
 from mtq.errors import (
     ConfigError,
     DuplicateTask,
@@ -87,6 +88,18 @@ class Request:
     ttl: float | None = None
     retries: int | None = None
     id: str | None = None
+    #: False: never answered from the result cache, nor attached to an identical task
+    cache: bool = True
+
+
+def cache_digest(payload: Any, data: bytes) -> str:
+    """The result cache's digest of a payload (``data``: its encoding): ``c`` or ``u``
+    (``u``: it gives no integer ``seed``, so a generator samples it from its task id and
+    only a deterministic one may answer it from the cache), then the hex BLAKE2b of the
+    bytes. Computed here, not in Redis, whose CPU is the scarce one."""
+    seed = payload.get("seed") if isinstance(payload, dict) else None
+    seeded = isinstance(seed, int) and not isinstance(seed, bool)
+    return ("c" if seeded else "u") + hashlib.blake2b(data, digest_size=20).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -120,11 +133,19 @@ def _i(value: bytes | None) -> int | None:
 class Task:
     """A handle on one submitted task. Cheap to create from an id (:meth:`Queue.task`)."""
 
-    __slots__ = ("id", "queue")
+    __slots__ = ("_cached", "id", "queue")
 
-    def __init__(self, queue: Queue, task_id: str) -> None:
+    def __init__(self, queue: Queue, task_id: str, cached: bytes | None = None) -> None:
         self.queue = queue
         self.id = task_id
+        #: the encoded result when the submit was answered from the result cache
+        self._cached = cached
+
+    @property
+    def cached(self) -> bool:
+        """True if this handle's submit was answered from the result cache (the task
+        was created succeeded; :meth:`result` needs no round trip)."""
+        return self._cached is not None
 
     def __repr__(self) -> str:
         return f"<Task {self.queue.name}/{self.id}>"
@@ -273,6 +294,8 @@ class Task:
         before the call is not missed. Raises TaskFailed (failed, dead, expired),
         TaskCancelled, ResultTimeout, TaskNotFound, BrokerError.
         """
+        if self._cached is not None:  # answered from the result cache at submit
+            return serialization.loads(self._cached)
         for ev in self.events(timeout, tokens=False):
             if ev.terminal:
                 return self._outcome(ev)
@@ -326,6 +349,8 @@ class Task:
 
     async def aresult(self, timeout: float | None = None) -> Any:
         """:meth:`result` for asyncio."""
+        if self._cached is not None:
+            return serialization.loads(self._cached)
         async for ev in self.aevents(timeout, tokens=False):
             if ev.terminal:
                 return self._outcome(ev)
@@ -435,9 +460,10 @@ class Queue:
         return f"<Queue {self.name}>"
 
     def _new(self, payload: Any, stream: str | None, key: str | None, ttl: float | None,
-             retries: int | None, task_id: str | None) -> NewTask:
+             retries: int | None, task_id: str | None, cache: bool = True) -> NewTask:
         data = serialization.dumps(payload)
-        if len(data) > self.settings.max_payload_bytes:
+        settings = self.settings
+        if len(data) > settings.max_payload_bytes:
             raise PayloadTooLarge(
                 f"payload is {len(data)} bytes encoded, over this queue's max_payload_bytes "
                 f"({self.settings.max_payload_bytes}); send a reference (a URL or a key) "
@@ -459,6 +485,7 @@ class Queue:
             key=check_stream_name(key, "idempotency key") if key is not None else "",
             ttl_ms=max(1, int(ttl * 1000)) if ttl is not None else 0,
             retries=retries,
+            digest=cache_digest(payload, data) if cache and settings.cache_ttl_s > 0 else "",
         )
 
     def _send(self, tasks: list[NewTask]) -> list[Task]:
@@ -473,12 +500,15 @@ class Queue:
             chunk = tasks[start:start + SUBMIT_CHUNK]
             answer, acks = self._submit_chunk(chunk, reply)
             if answer and answer[0] == Code.QUEUE_FULL:  # only ever [QUEUE_FULL, waiting]
-                full = QueueFull(self.name, int(answer[1]), self.settings.max_length, len(chunk))
+                waiting = answer[1] if isinstance(answer[1], int) else 0
+                full = QueueFull(self.name, waiting, self.settings.max_length, len(chunk))
                 full.created = out  # earlier chunks went in
                 raise full
             for item, value in zip(chunk, answer):
                 if value == Code.DUPLICATE_ID:
                     duplicates.append(item.id)
+                elif isinstance(value, tuple):  # a result cache hit
+                    out.append(Task(self, value[0], value[1]))
                 else:
                     out.append(Task(self, str(value)))
             if 0 <= acks < self.settings.durable_replicas:
@@ -496,7 +526,7 @@ class Queue:
             raise dup
         return out
 
-    def _submit_chunk(self, chunk: list[NewTask], reply: str) -> tuple[list[str | int], int]:
+    def _submit_chunk(self, chunk: list[NewTask], reply: str) -> tuple[list[Submitted], int]:
         """One submit call, retried while Redis cannot be reached. The call is sent once
         per try, never repeated by the connection; after a retry, the tasks a lost try
         already wrote are recognised (see :meth:`_written`), so a reset yields neither a
@@ -507,6 +537,7 @@ class Queue:
         start = time.monotonic()
         retried = False
         acks = -1
+        answer: list[Submitted]
         while True:
             try:
                 if self.settings.durable_replicas:
@@ -528,8 +559,8 @@ class Queue:
             answer = self._written(chunk, answer, reply)
         return answer, acks
 
-    def _written(self, chunk: list[NewTask], answer: list[str | int], reply: str
-                 ) -> list[str | int]:
+    def _written(self, chunk: list[NewTask], answer: list[Submitted], reply: str
+                 ) -> list[Submitted]:
         """Correct the answer of a retried submit for what the lost try wrote: a task it
         created comes back as a duplicate (or, if it filled the queue, the whole chunk
         as queue-full). A duplicate is this call's own if its id was generated here
@@ -570,32 +601,38 @@ class Queue:
 
     def submit(self, payload: Any, *, stream: str | None = None, key: str | None = None,
                ttl: float | None = None, retries: int | None = None,
-               id: str | None = None) -> Task:
+               id: str | None = None, cache: bool = True) -> Task:
         """Submit one task (one round trip) and return its handle.
 
         ``stream``: tasks of one stream run one at a time in submit order.
         ``key``: idempotency key; within the window, the same key returns the same task.
         ``ttl``: seconds after which the task, if not started, ends expired unrun.
         ``retries``: retries after a handler error (default: the queue's max_retries).
+        ``cache=False``: bypass the queue's result cache (when ``cache_ttl_s`` > 0, an
+        identical earlier request's result, or an identical task still running,
+        otherwise answers it; see docs/operations.md).
         Raises InvalidName, PayloadTooLarge, EncodeError, QueueFull, DuplicateTask,
         BrokerError.
         """
-        return self._send([self._new(payload, stream, key, ttl, retries, id)])[0]
+        return self._send([self._new(payload, stream, key, ttl, retries, id, cache)])[0]
 
     def submit_many(self, items: Iterable[Any], *, stream: str | None = None,
-                    ttl: float | None = None, retries: int | None = None) -> list[Task]:
+                    ttl: float | None = None, retries: int | None = None,
+                    cache: bool = True) -> list[Task]:
         """Submit many tasks, up to 1 000 per round trip, and return their handles.
 
         Items are payloads, or :class:`Request` objects for per-task options
         (their fields override the keyword defaults). Every item is validated and
         encoded before anything is sent; with max_length set, each chunk of up to
-        1 000 is admitted whole or refused whole (QueueFull).
+        1 000 is admitted whole or refused whole (QueueFull). ``cache=False`` (or a
+        Request's ``cache=False``) bypasses the result cache.
         """
-        tasks = self.prepare(items, stream=stream, ttl=ttl, retries=retries)
+        tasks = self.prepare(items, stream=stream, ttl=ttl, retries=retries, cache=cache)
         return self.send(tasks) if tasks else []
 
     def prepare(self, items: Iterable[Any], *, stream: str | None = None,
-                ttl: float | None = None, retries: int | None = None) -> list[NewTask]:
+                ttl: float | None = None, retries: int | None = None,
+                cache: bool = True) -> list[NewTask]:
         """Validate and encode items for :meth:`send` (ids are chosen here)."""
         tasks = []
         for item in items:
@@ -603,9 +640,10 @@ class Queue:
                 tasks.append(self._new(
                     item.payload, item.stream if item.stream is not None else stream, item.key,
                     item.ttl if item.ttl is not None else ttl,
-                    item.retries if item.retries is not None else retries, item.id))
+                    item.retries if item.retries is not None else retries, item.id,
+                    cache and item.cache))
             else:
-                tasks.append(self._new(item, stream, None, ttl, retries, None))
+                tasks.append(self._new(item, stream, None, ttl, retries, None, cache))
         return tasks
 
     def send(self, tasks: list[NewTask]) -> list[Task]:

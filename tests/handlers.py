@@ -81,3 +81,22 @@ def fail_if(payload: dict[str, Any]) -> Any:
     if payload.get("fail"):
         raise ValueError(f"asked to fail: {payload!r}")
     return payload
+
+
+def gated(payload: dict[str, Any]) -> dict[str, Any]:
+    """Log the call (``B``/``D`` in ``MTQ_TEST_LOG``) and, in between, wait (at most 30 s)
+    while the file ``payload["gate"]`` exists; fail with a ValueError while the file
+    ``payload["fail"]`` exists. Echoes ``payload["i"]`` (result cache tests)."""
+    import time
+
+    from tests.models import _log
+
+    _log("B", [payload])
+    deadline = time.monotonic() + 30
+    while payload.get("gate") and os.path.exists(payload["gate"]) and \
+            time.monotonic() < deadline:
+        time.sleep(0.01)
+    if payload.get("fail") and os.path.exists(payload["fail"]):
+        raise ValueError("asked to fail")
+    _log("D", [payload])
+    return {"i": payload.get("i"), "pid": os.getpid()}

@@ -14,6 +14,9 @@ PREFIX = "mtq"
 QUEUES = f"{PREFIX}:queues"
 #: the worker registry: sorted set of worker id -> last heartbeat (ms)
 WORKERS = f"{PREFIX}:workers"
+#: the model catalogue's history: list of JSON records (loaded, reloaded, reload_failed,
+#: stopped), newest first, trimmed to a fixed length; kept after workers stop
+MODELS_HISTORY = f"{PREFIX}:models:history"
 
 
 def hub(client_id: str) -> str:

@@ -133,6 +133,27 @@ def _parse_watch(raw: list[Any]) -> Snapshot | None:
                     int(now_us) / 1e6)
 
 
+#: what submit answers per task: an id, a negative code, or (id, encoded result) for a
+#: result-cache hit
+Submitted = str | int | tuple[str, bytes]
+
+#: how long a result cache single-flight record lives at least (s): a safety net, as
+#: every terminal state deletes it
+RUN_TTL_S = 3600
+
+
+def _parse_submit(raw: list[Any]) -> list[Submitted]:
+    out: list[Submitted] = []
+    for r in raw:
+        if isinstance(r, int):
+            out.append(int(r))
+        elif isinstance(r, list):
+            out.append((_s(r[0]), bytes(r[1])))
+        else:
+            out.append(_s(r))
+    return out
+
+
 def _codes(raw: list[Any]) -> list[int]:
     return [int(c) for c in raw]
 
@@ -148,6 +169,9 @@ class Broker:
         self.source = settings if isinstance(settings, SettingsSource) else \
             SettingsSource(client, queue, settings)
         self._head = self.keys.channels
+        #: the version of the model this process serves (a worker sets it): ack writes
+        #: a result into the cache only if it equals the queue's model record's
+        self.model_version = ""
 
     @property
     def settings(self) -> QueueSettings:
@@ -169,17 +193,18 @@ class Broker:
         for t in tasks:
             args += [t.id, t.payload, t.stream, t.key, t.ttl_ms,
                      "" if t.retries is None else t.retries, t.digest, t.traceparent]
-        return self._call("submit", args, lambda raw: [
-            int(r) if isinstance(r, int) else _s(r) for r in raw])
+        args += [s.retention_s, max(RUN_TTL_S, s.cache_ttl_s)]
+        return self._call("submit", args, _parse_submit)
 
-    def submit(self, tasks: Sequence[NewTask], reply: str = "") -> list[str | int]:
-        """Submit tasks in one round trip. Returns ids (or negative codes per task);
+    def submit(self, tasks: Sequence[NewTask], reply: str = "") -> list[Submitted]:
+        """Submit tasks in one round trip. Returns ids (or negative codes per task;
+        ``(id, encoded result)`` for a task answered from the result cache);
         ``[Code.QUEUE_FULL, waiting]`` if they do not fit. ``reply``: the submitting
         client's reply channel (:meth:`QueueKeys.reply`), where their events go."""
         return self.run(self.submit_call(tasks, reply))[0]
 
     def submit_durable(self, tasks: Sequence[NewTask], reply: str = ""
-                       ) -> tuple[list[str | int], int]:
+                       ) -> tuple[list[Submitted], int]:
         """:meth:`submit`, then wait (same round trip) until ``durable_replicas``
         replicas have its writes, at most ``durable_timeout_ms``: (the answer, how
         many replicas acknowledged)."""
@@ -236,9 +261,11 @@ class Broker:
         return self.run(self.claim_call(worker, batch, lease_ms))[0]
 
     def ack_call(self, results: Sequence[tuple[str, str, bytes]]) -> scripts.Call:
-        args: list[Any] = [self.settings.retention_s, len(results)]
+        s = self.settings
+        args: list[Any] = [s.retention_s, len(results)]
         for task_id, token, result in results:
             args += [task_id, token, result]
+        args += [s.cache_ttl_s, s.cache_max_entries, self.model_version]
         return self._call("ack", args, _codes)
 
     def ack(self, results: Sequence[tuple[str, str, bytes]]) -> list[int]:
@@ -397,7 +424,7 @@ class Broker:
 
 def stats_many(client: redis.Redis, queues: list[str]) -> dict[str, dict[str, Any]]:
     """:meth:`Broker.stats` of each queue in ``queues``, in ONE pipelined round trip
-    (five O(1) commands a queue), for an exporter that reads many queues at once.
+    (six O(1) commands a queue), for an exporter that reads many queues at once.
     Raises redis-py's errors as they are (the caller decides what an outage means)."""
     pipe = client.pipeline(transaction=False)
     for name in queues:
@@ -407,18 +434,21 @@ def stats_many(client: redis.Redis, queues: list[str]) -> dict[str, dict[str, An
         pipe.zcard(k.delayed)
         pipe.llen(k.dead)
         pipe.scard(k.busy)
+        pipe.zcard(k.cache_index)
     replies = pipe.execute() if queues else []
-    return {name: _counters(*replies[5 * i:5 * i + 5]) for i, name in enumerate(queues)}
+    return {name: _counters(*replies[6 * i:6 * i + 6]) for i, name in enumerate(queues)}
 
 
 def _counters(counters: dict[bytes, bytes], running: int, delayed: int, dead: int,
-              busy: int) -> dict[str, Any]:
+              busy: int, cache_entries: int = 0) -> dict[str, Any]:
     out = {_s(name): int(value) for name, value in counters.items()}
     out.pop("free_marked", None)
     names = ("waiting", "streams", "submitted", "succeeded", "failed", "dead_total",
-             "cancelled", "expired", "retried", "redelivered")
+             "cancelled", "expired", "retried", "redelivered",
+             "cache_hits", "cache_misses", "cache_joined", "cache_bytes")
     result: dict[str, Any] = {name: out.get(name, 0) for name in names}
-    result.update(running=running, delayed=delayed, dead=dead, busy_streams=busy)
+    result.update(running=running, delayed=delayed, dead=dead, busy_streams=busy,
+                  cache_entries=cache_entries)
     return result
 
 
@@ -437,5 +467,6 @@ __all__ = [
     "Code",
     "NewTask",
     "Snapshot",
+    "Submitted",
     "stats_many",
 ]

@@ -90,11 +90,14 @@ def _known(client: Any, name: str) -> None:
               help="With --follow: write the tokens exactly as they come, control "
                    "characters included (default: escaped, e.g. \\x1b, on a terminal; "
                    "as they come into a pipe or a file).")
+@click.option("--no-cache", "no_cache", is_flag=True,
+              help="Bypass the queue's result cache: run it even if an identical request "
+                   "was answered or is running.")
 @redis_option
 @json_option
 def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | None,
            stream_from: str | None, key: str | None, ttl: float | None, wait: bool,
-           follow: bool, timeout: float | None, raw: bool, url: str | None,
+           follow: bool, timeout: float | None, raw: bool, no_cache: bool, url: str | None,
            as_json: bool) -> None:
     """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
 
@@ -114,7 +117,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
             fail("--follow and --key take one task; drop them with --file", USAGE)
         _submit_file(queue, file, stream, stream_from, ttl,
                      (math.inf if timeout is None else timeout) if wait else None, url,
-                     as_json)
+                     as_json, not no_cache)
         return
     if stream_from:
         fail("--stream-from goes with --file", USAGE)
@@ -126,7 +129,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     value = parse_json(text, "PAYLOAD")
     q = _queue(queue, url)
     try:
-        task = q.submit(value, stream=stream, key=key, ttl=ttl)
+        task = q.submit(value, stream=stream, key=key, ttl=ttl, cache=not no_cache)
     except MtqError as exc:
         fail_on(exc)
     if not wait:
@@ -229,7 +232,8 @@ def _follow(task: Any, timeout: float | None, as_json: bool, raw: bool = False) 
 
 
 def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str | None,
-                 ttl: float | None, wait: float | None, url: str | None, as_json: bool) -> None:
+                 ttl: float | None, wait: float | None, url: str | None, as_json: bool,
+                 cache: bool = True) -> None:
     from mtq.client import Request
 
     items: list[Request] = []
@@ -268,7 +272,7 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
         fail(f"{file.name} has no requests (one JSON payload per line)", USAGE)
     q = _queue(queue, url)
     try:
-        tasks = q.prepare(items)  # validates and encodes every request first
+        tasks = q.prepare(items, cache=cache)  # validates and encodes every request first
     except MtqError as exc:
         fail_on(exc)
     sent: list[Any] = []

@@ -125,7 +125,18 @@ class Generator:
     #: longest one prefill or decode call may run (s); past it the supervisor kills the process
     timeout_s: ClassVar[float | None] = 300.0
     name: ClassVar[str] = ""
+    #: the served model's version, which keys the result cache: set it when you version
+    #: your weights; left "0", the worker computes one after setup from the target's
+    #: source file and its torch tensors (see mtq.workers.catalogue)
     version: ClassVar[str] = "0"
+    #: True: the same payload always gives the same tokens, seeded or not (greedy
+    #: decoding, say), so unseeded requests may be answered from the result cache too;
+    #: False (the default): only requests with an integer ``seed`` are (an unseeded one
+    #: samples with a seed derived from its task id: two of them differ)
+    deterministic: ClassVar[bool] = False
+    #: False: never answer requests from the result cache (the model reads state
+    #: outside its payload: the time, a database)
+    cacheable: ClassVar[bool] = True
 
     def setup(self, device: Any) -> None:
         """Load weights once per process onto ``device``."""

@@ -57,7 +57,16 @@ class Model:
     timeout_s: ClassVar[float | None] = 300.0
     #: reported in the worker registry; ``name`` defaults to the class name
     name: ClassVar[str] = ""
+    #: the served model's version, which keys the result cache: set it when you version
+    #: your weights; left "0", the worker computes one after setup from the target's
+    #: source file and its torch tensors (see mtq.workers.catalogue)
     version: ClassVar[str] = "0"
+    #: the result is a function of the payload (the default assumption for a Model,
+    #: which the result cache relies on; informative here, decisive for a Generator)
+    deterministic: ClassVar[bool] = False
+    #: False: never answer requests from the result cache (the model reads state
+    #: outside its payload, samples without a seed, or has side effects)
+    cacheable: ClassVar[bool] = True
 
     def setup(self, device: Any) -> None:
         """Load weights once per process onto ``device`` (a ``torch.device`` when

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mtq import serialization
+from mtq.broker import catalogue as broker_catalogue
 from mtq.broker.config import SettingsSpec
 from mtq.broker.connection import Backoff, client_url
 from mtq.broker.consumer import (
@@ -56,7 +57,7 @@ from mtq.errors import (
     TargetError,
 )
 from mtq.settings import QueueSettings
-from mtq.workers import devices, registry
+from mtq.workers import catalogue, devices, registry
 from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
 from mtq.workers.generator import Generator
 from mtq.workers.model import Progress, is_per_item
@@ -174,7 +175,32 @@ class Worker:
         """Build the device and run the model's ``setup`` (once per process)."""
         self.device = devices.torch_device(self.device_name)
         self.model.setup(self.device)
+        self._catalogue("loaded", self.model)
         self._ready = True
+
+    def _catalogue(self, event: str, model: Target | None = None, error: str = "") -> None:
+        """Record ``event`` in the model catalogue (mtq.broker.catalogue); with ``model``
+        (just set up), compute its version and make it the queue's model record. A
+        catalogue that cannot be written is logged, never fatal."""
+        now = int(time.time() * 1000)
+        where = {"host": socket.gethostname(), "worker": self.worker_id}
+        target = self.spec or "/".join(self.model.describe())
+        version = catalogue.version_of(model) if model is not None else \
+            self.model.describe()[1]
+        if model is not None:
+            self.consumer.broker.model_version = version
+        event_fields = {"event": event, "target": target, "version": version,
+                        "pid": os.getpid(), "device": self.device_name,
+                        "supervisor": self.supervisor, "ts": now, **where}
+        if error:
+            event_fields["error"] = error
+        try:
+            broker_catalogue.record(
+                self.consumer.redis, self.queue, event_fields,
+                catalogue.model_record(model, target, version, loaded=now, **where)
+                if model is not None else None)
+        except MtqError:
+            log.warning("could not write the model catalogue", exc_info=True)
 
     @property
     def state(self) -> str:
@@ -288,6 +314,8 @@ class Worker:
                 self.consumer.clear_interrupts()
             except MtqError:
                 log.warning("could not leave the worker registry", exc_info=True)
+            if self._ready:
+                self._catalogue("stopped")
         return dict(self.totals)
 
     def _start_outlet(self) -> None:
@@ -550,7 +578,9 @@ class Worker:
         except Exception as exc:
             self.last_error = f"reload failed, kept the old model: {type(exc).__name__}: {exc}"
             log.error("%s", self.last_error, exc_info=True)
+            self._catalogue("reload_failed", error=self.last_error[:300])
         else:
+            self._catalogue("reloaded", model)
             self.model, self.policy = model, policy
             self.slot.configure(policy.max_batch_size, policy.max_wait_ms)
             self.last_error = ""

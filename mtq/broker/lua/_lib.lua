@@ -232,7 +232,11 @@ local function finish(id, status, now, ttl, field, value)
     redis.call('EXPIRE', K_OUT .. id, ttl)
     redis.call('EXPIRE', K_TRACE .. id, ttl)
   end
-  local f = redis.call('HMGET', tk, 'reply', 'created')
+  local f = redis.call('HMGET', tk, 'reply', 'created', 'cache')
+  if f[3] then  -- it held the result cache's single-flight record: free it, whatever the end
+    local run = K_CACHE .. f[3] .. ':run'
+    if redis.call('GET', run) == id then redis.call('DEL', run) end
+  end
   if status ~= 'cancelled' and status ~= 'expired' and f[2] then
     LATENCIES[#LATENCIES + 1] = now - tonumber(f[2])
   end

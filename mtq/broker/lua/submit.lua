@@ -7,19 +7,63 @@ ARGV[7] n, then n groups of 8: id, payload, stream ('' = none), key ('' = none),
         ttl_ms (0 = no deadline), retries ('' = the worker's default),
         digest (the result cache's digest of the payload, '' = do not cache),
         traceparent (W3C trace context of the submitting request, '' = none)
+ARGV[8 + 8n] retention s (of a task answered from the result cache)
+ARGV[9 + 8n] TTL s of a single-flight record (a safety net: finish() clears it)
 Returns: a list with one entry per task: its id (for an idempotency hit, the id
-  of the task that already holds the key) or E_DUPLICATE_ID when the id exists.
-  Or {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is written).
+  of the task that already holds the key; for a single-flight join, the id of the
+  identical task queued or running) or E_DUPLICATE_ID when the id exists, or
+  {id, result} for a result-cache hit: the task was created succeeded, its result
+  inline. Or {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is
+  written).
+
+Result cache (see docs/operations.md): a digest is 'c' or 'u' (the payload has no
+integer seed) then the hex digest of the payload. It is used only if the queue's
+model record (K_MODEL) has a version, and, for a generator, the request is seeded
+('c') or the model deterministic; and never when the model set cacheable 0. The
+entry K_CACHE .. version .. ':' .. hex holds sha1hex(result) .. result (40 + n
+bytes); one that does not verify is deleted and counts as a miss. The
+single-flight record K_CACHE .. version .. ':' .. hex .. ':run' holds the id of
+the identical task still queued or running (finish() deletes it).
 ]]
 --@include _lib.lua
 local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[7])
 local reply_to = ARGV[6]
+local retention, run_ttl = tonumber(ARGV[8 + n * 8]), tonumber(ARGV[9 + n * 8])
 local now = now_ms()
 if max_length > 0 then
   local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
   if waiting + n > max_length then return {E_QUEUE_FULL, waiting} end
 end
 local out, added, newly, new_streams = {}, 0, 0, 0
+local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
+
+-- The cache entry suffix of a digest (version .. ':' .. hex), or nil: not cacheable.
+local function cache_suffix(digest)
+  if not model then
+    model = redis.call('HMGET', K_MODEL, 'version', 'kind', 'deterministic', 'cacheable')
+  end
+  local version = model[1]
+  if not version or version == '' or model[4] == '0' then return nil end
+  if string.sub(digest, 1, 1) == 'u' and model[2] == 'generator' and model[3] ~= '1' then
+    return nil
+  end
+  return version .. ':' .. string.sub(digest, 2)
+end
+
+-- The verified cached result of a suffix, or nil (a corrupt entry is deleted).
+local function cache_get(suffix)
+  local v = redis.call('GET', K_CACHE .. suffix)
+  if not v then return nil end
+  local body = string.sub(v, 41)
+  if #v >= 40 and redis.sha1hex(body) == string.sub(v, 1, 40) then return body end
+  redis.call('DEL', K_CACHE .. suffix)
+  -- the index member names the size written; if the corruption kept the length, drop it
+  -- now, else the sweep drops it when it expires (cache_bytes counts it until then)
+  if redis.call('ZREM', K_CACHEX, (#v - 40) .. '|' .. suffix) == 1 then
+    redis.call('HINCRBY', K_STATS, 'cache_bytes', 40 - #v)
+  end
+  return nil
+end
 for i = 0, n - 1 do
   local b = 8 + i * 8
   local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
@@ -32,7 +76,45 @@ for i = 0, n - 1 do
   elseif redis.call('EXISTS', tk) == 1 then
     out[i + 1] = E_DUPLICATE_ID
   else
+    local suffix, hit, running = nil, nil, nil
+    if digest ~= '' then
+      suffix = cache_suffix(digest)
+      if suffix then
+        hit = cache_get(suffix)
+        if not hit then
+          running = redis.call('GET', K_CACHE .. suffix .. ':run')
+          if running then
+            local st = redis.call('HGET', K_TASK .. running, 'status')
+            if st ~= 'queued' and st ~= 'running' and st ~= 'delayed' then running = nil end
+          end
+        end
+      end
+    end
+    if hit then
+      local f = {'payload', payload, 'status', 'queued', 'created', now, 'cached', suffix}
+      if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
+      if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
+      if key ~= '' then
+        f[#f + 1] = 'key'; f[#f + 1] = key
+        redis.call('SET', K_IDEM .. key, id, 'EX', window)
+      end
+      redis.call('HSET', tk, unpack(f))
+      note(id, now, 'cached', 'answered from the result cache')
+      finish(id, 'succeeded', now, retention, 'result', hit)
+      hits = hits + 1
+      cached_ids[hits] = id
+      out[i + 1] = {id, hit}
+    elseif running then
+      if key ~= '' then redis.call('SET', K_IDEM .. key, running, 'EX', window) end
+      joined = joined + 1
+      out[i + 1] = running
+    else
     local f = {'payload', payload, 'status', 'queued', 'created', now}
+    if suffix then
+      f[#f + 1] = 'cache'; f[#f + 1] = suffix
+      redis.call('SET', K_CACHE .. suffix .. ':run', id, 'EX', run_ttl)
+      misses = misses + 1
+    end
     if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
     if key ~= '' then
       f[#f + 1] = 'key'; f[#f + 1] = key
@@ -48,8 +130,17 @@ for i = 0, n - 1 do
     added = added + 1
     out[i + 1] = id
     reply('queued', reply_to, id)
+    end
   end
 end
+if hits > 0 then
+  redis.call('HINCRBY', K_STATS, 'submitted', hits)
+  redis.call('HINCRBY', K_STATS, 'succeeded', hits)
+  redis.call('HINCRBY', K_STATS, 'cache_hits', hits)
+  event('succeeded', now, {ids = cached_ids, cached = true})
+end
+if misses > 0 then redis.call('HINCRBY', K_STATS, 'cache_misses', misses) end
+if joined > 0 then redis.call('HINCRBY', K_STATS, 'cache_joined', joined) end
 if added > 0 then
   redis.call('HINCRBY', K_STATS, 'waiting', added)
   redis.call('HINCRBY', K_STATS, 'submitted', added)

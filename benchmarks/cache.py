@@ -1,0 +1,137 @@
+"""The result cache: what a hit costs, and what its bookkeeping costs the misses.
+
+* cache-hit round trip, submit -> result (the submit's one script call answers it,
+  the result inline), warm, vs an uncached round trip through a warm real worker
+  (``mtq worker run benchmarks.noop:handle``) in the same run; target hit p50 <= 0.3 ms;
+* no-op drain rate of a queue with the cache on and every payload distinct (all
+  misses: single-flight records, cache fields, entry writes) vs the cache off, same
+  run, passes interleaved; target <= 3 % slower.
+
+    python -m benchmarks.cache            # full run, rewrites "## Result cache" in docs/benchmarks.md
+    python -m benchmarks.cache --quick    # smaller, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+
+import redis
+
+import mtq
+from benchmarks.broker import ROOT, Server, run_worker, write_docs
+from benchmarks.noop import handle
+from mtq.broker import catalogue
+from mtq.workers.catalogue import version_of
+from mtq.workers.model import FunctionModel
+
+
+def pct(values: list[float], p: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(p / 100 * len(v)))]
+
+
+def round_trips(server: Server, r: redis.Redis, samples: int) -> dict[str, float]:
+    q = mtq.Queue("bench-rt", server.url, client=r)
+    q.configure(cache_ttl_s=3600)
+    env = {**os.environ, "MTQ_REDIS_URL": server.url,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    proc = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
+                             "benchmarks.noop:handle", "--queue", "bench-rt"], env=env,
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        q.submit({"x": "warm"}, cache=False).result(timeout=60)
+        q.submit({"x": "hit"}).result(timeout=60)  # the entry
+        hits, misses = [], []
+        for i in range(samples):  # interleaved: same conditions for both
+            t0 = time.perf_counter()
+            t = q.submit({"x": "hit"})
+            t.result(timeout=10)
+            hits.append(time.perf_counter() - t0)
+            assert t.cached
+            t0 = time.perf_counter()
+            q.submit({"x": i}, cache=False).result(timeout=10)
+            misses.append(time.perf_counter() - t0)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return {"hit_p50": pct(hits, 50) * 1e3, "hit_p99": pct(hits, 99) * 1e3,
+            "run_p50": pct(misses, 50) * 1e3, "run_p99": pct(misses, 99) * 1e3}
+
+
+def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str, float]:
+    import benchmarks.broker as b
+
+    original = b.presubmit
+    rates: dict[str, list[float]] = {"off": [], "on": []}
+
+    def presubmit_cached(q: mtq.Queue, count: int, streams: int = 0, **kw: object) -> list:
+        q.configure(cache_ttl_s=3600)
+        # the version the worker will compute (so that its acks write the entries)
+        version = version_of(FunctionModel(handle))
+        catalogue.record(r, q.name, {"event": "loaded"},
+                         {"target": "benchmarks.noop:handle", "version": version,
+                          "kind": "function", "deterministic": 0, "cacheable": 1})
+        return original(q, count, streams, **kw)  # type: ignore[arg-type]
+
+    for _ in range(passes):
+        for mode in ("off", "on"):
+            b.presubmit = presubmit_cached if mode == "on" else original
+            try:
+                drain_s, *_ = run_worker(server, r, n)
+            finally:
+                b.presubmit = original
+            rates[mode].append(n / drain_s)
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    return {"on": on, "off": off, "slower_pct": 100 * (1 - on / off),
+            "on_all": rates["on"], "off_all": rates["off"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--samples", type=int, default=None)
+    args = ap.parse_args(argv)
+    samples = args.samples or (500 if args.quick else 2000)
+    n, passes = (5000, 3) if args.quick else (20000, 3)
+    server = Server()
+    server.start()
+    try:
+        r = redis.Redis.from_url(server.url)
+        rt = round_trips(server, r, samples)
+        r.flushdb()
+        dr = drain_rates(server, r, n, passes)
+    finally:
+        server.stop()
+    lines = [
+        "## Result cache", "",
+        f"{date.today().isoformat()}, `python -m benchmarks.cache{' --quick' if args.quick else ''}`"
+        f" ({platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}).",
+        "",
+        "| measure | value | target |", "|---|---|---|",
+        f"| cache-hit round trip submit -> result, p50 / p99 ({samples} warm) | "
+        f"{rt['hit_p50']:.3f} / {rt['hit_p99']:.3f} ms | p50 <= 0.3 ms |",
+        f"| uncached round trip through a warm worker, p50 / p99 (same run) | "
+        f"{rt['run_p50']:.3f} / {rt['run_p99']:.3f} ms | (baseline) |",
+        f"| no-op drain, cache off, median of {passes} ({n} tasks) | {dr['off']:,.0f} tasks/s | |",
+        f"| no-op drain, cache on, all misses, median of {passes} | {dr['on']:,.0f} tasks/s "
+        f"({dr['slower_pct']:+.1f} % slower) | <= 3 % slower |",
+        "",
+        "Passes (tasks/s), interleaved: off " + ", ".join(f"{v:,.0f}" for v in dr["off_all"])
+        + "; on " + ", ".join(f"{v:,.0f}" for v in dr["on_all"]) + ".",
+    ]
+    section = "\n".join(lines) + "\n"
+    print(section)
+    if not args.quick:
+        write_docs(ROOT / "docs" / "benchmarks.md", section, "## Result cache")
+
+
+if __name__ == "__main__":
+    main()

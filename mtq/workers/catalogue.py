@@ -1,0 +1,82 @@
+"""A served model's version and its catalogue record (see mtq.broker.catalogue).
+
+The version is the target's ``version`` class attribute when it sets one (anything
+but the default ``"0"``); otherwise a digest computed once after ``setup``: of the
+target's source file and, when torch is already imported (never imported here), of
+the tensors reachable from the model (``nn.Module`` attributes' state_dicts and
+tensor attributes). A reload of changed code or weights so yields a new version,
+and the result cache (keyed on it) never answers from the old model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+from typing import Any
+
+from mtq.workers.generator import Generator
+from mtq.workers.model import FunctionModel
+
+#: versions computed here start with this (a declared version never needs to)
+COMPUTED = "h-"
+
+
+def kind(model: Any) -> str:
+    """'generator', 'function' or 'model'."""
+    if isinstance(model, Generator):
+        return "generator"
+    return "function" if isinstance(model, FunctionModel) else "model"
+
+
+def _source(model: Any) -> bytes:
+    obj = model.func if isinstance(model, FunctionModel) else type(model)
+    try:
+        path = inspect.getsourcefile(obj)
+        if path:
+            with open(path, "rb") as f:
+                return f.read()
+    except (OSError, TypeError):
+        pass
+    return repr(obj).encode()
+
+
+def _tensors(model: Any, h: Any) -> None:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    for name in sorted(vars(model)):
+        value = vars(model)[name]
+        items: list[tuple[str, Any]] = []
+        if isinstance(value, torch.nn.Module):
+            items = sorted(value.state_dict().items())
+        elif isinstance(value, torch.Tensor):
+            items = [("", value)]
+        for key, t in items:
+            t = t.detach().to("cpu").contiguous().reshape(-1)
+            h.update(f"{name}.{key}:{t.dtype}:{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def version_of(model: Any) -> str:
+    """The model's version (see the module docstring); set on the instance, so
+    ``describe()`` reports it. Call once, after ``setup``."""
+    declared = str(getattr(type(model), "version", "0"))
+    if isinstance(model, FunctionModel):
+        declared = str(getattr(model.func, "version", "0"))
+    if declared != "0":
+        version = declared
+    else:
+        h = hashlib.blake2b(digest_size=8)
+        h.update(_source(model))
+        _tensors(model, h)
+        version = COMPUTED + h.hexdigest()
+    model.version = version
+    return version
+
+
+def model_record(model: Any, target: str, version: str, **where: Any) -> dict[str, Any]:
+    """The queue's model record (mtq.broker.catalogue.FIELDS)."""
+    return {"target": target, "version": version, "kind": kind(model),
+            "deterministic": int(bool(getattr(model, "deterministic", False))),
+            "cacheable": int(bool(getattr(model, "cacheable", True))), **where}

@@ -1,0 +1,264 @@
+"""The result cache (submit.lua, ack.lua), end to end through real worker processes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+import mtq
+from mtq.broker.keys import QueueKeys
+from mtq.workers import control, registry
+from tests.conftest import wait_for
+
+
+@contextmanager
+def worker(target: str, qname: str, env: dict[str, str], log: Path, *extra: str
+           ) -> Iterator[subprocess.Popen[bytes]]:
+    """A ``mtq worker run`` process serving ``target``, in the registry before it yields."""
+    out = (log.parent / f"{log.name}.{target.replace(':', '-')}.out").open("ab")
+    proc = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run", target, "--queue",
+                             qname, *extra], env={**env, "MTQ_TEST_LOG": str(log)},
+                            stdout=out, stderr=subprocess.STDOUT)
+    r = redis.Redis.from_url(env["MTQ_REDIS_URL"])
+    try:
+        wait_for(lambda: [w for w in registry.list_workers(r, qname) if w["pid"] == proc.pid],
+                 30, "the worker process never appeared in the registry")
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        out.close()
+        r.close()
+
+
+def runs(log: Path) -> list[str]:
+    """The B (call started) lines of the handler log."""
+    if not log.exists():
+        return []
+    return [line for line in log.read_text().splitlines() if line.startswith("B ")]
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Path:
+    return tmp_path / "calls.log"
+
+
+def cached_queue(qname: str, redis_url: str, client: redis.Redis, **kw: Any) -> mtq.Queue:
+    q = mtq.Queue(qname, redis_url, client=client)
+    q.configure(cache_ttl_s=kw.pop("cache_ttl_s", 300), **kw)
+    return q
+
+
+def test_hit_miss_and_bypass(qname: str, redis_url: str, client: redis.Redis,
+                             subprocess_env: dict[str, str], log: Path) -> None:
+    q = cached_queue(qname, redis_url, client)
+    with worker("tests.handlers:gated", qname, subprocess_env, log):
+        first = q.submit({"i": 1})
+        assert not first.cached
+        assert first.result(timeout=20)["i"] == 1
+        second = q.submit({"i": 1})
+        assert second.cached and second.id != first.id
+        assert second.result(timeout=1) == first.result(timeout=1)
+        assert second.status() == "succeeded"
+        assert "cached" in [e.kind for e in second.trace()]
+        assert len(runs(log)) == 1, "a cache hit ran the handler"
+        other = q.submit({"i": 2})  # a different payload: a miss
+        assert not other.cached and other.result(timeout=20)["i"] == 2
+        bypass = q.submit({"i": 1}, cache=False)
+        assert not bypass.cached and bypass.result(timeout=20)["i"] == 1
+        many = q.submit_many([{"i": 1}, mtq.Request({"i": 1}, cache=False)])
+        assert [t.cached for t in many] == [True, False]
+        many[1].result(timeout=20)
+        assert len(runs(log)) == 4
+        s = q.stats()
+        assert (s["cache_hits"], s["cache_misses"], s["cache_entries"]) == (2, 2, 2)
+        assert s["cache_bytes"] > 0 and s["submitted"] == 6 and s["succeeded"] == 6
+
+
+def test_cache_off_sends_no_digest_and_caches_nothing(qname: str, redis_url: str,
+                                                      client: redis.Redis,
+                                                      subprocess_env: dict[str, str],
+                                                      log: Path) -> None:
+    q = mtq.Queue(qname, redis_url, client=client)
+    assert q.prepare([{"i": 1}])[0].digest == ""
+    with worker("tests.handlers:gated", qname, subprocess_env, log):
+        assert [q.submit({"i": 1}).result(timeout=20)["i"] for _ in range(2)] == [1, 1]
+    assert len(runs(log)) == 2
+    assert q.stats()["cache_entries"] == 0
+
+
+def test_single_flight_runs_once_for_concurrent_identical_submits(
+        qname: str, redis_url: str, client: redis.Redis, subprocess_env: dict[str, str],
+        log: Path, tmp_path: Path) -> None:
+    q = cached_queue(qname, redis_url, client)
+    gate = tmp_path / "gate"
+    gate.touch()
+    payload = {"i": 7, "gate": str(gate)}
+    with worker("tests.handlers:gated", qname, subprocess_env, log, "--batch-size", "8"):
+        first = q.submit(payload)
+        wait_for(lambda: runs(log), 20, "the first task never started")
+        tasks: list[mtq.Task] = []
+        threads = [threading.Thread(target=lambda: tasks.append(q.submit(payload)))
+                   for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert {t.id for t in tasks} == {first.id}
+        gate.unlink()
+        results = [t.result(timeout=20) for t in [first, *tasks]]
+        assert all(r == results[0] for r in results)
+    assert len(runs(log)) == 1
+    assert q.stats()["cache_joined"] == 8
+
+
+def test_a_failed_task_frees_the_single_flight_record(
+        qname: str, redis_url: str, client: redis.Redis, subprocess_env: dict[str, str],
+        log: Path, tmp_path: Path) -> None:
+    q = cached_queue(qname, redis_url, client)
+    flag = tmp_path / "fail"
+    flag.touch()
+    payload = {"i": 3, "fail": str(flag)}
+    with worker("tests.handlers:gated", qname, subprocess_env, log):
+        failed = q.submit(payload, retries=0)
+        with pytest.raises(mtq.TaskFailed):
+            failed.result(timeout=20)
+        flag.unlink()
+        again = q.submit(payload)
+        assert again.id != failed.id and not again.cached
+        assert again.result(timeout=20)["i"] == 3
+    assert len(runs(log)) == 2
+
+
+def test_ttl_expiry(qname: str, redis_url: str, client: redis.Redis,
+                    subprocess_env: dict[str, str], log: Path) -> None:
+    q = cached_queue(qname, redis_url, client, cache_ttl_s=1)
+    k = QueueKeys(qname)
+    with worker("tests.handlers:gated", qname, subprocess_env, log):
+        q.submit({"i": 1}).result(timeout=20)
+        assert q.submit({"i": 1}).cached
+        wait_for(lambda: not client.keys(k.cache_prefix + "*[0-9a-f]"), 5,
+                 "the cache entry did not expire after cache_ttl_s")
+        later = q.submit({"i": 1})
+        assert not later.cached and later.result(timeout=20)["i"] == 1
+        # its write swept the expired index member: one entry, its bytes only
+        s = q.stats()
+        assert s["cache_entries"] == 1
+        (member,) = client.zrange(k.cache_index, 0, -1)
+        assert s["cache_bytes"] == int(member.split(b"|")[0])
+    assert len(runs(log)) == 2
+
+
+def test_corrupt_entry_is_a_miss_and_deleted(qname: str, redis_url: str, client: redis.Redis,
+                                             subprocess_env: dict[str, str],
+                                             log: Path) -> None:
+    q = cached_queue(qname, redis_url, client)
+    k = QueueKeys(qname)
+    with worker("tests.handlers:gated", qname, subprocess_env, log):
+        q.submit({"i": 1}).result(timeout=20)
+        (entry,) = [e for e in client.keys(k.cache_prefix + "*") if not e.endswith(b":run")]
+        value = client.get(entry)
+        assert value is not None
+        client.set(entry, value[:40] + b"\x00" * (len(value) - 40), keepttl=True)  # same size
+        t = q.submit({"i": 1})
+        assert not t.cached and t.result(timeout=20)["i"] == 1
+        client.set(entry, b"garbage")  # another size
+        t = q.submit({"i": 1})
+        assert not t.cached and t.result(timeout=20)["i"] == 1
+        assert q.submit({"i": 1}).cached  # written again by the last run
+    assert len(runs(log)) == 3
+
+
+def test_size_cap_evicts_the_oldest_and_keeps_bytes_right(
+        qname: str, redis_url: str, client: redis.Redis, subprocess_env: dict[str, str],
+        log: Path) -> None:
+    q = cached_queue(qname, redis_url, client, cache_max_entries=3)
+    k = QueueKeys(qname)
+    with worker("tests.handlers:gated", qname, subprocess_env, log):
+        for i in range(6):
+            q.submit({"i": i}).result(timeout=20)
+        s = q.stats()
+        members = client.zrange(k.cache_index, 0, -1)
+        assert s["cache_entries"] == 3 == len(members)
+        assert s["cache_bytes"] == sum(int(m.split(b"|")[0]) for m in members)
+        entries = [e for e in client.keys(k.cache_prefix + "*") if not e.endswith(b":run")]
+        assert len(entries) == 3
+        assert q.submit({"i": 5}).cached and not q.submit({"i": 0}).cached
+
+
+def test_generator_caches_seeded_requests_only(qname: str, redis_url: str,
+                                               client: redis.Redis,
+                                               subprocess_env: dict[str, str],
+                                               log: Path) -> None:
+    q = cached_queue(qname, redis_url, client)
+    with worker("tests.models:Counter", qname, subprocess_env, log):
+        assert q.submit({"n": 3, "start": 1}).result(timeout=20)["tokens"] == [1, 2, 3]
+        assert not q.submit({"n": 3, "start": 1}).cached
+        seeded = q.submit({"n": 3, "start": 1, "seed": 5}).result(timeout=20)
+        hit = q.submit({"n": 3, "start": 1, "seed": 5})
+        assert hit.cached and hit.result() == seeded
+
+
+def test_reload_with_a_new_version_invalidates(qname: str, redis_url: str,
+                                               client: redis.Redis,
+                                               subprocess_env: dict[str, str],
+                                               log: Path, tmp_path: Path) -> None:
+    q = cached_queue(qname, redis_url, client)
+    version = tmp_path / "version"
+    version.write_text("v1")
+    env = {**subprocess_env, "MTQ_TEST_VERSION_FILE": str(version)}
+    k = QueueKeys(qname)
+    with worker("tests.models:Versioned", qname, env, log):
+        assert q.submit({"i": 1}).result(timeout=20)["version"] == "v1"
+        assert q.submit({"i": 1}).cached
+        version.write_text("v2")
+        assert control.send(client, qname, "reload") >= 1
+        wait_for(lambda: client.hget(k.model, "version") == b"v2", 20,
+                 "the reload did not record version v2")
+        fresh = q.submit({"i": 1})
+        assert not fresh.cached and fresh.result(timeout=20)["version"] == "v2"
+        assert q.submit({"i": 1}).result(timeout=5)["version"] == "v2"
+
+
+def test_worker_killed_mid_run_of_a_single_flight_task(
+        qname: str, redis_url: str, client: redis.Redis, subprocess_env: dict[str, str],
+        log: Path, tmp_path: Path) -> None:
+    q = cached_queue(qname, redis_url, client, lease_ms=1500)
+    gate = tmp_path / "gate"
+    gate.touch()
+    payload = {"i": 9, "gate": str(gate)}
+    with worker("tests.handlers:gated", qname, subprocess_env, log) as first_worker:
+        tasks = [q.submit(payload)]
+        wait_for(lambda: runs(log), 20, "the task never started")
+        tasks += [q.submit(payload) for _ in range(4)]
+        first_worker.kill()
+        first_worker.wait(10)
+    gate.unlink()
+    events: list[list[Any]] = [[] for _ in tasks]
+
+    def collect(i: int) -> None:
+        events[i] = [e for e in tasks[i].events(timeout=30, tokens=False) if e.terminal]
+
+    readers = [threading.Thread(target=collect, args=(i,)) for i in range(len(tasks))]
+    for t in readers:
+        t.start()
+    with worker("tests.handlers:gated", qname, subprocess_env, log):
+        for t in readers:
+            t.join(40)
+    assert all(len(e) == 1 and e[0].kind == "succeeded" for e in events), events
+    assert len({e[0].data["pid"] for e in events}) == 1
+    assert len(runs(log)) == 2  # the killed delivery and the redelivery
