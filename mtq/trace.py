@@ -99,9 +99,10 @@ def _worker_label(worker: str, rec: dict[str, Any] | None) -> tuple[str, str]:
 def task_segments(task_id: str, lines: Sequence[tuple[int, str, str]], now_ms: int
                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """A task's stays in the queue and its deliveries, from its trace lines:
-    (waits, runs), each a dict with start, end (ms), status, and for runs the
-    delivery and worker; plus ``instants`` on the last item's dict list (see
-    :func:`chrome_trace`). A stay or delivery still open ends at ``now_ms``."""
+    (waits, runs), each a dict with start, end (ms), status, ``instants`` (the
+    (ms, kind, detail) lines shown as instant events), for waits ``why`` (what put
+    it in the queue) and for runs the delivery and worker. A stay or delivery
+    still open ends at ``now_ms``."""
     waits: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
     wait: dict[str, Any] | None = None
