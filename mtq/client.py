@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from mtq import serialization
+from mtq import serialization, tracing
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import Backoff, connect, redis_errors
@@ -489,6 +489,11 @@ class Queue:
         )
 
     def _send(self, tasks: list[NewTask]) -> list[Task]:
+        if tracing.api() is not None:  # cached: one check without OpenTelemetry
+            return tracing.traced_submit(self.name, tasks, self._send_tasks)
+        return self._send_tasks(tasks)
+
+    def _send_tasks(self, tasks: list[NewTask]) -> list[Task]:
         if not self._registered:
             self.broker.register()
             self._registered = True

@@ -168,8 +168,11 @@ class Consumer:
     def _claimed(self, result: ClaimResult, sent: float, lease_ms: int | None) -> list[Claimed]:
         self.next_timer_ms = result.next_timer_ms
         until = sent + self.lease_s(lease_ms)
+        wall = time.time()
         for t in result.tasks:
             t.live_until = until
+            if t.traceparent:  # where its queue wait ends (see mtq.tracing)
+                t.claimed_at = wall
         return result.tasks
 
     def claim(self, batch_size: int, lease_ms: int | None = None) -> list[Claimed]:

@@ -71,6 +71,10 @@ class Claimed:
     #: A process that was frozen or starved finds it past and asks Redis again
     #: before it runs the task (see ``Worker._live``).
     live_until: float = 0.0
+    #: the W3C traceparent its producer submitted it under ('' = none; see mtq.tracing)
+    traceparent: str = ""
+    #: local wall-clock time (s) the claim's reply arrived (set when ``traceparent`` is)
+    claimed_at: float = 0.0
 
     @property
     def suspect(self) -> bool:
@@ -96,13 +100,14 @@ def _s(value: Any) -> str:
 
 def _parse_claim(raw: list[Any]) -> ClaimResult:
     tasks = []
-    for i in range(2, len(raw), 8):
+    for i in range(2, len(raw), 9):
         stream = _s(raw[i + 3])
         retries = _s(raw[i + 6])
         tasks.append(Claimed(
             id=_s(raw[i]), token=_s(raw[i + 1]), payload=raw[i + 2],
             stream=stream or None, attempts=int(raw[i + 4]), deliveries=int(raw[i + 5]),
             retries=int(retries) if retries else None, age_ms=int(raw[i + 7]),
+            traceparent=_s(raw[i + 8]),
         ))
     return ClaimResult(tasks, int(raw[0]), int(raw[1]))
 

@@ -18,6 +18,7 @@ from mtq.broker.connection import REACH_TIMEOUT_S
 from mtq.cli import metrics, queues, tasks
 from mtq.cli import models as models_cli
 from mtq.cli import rq as rq_cli
+from mtq.cli import trace as trace_cli
 from mtq.cli.common import (
     EXIT_CODES,
     FAILED,
@@ -358,6 +359,7 @@ for _command in tasks.COMMANDS:
     cli.add_command(_command)
 cli.add_command(queues.queue_group)
 cli.add_command(metrics.metrics_group)
+cli.add_command(trace_cli.trace_command)
 cli.add_command(rq_cli.rq_group)
 cli.add_command(models_cli.models)
 

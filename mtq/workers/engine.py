@@ -143,7 +143,9 @@ class GenerationEngine:
             chunks: list[Chunk] = []
             outcomes: list[Outcome] = []
             if new:
+                w.batchlog.start([r.task for r in new])  # an admission group: a batch record
                 self._prefill(new, chunks, outcomes)
+                w.batchlog.end("prefill")
             if self.running:
                 self._decode(chunks, outcomes)
             self._send(chunks, outcomes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -19,9 +20,11 @@ from mtq.broker import keys
 from mtq.broker.connection import redis_errors
 
 
-def beat(client: redis.Redis, worker_id: str, fields: dict[str, Any], ttl_s: float) -> None:
+def beat(client: redis.Redis, worker_id: str, fields: dict[str, Any], ttl_s: float,
+         extra: Callable[[Any], None] | None = None) -> None:
     """Write one worker's entry (one round trip). Every value is JSON-encoded, so
-    readers get back the types that were written."""
+    readers get back the types that were written. ``extra(pipe)`` may queue more
+    writes in the same round trip (the worker's batch records)."""
     now = time.time()
     flat: dict[str | bytes, str] = {
         k: json.dumps(v) for k, v in fields.items()}
@@ -32,6 +35,8 @@ def beat(client: redis.Redis, worker_id: str, fields: dict[str, Any], ttl_s: flo
         pipe.hset(key, mapping=flat)  # type: ignore[arg-type]
         pipe.expire(key, max(1, int(ttl_s + 0.999)))
         pipe.zadd(keys.WORKERS, {worker_id: now})
+        if extra is not None:
+            extra(pipe)
         pipe.execute()
 
 

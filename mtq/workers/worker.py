@@ -59,6 +59,7 @@ from mtq.errors import (
 from mtq.settings import QueueSettings
 from mtq.workers import catalogue, devices, registry
 from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
+from mtq.workers.batchlog import BatchLog
 from mtq.workers.generator import Generator
 from mtq.workers.model import Progress, is_per_item
 from mtq.workers.outlet import Outlet
@@ -169,6 +170,8 @@ class Worker:
         self.totals = dict.fromkeys((*OUTCOME_COUNTERS, "lost", "revoked", "batches", "tasks",
                                      "tokens"), 0)
         self._threads: list[threading.Thread] = []
+        #: the batches it ran, for `mtq trace`, and its traced tasks' spans
+        self.batchlog = BatchLog(self.consumer.broker.keys.batches, self.worker_id, self.queue)
 
     # -- lifecycle ---------------------------------------------------------------
     def setup(self) -> None:
@@ -310,6 +313,7 @@ class Worker:
             self._beat_stop.set()
             self._threads[2].join(timeout=5)
             try:
+                self.batchlog.flush(self.consumer.redis)  # the last batch records
                 registry.remove(self.consumer.redis, self.worker_id)
                 self.consumer.clear_interrupts()
             except MtqError:
@@ -338,6 +342,8 @@ class Worker:
 
     def _publish(self, items: list[Outcome | Chunk]) -> None:
         """Hand outcomes and chunks to the outlet process, or the publisher thread."""
+        if self.batchlog.open:  # traced tasks run: close those that ended
+            self.batchlog.ended(items)
         if self._outlet is None or not self._outlet.put(items):
             self._outbox.put(items)
 
@@ -386,6 +392,7 @@ class Worker:
         self.hist[len(batch)] += 1
         self.totals["batches"] += 1
         self.totals["tasks"] += len(batch)
+        self.batchlog.start(batch)
         outcomes: list[Outcome | None] = [None] * len(batch)
         payloads: list[Any] = []
         index: list[int] = []
@@ -432,7 +439,9 @@ class Worker:
             results = run_isolated(call, len(payloads))
             for i, r in zip(index, results):
                 outcomes[i] = self._outcome(batch[i], r)
+            self.batchlog.end()
             self._publish([o for o in outcomes if o is not None])
+        self.batchlog.end()  # (per item: after the last one)
         self.timing["predict_s"] += in_predict
         self.timing["overhead_s"] += time.perf_counter() - start - in_predict
 
@@ -765,12 +774,15 @@ class Worker:
             interval = min(BEAT_S, lease_ms / 3000)
             reap_every = max(interval, lease_ms / 2000)
             try:
+                self.batchlog.spans()
                 self._extend()
                 now = time.monotonic()
                 rate = (self.totals["tasks"] - last_tasks) / max(now - last_t, 1e-6)
                 last_tasks, last_t = self.totals["tasks"], now
                 registry.beat(self.consumer.redis, self.worker_id,
-                              self.report(rate), ttl_s=max(3 * interval, 5.0))
+                              self.report(rate), ttl_s=max(3 * interval, 5.0),
+                              extra=self.batchlog.write)
+                self.batchlog.written()
                 if now - last_reap >= reap_every:
                     self.consumer.reap()
                     last_reap = now

@@ -4,9 +4,10 @@ ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
 ARGV[6] max deliveries   ARGV[7] reap/promote limit per call
 ARGV[8] retention s   ARGV[9] dead-letter retention s   ARGV[10] dead-letter max length
-Returns: {next_timer_ms, reaped, then 8 entries per claimed task:
+Returns: {next_timer_ms, reaped, then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
-  age ms (time since it was submitted, server clock; the dynamic batcher's deadline)}
+  age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
+  traceparent (W3C trace context stored by submit, '' = none; see mtq.tracing)}
   next_timer_ms is the time until the earliest lease deadline or due retry (-1: none);
   a worker that claimed nothing blocks on the wake list for at most that long.
 Order: streams are taken round robin from the ring, one task each (the head of
@@ -32,7 +33,7 @@ if B > 0 then base = redis.call('INCRBY', K_SEQ, B) - B end
 local function take(id, s)
   local tk = K_TASK .. id
   local f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries',
-    'created', 'reply')
+    'created', 'reply', 'traceparent')
   if f[1] ~= 'queued' then
     -- a cancelled tombstone: its retention starts now that it left the list
     if f[1] == 'cancelled' then
@@ -58,6 +59,7 @@ local function take(id, s)
   out[o + 1] = id; out[o + 2] = token; out[o + 3] = f[2]; out[o + 4] = s or ''
   out[o + 5] = f[5] or '0'; out[o + 6] = deliveries; out[o + 7] = f[6] or ''
   out[o + 8] = math.max(0, now - tonumber(f[7] or now))
+  out[o + 9] = f[9] or ''
   claimed[#claimed + 1] = id
   reply('started', f[8], id, deliveries)
   return true

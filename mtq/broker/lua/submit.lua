@@ -123,6 +123,7 @@ for i = 0, n - 1 do
     if ttl ~= '0' then f[#f + 1] = 'deadline'; f[#f + 1] = now + tonumber(ttl) end
     if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
     if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
+    if traceparent ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = traceparent end
     redis.call('HSET', tk, unpack(f))
     note(id, now, 'queued', s ~= '' and ('stream ' .. s) or nil)
     local claimable, new_stream = push_tail(id, s)

@@ -1,0 +1,136 @@
+"""A worker's record of the batches it ran: what ``mtq trace`` reads, and the
+OpenTelemetry spans of traced tasks.
+
+The model thread notes each batch (a :class:`~mtq.workers.generator.Generator`:
+each admission group, the requests prefilled together) in memory; the heartbeat
+thread writes what gathered since its last beat to the queue's batch list
+(``mtq:{q}:batches``, newest first, LPUSH then LTRIM to :data:`BATCHES_KEEP`) in
+the same round trip as its registry report: no Redis command per task or per
+batch. A beat that fails keeps the records for the next one (at most
+:data:`BUFFER_MAX`, the oldest dropped first). A process killed with SIGKILL loses
+the records of its last beat interval (up to a second).
+
+A record is compact JSON: ``{"w": worker id, "h": host, "p": pid, "k": "batch" or
+"prefill", "t0": start ms, "t1": end ms (wall clock), "ids": [task ids]}``.
+
+Tasks that carry a traceparent (see :mod:`mtq.tracing`) are also remembered
+from the start of their batch to their outcome; the heartbeat thread turns them
+into spans, off the model thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from mtq import tracing
+from mtq.broker.connection import redis_errors
+from mtq.broker.consumer import Outcome
+from mtq.broker.protocol import Claimed
+
+#: records kept in the queue's batch list (the newest)
+BATCHES_KEEP = 10_000
+#: records (and finished traced tasks) a process keeps while Redis cannot be reached
+BUFFER_MAX = 10_000
+
+
+class BatchLog:
+    """Batch records and traced tasks of one worker process (thread-safe)."""
+
+    def __init__(self, key: str, worker_id: str, queue: str) -> None:
+        self.key = key
+        self.queue = queue
+        self._head = {"w": worker_id, "h": socket.gethostname(), "p": os.getpid()}
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._inflight: list[str] = []
+        self._t0 = 0.0
+        self._tasks: Sequence[Claimed] = ()
+        #: traced tasks running: id -> (task, start, batch size)
+        self.open: dict[str, tuple[Claimed, float, int]] = {}
+        self._spans: list[tracing.TaskSpan] = []
+
+    # -- model thread -------------------------------------------------------------
+    def start(self, tasks: Sequence[Claimed]) -> None:
+        """A batch (or an admission group) starts now."""
+        self._t0 = time.time()
+        self._tasks = tasks
+        traced = [t for t in tasks if t.traceparent]
+        if traced:
+            with self._lock:
+                for t in traced:
+                    self.open[t.id] = (t, self._t0, len(tasks))
+                while len(self.open) > BUFFER_MAX:  # outcomes never seen (handed off, lost)
+                    self.open.pop(next(iter(self.open)))
+
+    def end(self, kind: str = "batch") -> None:
+        """The batch begun by :meth:`start` ended (its predict or prefill returned)."""
+        if not self._tasks:
+            return
+        record = dict(self._head, k=kind, t0=int(self._t0 * 1000), t1=int(time.time() * 1000),
+                      ids=[t.id for t in self._tasks])
+        self._tasks = ()
+        line = json.dumps(record, separators=(",", ":"))
+        with self._lock:
+            self._pending.append(line)
+            if len(self._pending) > BUFFER_MAX:
+                del self._pending[:len(self._pending) - BUFFER_MAX]
+
+    def ended(self, items: Iterable[Any]) -> None:
+        """Outcomes left the model thread: close the traced tasks among them. Call it
+        only when :attr:`open` is non-empty (the common case costs nothing)."""
+        now = time.time()
+        with self._lock:
+            for o in items:
+                if not isinstance(o, Outcome):
+                    continue
+                entry = self.open.pop(o.task.id, None)
+                if entry is None:
+                    continue
+                t, started, size = entry
+                status = "succeeded" if o.ok else "cancelled" if o.cancelled else "failed"
+                self._spans.append(tracing.TaskSpan(
+                    t.traceparent, self.queue, t.id, t.deliveries, size,
+                    t.claimed_at - t.age_ms / 1000, t.claimed_at or started, started, now,
+                    status))
+            if len(self._spans) > BUFFER_MAX:
+                del self._spans[:len(self._spans) - BUFFER_MAX]
+
+    # -- heartbeat thread ---------------------------------------------------------
+    def write(self, pipe: Any) -> None:
+        """Queue the records gathered since the last beat on ``pipe`` (and those of a
+        beat that failed); :meth:`written` once the pipeline ran."""
+        with self._lock:
+            records = (self._inflight + self._pending)[-BUFFER_MAX:]
+            self._pending = []
+            self._inflight = records
+        if records:
+            pipe.lpush(self.key, *records)
+            pipe.ltrim(self.key, 0, BATCHES_KEEP - 1)
+
+    def written(self) -> None:
+        """The pipeline of the last :meth:`write` ran: its records are in Redis."""
+        self._inflight = []
+
+    def flush(self, client: Any) -> None:
+        """Write what is buffered now (one round trip) and make the pending spans:
+        a worker's last act as it stops. Raises BrokerError."""
+        self.spans()
+        with redis_errors("while writing the batch records"):
+            pipe = client.pipeline(transaction=False)
+            self.write(pipe)
+            pipe.execute()
+        self.written()
+
+    def spans(self) -> None:
+        """Make the OpenTelemetry spans of the traced tasks that finished."""
+        if not self._spans:
+            return
+        with self._lock:
+            spans, self._spans = self._spans, []
+        tracing.emit(spans)
