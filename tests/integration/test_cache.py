@@ -170,7 +170,7 @@ def test_corrupt_entry_is_a_miss_and_deleted(qname: str, redis_url: str, client:
     k = QueueKeys(qname)
     with worker("tests.handlers:gated", qname, subprocess_env, log):
         q.submit({"i": 1}).result(timeout=20)
-        (entry,) = [e for e in client.keys(k.cache_prefix + "*") if not e.endswith(b":run")]
+        (entry,) = client.keys(k.cache_prefix + "*")  # the marker became the entry
         value = client.get(entry)
         assert value is not None
         client.set(entry, value[:40] + b"\x00" * (len(value) - 40), keepttl=True)  # same size
@@ -195,8 +195,9 @@ def test_size_cap_evicts_the_oldest_and_keeps_bytes_right(
         members = client.zrange(k.cache_index, 0, -1)
         assert s["cache_entries"] == 3 == len(members)
         assert s["cache_bytes"] == sum(int(m.split(b"|")[0]) for m in members)
-        entries = [e for e in client.keys(k.cache_prefix + "*") if not e.endswith(b":run")]
-        assert len(entries) == 3
+        entries = client.keys(k.cache_prefix + "*")
+        assert len(entries) == 3, entries  # no marker left behind: each became an entry
+        assert not [e for e in entries if client.get(e).startswith(b"run:")]
         assert q.submit({"i": 5}).cached and not q.submit({"i": 0}).cached
 
 

@@ -110,6 +110,10 @@ local function note(id, now, kind, detail)
   redis.call('RPUSH', K_TRACE .. id, now .. '|' .. kind .. '|' .. (detail or ''))
 end
 
+-- Tasks whose result ack.lua filed in the result cache (over their single-flight
+-- marker): finish() has no marker of theirs to free.
+local CACHE_FILED = {}
+
 -- Finished tasks' latencies and failures, written once per script by flush_replies().
 local LATENCIES, FAILURES = {}, {}
 
@@ -233,9 +237,10 @@ local function finish(id, status, now, ttl, field, value)
     redis.call('EXPIRE', K_TRACE .. id, ttl)
   end
   local f = redis.call('HMGET', tk, 'reply', 'created', 'cache')
-  if f[3] then  -- it held the result cache's single-flight record: free it, whatever the end
-    local run = K_CACHE .. f[3] .. ':run'
-    if redis.call('GET', run) == id then redis.call('DEL', run) end
+  if f[3] and not CACHE_FILED[id] then
+    -- it holds the result cache's single-flight marker: free it, whatever the end
+    local ek = K_CACHE .. f[3]
+    if redis.call('GET', ek) == 'run:' .. id then redis.call('DEL', ek) end
   end
   if status ~= 'cancelled' and status ~= 'expired' and f[2] then
     LATENCIES[#LATENCIES + 1] = now - tonumber(f[2])

@@ -19,11 +19,12 @@ Returns: a list with one entry per task: its id (for an idempotency hit, the id
 Result cache (see docs/operations.md): a digest is 'c' or 'u' (the payload has no
 integer seed) then the hex digest of the payload. It is used only if the queue's
 model record (K_MODEL) has a version, and, for a generator, the request is seeded
-('c') or the model deterministic; and never when the model set cacheable 0. The
-entry K_CACHE .. version .. ':' .. hex holds sha1hex(result) .. result (40 + n
-bytes); one that does not verify is deleted and counts as a miss. The
-single-flight record K_CACHE .. version .. ':' .. hex .. ':run' holds the id of
-the identical task still queued or running (finish() deletes it).
+('c') or the model deterministic; and never when the model set cacheable 0. One
+key, K_CACHE .. version .. ':' .. hex, holds either sha1hex(result) .. result (40 + n
+bytes; one that does not verify is deleted and counts as a miss) or, while the
+identical task is queued or running, the single-flight marker 'run:' .. its id
+(ack.lua replaces it with the result; finish() deletes it if the task ends otherwise).
+A miss costs a GET and a SET here, one SET in ack.
 ]]
 --@include _lib.lua
 local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[7])
@@ -50,19 +51,27 @@ local function cache_suffix(digest)
   return version .. ':' .. string.sub(digest, 2)
 end
 
--- The verified cached result of a suffix, or nil (a corrupt entry is deleted).
+-- What the cache holds for a suffix: the verified result, or the id of the identical
+-- task still queued or running; nil, nil for nothing (a corrupt entry is deleted,
+-- a marker whose task ended is overwritten by the caller's own).
 local function cache_get(suffix)
   local v = redis.call('GET', K_CACHE .. suffix)
-  if not v then return nil end
+  if not v then return nil, nil end
+  if string.sub(v, 1, 4) == 'run:' then
+    local running = string.sub(v, 5)
+    local st = redis.call('HGET', K_TASK .. running, 'status')
+    if st == 'queued' or st == 'running' or st == 'delayed' then return nil, running end
+    return nil, nil
+  end
   local body = string.sub(v, 41)
-  if #v >= 40 and redis.sha1hex(body) == string.sub(v, 1, 40) then return body end
+  if #v >= 40 and redis.sha1hex(body) == string.sub(v, 1, 40) then return body, nil end
   redis.call('DEL', K_CACHE .. suffix)
   -- the index member names the size written; if the corruption kept the length, drop it
   -- now, else the sweep drops it when it expires (cache_bytes counts it until then)
   if redis.call('ZREM', K_CACHEX, (#v - 40) .. '|' .. suffix) == 1 then
     redis.call('HINCRBY', K_STATS, 'cache_bytes', 40 - #v)
   end
-  return nil
+  return nil, nil
 end
 for i = 0, n - 1 do
   local b = 8 + i * 8
@@ -79,16 +88,7 @@ for i = 0, n - 1 do
     local suffix, hit, running = nil, nil, nil
     if digest ~= '' then
       suffix = cache_suffix(digest)
-      if suffix then
-        hit = cache_get(suffix)
-        if not hit then
-          running = redis.call('GET', K_CACHE .. suffix .. ':run')
-          if running then
-            local st = redis.call('HGET', K_TASK .. running, 'status')
-            if st ~= 'queued' and st ~= 'running' and st ~= 'delayed' then running = nil end
-          end
-        end
-      end
+      if suffix then hit, running = cache_get(suffix) end
     end
     if hit then
       local f = {'payload', payload, 'status', 'queued', 'created', now, 'cached', suffix}
@@ -112,7 +112,7 @@ for i = 0, n - 1 do
     local f = {'payload', payload, 'status', 'queued', 'created', now}
     if suffix then
       f[#f + 1] = 'cache'; f[#f + 1] = suffix
-      redis.call('SET', K_CACHE .. suffix .. ':run', id, 'EX', run_ttl)
+      redis.call('SET', K_CACHE .. suffix, 'run:' .. id, 'EX', run_ttl)
       misses = misses + 1
     end
     if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
