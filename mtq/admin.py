@@ -2,8 +2,8 @@
 by id alone. The CLI (``mtq status``, ``mtq task``) and the dashboard are thin
 layers over these calls.
 
-A :func:`snapshot` costs two round trips (the queue names, then one pipeline)
-plus the worker registry's two, whatever the number of tasks or streams: per
+A :func:`snapshot` costs two round trips (the queue names, then one pipeline,
+which reads the model records too) plus the worker registry's two, whatever the number of tasks or streams: per
 queue it reads O(1) counters, the last 1000 latencies and the last 10 failures
 (both capped lists the scripts keep); no KEYS, no SCAN.
 """
@@ -74,6 +74,8 @@ class Snapshot:
     ts: float
     queues: list[QueueView]
     workers: list[dict[str, Any]]
+    #: one row per (queue, model, version) served (:func:`mtq.broker.catalogue.served`)
+    models: list[dict[str, Any]] = field(default_factory=list)
 
     def queue(self, name: str) -> QueueView | None:
         return next((q for q in self.queues if q.name == name), None)
@@ -82,6 +84,7 @@ class Snapshot:
 def snapshot(client: redis.Redis, queues: list[str] | None = None) -> Snapshot:
     """Read every queue's counters, recent latencies and failures, and the live
     workers, in four round trips (see the module docstring)."""
+    from mtq.broker import catalogue
     from mtq.workers.registry import list_workers
 
     names = queue_names(client) if queues is None else [check_queue_name(q) for q in queues]
@@ -90,7 +93,10 @@ def snapshot(client: redis.Redis, queues: list[str] | None = None) -> Snapshot:
     with redis_errors("while reading the queues"):
         pipe = client.pipeline(transaction=False)
         sizes = [b.snapshot_into(pipe) for b in brokers]
+        for b in brokers:  # the model records, in the same round trip
+            pipe.hgetall(b.keys.model)
         replies = pipe.execute() if brokers else []
+    records = catalogue.decode_records(names, replies[sum(sizes):])
     views = []
     k = 0
     for b, size in zip(brokers, sizes):
@@ -106,7 +112,7 @@ def snapshot(client: redis.Redis, queues: list[str] | None = None) -> Snapshot:
     workers = list_workers(client)
     for v in views:
         v.workers = sum(1 for w in workers if w.get("queue") == v.name)
-    return Snapshot(time.time(), views, workers)
+    return Snapshot(time.time(), views, workers, catalogue.served(workers, records))
 
 
 def find_task(client: redis.Redis, task_id: str, queue: str | None = None) -> Task:

@@ -46,8 +46,49 @@ def models(client: redis.Redis, queues: list[str]) -> dict[str, dict[str, str]]:
         for q in queues:
             pipe.hgetall(QueueKeys(q).model)
         rows = pipe.execute() if queues else []
+    return decode_records(queues, rows)
+
+
+def decode_records(queues: list[str], rows: list[dict[bytes, bytes]]
+                   ) -> dict[str, dict[str, str]]:
+    """The model records of ``queues`` from their HGETALL replies (empty ones left out)."""
     return {q: {k.decode(): v.decode() for k, v in row.items()}
             for q, row in zip(queues, rows) if row}
+
+
+def served(workers: list[dict[str, Any]], records: dict[str, dict[str, str]]
+           ) -> list[dict[str, Any]]:
+    """One row per (queue, model, version) that live ``workers`` (registry entries)
+    serve: target, kind, replicas, hosts, devices, when loaded, and whether it is the
+    queue's recorded model (``current``; False for a replica left on an old version
+    half way through a reload). A queue whose record has no live worker gets a row
+    with 0 replicas. ``mtq models`` and the dashboard show these rows."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for w in workers:
+        key = (str(w.get("queue")), str(w.get("model")), str(w.get("version")))
+        groups.setdefault(key, []).append(w)
+    rows = []
+    seen = set()
+    for (q, model, version), ws in sorted(groups.items()):
+        rec = records.get(q, {})
+        seen.add(q)
+        current = rec.get("version") == version
+        rows.append({
+            "queue": q, "model": model, "version": version,
+            "target": rec.get("target") if current else None,
+            "kind": rec.get("kind"), "replicas": len(ws),
+            "hosts": sorted({str(w.get("host")) for w in ws}),
+            "devices": sorted({str(w.get("device")) for w in ws}),
+            "loaded": int(rec["loaded"]) if current and rec.get("loaded") else None,
+            "current": current,
+        })
+    for q, rec in sorted(records.items()):
+        if q not in seen:
+            rows.append({"queue": q, "model": None, "version": rec.get("version"),
+                         "target": rec.get("target"), "kind": rec.get("kind"), "replicas": 0,
+                         "hosts": [rec.get("host", "-")], "devices": [], "current": True,
+                         "loaded": int(rec["loaded"]) if rec.get("loaded") else None})
+    return rows
 
 
 def history(client: redis.Redis, count: int = 20, queue: str | None = None

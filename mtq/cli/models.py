@@ -3,7 +3,6 @@ where, since when) and its reload history. Thin over :mod:`mtq.broker.catalogue`
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import click
@@ -36,31 +35,7 @@ def catalogue(client: Any, queue: str | None, history_n: int) -> dict[str, Any]:
     names = sorted(set(queue_names(client)) | {str(w["queue"]) for w in workers if w.get("queue")})
     if queue is not None:
         names = [queue]
-    records = cat.models(client, names)
-    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
-    for w in workers:
-        groups[(str(w.get("queue")), str(w.get("model")), str(w.get("version")))].append(w)
-    rows = []
-    seen = set()
-    for (q, model, version), ws in sorted(groups.items()):
-        rec = records.get(q, {})
-        seen.add(q)
-        rows.append({
-            "queue": q, "model": model, "version": version,
-            "target": rec.get("target") if rec.get("version") == version else None,
-            "kind": rec.get("kind"), "replicas": len(ws),
-            "hosts": sorted({str(w.get("host")) for w in ws}),
-            "devices": sorted({str(w.get("device")) for w in ws}),
-            "loaded": int(rec["loaded"]) if rec.get("version") == version and
-            rec.get("loaded") else None,
-            "current": rec.get("version") == version,
-        })
-    for q, rec in sorted(records.items()):
-        if q not in seen:
-            rows.append({"queue": q, "model": None, "version": rec.get("version"),
-                         "target": rec.get("target"), "kind": rec.get("kind"), "replicas": 0,
-                         "hosts": [rec.get("host", "-")], "devices": [], "current": True,
-                         "loaded": int(rec["loaded"]) if rec.get("loaded") else None})
+    rows = cat.served(workers, cat.models(client, names))
     return {"models": rows, "history": cat.history(client, history_n, queue)}
 
 

@@ -260,6 +260,28 @@ def worker_columns() -> list[Column]:
     ]
 
 
+def _version(m: dict[str, Any]) -> Text:
+    text = str(m.get("version") or DASH)
+    return _cell(text, "") if m.get("current", True) else _cell(f"{text} (old)", "yellow")
+
+
+def model_columns() -> list[Column]:
+    """The models table (the model catalogue): what each queue serves, how many live
+    replicas, on what, since when."""
+    return [
+        Column("queue", lambda m: _cell(m.get("queue", DASH)), 0, "left", squeeze=True),
+        Column("model", lambda m: _cell(str(m.get("target") or m.get("model") or DASH)), 0,
+               "left", squeeze=True),
+        Column("version", _version, 1, "left", squeeze=True),
+        Column("replicas", lambda m: _cell(str(m.get("replicas", 0)),
+                                           "" if m.get("replicas") else "red"), 0),
+        Column("devices", lambda m: _cell(", ".join(m.get("devices") or []) or DASH), 3, "left",
+               squeeze=True),
+        Column("loaded", lambda m: _cell(_clock(m["loaded"] / 1000) if m.get("loaded")
+                                         else DASH), 2),
+    ]
+
+
 def _error_line(error: Any) -> str:
     text = str(error or "").strip()
     first = text.splitlines()[-1] if text else ""  # a traceback's last line says what
@@ -399,9 +421,14 @@ class Frame:
             left -= 1
         workers = sorted(snap.workers, key=lambda w: (str(w.get("queue")), _who(w)))
         failures = recent_failures(snap.queues)
-        # the workers leave room for the failures' title, column names, rule and a row
-        room = left - (4 if failures else 1)
+        # the workers leave room for the failures' title, column names, rule and a row,
+        # and for the models' title, column names, rule and up to three rows
+        after = 4 if failures else 1
+        models = 3 + min(len(snap.models), 3) if snap.models else 0
+        room = left - after - models
         left -= section("workers", worker_columns(), workers, room if room >= 4 else left)
+        if snap.models and left - after >= 4:
+            left -= section("models", model_columns(), snap.models, left - after)
         section("recent failures and dead letters", failure_columns(), failures, left)
         yield Group(*out)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -40,11 +41,26 @@ WORKERS: list[dict[str, Any]] = [
 ]
 
 
-def history(n: int = 2, step: int = 100) -> History:
+MODELS: list[dict[str, Any]] = [
+    {"queue": "embed", "model": "minilm", "version": "3", "target": "examples.embeddings:MiniLM",
+     "kind": "model", "replicas": 2, "hosts": ["cpu-box", "gpu-node-01"],
+     "devices": ["cpu", "cuda:0"], "loaded": T0 * 1000 - 60_000, "current": True},
+    {"queue": "embed", "model": "minilm", "version": "2", "target": None, "kind": "model",
+     "replicas": 1, "hosts": ["old-box"], "devices": ["cuda:1"], "loaded": None,
+     "current": False},
+    {"queue": "chat-completions", "model": None, "version": "h-9f8e", "target": "gpt:Tiny",
+     "kind": "generator", "replicas": 0, "hosts": ["gone"], "devices": [], "loaded": None,
+     "current": True},
+]
+
+
+def history(n: int = 2, step: int = 100, models: list[dict[str, Any]] | None = None
+            ) -> History:
     """``n`` snapshots one second apart, ``embed`` succeeding ``step`` tasks a second."""
     h = History()
     for i in range(n):
-        h.add(Snapshot(T0 + i, queues(step * i), WORKERS))
+        h.add(Snapshot(T0 + i, queues(step * i), WORKERS,
+                       MODELS if models is None else models))
     return h
 
 
@@ -83,6 +99,19 @@ def test_a_big_terminal_shows_every_section_and_column() -> None:
     assert "Traceback" not in text
     assert "ff00ff00" in text and "expired" in text
     assert "throughput" in text
+    # the model catalogue: what each queue serves, with an old replica and a gone one
+    assert "models" in text and "examples.embeddings:MiniLM" in text
+    assert "2 (old)" in text and "h-9f8e" in text and "cpu, cuda:0" in text
+
+
+def test_the_models_panel_gives_way_to_workers_and_failures() -> None:
+    text = "\n".join(show(frame(history(models=MODELS * 10)), 160, 30))
+    assert re.search(r"… \d+ more", text)  # cut short: the failures still show
+    assert "recent failures and dead letters" in text and "a1b2c3d4e5f6" in text
+    small = "\n".join(show(frame(), 100, 24))
+    assert "gpu-node-01" in small  # the workers come first
+    empty = "\n".join(show(frame(history(models=[])), 160, 50))
+    assert "models" not in empty.replace("models served", "")
 
 
 def test_throughput_is_the_succeeded_delta_over_the_time_between_snapshots() -> None:
