@@ -37,7 +37,7 @@ from typing import Any
 
 from mtq import serialization
 from mtq.broker.config import SettingsSpec
-from mtq.broker.connection import Backoff, client_url
+from mtq.broker.connection import Backoff, client_url, redis_errors
 from mtq.broker.consumer import (
     OUTCOME_COUNTERS,
     Chunk,
@@ -46,6 +46,7 @@ from mtq.broker.consumer import (
     SettleReport,
     format_traceback,
 )
+from mtq.broker.keys import QueueKeys
 from mtq.broker.protocol import LOST, Claimed
 from mtq.errors import (
     LeaseLost,
@@ -61,6 +62,7 @@ from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_iso
 from mtq.workers.generator import Generator
 from mtq.workers.model import Progress, is_per_item
 from mtq.workers.outlet import Outlet
+from mtq.workers.stats import Histograms
 from mtq.workers.target import BatchPolicy, Target, load_model
 
 log = logging.getLogger(__name__)
@@ -168,6 +170,18 @@ class Worker:
         self.totals = dict.fromkeys((*OUTCOME_COUNTERS, "lost", "revoked", "batches", "tasks",
                                      "tokens"), 0)
         self._threads: list[threading.Thread] = []
+        #: histograms for the exporter (mtq.workers.stats), written once per beat
+        self.stats = Histograms()
+        #: task id -> when it was submitted, on this process's monotonic clock (its
+        #: age at claim, server clock, taken from the time of the claim)
+        self._submitted: dict[str, float] = {}
+        #: the queue's max_retries as the heartbeat last read it (the model thread
+        #: tells a retry from a failure that ends the task without asking Redis)
+        self._max_retries = QueueSettings.max_retries
+        #: times the supervisor restarted this slot's process (0 without one)
+        self.restarts = 0
+        #: unix time at which run() started serving
+        self.started = 0.0
 
     # -- lifecycle ---------------------------------------------------------------
     def setup(self) -> None:
@@ -248,6 +262,7 @@ class Worker:
         t = Claimed(*fields)
         with self._lock:
             self._held[t.id] = t
+            self._submitted.setdefault(t.id, time.monotonic() - t.age_ms / 1000)
         self.monitor.held([(t.id, t.token)])
         refused = self.slot.put([t], time.monotonic())
         if refused:
@@ -265,6 +280,8 @@ class Worker:
         """Serve until stopped (or drained). Returns the totals."""
         if self.device is None:
             self.setup()
+        self.started = time.time()
+        self._read_stats_settings()
         self._start_outlet()
         for name, fn in (("fetcher", self._fetch_loop), ("publisher", self._publish_loop),
                          ("heartbeat", self._heartbeat_loop)):
@@ -283,6 +300,7 @@ class Worker:
             self._threads[1].join(timeout=30)
             self._beat_stop.set()
             self._threads[2].join(timeout=5)
+            self._flush_stats()
             try:
                 registry.remove(self.consumer.redis, self.worker_id)
                 self.consumer.clear_interrupts()
@@ -370,6 +388,7 @@ class Worker:
         model = self.model
 
         start = time.perf_counter()
+        start_mono = time.monotonic()
         in_predict = 0.0
 
         def call(lo: int, hi: int) -> Any:
@@ -393,17 +412,25 @@ class Worker:
 
         if per_item:  # one call per payload; each outcome leaves as soon as it exists
             done: list[Outcome | Chunk] = [o for o in outcomes if o is not None]
+            for bad in outcomes:  # payloads that could not be decoded
+                if bad is not None:
+                    self._observe_outcome(bad, start_mono)
             if done:
                 self._publish(done)
             for j, i in enumerate(index):
                 r = run_isolated(functools.partial(self._call_one, call, j), 1)[0]
                 o = self._outcome(batch[i], r)
                 if o is not None:
+                    self._observe_outcome(o, start_mono)
                     self._publish([o])
         else:
             results = run_isolated(call, len(payloads))
             for i, r in zip(index, results):
                 outcomes[i] = self._outcome(batch[i], r)
+            done_at = time.monotonic()
+            for out in outcomes:
+                if out is not None:
+                    self._observe_outcome(out, start_mono, done_at)
             self._publish([o for o in outcomes if o is not None])
         self.timing["predict_s"] += in_predict
         self.timing["overhead_s"] += time.perf_counter() - start - in_predict
@@ -608,6 +635,9 @@ class Worker:
                 with self._lock:
                     for t in tasks:
                         self._held[t.id] = t
+                        self._submitted[t.id] = now - t.age_ms / 1000
+                for t in tasks:
+                    self.stats.observe("queue_wait", t.age_ms / 1000)
                 self.monitor.held([(t.id, t.token) for t in tasks])
                 refused = self.slot.put(tasks, now)
                 if refused:
@@ -665,6 +695,7 @@ class Worker:
         with self._lock:
             for i in ids:
                 self._held.pop(i, None)
+                self._submitted.pop(i, None)
                 self._cancel.discard(i)
                 self._lost.discard(i)
         self.monitor.settled(ids)
@@ -741,6 +772,8 @@ class Worker:
                 last_tasks, last_t = self.totals["tasks"], now
                 registry.beat(self.consumer.redis, self.worker_id,
                               self.report(rate), ttl_s=max(3 * interval, 5.0))
+                self._read_stats_settings()
+                self._flush_stats()
                 if now - last_reap >= reap_every:
                     self.consumer.reap()
                     last_reap = now
@@ -775,6 +808,54 @@ class Worker:
             with self._lock:  # a generator stops generating the ones it runs
                 self._lost.update(i for i in lost if i in self._held)
 
+    # -- histograms (mtq.workers.stats) ------------------------------------------------
+    def _read_stats_settings(self) -> None:
+        """Follow the queue's ``metrics`` and ``max_retries`` settings (heartbeat)."""
+        try:
+            s = self.consumer.settings
+        except MtqError:  # never read: Redis away since the start; the defaults stand
+            return
+        self.stats.enabled = s.metrics
+        self._max_retries = s.max_retries
+
+    def _flush_stats(self) -> None:
+        """Write the histograms gathered since the last write (one MULTI/EXEC: applied
+        whole or not at all; kept for the next beat when Redis cannot be reached)."""
+        try:
+            with redis_errors("while writing the histograms"):
+                pipe = self.consumer.redis.pipeline(transaction=True)
+                sent = self.stats.flush(pipe, QueueKeys(self.queue).hist)
+                if sent is not None:
+                    pipe.execute()
+                    self.stats.commit(sent)
+        except MtqError as exc:
+            log.warning("could not write the histograms (%s); kept for the next beat", exc)
+
+    def _ends(self, o: Outcome) -> bool:
+        """The outcome ends its task (succeeded, failed, dead): not a retry, not a
+        cancel (as Consumer._plan decides, from the settings last read)."""
+        if o.ok:
+            return True
+        if o.cancelled:
+            return False
+        allowed = self._max_retries if o.task.retries is None else o.task.retries
+        return not (o.retryable and o.task.attempts < allowed)
+
+    def _observe_outcome(self, o: Outcome, started: float | None,
+                         now: float | None = None) -> None:
+        """Count a task's run (from ``started``, monotonic; None: it never ran) and,
+        if the outcome ends it, its latency since submit."""
+        st = self.stats
+        if not st.enabled or o.cancelled:
+            return
+        now = time.monotonic() if now is None else now
+        if started is not None:
+            st.observe("run", now - started)
+        if self._ends(o):
+            since = self._submitted.get(o.task.id)
+            if since is not None:
+                st.observe("latency", max(0.0, now - since))
+
     def report(self, rate: float = 0.0) -> dict[str, Any]:
         """The registry entry of this worker."""
         name, version = self.model.describe()
@@ -793,6 +874,9 @@ class Worker:
             "visible_devices": devices.visible() or "", "last_error": self.last_error,
             **{k: v for k, v in self.totals.items()},
             "predict_s": round(self.timing["predict_s"], 4),
+            # seconds in predict (prefill and decode steps for a generator)
+            "busy_s": round(self.timing["predict_s"], 4),
+            "restarts": self.restarts, "started": round(self.started, 3),
             "overhead_ms_per_batch": round(
                 1000 * self.timing["overhead_s"] / max(1, self.totals["batches"]), 4),
         }
