@@ -875,7 +875,7 @@ class Worker:
             **{k: v for k, v in self.totals.items()},
             "predict_s": round(self.timing["predict_s"], 4),
             # seconds in predict (prefill and decode steps for a generator)
-            "busy_s": round(self.timing["predict_s"], 4),
+            "busy_s": round(self.timing["predict_s"], 6),
             "restarts": self.restarts, "started": round(self.started, 3),
             "overhead_ms_per_batch": round(
                 1000 * self.timing["overhead_s"] / max(1, self.totals["batches"]), 4),
