@@ -264,6 +264,7 @@ class MtqCollector(Collector):
         except redis.RedisError as exc:
             log.warning("scrape could not read Redis: %s", exc)
             reading = None
+        read_s = time.perf_counter() - started
         if reading is not None:
             for name, kind, doc, labels, rows in self.families(reading):
                 yield _metric(name, kind, doc, labels, rows)
@@ -271,7 +272,7 @@ class MtqCollector(Collector):
                                 value=0 if reading is None else 1)
         yield GaugeMetricFamily("mtq_scrape_duration_seconds",
                                 "Seconds this scrape spent reading Redis.",
-                                value=time.perf_counter() - started)
+                                value=read_s)
 
     def render(self) -> bytes:
         """The text exposition format (0.0.4) of :meth:`collect`'s families, written
@@ -282,6 +283,7 @@ class MtqCollector(Collector):
         except redis.RedisError as exc:
             log.warning("scrape could not read Redis: %s", exc)
             reading = None
+        read_s = time.perf_counter() - started
         out: list[str] = []
         add = out.append
         if reading is not None:
@@ -306,7 +308,7 @@ class MtqCollector(Collector):
             f"mtq_up {0 if reading is None else 1}\n")
         add("# HELP mtq_scrape_duration_seconds Seconds this scrape spent reading Redis.\n"
             "# TYPE mtq_scrape_duration_seconds gauge\n"
-            f"mtq_scrape_duration_seconds {_num(time.perf_counter() - started)}\n")
+            f"mtq_scrape_duration_seconds {_num(read_s)}\n")
         return "".join(out).encode()
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +77,21 @@ class Histograms:
         with self._lock:
             self._counts[metric][i] += 1
             self._sums[metric] += value
+
+    def observe_many(self, metric: str, values: Sequence[float]) -> None:
+        """:meth:`observe` each of ``values`` (one lock for all: a batch's)."""
+        if not self.enabled:
+            return
+        bounds = BOUNDS[metric]
+        where = [bisect.bisect_left(bounds, v) for v in values]
+        if not where:
+            return
+        total = sum(values)
+        with self._lock:
+            counts = self._counts[metric]
+            for i in where:
+                counts[i] += 1
+            self._sums[metric] += total
 
     def pending(self) -> dict[str, list[int]]:
         """A copy of the counts not yet written, by metric (for tests and reports)."""

@@ -427,10 +427,7 @@ class Worker:
             results = run_isolated(call, len(payloads))
             for i, r in zip(index, results):
                 outcomes[i] = self._outcome(batch[i], r)
-            done_at = time.monotonic()
-            for out in outcomes:
-                if out is not None:
-                    self._observe_outcome(out, start_mono, done_at)
+            self._observe_batch(outcomes, start_mono)
             self._publish([o for o in outcomes if o is not None])
         self.timing["predict_s"] += in_predict
         self.timing["overhead_s"] += time.perf_counter() - start - in_predict
@@ -636,8 +633,7 @@ class Worker:
                     for t in tasks:
                         self._held[t.id] = t
                         self._submitted[t.id] = now - t.age_ms / 1000
-                for t in tasks:
-                    self.stats.observe("queue_wait", t.age_ms / 1000)
+                self.stats.observe_many("queue_wait", [t.age_ms / 1000 for t in tasks])
                 self.monitor.held([(t.id, t.token) for t in tasks])
                 refused = self.slot.put(tasks, now)
                 if refused:
@@ -855,6 +851,26 @@ class Worker:
             since = self._submitted.get(o.task.id)
             if since is not None:
                 st.observe("latency", max(0.0, now - since))
+
+    def _observe_batch(self, outcomes: Sequence[Outcome | None], started: float) -> None:
+        """:meth:`_observe_outcome` for a whole batch's outcomes (one lock a metric)."""
+        st = self.stats
+        if not st.enabled:
+            return
+        now = time.monotonic()
+        runs: list[float] = []
+        ended: list[float] = []
+        submitted = self._submitted
+        for o in outcomes:
+            if o is None or o.cancelled:
+                continue
+            runs.append(now - started)
+            if self._ends(o):
+                since = submitted.get(o.task.id)
+                if since is not None:
+                    ended.append(max(0.0, now - since))
+        st.observe_many("run", runs)
+        st.observe_many("latency", ended)
 
     def report(self, rate: float = 0.0) -> dict[str, Any]:
         """The registry entry of this worker."""

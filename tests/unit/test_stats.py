@@ -118,3 +118,17 @@ def test_commit_of_nothing_is_a_no_op() -> None:
     h = Histograms()
     h.commit(None)
     assert h.flush(Pipe(), "h") is None
+
+
+def test_observe_many_counts_as_observe_does() -> None:
+    one, many = Histograms(), Histograms()
+    values = [0.0005, 0.001, 0.3, 7.0, 1e6]
+    for v in values:
+        one.observe("run", v)
+    many.observe_many("run", values)
+    many.observe_many("run", [])
+    assert one.pending() == many.pending()
+    a, b = Pipe(), Pipe()
+    one.flush(a, "h")
+    many.flush(b, "h")
+    assert a.ints == b.ints and a.floats == pytest.approx(b.floats)
