@@ -46,6 +46,7 @@ No torch import here: the exporter runs beside the workers, not in them.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -180,11 +181,7 @@ Family = tuple[str, str, str, tuple[str, ...], list[Any]]
 
 
 def _cumulative(counts: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        acc += c
-        out.append(acc)
-    return out
+    return list(itertools.accumulate(counts))
 
 
 class MtqCollector(Collector):
@@ -302,8 +299,8 @@ class MtqCollector(Collector):
                         _, cum, le, total = row
                         add(_template(name, le).format(lab, _num(total), *cum))
                     else:
-                        suffix = "_total" if kind == "counter" else ""
-                        add(f"{name}{suffix}{{{lab}}} {_num(row[1])}\n")
+                        v = row[1]
+                        add(f"{shown}{{{lab}}} {v if type(v) is int else _num(v)}\n")
         add("# HELP mtq_up 1 if this scrape read Redis, else 0.\n# TYPE mtq_up gauge\n"
             f"mtq_up {0 if reading is None else 1}\n")
         add("# HELP mtq_scrape_duration_seconds Seconds this scrape spent reading Redis.\n"

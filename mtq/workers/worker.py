@@ -632,8 +632,10 @@ class Worker:
                 with self._lock:
                     for t in tasks:
                         self._held[t.id] = t
-                        self._submitted[t.id] = now - t.age_ms / 1000
-                self.stats.observe_many("queue_wait", [t.age_ms / 1000 for t in tasks])
+                if self.stats.enabled:
+                    waits = [t.age_ms / 1000 for t in tasks]
+                    self._submitted.update((t.id, now - w) for t, w in zip(tasks, waits))
+                    self.stats.observe_many("queue_wait", waits)
                 self.monitor.held([(t.id, t.token) for t in tasks])
                 refused = self.slot.put(tasks, now)
                 if refused:
@@ -858,18 +860,18 @@ class Worker:
         if not st.enabled:
             return
         now = time.monotonic()
-        runs: list[float] = []
+        ran = 0
         ended: list[float] = []
         submitted = self._submitted
         for o in outcomes:
             if o is None or o.cancelled:
                 continue
-            runs.append(now - started)
-            if self._ends(o):
+            ran += 1
+            if o.ok or self._ends(o):
                 since = submitted.get(o.task.id)
                 if since is not None:
                     ended.append(max(0.0, now - since))
-        st.observe_many("run", runs)
+        st.observe_many("run", [now - started] * ran)
         st.observe_many("latency", ended)
 
     def report(self, rate: float = 0.0) -> dict[str, Any]:
