@@ -46,7 +46,7 @@ from mtq.broker.consumer import (
     SettleReport,
     format_traceback,
 )
-from mtq.broker.keys import QueueKeys
+from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.broker.protocol import LOST, Claimed
 from mtq.errors import (
     LeaseLost,
@@ -818,14 +818,19 @@ class Worker:
 
     def _flush_stats(self) -> None:
         """Write the histograms gathered since the last write (one MULTI/EXEC: applied
-        whole or not at all; kept for the next beat when Redis cannot be reached)."""
+        whole or not at all; kept for the next beat when Redis cannot be reached). Two
+        round trips a beat, only when there is something to write."""
         try:
             with redis_errors("while writing the histograms"):
                 pipe = self.consumer.redis.pipeline(transaction=True)
                 sent = self.stats.flush(pipe, QueueKeys(self.queue).hist)
-                if sent is not None:
+                if sent is None:
+                    return
+                # a queue deleted under its workers (mtq queue delete --force) stays
+                # deleted: what they observed of it is dropped, not written back
+                if self.consumer.redis.sismember(QUEUES, self.queue):
                     pipe.execute()
-                    self.stats.commit(sent)
+                self.stats.commit(sent)
         except MtqError as exc:
             log.warning("could not write the histograms (%s); kept for the next beat", exc)
 
