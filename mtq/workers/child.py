@@ -85,7 +85,8 @@ def _await_promotion(conn: Connection) -> dict[str, Any] | None:
         except (EOFError, OSError):
             return None
         if msg.get("cmd") == "go":
-            return {"paused": bool(msg.get("paused")), "draining": bool(msg.get("draining"))}
+            return {"paused": bool(msg.get("paused")), "draining": bool(msg.get("draining")),
+                    "restarts": int(msg.get("restarts") or 0)}
         if msg.get("cmd") == "stop":
             return None
 
@@ -157,6 +158,7 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
                 return
             worker.command(msg)
 
+    worker.restarts = int(config.get("restarts") or 0)  # for the registry (and exporter)
     if config.get("draining"):
         worker.command({"cmd": "drain"})
     elif config.get("paused"):

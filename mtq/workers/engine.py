@@ -40,12 +40,15 @@ log = logging.getLogger(__name__)
 
 
 class _Request:
-    __slots__ = ("gen", "next_index", "task")
+    __slots__ = ("began", "first_at", "gen", "next_index", "task")
 
     def __init__(self, task: Claimed, gen: Generation) -> None:
         self.task = task
         self.gen = gen
         self.next_index = 0
+        #: time.monotonic() at its prefill's start and at its first token (histograms)
+        self.began: float | None = None
+        self.first_at = 0.0
 
 
 def _error(exc: BaseException) -> str:
@@ -83,9 +86,11 @@ class GenerationEngine:
             log.exception("release() raised; the requests' state may leak")
 
     def _fail(self, r: _Request, exc: BaseException) -> Outcome:
-        return Outcome(r.task, ok=False, error=_error(exc),
-                       retryable=not isinstance(exc, (PermanentError, PayloadError)),
-                       traceback=self.w._traceback(exc, r.task))
+        o = Outcome(r.task, ok=False, error=_error(exc),
+                    retryable=not isinstance(exc, (PermanentError, PayloadError)),
+                    traceback=self.w._traceback(exc, r.task))
+        self.w._observe_outcome(o, r.began)
+        return o
 
     def _monitor(self) -> None:
         self.w.monitor.batch([(r.task.id, r.task.token) for r in self.running])
@@ -272,17 +277,30 @@ class GenerationEngine:
             return
         r.gen.tokens.append(token)
         chunks.append(Chunk(r.task, r.next_index, token))
+        if r.next_index == 0:  # time to first token, from submit
+            r.first_at = now = time.monotonic()
+            since = self.w._submitted.get(r.task.id)
+            if since is not None:
+                self.w.stats.observe("ttft", max(0.0, now - since))
         r.next_index += 1
 
     def _finish(self, r: _Request, outcomes: list[Outcome]) -> None:
         g = r.gen
         try:
             value = self.model.result(g) if g._result is _UNSET else g._result
-            outcomes.append(Outcome(r.task, ok=True, value=value))
+            o = Outcome(r.task, ok=True, value=value)
+            outcomes.append(o)
+            now = time.monotonic()
+            self.w._observe_outcome(o, r.began, now)
+            if r.next_index >= 2 and now > r.first_at:  # the decode rate after the first
+                self.w.stats.observe("tokens_per_s", (r.next_index - 1) / (now - r.first_at))
         except Exception as exc:
             outcomes.append(self._fail(r, exc))
 
     def _prefill(self, new: list[_Request], chunks: list[Chunk], outcomes: list[Outcome]) -> None:
+        began = time.monotonic()
+        for r in new:
+            r.began = began
         self.running.extend(new)
         self._monitor()
         failed: list[tuple[_Request, BaseException]] = []

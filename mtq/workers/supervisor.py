@@ -88,6 +88,7 @@ class _Slot:
     crashes: int = 0        # in a row without progress
     due: float = 0.0        # when to (re)start it
     progress: bool = False  # a task settled since the last restart
+    restarts: int = 0       # times its process was replaced (reported by the worker)
 
 
 def _context() -> Any:
@@ -312,7 +313,8 @@ class Supervisor:
                   # a replacement starts in the state the others are in, before it claims;
                   # the quarantine process claims nothing: it runs what it is given
                   "paused": self.paused and not quarantine,
-                  "draining": self.draining and not quarantine, "standby": spare}
+                  "draining": self.draining and not quarantine, "standby": spare,
+                  "restarts": slot.restarts}
         if self._ctx.get_start_method() == "forkserver":
             # started (once) before the environment below is changed for this child:
             # the server carries no child's pinning; each child sets its own first thing
@@ -453,6 +455,7 @@ class Supervisor:
         else:
             slot.crashes = 1
         delay = min(RESTART_MAX_S, RESTART_BASE_S * 2 ** (slot.crashes - 1))
+        slot.restarts += 1
         why = c.killed_for or f"exit code {code}"
         spare = self.spares.get(c.device)
         if c.ready and spare is not None and spare.ready and not spare.retiring:
@@ -461,7 +464,8 @@ class Supervisor:
             spare.spare, spare.slot = False, c.slot
             self.children[c.slot] = spare
             slot.progress = False
-            self._send(spare, {"cmd": "go", "paused": self.paused, "draining": self.draining})
+            self._send(spare, {"cmd": "go", "paused": self.paused, "draining": self.draining,
+                               "restarts": slot.restarts})
             if not self.hand_off:
                 self._send(spare, {"cmd": "hand_off", "on": False})
             self._spare_due[c.device] = time.monotonic() + delay

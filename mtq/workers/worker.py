@@ -38,7 +38,7 @@ from typing import Any
 from mtq import serialization
 from mtq.broker import catalogue as broker_catalogue
 from mtq.broker.config import SettingsSpec
-from mtq.broker.connection import Backoff, client_url
+from mtq.broker.connection import Backoff, client_url, redis_errors
 from mtq.broker.consumer import (
     OUTCOME_COUNTERS,
     Chunk,
@@ -47,6 +47,7 @@ from mtq.broker.consumer import (
     SettleReport,
     format_traceback,
 )
+from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.broker.protocol import LOST, Claimed
 from mtq.errors import (
     LeaseLost,
@@ -63,6 +64,7 @@ from mtq.workers.batchlog import BatchLog
 from mtq.workers.generator import Generator
 from mtq.workers.model import Progress, is_per_item
 from mtq.workers.outlet import Outlet
+from mtq.workers.stats import Histograms
 from mtq.workers.target import BatchPolicy, Target, load_model
 
 log = logging.getLogger(__name__)
@@ -172,6 +174,18 @@ class Worker:
         self._threads: list[threading.Thread] = []
         #: the batches it ran, for `mtq trace`, and its traced tasks' spans
         self.batchlog = BatchLog(self.consumer.broker.keys.batches, self.worker_id, self.queue)
+        #: histograms for the exporter (mtq.workers.stats), written once per beat
+        self.stats = Histograms()
+        #: task id -> when it was submitted, on this process's monotonic clock (its
+        #: age at claim, server clock, taken from the time of the claim)
+        self._submitted: dict[str, float] = {}
+        #: the queue's max_retries as the heartbeat last read it (the model thread
+        #: tells a retry from a failure that ends the task without asking Redis)
+        self._max_retries = QueueSettings.max_retries
+        #: times the supervisor restarted this slot's process (0 without one)
+        self.restarts = 0
+        #: unix time at which run() started serving
+        self.started = 0.0
 
     # -- lifecycle ---------------------------------------------------------------
     def setup(self) -> None:
@@ -277,6 +291,7 @@ class Worker:
         t = Claimed(*fields)
         with self._lock:
             self._held[t.id] = t
+            self._submitted.setdefault(t.id, time.monotonic() - t.age_ms / 1000)
         self.monitor.held([(t.id, t.token)])
         refused = self.slot.put([t], time.monotonic())
         if refused:
@@ -294,6 +309,8 @@ class Worker:
         """Serve until stopped (or drained). Returns the totals."""
         if self.device is None:
             self.setup()
+        self.started = time.time()
+        self._read_stats_settings()
         self._start_outlet()
         for name, fn in (("fetcher", self._fetch_loop), ("publisher", self._publish_loop),
                          ("heartbeat", self._heartbeat_loop)):
@@ -312,6 +329,7 @@ class Worker:
             self._threads[1].join(timeout=30)
             self._beat_stop.set()
             self._threads[2].join(timeout=5)
+            self._flush_stats()
             try:
                 self.batchlog.flush(self.consumer.redis)  # the last batch records
                 registry.remove(self.consumer.redis, self.worker_id)
@@ -405,6 +423,7 @@ class Worker:
         model = self.model
 
         start = time.perf_counter()
+        start_mono = time.monotonic()
         in_predict = 0.0
 
         def call(lo: int, hi: int) -> Any:
@@ -428,18 +447,23 @@ class Worker:
 
         if per_item:  # one call per payload; each outcome leaves as soon as it exists
             done: list[Outcome | Chunk] = [o for o in outcomes if o is not None]
+            for bad in outcomes:  # payloads that could not be decoded
+                if bad is not None:
+                    self._observe_outcome(bad, start_mono)
             if done:
                 self._publish(done)
             for j, i in enumerate(index):
                 r = run_isolated(functools.partial(self._call_one, call, j), 1)[0]
                 o = self._outcome(batch[i], r)
                 if o is not None:
+                    self._observe_outcome(o, start_mono)
                     self._publish([o])
         else:
             results = run_isolated(call, len(payloads))
             for i, r in zip(index, results):
                 outcomes[i] = self._outcome(batch[i], r)
             self.batchlog.end()
+            self._observe_batch(outcomes, start_mono)
             self._publish([o for o in outcomes if o is not None])
         self.batchlog.end()  # (per item: after the last one)
         self.timing["predict_s"] += in_predict
@@ -647,6 +671,10 @@ class Worker:
                 with self._lock:
                     for t in tasks:
                         self._held[t.id] = t
+                if self.stats.enabled:
+                    waits = [t.age_ms / 1000 for t in tasks]
+                    self._submitted.update((t.id, now - w) for t, w in zip(tasks, waits))
+                    self.stats.observe_many("queue_wait", waits)
                 self.monitor.held([(t.id, t.token) for t in tasks])
                 refused = self.slot.put(tasks, now)
                 if refused:
@@ -704,6 +732,7 @@ class Worker:
         with self._lock:
             for i in ids:
                 self._held.pop(i, None)
+                self._submitted.pop(i, None)
                 self._cancel.discard(i)
                 self._lost.discard(i)
         self.monitor.settled(ids)
@@ -783,6 +812,8 @@ class Worker:
                               self.report(rate), ttl_s=max(3 * interval, 5.0),
                               extra=self.batchlog.write)
                 self.batchlog.written()
+                self._read_stats_settings()
+                self._flush_stats()
                 if now - last_reap >= reap_every:
                     self.consumer.reap()
                     last_reap = now
@@ -817,6 +848,79 @@ class Worker:
             with self._lock:  # a generator stops generating the ones it runs
                 self._lost.update(i for i in lost if i in self._held)
 
+    # -- histograms (mtq.workers.stats) ------------------------------------------------
+    def _read_stats_settings(self) -> None:
+        """Follow the queue's ``metrics`` and ``max_retries`` settings (heartbeat)."""
+        try:
+            s = self.consumer.settings
+        except MtqError:  # never read: Redis away since the start; the defaults stand
+            return
+        self.stats.enabled = s.metrics
+        self._max_retries = s.max_retries
+
+    def _flush_stats(self) -> None:
+        """Write the histograms gathered since the last write (one MULTI/EXEC: applied
+        whole or not at all; kept for the next beat when Redis cannot be reached). Two
+        round trips a beat, only when there is something to write."""
+        try:
+            with redis_errors("while writing the histograms"):
+                pipe = self.consumer.redis.pipeline(transaction=True)
+                sent = self.stats.flush(pipe, QueueKeys(self.queue).hist)
+                if sent is None:
+                    return
+                # a queue deleted under its workers (mtq queue delete --force) stays
+                # deleted: what they observed of it is dropped, not written back
+                if self.consumer.redis.sismember(QUEUES, self.queue):
+                    pipe.execute()
+                self.stats.commit(sent)
+        except MtqError as exc:
+            log.warning("could not write the histograms (%s); kept for the next beat", exc)
+
+    def _ends(self, o: Outcome) -> bool:
+        """The outcome ends its task (succeeded, failed, dead): not a retry, not a
+        cancel (as Consumer._plan decides, from the settings last read)."""
+        if o.ok:
+            return True
+        if o.cancelled:
+            return False
+        allowed = self._max_retries if o.task.retries is None else o.task.retries
+        return not (o.retryable and o.task.attempts < allowed)
+
+    def _observe_outcome(self, o: Outcome, started: float | None,
+                         now: float | None = None) -> None:
+        """Count a task's run (from ``started``, monotonic; None: it never ran) and,
+        if the outcome ends it, its latency since submit."""
+        st = self.stats
+        if not st.enabled or o.cancelled:
+            return
+        now = time.monotonic() if now is None else now
+        if started is not None:
+            st.observe("run", now - started)
+        if self._ends(o):
+            since = self._submitted.get(o.task.id)
+            if since is not None:
+                st.observe("latency", max(0.0, now - since))
+
+    def _observe_batch(self, outcomes: Sequence[Outcome | None], started: float) -> None:
+        """:meth:`_observe_outcome` for a whole batch's outcomes (one lock a metric)."""
+        st = self.stats
+        if not st.enabled:
+            return
+        now = time.monotonic()
+        ran = 0
+        ended: list[float] = []
+        submitted = self._submitted
+        for o in outcomes:
+            if o is None or o.cancelled:
+                continue
+            ran += 1
+            if o.ok or self._ends(o):
+                since = submitted.get(o.task.id)
+                if since is not None:
+                    ended.append(max(0.0, now - since))
+        st.observe_many("run", [now - started] * ran)
+        st.observe_many("latency", ended)
+
     def report(self, rate: float = 0.0) -> dict[str, Any]:
         """The registry entry of this worker."""
         name, version = self.model.describe()
@@ -835,6 +939,9 @@ class Worker:
             "visible_devices": devices.visible() or "", "last_error": self.last_error,
             **{k: v for k, v in self.totals.items()},
             "predict_s": round(self.timing["predict_s"], 4),
+            # seconds in predict (prefill and decode steps for a generator)
+            "busy_s": round(self.timing["predict_s"], 6),
+            "restarts": self.restarts, "started": round(self.started, 3),
             "overhead_ms_per_batch": round(
                 1000 * self.timing["overhead_s"] / max(1, self.totals["batches"]), 4),
         }

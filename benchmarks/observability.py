@@ -1,0 +1,223 @@
+#!/usr/bin/env python
+"""Observability benchmark: what the worker histograms and the exporter cost.
+
+    python -m benchmarks.observability            # full run (~1-2 minutes), writes docs
+    python -m benchmarks.observability --quick    # smaller run, prints only
+
+It starts its own redis-server on a free loopback port (persistence off) and
+measures, in the same run:
+
+a. the no-op drain rate of one real ``mtq worker run`` process
+   (``benchmarks.noop:NoopModel``, batch 32, ``--burst``) with the queue's
+   ``metrics`` setting true and false, in interleaved passes (on, off, on, off ...),
+   each rate taken from the first completion to the last (server clock); the
+   figures are the medians and their ratio (target: metrics on at most 3 % slower);
+b. the scrape time of ``mtq metrics serve`` (a real subprocess) over real HTTP at
+   1 000 queues, each with stats and histogram data (queue wait, run, latency,
+   written by :class:`mtq.workers.stats.Histograms` as workers write them) and 8
+   workers in the registry: p50 and max of the scrapes (target: at most 100 ms).
+
+It prints a table and rewrites the "## Observability" section of docs/benchmarks.md
+(a full run; ``--quick`` only prints unless ``--docs`` is given).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import httpx
+import redis
+
+import mtq
+from benchmarks.batching import (
+    CpuMeter,
+    Proc,
+    cpu_mark,
+    task_fields,
+    worker_env,
+)
+from benchmarks.broker import Server, cli_args, console, median, uniq, write_docs
+from mtq.broker.keys import QUEUES, QueueKeys
+from mtq.workers import registry
+from mtq.workers.stats import Histograms
+
+SECTION = "## Observability"
+TARGET_SLOWDOWN = 0.03     # metrics on: at most 3 % slower than off
+TARGET_SCRAPE_MS = 100.0   # 1 000 queues
+BATCH = 32
+
+
+def drain_rate(server: Server, r: redis.Redis, n: int, metrics: bool) -> float:
+    """Tasks/s of one ``mtq worker run --burst`` draining ``n`` pre-submitted no-op
+    tasks, from the first completion to the last (server clock)."""
+    qname = uniq("obs")
+    q = mtq.Queue(qname, client=r)
+    q.configure(metrics=metrics)
+    tasks = q.submit_many([{"i": i} for i in range(n)])
+    p = Proc(["worker", "run", "benchmarks.noop:NoopModel", "--queue", qname, "--redis",
+              server.url, "--batch-size", str(BATCH), "--burst"], worker_env(server))
+    try:
+        code = p.wait(300)
+        if code != 0:
+            raise p.fail(f"worker exited with {code}")
+        if q.stats()["succeeded"] != n:
+            raise p.fail(f"worker drained {q.stats()['succeeded']} of {n} tasks")
+    finally:
+        p.close()
+    wrote = bool(r.exists(QueueKeys(qname).hist))
+    if wrote != metrics:
+        raise SystemExit(f"metrics={metrics} but histograms written: {wrote}")
+    finished = sorted(f for _, f in task_fields(r, q, tasks, "started", "finished")
+                      if f is not None)
+    first, last = finished[0], finished[-1]
+    n_first = sum(1 for f in finished if f == first)
+    r.flushdb()
+    return (len(finished) - n_first) / ((last - first) / 1000)
+
+
+def fill_queues(r: redis.Redis, queues: int, workers: int) -> None:
+    """``queues`` queues with stats and histogram data, and ``workers`` registry entries."""
+    rng = random.Random(7)
+    pipe = r.pipeline(transaction=False)
+    for i in range(queues):
+        name = f"obs-{i:04d}"
+        k = QueueKeys(name)
+        pipe.sadd(QUEUES, name)
+        pipe.hset(k.stats, mapping={"waiting": rng.randint(0, 50), "streams": 1,
+                                    "submitted": 10_000, "succeeded": 9_900, "failed": 20,
+                                    "retried": 30, "cache_hits": 40, "cache_misses": 60})
+        h = Histograms()
+        for _ in range(200):
+            h.observe("queue_wait", rng.expovariate(20))
+            h.observe("run", rng.expovariate(50))
+            h.observe("latency", rng.expovariate(10))
+        h.flush(pipe, k.hist)
+    pipe.execute()
+    for w in range(workers):
+        registry.beat(r, f"bench-{w}", {
+            "queue": f"obs-{w:04d}", "host": "bench", "device": "cpu", "model": "noop",
+            "state": "running", "histogram": {"32": 900, "7": 12}, "busy_s": 12.5,
+            "restarts": 0, "tasks": 28_884}, ttl_s=600)
+
+
+def scrape_times(server: Server, port: int, n: int) -> tuple[list[float], list[float], int]:
+    """Wall ms of ``n`` scrapes over HTTP, the exporter's own Redis read ms, body bytes."""
+    env = worker_env(server)
+    p = subprocess.Popen([sys.executable, "-m", "mtq", "metrics", "serve", "--port",
+                          str(port), "--redis", server.url], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        deadline = time.monotonic() + 20
+        with httpx.Client(timeout=10) as client:
+            while True:
+                try:
+                    client.get(url)  # also the first scrape: imports, the packed commands
+                    break
+                except httpx.TransportError:
+                    if p.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit("the exporter did not answer") from None
+                    time.sleep(0.05)
+            walls, reads, size = [], [], 0
+            for _ in range(n):
+                t = time.perf_counter()
+                res = client.get(url)
+                walls.append((time.perf_counter() - t) * 1000)
+                if res.status_code != 200 or "mtq_up 1" not in res.text:
+                    raise SystemExit(f"bad scrape: {res.status_code} {res.text[-300:]}")
+                size = len(res.content)
+                line = next(ln for ln in res.text.splitlines()
+                            if ln.startswith("mtq_scrape_duration_seconds "))
+                reads.append(float(line.split()[1]) * 1000)
+    finally:
+        p.terminate()
+        p.wait(10)
+    return walls, reads, size
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    quick, docs = cli_args(argv, __doc__, "~30 s")
+    n, passes, scrapes, queues = (5_000, 3, 20, 1_000) if quick else (20_000, 5, 40, 1_000)
+    server = Server()
+    server.start()
+    r = redis.Redis.from_url(server.url)
+    meter = CpuMeter()
+    on: list[float] = []
+    off: list[float] = []
+    started = time.time()
+    try:
+        drain_rate(server, r, 2_000, True)  # warm-up: imports, the page cache
+        for i in range(passes):
+            for metrics in ((True, False) if i % 2 == 0 else (False, True)):
+                mark = cpu_mark()
+                rate = drain_rate(server, r, n, metrics)
+                (on if metrics else off).append(rate)
+                meter.add(f"drain metrics={'on' if metrics else 'off'}", mark)
+                console.print(f"[dim]pass {i + 1} metrics={metrics}: {rate:,.0f} tasks/s[/dim]")
+        fill_queues(r, queues, 8)
+        mark = cpu_mark()
+        from tests.conftest import free_port
+
+        walls, reads, size = scrape_times(server, free_port(), scrapes)
+        meter.add("scrapes", mark)
+    finally:
+        r.close()
+        server.stop()
+    on_m, off_m = median(on), median(off)
+    # each pass's pair ran back to back: their ratio is steadier than the medians' when
+    # the machine's load drifts over the run
+    slowdown = 1 - median([a / b for a, b in zip(on, off)])
+    p50, worst = pct(walls, 50), max(walls)
+    rows = [
+        ("no-op drain, metrics on (median)", f"{on_m:,.0f} tasks/s",
+         ", ".join(f"{x:,.0f}" for x in on)),
+        ("no-op drain, metrics off (median)", f"{off_m:,.0f} tasks/s",
+         ", ".join(f"{x:,.0f}" for x in off)),
+        ("metrics on vs off (median of the passes' ratios)", f"{-slowdown:+.1%}",
+         f"ratio of the medians {on_m / off_m - 1:+.1%}; "
+         f"target: at most {TARGET_SLOWDOWN:.0%} slower: "
+         + ("met" if slowdown <= TARGET_SLOWDOWN else "NOT met")),
+        (f"scrape, {queues:,} queues, over HTTP: p50", f"{p50:.1f} ms",
+         f"max {worst:.1f} ms over {len(walls)} scrapes; {size / 1e6:.1f} MB of text; target "
+         f"<= {TARGET_SCRAPE_MS:g} ms: " + ("met" if worst <= TARGET_SCRAPE_MS else
+                                            "p50 met, max not" if p50 <= TARGET_SCRAPE_MS
+                                            else "NOT met")),
+        ("  of which reading Redis (mtq_scrape_duration_seconds)", f"{pct(reads, 50):.1f} ms",
+         f"p50; max {max(reads):.1f} ms"),
+    ]
+    for name, v, note in rows:
+        console.print(f"{name:<58} {v:>16}  {note}")
+    console.print(meter.summary())
+    if docs is not None:
+        command = "python -m benchmarks.observability" + (" --quick" if quick else "")
+        lines = [
+            SECTION, "",
+            f"{dt.date.today().isoformat()}, `{command}` on {platform.machine()} "
+            f"({platform.python_version()}), {time.time() - started:.0f} s. (a) "
+            f"{passes} interleaved passes each of one `mtq worker run --burst` draining "
+            f"{n:,} no-op tasks (`benchmarks.noop:NoopModel`, batch {BATCH}) with the "
+            "queue's `metrics` setting on and off; rate from the first completion to the "
+            f"last (server clock). (b) `mtq metrics serve` scraped {len(walls)} times over "
+            f"HTTP at {queues:,} queues, each with stats and histogram data, 8 workers.",
+            "", "| measure | value | notes |", "|---|---|---|",
+            *(f"| {a} | {b} | {c} |" for a, b, c in rows), "",
+            meter.summary(), "",
+        ]
+        write_docs(docs, "\n".join(lines) + "\n", SECTION)
+        console.print(f"wrote {docs}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""What one exporter scrape reads of many queues, in ONE round trip.
+
+Per queue, seven O(1)-sized reads: the stats hash, ZCARD of the leases and the
+delayed set, LLEN of the dead letters, SCARD of the busy streams (as
+:func:`mtq.broker.protocol.stats_many`), the ``hist`` hash the workers aggregate
+(a bounded number of fields: :mod:`mtq.workers.stats`), and ZCARD of the result
+cache's index.
+
+At 1 000 queues that is 7 000 commands a scrape, and a redis-py pipeline spends
+about 7 µs of Python on each (building the command, its response callback): 50 ms
+of a 100 ms budget. So the commands of each queue are encoded once, in RESP,
+and kept (queues come and go rarely); a scrape joins them, writes them on one
+connection of the client's pool and reads the raw replies back (hiredis when
+installed): about 15 ms for the same 7 000 commands. A connection that fails is
+dropped, and the read is tried once more on a fresh one (a restarted Redis), as
+the exporter's client would with its own retry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from mtq.broker.keys import QueueKeys
+
+#: replies per queue, in this order
+READS = ("stats", "running", "delayed", "dead", "busy_streams", "hist", "cache_entries")
+
+
+def _resp(*args: str) -> bytes:
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a.encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(out)
+
+
+def _commands(queue: str) -> bytes:
+    k = QueueKeys(queue)
+    return b"".join((_resp("HGETALL", k.stats), _resp("ZCARD", k.leases),
+                     _resp("ZCARD", k.delayed), _resp("LLEN", k.dead), _resp("SCARD", k.busy),
+                     _resp("HGETALL", k.hist), _resp("ZCARD", k.cache_index)))
+
+
+def _hash(reply: Any) -> dict[bytes, bytes]:
+    """A HGETALL reply as a dict (RESP3 gives a map, RESP2 a flat list)."""
+    if isinstance(reply, dict):
+        return reply
+    it = iter(reply)
+    return dict(zip(it, it))
+
+
+class ScrapeReader:
+    """Reads :data:`READS` of many queues in one round trip; keeps each queue's encoded
+    commands (a few hundred bytes a queue)."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self._packed: dict[str, bytes] = {}
+
+    def _packed_for(self, queues: Sequence[str]) -> bytes:
+        packed = self._packed
+        if len(packed) > 4 * len(queues) + 1000:  # many queues deleted since: start over
+            packed.clear()
+        out = []
+        for q in queues:
+            b = packed.get(q)
+            if b is None:
+                b = packed[q] = _commands(q)
+            out.append(b)
+        return b"".join(out)
+
+    def read(self, queues: Sequence[str]) -> list[tuple[dict[bytes, bytes], int, int, int, int,
+                                                        dict[bytes, bytes], int]]:
+        """One tuple per queue, in :data:`READS` order. Raises redis-py's errors."""
+        if not queues:
+            return []
+        data = self._packed_for(queues)
+        n = len(READS) * len(queues)
+        try:
+            raw = self._round_trip(data, n)
+        except (redis.ConnectionError, redis.TimeoutError):
+            raw = self._round_trip(data, n)  # once more, on a fresh connection
+        out = []
+        for i in range(0, n, len(READS)):
+            out.append((_hash(raw[i]), int(raw[i + 1]), int(raw[i + 2]), int(raw[i + 3]),
+                        int(raw[i + 4]), _hash(raw[i + 5]), int(raw[i + 6])))
+        return out
+
+    def _round_trip(self, data: bytes, n: int) -> list[Any]:
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command([data], check_health=True)
+            replies = [conn.read_response() for _ in range(n)]
+        except BaseException:
+            conn.disconnect()  # replies may be left unread on it
+            raise
+        finally:
+            pool.release(conn)
+        for r in replies:
+            if isinstance(r, redis.ResponseError):
+                raise r
+        return replies
+
+
+__all__ = ["READS", "ScrapeReader"]
