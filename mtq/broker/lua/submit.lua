@@ -8,13 +8,13 @@ ARGV[7] n, then n groups of 8: id, payload, stream ('' = none), key ('' = none),
         digest (the result cache's digest of the payload, '' = do not cache),
         traceparent (W3C trace context of the submitting request, '' = none)
 ARGV[8 + 8n] retention s (of a task answered from the result cache)
-ARGV[9 + 8n] TTL s of a single-flight record (a safety net: finish() clears it)
+ARGV[9 + 8n] TTL s of a single-flight marker (a safety net: ack or finish() replace it)
 Returns: a list with one entry per task: its id (for an idempotency hit, the id
   of the task that already holds the key; for a single-flight join, the id of the
   identical task queued or running) or E_DUPLICATE_ID when the id exists, or
   {id, result} for a result-cache hit: the task was created succeeded, its result
-  inline. Or {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is
-  written).
+  inline (and no done message is published: the submitter has it here). Or
+  {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is written).
 
 Result cache (see docs/operations.md): a digest is 'c' or 'u' (the payload has no
 integer seed) then the hex digest of the payload. It is used only if the queue's
@@ -93,14 +93,16 @@ for i = 0, n - 1 do
     if hit then
       local f = {'payload', payload, 'status', 'queued', 'created', now, 'cached', suffix}
       if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
-      if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
       if key ~= '' then
         f[#f + 1] = 'key'; f[#f + 1] = key
         redis.call('SET', K_IDEM .. key, id, 'EX', window)
       end
       redis.call('HSET', tk, unpack(f))
       note(id, now, 'cached', 'answered from the result cache')
+      -- no done message: the submitter has the result in this reply, and nobody else
+      -- knows the new id yet (the reply channel is stored after, for a retried submit)
       finish(id, 'succeeded', now, retention, 'result', hit)
+      if reply_to ~= '' then redis.call('HSET', tk, 'reply', reply_to) end
       hits = hits + 1
       cached_ids[hits] = id
       out[i + 1] = {id, hit}
