@@ -72,6 +72,13 @@ def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str
 
     original = b.presubmit
     rates: dict[str, list[float]] = {"off": [], "on": []}
+    # redis-server's CPU per task (INFO cpu, from the presubmit to the worker's exit):
+    # less noisy than rates on a shared machine
+    redis_us: dict[str, list[float]] = {"off": [], "on": []}
+
+    def redis_cpu() -> float:
+        info = r.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
     def presubmit_cached(q: mtq.Queue, count: int, streams: int = 0, **kw: object) -> list:
         q.configure(cache_ttl_s=3600)
@@ -87,15 +94,19 @@ def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str
         # pairs, the order alternating: drift of a noisy machine cancels out
         for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
             b.presubmit = presubmit_cached if mode == "on" else original
+            redis_before = redis_cpu()
             try:
                 drain_s, *_ = run_worker(server, r, n)
             finally:
                 b.presubmit = original
+            redis_us[mode].append((redis_cpu() - redis_before) / n * 1e6)
             rates[mode].append(n / drain_s)
         ratios.append(rates["on"][-1] / rates["off"][-1])
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
     return {"on": on, "off": off, "slower_pct": 100 * (1 - statistics.median(ratios)),
             "medians_pct": 100 * (1 - on / off),
+            "redis_us_on": statistics.median(redis_us["on"]),
+            "redis_us_off": statistics.median(redis_us["off"]),
             "on_all": rates["on"], "off_all": rates["off"]}
 
 
@@ -115,6 +126,7 @@ def main(argv: list[str] | None = None) -> None:
         dr = drain_rates(server, r, n, passes)
     finally:
         server.stop()
+    cpu_pct = 100 * dr["redis_us_on"] / dr["redis_us_off"] - 100
     lines = [
         "## Result cache", "",
         f"{date.today().isoformat()}, `python -m benchmarks.cache{' --quick' if args.quick else ''}`"
@@ -129,6 +141,10 @@ def main(argv: list[str] | None = None) -> None:
         f"| no-op drain, cache on, all misses, median of {passes} | {dr['on']:,.0f} tasks/s "
         f"({dr['slower_pct']:+.1f} % slower: the median of the pairs' ratios; of the medians "
         f"{dr['medians_pct']:+.1f} %) | <= 3 % slower |",
+        f"| redis-server CPU per task (submit, claim, ack), cache off (median) | "
+        f"{dr['redis_us_off']:.1f} us | |",
+        f"| redis-server CPU per task, cache on, all misses (median) | "
+        f"{dr['redis_us_on']:.1f} us ({cpu_pct:+.1f} %) | |",
         "",
         "Passes (tasks/s), in pairs whose order alternates: off " + ", ".join(f"{v:,.0f}" for v in dr["off_all"])
         + "; on " + ", ".join(f"{v:,.0f}" for v in dr["on_all"]) + ".",
