@@ -72,13 +72,6 @@ def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str
 
     original = b.presubmit
     rates: dict[str, list[float]] = {"off": [], "on": []}
-    # redis-server's CPU per task (INFO cpu, from the presubmit to the worker's exit):
-    # less noisy than rates on a shared machine
-    redis_us: dict[str, list[float]] = {"off": [], "on": []}
-
-    def redis_cpu() -> float:
-        info = r.info("cpu")
-        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
     def presubmit_cached(q: mtq.Queue, count: int, streams: int = 0, **kw: object) -> list:
         q.configure(cache_ttl_s=3600)
@@ -94,20 +87,66 @@ def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str
         # pairs, the order alternating: drift of a noisy machine cancels out
         for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
             b.presubmit = presubmit_cached if mode == "on" else original
-            redis_before = redis_cpu()
             try:
                 drain_s, *_ = run_worker(server, r, n)
             finally:
                 b.presubmit = original
-            redis_us[mode].append((redis_cpu() - redis_before) / n * 1e6)
             rates[mode].append(n / drain_s)
         ratios.append(rates["on"][-1] / rates["off"][-1])
     on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
     return {"on": on, "off": off, "slower_pct": 100 * (1 - statistics.median(ratios)),
             "medians_pct": 100 * (1 - on / off),
-            "redis_us_on": statistics.median(redis_us["on"]),
-            "redis_us_off": statistics.median(redis_us["off"]),
             "on_all": rates["on"], "off_all": rates["off"]}
+
+
+def redis_cost(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str, float]:
+    """redis-server's CPU and commands per task, cache off vs on (all misses): for the
+    submit (``submit_many`` of n) and, apart, for the drain (one ``mtq worker run
+    --burst``), each window opened by CONFIG RESETSTAT and closed before anything else
+    runs (INFO cpu; commandstats, scripts' inner commands included). Less noisy than
+    rates on a shared machine. Medians of ``passes`` runs per mode, order alternating."""
+    env = {**os.environ, "MTQ_REDIS_URL": server.url,
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                                         if p)}
+    out: dict[str, dict[str, list[float]]] = {
+        m: {"submit_us": [], "drain_us": [], "submit_cmds": [], "drain_cmds": []}
+        for m in ("off", "on")}
+
+    def window() -> tuple[float, float]:
+        info = r.info("cpu")
+        stats = r.info("commandstats")
+        calls = sum(v["calls"] for k, v in stats.items()
+                    if k not in ("cmdstat_evalsha", "cmdstat_config", "cmdstat_info"))
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"]), calls
+
+    for i in range(passes):
+        for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            q = mtq.Queue(f"bench-cost-{i}-{mode}", client=r)
+            if mode == "on":
+                q.configure(cache_ttl_s=3600, cache_max_entries=10 * n)  # no eviction
+                catalogue.record(r, q.name, {"event": "loaded"},
+                                 {"target": "benchmarks.noop:handle",
+                                  "version": version_of(FunctionModel(handle)),
+                                  "kind": "function", "deterministic": 0, "cacheable": 1})
+            items = [{"text": "hello world", "i": j} for j in range(n)]
+            r.config_resetstat()
+            c0, _ = window()
+            q.submit_many(items)
+            c1, calls = window()
+            out[mode]["submit_us"].append((c1 - c0) / n * 1e6)
+            out[mode]["submit_cmds"].append(calls / n)
+            r.config_resetstat()
+            c0, _ = window()
+            subprocess.run([sys.executable, "-m", "mtq", "worker", "run", "benchmarks.noop:handle",
+                            "--queue", q.name, "--batch-size", "64", "--burst"], env=env,
+                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=300, check=True)
+            c1, calls = window()
+            assert q.stats()["succeeded"] == n
+            out[mode]["drain_us"].append((c1 - c0) / n * 1e6)
+            out[mode]["drain_cmds"].append(calls / n)
+            r.flushdb()
+    return {f"{k}_{m}": statistics.median(v) for m, d in out.items() for k, v in d.items()}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,9 +163,11 @@ def main(argv: list[str] | None = None) -> None:
         rt = round_trips(server, r, samples)
         r.flushdb()
         dr = drain_rates(server, r, n, passes)
+        cost = redis_cost(server, r, n, 3 if args.quick else 5)
     finally:
         server.stop()
-    cpu_pct = 100 * dr["redis_us_on"] / dr["redis_us_off"] - 100
+    def more(k: str) -> str:
+        return f"{100 * cost[k + '_on'] / cost[k + '_off'] - 100:+.0f} %"
     lines = [
         "## Result cache", "",
         f"{date.today().isoformat()}, `python -m benchmarks.cache{' --quick' if args.quick else ''}`"
@@ -141,10 +182,13 @@ def main(argv: list[str] | None = None) -> None:
         f"| no-op drain, cache on, all misses, median of {passes} | {dr['on']:,.0f} tasks/s "
         f"({dr['slower_pct']:+.1f} % slower: the median of the pairs' ratios; of the medians "
         f"{dr['medians_pct']:+.1f} %) | <= 3 % slower |",
-        f"| redis-server CPU per task (submit, claim, ack), cache off (median) | "
-        f"{dr['redis_us_off']:.1f} us | |",
-        f"| redis-server CPU per task, cache on, all misses (median) | "
-        f"{dr['redis_us_on']:.1f} us ({cpu_pct:+.1f} %) | |",
+        f"| redis-server CPU per task, submit: cache off / on, all misses | "
+        f"{cost['submit_us_off']:.1f} / {cost['submit_us_on']:.1f} us ({more('submit_us')}) | |",
+        f"| redis-server CPU per task, drain (claim, ack): cache off / on | "
+        f"{cost['drain_us_off']:.1f} / {cost['drain_us_on']:.1f} us ({more('drain_us')}) | |",
+        f"| Redis commands per task (scripts' inner ones): submit off / on; drain off / on | "
+        f"{cost['submit_cmds_off']:.2f} / {cost['submit_cmds_on']:.2f}; "
+        f"{cost['drain_cmds_off']:.2f} / {cost['drain_cmds_on']:.2f} | |",
         "",
         "Passes (tasks/s), in pairs whose order alternates: off " + ", ".join(f"{v:,.0f}" for v in dr["off_all"])
         + "; on " + ", ".join(f"{v:,.0f}" for v in dr["on_all"]) + ".",
