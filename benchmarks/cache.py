@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--samples", type=int, default=None)
     args = ap.parse_args(argv)
     samples = args.samples or (500 if args.quick else 2000)
-    n, passes = (5000, 3) if args.quick else (20000, 7)
+    n, passes = (5000, 3) if args.quick else (20000, 11)
     server = Server()
     server.start()
     try:

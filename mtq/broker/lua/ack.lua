@@ -27,16 +27,18 @@ local now = now_ms()
 local codes, done, woken = {}, {}, 0
 local model_version = nil
 
--- Drop index members (their entries too) and their bytes.
+-- Drop index members (their entries too) and their bytes: one DEL per 1000 keys.
 local function cache_drop(members)
-  local freed = 0
+  local freed, keys = 0, {}
   for _, m in ipairs(members) do
     local size, suffix = string.match(m, '^(%d+)|(.*)$')
     if suffix then
-      redis.call('DEL', K_CACHE .. suffix)
+      keys[#keys + 1] = K_CACHE .. suffix
       freed = freed + tonumber(size)
+      if #keys == 1000 then redis.call('DEL', unpack(keys)); keys = {} end
     end
   end
+  if #keys > 0 then redis.call('DEL', unpack(keys)) end
   return freed
 end
 
@@ -79,14 +81,22 @@ end
 local function cache_index()
   if #filed == 0 and cache_delta == 0 then return end
   if #filed > 0 then
-    local members = {}
-    for j = 2, #filed, 2 do members[#members + 1] = filed[j] end
-    -- a member already indexed (an expired entry not swept yet) is counted already
-    local scores = redis.call('ZMSCORE', K_CACHEX, unpack(members))
-    for j = 1, #members do
-      if not scores[j] then cache_delta = cache_delta + filed_sizes[j] end
+    local added = redis.call('ZADD', K_CACHEX, 'NX', unpack(filed))
+    if added == #filed_sizes then
+      for _, size in ipairs(filed_sizes) do cache_delta = cache_delta + size end
+    else
+      -- some were indexed already (an expired entry not swept yet: counted already);
+      -- the new ones are those with this call's score; refresh the others' expiry
+      local members = {}
+      for j = 2, #filed, 2 do members[#members + 1] = filed[j] end
+      local scores = redis.call('ZMSCORE', K_CACHEX, unpack(members))
+      for j = 1, #members do
+        if tonumber(scores[j]) == filed[2 * j - 1] then
+          cache_delta = cache_delta + filed_sizes[j]
+        end
+      end
+      redis.call('ZADD', K_CACHEX, 'XX', unpack(filed))
     end
-    redis.call('ZADD', K_CACHEX, unpack(filed))
     local over = redis.call('ZCARD', K_CACHEX) - cache_max
     if over > 0 then
       local popped = redis.call('ZPOPMIN', K_CACHEX, over)
