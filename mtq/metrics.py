@@ -26,7 +26,7 @@ Metrics (see docs/operations.md for the table):
   after the first token);
 - the result cache, per queue: counters ``mtq_cache_hits_total``,
   ``mtq_cache_misses_total``, ``mtq_cache_joined_total``, gauges
-  ``mtq_cache_entries`` and ``mtq_cache_bytes`` (0 when there is no cache);
+  ``mtq_cache_entries`` (0 when there is no cache);
 - per live worker process (labels ``queue``, ``worker``, ``host``, ``device``,
   ``model``): histogram ``mtq_worker_batch_size``, counters
   ``mtq_worker_busy_seconds_total`` (busy fraction: its rate),
@@ -82,8 +82,8 @@ GAUGES = {
     "mtq_queue_dead_tasks": ("dead", "Dead letters kept (see mtq dlq list)."),
     "mtq_queue_streams": ("streams", "Streams with waiting tasks."),
     "mtq_queue_busy_streams": ("busy_streams", "Streams with a running task."),
-    "mtq_cache_entries": ("cache_entries", "Results the result cache holds."),
-    "mtq_cache_bytes": ("cache_bytes", "Bytes of the results the result cache holds."),
+    "mtq_cache_entries": ("cache_entries", "Requests the result cache can answer or join "
+                                           "(each names the task that holds the result)."),
 }
 #: counter name (without _total) -> (key of the queue's stats, help)
 COUNTERS = {
@@ -102,8 +102,8 @@ COUNTERS = {
 #: the queue's stats fields read (every other one is ignored)
 _STAT_FIELDS = ("waiting", "streams", "submitted", "succeeded", "failed", "dead_total",
                 "cancelled", "expired", "retried", "redelivered", "cache_hits",
-                "cache_misses", "cache_joined", "cache_bytes")
-_STAT_KEYS = {f.encode(): f for f in _STAT_FIELDS if f != "cache_bytes"}  # that one: float
+                "cache_misses", "cache_joined")
+_STAT_KEYS = {f.encode(): f for f in _STAT_FIELDS}
 _ZERO: dict[str, int | float] = dict.fromkeys(_STAT_FIELDS, 0)
 #: histogram metric of mtq.workers.stats -> (family name, help)
 HISTOGRAMS = {
@@ -208,9 +208,6 @@ class MtqCollector(Collector):
                 names, self._reader.read(names)):
             st: dict[str, int | float] = {**zero, **{
                 keys[k]: int(v) for k, v in counters.items() if k in keys}}
-            cache_bytes = counters.get(b"cache_bytes")
-            if cache_bytes is not None:
-                st["cache_bytes"] = int(float(cache_bytes))
             st.update(running=running, delayed=delayed, dead=dead, busy_streams=busy,
                       cache_entries=cached)
             stats[name] = st

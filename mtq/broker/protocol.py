@@ -142,8 +142,9 @@ def _parse_watch(raw: list[Any]) -> Snapshot | None:
 #: result-cache hit
 Submitted = str | int | tuple[str, bytes]
 
-#: how long a result cache single-flight record lives at least (s): a safety net, as
-#: every terminal state deletes it
+#: how long a result cache entry may point at a task not finished yet (s), beyond the
+#: cache's TTL: a task that runs longer loses its entry (no answer from the cache, and
+#: identical requests run again); every end but success deletes it anyway
 RUN_TTL_S = 3600
 
 
@@ -198,7 +199,7 @@ class Broker:
         for t in tasks:
             args += [t.id, t.payload, t.stream, t.key, t.ttl_ms,
                      "" if t.retries is None else t.retries, t.digest, t.traceparent]
-        args += [s.retention_s, max(RUN_TTL_S, s.cache_ttl_s)]
+        args += [s.retention_s, s.cache_ttl_s, s.cache_max_entries, RUN_TTL_S]
         return self._call("submit", args, _parse_submit)
 
     def submit(self, tasks: Sequence[NewTask], reply: str = "") -> list[Submitted]:
@@ -270,7 +271,7 @@ class Broker:
         args: list[Any] = [s.retention_s, len(results)]
         for task_id, token, result in results:
             args += [task_id, token, result]
-        args += [s.cache_ttl_s, s.cache_max_entries, self.model_version]
+        args += [s.cache_ttl_s, self.model_version]
         return self._call("ack", args, _codes)
 
     def ack(self, results: Sequence[tuple[str, str, bytes]]) -> list[int]:
@@ -450,7 +451,7 @@ def _counters(counters: dict[bytes, bytes], running: int, delayed: int, dead: in
     out.pop("free_marked", None)
     names = ("waiting", "streams", "submitted", "succeeded", "failed", "dead_total",
              "cancelled", "expired", "retried", "redelivered",
-             "cache_hits", "cache_misses", "cache_joined", "cache_bytes")
+             "cache_hits", "cache_misses", "cache_joined")
     result: dict[str, Any] = {name: out.get(name, 0) for name in names}
     result.update(running=running, delayed=delayed, dead=dead, busy_streams=busy,
                   cache_entries=cache_entries)

@@ -110,8 +110,8 @@ local function note(id, now, kind, detail)
   redis.call('RPUSH', K_TRACE .. id, now .. '|' .. kind .. '|' .. (detail or ''))
 end
 
--- Tasks whose result ack.lua filed in the result cache (over their single-flight
--- marker): finish() has no marker of theirs to free.
+-- Tasks whose result cache entry ack.lua keeps (it answers from their hash):
+-- finish() leaves it.
 local CACHE_FILED = {}
 
 -- Finished tasks' latencies and failures, written once per script by flush_replies().
@@ -238,9 +238,10 @@ local function finish(id, status, now, ttl, field, value)
   end
   local f = redis.call('HMGET', tk, 'reply', 'created', 'cache')
   if f[3] and not CACHE_FILED[id] then
-    -- it holds the result cache's single-flight marker: free it, whatever the end
+    -- it owns a result cache entry that must not answer (it failed, was cancelled,
+    -- expired, or its result may not be cached): free it
     local ek = K_CACHE .. f[3]
-    if redis.call('GET', ek) == 'run:' .. id then redis.call('DEL', ek) end
+    if redis.call('GET', ek) == id then redis.call('DEL', ek) end
   end
   if status ~= 'cancelled' and status ~= 'expired' and f[2] then
     LATENCIES[#LATENCIES + 1] = now - tonumber(f[2])

@@ -8,7 +8,8 @@ ARGV[7] n, then n groups of 8: id, payload, stream ('' = none), key ('' = none),
         digest (the result cache's digest of the payload, '' = do not cache),
         traceparent (W3C trace context of the submitting request, '' = none)
 ARGV[8 + 8n] retention s (of a task answered from the result cache)
-ARGV[9 + 8n] TTL s of a single-flight marker (a safety net: ack or finish() replace it)
+ARGV[9 + 8n] result cache TTL s   ARGV[10 + 8n] most cache entries
+ARGV[11 + 8n] how long an entry may point at a task still queued or running (s)
 Returns: a list with one entry per task: its id (for an idempotency hit, the id
   of the task that already holds the key; for a single-flight join, the id of the
   identical task queued or running) or E_DUPLICATE_ID when the id exists, or
@@ -19,17 +20,20 @@ Returns: a list with one entry per task: its id (for an idempotency hit, the id
 Result cache (see docs/operations.md): a digest is 'c' or 'u' (the payload has no
 integer seed) then the hex digest of the payload. It is used only if the queue's
 model record (K_MODEL) has a version, and, for a generator, the request is seeded
-('c') or the model deterministic; and never when the model set cacheable 0. One
-key, K_CACHE .. version .. ':' .. hex, holds either sha1hex(result) .. result (40 + n
-bytes; one that does not verify is deleted and counts as a miss) or, while the
-identical task is queued or running, the single-flight marker 'run:' .. its id
-(ack.lua replaces it with the result; finish() deletes it if the task ends otherwise).
-A miss costs a GET and a SET here, one SET in ack.
+('c') or the model deterministic; and never when the model set cacheable 0. The
+entry K_CACHE .. version .. ':' .. hex holds the id of the task that runs (or ran)
+that request; the result stays in that task's hash (no copy). A submit that finds
+it answers from the task if it succeeded within the TTL and names this entry
+('cache' field: anything else is a corrupt entry, a miss), joins it if it is queued,
+running or delayed, and otherwise takes the entry over. So a miss costs a GET and a
+SET here (the index once per call) and nothing in ack.lua; finish() deletes an
+entry whose task ends otherwise than succeeded.
 ]]
 --@include _lib.lua
 local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[7])
 local reply_to = ARGV[6]
-local retention, run_ttl = tonumber(ARGV[8 + n * 8]), tonumber(ARGV[9 + n * 8])
+local retention, cache_ttl = tonumber(ARGV[8 + n * 8]), tonumber(ARGV[9 + n * 8])
+local cache_max, run_ttl = tonumber(ARGV[10 + n * 8]), tonumber(ARGV[11 + n * 8])
 local now = now_ms()
 if max_length > 0 then
   local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
@@ -37,6 +41,7 @@ if max_length > 0 then
 end
 local out, added, newly, new_streams = {}, 0, 0, 0
 local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
+local indexed = {}  -- score, member pairs: the entries this call points at new tasks
 
 -- The cache entry suffix of a digest (version .. ':' .. hex), or nil: not cacheable.
 local function cache_suffix(digest)
@@ -51,28 +56,22 @@ local function cache_suffix(digest)
   return version .. ':' .. string.sub(digest, 2)
 end
 
--- What the cache holds for a suffix: the verified result, or the id of the identical
--- task still queued or running; nil, nil for nothing (a corrupt entry is deleted,
--- a marker whose task ended is overwritten by the caller's own).
+-- What the cache holds for a suffix: the result of the task it names (succeeded
+-- within the TTL), or the id of that task still queued, running or delayed; nil, nil
+-- for nothing usable (the caller's own task takes the entry over).
 local function cache_get(suffix)
-  local v = redis.call('GET', K_CACHE .. suffix)
-  if not v then return nil, nil end
-  if string.sub(v, 1, 4) == 'run:' then
-    local running = string.sub(v, 5)
-    local st = redis.call('HGET', K_TASK .. running, 'status')
-    if st == 'queued' or st == 'running' or st == 'delayed' then return nil, running end
+  local owner = redis.call('GET', K_CACHE .. suffix)
+  if not owner then return nil, nil end
+  local f = redis.call('HMGET', K_TASK .. owner, 'status', 'result', 'finished', 'cache')
+  if f[4] ~= suffix then return nil, nil end  -- gone, or not this entry's: corrupt
+  if f[1] == 'succeeded' then
+    if f[2] and f[3] and now - tonumber(f[3]) <= cache_ttl * 1000 then return f[2], nil end
     return nil, nil
   end
-  local body = string.sub(v, 41)
-  if #v >= 40 and redis.sha1hex(body) == string.sub(v, 1, 40) then return body, nil end
-  redis.call('DEL', K_CACHE .. suffix)
-  -- the index member names the size written; if the corruption kept the length, drop it
-  -- now, else the sweep drops it when it expires (cache_bytes counts it until then)
-  if redis.call('ZREM', K_CACHEX, (#v - 40) .. '|' .. suffix) == 1 then
-    redis.call('HINCRBY', K_STATS, 'cache_bytes', 40 - #v)
-  end
+  if f[1] == 'queued' or f[1] == 'running' or f[1] == 'delayed' then return nil, owner end
   return nil, nil
 end
+
 for i = 0, n - 1 do
   local b = 8 + i * 8
   local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
@@ -114,7 +113,9 @@ for i = 0, n - 1 do
     local f = {'payload', payload, 'status', 'queued', 'created', now}
     if suffix then
       f[#f + 1] = 'cache'; f[#f + 1] = suffix
-      redis.call('SET', K_CACHE .. suffix, 'run:' .. id, 'EX', run_ttl)
+      redis.call('SET', K_CACHE .. suffix, id, 'EX', cache_ttl + run_ttl)
+      indexed[#indexed + 1] = now + (cache_ttl + run_ttl) * 1000
+      indexed[#indexed + 1] = suffix
       misses = misses + 1
     end
     if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
@@ -142,7 +143,23 @@ if hits > 0 then
   redis.call('HINCRBY', K_STATS, 'cache_hits', hits)
   event('succeeded', now, {ids = cached_ids, cached = true})
 end
-if misses > 0 then redis.call('HINCRBY', K_STATS, 'cache_misses', misses) end
+if misses > 0 then
+  redis.call('HINCRBY', K_STATS, 'cache_misses', misses)
+  -- the index bounds the entries: expired ones leave it, the soonest to expire go past
+  -- the most (their tasks keep their results for their own retention)
+  redis.call('ZREMRANGEBYSCORE', K_CACHEX, '-inf', now)
+  redis.call('ZADD', K_CACHEX, unpack(indexed))
+  local over = redis.call('ZCARD', K_CACHEX) - cache_max
+  if over > 0 then
+    local popped = redis.call('ZPOPMIN', K_CACHEX, over)
+    local gone = {}
+    for j = 1, #popped, 2 do
+      gone[#gone + 1] = K_CACHE .. popped[j]
+      if #gone == 1000 then redis.call('DEL', unpack(gone)); gone = {} end
+    end
+    if #gone > 0 then redis.call('DEL', unpack(gone)) end
+  end
+end
 if joined > 0 then redis.call('HINCRBY', K_STATS, 'cache_joined', joined) end
 if added > 0 then
   redis.call('HINCRBY', K_STATS, 'waiting', added)
