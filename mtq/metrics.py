@@ -251,14 +251,18 @@ class MtqCollector(Collector):
             yield name, "histogram", doc, q, rows
         yield from _worker_families(reading.workers)
 
-    def collect(self) -> Iterable[Metric]:
+    def _timed_read(self) -> tuple[Reading | None, float]:
+        """A scrape's reading (None: Redis could not be read, logged) and its seconds."""
         started = time.perf_counter()
         try:
             reading: Reading | None = self.read()
         except redis.RedisError as exc:
             log.warning("scrape could not read Redis: %s", exc)
             reading = None
-        read_s = time.perf_counter() - started
+        return reading, time.perf_counter() - started
+
+    def collect(self) -> Iterable[Metric]:
+        reading, read_s = self._timed_read()
         if reading is not None:
             for name, kind, doc, labels, rows in self.families(reading):
                 yield _metric(name, kind, doc, labels, rows)
@@ -271,13 +275,7 @@ class MtqCollector(Collector):
     def render(self) -> bytes:
         """The text exposition format (0.0.4) of :meth:`collect`'s families, written
         directly (see the module's docstring)."""
-        started = time.perf_counter()
-        try:
-            reading: Reading | None = self.read()
-        except redis.RedisError as exc:
-            log.warning("scrape could not read Redis: %s", exc)
-            reading = None
-        read_s = time.perf_counter() - started
+        reading, read_s = self._timed_read()
         out: list[str] = []
         add = out.append
         if reading is not None:

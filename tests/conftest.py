@@ -23,6 +23,19 @@ from mtq.workers.worker import Worker
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def worker_process(args: list[str], env: dict[str, str], log: Any) -> subprocess.Popen[bytes]:
+    """A real ``mtq worker run ARGS`` process, its output into ``log`` (a file)."""
+    return subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run", *args],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def kill_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` if it still runs, and reap it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 
 import click
 import pytest
@@ -15,6 +14,7 @@ import mtq
 from mtq import serialization
 from mtq.broker.keys import QueueKeys
 from mtq.cli.main import cli
+from tests.conftest import kill_process, worker_process
 
 
 def _command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
@@ -212,22 +212,12 @@ def test_server_stop_when_not_running(runner):
 
 
 # -- a real worker process -------------------------------------------------------
-def _worker(args: list[str], env: dict[str, str], log) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run", *args],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
-
 
 def test_worker_subprocess_serves_and_stops_on_sigterm(redis_url, qname, subprocess_env,
                                                        tmp_path):
     log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log:
-        proc = _worker(["tests.handlers:double", "--queue", qname, "--batch-size", "8"],
+        proc = worker_process(["tests.handlers:double", "--queue", qname, "--batch-size", "8"],
                        subprocess_env, log)
     try:
         q = mtq.Queue(qname, redis_url)
@@ -249,7 +239,7 @@ def test_worker_subprocess_serves_and_stops_on_sigterm(redis_url, qname, subproc
         assert "'succeeded': 50" in output
         assert "Traceback" not in output
     finally:
-        _stop(proc)
+        kill_process(proc)
 
 
 def test_worker_subprocess_burst_records_failures(redis_url, qname, subprocess_env, tmp_path):
@@ -257,7 +247,7 @@ def test_worker_subprocess_burst_records_failures(redis_url, qname, subprocess_e
     task = q.submit({"n": 1}, retries=0)
     log_path = tmp_path / "worker.log"
     with open(log_path, "wb") as log:
-        proc = _worker(["tests.handlers:boom", "--queue", qname, "--burst"], subprocess_env, log)
+        proc = worker_process(["tests.handlers:boom", "--queue", qname, "--burst"], subprocess_env, log)
     try:
         try:
             code = proc.wait(timeout=30)
@@ -269,4 +259,4 @@ def test_worker_subprocess_burst_records_failures(redis_url, qname, subprocess_e
         assert info.value.status in ("failed", "dead")
         assert "ValueError: boom on {'n': 1}" in (info.value.error or "")
     finally:
-        _stop(proc)
+        kill_process(proc)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 from click.testing import CliRunner
@@ -15,18 +13,7 @@ import mtq
 from mtq.broker.keys import QueueKeys
 from mtq.cli.main import cli
 from mtq.trace import parse_record
-from tests.conftest import wait_for
-
-
-def _worker(args: list[str], env: dict[str, str], log) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run", *args],
-                            env=env, stdout=log, stderr=subprocess.STDOUT)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(10)
+from tests.conftest import kill_process, wait_for, worker_process
 
 
 def _recorded(r, queue: str) -> set[str]:
@@ -54,11 +41,11 @@ def _trace(redis_url: str, queue: str, path, since: str = "60s") -> dict:
 
 
 @pytest.mark.parametrize("target", ["tests.models:Probe", "tests.models:Counter"])
-def test_trace_of_a_real_worker(redis_url, r, qname, subprocess_env, tmp_path, target):
+def test_trace_of_a_realworker_process(redis_url, r, qname, subprocess_env, tmp_path, target):
     q = mtq.Queue(qname, redis_url)
     payloads = [{"s": f"s{i % 4}", "i": i, "n": 3} for i in range(20)]
     with open(tmp_path / "worker.log", "wb") as log:
-        proc = _worker([target, "--queue", qname], subprocess_env, log)
+        proc = worker_process([target, "--queue", qname], subprocess_env, log)
     try:
         tasks = [q.submit(p, stream=p["s"]) for p in payloads[:10]]
         tasks += q.submit_many(payloads[10:])  # stream-less
@@ -74,7 +61,7 @@ def test_trace_of_a_real_worker(redis_url, r, qname, subprocess_env, tmp_path, t
         try:
             proc.wait(20)
         finally:
-            _stop(proc)
+            kill_process(proc)
     # a task submitted now, with no worker: it shows waiting
     waiting = q.submit({"s": "w", "i": 100}, stream="w")
     doc = _trace(redis_url, qname, tmp_path / "trace.json")
@@ -127,7 +114,7 @@ def test_unknown_queue_exits_3(redis_url, qname, tmp_path):
 def test_sigkilled_worker_restart_appears(redis_url, r, qname, subprocess_env, tmp_path):
     q = mtq.Queue(qname, redis_url)
     with open(tmp_path / "w1.log", "wb") as log:
-        first = _worker(["tests.models:Probe", "--queue", qname, "--lease-ms", "1000"],
+        first = worker_process(["tests.models:Probe", "--queue", qname, "--lease-ms", "1000"],
                         subprocess_env, log)
     second = None
     try:
@@ -136,14 +123,14 @@ def test_sigkilled_worker_restart_appears(redis_url, r, qname, subprocess_env, t
         first.send_signal(signal.SIGKILL)
         first.wait(10)
         with open(tmp_path / "w2.log", "wb") as log:
-            second = _worker(["tests.models:Probe", "--queue", qname], subprocess_env, log)
+            second = worker_process(["tests.models:Probe", "--queue", qname], subprocess_env, log)
         t.result(timeout=30)
         wait_for(lambda: t.id in _recorded(r, qname), 10,
                  "the second worker did not record its batch")
     finally:
-        _stop(first)
+        kill_process(first)
         if second is not None:
-            _stop(second)
+            kill_process(second)
     doc = _trace(redis_url, qname, tmp_path / "trace.json")
     events = doc["traceEvents"]
     runs = sorted((e for e in events if e["ph"] == "X" and e["cat"] == "task"
