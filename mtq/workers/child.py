@@ -63,8 +63,8 @@ class PipeMonitor(Monitor):
     def idle(self) -> None:
         self.shared[STARTED] = 0.0
 
-    def settled(self, ids: Sequence[str]) -> None:
-        self.send("settled", list(ids))
+    def settled(self, leases: Sequence[tuple[str, str]]) -> None:
+        self.send("settled", list(leases))
 
     def reloaded(self, timeout_s: float | None, model: str) -> None:
         self.send("reloaded", {"timeout_s": timeout_s, "model": model})

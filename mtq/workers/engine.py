@@ -219,7 +219,7 @@ class GenerationEngine:
         cancelled = [Outcome(r.task, ok=False, cancelled=True) for r in gone
                      if r.task.id in cancel and r.task.id not in lost]
         self._send([], cancelled)
-        w._forget([r.task.id for r in gone if r.task.id in lost])
+        w._forget([(r.task.id, r.task.token) for r in gone if r.task.id in lost])
 
     def _intake(self, tasks: list[Claimed]) -> None:
         """Decode and check newly taken tasks; those that fail leave at once."""

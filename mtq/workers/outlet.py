@@ -159,7 +159,7 @@ class Outlet:
         self.proc: subprocess.Popen[bytes] | None = None
         self.dead = False
         self._lock = threading.Lock()
-        self._pending: set[str] = set()  # outcomes sent, not yet reported settled
+        self._pending: set[tuple[str, str]] = set()  # (id, token) sent, not yet settled
         self._out = -1
         self._in = -1
         self._bye = threading.Event()
@@ -233,11 +233,11 @@ class Outlet:
         with self._lock:
             if self.dead:
                 return False
-            self._pending.update(o[0] for o in outcomes)
+            self._pending.update((o[0], o[1]) for o in outcomes)
             try:
                 _write_all(self._out, data)
             except OSError:  # it died; the reader thread reports it
-                self._pending.difference_update(o[0] for o in outcomes)
+                self._pending.difference_update((o[0], o[1]) for o in outcomes)
                 self.dead = True
                 return False
         return True
@@ -260,7 +260,7 @@ class Outlet:
                                       lost=body["lost"], stream_lost=body["stream_lost"],
                                       streamed=body["streamed"])
                 w._record(report)
-                settled = body["settled"]
+                settled = [(i, token) for i, token in body["settled"]]
                 with self._lock:
                     self._pending.difference_update(settled)
                 w._forget(settled)
@@ -332,7 +332,7 @@ def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int)
     done = ended = False
     last_report = time.monotonic()
     tally = SettleReport()
-    settled: list[str] = []
+    settled: list[tuple[str, str]] = []
     while not done:
         msg = inbox.get()
         chunks: list[Chunk] = []
@@ -352,8 +352,7 @@ def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int)
                 msg = None
         if chunks or outcomes:
             report = _settle(consumer, outcomes, chunks, GIVE_UP_AFTER_S if done else None)
-            ids = [o.task.id for o in outcomes]
-            settled += ids
+            settled += [(o.task.id, o.task.token) for o in outcomes]
             if report is not None:
                 for name in OUTCOME_COUNTERS:
                     setattr(tally, name, getattr(tally, name) + getattr(report, name))

@@ -91,6 +91,14 @@ class _Slot:
     restarts: int = 0       # times its process was replaced (reported by the worker)
 
 
+def _drop(held: dict[str, str], leases: list[list[str]]) -> None:
+    """Forget the deliveries a child settled (by token: the id may be held again, under
+    a new lease, by the time its settle is read)."""
+    for i, token in leases:
+        if held.get(i) == token:
+            del held[i]
+
+
 def _context() -> Any:
     """How worker processes start: forked from a fork server that imported torch and
     mtq once (never CUDA: nothing there touches a device), so a start or restart costs
@@ -362,12 +370,10 @@ class Supervisor:
         elif kind == "batch":
             c.batch = list(msg[1])
         elif kind == "settled" and c.quarantine:
-            for i in msg[1]:
-                c.held.pop(i, None)
+            _drop(c.held, msg[1])
         elif kind == "settled":
             slot = self.slots.get(c.slot)
-            for i in msg[1]:
-                c.held.pop(i, None)
+            _drop(c.held, msg[1])
             if slot is not None and msg[1]:
                 slot.progress = True
                 slot.crashes = 0

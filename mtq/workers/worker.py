@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from mtq import serialization
@@ -99,8 +99,8 @@ class Monitor:
     def idle(self) -> None:
         """predict returned."""
 
-    def settled(self, ids: Sequence[str]) -> None:
-        """These tasks left this process (settled or given back)."""
+    def settled(self, leases: Sequence[Lease]) -> None:
+        """These deliveries left this process (settled or given back)."""
 
     def reloaded(self, timeout_s: float | None, model: str) -> None:
         """A reload swapped the model in; its timeout may have changed."""
@@ -566,7 +566,7 @@ class Worker:
                             "was stopped or starved; another worker owns them, so they are "
                             "dropped unrun", self.worker_id, len(fresh))
                 self.totals["revoked"] += len(fresh)
-                self._forget(fresh)
+                self._forget([(i, tokens[i]) for i in fresh])
             self.slot.remove(lost, {t.id: t.token for t in tasks if t.id in lost})
         return lost
 
@@ -726,16 +726,25 @@ class Worker:
         except MtqError:
             log.warning("could not give back %d task(s); they return when their leases "
                         "expire", len(tasks), exc_info=True)
-        self._forget([t.id for t in tasks])
+        self._forget([(t.id, t.token) for t in tasks])
 
-    def _forget(self, ids: Sequence[str]) -> None:
+    def _forget(self, leases: Iterable[Lease]) -> None:
+        """These deliveries left this process. By (id, token): a task settled as a
+        retry can be back in its stream and claimed here again before this runs; its
+        new delivery stays held (its lease extended, its figures kept)."""
+        gone: list[Lease] = []
         with self._lock:
-            for i in ids:
+            for i, token in leases:
+                t = self._held.get(i)
+                if t is not None and t.token != token:
+                    continue
                 self._held.pop(i, None)
                 self._submitted.pop(i, None)
                 self._cancel.discard(i)
                 self._lost.discard(i)
-        self.monitor.settled(ids)
+                gone.append((i, token))
+        if gone:
+            self.monitor.settled(gone)
 
     # -- publisher -----------------------------------------------------------------
     def _publish_loop(self) -> None:
@@ -769,7 +778,7 @@ class Worker:
                 except Exception:  # never let the publisher die: nothing would settle again
                     log.exception("settling %d task(s) failed; they run again when their "
                                   "leases expire", len(outcomes))
-                    self._forget([o.task.id for o in outcomes])
+                    self._forget([(o.task.id, o.task.token) for o in outcomes])
             if self._draining and self._fetcher_sleeping:
                 # a stream's next task may be claimable now, or the queue is empty
                 self._interrupt_fetcher()
@@ -779,7 +788,7 @@ class Worker:
         report = self.consumer.settle_retrying(outcomes, chunks, give_up_after)
         if report is not None:
             self._record(report)
-        self._forget([o.task.id for o in outcomes])
+        self._forget([(o.task.id, o.task.token) for o in outcomes])
 
     def _record(self, report: SettleReport) -> None:
         for name in OUTCOME_COUNTERS:
@@ -844,7 +853,7 @@ class Worker:
             if dropped:  # not started: settle them as cancelled now
                 self._publish([Outcome(t, ok=False, cancelled=True) for t in dropped])
         if lost:
-            self._forget([t.id for t in self.slot.remove(set(lost), tokens)])
+            self._forget([(t.id, t.token) for t in self.slot.remove(set(lost), tokens)])
             with self._lock:  # a generator stops generating the ones it runs
                 self._lost.update(i for i in lost if i in self._held)
 

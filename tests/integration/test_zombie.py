@@ -221,3 +221,29 @@ def test_doubtful_leases_are_checked_with_redis_and_lost_ones_dropped(
     assert other.settle([mtq.Outcome(taken, ok=True, value="b")]).succeeded == 1
     assert w.consumer.settle([mtq.Outcome(held[0], ok=True, value="a")]).lost == [held[0].id]
     assert q.task(held[0].id).result(timeout=5) == "b"
+
+
+def test_a_retry_claimed_again_before_its_first_delivery_is_forgotten_stays_held(
+        qname: str, redis_url: str) -> None:
+    """The publisher settles a retryable failure; the task is back in its stream at once
+    (no backoff) and the fetcher claims it again before the publisher forgets the first
+    delivery. Forgetting the first must leave the second held: its lease is extended,
+    its figures kept (the race behind a latency histogram short of dead letters)."""
+    settings = QueueSettings(max_retries=1, retry_backoff_ms=0)
+    q = mtq.Queue(qname, redis_url, settings=settings)
+    task = q.submit({"i": 1})
+    w = Worker(FunctionModel(lambda p: p), qname, url=redis_url, settings=settings)
+    (first,) = w.consumer.claim(1)
+    w._held[first.id] = first
+    w._submitted[first.id] = time.monotonic()
+    report = w.consumer.settle([mtq.Outcome(first, ok=False, error="boom", retryable=True)])
+    assert report.retried == 1, report
+    (again,) = w.consumer.claim(1)  # the fetcher, between the settle and the forget
+    assert again.id == first.id and again.token != first.token
+    w._held[again.id] = again
+    w._submitted[again.id] = time.monotonic()
+    w._forget([(first.id, first.token)])
+    assert w._held.get(task.id) is again, "the new delivery was forgotten with the old"
+    assert task.id in w._submitted
+    w._forget([(again.id, again.token)])
+    assert task.id not in w._held and task.id not in w._submitted
