@@ -15,6 +15,8 @@ import pytest
 import redis
 
 import mtq
+from mtq.broker import catalogue
+from mtq.broker.consumer import Consumer
 from mtq.broker.keys import QueueKeys
 from mtq.workers import control, registry
 from tests.conftest import wait_for
@@ -263,3 +265,36 @@ def test_worker_killed_mid_run_of_a_single_flight_task(
     assert all(len(e) == 1 and e[0].kind == "succeeded" for e in events), events
     assert len({e[0].data["pid"] for e in events}) == 1
     assert len(runs(log)) == 2  # the killed delivery and the redelivery
+
+
+def test_an_ack_that_may_not_answer_frees_its_entry_and_one_that_may_keeps_it(
+        qname: str, redis_url: str, client: redis.Redis) -> None:
+    """ack.lua, claimed and acked by a consumer in this process, per task of one batch:
+    a worker on another version than the entry's, and a result too big to answer
+    inline, delete the entry (an identical submit runs again); a result of the entry's
+    own version keeps it (the next identical submit is answered by that task)."""
+    q = cached_queue(qname, redis_url, client)
+    catalogue.record(client, qname, {"event": "loaded"},
+                     {"target": "t:m", "version": "v1", "kind": "function",
+                      "deterministic": 0, "cacheable": 1})
+    k = QueueKeys(qname)
+    tasks = q.submit_many([{"i": i} for i in range(3)])
+    entries = sorted(client.keys(k.base + "cache:*"))
+    assert len(entries) == 3 and all(e.startswith((k.base + "cache:v1:").encode())
+                                     for e in entries)
+    c = Consumer(qname, client=client)
+    c.broker.model_version = "v1"
+    claimed = {t.id: t for t in c.claim(3)}
+    big = "x" * (65536 + 1)  # over REPLY_INLINE (_lib.lua): a hit must answer inline
+    report = c.settle([mtq.Outcome(claimed[tasks[0].id], ok=True, value="kept"),
+                       mtq.Outcome(claimed[tasks[1].id], ok=True, value=big)])
+    assert report.succeeded == 2
+    c.broker.model_version = "v0"  # a worker not yet reloaded acks the third
+    assert c.settle([mtq.Outcome(claimed[tasks[2].id], ok=True, value="old")]).succeeded == 1
+    left = {client.get(e).decode() for e in client.keys(k.base + "cache:*")}
+    assert left == {tasks[0].id}, "only the entry whose result may answer is left"
+    hit = q.submit({"i": 0})
+    assert hit.cached and hit.result(timeout=5) == "kept"
+    for i in (1, 2):
+        again = q.submit({"i": i})
+        assert not again.cached and again.id != tasks[i].id

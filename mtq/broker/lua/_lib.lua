@@ -110,10 +110,6 @@ local function note(id, now, kind, detail)
   redis.call('RPUSH', K_TRACE .. id, now .. '|' .. kind .. '|' .. (detail or ''))
 end
 
--- Tasks whose result cache entry ack.lua keeps (it answers from their hash):
--- finish() leaves it.
-local CACHE_FILED = {}
-
 -- Finished tasks' latencies and failures, written once per script by flush_replies().
 local LATENCIES, FAILURES = {}, {}
 
@@ -220,7 +216,9 @@ local function requeue_head(id, s)
 end
 
 -- Record a terminal state: status, time, retention, and the done message to its client.
-local function finish(id, status, now, ttl, field, value)
+-- own: the result cache entry suffix the task owns and that must be freed, false for
+-- none (or one that answers from now on: ack.lua), nil: not known, read it here.
+local function finish(id, status, now, ttl, field, value, own)
   local tk = K_TASK .. id
   if field then
     redis.call('HSET', tk, 'status', status, 'finished', now, field, value)
@@ -236,11 +234,17 @@ local function finish(id, status, now, ttl, field, value)
     redis.call('EXPIRE', K_OUT .. id, ttl)
     redis.call('EXPIRE', K_TRACE .. id, ttl)
   end
-  local f = redis.call('HMGET', tk, 'reply', 'created', 'cache')
-  if f[3] and not CACHE_FILED[id] then
+  local f
+  if own == nil then
+    f = redis.call('HMGET', tk, 'reply', 'created', 'cache')
+    own = f[3]
+  else
+    f = redis.call('HMGET', tk, 'reply', 'created')
+  end
+  if own then
     -- it owns a result cache entry that must not answer (it failed, was cancelled,
     -- expired, or its result may not be cached): free it
-    local ek = K_CACHE .. f[3]
+    local ek = K_CACHE .. own
     if redis.call('GET', ek) == id then redis.call('DEL', ek) end
   end
   if status ~= 'cancelled' and status ~= 'expired' and f[2] then

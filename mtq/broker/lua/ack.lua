@@ -21,15 +21,14 @@ local ttl, n = tonumber(ARGV[3]), tonumber(ARGV[4])
 local cache_ttl, version = tonumber(ARGV[5 + 3 * n]), ARGV[6 + 3 * n]
 local now = now_ms()
 local codes, done, woken = {}, {}, 0
-local model_version = nil
-
--- True if a succeeded task's entry may answer identical requests (see the header).
-local function cache_keep(suffix, result)
-  if cache_ttl <= 0 or #result > REPLY_INLINE then return false end
-  if not model_version then model_version = redis.call('HGET', K_MODEL, 'version') or '' end
-  local prefix = model_version .. ':'
-  return model_version ~= '' and (version == '' or version == model_version) and
-    string.sub(suffix, 1, #prefix) == prefix
+-- A succeeded task's entry may answer identical requests (see the header) if this is
+-- true, its result is small enough, and its entry's version is the queue's model
+-- version (its suffix starts with prefix).
+local keepable, prefix = false, nil
+if cache_ttl > 0 then
+  local model_version = redis.call('HGET', K_MODEL, 'version') or ''
+  keepable = model_version ~= '' and (version == '' or version == model_version)
+  prefix = model_version .. ':'
 end
 
 for i = 0, n - 1 do
@@ -40,12 +39,13 @@ for i = 0, n - 1 do
     codes[i + 1] = E_LEASE_LOST
   else
     redis.call('ZREM', K_LEASES, id)
-    local keep = ttl
-    if f[4] and cache_keep(f[4], ARGV[b + 2]) then
-      CACHE_FILED[id] = true  -- finish() leaves its entry
+    local keep, own, result = ttl, f[4] or false, ARGV[b + 2]
+    -- find, plain, not sub: no new string per task
+    if own and keepable and #result <= REPLY_INLINE and string.find(own, prefix, 1, true) == 1 then
+      own = false  -- its entry answers from now on: finish() leaves it
       keep = math.max(ttl, cache_ttl)
     end
-    finish(id, 'succeeded', now, keep, 'result', ARGV[b + 2])
+    finish(id, 'succeeded', now, keep, 'result', result, own)
     if f[3] then woken = woken + release_stream(f[3]) end
     codes[i + 1] = 1
     done[#done + 1] = id

@@ -111,13 +111,6 @@ for i = 0, n - 1 do
       out[i + 1] = running
     else
     local f = {'payload', payload, 'status', 'queued', 'created', now}
-    if suffix then
-      f[#f + 1] = 'cache'; f[#f + 1] = suffix
-      redis.call('SET', K_CACHE .. suffix, id, 'EX', cache_ttl + run_ttl)
-      indexed[#indexed + 1] = now + (cache_ttl + run_ttl) * 1000
-      indexed[#indexed + 1] = suffix
-      misses = misses + 1
-    end
     if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
     if key ~= '' then
       f[#f + 1] = 'key'; f[#f + 1] = key
@@ -127,6 +120,15 @@ for i = 0, n - 1 do
     if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
     if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
     if traceparent ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = traceparent end
+    if suffix then
+      -- last: the fields read on the hot path are found before it (a small hash is a
+      -- listpack, searched from its head)
+      f[#f + 1] = 'cache'; f[#f + 1] = suffix
+      redis.call('SET', K_CACHE .. suffix, id, 'EX', cache_ttl + run_ttl)
+      indexed[#indexed + 1] = now + (cache_ttl + run_ttl) * 1000
+      indexed[#indexed + 1] = suffix
+      misses = misses + 1
+    end
     redis.call('HSET', tk, unpack(f))
     note(id, now, 'queued', s ~= '' and ('stream ' .. s) or nil)
     local claimable, new_stream = push_tail(id, s)
