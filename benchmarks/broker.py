@@ -125,8 +125,9 @@ def free_port() -> int:
 class Server:
     """A throw-away redis-server on a free loopback port, persistence off."""
 
-    def __init__(self) -> None:
-        self.binary = find_redis_server()
+    def __init__(self, binary: str | None = None) -> None:
+        #: $MTQ_BENCH_REDIS_SERVER names another binary (a production Redis 7, say)
+        self.binary = binary or os.environ.get("MTQ_BENCH_REDIS_SERVER") or find_redis_server()
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="mtq-bench-")
         self.proc: subprocess.Popen[bytes] | None = None

@@ -82,8 +82,9 @@ GAUGES = {
     "mtq_queue_dead_tasks": ("dead", "Dead letters kept (see mtq dlq list)."),
     "mtq_queue_streams": ("streams", "Streams with waiting tasks."),
     "mtq_queue_busy_streams": ("busy_streams", "Streams with a running task."),
-    "mtq_cache_entries": ("cache_entries", "Requests the result cache can answer or join "
-                                           "(each names the task that holds the result)."),
+    "mtq_cache_entries": ("cache_entries", "Entries the result cache holds (about 150 bytes "
+                                           "each, naming the task that holds the result, at "
+                                           "most 64 KiB); capped by cache_max_entries."),
 }
 #: counter name (without _total) -> (key of the queue's stats, help)
 COUNTERS = {

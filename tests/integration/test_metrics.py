@@ -18,6 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import mtq
 import mtq.workers.registry
+from mtq.broker import catalogue
+from mtq.broker.consumer import Consumer
+from mtq.broker.keys import QueueKeys
 from tests.conftest import PY, RedisServer, free_port, wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -325,3 +328,43 @@ def test_a_failed_flush_loses_nothing_and_doubles_nothing(
             running.stop()
         client.close()
         server.stop()
+
+
+def test_cache_cancel_and_expiry_figures_over_http(
+        qname: str, redis_url: str, subprocess_env: dict[str, str],
+        exporter: tuple[int, list[subprocess.Popen[bytes]]]) -> None:
+    """A miss, a join, a hit, an entry freed by a cancel, a task expired at claim: each
+    counted once, and mtq_cache_entries the one entry left."""
+    client = redis.Redis.from_url(redis_url)
+    q = mtq.Queue(qname, redis_url, client=client)
+    q.configure(cache_ttl_s=300)
+    catalogue.record(client, qname, {"event": "loaded"},
+                     {"target": "t:m", "version": "v1", "kind": "function",
+                      "deterministic": 0, "cacheable": 1})
+    first = q.submit({"i": 1})  # a miss: runs, and owns the entry
+    assert q.submit({"i": 1}).id == first.id  # joins it while it waits
+    doomed = q.submit({"i": 2})  # a miss whose entry its cancel frees
+    assert doomed.cancel()
+    late = q.submit({"i": 3}, ttl=0.001, cache=False)
+    deadline = int(client.hget(QueueKeys(qname).task(late.id), "deadline") or 0)
+    assert deadline > 0
+    wait_for(lambda: (lambda t: int(t[0]) * 1000 + int(t[1]) // 1000)(client.time()) > deadline,
+             5, "the server's clock never passed the task's deadline")
+    c = Consumer(qname, client=client)
+    c.broker.model_version = "v1"
+    [claimed] = c.claim(10)  # the expired one ends at claim
+    assert claimed.id == first.id
+    assert c.settle([mtq.Outcome(claimed, ok=True, value="r")]).succeeded == 1
+    hit = q.submit({"i": 1})
+    assert hit.cached and hit.result(timeout=5) == "r"
+
+    port, started = exporter
+    started.append(start_exporter(subprocess_env, "--port", str(port), "-q", qname))
+    got = wait_for(lambda: scrape(port), 15, f"the exporter never answered on port {port}")
+    assert got[("mtq_cache_misses_total", qname)] == 2
+    assert got[("mtq_cache_joined_total", qname)] == 1
+    assert got[("mtq_cache_hits_total", qname)] == 1
+    assert got[("mtq_cache_entries", qname)] == 1, "the cancelled task's entry is still counted"
+    assert got[("mtq_tasks_cancelled_total", qname)] == 1
+    assert got[("mtq_tasks_expired_total", qname)] == 1
+    assert got[("mtq_tasks_succeeded_total", qname)] == 2  # the run and the hit

@@ -245,7 +245,10 @@ local function finish(id, status, now, ttl, field, value, own)
     -- it owns a result cache entry that must not answer (it failed, was cancelled,
     -- expired, or its result may not be cached): free it
     local ek = K_CACHE .. own
-    if redis.call('GET', ek) == id then redis.call('DEL', ek) end
+    if redis.call('GET', ek) == id then
+      redis.call('DEL', ek)
+      redis.call('ZREM', K_CACHEX, own)  -- mtq_cache_entries counts what is held
+    end
   end
   if status ~= 'cancelled' and status ~= 'expired' and f[2] then
     LATENCIES[#LATENCIES + 1] = now - tonumber(f[2])
