@@ -291,13 +291,22 @@ class Task:
 
         Waits for the completion event on this client's reply subscription (no
         polling); the stored state is read first, so a completion that happened
-        before the call is not missed. Raises TaskFailed (failed, dead, expired),
-        TaskCancelled, ResultTimeout, TaskNotFound, BrokerError.
+        before the call is not missed. A task submitted by this client that already
+        ended, its outcome already received on that subscription (a loop collecting
+        many results), costs no round trip at all: its outcome is taken from the
+        client's inbox of outcomes nobody waited for (mtq.replies.Hub.take). Raises
+        TaskFailed (failed, dead, expired), TaskCancelled, ResultTimeout,
+        TaskNotFound, BrokerError.
         """
         if self._cached is not None:  # answered from the result cache at submit
             return serialization.loads(self._cached)
+        hub = self.queue.hub
+        ev = hub.take(self.queue.name, self.id)
+        if ev is not None:
+            return self._outcome(ev)
         for ev in self.events(timeout, tokens=False):
             if ev.terminal:
+                hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
                 return self._outcome(ev)
         raise AssertionError("unreachable: events() ends with a terminal event")
 
@@ -351,8 +360,13 @@ class Task:
         """:meth:`result` for asyncio."""
         if self._cached is not None:
             return serialization.loads(self._cached)
+        hub = self.queue.hub
+        ev = hub.take(self.queue.name, self.id)
+        if ev is not None:
+            return self._outcome(ev)
         async for ev in self.aevents(timeout, tokens=False):
             if ev.terminal:
+                hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
                 return self._outcome(ev)
         raise AssertionError("unreachable: aevents() ends with a terminal event")
 

@@ -48,6 +48,17 @@ log = logging.getLogger(__name__)
 RESYNC_S = 10.0
 #: a callback's read of the stored state that failed (Redis unreachable) is retried after this
 RETRY_READ_S = 1.0
+#: the outcomes a hub keeps for tasks nobody waited on when they ended (see Hub.take):
+#: at most this many, about this many bytes of the messages that carried them, for
+#: this long (s); the oldest go first, and a task whose outcome went is read from
+#: Redis as ever. So a producer that never asks for its results holds at most the
+#: last minute's, 16 MiB
+INBOX_MAX = 100_000
+INBOX_MAX_BYTES = 16 << 20
+INBOX_TTL_S = 60.0
+#: terminal states kept there: final ones. A dead letter can be retried (mtq dlq
+#: retry), so a later result() must read what it became
+INBOX_KINDS = frozenset({"succeeded", "failed", "cancelled", "expired"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,6 +358,12 @@ class Hub:
         self.callbacks: queue_mod.SimpleQueue[tuple[CallbackFeed, Event | str] | None] = \
             queue_mod.SimpleQueue()
         self._runner: threading.Thread | None = None
+        #: (queue, task id) -> (its terminal event, bytes charged, when it came,
+        #: monotonic): outcomes that arrived with no feed open on their task, for a
+        #: later Task.result() to take without a round trip (a loop over many results)
+        self._inbox: collections.OrderedDict[tuple[str, str], tuple[Event, int, float]] = \
+            collections.OrderedDict()
+        self._inbox_bytes = 0
 
     # -- subscriptions -----------------------------------------------------------
     def channel(self, queue: str, timeout: float = 10.0) -> str:
@@ -461,8 +478,15 @@ class Hub:
         except (ValueError, TypeError, IndexError, PayloadError, msgpack.UnpackException):
             log.warning("malformed reply message ignored (%d bytes)", len(data))
             return
+        charge = len(data) // max(1, len(items))  # the inbox's bound: message bytes
         with self._lock:  # copies: a reader may close its feed while we deliver
-            targets = [(list(self._feeds.get((queue, tid), ())), ev) for tid, ev in items]
+            targets = []
+            for tid, ev in items:
+                feeds = self._feeds.get((queue, tid))
+                if feeds:
+                    targets.append((list(feeds), ev))
+                elif ev.kind in INBOX_KINDS and ev.data is not FETCH:
+                    self._keep(queue, tid, ev, charge)
         loops: dict[asyncio.AbstractEventLoop, list[Any]] = {}
         for feeds, ev in targets:
             for f in feeds:
@@ -475,6 +499,36 @@ class Hub:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the loop is closed: nobody is reading any more
                 pass
+
+    # -- outcomes nobody waited for -------------------------------------------------
+    def _keep(self, queue: str, tid: str, ev: Event, charge: int) -> None:
+        """Keep a terminal event for :meth:`take` (the lock held)."""
+        inbox = self._inbox
+        old = inbox.pop((queue, tid), None)
+        if old is not None:
+            self._inbox_bytes -= old[1]
+        now = time.monotonic()
+        inbox[(queue, tid)] = (ev, charge, now)
+        self._inbox_bytes += charge
+        while inbox and (len(inbox) > INBOX_MAX or self._inbox_bytes > INBOX_MAX_BYTES
+                         or next(iter(inbox.values()))[2] < now - INBOX_TTL_S):
+            _, (_, gone, _) = inbox.popitem(last=False)
+            self._inbox_bytes -= gone
+
+    def take(self, queue: str, task_id: str) -> Event | None:
+        """The task's terminal event if it reached this client while nobody waited on
+        the task (then forgotten here), else None: read the stored state."""
+        with self._lock:
+            kept = self._inbox.pop((queue, task_id), None)
+            if kept is None:
+                return None
+            self._inbox_bytes -= kept[1]
+            return kept[0]
+
+    def kept(self) -> int:
+        """How many outcomes wait in the inbox (for tests and metrics)."""
+        with self._lock:
+            return len(self._inbox)
 
     # -- feeds ---------------------------------------------------------------------
     def open(self, feed: Feed) -> None:

@@ -1,0 +1,118 @@
+"""Collecting many results: ``Task.result()`` on tasks whose outcomes already reached
+the client over its reply channel costs no round trip (mtq.replies.Hub.take), against
+a real redis-server and a real ``mtq worker run`` process; what the inbox keeps is
+bounded, and a dead letter's outcome is never kept (it can be retried)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+import mtq
+from mtq import replies
+from tests.conftest import PY, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def worker(qname: str, subprocess_env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.handlers:gated", "-q",
+                             qname, "--batch-size", "16"], env=subprocess_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    yield proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(20) == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def commands(client: redis.Redis) -> int:
+    """Every command the server ran so far, but INFO (how we count)."""
+    stats = client.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
+
+
+def test_results_already_received_cost_no_round_trip(
+        qname: str, redis_url: str, client: redis.Redis,
+        worker: subprocess.Popen[bytes]) -> None:
+    n = 300
+    q = mtq.Queue(qname, redis_url, client=client)
+    tasks = q.submit_many([{"i": i} for i in range(n)])
+    hub = replies.hub_of(client)
+    wait_for(lambda: hub.kept() == n, 30, f"the client did not receive {n} outcomes "
+             f"(kept {hub.kept()}); is the worker running?")
+    # stopped, the worker sends nothing more: every command from here on is ours
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(20) == 0
+    before = commands(client)
+    got = [t.result(timeout=5) for t in tasks]
+    after = commands(client)
+    assert [g["i"] for g in got] == list(range(n))
+    assert after == before, f"{after - before} commands ran for {n} results already received"
+    assert hub.kept() == 0
+    # taken once: a second call reads the stored state (and agrees)
+    assert tasks[7].result(timeout=5)["i"] == 7
+
+
+def test_a_result_asked_before_its_outcome_arrives_waits_for_it_as_ever(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        worker: subprocess.Popen[bytes]) -> None:
+    gate = tmp_path / "gate"
+    gate.touch()
+    q = mtq.Queue(qname, redis_url, client=client)
+    t = q.submit({"i": 1, "gate": str(gate)})
+    hub = replies.hub_of(client)
+    assert hub.take(qname, t.id) is None
+    gate.unlink()
+    assert t.result(timeout=30)["i"] == 1
+    assert hub.kept() == 0, "the outcome went to the waiting reader, not the inbox"
+
+
+def test_the_inbox_keeps_the_newest_within_its_bounds_and_the_rest_read_redis(
+        qname: str, redis_url: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+        worker: subprocess.Popen[bytes]) -> None:
+    monkeypatch.setattr(replies, "INBOX_MAX", 5)
+    q = mtq.Queue(qname, redis_url, client=client)
+    first = q.submit_many([{"i": i} for i in range(20)])
+    wait_for(lambda: q.stats()["succeeded"] == 20, 30, "the worker did not run 20 tasks")
+    hub = replies.hub_of(client)
+    wait_for(lambda: hub.take(qname, first[-1].id) is not None, 10,
+             "the last outcome never reached the inbox")
+    assert hub.kept() == 4  # the five newest, less the one taken
+    assert all(hub.take(qname, t.id) is None for t in first[:15]), "evicted ones are gone"
+    assert [t.result(timeout=5)["i"] for t in first] == list(range(20))
+
+    monkeypatch.setattr(replies, "INBOX_MAX", 1000)
+    monkeypatch.setattr(replies, "INBOX_MAX_BYTES", 1)  # every message is over it
+    more = q.submit_many([{"i": i} for i in range(3)])
+    wait_for(lambda: q.stats()["succeeded"] == 23, 30, "the worker did not run 3 more")
+    assert hub.kept() <= 1
+    assert [t.result(timeout=5)["i"] for t in more] == list(range(3))
+
+
+def test_a_dead_letter_is_not_kept_so_a_retried_one_is_waited_for(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        worker: subprocess.Popen[bytes]) -> None:
+    fail = tmp_path / "fail"
+    fail.touch()
+    q = mtq.Queue(qname, redis_url, client=client)
+    q.configure(max_retries=0)
+    t = q.submit({"i": 5, "fail": str(fail)})
+    wait_for(lambda: t.status() == "dead", 30, "the task was not dead-lettered")
+    ok = q.submit({"i": 6})  # after the dead one on the same channel: its outcome came too
+    wait_for(lambda: replies.hub_of(client).kept() == 1, 10, "the success was not kept")
+    assert replies.hub_of(client).take(qname, t.id) is None, "a dead letter was kept"
+    fail.unlink()
+    assert q.retry_dead([t.id]) == 1
+    assert t.result(timeout=30)["i"] == 5  # ran again: not the kept failure
+    assert ok.result(timeout=5)["i"] == 6
