@@ -147,8 +147,9 @@ class Group:
             raise
         for t in tasks:
             self._adopt(t, feeds.get(t.id))
+        returned = {t.id for t in tasks}  # once: a set per feed was O(n^2)
         for tid, feed in feeds.items():  # an idempotency hit returned another task
-            if tid not in {t.id for t in tasks}:
+            if tid not in returned:
                 hub.close(feed)
         return tasks
 
