@@ -76,7 +76,15 @@ def test_hit_miss_and_bypass(qname: str, redis_url: str, client: redis.Redis,
         assert second.cached and second.id != first.id
         assert second.result(timeout=1) == first.result(timeout=1)
         assert second.status() == "succeeded"
-        assert "cached" in [e.kind for e in second.trace()]
+        assert [e.kind for e in second.trace()] == ["cached", "succeeded"]
+        k = QueueKeys(qname)
+        # as finish() leaves a task: its result and time, its retention, its reply channel
+        fields = client.hgetall(k.task(second.id))
+        assert fields[b"finished"] == fields[b"created"] and b"token" not in fields
+        assert fields[b"reply"] == q.reply_channel().encode()
+        retention = q.settings.retention_s
+        assert 0 < client.ttl(k.task(second.id)) <= retention
+        assert 0 < client.ttl(k.trace(second.id)) <= retention
         assert len(runs(log)) == 1, "a cache hit ran the handler"
         other = q.submit({"i": 2})  # a different payload: a miss
         assert not other.cached and other.result(timeout=20)["i"] == 2

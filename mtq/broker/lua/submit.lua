@@ -90,18 +90,26 @@ for i = 0, n - 1 do
       if suffix then hit, running = cache_get(suffix) end
     end
     if hit then
-      local f = {'payload', payload, 'status', 'queued', 'created', now, 'cached', suffix}
+      -- the task as finish() would leave it, in one HSET (a hit is the cache's hot
+      -- path): succeeded, its result, its trace, its retention, a latency of 0. No
+      -- done message: the submitter has the result in this reply, and nobody else
+      -- knows the new id yet (the reply channel is stored for a retried submit)
+      local f = {'payload', payload, 'status', 'succeeded', 'created', now, 'finished', now,
+                 'result', hit, 'cached', suffix}
       if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
       if key ~= '' then
         f[#f + 1] = 'key'; f[#f + 1] = key
         redis.call('SET', K_IDEM .. key, id, 'EX', window)
       end
+      if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
       redis.call('HSET', tk, unpack(f))
-      note(id, now, 'cached', 'answered from the result cache')
-      -- no done message: the submitter has the result in this reply, and nobody else
-      -- knows the new id yet (the reply channel is stored after, for a retried submit)
-      finish(id, 'succeeded', now, retention, 'result', hit)
-      if reply_to ~= '' then redis.call('HSET', tk, 'reply', reply_to) end
+      redis.call('RPUSH', K_TRACE .. id, now .. '|cached|answered from the result cache',
+                 now .. '|succeeded|')
+      if retention > 0 then
+        redis.call('EXPIRE', tk, retention)
+        redis.call('EXPIRE', K_TRACE .. id, retention)
+      end
+      LATENCIES[#LATENCIES + 1] = 0
       hits = hits + 1
       cached_ids[hits] = id
       out[i + 1] = {id, hit}
