@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import date
 
 import redis
@@ -170,76 +171,112 @@ def redis_cost(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str,
     return {f"{k}_{m}": statistics.median(v) for m, d in out.items() for k, v in d.items()}
 
 
+def counted(prepare: Callable[[redis.Redis], Callable[[], None]]) -> int:
+    """redis-server's instructions (valgrind's callgrind) while the function that
+    ``prepare(client)`` returns runs, on a fresh server under callgrind:
+    ``prepare`` sets up with instrumentation off. Repeatable to a fraction of a
+    percent where CPU time on a shared 2-core machine moves by 10-30 % between runs."""
+    work = tempfile.mkdtemp(prefix="mtq-bench-cg-")
+    dump, port = os.path.join(work, "callgrind.out"), free_port()
+    proc = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={dump}",
+         find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no", "--dir", work],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        r = redis.Redis(port=port)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise SystemExit("redis-server under valgrind did not start") from None
+                time.sleep(0.1)
+        run = prepare(r)
+        for switch in ("on", "off"):
+            if switch == "off":
+                run()
+            subprocess.run(["callgrind_control", "-i", switch, str(proc.pid)], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            r.shutdown(nosave=True)
+        except redis.ConnectionError:
+            pass
+        proc.wait(60)
+        hub_of(r).close_all()
+        r.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    with open(dump) as f:
+        total = next(int(line.split()[1]) for line in f if line.startswith("totals:"))
+    shutil.rmtree(work, ignore_errors=True)
+    return total
+
+
+def with_model(r: redis.Redis, q: mtq.Queue, version: str) -> None:
+    catalogue.record(r, q.name, {"event": "loaded"},
+                     {"target": "benchmarks.noop:handle", "version": version,
+                      "kind": "function", "deterministic": 0, "cacheable": 1})
+
+
 def redis_instructions(n: int, passes: int, batch: int = 64) -> dict[str, list[float]] | None:
-    """redis-server's instructions per drained task, cache off vs on (all misses),
-    counted by valgrind's callgrind: repeatable to a fraction of a percent where CPU
-    time on a shared 2-core machine moves by 10-30 % between passes. A fresh server per
-    pass; n tasks submitted with instrumentation off; then claim and ack them, ``batch``
-    at a time, from this process (the scripts and arguments a worker runs; the
-    worker's own side does not change with the cache) with it on. None without
-    valgrind."""
+    """redis-server's instructions per drained task, cache off vs on (all misses), and
+    per cache hit (:func:`counted`). Drained: n tasks submitted with instrumentation
+    off, then claimed and acked ``batch`` at a time from this process (the scripts and
+    arguments a worker runs; the worker's own side does not change with the cache).
+    A hit: n submits answered by the cache. None without valgrind."""
     if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
         return None
     version = version_of(FunctionModel(handle))
-    out: dict[str, list[float]] = {"off": [], "on": []}
-    for i in range(passes):
-        for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
-            work = tempfile.mkdtemp(prefix="mtq-bench-cg-")
-            dump, port = os.path.join(work, "callgrind.out"), free_port()
-            proc = subprocess.Popen(
-                ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-                 f"--callgrind-out-file={dump}", find_redis_server(), "--port", str(port),
-                 "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", work],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            try:
-                r = redis.Redis(port=port)
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        r.ping()
-                        break
-                    except redis.ConnectionError:
-                        if time.monotonic() > deadline or proc.poll() is not None:
-                            raise SystemExit(
-                                "redis-server under valgrind did not start") from None
-                        time.sleep(0.1)
-                q = mtq.Queue(f"bench-ir-{mode}", client=r)
-                if mode == "on":
-                    q.configure(cache_ttl_s=3600, cache_max_entries=10 * n)
-                catalogue.record(r, q.name, {"event": "loaded"},
-                                 {"target": "benchmarks.noop:handle", "version": version,
-                                  "kind": "function", "deterministic": 0, "cacheable": 1})
-                q.submit_many([{"text": "hello world", "i": j} for j in range(n + batch)])
-                consumer = Consumer(q.name, client=r)
-                consumer.broker.model_version = version  # as the worker sets it
-                # one batch outside the window: scripts loaded, settings read
-                consumer.settle([mtq.Outcome(t, ok=True, value=None)
-                                 for t in consumer.claim(batch)])
-                subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out: dict[str, list[float]] = {"off": [], "on": [], "hit": []}
+
+    def drain(mode: str) -> Callable[[redis.Redis], Callable[[], None]]:
+        def prepare(r: redis.Redis) -> Callable[[], None]:
+            q = mtq.Queue(f"bench-ir-{mode}", client=r)
+            if mode == "on":
+                q.configure(cache_ttl_s=3600, cache_max_entries=10 * n)
+            with_model(r, q, version)
+            q.submit_many([{"text": "hello world", "i": j} for j in range(n + batch)])
+            consumer = Consumer(q.name, client=r)
+            consumer.broker.model_version = version  # as the worker sets it
+            # one batch outside the window: scripts loaded, settings read
+            consumer.settle([mtq.Outcome(t, ok=True, value=None)
+                             for t in consumer.claim(batch)])
+
+            def run() -> None:
                 done = 0
                 while done < n:
                     got = consumer.claim(batch)
                     consumer.settle([mtq.Outcome(t, ok=True, value=None) for t in got])
                     done += len(got)
-                subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 assert q.stats()["succeeded"] == n + batch
-                try:
-                    r.shutdown(nosave=True)
-                except redis.ConnectionError:
-                    pass
-                proc.wait(60)
-                hub_of(r).close_all()
-                r.close()
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-            with open(dump) as f:
-                total = next(int(line.split()[1]) for line in f if line.startswith("totals:"))
-            shutil.rmtree(work, ignore_errors=True)
-            out[mode].append(total / n)
+            return run
+        return prepare
+
+    def hits(r: redis.Redis) -> Callable[[], None]:
+        q = mtq.Queue("bench-ir-hit", client=r)
+        q.configure(cache_ttl_s=3600)
+        with_model(r, q, version)
+        consumer = Consumer(q.name, client=r)
+        consumer.broker.model_version = version
+        q.submit({"text": "hello world"})
+        consumer.settle([mtq.Outcome(t, ok=True, value={"v": [0.25] * 8})
+                         for t in consumer.claim(1)])
+        assert q.submit({"text": "hello world"}).cached
+
+        def run() -> None:
+            for _ in range(n):
+                q.submit({"text": "hello world"})
+        return run
+
+    for i in range(passes):
+        for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            out[mode].append(counted(drain(mode)) / n)
+        out["hit"].append(counted(hits) / n)
     return out
 
 
@@ -322,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
          f"({100 * statistics.median(ir['on']) / statistics.median(ir['off']) - 100:+.1f} %) "
          "| <= 3 % more |" if ir else
          "| redis-server instructions per drained task | (valgrind not installed) | |"),
+        *([f"| redis-server instructions per cache hit (its submit; callgrind) | "
+           f"{statistics.median(ir['hit']):,.0f} | |"] if ir else []),
         f"| Redis commands per task (scripts' inner ones): submit off / on; drain off / on | "
         f"{cost['submit_cmds_off']:.2f} / {cost['submit_cmds_on']:.2f}; "
         f"{cost['drain_cmds_off']:.2f} / {cost['drain_cmds_on']:.2f} | |",
