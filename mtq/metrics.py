@@ -176,8 +176,8 @@ def _escape(v: str) -> str:
 
 
 # A family, as both writers take it: (name, type, help, label names, rows); a row is
-# (label values, value) for a gauge or counter, and (label values, cumulative bucket
-# counts, le strings, sum) for a histogram.
+# (label values, value) for a gauge or counter, and (label values, (NON-cumulative
+# bucket counts, sum), le strings) for a histogram.
 Family = tuple[str, str, str, tuple[str, ...], list[Any]]
 
 
@@ -195,6 +195,11 @@ class MtqCollector(Collector):
         self.client = client
         self.queues = list(queues) if queues is not None else None
         self._reader = ScrapeReader(client)
+        #: queue -> (its last "hist" reply, what it parsed to): most queues' histograms
+        #: do not change between scrapes, and parsing them is most of a read's Python
+        self._parsed: dict[str, tuple[tuple[Any, ...], dict[str, tuple[list[int], float]]]] = {}
+        #: (family, label text) -> (the histogram tuple it was written from, its text)
+        self._written: dict[tuple[str, str], tuple[Any, str]] = {}
 
     def read(self) -> Reading:
         """Everything one scrape exports; raises redis-py's errors."""
@@ -205,6 +210,8 @@ class MtqCollector(Collector):
         out = Reading()
         keys, positions, zero = _STAT_KEYS, _HIST_POS, _ZERO
         stats, hists = out.stats, out.hists
+        parsed = self._parsed
+        fresh: dict[str, tuple[tuple[Any, ...], dict[str, tuple[list[int], float]]]] = {}
         for name, (counters, running, delayed, dead, busy, hist, cached) in zip(
                 names, self._reader.read(names)):
             st: dict[str, int | float] = {**zero, **{
@@ -213,6 +220,12 @@ class MtqCollector(Collector):
                       cache_entries=cached)
             stats[name] = st
             if hist:
+                raw = tuple(hist.items())
+                prev = parsed.get(name)
+                if prev is not None and prev[0] == raw:
+                    hists[name] = prev[1]  # the same objects: see render()
+                    fresh[name] = prev
+                    continue
                 flat: list[Any] = [0] * _HIST_SIZE
                 for k, v in hist.items():
                     i = positions.get(k)
@@ -224,6 +237,8 @@ class MtqCollector(Collector):
                     if any(counts):
                         got[metric] = (counts, float(flat[hi]))
                 hists[name] = got
+                fresh[name] = (raw, got)
+        self._parsed = fresh
         wanted = set(names)
         try:
             workers = list_workers(self.client)
@@ -248,7 +263,7 @@ class MtqCollector(Collector):
             for queue, hists in reading.hists.items():
                 got = hists.get(metric)
                 if got is not None:
-                    rows.append(((queue,), _cumulative(got[0]), le, got[1]))
+                    rows.append(((queue,), got, le))
             yield name, "histogram", doc, q, rows
         yield from _worker_families(reading.workers)
 
@@ -279,6 +294,7 @@ class MtqCollector(Collector):
         reading, read_s = self._timed_read()
         out: list[str] = []
         add = out.append
+        written, kept = self._written, {}
         if reading is not None:
             label_text: dict[tuple[str, ...], str] = {}
             for name, kind, doc, names, rows in self.families(reading):
@@ -292,11 +308,20 @@ class MtqCollector(Collector):
                         lab = label_text[values] = ",".join(
                             f'{n}="{_escape(v)}"' for n, v in zip(names, values))
                     if kind == "histogram":
-                        _, cum, le, total = row
-                        add(_template(name, le).format(lab, _num(total), *cum))
+                        _, got, le = row
+                        key = (name, lab)
+                        prev = written.get(key)
+                        if prev is not None and prev[0] is got:  # unchanged since
+                            text = prev[1]
+                        else:
+                            text = _template(name, le).format(lab, _num(got[1]),
+                                                              *_cumulative(got[0]))
+                        kept[key] = (got, text)
+                        add(text)
                     else:
                         v = row[1]
                         add(f"{shown}{{{lab}}} {v if type(v) is int else _num(v)}\n")
+        self._written = kept
         add("# HELP mtq_up 1 if this scrape read Redis, else 0.\n# TYPE mtq_up gauge\n"
             f"mtq_up {0 if reading is None else 1}\n")
         add("# HELP mtq_scrape_duration_seconds Seconds this scrape spent reading Redis.\n"
@@ -318,8 +343,8 @@ def _metric(name: str, kind: str, doc: str, labels: tuple[str, ...], rows: list[
     m: Any
     if kind == "histogram":
         m = HistogramMetricFamily(name, doc, labels=list(labels))
-        for values, cum, le, total in rows:
-            m.add_metric(list(values), list(zip(le, cum)), total)
+        for values, (counts, total), le in rows:
+            m.add_metric(list(values), list(zip(le, _cumulative(counts))), total)
     else:
         m = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
             name, doc, labels=list(labels))
@@ -341,7 +366,7 @@ def _worker_families(workers: list[dict[str, Any]]) -> Iterator[Family]:
             size, n = int(size), int(n)
             counts[min(max(0, (size - 1).bit_length()), len(BATCH_BOUNDS))] += n
             total += size * n
-        batch.append((labels, _cumulative(counts), _BATCH_LE, total))
+        batch.append((labels, (counts, total), _BATCH_LE))
         busy.append((labels, float(w.get("busy_s", w.get("predict_s", 0.0)) or 0.0)))
         restarts.append((labels, int(w.get("restarts") or 0)))
         tasks.append((labels, int(w.get("tasks") or 0)))
