@@ -106,8 +106,11 @@ function reply(kind, channel, a, b, c)
 end
 
 -- One line of a task's trace (see KEYS[14]).
+local function trace_line(now, kind, detail)
+  return now .. '|' .. kind .. '|' .. (detail or '')
+end
 local function note(id, now, kind, detail)
-  redis.call('RPUSH', K_TRACE .. id, now .. '|' .. kind .. '|' .. (detail or ''))
+  redis.call('RPUSH', K_TRACE .. id, trace_line(now, kind, detail))
 end
 
 -- Finished tasks' latencies and failures, written once per script by flush_replies().

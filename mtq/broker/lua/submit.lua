@@ -103,8 +103,8 @@ for i = 0, n - 1 do
       end
       if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
       redis.call('HSET', tk, unpack(f))
-      redis.call('RPUSH', K_TRACE .. id, now .. '|cached|answered from the result cache',
-                 now .. '|succeeded|')
+      redis.call('RPUSH', K_TRACE .. id, trace_line(now, 'cached', 'answered from the result cache'),
+                 trace_line(now, 'succeeded'))
       if retention > 0 then
         redis.call('EXPIRE', tk, retention)
         redis.call('EXPIRE', K_TRACE .. id, retention)
