@@ -40,8 +40,8 @@ import redis
 
 import mtq
 from mtq.broker.embedded import find_redis_server
-from mtq.broker.keys import QueueKeys
 from mtq.settings import QueueSettings
+from mtq.trace import read_traces
 from mtq.workers.registry import list_workers
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,13 +74,9 @@ def recovery_times(client: redis.Redis, queue: str, task_ids: Sequence[str],
     the task's next claim (its next 'started' step). Read from the tasks' traces,
     which the scripts write in Redis server time (the same host's clock)."""
     by_worker = {k.worker: k.t for k in kills}
-    keys = QueueKeys(queue)
     out: list[float] = []
     for start in range(0, len(task_ids), 1000):
-        pipe = client.pipeline(transaction=False)
-        for tid in task_ids[start:start + 1000]:
-            pipe.lrange(keys.trace(tid), 0, -1)
-        for raw in pipe.execute():
+        for raw in read_traces(client, queue, task_ids[start:start + 1000]):
             steps = _trace(raw)
             for n, (t, kind, detail) in enumerate(steps):
                 if kind != "started":

@@ -290,6 +290,18 @@ def queue_exists(client: Any, queue: str) -> bool:
     return bool(member) or int(n) > 0
 
 
+def read_traces(client: Any, queue: str, ids: Sequence[str]) -> list[list[bytes]]:
+    """The raw trace lines ("ms|kind|detail") of each of ``ids``, in one round trip
+    (trace.lua: a task on the happy path keeps its trace in its own fields, the others
+    in a list). Raises MtqError (RedisUnavailable, BrokerError)."""
+    from mtq.broker import scripts
+    from mtq.broker.keys import QueueKeys
+
+    k = QueueKeys(queue)
+    call = scripts.Call(scripts.script("trace"), k.script_keys, [*k.channels, *ids], list)
+    return list(scripts.run(client, call)[0])
+
+
 def collect(client: Any, queue: str, since_s: float, limit: int = 10_000
             ) -> dict[str, Any]:
     """Read what :func:`chrome_trace` needs for the last ``since_s`` seconds of
@@ -344,10 +356,7 @@ def collect(client: Any, queue: str, since_s: float, limit: int = 10_000
     order = list(ids)
     for at in range(0, len(order), CHUNK):
         part = order[at:at + CHUNK]
-        pipe = client.pipeline(transaction=False)
-        for i in part:
-            pipe.lrange(k.trace(i), 0, -1)
-        for i, lines in zip(part, pipe.execute()):
+        for i, lines in zip(part, read_traces(client, queue, part)):
             parsed_lines = [p for p in map(parse_line, lines) if p is not None]
             if parsed_lines:
                 traces[i] = parsed_lines

@@ -394,12 +394,18 @@ class Broker:
     def trace(self, task_id: str) -> list[tuple[int, str, str]]:
         """A task's life, oldest first: (server ms, kind, detail)."""
         with redis_errors("while reading a task's trace"):
-            raw = self.redis.lrange(self.keys.trace(task_id), 0, -1)
+            raw = self.run(self.traces_call([task_id]))[0][0]
         out = []
         for line in raw:
             ts, kind, detail = _s(line).split("|", 2)
             out.append((int(ts), kind, detail))
         return out
+
+    def traces_call(self, ids: Sequence[str]) -> scripts.Call:
+        """Read the trace lines of ``ids`` (raw "ms|kind|detail", a list per id): the
+        stored list, or the lines a task on the happy path keeps in its fields (see
+        trace.lua)."""
+        return self._call("trace", list(ids), list)
 
     def snapshot_into(self, pipe: Any) -> Any:
         """Queue the reads of :meth:`parse_snapshot` on ``pipe``: O(1) counters, the

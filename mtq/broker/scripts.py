@@ -23,7 +23,7 @@ from mtq.broker.connection import redis_errors, single_attempt
 from mtq.errors import BrokerError
 
 NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap", "emit", "watch", "purge",
-         "dlq", "orphans")
+         "dlq", "orphans", "trace")
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from typing import Any
 
 import redis
 
-from mtq.broker.connection import Backoff, redis_errors
+from mtq.broker.connection import Backoff, redis_errors, single_attempt
 from mtq.broker.keys import QueueKeys
 from mtq.errors import ConfigError
 
@@ -99,10 +99,17 @@ class Listener:
                 self._pubsub.subscribe(self.channel)
                 self.subscribed.set()
                 backoff.reset()
-                for item in self._pubsub.listen():
+                ps = self._pubsub
+                while not self._closed.is_set():
+                    # one attempt per read: redis-py's own retry would re-open the
+                    # connection close() shuts down and block on it (close() would
+                    # wait its whole timeout); the loop around reconnects
+                    with single_attempt():
+                        raw = ps.parse_response(block=True)
+                    item = ps.handle_message(raw, ignore_subscribe_messages=True)
                     if self._closed.is_set():
                         return
-                    if item.get("type") != "message":
+                    if item is None or item.get("type") != "message":
                         continue
                     try:
                         msg = json.loads(item["data"])
@@ -112,7 +119,8 @@ class Listener:
                         log.warning("malformed control message %r ignored", item["data"])
                         continue
                     self.callback(msg)
-            except (redis.RedisError, OSError, ValueError, AttributeError):
+            # RuntimeError: redis-py's "pubsub connection not set", once close() ran
+            except (redis.RedisError, OSError, ValueError, AttributeError, RuntimeError):
                 if self._closed.is_set():
                     return
                 delay = backoff.next()  # the first retry at once, then up to 1 s apart

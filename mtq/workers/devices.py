@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from typing import Any
 
 from mtq.errors import ConfigError
@@ -69,9 +70,14 @@ def child_env(device: str) -> tuple[dict[str, str], str]:
     return {"CUDA_VISIBLE_DEVICES": ""}, device
 
 
-def torch_device(name: str) -> Any:
+def torch_device(name: str, needed: bool = True) -> Any:
     """A ``torch.device`` for ``name`` when torch is installed, else the string
-    (a plain function worker on a machine without torch)."""
+    (a plain function worker on a machine without torch). ``needed=False`` (a target
+    that never looks at its device: a plain function): the string ``"cpu"`` for the
+    CPU unless torch is already imported, so that such a worker does not spend
+    seconds importing torch at start-up."""
+    if not needed and name == "cpu" and "torch" not in sys.modules:
+        return name
     try:
         import torch
     except ImportError:

@@ -62,7 +62,7 @@ from mtq.workers import catalogue, devices, registry
 from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.generator import Generator
-from mtq.workers.model import Progress, is_per_item
+from mtq.workers.model import FunctionModel, Progress, is_per_item
 from mtq.workers.outlet import Outlet
 from mtq.workers.stats import Histograms
 from mtq.workers.target import BatchPolicy, Target, load_model
@@ -78,6 +78,12 @@ BEAT_S = 1.0
 REVALIDATE_BELOW = 0.5
 
 Lease = tuple[str, str]
+
+
+def _uses_device(model: Any) -> bool:
+    """Whether ``model``'s setup may look at its device (a plain function's never does:
+    it runs on the CPU with no torch.device built for it)."""
+    return not isinstance(model, FunctionModel)
 
 
 class Monitor:
@@ -190,7 +196,7 @@ class Worker:
     # -- lifecycle ---------------------------------------------------------------
     def setup(self) -> None:
         """Build the device and run the model's ``setup`` (once per process)."""
-        self.device = devices.torch_device(self.device_name)
+        self.device = devices.torch_device(self.device_name, _uses_device(self.model))
         self.model.setup(self.device)
         self._catalogue("loaded", self.model)
         self._ready = True
@@ -607,6 +613,8 @@ class Worker:
                                   "it cannot re-import it")
             model = load_model(self.spec, reload=True)
             policy = BatchPolicy.of(model, **self.overrides)
+            if isinstance(self.device, str) and _uses_device(model):
+                self.device = devices.torch_device(self.device_name)  # was a function's
             model.setup(self.device)
         except Exception as exc:
             self.last_error = f"reload failed, kept the old model: {type(exc).__name__}: {exc}"

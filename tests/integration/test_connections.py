@@ -19,7 +19,7 @@ import pytest
 import redis
 
 import mtq
-from mtq.broker.keys import QueueKeys
+from mtq.trace import read_traces
 from mtq.workers.registry import list_workers
 from tests.conftest import Reader, wait_for
 
@@ -56,13 +56,9 @@ class Killer:
 
 def _starts(r: redis.Redis, queue: str, ids: list[str]) -> list[tuple[float, str]]:
     """(time s, detail) of every 'started' and 'restarted' step of these tasks."""
-    keys = QueueKeys(queue)
     out = []
     for k in range(0, len(ids), 500):
-        pipe = r.pipeline(transaction=False)
-        for i in ids[k:k + 500]:
-            pipe.lrange(keys.trace(i), 0, -1)
-        for steps in pipe.execute():
+        for steps in read_traces(r, queue, ids[k:k + 500]):
             for step in steps:
                 ms, kind, detail = step.decode().split("|", 2)
                 if kind in ("started", "restarted"):

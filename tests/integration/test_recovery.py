@@ -17,6 +17,7 @@ from benchmarks.faults import kill_workers, pct, recovery_times
 from mtq.broker.connection import connect
 from mtq.broker.consumer import Consumer, connection_name
 from mtq.broker.keys import QueueKeys
+from mtq.trace import read_traces
 from tests.conftest import wait_for
 from tests.integration.test_supervisor import StartFn, supervise, wait_workers
 
@@ -140,10 +141,9 @@ def test_twenty_kills_of_supervised_workers_give_everything_back_within_a_second
     pipe = r.pipeline(transaction=False)
     for t in tasks:
         pipe.hget(keys.task(t.id), "finished")
-        pipe.lrange(keys.trace(t.id), 0, -1)
-    replies = pipe.execute()
-    finished = [int(x) for x in replies[0::2]]
-    ends = [sum(1 for step in tr if b"|succeeded|" in step) for tr in replies[1::2]]
+    finished = [int(x) for x in pipe.execute()]
+    traces = read_traces(r, qname, [t.id for t in tasks])
+    ends = [sum(1 for step in tr if b"|succeeded|" in step) for tr in traces]
     assert ends == [1] * n, "a task succeeded more than once"
     for s in range(streams):
         mine = finished[s::streams]

@@ -18,7 +18,9 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
   KEYS[14] trace prefix       mtq:{q}:trace:     (+ id  -> list of "ms|kind|detail", the
                                                   task's life: queued, started, retry,
                                                   restarted, released, cancel requested, <terminal
-                                                  status>; expires with the task)
+                                                  status>; expires with the task. Written only
+                                                  for a task that left the happy path: see
+                                                  "Trace" below)
   KEYS[15] latency            list: submit-to-finish ms of the last LATENCY_KEEP finished
                               tasks, newest first (dashboards: p50/p99 in O(1) of the queue)
   KEYS[16] failures           list: JSON {id, status, ts, error} of the last FAILURES_KEEP
@@ -53,6 +55,17 @@ Prefix keys are the one place where Lua appends to a key name: ids are only
 known inside the script (claim pops them). The hash tag sits in the prefix, so
 the result always hashes to the queue's slot.
 
+Trace: a task on the happy path (queued, started once, ended) has no trace list: its
+lines are read from its own fields (created, started, deliveries, worker, finished,
+status, error; trace_lines() below), which costs no command per task. Its 'trace'
+field is '0' (set by submit). The first time anything else happens to it (a retry, a
+restart, a release, a cancel request, a retry from the dead letters), materialize()
+writes the lines so far into the list and sets 'trace' to '1'; from then on every
+line is stored (claim and finish() add theirs). A task without the field was made
+by an older mtq and has a complete list. trace.lua reads either kind.
+Likewise 'out' = '1' marks a task that streamed tokens (emit.lua), so that finish()
+expires its token list only if there is one.
+
 Fencing: ack, nack and extend act only on a task whose status is 'running' AND
 whose token matches, so a token left in the hash after the task moves on is inert
 (retry and release leave it for the next claim to overwrite).
@@ -79,6 +92,19 @@ local E_QUEUE_FULL, E_DUPLICATE_ID, E_LEASE_LOST, E_NOT_FOUND, E_FINISHED, E_BAD
   -1, -2, -3, -4, -5, -6
 
 local NOW_US = 0
+
+-- A number as a command argument or in a string: formatted (sprintf "%.14g", costly
+-- next to a command) once per script for each value. A script formats the same few
+-- values (now, a deadline, a retention) for every task it touches.
+local NUMSTR = {}
+local function num(n)
+  local s = NUMSTR[n]
+  if not s then
+    s = tostring(n)
+    NUMSTR[n] = s
+  end
+  return s
+end
 local function now_ms()
   local t = redis.call('TIME')
   NOW_US = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -107,9 +133,45 @@ end
 
 -- One line of a task's trace (see KEYS[14]).
 local function trace_line(now, kind, detail)
-  return now .. '|' .. kind .. '|' .. (detail or '')
+  return (type(now) == 'number' and num(now) or now) .. '|' .. kind .. '|' .. (detail or '')
 end
+
+-- The hash fields trace_lines() reads (see "Trace" in the header), 'trace' first.
+local TRACE_FIELDS = {'trace', 'created', 'stream', 'started', 'deliveries', 'worker',
+                      'finished', 'status', 'error', 'cached'}
+local TERMINAL = {succeeded = true, failed = true, dead = true, cancelled = true, expired = true}
+
+-- The trace of a task that has no list ('trace' = '0'), from f = HMGET TRACE_FIELDS.
+local function trace_lines(f)
+  if f[10] then  -- answered from the result cache at submit
+    return {trace_line(f[2], 'cached', 'answered from the result cache'),
+            trace_line(f[7], 'succeeded')}
+  end
+  local lines = {}
+  if f[2] then lines[1] = trace_line(f[2], 'queued', f[3] and ('stream ' .. f[3]) or nil) end
+  if f[4] then
+    lines[#lines + 1] = trace_line(f[4], 'started', 'delivery ' .. (f[5] or '1') .. ' on ' .. (f[6] or ''))
+  end
+  if f[7] and TERMINAL[f[8]] then
+    lines[#lines + 1] = trace_line(f[7], f[8], f[8] ~= 'succeeded' and string.sub(f[9] or '', 1, 300) or nil)
+  end
+  return lines
+end
+
+-- The task leaves the happy path: write out its trace so far, once (see the header).
+-- Call it before changing the fields trace_lines() reads.
+local function materialize(id)
+  local tk = K_TASK .. id
+  local f = redis.call('HMGET', tk, unpack(TRACE_FIELDS))
+  if f[1] ~= '0' then return end  -- stored already (or a task of an older mtq)
+  local lines = trace_lines(f)
+  if #lines > 0 then redis.call('RPUSH', K_TRACE .. id, unpack(lines)) end
+  redis.call('HSET', tk, 'trace', '1')
+end
+
+-- A line off the happy path: the trace is stored from now on.
 local function note(id, now, kind, detail)
+  materialize(id)
   redis.call('RPUSH', K_TRACE .. id, trace_line(now, kind, detail))
 end
 
@@ -221,28 +283,29 @@ end
 -- Record a terminal state: status, time, retention, and the done message to its client.
 -- own: the result cache entry suffix the task owns and that must be freed, false for
 -- none (or one that answers from now on: ack.lua), nil: not known, read it here.
-local function finish(id, status, now, ttl, field, value, own)
+-- h: {reply, created, trace, out} as the caller read them, or nil: read them here.
+local function finish(id, status, now, ttl, field, value, own, h)
   local tk = K_TASK .. id
   if field then
-    redis.call('HSET', tk, 'status', status, 'finished', now, field, value)
+    redis.call('HSET', tk, 'status', status, 'finished', num(now), field, value)
   else
-    redis.call('HSET', tk, 'status', status, 'finished', now)
+    redis.call('HSET', tk, 'status', status, 'finished', num(now))
   end
-  -- not needed for fencing (see the header); it keeps retained results lean
-  redis.call('HDEL', tk, 'token')
+  if not h then
+    h = redis.call('HMGET', tk, 'reply', 'created', 'trace', 'out', 'cache')
+    if own == nil then own = h[5] end
+  end
   local v = value or ''
-  note(id, now, status, status ~= 'succeeded' and string.sub(v, 1, 300) or nil)
-  if ttl > 0 then
-    redis.call('EXPIRE', tk, ttl)
-    redis.call('EXPIRE', K_OUT .. id, ttl)
-    redis.call('EXPIRE', K_TRACE .. id, ttl)
+  local stored = h[3] ~= '0'  -- the trace is a list (see the header)
+  if stored then
+    redis.call('RPUSH', K_TRACE .. id, trace_line(now, status, status ~= 'succeeded' and string.sub(v, 1, 300) or nil))
   end
-  local f
-  if own == nil then
-    f = redis.call('HMGET', tk, 'reply', 'created', 'cache')
-    own = f[3]
-  else
-    f = redis.call('HMGET', tk, 'reply', 'created')
+  if ttl > 0 then
+    local ttl_s = num(ttl)
+    redis.call('EXPIRE', tk, ttl_s)
+    -- a task of an older mtq ('trace' not set) may have tokens without 'out'
+    if h[4] or not h[3] then redis.call('EXPIRE', K_OUT .. id, ttl_s) end
+    if stored then redis.call('EXPIRE', K_TRACE .. id, ttl_s) end
   end
   if own then
     -- it owns a result cache entry that must not answer (it failed, was cancelled,
@@ -253,15 +316,15 @@ local function finish(id, status, now, ttl, field, value, own)
       redis.call('ZREM', K_CACHEX, own)  -- mtq_cache_entries counts what is held
     end
   end
-  if status ~= 'cancelled' and status ~= 'expired' and f[2] then
-    LATENCIES[#LATENCIES + 1] = now - tonumber(f[2])
+  if status ~= 'cancelled' and status ~= 'expired' and h[2] then
+    LATENCIES[#LATENCIES + 1] = now - tonumber(h[2])
   end
   if status == 'failed' or status == 'dead' or status == 'expired' then
     FAILURES[#FAILURES + 1] = cjson.encode({id = id, status = status, ts = now,
       error = string.sub(v, 1, 300)})
   end
   if status == 'succeeded' and #v > REPLY_INLINE then v = false end
-  reply('done', f[1], id, status, v)
+  reply('done', h[1], id, status, v)
 end
 
 -- Dead-letter a task; the list keeps at most dead_max ids (the oldest are deleted).
@@ -297,6 +360,7 @@ local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
       'PoisonTask: ' .. why .. ' on each of ' .. f[3] .. ' deliveries')
     what = 'dead'
   else
+    materialize(id)
     requeue_head(id, s)
     note(id, now, 'restarted', why)
     reply('restarted', redis.call('HGET', K_TASK .. id, 'reply'), id, tonumber(f[3] or '0'), why)

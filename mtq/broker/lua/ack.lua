@@ -34,24 +34,27 @@ end
 for i = 0, n - 1 do
   local b = 5 + i * 3
   local id, token = ARGV[b], ARGV[b + 1]
-  local f = redis.call('HMGET', K_TASK .. id, 'status', 'token', 'stream', 'cache')
+  local f = redis.call('HMGET', K_TASK .. id, 'status', 'token', 'stream', 'cache', 'reply', 'created',
+    'trace', 'out')
   if f[1] ~= 'running' or f[2] ~= token then
     codes[i + 1] = E_LEASE_LOST
   else
-    redis.call('ZREM', K_LEASES, id)
     local keep, own, result = ttl, f[4] or false, ARGV[b + 2]
     -- find, plain, not sub: no new string per task
     if own and keepable and #result <= REPLY_INLINE and string.find(own, prefix, 1, true) == 1 then
       own = false  -- its entry answers from now on: finish() leaves it
       keep = math.max(ttl, cache_ttl)
     end
-    finish(id, 'succeeded', now, keep, 'result', result, own)
+    finish(id, 'succeeded', now, keep, 'result', result, own, {f[5], f[6], f[7], f[8]})
     if f[3] then woken = woken + release_stream(f[3]) end
     codes[i + 1] = 1
     done[#done + 1] = id
   end
 end
 if #done > 0 then
+  for i = 1, #done, 4000 do
+    redis.call('ZREM', K_LEASES, unpack(done, i, math.min(i + 3999, #done)))
+  end
   redis.call('HINCRBY', K_STATS, 'succeeded', #done)
   event('succeeded', now, {ids = done})
 end

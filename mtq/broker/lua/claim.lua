@@ -27,18 +27,19 @@ local out = {0, reaped}
 local n, taken, base = 0, 0, 0
 local until_ms = now + lease
 local claimed, expired = {}, {}
+local leases = {}  -- ZADD arguments: every task claimed here gets its lease in one command
 if B > 0 then base = redis.call('INCRBY', K_SEQ, B) - B end
 
 -- Claim one popped id. Returns true if it now runs; false for a tombstone or an expired task.
 local function take(id, s)
   local tk = K_TASK .. id
   local f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries',
-    'created', 'reply', 'traceparent')
+    'created', 'reply', 'traceparent', 'trace')
   if f[1] ~= 'queued' then
     -- a cancelled tombstone: its retention starts now that it left the list
     if f[1] == 'cancelled' then
       redis.call('EXPIRE', tk, ttl)
-      redis.call('EXPIRE', K_TRACE .. id, ttl)
+      if f[10] ~= '0' then redis.call('EXPIRE', K_TRACE .. id, ttl) end
     end
     return false
   end
@@ -52,9 +53,12 @@ local function take(id, s)
   local token = tostring(base + n)
   local deliveries = tonumber(f[4] or '0') + 1
   redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
-    'started', now, 'deliveries', deliveries)
-  redis.call('ZADD', K_LEASES, until_ms, id)
-  note(id, now, 'started', 'delivery ' .. deliveries .. ' on ' .. worker)
+    'started', num(now), 'deliveries', deliveries)
+  leases[#leases + 1] = num(until_ms)
+  leases[#leases + 1] = id
+  if f[10] ~= '0' then  -- its trace is stored (see _lib.lua)
+    redis.call('RPUSH', K_TRACE .. id, trace_line(now, 'started', 'delivery ' .. deliveries .. ' on ' .. worker))
+  end
   local o = #out
   out[o + 1] = id; out[o + 2] = token; out[o + 3] = f[2]; out[o + 4] = s or ''
   out[o + 5] = f[5] or '0'; out[o + 6] = deliveries; out[o + 7] = f[6] or ''
@@ -93,6 +97,9 @@ while n < B do
   local ids = redis.call('LPOP', K_FREE, B - n)
   if not ids then break end
   for _, id in ipairs(ids) do take(id, false) end
+end
+for i = 1, #leases, 4000 do
+  redis.call('ZADD', K_LEASES, unpack(leases, i, math.min(i + 3999, #leases)))
 end
 if redis.call('LLEN', K_FREE) > 0 then free_mark() end
 if taken > 0 then redis.call('HINCRBY', K_STATS, 'waiting', -taken) end

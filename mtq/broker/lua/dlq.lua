@@ -28,8 +28,10 @@ for _, id in ipairs(ids) do
     if action == 'purge' then
       redis.call('DEL', tk, K_OUT .. id, K_TRACE .. id)
     elseif redis.call('HGET', tk, 'status') == 'dead' then
+      materialize(id)  -- its life so far, before the fields it is read from are cleared
       redis.call('HSET', tk, 'status', 'queued', 'attempts', 0, 'deliveries', 0)
-      redis.call('HDEL', tk, 'error', 'traceback', 'finished', 'started', 'token', 'worker', 'cancel')
+      redis.call('HDEL', tk, 'error', 'traceback', 'finished', 'started', 'token', 'worker', 'cancel',
+        'out')
       redis.call('PERSIST', tk)
       redis.call('PERSIST', K_TRACE .. id)
       redis.call('DEL', K_OUT .. id)

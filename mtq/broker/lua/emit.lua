@@ -21,7 +21,7 @@ local codes = {}
 for i = 0, #items - 1 do
   local item = items[i + 1]
   local id, token, index, data = item[1], item[2], tonumber(item[3]), item[4]
-  local f = redis.call('HMGET', K_TASK .. id, 'status', 'token', 'reply')
+  local f = redis.call('HMGET', K_TASK .. id, 'status', 'token', 'reply', 'out')
   if f[1] ~= 'running' or f[2] ~= token then
     codes[i + 1] = E_LEASE_LOST
   elseif index < 0 then
@@ -32,6 +32,10 @@ for i = 0, #items - 1 do
     local len = redis.call('LLEN', ok)
     if index == len then
       redis.call('RPUSH', ok, data)
+      if not f[4] then  -- finish() expires the token list only if this is set
+        redis.call('HSET', K_TASK .. id, 'out', '1')
+        f[4] = '1'
+      end
       reply('token', f[3], id, index, data)
       codes[i + 1] = 1
     elseif index < len then

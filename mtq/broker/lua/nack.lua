@@ -30,7 +30,7 @@ for i = 0, n - 1 do
   local b = 7 + i * 4
   local id, token, action, arg = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
   local tk = K_TASK .. id
-  local f = redis.call('HMGET', tk, 'status', 'token', 'stream', 'cancel', 'deliveries', 'reply')
+  local f = redis.call('HMGET', tk, 'status', 'token', 'stream', 'cancel', 'deliveries', 'reply', 'out')
   local s = f[3]
   if f[1] ~= 'running' or f[2] ~= token then
     codes[i + 1] = E_LEASE_LOST
@@ -54,6 +54,7 @@ for i = 0, n - 1 do
       redis.call('HSET', tk, 'traceback', string.sub(arg, nul + 1))
       arg = string.sub(arg, 1, nul - 1)
     end
+    if action == 'retry' or action == 'release' then materialize(id) end  -- before the fields change
     if action == 'retry' then
       local sep = string.find(arg, '|', 1, true)
       local delay = tonumber(string.sub(arg, 1, sep - 1))
@@ -70,7 +71,7 @@ for i = 0, n - 1 do
       woken = woken + 1
       by.released[#by.released + 1] = id
       -- a generation that had streamed tokens starts over (its stream goes on where it was)
-      if redis.call('EXISTS', K_OUT .. id) == 1 then
+      if f[7] or redis.call('EXISTS', K_OUT .. id) == 1 then
         reply('restarted', f[6], id, tonumber(f[5] or '1') - 1, 'released by its worker')
       else
         reply('queued', f[6], id)

@@ -16,13 +16,14 @@ local purged, streams_emptied = 0, 0
 local ids = {}
 
 local function drop(id)
-  if redis.call('HGET', K_TASK .. id, 'status') == 'queued' then
+  local f = redis.call('HMGET', K_TASK .. id, 'status', 'trace')
+  if f[1] == 'queued' then
     finish(id, 'cancelled', now, ttl, 'error', 'purged')
     purged = purged + 1
     ids[#ids + 1] = id
   else  -- a tombstone (cancelled / expired while waiting): its retention starts now
     redis.call('EXPIRE', K_TASK .. id, ttl)
-    redis.call('EXPIRE', K_TRACE .. id, ttl)
+    if f[2] ~= '0' then redis.call('EXPIRE', K_TRACE .. id, ttl) end
   end
 end
 

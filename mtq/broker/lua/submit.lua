@@ -91,11 +91,12 @@ for i = 0, n - 1 do
     end
     if hit then
       -- the task as finish() would leave it, in one HSET (a hit is the cache's hot
-      -- path): succeeded, its result, its trace, its retention, a latency of 0. No
+      -- path): succeeded, its result, its retention, a latency of 0; its trace is read
+      -- from these fields ('cached'). No
       -- done message: the submitter has the result in this reply, and nobody else
       -- knows the new id yet (the reply channel is stored for a retried submit)
       local f = {'payload', payload, 'status', 'succeeded', 'created', now, 'finished', now,
-                 'result', hit, 'cached', suffix}
+                 'result', hit, 'cached', suffix, 'trace', '0'}
       if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
       if key ~= '' then
         f[#f + 1] = 'key'; f[#f + 1] = key
@@ -103,12 +104,7 @@ for i = 0, n - 1 do
       end
       if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
       redis.call('HSET', tk, unpack(f))
-      redis.call('RPUSH', K_TRACE .. id, trace_line(now, 'cached', 'answered from the result cache'),
-                 trace_line(now, 'succeeded'))
-      if retention > 0 then
-        redis.call('EXPIRE', tk, retention)
-        redis.call('EXPIRE', K_TRACE .. id, retention)
-      end
+      if retention > 0 then redis.call('EXPIRE', tk, retention) end
       LATENCIES[#LATENCIES + 1] = 0
       hits = hits + 1
       cached_ids[hits] = id
@@ -118,7 +114,8 @@ for i = 0, n - 1 do
       joined = joined + 1
       out[i + 1] = running
     else
-    local f = {'payload', payload, 'status', 'queued', 'created', now}
+    -- 'trace' '0': its trace is read from its fields until it leaves the happy path
+    local f = {'payload', payload, 'status', 'queued', 'created', now, 'trace', '0'}
     if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
     if key ~= '' then
       f[#f + 1] = 'key'; f[#f + 1] = key
@@ -138,7 +135,6 @@ for i = 0, n - 1 do
       misses = misses + 1
     end
     redis.call('HSET', tk, unpack(f))
-    note(id, now, 'queued', s ~= '' and ('stream ' .. s) or nil)
     local claimable, new_stream = push_tail(id, s)
     newly, new_streams = newly + claimable, new_streams + new_stream
     added = added + 1

@@ -1,0 +1,262 @@
+"""The hot path, measured as the peer harness (``../shared/bench/peers/``) measures it:
+Redis work per task, one worker's drain and start-up, and the round trip, in one run.
+
+redis-server is pinned to one CPU and this driver and the worker to the other (as the
+harness's PIN=1 does), so every round trip pays the cross-CPU wake-up it would pay with
+Redis on another host.
+
+* **drain**: ``submit_many`` of N no-op tasks, then one ``mtq worker run`` (default batch,
+  64) is spawned; the handler counts in memory and stamps ``time.time()`` to a file at
+  task 1 and task N (no Redis work). Start-up = spawn to task 1; steady = (N - 1) /
+  (task N - task 1); with start-up = N / (spawn to task N). Redis commands per task are
+  ``total_commands_processed`` over the drain (scripts' inner commands included, the
+  worker's start-up and heartbeats too) / N; Redis CPU per task is redis-server's
+  user + sys CPU over submit and drain together / N (submit + claim + ack + completion
+  event).
+* **round trip**: a warm worker on its own queue; 20 untimed, then 300 timed
+  ``q.submit(None).result()``; p50 / p99, and Redis commands per round trip.
+* **under load**: a producer process submits the queue's no-op tasks at half the steady
+  drain rate (``submit_many`` every millisecond) while the round trips are timed on the
+  same queue and worker.
+
+    python -m benchmarks.hotpath            # full run, rewrites "## Hot path"
+    python -m benchmarks.hotpath --quick    # smaller, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import redis
+
+import mtq
+from benchmarks.broker import ROOT, Server, write_docs
+from mtq.workers import registry
+
+#: the environment variables the worker's handler (benchmarks.noop:marked) reads
+MARK_DIR, MARK_N = "MTQ_BENCH_MARK_DIR", "MTQ_BENCH_N"
+
+
+def _snap(r: redis.Redis) -> tuple[int, float]:
+    i = r.info()
+    return int(i["total_commands_processed"]), float(i["used_cpu_user"]) + float(i["used_cpu_sys"])
+
+
+def _env(server: Server, **extra: str) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "MTQ_REDIS_URL": server.url, "PYTHONPATH": path,
+            "PYTHONDONTWRITEBYTECODE": "1", **extra}
+
+
+def _worker(server: Server, queue: str, target: str, cpu: int | None,
+            env: dict[str, str]) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "mtq", "worker", "run", target, "--queue", queue]
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _read_stamp(path: Path, deadline: float) -> float:
+    while True:
+        try:
+            return float(path.read_text())
+        except (FileNotFoundError, ValueError):
+            if time.monotonic() > deadline:
+                raise SystemExit(f"no stamp {path.name} in time") from None
+            time.sleep(0.002)
+
+
+def drain(server: Server, n: int, cpu: int | None) -> dict[str, float]:
+    """One drain of n no-op tasks by a freshly spawned worker."""
+    r = redis.Redis.from_url(server.url)
+    r.flushall()
+    name = f"drain-{time.monotonic_ns()}"
+    q = mtq.Queue(name, client=r)
+    q.reply_channel()
+    with tempfile.TemporaryDirectory() as marks:
+        env = _env(server, **{MARK_DIR: marks, MARK_N: str(n)})
+        c0, cpu0 = _snap(r)
+        t = time.perf_counter()
+        q.submit_many([None] * n)
+        submit_s = time.perf_counter() - t
+        c1, _ = _snap(r)
+        t_spawn = time.time()
+        proc = _worker(server, name, "benchmarks.noop:marked", cpu, env)
+        try:
+            deadline = time.monotonic() + 120
+            first = _read_stamp(Path(marks) / "first", deadline)
+            last = _read_stamp(Path(marks) / "last", deadline)
+            # the last ack lands just after the last call: wait for it before counting
+            while int(r.hget(q.broker.keys.stats, "succeeded") or 0) < n:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the drain did not finish")
+                time.sleep(0.001)
+            c2, cpu2 = _snap(r)
+        finally:
+            _stop(proc)
+            mtq.replies.hub_of(r).close_all()
+            r.close()
+    return {"submit_rate": n / submit_s, "startup_s": first - t_spawn,
+            "steady": (n - 1) / (last - first) if last > first else 0.0,
+            "with_startup": n / (last - t_spawn),
+            "cmds_drain": (c2 - c1) / n, "cmds_submit": (c1 - c0) / n,
+            "cpu_us": 1e6 * (cpu2 - cpu0) / n}
+
+
+def _producer(url: str, queue: str, rate: float, stop_file: str) -> None:
+    """(In a child process) submit no-op tasks at ``rate`` per second until stop_file exists."""
+    q = mtq.Queue(queue, url)
+    t0 = time.perf_counter()
+    sent = 0
+    while not os.path.exists(stop_file):
+        due = int((time.perf_counter() - t0) * rate) - sent
+        if due > 0:
+            q.submit_many([None] * due)
+            sent += due
+        time.sleep(0.001)
+
+
+def roundtrips(server: Server, count: int, cpu: int | None, load: float = 0.0
+               ) -> dict[str, float]:
+    """p50 / p99 of submit -> result on a warm worker, with ``load`` tasks/s of background
+    work on the same queue (0: idle)."""
+    r = redis.Redis.from_url(server.url)
+    r.flushall()
+    name = f"ping-{time.monotonic_ns()}"
+    q = mtq.Queue(name, client=r)
+    proc = _worker(server, name, "benchmarks.noop:handle", cpu, _env(server))
+    producer = None
+    stop_file = tempfile.mktemp(prefix="mtq-bench-stop-")
+    try:
+        deadline = time.monotonic() + 60
+        while not registry.list_workers(r, name):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise SystemExit("the worker did not start")
+            time.sleep(0.01)
+        for _ in range(20):
+            q.submit(None).result(timeout=30)
+        if load:
+            producer = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from benchmarks.hotpath import _producer; "
+                 "_producer(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4])",
+                 server.url, name, str(load), stop_file], env=_env(server), cwd=ROOT)
+            time.sleep(0.5)  # let the load settle
+        c0, _ = _snap(r)
+        out = []
+        for _ in range(count):
+            t = time.perf_counter()
+            q.submit(None).result(timeout=30)
+            out.append(time.perf_counter() - t)
+        c1, _ = _snap(r)
+    finally:
+        Path(stop_file).touch()
+        if producer is not None:
+            producer.wait(30)
+        Path(stop_file).unlink(missing_ok=True)
+        _stop(proc)
+        mtq.replies.hub_of(r).close_all()
+        r.close()
+    out.sort()
+    return {"p50_ms": 1000 * out[len(out) // 2], "p99_ms": 1000 * out[int(len(out) * 0.99)],
+            "cmds": (c1 - c0) / count}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-pin", action="store_true", help="leave CPU placement to Linux")
+    args = ap.parse_args(argv)
+    n, passes, count = (5000, 1, 200) if args.quick else (5000, 5, 300)
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = not args.no_pin and len(cpus) >= 2
+    server = Server()
+    server.start()
+    worker_cpu = cpus[1] if pin else None
+    if pin:
+        os.sched_setaffinity(server.proc.pid, {cpus[0]})
+        os.sched_setaffinity(0, {cpus[1]})
+    results: dict[str, list[dict[str, float]]] = {"drain": [], "drain20k": [], "rt": [],
+                                                  "load": []}
+    t_run = time.time()
+    try:
+        version = redis.Redis.from_url(server.url).info("server")["redis_version"]
+        for i in range(passes):
+            results["drain"].append(drain(server, n, worker_cpu))
+            results["drain20k"].append(drain(server, 4 * n, worker_cpu))
+            results["rt"].append(roundtrips(server, count, worker_cpu))
+            half = statistics.median(d["steady"] for d in results["drain20k"]) / 2
+            results["load"].append({**roundtrips(server, count, worker_cpu, half),
+                                    "rate": half})
+            print(f"pass {i + 1}/{passes}: " + "; ".join(
+                f"{k} " + ", ".join(f"{m} {v[-1][m]:.3g}" for m in v[-1])
+                for k, v in results.items()), flush=True)
+    finally:
+        server.stop()
+
+    def med(kind: str, m: str) -> float:
+        return statistics.median(r[m] for r in results[kind])
+
+    def rng(kind: str, m: str) -> str:
+        v = [r[m] for r in results[kind]]
+        return f"{min(v):,.3g}-{max(v):,.3g}"
+
+    rows: list[tuple[str, str, str, str]] = [
+        ("Redis commands per drained task", f"{med('drain', 'cmds_drain'):.2f}", "<= 4",
+         f"5,000-task drain; range {rng('drain', 'cmds_drain')}"),
+        ("Redis commands per round trip", f"{med('rt', 'cmds'):.2f}", "<= 8",
+         "idle worker, heartbeats included"),
+        ("Redis CPU per task: submit + claim + ack + completion event",
+         f"{med('drain20k', 'cpu_us'):.2f} us", "<= 8 us",
+         f"20,000 tasks, batch 64; range {rng('drain20k', 'cpu_us')}"),
+        ("steady drain, 1 worker (tasks/s)", f"{med('drain20k', 'steady'):,.0f}", ">= 40,000",
+         f"20,000 tasks; range {rng('drain20k', 'steady')}"),
+        ("drain of 5,000 incl. start-up (tasks/s)", f"{med('drain', 'with_startup'):,.0f}",
+         ">= 15,000", f"range {rng('drain', 'with_startup')}"),
+        ("worker start-up to first task (s)", f"{med('drain', 'startup_s'):.3f}", "<= 0.2",
+         f"range {rng('drain', 'startup_s')}"),
+        ("round trip p50 / p99 (ms)", f"{med('rt', 'p50_ms'):.3f} / {med('rt', 'p99_ms'):.3f}",
+         "<= 0.5 / <= 1.0", f"{count} round trips a pass"),
+        (f"round trip p99 at half the steady drain rate (~{med('load', 'rate'):,.0f}/s)",
+         f"{med('load', 'p99_ms'):.3f} ms", "<= 2 ms",
+         f"p50 {med('load', 'p50_ms'):.3f} ms"),
+    ]
+    table = "\n".join(["| figure | median of passes | target | notes |", "|---|---:|---|---|",
+                       *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)])
+    print(table)
+    if args.quick:
+        return
+    section = f"""## Hot path
+
+Produced by `python -m benchmarks.hotpath` on {date.today().isoformat()} in {time.time() - t_run:.0f} s: {passes} passes, medians.
+Machine: {os.cpu_count()} CPU cores, {platform.platform()}; Python {platform.python_version()}; redis-server {version}
+({"redis-server pinned to one CPU, this driver and the worker to the other" if pin else "CPU placement left to Linux"}).
+Each pass drains 5,000 and 20,000 no-op tasks with a freshly spawned `mtq worker run`
+(default batch 64), then times {count} round trips on a warm worker, idle and under load.
+See the module docstring for how each figure is taken; the peers' figures are in "Peers" below.
+
+{table}
+"""
+    write_docs(ROOT / "docs" / "benchmarks.md", section, "## Hot path")
+
+
+if __name__ == "__main__":
+    main()
