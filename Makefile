@@ -1,4 +1,4 @@
-.PHONY: install test lint bench demo
+.PHONY: install test test-slow test-all lint bench demo
 
 install:
 	scripts/install-system-deps
@@ -6,6 +6,13 @@ install:
 
 test:
 	python -m pytest -q
+
+# the fault and soak tests the default run leaves out (see README.md)
+test-slow:
+	python -m pytest -q -m slow
+
+test-all:
+	python -m pytest -q -m ''
 
 lint:
 	ruff check mtq tests benchmarks

@@ -133,13 +133,17 @@ def _i(value: bytes | None) -> int | None:
 class Task:
     """A handle on one submitted task. Cheap to create from an id (:meth:`Queue.task`)."""
 
-    __slots__ = ("_cached", "id", "queue")
+    __slots__ = ("_cached", "_epoch", "id", "queue")
 
-    def __init__(self, queue: Queue, task_id: str, cached: bytes | None = None) -> None:
+    def __init__(self, queue: Queue, task_id: str, cached: bytes | None = None,
+                 epoch: int | None = None) -> None:
         self.queue = queue
         self.id = task_id
         #: the encoded result when the submit was answered from the result cache
         self._cached = cached
+        #: the reply subscription's epoch (mtq.replies.Hub.epoch) when this client
+        #: created the task, its events sent to this client; None: not known
+        self._epoch = epoch
 
     @property
     def cached(self) -> bool:
@@ -226,8 +230,23 @@ class Task:
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ConfigError(f"start must be a token index >= 0, got {start!r}")
 
+    def _unbroken(self, state: StreamState, epoch: int | None) -> list[Event] | None:
+        """With this task's feed open: if this client created the task and its reply
+        subscription has not been lost since, every event of the task reached or will
+        reach the feed or the inbox, so the stored state need not be read. Returns the
+        events of an outcome that reached the inbox meanwhile ([] for none yet), or
+        None: read the stored state. ``epoch``: the task's, taken by the caller."""
+        if epoch is None:
+            return None
+        hub = self.queue.hub
+        kept = hub.take(self.queue.name, self.id)
+        if hub.epoch(self.queue.name) != epoch or isinstance(kept, str):
+            return None
+        return [] if kept is None else state.accept(kept)[0]
+
     def events(self, timeout: float | None = None, *, tokens: bool = True, start: int = 0,
-               idle: float | None = None, fail_fast: bool = False) -> Iterator[Event]:
+               idle: float | None = None, fail_fast: bool = False,
+               _known: int | None = None) -> Iterator[Event]:
         """Iterate over the task's events until its terminal one (included).
 
         Starts from the stored state: the tokens streamed so far (replayed with
@@ -243,6 +262,8 @@ class Task:
         TaskNotFound, BrokerError.
         """
         self._check_start(start)
+        if _known is None:  # (_known: the task's epoch, from result())
+            self._epoch = None  # this reader may take the outcome: later ones read it
         hub = self.queue.hub
         self.queue.reply_channel()
         state = StreamState(self.id, tokens, start)
@@ -250,7 +271,9 @@ class Task:
         pace = Pacer(timeout, idle)
         hub.open(feed)
         try:
-            yield from pace.handed(self._snapshot(state, fail_fast))
+            first = None if _known is None else self._unbroken(state, _known)
+            yield from pace.handed(first if first is not None else
+                                   self._snapshot(state, fail_fast))
             while not state.done:
                 wait = pace.wait()
                 if wait is None:
@@ -290,39 +313,47 @@ class Task:
         """Wait for the task to finish and return its result.
 
         Waits for the completion event on this client's reply subscription (no
-        polling); the stored state is read first, so a completion that happened
-        before the call is not missed. A task submitted by this client that already
-        ended, its outcome already received on that subscription (a loop collecting
-        many results), costs no round trip at all: its outcome is taken from the
-        client's inbox of outcomes nobody waited for (mtq.replies.Hub.take). Raises
-        TaskFailed (failed, dead, expired), TaskCancelled, ResultTimeout,
-        TaskNotFound, BrokerError.
+        polling). A task this client submitted costs no round trip at all: its
+        outcome is taken from the client's inbox of outcomes nobody waited for if it
+        already came (a loop collecting many results; mtq.replies.Hub.take), else
+        awaited, as long as the subscription was never lost since the submit. Any
+        other task's stored state is read first (one round trip), so a completion
+        that happened before the call is not missed. Raises TaskFailed (failed, dead,
+        expired), TaskCancelled, ResultTimeout, TaskNotFound, BrokerError.
         """
         if self._cached is not None:  # answered from the result cache at submit
             return serialization.loads(self._cached)
         hub = self.queue.hub
-        ev = hub.take(self.queue.name, self.id)
-        if ev is not None:
-            return self._outcome(ev)
-        for ev in self.events(timeout, tokens=False):
+        kept = hub.take(self.queue.name, self.id)
+        known = self._epoch if kept is None else None
+        self._epoch = None  # its outcome is taken here: a later call reads it
+        if isinstance(kept, Event):
+            return self._outcome(kept)
+        for ev in self.events(timeout, tokens=False, _known=known):
             if ev.terminal:
                 hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
                 return self._outcome(ev)
         raise AssertionError("unreachable: events() ends with a terminal event")
 
     async def aevents(self, timeout: float | None = None, *, tokens: bool = True,
-                      start: int = 0, idle: float | None = None, fail_fast: bool = False
-                      ) -> AsyncIterator[Event]:
+                      start: int = 0, idle: float | None = None, fail_fast: bool = False,
+                      _known: int | None = None) -> AsyncIterator[Event]:
         """:meth:`events` for asyncio (the Redis reads run in a thread)."""
         self._check_start(start)
+        if _known is None:  # (_known: the task's epoch, from result())
+            self._epoch = None  # this reader may take the outcome: later ones read it
         hub = self.queue.hub
-        await asyncio.to_thread(self.queue.reply_channel)
+        if not hub.epoch(self.queue.name):  # not subscribed yet (a call that may block)
+            await asyncio.to_thread(self.queue.reply_channel)
         state = StreamState(self.id, tokens, start)
         feed = AsyncFeed((self.queue.name, self.id), asyncio.get_running_loop(), fail_fast)
         pace = Pacer(timeout, idle)
         hub.open(feed)
         try:
-            for ev in pace.handed(await asyncio.to_thread(self._snapshot, state, fail_fast)):
+            first = None if _known is None else self._unbroken(state, _known)
+            if first is None:
+                first = await asyncio.to_thread(self._snapshot, state, fail_fast)
+            for ev in pace.handed(first):
                 yield ev
             while not state.done:
                 wait = pace.wait()
@@ -361,10 +392,12 @@ class Task:
         if self._cached is not None:
             return serialization.loads(self._cached)
         hub = self.queue.hub
-        ev = hub.take(self.queue.name, self.id)
-        if ev is not None:
-            return self._outcome(ev)
-        async for ev in self.aevents(timeout, tokens=False):
+        kept = hub.take(self.queue.name, self.id)
+        known = self._epoch if kept is None else None
+        self._epoch = None  # its outcome is taken here: a later call reads it
+        if isinstance(kept, Event):
+            return self._outcome(kept)
+        async for ev in self.aevents(timeout, tokens=False, _known=known):
             if ev.terminal:
                 hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
                 return self._outcome(ev)
@@ -377,6 +410,7 @@ class Task:
         client's callback thread (keep it short; it never blocks event delivery).
         Registered after the task ended, it is called at once. Exceptions it raises
         are logged."""
+        self._epoch = None  # the callback takes the outcome: a later result() reads it
         self.queue.reply_channel()
         self.queue.hub.add_callback(CallbackFeed(self, fn), known=_known)
 
@@ -512,6 +546,7 @@ class Queue:
             self.broker.register()
             self._registered = True
         reply = self.reply_channel()
+        epoch = self.hub.epoch(self.name)  # before the submit: see Task._unbroken
         out: list[Task] = []
         duplicates: list[str] = []
         unconfirmed = -1  # the fewest replicas that confirmed a chunk, when too few
@@ -528,8 +563,9 @@ class Queue:
                     duplicates.append(item.id)
                 elif isinstance(value, tuple):  # a result cache hit
                     out.append(Task(self, value[0], value[1]))
-                else:
-                    out.append(Task(self, str(value)))
+                else:  # its own id: a new task (not one an idempotency key names)
+                    tid = str(value)
+                    out.append(Task(self, tid, epoch=epoch if tid == item.id else None))
             if 0 <= acks < self.settings.durable_replicas:
                 unconfirmed = acks if unconfirmed < 0 else min(unconfirmed, acks)
         if unconfirmed >= 0:

@@ -157,6 +157,7 @@ class Group:
         with self._lock:
             self._tasks.append(task)
         if feed is not None:
+            task._epoch = None  # the group's callback takes its outcome: result() reads it
             task.queue.hub.add_callback(feed, known=True)
         else:
             task.add_done_callback(self._finished)

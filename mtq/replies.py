@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import queue as queue_mod
 import secrets
@@ -59,6 +60,13 @@ INBOX_TTL_S = 60.0
 #: terminal states kept there: final ones. A dead letter can be retried (mtq dlq
 #: retry), so a later result() must read what it became
 INBOX_KINDS = frozenset({"succeeded", "failed", "cancelled", "expired"})
+#: what the inbox keeps for a task that ended in a way it does not keep (dead, or a
+#: result too large to ride in the message): that it ended, so that its reader reads
+#: the stored state instead of waiting for an event that has come and gone
+ENDED = "ended"
+#: the values Hub.epoch takes, unique in the process (a hub made again for the same
+#: client after close_all() must not repeat an old one's)
+_EPOCHS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,9 +369,11 @@ class Hub:
         #: (queue, task id) -> (its terminal event, bytes charged, when it came,
         #: monotonic): outcomes that arrived with no feed open on their task, for a
         #: later Task.result() to take without a round trip (a loop over many results)
-        self._inbox: collections.OrderedDict[tuple[str, str], tuple[Event, int, float]] = \
+        self._inbox: collections.OrderedDict[tuple[str, str], tuple[Event | str, int, float]] = \
             collections.OrderedDict()
         self._inbox_bytes = 0
+        #: queue -> its epoch (see epoch())
+        self._epochs: dict[str, int] = {}
 
     # -- subscriptions -----------------------------------------------------------
     def channel(self, queue: str, timeout: float = 10.0) -> str:
@@ -461,6 +471,8 @@ class Hub:
         if queue is None:
             return
         done = self._confirmed[queue]
+        with self._lock:
+            self._epochs[queue] = next(_EPOCHS)
         if done.is_set():  # subscribed again after a reconnect: events may be missing
             self.resyncs += 1
             with self._lock:
@@ -485,8 +497,9 @@ class Hub:
                 feeds = self._feeds.get((queue, tid))
                 if feeds:
                     targets.append((list(feeds), ev))
-                elif ev.kind in INBOX_KINDS and ev.data is not FETCH:
-                    self._keep(queue, tid, ev, charge)
+                elif ev.terminal:
+                    usable = ev.kind in INBOX_KINDS and ev.data is not FETCH
+                    self._keep(queue, tid, ev if usable else ENDED, charge if usable else 64)
         loops: dict[asyncio.AbstractEventLoop, list[Any]] = {}
         for feeds, ev in targets:
             for f in feeds:
@@ -501,7 +514,17 @@ class Hub:
                 pass
 
     # -- outcomes nobody waited for -------------------------------------------------
-    def _keep(self, queue: str, tid: str, ev: Event, charge: int) -> None:
+    def epoch(self, queue: str) -> int:
+        """A number that changes whenever an event on this hub's reply subscription to
+        ``queue`` may have gone unseen: each time the subscription is confirmed (0: not
+        yet; again after a lost connection) and each time an outcome is dropped from the
+        inbox unread (unique in the process). A task submitted at epoch ``e`` whose terminal event is not in the
+        inbox has not ended yet if the epoch is still ``e`` once its reader's feed is
+        open (mtq.client.Task.result then needs no read of the stored state)."""
+        with self._lock:
+            return self._epochs.get(queue, 0)
+
+    def _keep(self, queue: str, tid: str, ev: Event | str, charge: int) -> None:
         """Keep a terminal event for :meth:`take` (the lock held)."""
         inbox = self._inbox
         old = inbox.pop((queue, tid), None)
@@ -512,12 +535,16 @@ class Hub:
         self._inbox_bytes += charge
         while inbox and (len(inbox) > INBOX_MAX or self._inbox_bytes > INBOX_MAX_BYTES
                          or next(iter(inbox.values()))[2] < now - INBOX_TTL_S):
-            _, (_, gone, _) = inbox.popitem(last=False)
+            (dropped, _), (_, gone, _) = inbox.popitem(last=False)
             self._inbox_bytes -= gone
+            # an outcome nobody will find here: a reader of a task submitted before
+            # now must read the stored state (see epoch)
+            self._epochs[dropped] = next(_EPOCHS)
 
-    def take(self, queue: str, task_id: str) -> Event | None:
+    def take(self, queue: str, task_id: str) -> Event | str | None:
         """The task's terminal event if it reached this client while nobody waited on
-        the task (then forgotten here), else None: read the stored state."""
+        the task (then forgotten here); :data:`ENDED` if it ended in a way the inbox
+        does not keep (read the stored state); None if none came (or it was dropped)."""
         with self._lock:
             kept = self._inbox.pop((queue, task_id), None)
             if kept is None:

@@ -110,9 +110,80 @@ def test_a_dead_letter_is_not_kept_so_a_retried_one_is_waited_for(
     t = q.submit({"i": 5, "fail": str(fail)})
     wait_for(lambda: t.status() == "dead", 30, "the task was not dead-lettered")
     ok = q.submit({"i": 6})  # after the dead one on the same channel: its outcome came too
-    wait_for(lambda: replies.hub_of(client).kept() == 1, 10, "the success was not kept")
-    assert replies.hub_of(client).take(qname, t.id) is None, "a dead letter was kept"
+    wait_for(lambda: replies.hub_of(client).kept() == 2, 10, "the outcomes did not come")
+    # kept only as "it ended": its reader reads the stored state, never this failure
+    assert replies.hub_of(client).take(qname, t.id) == replies.ENDED, "a dead letter was kept"
     fail.unlink()
     assert q.retry_dead([t.id]) == 1
     assert t.result(timeout=30)["i"] == 5  # ran again: not the kept failure
     assert ok.result(timeout=5)["i"] == 6
+
+
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The task ids whose stored state Task.result() reads (a watch.lua round trip)."""
+    reads: list[str] = []
+    snapshot = mtq.Task._snapshot
+
+    def counted(self: mtq.Task, *args: object, **kw: object) -> object:
+        reads.append(self.id)
+        return snapshot(self, *args, **kw)
+
+    monkeypatch.setattr(mtq.Task, "_snapshot", counted)
+    return reads
+
+
+def test_waiting_on_an_own_task_reads_nothing_but_another_handle_reads_once(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
+    reads = _count_reads(monkeypatch)
+    q = mtq.Queue(qname, redis_url, client=client)
+    gate = tmp_path / "gate"
+    gate.touch()
+    t = q.submit({"i": 1, "gate": str(gate)})
+    other = mtq.Queue(qname, redis_url).task(t.id)  # a handle that did not submit it
+    subprocess.Popen(["sh", "-c", f"sleep 0.3; rm -f {gate}"])  # opens while both wait
+    assert t.result(timeout=30)["i"] == 1
+    assert reads == [], "the submitter's own reply subscription was enough"
+    assert other.result(timeout=30)["i"] == 1
+    assert reads == [t.id], "a handle from an id reads the stored state once"
+
+
+def test_an_own_task_is_read_after_its_reply_connection_was_lost(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
+    reads = _count_reads(monkeypatch)
+    q = mtq.Queue(qname, redis_url, client=client)
+    hub = replies.hub_of(client)
+    gate = tmp_path / "gate"
+    gate.touch()
+    t = q.submit({"i": 2, "gate": str(gate)})
+    before = hub.resyncs
+    # the reply connection drops while the task runs; its outcome may come while it is away
+    client.client_kill_filter(_type="pubsub")
+    gate.unlink()
+    wait_for(lambda: hub.resyncs > before, 10, "the hub did not subscribe again")
+    # at once (not after the 10 s safety-net read): an event lost with the connection
+    # is read from the stored state
+    assert t.result(timeout=5)["i"] == 2
+    assert reads == [t.id]
+
+
+def test_a_task_whose_outcome_a_reader_took_is_read_by_the_next(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
+    """The outcome reached a reader (result(), events(), a callback, a group): a later
+    result() on the same handle reads the stored state at once, never waits for an
+    event that came and went (the 10 s safety-net read would exceed the timeouts)."""
+    reads = _count_reads(monkeypatch)
+    q = mtq.Queue(qname, redis_url, client=client)
+    t = q.submit({"i": 1})
+    assert t.result(timeout=30)["i"] == 1
+    assert t.result(timeout=5)["i"] == 1
+    e = q.submit({"i": 2})
+    assert [ev.kind for ev in e.events(timeout=30)][-1] == "succeeded"
+    assert e.result(timeout=5)["i"] == 2
+    g = q.group()
+    tasks = g.submit_many([{"i": i} for i in range(3, 6)])
+    assert [r["i"] for r in g.results(timeout=30)] == [3, 4, 5]
+    assert [x.result(timeout=5)["i"] for x in tasks] == [3, 4, 5]
+    assert reads.count(t.id) == 1 and len(reads) == 1 + 2 + 3
