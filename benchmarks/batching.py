@@ -859,7 +859,7 @@ def kill_one(r: redis.Redis, q: mtq.Queue, ev: Events, candidates: dict[str, int
                if e.get("worker") in candidates)
     pid = candidates[wid]
     time.sleep(rng.uniform(0.02, 0.08))
-    held = [_text(i) for i in r.zrange(q.broker.keys.leases, 0, -1)]
+    held = [_text(i) for i in r.zrangebyscore(q.broker.keys.leases, "-inf", "(+inf")]
     pipe = r.pipeline(transaction=False)
     for i in held:
         pipe.hget(q.broker.keys.task(i), "worker")

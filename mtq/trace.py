@@ -331,7 +331,7 @@ def collect(client: Any, queue: str, since_s: float, limit: int = 10_000
     pipe.srandmember(k.busy, limit)
     pipe.lrange(k.free, 0, limit - 1)
     pipe.zrange(k.delayed, 0, limit - 1)
-    pipe.zrange(k.leases, 0, limit - 1)
+    pipe.zrangebyscore(k.leases, "-inf", "(+inf", 0, limit)  # not the mark
     pipe.lrange(k.failures, 0, -1)
     ready, busy, free, delayed, leases, failures = pipe.execute()
     live: list[str] = [_text(i) for i in (*free, *delayed, *leases)]

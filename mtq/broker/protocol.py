@@ -412,7 +412,7 @@ class Broker:
         last latencies and failures. Cost grows with nothing but their caps."""
         k = self.keys
         pipe.hgetall(k.stats)
-        pipe.zcard(k.leases)
+        pipe.zcount(k.leases, "-inf", "(+inf")  # running: not the +inf mark (_lib.lua)
         pipe.zcard(k.delayed)
         pipe.llen(k.dead)
         pipe.scard(k.busy)
@@ -442,7 +442,7 @@ def stats_many(client: redis.Redis, queues: list[str]) -> dict[str, dict[str, An
     for name in queues:
         k = QueueKeys(name)
         pipe.hgetall(k.stats)
-        pipe.zcard(k.leases)
+        pipe.zcount(k.leases, "-inf", "(+inf")  # running: not the +inf mark (_lib.lua)
         pipe.zcard(k.delayed)
         pipe.llen(k.dead)
         pipe.scard(k.busy)

@@ -39,7 +39,7 @@ def _resp(*args: str) -> bytes:
 
 def _commands(queue: str) -> bytes:
     k = QueueKeys(queue)
-    return b"".join((_resp("HGETALL", k.stats), _resp("ZCARD", k.leases),
+    return b"".join((_resp("HGETALL", k.stats), _resp("ZCOUNT", k.leases, "-inf", "(+inf"),
                      _resp("ZCARD", k.delayed), _resp("LLEN", k.dead), _resp("SCARD", k.busy),
                      _resp("HGETALL", k.hist), _resp("ZCARD", k.cache_index)))
 

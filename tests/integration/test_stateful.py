@@ -214,7 +214,7 @@ class BrokerMachine(RuleBasedStateMachine):
         for task_id in ids:
             pipe.hget(self.keys.task(task_id), "status")
         stored = dict(zip(ids, (v.decode() if v else None for v in pipe.execute())))
-        leases = {x.decode() for x in self.r.zrange(self.keys.leases, 0, -1)}
+        leases = {x.decode() for x in self.r.zrangebyscore(self.keys.leases, "-inf", "(+inf")}
         delayed = {x.decode() for x in self.r.zrange(self.keys.delayed, 0, -1)}
         for task_id in ids:
             want = self.status[task_id]

@@ -6,7 +6,8 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
   KEYS[2]  stream key prefix  mtq:{q}:stream:    (+ name -> list of waiting ids, FIFO)
   KEYS[3]  ready              list: the round-robin ring of claimable streams ('' = stream-less tasks)
   KEYS[4]  busy               set: streams with a task running or waiting to be retried
-  KEYS[5]  leases             zset: running id -> lease deadline (ms, server time)
+  KEYS[5]  leases             zset: running id -> lease deadline (ms, server time), and
+                              LEASE_MARK -> +inf (see below)
   KEYS[6]  delayed            zset: id waiting for a retry -> due time (ms)
   KEYS[7]  dead               list: dead-letter ids, newest first
   KEYS[8]  wake               list: markers sleeping workers BLPOP on
@@ -86,6 +87,17 @@ local EVENTS, CONTROL = ARGV[1], ARGV[2]
 local FREE = ''
 -- results up to this size ride in the done message; larger ones are read from the task
 local REPLY_INLINE = 65536
+
+-- A member of the leases set that is no task (ids are at most 64 of [A-Za-z0-9_-]),
+-- scored +inf, and longer than Redis's zset-max-listpack-value (64 by default): it keeps
+-- the set a skiplist, where adding or removing a lease is O(log n), not a scan of the
+-- whole listpack (Redis's encoding for sets of up to 128 small members, which a worker
+-- claiming a batch ahead fills: that scan was 13 % of a drained task's Redis
+-- instructions). claim adds it with each batch's leases; it is never reaped (+inf),
+-- and every reader leaves it out (next_timer, orphans.lua; "running" is ZCOUNT of the
+-- finite scores, mtq/broker/keys.py RUNNING_MAX).
+local LEASE_MARK = '~ the lease index: keeps this set a skiplist (see _lib.lua), not a task'
+LEASE_MARK = LEASE_MARK .. string.rep('.', 80 - #LEASE_MARK)
 
 -- error codes (mtq/broker/codes.py mirrors them)
 local E_QUEUE_FULL, E_DUPLICATE_ID, E_LEASE_LOST, E_NOT_FOUND, E_FINISHED, E_BAD_ARGUMENT =
@@ -414,7 +426,7 @@ local function next_timer(now)
   local nxt = -1
   for _, key in ipairs({K_LEASES, K_DELAYED}) do
     local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-    if first[2] then
+    if first[2] and first[1] ~= LEASE_MARK then
       local d = math.max(0, tonumber(first[2]) - now)
       if nxt < 0 or d < nxt then nxt = d end
     end

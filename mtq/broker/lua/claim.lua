@@ -27,7 +27,9 @@ local out = {0, reaped}
 local n, taken, base = 0, 0, 0
 local until_ms = now + lease
 local claimed, expired = {}, {}
-local leases = {}  -- ZADD arguments: every task claimed here gets its lease in one command
+-- ZADD arguments: every task claimed here gets its lease in one command (LEASE_MARK
+-- first: the set is a skiplist before the leases go in)
+local leases = {'+inf', LEASE_MARK}
 if B > 0 then base = redis.call('INCRBY', K_SEQ, B) - B end
 
 -- Claim one popped id. Returns true if it now runs; false for a tombstone or an expired task.
@@ -98,8 +100,10 @@ while n < B do
   if not ids then break end
   for _, id in ipairs(ids) do take(id, false) end
 end
-for i = 1, #leases, 4000 do
-  redis.call('ZADD', K_LEASES, unpack(leases, i, math.min(i + 3999, #leases)))
+if #leases > 2 then
+  for i = 1, #leases, 4000 do
+    redis.call('ZADD', K_LEASES, unpack(leases, i, math.min(i + 3999, #leases)))
+  end
 end
 if redis.call('LLEN', K_FREE) > 0 then free_mark() end
 if taken > 0 then redis.call('HINCRBY', K_STATS, 'waiting', -taken) end

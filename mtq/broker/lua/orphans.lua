@@ -14,7 +14,7 @@ local worker, limit = ARGV[3], tonumber(ARGV[4])
 local ids = redis.call('ZRANGE', K_LEASES, 0, limit > 0 and limit - 1 or -1)
 local out = {}
 for _, id in ipairs(ids) do
-  local f = redis.call('HMGET', K_TASK .. id, 'status', 'worker', 'token')
+  local f = id ~= LEASE_MARK and redis.call('HMGET', K_TASK .. id, 'status', 'worker', 'token') or {}
   if f[1] == 'running' and f[2] == worker then
     out[#out + 1] = id
     out[#out + 1] = f[3]
