@@ -35,6 +35,7 @@ import tempfile
 import time
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -180,6 +181,49 @@ def roundtrips(server: Server, count: int, cpu: int | None, load: float = 0.0
             "cmds": (c1 - c0) / count}
 
 
+def floor(server: Server, reps: int = 500) -> dict[str, float]:
+    """What one round trip costs at least on this machine: a PING round trip, and the
+    Redis time (INFO commandstats, EVALSHA usec per call) of each script one task
+    goes through alone (submit, claim, ack), next to a script that only runs the
+    shared library (_lib.lua) and the one that does nothing."""
+    from mtq.broker import scripts
+    from mtq.broker.consumer import Consumer, Outcome
+
+    r = redis.Redis.from_url(server.url)
+    r.flushall()
+    q = mtq.Queue("floor", client=r)
+    c = Consumer("floor", client=r)
+    k = q.broker.keys
+    out: dict[str, float] = {}
+    t = time.perf_counter()
+    for _ in range(reps):
+        r.ping()
+    out["ping_us"] = 1e6 * (time.perf_counter() - t) / reps
+
+    def usec(fn: Any) -> float:
+        fn()  # scripts loaded
+        r.config_resetstat()
+        for _ in range(reps):
+            fn()
+        stats = r.info("commandstats")["cmdstat_evalsha"]
+        return float(stats["usec"]) / int(stats["calls"])
+
+    for name, src in (("empty_script_us", "return 1"),
+                      ("library_us", scripts._read("_lib.lua") + "\nreturn 1")):
+        sha = r.script_load(src)
+        out[name] = usec(lambda sha=sha: r.evalsha(sha, len(k.script_keys), *k.script_keys,
+                                                   *k.channels))
+    out["submit_us"] = usec(lambda: q.submit(None))
+    r.flushall()
+    q.submit_many([None] * (reps + 1))
+    held: list[Any] = []
+    out["claim_us"] = usec(lambda: held.extend(c.claim(1)))
+    out["ack_us"] = usec(lambda: c.settle([Outcome(held.pop(), True, None)]))
+    mtq.replies.hub_of(r).close_all()
+    r.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -195,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(server.proc.pid, {cpus[0]})
         os.sched_setaffinity(0, {cpus[1]})
     results: dict[str, list[dict[str, float]]] = {"drain": [], "drain20k": [], "rt": [],
-                                                  "load": []}
+                                                  "load": [], "floor": []}
     t_run = time.time()
     try:
         version = redis.Redis.from_url(server.url).info("server")["redis_version"]
@@ -206,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
             half = statistics.median(d["steady"] for d in results["drain20k"]) / 2
             results["load"].append({**roundtrips(server, count, worker_cpu, half),
                                     "rate": half})
+            results["floor"].append(floor(server))
             print(f"pass {i + 1}/{passes}: " + "; ".join(
                 f"{k} " + ", ".join(f"{m} {v[-1][m]:.3g}" for m in v[-1])
                 for k, v in results.items()), flush=True)
@@ -239,6 +284,14 @@ def main(argv: list[str] | None = None) -> None:
          f"{med('load', 'p99_ms'):.3f} ms", "<= 2 ms",
          f"p50 {med('load', 'p50_ms'):.3f} ms"),
     ]
+    fl = {m: med("floor", m) for m in results["floor"][0]}
+    scripts_us = fl["submit_us"] + fl["claim_us"] + fl["ack_us"]
+    rows.append(("floor of a round trip: 4 PING round trips + the three scripts' Redis time",
+                 f"{(4 * fl['ping_us'] + scripts_us) / 1000:.3f} ms", "",
+                 f"PING {fl['ping_us']:.0f} us; submit {fl['submit_us']:.0f} + claim "
+                 f"{fl['claim_us']:.0f} + ack {fl['ack_us']:.0f} us of EVALSHA, one task each "
+                 f"(a script that only runs _lib.lua: {fl['library_us']:.0f} us, "
+                 f"`return 1`: {fl['empty_script_us']:.0f} us)"))
     table = "\n".join(["| figure | median of passes | target | notes |", "|---|---:|---|---|",
                        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)])
     print(table)
@@ -254,6 +307,19 @@ Each pass drains 5,000 and 20,000 no-op tasks with a freshly spawned `mtq worker
 See the module docstring for how each figure is taken; the peers' figures are in "Peers" below.
 
 {table}
+
+What a drained task costs Redis, by design: its claim reads the task (HMGET) and marks
+it running (HSET); its ack reads it (HMGET: fencing, its reply channel, its submit time)
+and records the result (HSET) and the retention (EXPIRE). That is 5 commands; the rest
+(the batch's lease ZADD and ZREM, LPOP, the counters, one PUBLISH per batch to the events
+channel and one per client, the reaper's and timers' reads) is paid once per call of up
+to 64 tasks. Below 5 a task would have to do without one of these: a read before it
+runs (its payload), the fenced read before its result is written, or a retention
+Redis keeps by itself (EXPIRE, rather than a sweep that only runs while a worker does).
+A round trip adds three script calls (submit, claim, ack) around one task, each with its
+fixed cost (the "floor" row: a script that only runs `_lib.lua` costs most of what the
+three calls cost beyond their commands), and the commands every script call makes once
+(TIME, counters, PUBLISH to the events channel and to the client): about 45.
 """
     write_docs(ROOT / "docs" / "benchmarks.md", section, "## Hot path")
 

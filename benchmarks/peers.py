@@ -1,0 +1,134 @@
+"""mtq side by side with RQ, Celery, Dramatiq, arq and Huey, from one run of the shared
+peer harness (``../shared/bench/peers/``: its README says what each figure is and how it
+is taken). This script runs the harness (or reads a run's JSON lines) and writes the
+"## Peers" section of docs/benchmarks.md: for each figure, mtq's value, the best peer's
+in the same run, and their ratio.
+
+    python -m benchmarks.peers --run               # setup.sh once, then run_all.sh (PASSES=2)
+    python -m benchmarks.peers results.jsonl       # a run already made
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from benchmarks.broker import ROOT, write_docs
+
+HARNESS = ROOT.parent / "shared" / "bench" / "peers"
+WORK = Path(os.environ.get("BENCH_WORK", "/tmp/peerbench"))
+
+#: (figure, measure, field, higher is better, mtq's variant). Peers: every variant of
+#: every other system; the best of them is the comparison.
+ROWS: list[tuple[str, str, str, bool, str]] = [
+    ("enqueue, bulk (tasks/s)", "enqueue", "tasks_per_s", True, "default"),
+    ("drain of 5,000 incl. start-up, 1 worker (tasks/s)", "drain", "tasks_per_s", True,
+     "default"),
+    ("steady drain, 1 worker (tasks/s)", "drain", "steady_tasks_per_s", True, "default"),
+    ("steady drain, 1 worker, batch 1000 (tasks/s)", "drain", "steady_tasks_per_s", True,
+     "batch1000"),
+    ("round trip submit -> result p50 (ms)", "latency", "p50_ms", False, "default"),
+    ("round trip submit -> result p99 (ms)", "latency", "p99_ms", False, "default"),
+    ("Redis commands per drained task", "drain", "redis_cmds_per_task", False, "default"),
+    ("Redis commands per round trip (idle polling included)", "latency",
+     "redis_cmds_per_task", False, "default"),
+    ("Redis CPU per drained task (us)", "drain", "redis_cpu_us_per_task", False, "default"),
+    ("worker start-up to first task (s)", "drain", "startup_s", False, "default"),
+]
+
+
+def load(path: Path) -> dict[tuple[str, str, str], dict[str, list[float]]]:
+    """(system, variant, measure) -> field -> every repetition's value (1-slot runs)."""
+    out: dict[tuple[str, str, str], dict[str, list[float]]] = {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        row = json.loads(line)
+        if row.get("slots", 1) != 1 or "system" not in row:
+            continue
+        key = (row["system"], row.get("variant", ""), row["measure"])
+        fields = out.setdefault(key, {})
+        for name, value in row.items():
+            if isinstance(value, dict) and "runs" in value:
+                fields.setdefault(name, []).extend(value["runs"])
+    return out
+
+
+def table(data: dict[tuple[str, str, str], dict[str, list[float]]]) -> str:
+    lines = ["| figure | mtq | best peer in the same run | mtq / best peer |",
+             "|---|---:|---|---:|"]
+    for label, measure, field, higher, variant in ROWS:
+        mine = data.get(("mtq", variant, measure), {}).get(field)
+        peers = [(statistics.median(v[field]), system, var)
+                 for (system, var, m), v in data.items()
+                 if m == measure and system not in ("mtq", "redis-benchmark") and v.get(field)]
+        if not mine or not peers:
+            continue
+        best = max(peers) if higher else min(peers)
+        value = statistics.median(mine)
+        lines.append(f"| {label} | {_fmt(value)} [{_fmt(min(mine))}-{_fmt(max(mine))}] | "
+                     f"{best[1]} {best[2]}: {_fmt(best[0])} | {value / best[0]:.2f}x |")
+    return "\n".join(lines)
+
+
+def _fmt(v: float) -> str:
+    return f"{v:,.0f}" if v >= 100 else f"{v:.2f}"
+
+
+def run(passes: int) -> Path:
+    if not (WORK / "venvs" / "mtq" / "bin" / "python").exists():
+        subprocess.run([str(HARNESS / "setup.sh"), str(ROOT)], check=True)
+    out = WORK / f"results-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    subprocess.run([str(HARNESS / "run_all.sh")], check=True, cwd=ROOT,
+                   env={**os.environ, "PASSES": str(passes), "OUT": str(out)})
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("results", nargs="?", type=Path, help="a run's JSON lines")
+    ap.add_argument("--run", action="store_true", help="run the harness first")
+    ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--no-docs", action="store_true")
+    args = ap.parse_args(argv)
+    if args.run:
+        path = run(args.passes)
+    elif args.results:
+        path = args.results
+    else:
+        sys.exit("give a run's JSON lines, or --run")
+    data = load(path)
+    envs = [json.loads(x) for x in path.read_text().splitlines()
+            if x.startswith("{") and '"measure": "env"' in x]
+    env = envs[0] if envs else {}
+    passes = max((len(v.get("tasks_per_s", [])) for k, v in data.items()
+                  if k[2] == "drain"), default=0)
+    text = table(data)
+    print(text)
+    if args.no_docs:
+        return
+    other = {(s, v) for s, v, _ in data if s not in ("mtq", "redis-benchmark")}
+    section = f"""## Peers
+
+{date.today().isoformat()}, one run of the shared peer harness (`../shared/bench/peers/run_all.sh`,
+{passes} interleaved passes; `python -m benchmarks.peers {path.name}` made this table from its
+JSON lines). {env.get("cpu", "")}, {env.get("nproc", "?")} CPUs, Python {env.get("python_version", "?")},
+redis-server {env.get("redis_server", "?")} pinned to CPU 0, drivers and workers to CPU 1; 5,000
+no-op tasks, one execution slot. Cells: median [min-max] over the passes. The peers:
+{", ".join(sorted(f"{s} {v}" for s, v in other))}. The harness's README says how
+each figure is taken; compare ratios, never figures from another run.
+
+{text}
+"""
+    write_docs(ROOT / "docs" / "benchmarks.md", section, "## Peers")
+
+
+if __name__ == "__main__":
+    main()
