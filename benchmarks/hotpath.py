@@ -304,7 +304,7 @@ Machine: {os.cpu_count()} CPU cores, {platform.platform()}; Python {platform.pyt
 ({"redis-server pinned to one CPU, this driver and the worker to the other" if pin else "CPU placement left to Linux"}).
 Each pass drains 5,000 and 20,000 no-op tasks with a freshly spawned `mtq worker run`
 (default batch 64), then times {count} round trips on a warm worker, idle and under load.
-See the module docstring for how each figure is taken; the peers' figures are in "Peers" below.
+See the module docstring for how each figure is taken; the peers' figures are in "Peers".
 
 {table}
 
