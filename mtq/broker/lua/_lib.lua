@@ -95,7 +95,7 @@ local REPLY_INLINE = 65536
 -- claiming a batch ahead fills: that scan was 13 % of a drained task's Redis
 -- instructions). claim adds it with each batch's leases; it is never reaped (+inf),
 -- and every reader leaves it out (next_timer, orphans.lua; "running" is ZCOUNT of the
--- finite scores, mtq/broker/keys.py RUNNING_MAX).
+-- finite scores: mtq/broker/protocol.py, mtq/broker/scrape.py, mtq/trace.py).
 local LEASE_MARK = '~ the lease index: keeps this set a skiplist (see _lib.lua), not a task'
 LEASE_MARK = LEASE_MARK .. string.rep('.', 80 - #LEASE_MARK)
 
