@@ -25,8 +25,6 @@ import argparse
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from datetime import date
@@ -35,8 +33,8 @@ import redis
 
 import mtq
 from benchmarks.broker import ROOT, Server, write_docs
+from benchmarks.hotpath import spawn_worker, wait_worker, worker_env
 from mtq import replies
-from mtq.workers import registry
 
 
 def commands(r: redis.Redis) -> int:
@@ -59,20 +57,10 @@ def one_pass(server: Server, mode: str, n: int) -> dict[str, float]:
     r = redis.Redis.from_url(server.url)
     name = f"collect-{len(mode)}-{time.monotonic_ns()}"
     q = mtq.Queue(name, client=r)
-    env = {**os.environ, "MTQ_REDIS_URL": server.url,
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
-                                         if p)}
-    proc = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
-                             "benchmarks.noop:handle", "--queue", name, "--batch-size", "64"],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = spawn_worker(server, name, "benchmarks.noop:handle", None, worker_env(server))
     saved = replies.INBOX_MAX
     try:
-        deadline = time.monotonic() + 60
-        while not registry.list_workers(r, name):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("the worker did not start")
-            time.sleep(0.02)
+        wait_worker(r, name, proc)
         q.submit({"warm": 1}).result(timeout=60)
         items = [{"i": i} for i in range(n)]
         run: Callable[[mtq.Queue, list[dict[str, int]]], None] = group if mode == "group" \

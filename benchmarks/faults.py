@@ -40,8 +40,8 @@ import redis
 
 import mtq
 from mtq.broker.embedded import find_redis_server
+from mtq.broker.protocol import read_traces
 from mtq.settings import QueueSettings
-from mtq.trace import read_traces
 from mtq.workers.registry import list_workers
 
 ROOT = Path(__file__).resolve().parent.parent

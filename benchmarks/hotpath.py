@@ -52,19 +52,29 @@ def _snap(r: redis.Redis) -> tuple[int, float]:
     return int(i["total_commands_processed"]), float(i["used_cpu_user"]) + float(i["used_cpu_sys"])
 
 
-def _env(server: Server, **extra: str) -> dict[str, str]:
+def worker_env(server: Server, **extra: str) -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, "MTQ_REDIS_URL": server.url, "PYTHONPATH": path,
             "PYTHONDONTWRITEBYTECODE": "1", **extra}
 
 
-def _worker(server: Server, queue: str, target: str, cpu: int | None,
-            env: dict[str, str]) -> subprocess.Popen[bytes]:
+def spawn_worker(server: Server, queue: str, target: str, cpu: int | None,
+                 env: dict[str, str]) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "mtq", "worker", "run", target, "--queue", queue]
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu), *cmd]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def wait_worker(r: redis.Redis, queue: str, proc: subprocess.Popen[bytes]) -> None:
+    """Until the worker serving ``queue`` is in the registry (60 s at most; exits if it
+    died). The registry is written once a second: there is nothing to block on."""
+    deadline = time.monotonic() + 60
+    while not registry.list_workers(r, queue):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise SystemExit("the worker did not start")
+        time.sleep(0.01)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -94,14 +104,14 @@ def drain(server: Server, n: int, cpu: int | None) -> dict[str, float]:
     q = mtq.Queue(name, client=r)
     q.reply_channel()
     with tempfile.TemporaryDirectory() as marks:
-        env = _env(server, **{MARK_DIR: marks, MARK_N: str(n)})
+        env = worker_env(server, **{MARK_DIR: marks, MARK_N: str(n)})
         c0, cpu0 = _snap(r)
         t = time.perf_counter()
         q.submit_many([None] * n)
         submit_s = time.perf_counter() - t
         c1, _ = _snap(r)
         t_spawn = time.time()
-        proc = _worker(server, name, "benchmarks.noop:marked", cpu, env)
+        proc = spawn_worker(server, name, "benchmarks.noop:marked", cpu, env)
         try:
             deadline = time.monotonic() + 120
             first = _read_stamp(Path(marks) / "first", deadline)
@@ -144,22 +154,18 @@ def roundtrips(server: Server, count: int, cpu: int | None, load: float = 0.0
     r.flushall()
     name = f"ping-{time.monotonic_ns()}"
     q = mtq.Queue(name, client=r)
-    proc = _worker(server, name, "benchmarks.noop:handle", cpu, _env(server))
+    proc = spawn_worker(server, name, "benchmarks.noop:handle", cpu, worker_env(server))
     producer = None
     stop_file = tempfile.mktemp(prefix="mtq-bench-stop-")
     try:
-        deadline = time.monotonic() + 60
-        while not registry.list_workers(r, name):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise SystemExit("the worker did not start")
-            time.sleep(0.01)
+        wait_worker(r, name, proc)
         for _ in range(20):
             q.submit(None).result(timeout=30)
         if load:
             producer = subprocess.Popen(
                 [sys.executable, "-c", "import sys; from benchmarks.hotpath import _producer; "
                  "_producer(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4])",
-                 server.url, name, str(load), stop_file], env=_env(server), cwd=ROOT)
+                 server.url, name, str(load), stop_file], env=worker_env(server), cwd=ROOT)
             time.sleep(0.5)  # let the load settle
         c0, _ = _snap(r)
         out = []

@@ -230,14 +230,21 @@ class Task:
         if isinstance(start, bool) or not isinstance(start, int) or start < 0:
             raise ConfigError(f"start must be a token index >= 0, got {start!r}")
 
-    def _unbroken(self, state: StreamState, epoch: int | None) -> list[Event] | None:
+    def _take_outcome(self) -> tuple[Event | None, int | None]:
+        """What result() starts from: the outcome if the inbox holds it, else the epoch
+        this client submitted the task under (None: not known, read the stored state).
+        Either way the outcome is taken by this call: a later one reads it."""
+        kept = self.queue.hub.take(self.queue.name, self.id)
+        since = self._epoch if kept is None else None
+        self._epoch = None
+        return (kept if isinstance(kept, Event) else None), since
+
+    def _unbroken(self, state: StreamState, epoch: int) -> list[Event] | None:
         """With this task's feed open: if this client created the task and its reply
         subscription has not been lost since, every event of the task reached or will
         reach the feed or the inbox, so the stored state need not be read. Returns the
         events of an outcome that reached the inbox meanwhile ([] for none yet), or
         None: read the stored state. ``epoch``: the task's, taken by the caller."""
-        if epoch is None:
-            return None
         hub = self.queue.hub
         kept = hub.take(self.queue.name, self.id)
         if hub.epoch(self.queue.name) != epoch or isinstance(kept, str):
@@ -246,7 +253,7 @@ class Task:
 
     def events(self, timeout: float | None = None, *, tokens: bool = True, start: int = 0,
                idle: float | None = None, fail_fast: bool = False,
-               _known: int | None = None) -> Iterator[Event]:
+               _since: int | None = None) -> Iterator[Event]:
         """Iterate over the task's events until its terminal one (included).
 
         Starts from the stored state: the tokens streamed so far (replayed with
@@ -262,7 +269,7 @@ class Task:
         TaskNotFound, BrokerError.
         """
         self._check_start(start)
-        if _known is None:  # (_known: the task's epoch, from result())
+        if _since is None:  # (_since: the task's epoch, from result())
             self._epoch = None  # this reader may take the outcome: later ones read it
         hub = self.queue.hub
         self.queue.reply_channel()
@@ -271,7 +278,7 @@ class Task:
         pace = Pacer(timeout, idle)
         hub.open(feed)
         try:
-            first = None if _known is None else self._unbroken(state, _known)
+            first = None if _since is None else self._unbroken(state, _since)
             yield from pace.handed(first if first is not None else
                                    self._snapshot(state, fail_fast))
             while not state.done:
@@ -324,12 +331,10 @@ class Task:
         if self._cached is not None:  # answered from the result cache at submit
             return serialization.loads(self._cached)
         hub = self.queue.hub
-        kept = hub.take(self.queue.name, self.id)
-        known = self._epoch if kept is None else None
-        self._epoch = None  # its outcome is taken here: a later call reads it
-        if isinstance(kept, Event):
+        kept, since = self._take_outcome()
+        if kept is not None:
             return self._outcome(kept)
-        for ev in self.events(timeout, tokens=False, _known=known):
+        for ev in self.events(timeout, tokens=False, _since=since):
             if ev.terminal:
                 hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
                 return self._outcome(ev)
@@ -337,10 +342,10 @@ class Task:
 
     async def aevents(self, timeout: float | None = None, *, tokens: bool = True,
                       start: int = 0, idle: float | None = None, fail_fast: bool = False,
-                      _known: int | None = None) -> AsyncIterator[Event]:
+                      _since: int | None = None) -> AsyncIterator[Event]:
         """:meth:`events` for asyncio (the Redis reads run in a thread)."""
         self._check_start(start)
-        if _known is None:  # (_known: the task's epoch, from result())
+        if _since is None:  # (_since: the task's epoch, from result())
             self._epoch = None  # this reader may take the outcome: later ones read it
         hub = self.queue.hub
         if not hub.epoch(self.queue.name):  # not subscribed yet (a call that may block)
@@ -350,7 +355,7 @@ class Task:
         pace = Pacer(timeout, idle)
         hub.open(feed)
         try:
-            first = None if _known is None else self._unbroken(state, _known)
+            first = None if _since is None else self._unbroken(state, _since)
             if first is None:
                 first = await asyncio.to_thread(self._snapshot, state, fail_fast)
             for ev in pace.handed(first):
@@ -392,12 +397,10 @@ class Task:
         if self._cached is not None:
             return serialization.loads(self._cached)
         hub = self.queue.hub
-        kept = hub.take(self.queue.name, self.id)
-        known = self._epoch if kept is None else None
-        self._epoch = None  # its outcome is taken here: a later call reads it
-        if isinstance(kept, Event):
+        kept, since = self._take_outcome()
+        if kept is not None:
             return self._outcome(kept)
-        async for ev in self.aevents(timeout, tokens=False, _known=known):
+        async for ev in self.aevents(timeout, tokens=False, _since=since):
             if ev.terminal:
                 hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
                 return self._outcome(ev)

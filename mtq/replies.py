@@ -518,9 +518,10 @@ class Hub:
         """A number that changes whenever an event on this hub's reply subscription to
         ``queue`` may have gone unseen: each time the subscription is confirmed (0: not
         yet; again after a lost connection) and each time an outcome is dropped from the
-        inbox unread (unique in the process). A task submitted at epoch ``e`` whose terminal event is not in the
-        inbox has not ended yet if the epoch is still ``e`` once its reader's feed is
-        open (mtq.client.Task.result then needs no read of the stored state)."""
+        inbox unread (unique in the process). A task submitted at epoch ``e`` whose
+        terminal event is not in the inbox has not ended yet if the epoch is still ``e``
+        once its reader's feed is open (mtq.client.Task.result then needs no read of
+        the stored state)."""
         with self._lock:
             return self._epochs.get(queue, 0)
 

@@ -290,24 +290,13 @@ def queue_exists(client: Any, queue: str) -> bool:
     return bool(member) or int(n) > 0
 
 
-def read_traces(client: Any, queue: str, ids: Sequence[str]) -> list[list[bytes]]:
-    """The raw trace lines ("ms|kind|detail") of each of ``ids``, in one round trip
-    (trace.lua: a task on the happy path keeps its trace in its own fields, the others
-    in a list). Raises MtqError (RedisUnavailable, BrokerError)."""
-    from mtq.broker import scripts
-    from mtq.broker.keys import QueueKeys
-
-    k = QueueKeys(queue)
-    call = scripts.Call(scripts.script("trace"), k.script_keys, [*k.channels, *ids], list)
-    return list(scripts.run(client, call)[0])
-
-
 def collect(client: Any, queue: str, since_s: float, limit: int = 10_000
             ) -> dict[str, Any]:
     """Read what :func:`chrome_trace` needs for the last ``since_s`` seconds of
     ``queue`` (see the module docstring) and convert it. ``limit`` bounds the
     waiting, delayed and running ids read. Raises redis-py's errors."""
     from mtq.broker.keys import QueueKeys
+    from mtq.broker.protocol import read_traces
 
     k = QueueKeys(queue)
     sec, usec = client.time()

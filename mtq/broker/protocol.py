@@ -164,6 +164,15 @@ def _codes(raw: list[Any]) -> list[int]:
     return [int(c) for c in raw]
 
 
+def read_traces(client: Any, queue: str, ids: Sequence[str]) -> list[list[bytes]]:
+    """The raw trace lines ("ms|kind|detail") of each of ``ids``, in one round trip
+    (trace.lua: a task on the happy path keeps its trace in its own fields, the others
+    in a list). Raises MtqError (RedisUnavailable, BrokerError)."""
+    k = QueueKeys(queue)
+    call = scripts.Call(scripts.script("trace"), k.script_keys, [*k.channels, *ids], list)
+    return list(scripts.run(client, call)[0])
+
+
 class Broker:
     """Protocol operations of one queue over one Redis client (thread-safe)."""
 
@@ -394,18 +403,12 @@ class Broker:
     def trace(self, task_id: str) -> list[tuple[int, str, str]]:
         """A task's life, oldest first: (server ms, kind, detail)."""
         with redis_errors("while reading a task's trace"):
-            raw = self.run(self.traces_call([task_id]))[0][0]
+            raw = read_traces(self.redis, self.queue, [task_id])[0]
         out = []
         for line in raw:
             ts, kind, detail = _s(line).split("|", 2)
             out.append((int(ts), kind, detail))
         return out
-
-    def traces_call(self, ids: Sequence[str]) -> scripts.Call:
-        """Read the trace lines of ``ids`` (raw "ms|kind|detail", a list per id): the
-        stored list, or the lines a task on the happy path keeps in its fields (see
-        trace.lua)."""
-        return self._call("trace", list(ids), list)
 
     def snapshot_into(self, pipe: Any) -> Any:
         """Queue the reads of :meth:`parse_snapshot` on ``pipe``: O(1) counters, the

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 import mtq
-from mtq.trace import read_traces
+from mtq.broker.protocol import read_traces
 from mtq.workers.registry import list_workers
 from tests.conftest import Reader, wait_for
 

@@ -17,7 +17,7 @@ from benchmarks.faults import kill_workers, pct, recovery_times
 from mtq.broker.connection import connect
 from mtq.broker.consumer import Consumer, connection_name
 from mtq.broker.keys import QueueKeys
-from mtq.trace import read_traces
+from mtq.broker.protocol import read_traces
 from tests.conftest import wait_for
 from tests.integration.test_supervisor import StartFn, supervise, wait_workers
 

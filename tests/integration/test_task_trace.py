@@ -14,7 +14,7 @@ import redis
 
 import mtq
 from mtq.broker.keys import QueueKeys
-from mtq.trace import read_traces
+from mtq.broker.protocol import read_traces
 
 pytestmark = pytest.mark.timeout(60)
 
