@@ -113,10 +113,45 @@ def test_script_loads_with_include_expanded(name):
     s = scripts.script(name)
     assert s.name == name
     assert not [ln for ln in s.source.splitlines() if ln.startswith("--@include")]
-    assert "local function now_ms()" in s.source, "_lib.lua was not pasted in"
+    assert "LEASE_MARK" not in s.source or "local LEASE_MARK" in s.source
     assert f"--[[ {name}.lua" in s.source
     assert s.sha == hashlib.sha1(s.source.encode()).hexdigest()
     assert scripts.script(name) is s  # cached
+
+
+def _lib_names() -> set[str]:
+    """Every name _lib.lua defines at its top level (parsed independently of the loader)."""
+    code = _strip_comments(LIB.read_text(encoding="utf-8"))
+    names = set(re.findall(r"^local\s+function\s+(\w+)", code, flags=re.M))
+    names |= set(re.findall(r"^function\s+(\w+)", code, flags=re.M))
+    for group in re.findall(r"^local\s+(\w+(?:\s*,\s*\w+)*)", code, flags=re.M):
+        names |= {n.strip() for n in group.split(",")} - {"function"}
+    return names
+
+
+@pytest.mark.parametrize("name", scripts.NAMES)
+def test_script_gets_every_library_name_it_reaches(name):
+    # The loader pastes in only the library statements a script can reach (scripts.py,
+    # _shaken): a name it left out would be a nil global, an error only on the path
+    # that calls it. Every library name the pasted source mentions must be defined in it.
+    source = _strip_comments(scripts.script(name).source)
+    defined = set(re.findall(r"^local\s+function\s+(\w+)", source, flags=re.M))
+    defined |= set(re.findall(r"^function\s+(\w+)", source, flags=re.M))
+    for group in re.findall(r"^local\s+(\w+(?:\s*,\s*\w+)*)", source, flags=re.M):
+        defined |= {n.strip() for n in group.split(",")}
+    mentioned = set(re.findall(r"[A-Za-z_]\w*", source)) & _lib_names()
+    assert mentioned <= defined, f"{name}.lua reaches {sorted(mentioned - defined)} undefined"
+
+
+def test_scripts_get_only_what_they_reach():
+    # extend.lua renews leases: it needs none of the task life-cycle helpers
+    source = scripts.script("extend").source
+    assert "local function finish(" not in source
+    assert "local function now_ms()" in source
+    # claim reaps expired leases, which may dead-letter a task: all of that is there
+    claim = scripts.script("claim").source
+    for fn in ("reap_expired", "reclaim", "dead_letter", "finish", "flush_replies"):
+        assert f"local function {fn}(" in claim
 
 
 def test_unknown_script_name_raises():
