@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from mtq.broker.cluster import shared
 from mtq.broker.connection import redis_errors
 from mtq.broker.keys import QUEUES
 from mtq.broker.protocol import Broker
@@ -29,7 +30,7 @@ from mtq.validation import check_queue_name, check_task_id
 def queue_names(client: redis.Redis) -> list[str]:
     """Every queue that was ever submitted to (sorted)."""
     with redis_errors("while listing queues"):
-        raw = client.smembers(QUEUES)
+        raw = shared(client).smembers(QUEUES)
     return sorted(v.decode() if isinstance(v, bytes) else str(v) for v in raw)
 
 
@@ -91,7 +92,8 @@ def snapshot(client: redis.Redis, queues: list[str] | None = None) -> Snapshot:
     settings = QueueSettings()
     brokers = [Broker(client, n, settings) for n in names]
     with redis_errors("while reading the queues"):
-        pipe = client.pipeline(transaction=False)
+        # on a cluster, one pipeline per node, sent together (redis-py's cluster pipeline)
+        pipe = shared(client).pipeline(transaction=False)
         sizes = [b.snapshot_into(pipe) for b in brokers]
         for b in brokers:  # the model records, in the same round trip
             pipe.hgetall(b.keys.model)
@@ -121,7 +123,7 @@ def find_task(client: redis.Redis, task_id: str, queue: str | None = None) -> Ta
     task_id = check_task_id(task_id)
     names = [check_queue_name(queue)] if queue else queue_names(client)
     with redis_errors("while looking for the task"):
-        pipe = client.pipeline(transaction=False)
+        pipe = shared(client).pipeline(transaction=False)
         for n in names:
             pipe.exists(Broker(client, n, QueueSettings()).keys.task(task_id))
         found = [n for n, hit in zip(names, pipe.execute() if names else []) if hit]

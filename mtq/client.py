@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from mtq import serialization, tracing
+from mtq.broker.cluster import for_queue
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import Backoff, connect, redis_errors
@@ -474,7 +475,8 @@ class Queue:
         spec: SettingsSpec = overrides or None
         if settings is not None:
             spec = settings.replace(**overrides) if overrides else settings
-        self.redis = client if client is not None else connect(url)
+        # a cluster's client for the queue's slot (mtq.broker.cluster); else the client
+        self.redis = for_queue(client if client is not None else connect(url), self.name)
         self.broker = Broker(self.redis, self.name, SettingsSource.shared(self.redis, self.name,
                                                                    spec))
         self._registered = False

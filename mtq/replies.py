@@ -34,7 +34,7 @@ import msgpack
 import redis
 
 from mtq import serialization
-from mtq.broker import keys
+from mtq.broker import cluster, keys
 from mtq.broker.connection import Backoff
 from mtq.broker.protocol import TERMINAL, Snapshot
 from mtq.errors import BrokerError, PayloadError
@@ -360,6 +360,7 @@ class Hub:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._pubsub: Any = None
+        self._sharded = False
         self._closed = threading.Event()
         #: subscriptions confirmed again after a reconnect (for tests and metrics)
         self.resyncs = 0
@@ -411,7 +412,9 @@ class Hub:
         with self._lock:
             names, self._pending = self._pending, []
         if names:
-            ps.subscribe(*names)
+            # a reply channel carries its queue's hash tag: on a sharded cluster, the
+            # shard that owns the queue publishes it (see mtq.broker.cluster)
+            (ps.ssubscribe if self._sharded else ps.subscribe)(*names)
 
     def _run(self) -> None:
         backoff = Backoff()
@@ -419,7 +422,9 @@ class Hub:
         while not self._closed.is_set():
             try:
                 if ps is None:
+                    self._sharded = cluster.sharded(self.client)
                     ps = self._pubsub = self.client.pubsub()
+                    # the hub channel stays a plain one: a rare poke, from this process
                     ps.subscribe(self.hub_channel)
                     with self._lock:  # every queue channel, after a full reconnect too
                         self._pending = [c.decode() for c in self._queues]
@@ -428,13 +433,17 @@ class Hub:
                 if msg is None:
                     continue
                 kind, channel = msg["type"], msg["channel"]
-                if kind == "message":
+                if kind == "message" or kind == "smessage":
                     if channel == self.hub_channel.encode():
                         self._subscribe_pending(ps)
                     else:
                         self._dispatch(channel, msg["data"])
-                elif kind == "subscribe":
+                elif kind == "subscribe" or kind == "ssubscribe":
                     self._confirm(channel, ps)
+                elif kind == "sunsubscribe" and not self._closed.is_set():
+                    # the server dropped a shard channel: its slot moved (a failover,
+                    # a reshard). Subscribe anew, on the slot's new owner
+                    raise redis.exceptions.PubSubError(f"shard channel {channel!r} moved")
             except (redis.RedisError, OSError) as exc:
                 if self._closed.is_set():
                     return
@@ -444,7 +453,11 @@ class Hub:
                 (log.warning if backoff.failures == 2 else log.debug)(
                     "reply channel lost (%s); reconnecting in %.2f s", exc, delay)
                 self._closed.wait(delay)  # close_all() ends it at once
-                if isinstance(exc, redis.exceptions.PubSubError):
+                if isinstance(exc, redis.exceptions.PubSubError) and ps is not None:
+                    try:
+                        ps.close()
+                    except Exception:  # a broken connection may raise anything on close
+                        pass
                     ps = None
             except Exception:  # never let the listener die: every waiter would hang
                 if self._closed.is_set():

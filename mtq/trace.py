@@ -281,9 +281,10 @@ def _text(v: Any) -> str:
 
 def queue_exists(client: Any, queue: str) -> bool:
     """The queue is registered (``mtq:queues``) or has its counters (one round trip)."""
+    from mtq.broker.cluster import shared
     from mtq.broker.keys import QUEUES, QueueKeys
 
-    pipe = client.pipeline(transaction=False)
+    pipe = shared(client).pipeline(transaction=False)  # any slot, on a cluster
     pipe.sismember(QUEUES, queue)
     pipe.exists(QueueKeys(queue).stats, QueueKeys(queue).batches)
     member, n = pipe.execute()
@@ -295,10 +296,12 @@ def collect(client: Any, queue: str, since_s: float, limit: int = 10_000
     """Read what :func:`chrome_trace` needs for the last ``since_s`` seconds of
     ``queue`` (see the module docstring) and convert it. ``limit`` bounds the
     waiting, delayed and running ids read. Raises redis-py's errors."""
+    from mtq.broker.cluster import for_queue
     from mtq.broker.keys import QueueKeys
     from mtq.broker.protocol import read_traces
 
     k = QueueKeys(queue)
+    client = for_queue(client, queue)  # its node's clock, on a cluster
     sec, usec = client.time()
     now_ms = int(sec) * 1000 + int(usec) // 1000
     since_ms = now_ms - int(since_s * 1000)

@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from mtq.broker.cluster import shared
 from mtq.broker.connection import redis_errors
 from mtq.broker.keys import MODELS_HISTORY, QueueKeys
 
@@ -31,7 +32,7 @@ def record(client: redis.Redis, queue: str, event: dict[str, Any],
     """Append ``event`` (a JSON-encodable dict; ``queue`` is added) to the history and,
     when ``model`` is given, write it as the queue's model record (one round trip)."""
     with redis_errors("while writing the model catalogue"):
-        pipe = client.pipeline(transaction=False)
+        pipe = shared(client).pipeline(transaction=False)  # the history is no queue's
         if model is not None:
             pipe.hset(QueueKeys(queue).model, mapping={k: str(v) for k, v in model.items()})
         pipe.lpush(MODELS_HISTORY, json.dumps({"queue": queue, **event}, sort_keys=True))
@@ -42,7 +43,7 @@ def record(client: redis.Redis, queue: str, event: dict[str, Any],
 def models(client: redis.Redis, queues: list[str]) -> dict[str, dict[str, str]]:
     """The model record of each queue that has one (one round trip)."""
     with redis_errors("while reading the model catalogue"):
-        pipe = client.pipeline(transaction=False)
+        pipe = shared(client).pipeline(transaction=False)  # queues of any slot
         for q in queues:
             pipe.hgetall(QueueKeys(q).model)
         rows = pipe.execute() if queues else []
@@ -96,7 +97,7 @@ def history(client: redis.Redis, count: int = 20, queue: str | None = None
     """The last ``count`` history records, newest first (of ``queue`` only, if given:
     then the whole kept list is read, at most HISTORY_KEEP records)."""
     with redis_errors("while reading the model history"):
-        raw = client.lrange(MODELS_HISTORY, 0, (HISTORY_KEEP if queue else count) - 1)
+        raw = shared(client).lrange(MODELS_HISTORY, 0, (HISTORY_KEEP if queue else count) - 1)
     out = []
     for line in raw:
         try:

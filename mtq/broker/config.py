@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 
+from mtq.broker.cluster import for_queue, shared
 from mtq.broker.connection import redis_errors, single_attempt
 from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.errors import ConfigError, MtqError
@@ -110,13 +111,15 @@ def store(client: redis.Redis, queue: str, changes: Mapping[str, Any],
     settings = QueueSettings.from_dict(stored)  # the range checks
     key = QueueKeys(queue).config
     with redis_errors("while storing the queue's settings"):
-        pipe = client.pipeline(transaction=True)
+        # the queue's own key in one transaction; the list of queues lives elsewhere on
+        # a cluster (another slot), so it is written after (a queue listed late at worst)
+        pipe = for_queue(client, queue).pipeline(transaction=True)
         if reset:
             pipe.hdel(key, *reset)
         if parsed:
             pipe.hset(key, mapping={k: text(v) for k, v in parsed.items()})
-        pipe.sadd(QUEUES, queue)
         pipe.execute()
+        shared(client).sadd(QUEUES, queue)
     return settings
 
 

@@ -13,8 +13,10 @@ from urllib.parse import parse_qs, quote, urlparse, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 
+from mtq.broker import cluster
 from mtq.broker.embedded import EmbeddedServer
 from mtq.errors import BrokerError, ConfigError, RedisAuthError, RedisTLSError, RedisUnavailable
 from mtq.settings import RedisSettings
@@ -28,6 +30,10 @@ _once = threading.local()
 
 #: TLS errors that a dropped connection also causes (retried like one)
 _TLS_DROPS = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+#: how many times a client of a cluster or of a Sentinel-watched primary retries: enough
+#: to ride through a failover of about 30 s (Redis's default cluster-node-timeout is 15 s)
+RETRIES_HA = 64
+
 #: the URL options that name a file for TLS (redis-py passes them to ``ssl``)
 TLS_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
 
@@ -85,10 +91,10 @@ class _Retry(Retry):
                     time.sleep(delay)
 
 
-def retry_policy() -> Retry:
+def retry_policy(retries: int = RETRIES) -> Retry:
     """The retry every mtq client uses: a dropped connection is re-opened and the
     command sent again at once, then with jittered backoff up to 1 s apart."""
-    return _Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), RETRIES,
+    return _Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), retries,
                   supported_errors=(redis.exceptions.ConnectionError,))
 
 
@@ -175,21 +181,22 @@ def redis_errors(doing: str = "") -> Iterator[None]:
         ) from exc
     except redis.exceptions.RedisError as exc:
         raise BrokerError(f"Redis answered with an error{where}: {exc}") from exc
+    except RedisClusterException as exc:  # not a RedisError: a cross-slot call, no node
+        raise BrokerError(f"the Redis cluster refused a command{where}: {exc}") from exc
 
 
 def safe_url(url: str) -> str:
-    """``url`` with its password, if any, replaced by ``***`` (for messages and logs)."""
+    """``url`` with its password, if any, replaced by ``***`` (for messages and logs;
+    any URL form, a cluster's list of hosts included)."""
     try:
         parts = urlsplit(url)
-        password = parts.password
     except ValueError:
         return url
-    if not password:
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    port = f":{parts.port}" if parts.port else ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hosts}"))
 
 
 #: how long ``mtq worker run`` / ``mtq workers start`` wait for Redis at start
@@ -262,15 +269,29 @@ def connect(url: str | None = None, settings: RedisSettings | None = None, *,
         client = _clients.get(key)
         if client is None:
             check_tls_options(resolved)
-            try:
-                client = redis.Redis.from_url(
-                    resolved, socket_timeout=s.socket_timeout,
-                    socket_connect_timeout=s.connect_timeout, health_check_interval=30,
-                    client_name=name, retry=retry_policy())
-            except ValueError as exc:
-                raise ConfigError(f"invalid Redis URL {safe_url(resolved)!r}: {exc}") from exc
+            client = _open(resolved, s, name)
             _clients[key] = client
         return client
+
+
+def _open(url: str, s: RedisSettings, name: str | None) -> Any:
+    """A new client for ``url``: one server, a cluster (``redis+cluster://``, see
+    mtq.broker.cluster), or the primary a set of sentinels watches (``redis+sentinel://``)."""
+    try:
+        if cluster.is_cluster_url(url):
+            with redis_errors(f"while reading the slot map of {safe_url(url)}"):
+                return cluster.cluster_client(
+                    url, socket_timeout=s.socket_timeout, connect_timeout=s.connect_timeout,
+                    client_name=name, retry=retry_policy(RETRIES_HA))
+        if cluster.is_sentinel_url(url):
+            return cluster.sentinel_client(
+                url, socket_timeout=s.socket_timeout, connect_timeout=s.connect_timeout,
+                client_name=name, retry=retry_policy(RETRIES_HA))
+        return redis.Redis.from_url(
+            url, socket_timeout=s.socket_timeout, socket_connect_timeout=s.connect_timeout,
+            health_check_interval=30, client_name=name, retry=retry_policy())
+    except ValueError as exc:
+        raise ConfigError(f"invalid Redis URL {safe_url(url)!r}: {exc}") from exc
 
 
 def check_tls_options(url: str) -> None:
@@ -279,10 +300,10 @@ def check_tls_options(url: str) -> None:
     parts = urlparse(url)
     options = parse_qs(parts.query)
     tls = sorted(name for name in options if name.startswith("ssl_"))
-    if tls and parts.scheme != "rediss":
+    if tls and not parts.scheme.startswith("rediss"):
         raise ConfigError(
             f"invalid Redis URL {safe_url(url)!r}: {', '.join(tls)} only apply to TLS; write "
-            "rediss:// for a TLS connection")
+            "rediss:// (rediss+cluster://, rediss+sentinel://) for a TLS connection")
     for name in TLS_FILES:
         for path in options.get(name, []):
             if not os.access(path, os.R_OK):
@@ -300,7 +321,12 @@ def client_url(client: redis.Redis) -> str | None:
         for (url, _, _), c in _clients.items():
             if c is client:
                 return url
-    pool = client.connection_pool
+    own = getattr(client, "mtq_url", None)  # a cluster's, its slot clients', a sentinel's
+    if own is not None:
+        return str(own)
+    pool = getattr(client, "connection_pool", None)
+    if pool is None:
+        return None
     kw = pool.connection_kwargs
     user, password = kw.get("username"), kw.get("password")
     auth = ""

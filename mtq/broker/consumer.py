@@ -22,6 +22,7 @@ from typing import Any
 import redis
 
 from mtq import serialization
+from mtq.broker.cluster import for_queue
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import Backoff, connect, redis_errors
@@ -145,7 +146,8 @@ class Consumer:
                  settings: SettingsSpec = None, client: redis.Redis | None = None,
                  worker_id: str | None = None) -> None:
         self.queue = check_queue_name(queue)
-        self.redis = client if client is not None else connect(url)
+        # a cluster's client for the queue's slot (mtq.broker.cluster); else the client
+        self.redis = for_queue(client if client is not None else connect(url), self.queue)
         self.broker = Broker(self.redis, self.queue, SettingsSource.shared(self.redis, self.queue,
                                                                     settings))
         self.worker_id = worker_id or default_worker_id()

@@ -17,6 +17,7 @@ import msgpack
 import redis
 
 from mtq.broker import scripts
+from mtq.broker.cluster import for_queue, shared
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource
 from mtq.broker.connection import redis_errors, single_attempt
@@ -178,7 +179,10 @@ class Broker:
 
     def __init__(self, client: redis.Redis, queue: str,
                  settings: QueueSettings | SettingsSource) -> None:
-        self.redis = client
+        #: the client of the queue's keys (on a cluster, of its slot: mtq.broker.cluster)
+        self.redis = client = for_queue(client, queue)
+        #: the client of the keys that belong to no queue (the list of queues)
+        self.shared = shared(client)
         self.queue = queue
         self.keys = QueueKeys(queue)
         self.source = settings if isinstance(settings, SettingsSource) else \
@@ -230,7 +234,7 @@ class Broker:
     def register(self) -> None:
         """Record the queue name in the global registry (read by mtq status)."""
         with redis_errors():
-            self.redis.sadd(QUEUES, self.queue)
+            self.shared.sadd(QUEUES, self.queue)
 
     def delete_queue(self, chunk: int = 500) -> int:
         """Delete every key of the queue (SCAN and UNLINK, ``chunk`` at a time) and
@@ -246,7 +250,7 @@ class Broker:
                     batch = []
             if batch:
                 deleted += self.redis.unlink(*batch)
-            self.redis.srem(QUEUES, self.queue)
+            self.shared.srem(QUEUES, self.queue)
         return deleted
 
     def cancel(self, task_id: str) -> tuple[int, str]:

@@ -20,6 +20,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
+from mtq.broker import cluster
 from mtq.broker.connection import redis_errors, single_attempt
 from mtq.errors import BrokerError
 
@@ -138,6 +139,28 @@ def script(name: str) -> LuaScript:
     return LuaScript(name, source, hashlib.sha1(source.encode()).hexdigest())
 
 
+#: the line of _lib.lua that names the publishing command
+_PUBLISH = "local PUBLISH = 'PUBLISH'"
+
+
+@cache
+def sharded(plain: LuaScript) -> LuaScript:
+    """The variant of ``plain`` for a cluster with sharded pub/sub (Redis 7+): it
+    publishes with SPUBLISH, so an event reaches only the shard of its queue."""
+    if _PUBLISH not in plain.source:
+        return plain  # publishes nothing
+    source = plain.source.replace(_PUBLISH, "local PUBLISH = 'SPUBLISH'", 1)
+    return LuaScript(plain.name, source, hashlib.sha1(source.encode()).hexdigest())
+
+
+def _variant(client: Any) -> Callable[[LuaScript], LuaScript]:
+    return sharded if cluster.sharded(client) else _same
+
+
+def _same(s: LuaScript) -> LuaScript:
+    return s
+
+
 @dataclass(frozen=True)
 class Call:
     """A script invocation plus the function that turns its raw reply into a value."""
@@ -161,9 +184,10 @@ def load_all(client: redis.Redis) -> None:
     if parts < MIN_REDIS:
         raise BrokerError(f"Redis {version} is too old: mtq needs Redis "
                           f"{'.'.join(map(str, MIN_REDIS))} or newer (or Valkey)")
+    variant = _variant(client)
     pipe = client.pipeline(transaction=False)
     for name in NAMES:
-        pipe.script_load(script(name).source)
+        pipe.script_load(variant(script(name)).source)
     pipe.execute()
 
 
@@ -191,17 +215,19 @@ def run(client: redis.Redis, *calls: Call) -> list[Any]:
 
 def _run(client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
     with redis_errors():
+        variant = _variant(client)
         if len(calls) == 1:
             c = calls[0]
+            sha = variant(c.script).sha
             try:
-                raw = client.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+                raw = client.evalsha(sha, len(c.keys), *c.keys, *c.args)
             except NoScriptError:
                 load_all(client)
-                raw = client.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+                raw = client.evalsha(sha, len(c.keys), *c.keys, *c.args)
             return [c.parse(raw)]
         pipe = client.pipeline(transaction=False)
         for c in calls:
-            pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+            pipe.evalsha(variant(c.script).sha, len(c.keys), *c.keys, *c.args)
         raws = pipe.execute(raise_on_error=False)
         missing = [i for i, r in enumerate(raws) if isinstance(r, NoScriptError)]
         if missing:
@@ -212,7 +238,7 @@ def _run(client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             for i in missing:
                 c = calls[i]
-                pipe.evalsha(c.script.sha, len(c.keys), *c.keys, *c.args)
+                pipe.evalsha(variant(c.script).sha, len(c.keys), *c.keys, *c.args)
             for i, r in zip(missing, pipe.execute(raise_on_error=False)):
                 raws[i] = r
         for r in raws:
@@ -232,7 +258,8 @@ def run_then_wait(client: redis.Redis, call: Call, replicas: int, timeout_ms: in
     with redis_errors(), single_attempt():
         for attempt in range(2):
             pipe = client.pipeline(transaction=False)
-            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
+            pipe.evalsha(_variant(client)(call.script).sha, len(call.keys), *call.keys,
+                         *call.args)
             pipe.execute_command("WAIT", replicas, timeout_ms)
             raw, acks = pipe.execute(raise_on_error=False)
             if isinstance(raw, NoScriptError) and attempt == 0:

@@ -28,6 +28,7 @@ from typing import Any
 
 import redis
 
+from mtq.broker import cluster
 from mtq.broker.connection import Backoff, redis_errors, single_attempt
 from mtq.broker.keys import QueueKeys
 from mtq.errors import ConfigError
@@ -57,8 +58,11 @@ def message(cmd: str, *, worker: str | None = None, supervisor: str | None = Non
 def send(client: redis.Redis, queue: str, cmd: str, **fields: Any) -> int:
     """Publish a command to the queue's supervisors; returns how many received it."""
     msg = message(cmd, **fields)
+    client = cluster.for_queue(client, queue)
     with redis_errors("while sending a control command"):
-        return int(client.publish(QueueKeys(queue).control, json.dumps(msg)))
+        # on a sharded cluster the queue's shard delivers it, and counts its listeners
+        publish = client.spublish if cluster.sharded(client) else client.publish
+        return int(publish(QueueKeys(queue).control, json.dumps(msg)))
 
 
 class Listener:
@@ -67,7 +71,7 @@ class Listener:
 
     def __init__(self, client: redis.Redis, queue: str,
                  callback: Callable[[dict[str, Any]], None]) -> None:
-        self.client = client
+        self.client = cluster.for_queue(client, queue)
         self.channel = QueueKeys(queue).control
         self.callback = callback
         self._closed = threading.Event()
@@ -96,7 +100,10 @@ class Listener:
         while not self._closed.is_set():
             try:
                 self._pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-                self._pubsub.subscribe(self.channel)
+                if cluster.sharded(self.client):
+                    self._pubsub.ssubscribe(self.channel)
+                else:
+                    self._pubsub.subscribe(self.channel)
                 self.subscribed.set()
                 backoff.reset()
                 ps = self._pubsub
@@ -106,10 +113,14 @@ class Listener:
                     # wait its whole timeout); the loop around reconnects
                     with single_attempt():
                         raw = ps.parse_response(block=True)
-                    item = ps.handle_message(raw, ignore_subscribe_messages=True)
+                    item = ps.handle_message(raw, ignore_subscribe_messages=False)
                     if self._closed.is_set():
                         return
-                    if item is None or item.get("type") != "message":
+                    if item is None:
+                        continue
+                    if item.get("type") == "sunsubscribe":  # the slot moved: again
+                        raise redis.exceptions.ConnectionError("the control channel moved")
+                    if item.get("type") not in ("message", "smessage"):
                         continue
                     try:
                         msg = json.loads(item["data"])
@@ -126,4 +137,10 @@ class Listener:
                 delay = backoff.next()  # the first retry at once, then up to 1 s apart
                 (log.warning if backoff.failures == 2 else log.debug)(
                     "control channel lost; resubscribing in %.2f s", delay)
+                old, self._pubsub = self._pubsub, None
+                if old is not None:  # its connection, to a node that may be gone
+                    try:
+                        old.close()
+                    except Exception:  # closing a broken connection may raise anything
+                        pass
                 self._closed.wait(delay)

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from mtq.broker import keys
+from mtq.broker.cluster import shared
 from mtq.broker.connection import redis_errors
 
 
@@ -31,8 +32,8 @@ def beat(client: redis.Redis, worker_id: str, fields: dict[str, Any], ttl_s: flo
     flat["beat"] = json.dumps(now)
     key = keys.worker(worker_id)
     with redis_errors("while reporting to the worker registry"):
-        pipe = client.pipeline(transaction=False)
-        pipe.hset(key, mapping=flat)  # type: ignore[arg-type]
+        pipe = shared(client).pipeline(transaction=False)
+        pipe.hset(key, mapping=flat)
         pipe.expire(key, max(1, int(ttl_s + 0.999)))
         pipe.zadd(keys.WORKERS, {worker_id: now})
         if extra is not None:
@@ -43,7 +44,7 @@ def beat(client: redis.Redis, worker_id: str, fields: dict[str, Any], ttl_s: flo
 def remove(client: redis.Redis, worker_id: str) -> None:
     """Delete a worker's entry (it stopped cleanly)."""
     with redis_errors("while leaving the worker registry"):
-        pipe = client.pipeline(transaction=False)
+        pipe = shared(client).pipeline(transaction=False)
         pipe.delete(keys.worker(worker_id))
         pipe.zrem(keys.WORKERS, worker_id)
         pipe.execute()
@@ -70,6 +71,7 @@ def list_workers(client: redis.Redis, queue: str | None = None,
     it reported plus ``id`` and ``heartbeat_age_s``. Entries whose hash expired are
     pruned from the index, and so is anything not seen for ``stale_s``."""
     now = time.time()
+    client = shared(client)  # the registry belongs to no queue
     with redis_errors("while reading the worker registry"):
         client.zremrangebyscore(keys.WORKERS, "-inf", now - stale_s)
         ids = [_text(i) for i in client.zrange(keys.WORKERS, 0, -1)]

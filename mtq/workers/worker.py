@@ -37,6 +37,7 @@ from typing import Any
 
 from mtq import serialization
 from mtq.broker import catalogue as broker_catalogue
+from mtq.broker.cluster import shared
 from mtq.broker.config import SettingsSpec
 from mtq.broker.connection import Backoff, client_url, redis_errors
 from mtq.broker.consumer import (
@@ -887,7 +888,7 @@ class Worker:
                     return
                 # a queue deleted under its workers (mtq queue delete --force) stays
                 # deleted: what they observed of it is dropped, not written back
-                if self.consumer.redis.sismember(QUEUES, self.queue):
+                if shared(self.consumer.redis).sismember(QUEUES, self.queue):
                     pipe.execute()
                 self.stats.commit(sent)
         except MtqError as exc:

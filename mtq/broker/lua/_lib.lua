@@ -87,6 +87,9 @@ local EVENTS, CONTROL = ARGV[1], ARGV[2]
 local FREE = ''
 -- results up to this size ride in the done message; larger ones are read from the task
 local REPLY_INLINE = 65536
+-- 'SPUBLISH' in the variant of the scripts for a sharded cluster (mtq/broker/scripts.py):
+-- every channel a script publishes to carries the queue's hash tag, so it is the shard's
+local PUBLISH = 'PUBLISH'
 
 -- A member of the leases set that is no task (ids are at most 64 of [A-Za-z0-9_-]),
 -- scored +inf, and longer than Redis's zset-max-listpack-value (64 by default): it keeps
@@ -207,7 +210,7 @@ local function flush_replies()
     local by = REPLIES[kind]
     if by then
       for channel, items in pairs(by) do
-        redis.call('PUBLISH', channel, cmsgpack.pack({kind, NOW_US, items}))
+        redis.call(PUBLISH, channel, cmsgpack.pack({kind, NOW_US, items}))
       end
     end
   end
@@ -218,7 +221,7 @@ local function event(name, now, extra)
   extra = extra or {}
   extra['event'] = name
   extra['ts'] = now
-  redis.call('PUBLISH', EVENTS, cjson.encode(extra))
+  redis.call(PUBLISH, EVENTS, cjson.encode(extra))
 end
 
 -- Make sure the stream-less marker is in the ring (at most one live marker).

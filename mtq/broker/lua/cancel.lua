@@ -28,7 +28,7 @@ elseif status == 'running' then
   redis.call('HSET', K_TASK .. id, 'cancel', '1')
   note(id, now, 'cancel requested', 'its worker is told')
   event('cancel_requested', now, {ids = {id}})
-  redis.call('PUBLISH', CONTROL, cjson.encode({cmd = 'cancel', ids = {id}, worker = f[3] or ''}))
+  redis.call(PUBLISH, CONTROL, cjson.encode({cmd = 'cancel', ids = {id}, worker = f[3] or ''}))
   return {2, status}
 else
   return {E_FINISHED, status}
