@@ -1,0 +1,299 @@
+"""mtq on a real Redis Cluster: 3 primaries and 3 replicas on loopback (tests/clusters.py).
+
+The main paths of the single-Redis suite, against the cluster: submit, claim and results
+through real ``mtq worker run`` processes, FIFO per stream, tokens over sharded pub/sub,
+a worker killed with SIGKILL mid-task, cancel, and the commands that span queues (queues
+on every shard). The failover tests (a primary killed) are in test_cluster_failover.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+import mtq
+from mtq import admin
+from mtq.broker import cluster as mcluster
+from mtq.broker.connection import connect, safe_url
+from mtq.broker.keys import QueueKeys
+from mtq.workers import control
+from mtq.workers.registry import list_workers
+from tests.clusters import Cluster
+from tests.conftest import ROOT, kill_process, wait_for, worker_process
+from tests.integration.test_supervisor import read_log
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def the_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    c.start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def url(the_cluster: Cluster) -> str:
+    return the_cluster.url
+
+
+@pytest.fixture
+def env(url: str) -> dict[str, str]:
+    e = dict(os.environ)
+    e["MTQ_REDIS_URL"] = url
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), e.get("PYTHONPATH", "")])
+    return e
+
+
+class Workers:
+    """``mtq worker run`` processes on the cluster, killed at the end."""
+
+    def __init__(self, env: dict[str, str], tmp: Path) -> None:
+        self.env, self.tmp = env, tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, target: str, queue: str, *args: str, **env: str) -> subprocess.Popen[bytes]:
+        log = open(self.tmp / f"worker-{len(self.procs)}.log", "wb")
+        p = worker_process([target, "--queue", queue, *args], {**self.env, **env}, log)
+        self.procs.append(p)
+        return p
+
+    def output(self) -> str:
+        return "\n".join((self.tmp / f"worker-{i}.log").read_text(errors="replace")
+                         for i in range(len(self.procs)))
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                kill_process(p)
+
+
+@pytest.fixture
+def workers(env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
+    w = Workers(env, tmp_path)
+    yield w
+    w.stop()
+
+
+def queue_on_each_shard(c: Cluster, n: int = 3) -> list[str]:
+    """Queue names whose slots are served by ``n`` different primaries."""
+    seen: dict[int, str] = {}
+    while len(seen) < n:
+        name = "c-" + uuid.uuid4().hex[:10]
+        seen.setdefault(c.owner(QueueKeys(name).ready).port, name)
+    return list(seen.values())
+
+
+def node_calls(c: Cluster, port: int, command: str) -> int:
+    node = next(n for n in c.nodes if n.port == port)
+    client = node.client()
+    try:
+        stats = client.info("commandstats").get(f"cmdstat_{command}", {})
+        return int(stats.get("calls", 0))
+    finally:
+        client.close()
+
+
+def test_a_cluster_url_gives_a_client_of_the_queues_own_primary(the_cluster: Cluster,
+                                                                url: str) -> None:
+    names = queue_on_each_shard(the_cluster)
+    for name in names:
+        q = mtq.Queue(name, url)
+        assert isinstance(q.redis, redis.Redis) and not mcluster.is_cluster(q.redis)
+        assert q.redis.connection_pool.owner()[1] == the_cluster.owner(q.broker.keys.ready).port
+        assert mcluster.is_cluster(q.broker.shared)
+        assert mcluster.sharded(q.redis), "Redis 7: pub/sub is sharded"
+    # one slot client per slot and process, shared by every queue object of it
+    assert mtq.Queue(names[0], url).redis is mtq.Queue(names[0], url).redis
+
+
+def test_submit_work_and_results_on_queues_of_every_shard(the_cluster: Cluster, url: str,
+                                                          workers: Workers) -> None:
+    names = queue_on_each_shard(the_cluster)
+    for name in names:
+        workers.start("tests.handlers:double", name)
+    tasks = {name: mtq.Queue(name, url).submit_many([{"x": i} for i in range(300)])
+             for name in names}
+    for name, ts in tasks.items():
+        assert [t.result(timeout=60) for t in ts] == [2 * i for i in range(300)], name
+    # the cross-queue reads see every shard's queue
+    snap = admin.snapshot(mcluster.shared(mtq.Queue(names[0], url).redis))
+    for name in names:
+        v = snap.queue(name)
+        assert v is not None and v.succeeded == 300 and v.waiting == 0, v
+    wait_for(lambda: {w["queue"] for w in list_workers(
+        mtq.Queue(names[0], url).redis)} >= set(names), 20, "the workers did not register")
+    out = subprocess.run([sys.executable, "-m", "mtq", "status"], env=workers.env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in names:
+        assert name in out.stdout
+
+
+def test_order_per_stream_holds_with_two_workers(the_cluster: Cluster, url: str,
+                                                 workers: Workers, tmp_path: Path) -> None:
+    name = queue_on_each_shard(the_cluster, 1)[0]
+    log = tmp_path / "calls.log"
+    for _ in range(2):
+        workers.start("tests.handlers:logged", name, "--batch-size", "4",
+                      MTQ_TEST_LOG=str(log))
+    q = mtq.Queue(name, url)
+    tasks = [q.submit({"s": f"s{i % 5}", "i": i, "sleep": 0.002}, stream=f"s{i % 5}")
+             for i in range(200)]
+    for t in tasks:
+        t.result(timeout=60)
+    calls = read_log(log)
+    starts: dict[str, list[int]] = {}
+    running: dict[str, str] = {}
+    for c in calls:
+        for k in c.keys:
+            s, i = k.split(":")
+            if c.tag == "B":
+                assert s not in running, f"two tasks of stream {s} ran at once"
+                running[s] = i
+                starts.setdefault(s, []).append(int(i))
+            elif c.tag == "D":
+                running.pop(s, None)
+    for s, order in starts.items():
+        assert order == sorted(order), f"stream {s} ran out of order: {order}"
+    assert len({c.pid for c in calls}) == 2, "both workers took part"
+
+
+def test_tokens_stream_over_sharded_pubsub(the_cluster: Cluster, url: str,
+                                           workers: Workers) -> None:
+    name = queue_on_each_shard(the_cluster, 1)[0]
+    owner = the_cluster.owner(QueueKeys(name).ready).port
+    others = [n.port for n in the_cluster.primaries() if n.port != owner]
+    before = {p: node_calls(the_cluster, p, "spublish") for p in [owner, *others]}
+    published = {p: node_calls(the_cluster, p, "publish") for p in [owner, *others]}
+    workers.start("tests.handlers:chunks", name)
+    q = mtq.Queue(name, url)
+    chunks = [f"tok{i}" for i in range(50)]
+    t = q.submit({"chunks": chunks})
+    assert list(t.tokens(timeout=60)) == chunks
+    assert t.result(timeout=10) == 50
+    assert node_calls(the_cluster, owner, "spublish") > before[owner]
+    for p in others:  # nothing of this queue travelled to, or through, the other shards
+        assert node_calls(the_cluster, p, "spublish") == before[p]
+    for p in [owner, *others]:
+        assert node_calls(the_cluster, p, "publish") - published[p] <= 2, \
+            "events go out with SPUBLISH (a PUBLISH or two: the hub's own pokes)"
+
+
+def test_a_worker_killed_mid_task_its_task_runs_again_and_ends_once(
+        the_cluster: Cluster, url: str, workers: Workers, tmp_path: Path) -> None:
+    name = queue_on_each_shard(the_cluster, 1)[0]
+    log, gate = tmp_path / "calls.log", tmp_path / "gate"
+    gate.touch()
+    first = workers.start("tests.handlers:gated", name, "--lease-ms", "1000",
+                          MTQ_TEST_LOG=str(log))
+    q = mtq.Queue(name, url)
+    t = q.submit({"s": "k", "i": 1, "gate": str(gate)})
+
+    def starts() -> int:
+        return sum(c.tag == "B" and "k:1" in c.keys for c in read_log(log))
+
+    wait_for(lambda: starts() == 1, 30, f"the task did not start\n{workers.output()}")
+    first.kill()
+    first.wait(10)
+    workers.start("tests.handlers:gated", name, MTQ_TEST_LOG=str(log))
+    # its lease runs out on the shard: it runs again, on the new worker
+    wait_for(lambda: starts() == 2, 30,
+             f"the task of the killed worker did not run again\n{workers.output()}")
+    gate.unlink()
+    assert t.result(timeout=30)["i"] == 1
+    assert sum(c.tag == "D" and "k:1" in c.keys for c in read_log(log)) == 1
+    assert q.stats()["redelivered"] == 1
+    assert [e.kind for e in t.trace()] == \
+        ["queued", "started", "restarted", "started", "succeeded"]
+
+
+def test_cancel_reaches_the_worker_through_the_shard(the_cluster: Cluster, url: str,
+                                                    workers: Workers) -> None:
+    name = queue_on_each_shard(the_cluster, 1)[0]
+    workers.start("tests.models:Counter", name)
+    q = mtq.Queue(name, url)
+    # a generation of 500 tokens, 20 ms a step (10 s), streamed from its own outlet
+    running = q.submit({"n": 500, "step_ms": 20}, stream="c")
+    waiting = q.submit({"n": 2}, stream="c")  # behind it: not claimable
+    tokens = running.tokens(timeout=30)
+    assert [next(tokens), next(tokens)] == [0, 1], "tokens reach the client over the shard"
+    assert waiting.cancel() and waiting.status() == "cancelled"
+    t0 = time.monotonic()
+    assert not running.cancel()  # running: its worker is told (cancel.lua SPUBLISHes)
+    wait_for(lambda: running.status() == "cancelled", 5,
+             "the running generator was not stopped at its next step")
+    assert time.monotonic() - t0 < 5
+    assert [e.kind for e in running.events(timeout=5)][-1] == "cancelled"
+
+
+def test_control_commands_reach_the_workers_of_the_queue_through_its_shard(
+        the_cluster: Cluster, url: str, workers: Workers) -> None:
+    name = queue_on_each_shard(the_cluster, 1)[0]
+    workers.start("tests.handlers:double", name)
+    q = mtq.Queue(name, url)
+    assert q.submit({"x": 1}).result(timeout=30) == 2
+
+    def state() -> set[str]:
+        return {w["state"] for w in list_workers(q.redis, name)}
+
+    # SPUBLISH counts the listeners on the queue's shard: the worker's control listener
+    wait_for(lambda: control.send(connect(url), name, "pause") == 1, 10,
+             "the worker does not listen on the queue's shard")
+    wait_for(lambda: state() == {"paused"}, 20, "the worker did not pause")
+    t = q.submit({"x": 2})
+    assert t.status() == "queued"
+    assert control.send(connect(url), name, "resume") == 1
+    assert t.result(timeout=30) == 4
+
+
+def test_queue_config_and_delete_on_a_cluster(the_cluster: Cluster, url: str) -> None:
+    name = queue_on_each_shard(the_cluster, 1)[0]
+    q = mtq.Queue(name, url)
+    assert q.configure(max_length=3).max_length == 3
+    q.submit_many([{"i": i} for i in range(3)])
+    with pytest.raises(mtq.QueueFull):
+        q.submit({"i": 4})
+    assert name in admin.queue_names(q.redis)
+    assert q.broker.delete_queue() > 0
+    assert name not in admin.queue_names(q.redis)
+
+
+@pytest.mark.parametrize("bad", [
+    "redis+cluster://",
+    "redis+cluster://127.0.0.1",
+    "redis+cluster://127.0.0.1:notaport",
+    "redis+cluster://127.0.0.1:7000/3",
+    "redis+sentinel://127.0.0.1:26379",
+    "redis+cluster://127.0.0.1:7000?ssl_ca_certs=/etc/hosts",
+])
+def test_bad_cluster_and_sentinel_urls_are_named_errors(bad: str) -> None:
+    with pytest.raises(mtq.ConfigError, match="invalid Redis URL"):
+        connect(bad)
+
+
+def test_an_unreachable_cluster_is_redis_unavailable() -> None:
+    with pytest.raises(mtq.RedisUnavailable, match="cluster"):
+        connect("redis+cluster://127.0.0.1:1,127.0.0.1:2")
+
+
+def test_safe_url_hides_the_password_of_every_form() -> None:
+    assert safe_url("redis+cluster://u:pw@h1:1,h2:2/0") == "redis+cluster://u:***@h1:1,h2:2/0"
+    assert safe_url("redis+sentinel://:pw@h1:1,h2:2/svc") == "redis+sentinel://:***@h1:1,h2:2/svc"
+    assert safe_url("redis://h:1/0") == "redis://h:1/0"
+
