@@ -103,7 +103,7 @@ class Node:
 
 
 class Cluster:
-    """3 primaries + 3 replicas on free loopback ports."""
+    """3 primaries with ``replicas`` replicas each, on free loopback ports."""
 
     def __init__(self, tmp: Path, primaries: int = 3, replicas: int = 1) -> None:
         self.binary = find_redis7()
@@ -191,15 +191,18 @@ class Cluster:
 
 
 class SentinelSet:
-    """One primary, one replica, three sentinels watching them as ``service``."""
+    """One primary, two replicas, three sentinels watching them as ``service`` (two
+    replicas: after a failover the new primary still has one, so durable submits
+    are confirmed again at once)."""
 
     def __init__(self, tmp: Path, service: str = "mtqmain") -> None:
         self.binary = find_redis7()
         self.service = service
-        primary_port, replica_port = free_cluster_port(), free_cluster_port()
+        primary_port = free_cluster_port()
         self.primary = Node(self.binary, primary_port, tmp / "primary")
-        self.replica = Node(self.binary, replica_port, tmp / "replica",
-                            "--replicaof", "127.0.0.1", str(primary_port))
+        self.replicas = [Node(self.binary, free_cluster_port(), tmp / f"replica{i}",
+                              "--replicaof", "127.0.0.1", str(primary_port))
+                         for i in range(2)]
         self.sentinels: list[Node] = []
         self.tmp = tmp
 
@@ -210,7 +213,8 @@ class SentinelSet:
 
     def start(self) -> None:
         self.primary.start()
-        self.replica.start()
+        for r in self.replicas:
+            r.start()
         for i in range(3):
             port = free_cluster_port()
             d = self.tmp / f"sentinel{i}"
@@ -224,12 +228,13 @@ class SentinelSet:
             node = Node(self.binary, port, d, str(conf), "--sentinel", sentinel=True)
             self.sentinels.append(node)
             node.start()
-        replica = self.replica.client()
-        try:
-            wait_for(lambda: replica.info("replication").get("master_link_status") == "up",
-                     20, "the replica did not sync with the primary")
-        finally:
-            replica.close()
+        for r in self.replicas:
+            replica = r.client()
+            try:
+                wait_for(lambda c=replica: c.info("replication").get("master_link_status")
+                         == "up", 20, "a replica did not sync with the primary")
+            finally:
+                replica.close()
 
     def current_primary_port(self) -> int | None:
         for s in self.sentinels:
@@ -247,5 +252,5 @@ class SentinelSet:
         return None
 
     def stop(self) -> None:
-        for n in [*self.sentinels, self.replica, self.primary]:
+        for n in [*self.sentinels, *self.replicas, self.primary]:
             n.stop()

@@ -163,11 +163,37 @@ def sentinel_client(url: str, *, socket_timeout: float, connect_timeout: float,
         sentinel_kw.update({k: v for k, v in kw.items() if k.startswith("ssl")}, ssl=True)
         kw["ssl"] = True
     sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kw)
+    connection_class = _SentinelSSLConnection if kw.pop("ssl", False) else _SentinelConnection
     client = sentinel.master_for(service, socket_timeout=socket_timeout,
                                  socket_connect_timeout=connect_timeout,
-                                 client_name=client_name, retry=retry, **kw)
+                                 client_name=client_name, retry=retry,
+                                 connection_class=connection_class, **kw)
     client.mtq_url = url
     return client
+
+
+def _sentinel_classes() -> tuple[type, type]:
+    from redis.sentinel import SentinelManagedConnection, SentinelManagedSSLConnection
+
+    class SentinelConnection(SentinelManagedConnection):
+        """redis-py's, asking the sentinels where the primary is on every way of
+        connecting: its own asks only in connect(), and a command sent again after a
+        failure reconnects without it, to the dead primary, until the retries run out."""
+
+        def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+            if self._sock:
+                return
+            if self.connection_pool.is_master:
+                self.host, self.port = self.connection_pool.get_master_address()
+            super().connect_check_health(*args, **kwargs)
+
+    class SentinelSSLConnection(SentinelConnection, SentinelManagedSSLConnection):
+        pass
+
+    return SentinelConnection, SentinelSSLConnection
+
+
+_SentinelConnection, _SentinelSSLConnection = _sentinel_classes()
 
 
 # -- slot clients ------------------------------------------------------------------------
@@ -196,12 +222,14 @@ class SlotConnection(Connection):
         self.slot_pool: SlotConnectionPool = kwargs.pop("slot_pool")
         super().__init__(**kwargs)
 
-    def connect(self) -> None:
+    def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        # every way redis-py (re)connects goes through here: connect(), and a command
+        # sent on a connection that a failure closed
         if self._sock:
             return
         self.host, self.port = self.slot_pool.owner()
         try:
-            super().connect()
+            super().connect_check_health(*args, **kwargs)
         except ConnectionError:
             self.slot_pool.lost()
             raise

@@ -323,7 +323,9 @@ class Consumer:
         if not calls:
             return SettleReport(), []
         sent = time.monotonic()
-        replies = self.broker.run(*calls)
+        # a durable queue's acks and nacks wait for its replicas too: one lost with a
+        # primary that died is sent again to the replica promoted in its place
+        replies = self.broker.run_durable(*calls) if acks or nacks else self.broker.run(*calls)
         emit_codes = replies.pop(0) if items else []
         ack_codes = replies.pop(0) if acks else []
         nack_codes = replies.pop(0) if nacks else []

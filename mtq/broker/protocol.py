@@ -202,6 +202,16 @@ class Broker:
         """Run several calls in one round trip."""
         return scripts.run(self.redis, *calls)
 
+    def run_durable(self, *calls: scripts.Call) -> list[Any]:
+        """:meth:`run`, then WAIT for the queue's ``durable_replicas`` (in the same round
+        trip; see scripts.run_durable), when it asks for any; else just :meth:`run`."""
+        s = self.settings
+        if not s.durable_replicas:
+            return self.run(*calls)
+        values, _acks = scripts.run_durable(self.redis, calls, s.durable_replicas,
+                                            s.durable_timeout_ms)
+        return values
+
     def _call(self, name: str, args: Sequence[Any], parse: Any) -> scripts.Call:
         return scripts.Call(scripts.script(name), self.keys.script_keys, [*self._head, *args], parse)
 
@@ -276,8 +286,12 @@ class Broker:
         return self._call("claim", args, _parse_claim)
 
     def claim(self, worker: str, batch: int, lease_ms: int | None = None) -> ClaimResult:
-        """Claim up to ``batch`` tasks (after reaping and promoting due retries)."""
-        return self.run(self.claim_call(worker, batch, lease_ms))[0]
+        """Claim up to ``batch`` tasks (after reaping and promoting due retries). On a
+        durable queue the claim returns once a replica has it (:meth:`run_durable`): a
+        task runs only once a replica knows who runs it, so its ack, sent again to the
+        replica promoted after its primary died, finds it running under its token
+        (else it would be queued there, and run twice)."""
+        return self.run_durable(self.claim_call(worker, batch, lease_ms))[0]
 
     def ack_call(self, results: Sequence[tuple[str, str, bytes]]) -> scripts.Call:
         s = self.settings

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -251,22 +252,48 @@ def run_then_wait(client: redis.Redis, call: Call, replicas: int, timeout_ms: in
                   ) -> tuple[Any, int]:
     """Run ``call``, then ``WAIT replicas timeout_ms`` on the same connection, in one
     round trip: (the call's value, how many replicas acknowledged its writes).
+    See :func:`run_durable`."""
+    values, acks = run_durable(client, [call], replicas, timeout_ms)
+    return values[0], acks
+
+
+def run_durable(client: redis.Redis, calls: Sequence[Call], replicas: int, timeout_ms: int,
+                _load: bool = True) -> tuple[list[Any], int]:
+    """Run ``calls``, then ``WAIT replicas timeout_ms`` on the same connection, in one
+    round trip: (the calls' values, how many replicas acknowledged their writes).
 
     WAIT counts the replicas that received every write this connection made, so it
-    must follow the script on the connection that ran it (a pipeline does). Sent
-    once, as a submit is (see :data:`SEND_ONCE`)."""
-    with redis_errors(), single_attempt():
-        for attempt in range(2):
+    must follow the scripts on the connection that ran them (a pipeline does). A round
+    trip holding a :data:`SEND_ONCE` script is sent once; any other is sent again
+    after a dropped connection, WAIT included: a worker's acks whose reply or whose
+    WAIT was lost with a primary that died go again to the replica promoted in its
+    place (fenced by their lease tokens, an ack the replica already has changes
+    nothing), so an acknowledged result is not lost with the primary."""
+    once = any(c.script.name in SEND_ONCE for c in calls)
+    with redis_errors():
+        with single_attempt() if once else nullcontext():
+            variant = _variant(client)
             pipe = client.pipeline(transaction=False)
-            pipe.evalsha(_variant(client)(call.script).sha, len(call.keys), *call.keys,
-                         *call.args)
+            for c in calls:
+                pipe.evalsha(variant(c.script).sha, len(c.keys), *c.keys, *c.args)
             pipe.execute_command("WAIT", replicas, timeout_ms)
-            raw, acks = pipe.execute(raise_on_error=False)
-            if isinstance(raw, NoScriptError) and attempt == 0:
-                load_all(client)  # the script did not run: run both again
+            *raws, acks = pipe.execute(raise_on_error=False)
+        missing = [i for i, r in enumerate(raws) if isinstance(r, NoScriptError)] \
+            if _load else []
+        values: list[Any] = [None] * len(calls)
+        if missing:
+            # those did not run (the others did): load the scripts, run them, WAIT again
+            load_all(client)
+            again, acks = run_durable(client, [calls[i] for i in missing], replicas,
+                                      timeout_ms, _load=False)
+            for i, v in zip(missing, again):
+                values[i] = v
+        for i, (c, r) in enumerate(zip(calls, raws)):
+            if i in missing:
                 continue
-            for r in (raw, acks):
-                if isinstance(r, Exception):
-                    raise r
-            return call.parse(raw), int(acks)
-    raise AssertionError("unreachable")
+            if isinstance(r, Exception):
+                raise r
+            values[i] = c.parse(r)
+        if isinstance(acks, Exception):
+            raise acks
+        return values, int(acks)
