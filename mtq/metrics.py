@@ -66,6 +66,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from mtq.broker.keys import QUEUES
+from mtq.broker.cluster import shared
 from mtq.broker.scrape import ScrapeReader
 from mtq.workers.stats import BOUNDS
 
@@ -142,17 +143,18 @@ def exporter_client(url: str) -> redis.Redis:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from mtq.broker.connection import check_tls_options
+    from mtq.broker.connection import check_tls_options, open_client
+    from mtq.settings import RedisSettings
 
     check_tls_options(url)
-    return redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=1.0,
-                                retry=Retry(NoBackoff(), 1), client_name="mtq-metrics")
+    return open_client(url, RedisSettings(socket_timeout=2.0, connect_timeout=1.0),
+                       "mtq-metrics", retry=Retry(NoBackoff(), 1))
 
 
 def known_queues(client: redis.Redis) -> list[str]:
     """Every queue that was ever submitted to (sorted); raises redis-py's errors."""
     return sorted(v.decode() if isinstance(v, bytes) else str(v)
-                  for v in client.smembers(QUEUES))
+                  for v in shared(client).smembers(QUEUES))
 
 
 @dataclass

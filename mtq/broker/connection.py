@@ -269,27 +269,30 @@ def connect(url: str | None = None, settings: RedisSettings | None = None, *,
         client = _clients.get(key)
         if client is None:
             check_tls_options(resolved)
-            client = _open(resolved, s, name)
+            client = open_client(resolved, s, name)
             _clients[key] = client
         return client
 
 
-def _open(url: str, s: RedisSettings, name: str | None) -> Any:
+def open_client(url: str, s: RedisSettings, name: str | None, retry: Retry | None = None
+                ) -> Any:
     """A new client for ``url``: one server, a cluster (``redis+cluster://``, see
-    mtq.broker.cluster), or the primary a set of sentinels watches (``redis+sentinel://``)."""
+    mtq.broker.cluster), or the primary a set of sentinels watches (``redis+sentinel://``).
+    ``retry``: instead of :func:`retry_policy` (longer for a cluster or Sentinel, to
+    ride through a failover)."""
     try:
         if cluster.is_cluster_url(url):
             with redis_errors(f"while reading the slot map of {safe_url(url)}"):
                 return cluster.cluster_client(
                     url, socket_timeout=s.socket_timeout, connect_timeout=s.connect_timeout,
-                    client_name=name, retry=retry_policy(RETRIES_HA))
+                    client_name=name, retry=retry or retry_policy(RETRIES_HA))
         if cluster.is_sentinel_url(url):
             return cluster.sentinel_client(
                 url, socket_timeout=s.socket_timeout, connect_timeout=s.connect_timeout,
-                client_name=name, retry=retry_policy(RETRIES_HA))
+                client_name=name, retry=retry or retry_policy(RETRIES_HA))
         return redis.Redis.from_url(
             url, socket_timeout=s.socket_timeout, socket_connect_timeout=s.connect_timeout,
-            health_check_interval=30, client_name=name, retry=retry_policy())
+            health_check_interval=30, client_name=name, retry=retry or retry_policy())
     except ValueError as exc:
         raise ConfigError(f"invalid Redis URL {safe_url(url)!r}: {exc}") from exc
 

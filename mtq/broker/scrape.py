@@ -23,6 +23,7 @@ from typing import Any
 
 import redis
 
+from mtq.broker.cluster import for_queue, is_cluster
 from mtq.broker.keys import QueueKeys
 
 #: replies per queue, in this order
@@ -77,20 +78,41 @@ class ScrapeReader:
         """One tuple per queue, in :data:`READS` order. Raises redis-py's errors."""
         if not queues:
             return []
-        data = self._packed_for(queues)
-        n = len(READS) * len(queues)
-        try:
-            raw = self._round_trip(data, n)
-        except (redis.ConnectionError, redis.TimeoutError):
-            raw = self._round_trip(data, n)  # once more, on a fresh connection
+        if not is_cluster(self.client):
+            raw = self._read_on(self.client, queues)
+        else:  # one round trip per primary: the queues it serves now, on one connection
+            groups: dict[Any, list[str]] = {}
+            via: dict[Any, Any] = {}
+            for q in queues:
+                c = for_queue(self.client, q)
+                try:
+                    node = c.connection_pool.owner()
+                except redis.ConnectionError:
+                    node = None  # not served now: read where it leads (and fail there)
+                groups.setdefault(node, []).append(q)
+                via.setdefault(node, c)
+            got: dict[str, list[Any]] = {}
+            for node, qs in groups.items():
+                replies = self._read_on(via[node], qs)
+                for i, q in enumerate(qs):
+                    got[q] = replies[i * len(READS):(i + 1) * len(READS)]
+            raw = [r for q in queues for r in got[q]]
         out = []
-        for i in range(0, n, len(READS)):
+        for i in range(0, len(raw), len(READS)):
             out.append((_hash(raw[i]), int(raw[i + 1]), int(raw[i + 2]), int(raw[i + 3]),
                         int(raw[i + 4]), _hash(raw[i + 5]), int(raw[i + 6])))
         return out
 
-    def _round_trip(self, data: bytes, n: int) -> list[Any]:
-        pool = self.client.connection_pool
+    def _read_on(self, client: Any, queues: Sequence[str]) -> list[Any]:
+        data = self._packed_for(queues)
+        n = len(READS) * len(queues)
+        try:
+            return self._round_trip(client, data, n)
+        except (redis.ConnectionError, redis.TimeoutError):
+            return self._round_trip(client, data, n)  # once more, on a fresh connection
+
+    def _round_trip(self, client: Any, data: bytes, n: int) -> list[Any]:
+        pool = client.connection_pool
         conn = pool.get_connection()
         try:
             conn.send_packed_command([data], check_health=True)

@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -29,9 +30,11 @@ from mtq.workers import control
 from mtq.workers.registry import list_workers
 from tests.clusters import Cluster
 from tests.conftest import ROOT, kill_process, wait_for, worker_process
-from tests.integration.test_supervisor import read_log
+from tests.integration.test_supervisor import read_log, supervise, wait_workers
 
 pytestmark = pytest.mark.timeout(180)
+
+__all__ = ["supervise"]  # the fixture, borrowed from test_supervisor
 
 
 @pytest.fixture(scope="module")
@@ -297,3 +300,54 @@ def test_safe_url_hides_the_password_of_every_form() -> None:
     assert safe_url("redis+sentinel://:pw@h1:1,h2:2/svc") == "redis+sentinel://:***@h1:1,h2:2/svc"
     assert safe_url("redis://h:1/0") == "redis://h:1/0"
 
+
+
+def test_the_exporter_and_the_dashboard_read_queues_of_every_shard(
+        the_cluster: Cluster, url: str, workers: Workers) -> None:
+    from prometheus_client import generate_latest
+
+    from mtq.metrics import MtqCollector, exporter_client, registry_of
+
+    names = queue_on_each_shard(the_cluster)
+    for i, name in enumerate(names):
+        mtq.Queue(name, url).submit_many([{"x": j} for j in range(i + 1)])
+    text = generate_latest(registry_of(MtqCollector(exporter_client(url), None))).decode()
+    assert "mtq_up 1.0" in text
+    for i, name in enumerate(names):
+        assert f'mtq_queue_waiting_tasks{{queue="{name}"}} {float(i + 1)}' in text, text[:2000]
+    out = subprocess.run([sys.executable, "-m", "mtq", "dashboard", "--once"], env=workers.env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for name in names:
+        assert name in out.stdout
+
+
+@pytest.fixture
+def redis_url(url: str) -> str:
+    """The cluster's URL for the fixtures this module borrows (supervise)."""
+    return url
+
+
+def test_a_supervisor_gives_back_the_task_of_a_killed_worker_at_once(
+        the_cluster: Cluster, url: str, supervise: Any, tmp_path: Path) -> None:
+    # the supervisor waits for the dead worker's connections to the queue's node to
+    # close (CLIENT LIST there), then gives its task back: no lease to wait for
+    name = queue_on_each_shard(the_cluster, 1)[0]
+    log, gate = tmp_path / "calls.log", tmp_path / "gate"
+    gate.touch()
+    sup = supervise("tests.handlers:gated", name, "--lease-ms", "60000",
+                    env={"MTQ_TEST_LOG": str(log)})
+    shared = connect(url)
+    (w,) = wait_workers(shared, name, 1, sup)
+    q = mtq.Queue(name, url)
+    t = q.submit({"s": "g", "i": 1, "gate": str(gate)})
+    wait_for(lambda: [c.pid for c in read_log(log) if c.tag == "B"] == [w["pid"]], 30,
+             f"the task did not start\n{sup.output()}")
+    os.kill(w["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    wait_for(lambda: sum(c.tag == "B" for c in read_log(log)) == 2, 30,
+             f"the task did not run again\n{sup.output()}")
+    assert time.monotonic() - killed < 15, "given back at once, not after its 60 s lease"
+    gate.unlink()
+    assert t.result(timeout=30)["i"] == 1
+    assert sum(c.tag == "D" for c in read_log(log)) == 1
