@@ -98,6 +98,15 @@ def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spe
             fail(exc, USAGE)
     url = url or os.environ.get("RQ_REDIS_URL") or os.environ.get("MTQ_REDIS_URL") or DEFAULT_URL
     level = "DEBUG" if verbose else "WARNING" if quiet else logging_level.upper()
+    from mtq.broker.cluster import is_cluster_url, is_sentinel_url
+
+    if is_cluster_url(url) or is_sentinel_url(url):
+        # RQ's keys (rq:queue:Q, rq:job:ID, its registries) carry no hash tags: a job
+        # and its queue may sit in different slots, which RQ's own transactions forbid
+        fail(f"mtq rq worker serves RQ queues on one Redis (redis://, rediss://), not "
+             f"{url.split('://', 1)[0]}://: RQ's keys carry no hash tags, so a cluster "
+             "cannot hold them, and RQ's producers connect to one server. Give the URL "
+             "of the primary (mtq's own queues do run on a cluster: docs/scaling.md)", USAGE)
     try:
         limit = float(os.environ.get("MTQ_REDIS_WAIT_S") or 10)
         reach(connect(url), url, say, timeout_s=limit)

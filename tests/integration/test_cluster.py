@@ -351,3 +351,12 @@ def test_a_supervisor_gives_back_the_task_of_a_killed_worker_at_once(
     gate.unlink()
     assert t.result(timeout=30)["i"] == 1
     assert sum(c.tag == "D" for c in read_log(log)) == 1
+
+
+@pytest.mark.parametrize("form", ["redis+cluster://127.0.0.1:7000",
+                                  "redis+sentinel://127.0.0.1:26379/main"])
+def test_the_rq_bridge_refuses_a_cluster_or_sentinel_url_by_name(form: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "mtq", "rq", "worker", "default", "--url", form],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "RQ's keys carry no hash tags" in out.stderr and "Traceback" not in out.stderr
