@@ -65,8 +65,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-from mtq.broker.keys import QUEUES
 from mtq.broker.cluster import shared
+from mtq.broker.keys import QUEUES
 from mtq.broker.scrape import ScrapeReader
 from mtq.workers.stats import BOUNDS
 

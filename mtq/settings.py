@@ -165,8 +165,9 @@ QUEUE_SETTING_DOCS: dict[str, tuple[str, str]] = {
     "idempotency_window_s": ("s", "how long an idempotency key maps to its task"),
     "wake_cap": ("markers", "most wake-up markers kept for sleeping workers"),
     "reap_limit": ("tasks", "most expired leases or due retries handled per claim"),
-    "durable_replicas": ("replicas", "a submit is acknowledged once this many replicas have "
-                                     "it (0: once the primary has it)"),
+    "durable_replicas": ("replicas", "a submit is acknowledged, and a worker's claim and "
+                                     "ack count, once this many replicas have it (0: once "
+                                     "the primary has it)"),
     "durable_timeout_ms": ("ms", "how long a durable submit waits for its replicas before it "
                                  "raises NotDurable"),
     "metrics": ("true/false", "workers keep histograms for `mtq metrics serve` (queue wait, "

@@ -25,9 +25,10 @@ from django.core import checks
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from mtq.broker.connection import safe_url
+from mtq.broker.connection import open_client, safe_url
 from mtq.contrib.django.conf import MtqSettingsError, get_settings, redis_url
-from mtq.errors import MtqError
+from mtq.errors import ConfigError, MtqError, RedisUnavailable
+from mtq.settings import RedisSettings
 
 TAG = "mtq"
 
@@ -56,14 +57,21 @@ def check_redis(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
     if not url:
         return []
     timeout = conf.check_timeout_s
+    error: RedisUnavailable | None = None
     try:  # a client of its own: no retries, a short timeout, closed after
-        client = redis.Redis.from_url(url, socket_connect_timeout=timeout,
-                                      socket_timeout=timeout, retry=Retry(NoBackoff(), 0))
-    except ValueError as exc:
+        client = open_client(url, RedisSettings(socket_timeout=timeout, connect_timeout=timeout),
+                             None, retry=Retry(NoBackoff(), 0))
+    except ConfigError as exc:
         return [checks.Error(f"MTQ REDIS_URL {safe_url(url)!r} is not a Redis URL: {exc}",
-                             hint="Write it as redis://host:port/db or rediss://... .",
+                             hint="Write it as redis://host:port/db, rediss://..., "
+                                  "redis+cluster://host:port,host:port or "
+                                  "redis+sentinel://host:port/service (docs/scaling.md).",
                              id="mtq.E001")]
+    except RedisUnavailable as exc:  # a cluster whose nodes do not answer
+        client, error = None, exc
     try:
+        if client is None:
+            raise redis.ConnectionError(str(error))
         client.ping()
     except redis.RedisError as exc:
         source = "MTQ['REDIS_URL']" if conf.redis_url else "the MTQ_REDIS_URL variable"
@@ -74,7 +82,8 @@ def check_redis(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
                  "a running one; submits and event streams fail until it answers.",
             id="mtq.E001")]
     finally:
-        client.close()
+        if client is not None:
+            client.close()
     return []
 
 

@@ -1,0 +1,319 @@
+"""Scale-out: what a Redis Cluster costs per task, how queues spread over its shards, what
+several shards drain together on this machine, and how long a failover stops the work.
+
+* **Redis work per task, one server vs a cluster** (callgrind, instructions: they repeat
+  to 0.1 %, where this machine's timings vary 2-4x): the same Redis 7 binary run
+  standalone, then as a one-node cluster that owns every slot (``--cluster-enabled
+  yes``); 3,200 no-op tasks claimed and acked in batches of 64 by a ``Consumer``
+  (``settle_and_claim``, as a worker does), with the submit (not counted) before. On the
+  cluster mtq goes through its slot client and publishes with SPUBLISH.
+* **Spread**: how many of 300 queues (``chat-0`` .. ``chat-299``, and 300 random names)
+  each primary of a 3-primary cluster serves.
+* **Aggregate drain, 1 vs 3 shards**: 6 queues, 5,000 no-op tasks each; one
+  ``mtq worker run`` per queue (the default batch), all started at once; tasks/s from the
+  first start to the last task, with the queues on one shard (a cluster of 1 primary)
+  and spread over 3 shards (3 primaries). Redis CPU per task is each shard's
+  ``used_cpu_user + used_cpu_sys`` over the drain, summed, / tasks.
+* **Failover**: a cluster of 3 primaries with 2 replicas each; a worker serves a queue
+  while a producer submits 300 tasks/s; the primary of the queue's slot is killed
+  (SIGKILL); the time from the kill to the first task completed after it (the worker's
+  log). Five rounds; after each, the dead node is started again and rejoins as a
+  replica.
+
+    python -m benchmarks.scaling            # everything, rewrites "## Scale-out"
+    python -m benchmarks.scaling --quick    # fewer tasks and rounds, prints only
+
+Needs Redis 7 (Debian's ``redis-server``, installed by ``scripts/install-system-deps``)
+and valgrind for the first part.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from datetime import date
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import redis
+
+import mtq
+from benchmarks.broker import ROOT, write_docs
+from benchmarks.hotpath import worker_env
+from benchmarks.instructions import _total
+from mtq.broker.keys import QueueKeys
+
+
+def _cluster_tools() -> Any:
+    sys.path.insert(0, str(ROOT))
+    from tests import clusters
+
+    return clusters
+
+
+# -- Redis work per task ------------------------------------------------------------------
+
+def instructions(binary: str, clustered: bool, n: int) -> float:
+    """redis-server instructions per drained task (claim + ack, batch 64)."""
+    from mtq.broker.consumer import Consumer, Outcome
+
+    clusters = _cluster_tools()
+    with tempfile.TemporaryDirectory(prefix="mtq-scale-cg-") as tmp:
+        port = clusters.free_cluster_port()
+        dump = Path(tmp) / "cg.out"
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"] \
+            if clustered else []
+        proc = subprocess.Popen(
+            ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+             f"--callgrind-out-file={dump}", binary, "--port", str(port), "--bind",
+             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp, *args],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        r = redis.Redis(port=port)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                r.ping()
+                break
+            except redis.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("redis-server under valgrind did not start") from None
+                time.sleep(0.1)
+        if clustered:
+            r.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            while r.cluster("INFO").get("cluster_state") != "ok":
+                time.sleep(0.1)
+            url = f"redis+cluster://127.0.0.1:{port}"
+        else:
+            url = f"redis://127.0.0.1:{port}/0"
+        from mtq.broker.connection import connect
+
+        client = connect(url)
+        q = mtq.Queue("scale", client=client)
+        c = Consumer("scale", client=client)
+        q.submit_many([None] * 64)  # scripts loaded, keys made
+        c.settle([Outcome(t, True, None) for t in c.claim(64)])
+        q.submit_many([None] * n)
+
+        def instrument(on: bool) -> None:
+            subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(proc.pid)],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        instrument(True)
+        held = c.claim(64)
+        while held:
+            _, held = c.settle_and_claim([Outcome(t, True, None) for t in held], 64)
+        instrument(False)
+        assert q.stats()["succeeded"] == n + 64
+        mtq.replies.hub_of(q.redis).close_all()
+        try:
+            r.shutdown(nosave=True)
+        except redis.ConnectionError:
+            pass
+        proc.wait(120)
+        return _total(dump) / n
+
+
+# -- spread ------------------------------------------------------------------------------
+
+def spread(names: list[str]) -> list[int]:
+    """Queues per primary of a 3-primary cluster with the slots split as
+    ``redis-cli --cluster create`` splits them (0-5460, 5461-10922, 10923-16383)."""
+    from redis.crc import key_slot
+
+    bounds = (5460, 10922, 16383)
+    count = Counter(next(i for i, b in enumerate(bounds)
+                         if key_slot(QueueKeys(n).ready.encode()) <= b) for n in names)
+    return [count[i] for i in range(3)]
+
+
+# -- aggregate drain ---------------------------------------------------------------------
+
+def _cpu(nodes: list[Any]) -> float:
+    total = 0.0
+    for node in nodes:
+        c = node.client()
+        try:
+            i = c.info("cpu")
+            total += float(i["used_cpu_user"]) + float(i["used_cpu_sys"])
+        finally:
+            c.close()
+    return total
+
+
+def drain(primaries: int, queues: int, per_queue: int, tmp: Path) -> tuple[float, float]:
+    """(tasks/s, Redis CPU us per task) of ``queues`` workers draining at once."""
+    clusters = _cluster_tools()
+    c = clusters.Cluster(tmp, primaries=primaries, replicas=0)
+    c.start()
+    try:
+        client = mtq.broker.connection.connect(c.url)
+        # the same number of queues on each primary
+        by_node: dict[int, list[str]] = {n.port: [] for n in c.primaries()}
+        while sum(map(len, by_node.values())) < queues:
+            name = f"agg-{uuid.uuid4().hex[:8]}"
+            mine = by_node[c.owner(QueueKeys(name).ready).port]
+            if len(mine) < queues // primaries:
+                mine.append(name)
+        names = [n for ns in by_node.values() for n in ns]
+        for name in names:
+            mtq.Queue(name, client=client).submit_many([None] * per_queue)
+        env = worker_env_url(c.url)
+        cpu0 = _cpu(c.nodes)
+        t0 = time.monotonic()
+        procs = [subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
+                                   "benchmarks.noop:handle", "--queue", n, "--burst"],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for n in names]
+        for p in procs:
+            p.wait(600)
+        took = time.monotonic() - t0
+        cpu = _cpu(c.nodes) - cpu0
+        done = sum(mtq.Queue(n, client=client).stats()["succeeded"] for n in names)
+        assert done == queues * per_queue, f"{done} of {queues * per_queue} done"
+        return done / took, 1e6 * cpu / done
+    finally:
+        c.stop()
+
+
+def worker_env_url(url: str) -> dict[str, str]:
+    return worker_env(SimpleNamespace(url=url))  # type: ignore[arg-type]
+
+
+# -- failover ----------------------------------------------------------------------------
+
+def failovers(rounds: int, tmp: Path) -> list[float]:
+    """Seconds from a primary's death to the first task completed after it, per round."""
+    clusters = _cluster_tools()
+    c = clusters.Cluster(tmp / "cluster", primaries=3, replicas=2)
+    c.start()
+    out: list[float] = []
+    try:
+        name = f"fo-{uuid.uuid4().hex[:8]}"
+        log = tmp / "calls.log"
+        env = {**worker_env_url(c.url), "MTQ_TEST_LOG": str(log),
+               "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+        q = mtq.Queue(name, c.url)
+        q.configure(lease_ms=5000)
+        worker = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
+                                   "tests.handlers:logged", "--queue", name],
+                                  env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stop = threading.Event()
+
+        def produce() -> None:
+            i = 0
+            while not stop.is_set():
+                try:
+                    q.submit({"s": "-", "i": i})
+                except mtq.MtqError:
+                    pass
+                i += 1
+                time.sleep(1 / 300)
+
+        producer = threading.Thread(target=produce, daemon=True)
+        producer.start()
+        try:
+            for _ in range(rounds):
+                _wait(lambda: _completions(log, time.time() - 1.0), 60, "no work before the kill")
+                victim = c.owner(QueueKeys(name).ready)
+                killed = time.time()
+                victim.kill()
+                _wait(lambda k=killed: _completions(log, k), 60, "no task completed after the kill")
+                out.append(min(_completions(log, killed)) - killed)
+                victim.start()  # rejoins as a replica of the promoted one
+                c.wait_ok(60)
+        finally:
+            stop.set()
+            producer.join(30)
+            worker.send_signal(signal.SIGTERM)
+            worker.wait(30)
+    finally:
+        c.stop()
+    return out
+
+
+def _completions(log: Path, since: float) -> list[float]:
+    if not log.exists():
+        return []
+    return [float(t) for tag, t, *_ in (ln.split() for ln in log.read_text().splitlines())
+            if tag == "D" and float(t) > since]
+
+
+def _wait(pred: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out: {what}")
+        time.sleep(0.01)
+
+
+# -- main --------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    clusters = _cluster_tools()
+    binary = clusters.find_redis7()
+    n, per_queue, rounds = (1600, 2000, 2) if args.quick else (3200, 5000, 5)
+    started = time.monotonic()
+    rows: list[str] = []
+    cg = shutil.which("valgrind") is not None
+    if cg:
+        one, clu = instructions(binary, False, n), instructions(binary, True, n)
+        rows.append(f"| redis-server instructions per drained task (claim + ack, batch 64), "
+                    f"one server | {one:,.0f} | |")
+        rows.append(f"| the same, a cluster node (slot client, SPUBLISH) | {clu:,.0f} | "
+                    f"{100 * (clu / one - 1):+.1f} % (target within 10 %) |")
+    names = [f"chat-{i}" for i in range(300)]
+    rand = [uuid.uuid4().hex[:12] for _ in range(300)]
+    for label, ns in (("`chat-0` .. `chat-299`", names), ("300 random names", rand)):
+        per = spread(ns)
+        worst = max(abs(p - 100) for p in per)
+        rows.append(f"| 300 queues over 3 primaries, {label} | {' / '.join(map(str, per))} | "
+                    f"{worst} % from even at worst (target within 20 %) |")
+    with tempfile.TemporaryDirectory(prefix="mtq-scale-") as tmp:
+        agg = {}
+        for shards in (1, 3):
+            rate, cpu = drain(shards, 6, per_queue, Path(tmp) / f"agg{shards}")
+            agg[shards] = (rate, cpu)
+            rows.append(f"| aggregate drain, 6 queues on {shards} shard(s), 6 workers "
+                        f"(tasks/s) | {rate:,.0f} | Redis CPU {cpu:.1f} us per task |")
+        times = failovers(rounds, Path(tmp) / "fo")
+    rows.append(f"| failover: the primary's death to the first task completed again (s), "
+                f"{len(times)} rounds | p50 {statistics.median(times):.2f}, max "
+                f"{max(times):.2f} | each: {', '.join(f'{t:.2f}' for t in times)} |")
+    per_shard = agg[3][1]
+    for shards in (10, 30):
+        rows.append(f"| projected: {shards} shards at one core each, {per_shard:.1f} us of "
+                    f"Redis CPU per task | {shards * 1e6 / per_shard:,.0f} tasks/s | "
+                    f"the Redis side only (1e6 / CPU per task per shard) |")
+    took = time.monotonic() - started
+    table = "\n".join(["| figure | measured | notes |", "|---|---:|---|", *rows])
+    print(table)
+    if args.quick:
+        return
+    section = "\n".join([
+        "## Scale-out", "",
+        f"{date.today().isoformat()}, `python -m benchmarks.scaling` on {platform.machine()} "
+        f"({platform.python_version()}), {took:.0f} s, Redis 7 ({binary}). See the module's "
+        "docstring for what each row does, and docs/scaling.md for what follows from them. "
+        "This machine has 2 cores: every shard, every worker and the driver share them, so "
+        "the aggregate rows show the cost of more shards here, not their gain.", "",
+        table, ""])
+    write_docs(ROOT / "docs" / "benchmarks.md", section, heading="## Scale-out")
+
+
+if __name__ == "__main__":
+    main()
