@@ -199,18 +199,18 @@ class Cluster:
 
 
 class SentinelSet:
-    """One primary, two replicas, three sentinels watching them as ``service`` (two
-    replicas: after a failover the new primary still has one, so durable submits
-    are confirmed again at once)."""
+    """One primary, ``replicas`` replicas, three sentinels watching them as ``service``
+    (with two replicas, the new primary after a failover still has one, so durable
+    submits are confirmed again at once)."""
 
-    def __init__(self, tmp: Path, service: str = "mtqmain") -> None:
+    def __init__(self, tmp: Path, service: str = "mtqmain", replicas: int = 2) -> None:
         self.binary = find_redis7()
         self.service = service
         primary_port = free_cluster_port()
         self.primary = Node(self.binary, primary_port, tmp / "primary")
         self.replicas = [Node(self.binary, free_cluster_port(), tmp / f"replica{i}",
                               "--replicaof", "127.0.0.1", str(primary_port))
-                         for i in range(2)]
+                         for i in range(replicas)]
         self.sentinels: list[Node] = []
         self.tmp = tmp
 

@@ -162,3 +162,40 @@ def test_clients_follow_the_new_primary_after_a_sentinel_failover(
     new = sentinels.current_primary_port()
     assert new in [r.port for r in sentinels.replicas] and new != old
     assert took < 15, f"{took:.1f} s from the kill to the first task completed again"
+
+
+@pytest.fixture
+def one_replica(tmp_path: Path) -> Iterator[SentinelSet]:
+    s = SentinelSet(tmp_path / "sentinel1", replicas=1)
+    s.start()
+    yield s
+    s.stop()
+
+
+def test_a_sentinel_failover_with_one_replica_producers_workers_and_readers_follow(
+        one_replica: SentinelSet, tmp_path: Path) -> None:
+    # the set-up of the issue: a primary, one replica, three sentinels; a plain queue
+    s = one_replica
+    queue = "s1-" + uuid.uuid4().hex[:10]
+    env = dict(os.environ)
+    env["MTQ_REDIS_URL"] = s.url
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    out = open(tmp_path / "worker.log", "wb")  # noqa: SIM115
+    worker = worker_process(["tests.models:Counter", "--queue", queue], env, out)
+    try:
+        q = mtq.Queue(queue, s.url)
+        assert q.submit({"n": 3}).result(timeout=30)["tokens"] == [0, 1, 2]
+        # a generation streaming while the primary dies: its reader goes on
+        long = q.submit({"n": 200, "step_ms": 25})
+        tokens = long.tokens(timeout=60)
+        assert next(tokens) == 0
+        old = s.primary.port
+        s.primary.kill()
+        wait_for(lambda: s.current_primary_port() not in (None, old), 30,
+                 "the sentinels did not promote the replica")
+        assert q.submit({"n": 2}).result(timeout=60)["tokens"] == [0, 1]
+        rest = list(tokens)
+        assert rest == list(range(1, 200)), "the reader went on, in order, without gaps"
+        assert long.result(timeout=30)["tokens"] == list(range(200))
+    finally:
+        kill_process(worker)
