@@ -180,7 +180,7 @@ def test_a_sentinel_failover_with_one_replica_producers_workers_and_readers_foll
     env = dict(os.environ)
     env["MTQ_REDIS_URL"] = s.url
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
-    out = open(tmp_path / "worker.log", "wb")  # noqa: SIM115
+    out = open(tmp_path / "worker.log", "wb")
     worker = worker_process(["tests.models:Counter", "--queue", queue], env, out)
     try:
         q = mtq.Queue(queue, s.url)
