@@ -373,8 +373,13 @@ def _kill_an_embedder(q: Queue, users: int, out: list[tuple[Task, int, int]],
     pid and worker id (None and "" if no batch big enough started within 10 s)."""
     import json
 
+    from mtq.broker.cluster import sharded
+
     events = q.redis.pubsub(ignore_subscribe_messages=True)
-    events.subscribe(q.broker.keys.events)
+    if sharded(q.redis):  # a cluster's shard publishes the queue's events (SPUBLISH)
+        events.ssubscribe(q.broker.keys.events)
+    else:
+        events.subscribe(q.broker.keys.events)
     try:
         burst = [(u, 1000) for u in range(users)]
         long = "a longer message, so that the batch is still running when the kill lands " * 2

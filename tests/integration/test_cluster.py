@@ -360,3 +360,20 @@ def test_the_rq_bridge_refuses_a_cluster_or_sentinel_url_by_name(form: str) -> N
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "RQ's keys carry no hash tags" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_the_demo_runs_on_the_cluster(url: str, tmp_path: Path,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # the README's main job, end to end on the cluster: two supervised models, a
+    # worker SIGKILLed mid-batch, and the demo's own checks (nothing lost, nothing
+    # finished twice, order per stream, tokens spell the results, no process left)
+    from mtq.demo import run
+
+    monkeypatch.setenv("MTQ_HOME", str(tmp_path / "home"))
+    report = run(url, users=8, chats_per_user=2, embeds_per_user=3, duration_s=5)
+    assert not report.skipped
+    assert report.ok, (report.order_errors, report.chat, report.embed, report.log)
+    assert report.killed_pid is not None and report.killed_held_done == report.killed_held
+    assert report.checks() == dict.fromkeys(report.checks(), True)
+    assert report.processes_left == []
