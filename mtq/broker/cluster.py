@@ -130,7 +130,7 @@ def cluster_client(url: str, *, socket_timeout: float, connect_timeout: float,
     client.mtq_slots = {}  # type: ignore[attr-defined]  # slot -> its slot client
     client.mtq_options = {  # type: ignore[attr-defined]  # for the slot clients
         "socket_timeout": socket_timeout, "socket_connect_timeout": connect_timeout,
-        "client_name": client_name, "retry": retry, **kw}
+        "client_name": client_name, "retry": retry, "health_check_interval": 30, **kw}
     client.mtq_lock = threading.Lock()  # type: ignore[attr-defined]
     client.mtq_refreshed = 0.0  # type: ignore[attr-defined]
     client.mtq_sharded_pubsub = None  # type: ignore[attr-defined]  # known on first use
