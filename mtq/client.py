@@ -58,6 +58,9 @@ PURGE_CHUNK = 1000
 #: how long submit keeps trying to reach Redis (the first retry at once, then up to
 #: 1 s apart) before it raises RedisUnavailable, and how long a reader does
 SUBMIT_RETRY_S = 10.0
+#: the same on a Redis Cluster or behind Sentinel: a failover takes Redis's node timeout
+#: (15 s by default) and an election (see docs/scaling.md)
+SUBMIT_RETRY_HA_S = 30.0
 READ_RETRY_S = 60.0
 
 
@@ -606,7 +609,10 @@ class Queue:
                     answer = self.broker.submit(chunk, reply)
                 break
             except RedisUnavailable as exc:
-                if time.monotonic() - start > SUBMIT_RETRY_S:
+                # a cluster's or a sentinel's client: long enough for a failover
+                limit = SUBMIT_RETRY_HA_S if getattr(self.redis, "mtq_url", None) \
+                    else SUBMIT_RETRY_S
+                if time.monotonic() - start > limit:
                     err = RedisUnavailable(
                         f"{exc}; the {len(chunk)} task(s) of this submit may or may not be "
                         "queued: their ids are in .task_ids, and submitting them again "

@@ -274,7 +274,7 @@ class MtqCollector(Collector):
         started = time.perf_counter()
         try:
             reading: Reading | None = self.read()
-        except redis.RedisError as exc:
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
             log.warning("scrape could not read Redis: %s", exc)
             reading = None
         return reading, time.perf_counter() - started

@@ -26,19 +26,23 @@ from tests.conftest import find_redis7, wait_for
 NODE_TIMEOUT_MS = 1000
 
 
+_TAKEN: set[int] = set()  # ports handed out in this process: never twice
+
+
 def free_cluster_port() -> int:
     """A free loopback port whose cluster bus port (+10000) is free too."""
     for _ in range(200):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port + 10000 > 65535:
+        if port + 10000 > 65535 or port in _TAKEN or port + 10000 in _TAKEN:
             continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port + 10000))
             except OSError:
                 continue
+        _TAKEN.update((port, port + 10000))
         return port
     raise RuntimeError("no free pair of ports (port, port + 10000) on loopback")
 

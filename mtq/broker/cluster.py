@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from typing import Any
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.cluster import ClusterNode, RedisCluster
@@ -55,6 +55,7 @@ from redis.exceptions import (
     RedisClusterException,
     TryAgainError,
 )
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from mtq.errors import ConfigError
 
@@ -123,6 +124,8 @@ def cluster_client(url: str, *, socket_timeout: float, connect_timeout: float,
                               socket_connect_timeout=connect_timeout,
                               client_name=client_name, retry=retry, **kw)
     except RedisClusterException as exc:
+        if "auth" in str(exc).lower() or "WRONGPASS" in str(exc):
+            raise redis.exceptions.AuthenticationError(str(exc)) from exc
         raise redis.exceptions.ConnectionError(
             f"no node of the cluster {', '.join(f'{h}:{p}' for h, p in hosts)} answered "
             f"as a cluster ({exc})") from exc
@@ -152,7 +155,7 @@ def sentinel_client(url: str, *, socket_timeout: float, connect_timeout: float,
                           f"{parts.path!r})")
     query = parse_qs(parts.query)
     sentinel_password = (query.pop("sentinel_password", [None]) or [None])[0]
-    rest = "&".join(f"{k}={v}" for k, vs in query.items() for v in vs)
+    rest = urlencode(query, doseq=True)
     kw = _kwargs(urlunsplit((parts.scheme, parts.netloc, "", rest, "")), drop=("path",))
     ssl = kw.pop("connection_class", None) is SSLConnection
     sentinel_kw: dict[str, Any] = {"socket_timeout": min(socket_timeout, 5.0),
@@ -167,7 +170,8 @@ def sentinel_client(url: str, *, socket_timeout: float, connect_timeout: float,
     client = sentinel.master_for(service, socket_timeout=socket_timeout,
                                  socket_connect_timeout=connect_timeout,
                                  client_name=client_name, retry=retry,
-                                 connection_class=connection_class, **kw)
+                                 connection_class=connection_class,
+                                 health_check_interval=30, **kw)
     client.mtq_url = url
     return client
 
@@ -233,6 +237,9 @@ class SlotConnection(Connection):
         except ConnectionError:
             self.slot_pool.lost()
             raise
+        except RedisTimeoutError as exc:  # a node that hangs: nothing was sent, try anew
+            self.slot_pool.lost()
+            raise ConnectionError(f"connecting to {self.host}:{self.port} timed out") from exc
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -241,7 +248,9 @@ class SlotConnection(Connection):
             self.disconnect()
             self.slot_pool.lost()
             raise ConnectionError(f"the slot moved or is not served ({exc})") from exc
-        except ConnectionError:
+        except (ConnectionError, RedisTimeoutError):
+            # a read that timed out may have run: it is not sent again here (the
+            # caller's loop decides), but the next connection asks where the slot is
             self.slot_pool.lost()
             raise
 
@@ -336,10 +345,7 @@ def sharded(client: Any) -> bool:
     if cluster is None:
         return False
     known = cluster.mtq_sharded_pubsub
-    if known is None:
-        try:
-            version = str(client.info("server").get("redis_version", "0"))
-        except redis.RedisError:
-            return False  # not known yet: asked again next time
+    if known is None:  # asked once; a RedisError goes to the caller, whose loop retries
+        version = str(client.info("server").get("redis_version", "0"))
         known = cluster.mtq_sharded_pubsub = int(version.split(".")[0]) >= 7
     return bool(known)

@@ -111,15 +111,20 @@ def store(client: redis.Redis, queue: str, changes: Mapping[str, Any],
     settings = QueueSettings.from_dict(stored)  # the range checks
     key = QueueKeys(queue).config
     with redis_errors("while storing the queue's settings"):
-        # the queue's own key in one transaction; the list of queues lives elsewhere on
-        # a cluster (another slot), so it is written after (a queue listed late at worst)
-        pipe = for_queue(client, queue).pipeline(transaction=True)
+        # one transaction on one Redis; on a cluster the list of queues is in another
+        # slot, so it is written just after (a queue listed late, at worst)
+        own = for_queue(client, queue)
+        apart = shared(own) is not own
+        pipe = own.pipeline(transaction=True)
         if reset:
             pipe.hdel(key, *reset)
         if parsed:
             pipe.hset(key, mapping={k: text(v) for k, v in parsed.items()})
+        if not apart:
+            pipe.sadd(QUEUES, queue)
         pipe.execute()
-        shared(client).sadd(QUEUES, queue)
+        if apart:
+            shared(own).sadd(QUEUES, queue)
     return settings
 
 

@@ -9,6 +9,7 @@ last batch and claims the next one together), and a plain form that runs it.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,8 @@ from mtq.broker.config import SettingsSource
 from mtq.broker.connection import redis_errors, single_attempt
 from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.settings import QueueSettings
+
+log = logging.getLogger(__name__)
 
 #: nack actions understood by nack.lua
 RETRY, FAIL, DEAD, CANCEL, RELEASE = "retry", "fail", "dead", "cancel", "release"
@@ -208,8 +211,13 @@ class Broker:
         s = self.settings
         if not s.durable_replicas:
             return self.run(*calls)
-        values, _acks = scripts.run_durable(self.redis, calls, s.durable_replicas,
-                                            s.durable_timeout_ms)
+        values, acks = scripts.run_durable(self.redis, calls, s.durable_replicas,
+                                           s.durable_timeout_ms)
+        if acks < s.durable_replicas:
+            log.warning("queue %s: %d of the %d replica(s) asked for confirmed a claim or "
+                        "ack within %d ms; it stands on the primary alone (check INFO "
+                        "replication, or lower durable_replicas)", self.queue, acks,
+                        s.durable_replicas, s.durable_timeout_ms)
         return values
 
     def _call(self, name: str, args: Sequence[Any], parse: Any) -> scripts.Call:

@@ -219,12 +219,12 @@ def _run(client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
         variant = _variant(client)
         if len(calls) == 1:
             c = calls[0]
-            sha = variant(c.script).sha
             try:
-                raw = client.evalsha(sha, len(c.keys), *c.keys, *c.args)
+                raw = client.evalsha(variant(c.script).sha, len(c.keys), *c.keys, *c.args)
             except NoScriptError:
                 load_all(client)
-                raw = client.evalsha(sha, len(c.keys), *c.keys, *c.args)
+                raw = client.evalsha(_variant(client)(c.script).sha, len(c.keys), *c.keys,
+                                     *c.args)
             return [c.parse(raw)]
         pipe = client.pipeline(transaction=False)
         for c in calls:

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 import click
@@ -138,7 +139,8 @@ def _import_from(app_dir: str) -> None:
 def _reach(url: str | None, wait: bool) -> str:
     """Wait for Redis before anything starts (see mtq.broker.connection.reach): a wrong
     address, password or certificate is one line and exit 5. Returns the URL."""
-    from mtq.broker.connection import connect, reach, resolve_url
+    from mtq.broker.connection import connect, reach, resolve_url, safe_url
+    from mtq.errors import RedisUnavailable
 
     limit: float | None = None
     try:
@@ -150,7 +152,19 @@ def _reach(url: str | None, wait: bool) -> str:
         fail("MTQ_REDIS_WAIT_S must be a number of seconds (0 or more)", USAGE)
     try:
         resolved = resolve_url(url)
-        reach(connect(resolved), resolved, say, timeout_s=limit)
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:  # a cluster's client reads the slot map when it is made: wait for it
+            try:
+                client = connect(resolved)
+                break
+            except RedisUnavailable as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                say(f"cannot reach {safe_url(resolved)} ({exc.__cause__ or exc}); "
+                    "retrying in 1 s")
+                time.sleep(1.0)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        reach(client, resolved, say, timeout_s=left)
     except MtqError as exc:
         _fail(exc)
     return resolved

@@ -54,7 +54,7 @@ def serve(port: int, host: str, queues: tuple[str, ...], url: str | None) -> Non
     if queues:
         try:
             known = set(known_queues(client))
-        except redis.RedisError as exc:
+        except (redis.RedisError, redis.exceptions.RedisClusterException) as exc:
             say(f"cannot reach Redis at {safe_url(resolved)} ({exc}); serving mtq_up 0 "
                 "until it answers; the queue names are not checked")
         else:

@@ -156,6 +156,8 @@ def test_order_per_stream_holds_with_two_workers(the_cluster: Cluster, url: str,
         workers.start("tests.handlers:logged", name, "--batch-size", "4",
                       MTQ_TEST_LOG=str(log))
     q = mtq.Queue(name, url)
+    wait_for(lambda: len(list_workers(q.redis, name)) == 2, 30,
+             f"the two workers did not register\n{workers.output()}")
     tasks = [q.submit({"s": f"s{i % 5}", "i": i, "sleep": 0.002}, stream=f"s{i % 5}")
              for i in range(200)]
     for t in tasks:
