@@ -293,6 +293,8 @@ def open_client(url: str, s: RedisSettings, name: str | None, retry: Retry | Non
         return redis.Redis.from_url(
             url, socket_timeout=s.socket_timeout, socket_connect_timeout=s.connect_timeout,
             health_check_interval=30, client_name=name, retry=retry or retry_policy())
+    except ConfigError:  # worded already (mtq.broker.cluster)
+        raise
     except ValueError as exc:
         raise ConfigError(f"invalid Redis URL {safe_url(url)!r}: {exc}") from exc
 
