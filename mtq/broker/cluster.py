@@ -202,11 +202,11 @@ _SentinelConnection, _SentinelSSLConnection = _sentinel_classes()
 
 # -- slot clients ------------------------------------------------------------------------
 
-def _refresh(cluster: RedisCluster, force: bool = False) -> None:
-    """Read the slot map again (at most every REFRESH_EVERY_S, unless ``force``)."""
+def _refresh(cluster: RedisCluster) -> None:
+    """Read the slot map again (at most every REFRESH_EVERY_S)."""
     now = time.monotonic()
     with cluster.mtq_lock:  # type: ignore[attr-defined]
-        if not force and now - cluster.mtq_refreshed < REFRESH_EVERY_S:  # type: ignore[attr-defined]
+        if now - cluster.mtq_refreshed < REFRESH_EVERY_S:  # type: ignore[attr-defined]
             return
         cluster.mtq_refreshed = now  # type: ignore[attr-defined]
     try:

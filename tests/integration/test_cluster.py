@@ -29,7 +29,7 @@ from mtq.broker.keys import QueueKeys
 from mtq.workers import control
 from mtq.workers.registry import list_workers
 from tests.clusters import Cluster
-from tests.conftest import ROOT, kill_process, wait_for, worker_process
+from tests.conftest import kill_process, wait_for, worker_process
 from tests.integration.test_supervisor import read_log, supervise, wait_workers
 
 pytestmark = pytest.mark.timeout(180)
@@ -51,11 +51,10 @@ def url(the_cluster: Cluster) -> str:
 
 
 @pytest.fixture
-def env(url: str) -> dict[str, str]:
-    e = dict(os.environ)
-    e["MTQ_REDIS_URL"] = url
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), e.get("PYTHONPATH", "")])
-    return e
+def redis_url(url: str) -> str:
+    """The cluster's URL for the conftest fixtures this module uses (subprocess_env,
+    and supervise, borrowed from test_supervisor)."""
+    return url
 
 
 class Workers:
@@ -87,8 +86,9 @@ class Workers:
 
 
 @pytest.fixture
-def workers(env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
-    w = Workers(env, tmp_path)
+def workers(subprocess_env: dict[str, str], tmp_path: Path) -> Iterator[Workers]:
+    # conftest's subprocess_env, with this module's redis_url: the cluster's
+    w = Workers(subprocess_env, tmp_path)
     yield w
     w.stop()
 
@@ -322,12 +322,6 @@ def test_the_exporter_and_the_dashboard_read_queues_of_every_shard(
     assert out.returncode == 0, out.stderr
     for name in names:
         assert name in out.stdout
-
-
-@pytest.fixture
-def redis_url(url: str) -> str:
-    """The cluster's URL for the fixtures this module borrows (supervise)."""
-    return url
 
 
 def test_a_supervisor_gives_back_the_task_of_a_killed_worker_at_once(

@@ -80,12 +80,18 @@ def check_log(log: Path, acked: dict[int, mtq.Task]) -> dict[str, float]:
     return {k: v[0] for k, v in ends.items()}
 
 
-def run_failover(url: str, kill: object, tmp: Path, queue: str) -> float:
-    """Load the queue, kill its primary (``kill()``), go on, check; returns the seconds
-    from the kill to the first task completed after it."""
+def worker_env(url: str) -> dict[str, str]:
+    """The environment of a worker process on ``url`` (tests' handlers importable)."""
     env = dict(os.environ)
     env["MTQ_REDIS_URL"] = url
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_failover(url: str, kill: object, tmp: Path, queue: str) -> float:
+    """Load the queue, kill its primary (``kill()``), go on, check; returns the seconds
+    from the kill to the first task completed after it."""
+    env = worker_env(url)
     log = tmp / "calls.log"
     env["MTQ_TEST_LOG"] = str(log)
     procs: list[subprocess.Popen[bytes]] = []
@@ -177,9 +183,7 @@ def test_a_sentinel_failover_with_one_replica_producers_workers_and_readers_foll
     # the set-up of the issue: a primary, one replica, three sentinels; a plain queue
     s = one_replica
     queue = "s1-" + uuid.uuid4().hex[:10]
-    env = dict(os.environ)
-    env["MTQ_REDIS_URL"] = s.url
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
+    env = worker_env(s.url)
     out = open(tmp_path / "worker.log", "wb")
     worker = worker_process(["tests.models:Counter", "--queue", queue], env, out)
     try:
