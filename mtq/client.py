@@ -257,7 +257,7 @@ class Task:
 
     def events(self, timeout: float | None = None, *, tokens: bool = True, start: int = 0,
                idle: float | None = None, fail_fast: bool = False,
-               _since: int | None = None) -> Iterator[Event]:
+               _since: int | None = None, _ends: bool = False) -> Iterator[Event]:
         """Iterate over the task's events until its terminal one (included).
 
         Starts from the stored state: the tokens streamed so far (replayed with
@@ -278,7 +278,7 @@ class Task:
         hub = self.queue.hub
         self.queue.reply_channel()
         state = StreamState(self.id, tokens, start)
-        feed = SyncFeed((self.queue.name, self.id), fail_fast)
+        feed = SyncFeed((self.queue.name, self.id), fail_fast, _ends)
         pace = Pacer(timeout, idle)
         hub.open(feed)
         try:
@@ -338,7 +338,7 @@ class Task:
         kept, since = self._take_outcome()
         if kept is not None:
             return self._outcome(kept)
-        for ev in self.events(timeout, tokens=False, _since=since):
+        for ev in self.events(timeout, tokens=False, _since=since, _ends=True):
             if ev.terminal:
                 hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
                 return self._outcome(ev)
@@ -346,7 +346,8 @@ class Task:
 
     async def aevents(self, timeout: float | None = None, *, tokens: bool = True,
                       start: int = 0, idle: float | None = None, fail_fast: bool = False,
-                      _since: int | None = None) -> AsyncIterator[Event]:
+                      _since: int | None = None, _ends: bool = False
+                      ) -> AsyncIterator[Event]:
         """:meth:`events` for asyncio (the Redis reads run in a thread)."""
         self._check_start(start)
         if _since is None:  # (_since: the task's epoch, from result())
@@ -355,7 +356,8 @@ class Task:
         if not hub.epoch(self.queue.name):  # not subscribed yet (a call that may block)
             await asyncio.to_thread(self.queue.reply_channel)
         state = StreamState(self.id, tokens, start)
-        feed = AsyncFeed((self.queue.name, self.id), asyncio.get_running_loop(), fail_fast)
+        feed = AsyncFeed((self.queue.name, self.id), asyncio.get_running_loop(), fail_fast,
+                         _ends)
         pace = Pacer(timeout, idle)
         hub.open(feed)
         try:
@@ -404,7 +406,7 @@ class Task:
         kept, since = self._take_outcome()
         if kept is not None:
             return self._outcome(kept)
-        async for ev in self.aevents(timeout, tokens=False, _since=since):
+        async for ev in self.aevents(timeout, tokens=False, _since=since, _ends=True):
             if ev.terminal:
                 hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
                 return self._outcome(ev)

@@ -262,13 +262,17 @@ class Pacer:
 
 class Feed:
     """Where the hub puts the events of one task for one reader. ``fail_fast``: it
-    also gets :data:`LOST` when the hub's connection is lost."""
+    also gets :data:`LOST` when the hub's connection is lost. ``ends``: it gets only
+    the terminal event (and the hub's markers): a reader that waits for the outcome
+    alone (``result()``, a callback) is not woken for the others."""
 
-    __slots__ = ("fail_fast", "key")
+    __slots__ = ("ends", "fail_fast", "key")
 
-    def __init__(self, key: tuple[str, str], fail_fast: bool = False) -> None:
+    def __init__(self, key: tuple[str, str], fail_fast: bool = False,
+                 ends: bool = False) -> None:
         self.key = key
         self.fail_fast = fail_fast
+        self.ends = ends
 
     def push(self, item: Event | str) -> None:
         raise NotImplementedError
@@ -279,8 +283,9 @@ class SyncFeed(Feed):
 
     __slots__ = ("cond", "items")
 
-    def __init__(self, key: tuple[str, str], fail_fast: bool = False) -> None:
-        super().__init__(key, fail_fast)
+    def __init__(self, key: tuple[str, str], fail_fast: bool = False,
+                 ends: bool = False) -> None:
+        super().__init__(key, fail_fast, ends)
         self.items: collections.deque[Event | str] = collections.deque()
         self.cond = threading.Condition(threading.Lock())
 
@@ -303,8 +308,8 @@ class AsyncFeed(Feed):
     __slots__ = ("loop", "queue")
 
     def __init__(self, key: tuple[str, str], loop: asyncio.AbstractEventLoop,
-                 fail_fast: bool = False) -> None:
-        super().__init__(key, fail_fast)
+                 fail_fast: bool = False, ends: bool = False) -> None:
+        super().__init__(key, fail_fast, ends)
         self.loop = loop
         self.queue: asyncio.Queue[Event | str] = asyncio.Queue()
 
@@ -335,7 +340,7 @@ class CallbackFeed(Feed):
     __slots__ = ("fired", "fn", "state", "task")
 
     def __init__(self, task: Task, fn: Callable[[Task, Event], None]) -> None:
-        super().__init__((task.queue.name, task.id))
+        super().__init__((task.queue.name, task.id), ends=True)
         self.task = task
         self.fn = fn
         self.state = StreamState(task.id, tokens=False)
@@ -516,6 +521,8 @@ class Hub:
         loops: dict[asyncio.AbstractEventLoop, list[Any]] = {}
         for feeds, ev in targets:
             for f in feeds:
+                if f.ends and not ev.terminal:
+                    continue
                 if type(f) is AsyncFeed:  # one wake-up of each event loop per message
                     loops.setdefault(f.loop, []).append((f.queue, ev))
                 else:

@@ -17,7 +17,7 @@ from typing import Any
 import msgpack
 import redis
 
-from mtq.broker import scripts
+from mtq.broker import lane, scripts
 from mtq.broker.cluster import for_queue, shared
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource
@@ -373,7 +373,10 @@ class Broker:
         # the marker it had popped was lost with the connection; RedisUnavailable tells
         # the worker to claim at once instead
         with redis_errors("while waiting for work"), single_attempt():
-            return self.redis.blpop(keys, timeout=max(timeout_s, 0.001)) is not None
+            popped = lane.exchange(self.redis, [("BLPOP", *keys, max(timeout_s, 0.001))])[0]
+            if isinstance(popped, Exception):
+                raise popped
+        return popped is not None
 
     def interrupt(self, key: str) -> None:
         """Wake the worker sleeping on its own wake key ``key``."""

@@ -21,7 +21,7 @@ from typing import Any
 import redis
 from redis.exceptions import NoScriptError
 
-from mtq.broker import cluster
+from mtq.broker import cluster, lane
 from mtq.broker.connection import redis_errors, single_attempt
 from mtq.errors import BrokerError
 
@@ -214,33 +214,23 @@ def run(client: redis.Redis, *calls: Call) -> list[Any]:
     return _run(client, calls)
 
 
+def _evalsha(variant: Callable[[LuaScript], LuaScript], c: Call) -> tuple[Any, ...]:
+    return ("EVALSHA", variant(c.script).sha, len(c.keys), *c.keys, *c.args)
+
+
 def _run(client: redis.Redis, calls: Sequence[Call]) -> list[Any]:
     with redis_errors():
         variant = _variant(client)
-        if len(calls) == 1:
-            c = calls[0]
-            try:
-                raw = client.evalsha(variant(c.script).sha, len(c.keys), *c.keys, *c.args)
-            except NoScriptError:
-                load_all(client)
-                raw = client.evalsha(_variant(client)(c.script).sha, len(c.keys), *c.keys,
-                                     *c.args)
-            return [c.parse(raw)]
-        pipe = client.pipeline(transaction=False)
-        for c in calls:
-            pipe.evalsha(variant(c.script).sha, len(c.keys), *c.keys, *c.args)
-        raws = pipe.execute(raise_on_error=False)
+        raws = lane.exchange(client, [_evalsha(variant, c) for c in calls])
         missing = [i for i, r in enumerate(raws) if isinstance(r, NoScriptError)]
         if missing:
             # Each script is atomic and order-independent for correctness (the busy
             # set, not call order, keeps streams ordered); re-running only the
             # missing calls may just leave a claim emptier than it could have been.
             load_all(client)
-            pipe = client.pipeline(transaction=False)
-            for i in missing:
-                c = calls[i]
-                pipe.evalsha(variant(c.script).sha, len(c.keys), *c.keys, *c.args)
-            for i, r in zip(missing, pipe.execute(raise_on_error=False)):
+            variant = _variant(client)
+            again = lane.exchange(client, [_evalsha(variant, calls[i]) for i in missing])
+            for i, r in zip(missing, again):
                 raws[i] = r
         for r in raws:
             if isinstance(r, Exception):
@@ -273,11 +263,8 @@ def run_durable(client: redis.Redis, calls: Sequence[Call], replicas: int, timeo
     with redis_errors():
         with single_attempt() if once else nullcontext():
             variant = _variant(client)
-            pipe = client.pipeline(transaction=False)
-            for c in calls:
-                pipe.evalsha(variant(c.script).sha, len(c.keys), *c.keys, *c.args)
-            pipe.execute_command("WAIT", replicas, timeout_ms)
-            *raws, acks = pipe.execute(raise_on_error=False)
+            *raws, acks = lane.exchange(client, [*(_evalsha(variant, c) for c in calls),
+                                                 ("WAIT", replicas, timeout_ms)])
         missing = [i for i, r in enumerate(raws) if isinstance(r, NoScriptError)] \
             if _load else []
         values: list[Any] = [None] * len(calls)

@@ -40,7 +40,8 @@ separated, see watch.lua). Scripts queue what they tell clients with reply() and
 flush_replies() at the end, one message per (kind, channel) however many tasks it
 concerns, so a claim of 64 tasks of one client costs one PUBLISH. A message is
 msgpack: {kind, server time in us, items}, items flat per task:
-  queued    id                              (submit; and a release: back in the queue unrun)
+  queued    id                              (a release or a dead letter retried: back in the queue unrun;
+                                             a submit sends none)
   started   id, delivery                    (claim)
   token     id, index, data                 (emit; data is the msgpack-encoded token)
   progress  id, data                        (emit)

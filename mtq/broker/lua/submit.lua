@@ -139,7 +139,7 @@ for i = 0, n - 1 do
     newly, new_streams = newly + claimable, new_streams + new_stream
     added = added + 1
     out[i + 1] = id
-    reply('queued', reply_to, id)
+    -- no 'queued' message: the submitter has this reply, and nobody else knows the id
     end
   end
 end

@@ -1,0 +1,131 @@
+"""The hot path's own way to Redis: commands packed once, sent on a connection this
+module keeps, replies read back raw.
+
+A call through redis-py's ``Redis.execute_command`` costs about 50 us of Python on this
+project's reference machine before and after the round trip itself (packing
+through its encoder, taking and giving back a pool connection with their
+observability hooks, response callbacks), four times what the bytes on the
+socket cost. mtq's hot commands (submit, claim, ack, nack, the worker's BLPOP) go
+through :func:`exchange` instead, which keeps everything redis-py does that matters
+here and drops the rest:
+
+* the **connection** is one of redis-py's own, from the client's pool, so its class
+  (TLS, a cluster slot's connection that follows the slot, a Sentinel-watched
+  primary), its handshake (AUTH, SELECT, CLIENT SETNAME), its socket timeouts and its
+  idle health check are unchanged. The lane keeps the connections it took (one per
+  concurrent caller: a worker's fetcher and publisher, a web server's threads) instead of
+  giving each back to the pool after every call; they count as in use in the pool,
+  and ``pool.disconnect()`` still closes them (the next call connects again). A
+  forked child starts with none (it never touches its parent's sockets);
+* the **retry** is the connection's own (:func:`mtq.broker.connection.retry_policy`): a
+  dropped connection is disconnected and the commands sent again, or not at all inside
+  :func:`~mtq.broker.connection.single_attempt`;
+* **packing** is hiredis's (redis-py's own packer when an argument is of a type hiredis
+  does not take);
+* **replies** are returned as redis-py's parser reads them, an error reply as its
+  exception instance (``NoScriptError``, ``ResponseError``) in its place, so a
+  pipeline's other replies are still read.
+
+What is left out: redis-py's response callbacks (the callers parse raw replies), its
+event dispatcher and its OpenTelemetry metrics for these commands (mtq traces
+its own spans: :mod:`mtq.tracing`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+from redis.exceptions import ResponseError
+
+try:
+    from hiredis import pack_command as _hiredis_pack
+except ImportError:  # pragma: no cover - hiredis is a dependency (redis[hiredis])
+    _hiredis_pack = None
+
+
+class _Lane:
+    """The connections one client's hot calls use, kept between calls."""
+
+    __slots__ = ("free", "pid", "pool")
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        self.pid = os.getpid()
+        self.free: list[Any] = []
+
+    def take(self) -> Any:
+        if self.pid != os.getpid():  # a forked child: the parent's sockets are not ours
+            self.free, self.pid = [], os.getpid()
+        try:
+            return self.free.pop()  # atomic under the GIL
+        except IndexError:
+            return self.pool.get_connection()
+
+    def give(self, conn: Any) -> None:
+        if self.pid == os.getpid():
+            self.free.append(conn)
+
+
+def _lane(client: redis.Redis) -> _Lane:
+    lane: _Lane | None = getattr(client, "_mtq_lane", None)
+    if lane is None or lane.pool is not client.connection_pool:
+        lane = _Lane(client.connection_pool)
+        client._mtq_lane = lane  # type: ignore[attr-defined]
+    return lane
+
+
+def pack(conn: Any, args: Sequence[Any]) -> list[bytes]:
+    """One command's bytes."""
+    if _hiredis_pack is not None:
+        try:
+            return [_hiredis_pack(tuple(args))]
+        except TypeError:  # bytearray, memoryview, ...: redis-py's encoder takes them
+            pass
+    return list(conn.pack_command(*args))
+
+
+def exchange(client: redis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    """Send ``commands`` in one write and read their replies, in order: one round trip.
+
+    A reply that is an error is returned as its exception instance. Connection errors
+    raise (redis-py's ``ConnectionError`` / ``TimeoutError``) after the connection's
+    retry policy gave up on them, as ``Redis.execute_command`` does.
+    """
+    if getattr(client, "connection_pool", None) is None:  # not a plain client: by redis-py
+        pipe = client.pipeline(transaction=False)
+        for args in commands:
+            pipe.execute_command(*args)
+        return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+    lane = _lane(client)
+    conn = lane.take()
+    try:
+        packed: list[bytes] = []
+        for args in commands:
+            packed += pack(conn, args)
+        n = len(commands)
+
+        def once() -> list[Any]:
+            conn.send_packed_command(packed)
+            out: list[Any] = []
+            try:
+                for _ in range(n):
+                    try:
+                        out.append(conn.read_response())
+                    except ResponseError as error:
+                        out.append(error)
+            except BaseException:
+                # whatever broke the read (an interrupt, a bug): replies may be left
+                # unread on the socket, and the next caller must not get them
+                conn.disconnect()
+                raise
+            return out
+
+        retry = conn.retry
+        if retry is None:
+            return once()
+        return retry.call_with_retry(once, lambda _error: conn.disconnect())  # type: ignore[no-any-return]
+    finally:
+        lane.give(conn)
