@@ -43,7 +43,7 @@ from redis.exceptions import ResponseError
 try:
     from hiredis import pack_command as _hiredis_pack
 except ImportError:  # pragma: no cover - hiredis is a dependency (redis[hiredis])
-    _hiredis_pack = None
+    _hiredis_pack = None  # type: ignore[assignment]
 
 
 class _Lane:
@@ -98,7 +98,7 @@ def exchange(client: redis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any
         pipe = client.pipeline(transaction=False)
         for args in commands:
             pipe.execute_command(*args)
-        return pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+        return pipe.execute(raise_on_error=False)
     lane = _lane(client)
     conn = lane.take()
     try:
@@ -126,6 +126,6 @@ def exchange(client: redis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any
         retry = conn.retry
         if retry is None:
             return once()
-        return retry.call_with_retry(once, lambda _error: conn.disconnect())  # type: ignore[no-any-return]
+        return retry.call_with_retry(once, lambda _error: conn.disconnect())
     finally:
         lane.give(conn)
