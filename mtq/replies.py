@@ -12,7 +12,8 @@ result, the tokens streamed so far: one round trip), then takes live events,
 dropping tokens it already has by index. When the connection drops, redis-py
 reconnects and subscribes again; the hub sees the new subscription confirmed and
 tells every feed of that queue to read the stored state again, so tokens and
-completions published while it was away are replayed from Redis.
+completions published while it was away are replayed from Redis. (The hub reads its
+connection's pushes itself, see :class:`_Wire`; redis-py connects and subscribes.)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import hiredis
 import msgpack
 import redis
 
@@ -350,6 +352,71 @@ class CallbackFeed(Feed):
         hub_of(self.task.queue.redis).callbacks.put((self, item))
 
 
+#: how long the hub's read blocks before it looks whether it was closed (s)
+POLL_S = 1.0
+#: a reply connection silent this long is sent a PING (its answer proves it alive) ...
+IDLE_PING_S = 30.0
+#: ... and one that does not answer it within this long is dropped and made anew
+PING_ANSWER_S = 30.0
+
+
+class _Wire:
+    """The pushes of one pub/sub connection, read straight off its socket with a
+    hiredis reader of their own: ``[kind, channel, data]`` lists as Redis sends them.
+
+    redis-py's ``PubSub.get_message`` costs about 40 us of Python per message (its
+    retry wrapper, readiness checks, push handlers, a dict per message); a task's round
+    trip brings two (started, done) to a client that is sharing its CPU with the
+    worker. redis-py still connects (AUTH, TLS, a cluster slot's owner) and sends the
+    (S)SUBSCRIBE commands; every read is this class's, so no bytes are left in
+    redis-py's own parser. Any failure raises ConnectionError and the hub makes a new
+    connection, which subscribes to every channel again (see Hub._confirm). A
+    connection silent for :data:`IDLE_PING_S` is sent a PING (redis-py's health check
+    does the same for its own readers)."""
+
+    __slots__ = ("last", "pinged", "ps", "reader", "sock")
+
+    def __init__(self, ps: Any) -> None:
+        conn = ps.connection
+        sock = getattr(conn, "_sock", None) if conn is not None else None
+        if sock is None:
+            raise redis.exceptions.ConnectionError("the reply connection is not open")
+        sock.settimeout(POLL_S)
+        self.ps, self.sock = ps, sock
+        self.reader = hiredis.Reader()
+        self.last = time.monotonic()
+        self.pinged: float | None = None
+
+    def next(self) -> list[Any] | None:
+        """The next push, or None after :data:`POLL_S` without one."""
+        while True:
+            msg = self.reader.gets()
+            if msg is not False:
+                if isinstance(msg, Exception):
+                    raise redis.exceptions.ResponseError(str(msg))
+                return msg
+            try:
+                data = self.sock.recv(65536)
+            except TimeoutError:
+                now = time.monotonic()
+                if self.pinged is not None:
+                    if now - self.pinged > PING_ANSWER_S:
+                        raise redis.exceptions.ConnectionError(
+                            "the reply connection did not answer a PING") from None
+                elif now - self.last > IDLE_PING_S:
+                    self.ps.ping()
+                    self.pinged = now
+                return None
+            except OSError as exc:
+                raise redis.exceptions.ConnectionError(
+                    f"reading the reply connection failed: {exc}") from exc
+            if not data:
+                raise redis.exceptions.ConnectionError("the server closed the reply connection")
+            self.reader.feed(data)
+            self.last = time.monotonic()
+            self.pinged = None
+
+
 class Hub:
     """The reply listener of one Redis client in this process (thread-safe)."""
 
@@ -357,6 +424,7 @@ class Hub:
         self.client = client
         self.id = secrets.token_hex(8)
         self.hub_channel = keys.hub(self.id)
+        self._hub_bytes = self.hub_channel.encode()
         self._lock = threading.Lock()
         self._feeds: dict[tuple[str, str], list[Feed]] = {}
         self._queues: dict[bytes, str] = {}          # reply channel -> queue
@@ -423,29 +491,31 @@ class Hub:
 
     def _run(self) -> None:
         backoff = Backoff()
-        ps = None
+        ps: Any = None
+        wire: _Wire | None = None
         while not self._closed.is_set():
             try:
-                if ps is None:
+                if ps is None or wire is None:
                     self._sharded = cluster.sharded(self.client)
                     ps = self._pubsub = self.client.pubsub()
                     # the hub channel stays a plain one: a rare poke, from this process
                     ps.subscribe(self.hub_channel)
+                    wire = _Wire(ps)
                     with self._lock:  # every queue channel, after a full reconnect too
                         self._pending = [c.decode() for c in self._queues]
-                msg = ps.get_message(timeout=1.0)
+                msg = wire.next()
                 backoff.reset()
                 if msg is None:
                     continue
-                kind, channel = msg["type"], msg["channel"]
-                if kind == "message" or kind == "smessage":
-                    if channel == self.hub_channel.encode():
+                kind, channel = msg[0], msg[1]
+                if kind == b"message" or kind == b"smessage":
+                    if channel == self._hub_bytes:
                         self._subscribe_pending(ps)
                     else:
-                        self._dispatch(channel, msg["data"])
-                elif kind == "subscribe" or kind == "ssubscribe":
+                        self._dispatch(channel, msg[2])
+                elif kind == b"subscribe" or kind == b"ssubscribe":
                     self._confirm(channel, ps)
-                elif kind == "sunsubscribe" and not self._closed.is_set():
+                elif kind == b"sunsubscribe" and not self._closed.is_set():
                     # the server dropped a shard channel: its slot moved (a failover,
                     # a reshard). Subscribe anew, on the slot's new owner
                     raise redis.exceptions.PubSubError(f"shard channel {channel!r} moved")
@@ -457,18 +527,18 @@ class Hub:
                     self._lost()
                 (log.warning if backoff.failures == 2 else log.debug)(
                     "reply channel lost (%s); reconnecting in %.2f s", exc, delay)
-                self._closed.wait(delay)  # close_all() ends it at once
-                if isinstance(exc, redis.exceptions.PubSubError) and ps is not None:
+                if ps is not None:  # a new connection subscribes to every channel again
                     try:
                         ps.close()
                     except Exception:  # a broken connection may raise anything on close
                         pass
-                    ps = None
+                    ps = wire = None
+                self._closed.wait(delay)  # close_all() ends it at once
             except Exception:  # never let the listener die: every waiter would hang
                 if self._closed.is_set():
                     # close_all() closed the connection under a read in progress, which
-                    # redis-py may answer with any error (a TypeError for the socket it
-                    # dropped): the end asked for, not a message that failed
+                    # may be answered with any error: the end asked for, not a
+                    # message that failed
                     return
                 log.exception("a reply message could not be handled")
 
@@ -481,7 +551,7 @@ class Hub:
             f.push(LOST)
 
     def _confirm(self, channel: bytes, ps: Any) -> None:
-        if channel == self.hub_channel.encode():
+        if channel == self._hub_bytes:
             self._ready.set()
             self._subscribe_pending(ps)
             return
