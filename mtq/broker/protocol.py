@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 RETRY, FAIL, DEAD, CANCEL, RELEASE = "retry", "fail", "dead", "cancel", "release"
 REQUEUE = "requeue"
 
+#: how many of the last latencies a queue's snapshot reads (LATENCY_KEEP in _lib.lua)
+LATENCY_KEEP = 1000
+
 #: ``Claimed.live_until`` of a task whose lease Redis reported lost
 LOST = float("-inf")
 
@@ -448,7 +451,7 @@ class Broker:
         pipe.zcard(k.delayed)
         pipe.llen(k.dead)
         pipe.scard(k.busy)
-        pipe.lrange(k.latency, 0, -1)
+        pipe.lrange(k.latency, 0, LATENCY_KEEP - 1)  # up to 200 more may follow (_lib.lua)
         pipe.lrange(k.failures, 0, 9)
         return 7
 

@@ -11,9 +11,10 @@ import pytest
 import redis
 
 import mtq
+from mtq.broker import protocol
 from mtq.broker.codes import Code
 from mtq.broker.keys import QUEUES
-from mtq.broker.protocol import DEAD, FAIL
+from mtq.broker.protocol import DEAD, FAIL, Broker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,6 +141,50 @@ def test_claim_reports_next_timer(qname: str, redis_url: str) -> None:
     q.submit({})
     assert c.claim(1) and 4000 < c.next_timer_ms <= 5000
     assert c.claim(1) == [] and c.next_timer_ms > 0
+
+
+def test_claim_works_its_timer_out_from_the_earliest_lease_and_retry(
+        qname: str, redis_url: str, r: redis.Redis) -> None:
+    """claim.lua reads the earliest lease and retry once, reaps or promotes only when
+    one is due, and reports the soonest of: the earliest lease left, its own new
+    leases, the earliest retry (each read again after a reap or a promotion)."""
+    q, c = make(qname, redis_url, lease_ms=60_000, retry_backoff_ms=600_000)
+    assert c.claim(5) == [] and c.next_timer_ms == -1  # nothing running, nothing delayed
+    a, b = q.submit_many([{"i": 0}, {"i": 1}])
+    (held,) = c.claim(1)
+    r.zadd(q.broker.keys.leases, {held.id: int(r.time()[0]) * 1000 + 20_000}, xx=True)
+    (other,) = c.claim(1)  # its own lease ends in 60 s: the older one, in 20 s, is sooner
+    assert 15_000 < c.next_timer_ms <= 20_000, c.next_timer_ms
+    c.settle([mtq.Outcome(other, ok=False, error="ValueError: later")])  # a retry in ~600 s
+    assert c.claim(5) == [] and 15_000 < c.next_timer_ms <= 20_000
+    expire_leases(r, q, held.id)  # due: reaped, and the timer read again without it
+    (again,) = c.claim(5)
+    assert again.id == held.id and again.deliveries == 2
+    assert 55_000 < c.next_timer_ms <= 60_000, c.next_timer_ms
+    make_due(r, q, other.id)  # due: promoted and claimed; no retry is left
+    (retried,) = c.claim(5)
+    assert retried.id == other.id and retried.attempts == 1
+    assert 55_000 < c.next_timer_ms <= 60_000, c.next_timer_ms
+    c.settle(ok([again, retried]))
+    assert c.claim(5) == [] and c.next_timer_ms == -1
+    assert {a.status(), b.status()} == {"succeeded"}
+
+
+def test_the_latency_list_is_trimmed_in_steps_and_read_to_its_cap(
+        qname: str, redis_url: str, r: redis.Redis) -> None:
+    q, c = make(qname, redis_url)
+    key = q.broker.keys.latency
+    r.rpush(key, *([7] * (protocol.LATENCY_KEEP + 150)))  # not trimmed yet: under the slack
+    q.submit({})
+    c.settle(ok(c.claim(1)))
+    assert r.llen(key) == protocol.LATENCY_KEEP + 151  # one command per ack call, no trim
+    pipe = r.pipeline(transaction=False)
+    q.broker.snapshot_into(pipe)
+    assert len(Broker.parse_snapshot(pipe.execute())["latency_ms"]) == protocol.LATENCY_KEEP
+    q.submit_many([{}] * 60)
+    c.settle(ok(c.claim(60)))  # past the slack: back to the cap, newest first
+    assert r.llen(key) == protocol.LATENCY_KEEP
+    assert r.lindex(key, -1) == b"7"
 
 
 # -- ack and fencing ---------------------------------------------------------------

@@ -23,7 +23,9 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
                                                   for a task that left the happy path: see
                                                   "Trace" below)
   KEYS[15] latency            list: submit-to-finish ms of the last LATENCY_KEEP finished
-                              tasks, newest first (dashboards: p50/p99 in O(1) of the queue)
+                              tasks, newest first (dashboards: p50/p99 in O(1) of the queue;
+                              up to LATENCY_SLACK older ones may follow: read the first
+                              LATENCY_KEEP)
   KEYS[16] failures           list: JSON {id, status, ts, error} of the last FAILURES_KEEP
                               tasks that ended failed, dead or expired, newest first
   KEYS[17] cache prefix       mtq:{q}:cache:     (+ model version .. ':' .. payload digest
@@ -83,7 +85,7 @@ local K_LEASES, K_DELAYED, K_DEAD, K_WAKE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
 local K_CACHE, K_CACHEX, K_MODEL = KEYS[17], KEYS[18], KEYS[19]
-local LATENCY_KEEP, FAILURES_KEEP = 1000, 100
+local LATENCY_KEEP, LATENCY_SLACK, FAILURES_KEEP = 1000, 200, 100
 local EVENTS, CONTROL = ARGV[1], ARGV[2]
 local FREE = ''
 -- results up to this size ride in the done message; larger ones are read from the task
@@ -198,8 +200,11 @@ local LATENCIES, FAILURES = {}, {}
 -- record the latencies and failures finish() gathered.
 local function flush_replies()
   if #LATENCIES > 0 then
-    redis.call('LPUSH', K_LATENCY, unpack(LATENCIES))
-    redis.call('LTRIM', K_LATENCY, 0, LATENCY_KEEP - 1)
+    -- trimmed back to LATENCY_KEEP once it is LATENCY_SLACK longer (readers read the
+    -- first LATENCY_KEEP): one command per call, not two
+    if redis.call('LPUSH', K_LATENCY, unpack(LATENCIES)) > LATENCY_KEEP + LATENCY_SLACK then
+      redis.call('LTRIM', K_LATENCY, 0, LATENCY_KEEP - 1)
+    end
     LATENCIES = {}
   end
   if #FAILURES > 0 then
@@ -237,13 +242,11 @@ end
 
 -- Wake up to n sleeping workers, keeping the marker list at most cap long.
 local function wake(n, cap)
-  if n <= 0 then return end
-  local k = math.min(n, cap - redis.call('LLEN', K_WAKE))
-  if k > 0 then
-    local m = {}
-    for i = 1, k do m[i] = '1' end
-    redis.call('RPUSH', K_WAKE, unpack(m))
-  end
+  if n <= 0 or cap <= 0 then return end
+  local m = {}
+  for i = 1, math.min(n, cap) do m[i] = '1' end
+  -- one command when under the cap (the usual case), a trim back to it when over
+  if redis.call('RPUSH', K_WAKE, unpack(m)) > cap then redis.call('LTRIM', K_WAKE, 0, cap - 1) end
 end
 
 -- Wake one sleeper unless a marker is already waiting.

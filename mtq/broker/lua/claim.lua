@@ -20,17 +20,30 @@ local worker, B, lease = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_deliveries, limit = tonumber(ARGV[6]), tonumber(ARGV[7])
 local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local now = now_ms()
-local reaped = reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
-promote_due(now, limit)
+-- The earliest lease deadline and retry, read once: the reaper and the promoter run only
+-- when one is due, and the timer this call returns is worked out from them (a list read
+-- again only if the reaper or the promoter changed it).
+local first_lease = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
+local first_retry = redis.call('ZRANGE', K_DELAYED, 0, 0, 'WITHSCORES')
+local reaped = 0
+if first_lease[2] and first_lease[1] ~= LEASE_MARK and tonumber(first_lease[2]) <= now then
+  reaped = reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
+  first_lease = false
+end
+if first_retry[2] and tonumber(first_retry[2]) <= now then
+  promote_due(now, limit)
+  first_retry = false
+end
 
 local out = {0, reaped}
-local n, taken, base = 0, 0, 0
+local n, taken, base = 0, 0, false
 local until_ms = now + lease
 local claimed, expired = {}, {}
 -- ZADD arguments: every task claimed here gets its lease in one command (LEASE_MARK
 -- first: the set is a skiplist before the leases go in)
 local leases = {'+inf', LEASE_MARK}
-if B > 0 then base = redis.call('INCRBY', K_SEQ, B) - B end
+-- what the ring and the free list were left as (each known empty saves a read at the end)
+local ring_empty, free_empty = false, false
 
 -- Claim one popped id. Returns true if it now runs; false for a tombstone or an expired task.
 local function take(id, s)
@@ -52,6 +65,7 @@ local function take(id, s)
     return false
   end
   n = n + 1
+  if not base then base = redis.call('INCRBY', K_SEQ, B) - B end  -- B tokens, for this call
   local token = tostring(base + n)
   local deliveries = tonumber(f[4] or '0') + 1
   redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
@@ -73,7 +87,7 @@ end
 
 while n < B do
   local s = redis.call('LPOP', K_READY)
-  if not s then break end
+  if not s then ring_empty = true; break end
   if s == FREE then
     redis.call('HSET', K_STATS, 'free_marked', '0')
     while true do
@@ -97,7 +111,7 @@ end
 -- Tombstones (cancelled, expired) do not count: keep popping until full or empty.
 while n < B do
   local ids = redis.call('LPOP', K_FREE, B - n)
-  if not ids then break end
+  if not ids then free_empty = true; break end
   for _, id in ipairs(ids) do take(id, false) end
 end
 if #leases > 2 then
@@ -105,7 +119,8 @@ if #leases > 2 then
     redis.call('ZADD', K_LEASES, unpack(leases, i, math.min(i + 3999, #leases)))
   end
 end
-if redis.call('LLEN', K_FREE) > 0 then free_mark() end
+local marked = 0
+if not free_empty and redis.call('LLEN', K_FREE) > 0 then marked = free_mark() end
 if taken > 0 then redis.call('HINCRBY', K_STATS, 'waiting', -taken) end
 if #expired > 0 then
   redis.call('HINCRBY', K_STATS, 'expired', #expired)
@@ -114,7 +129,21 @@ end
 if n > 0 then event('started', now, {ids = claimed, worker = worker}) end
 -- Work left over: wake one more worker to help (it will chain on if still more).
 -- No work left: drop stale markers so sleepers do not wake for nothing.
-if redis.call('LLEN', K_READY) > 0 then nudge() else redis.call('DEL', K_WAKE) end
-out[1] = next_timer(now)
+if marked == 1 or (not ring_empty and redis.call('LLEN', K_READY) > 0) then
+  nudge()
+else
+  redis.call('DEL', K_WAKE)
+end
+-- next_timer(), from the reads above: a lease taken here ends at until_ms
+local function soonest(first, key)
+  if not first then first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES') end
+  if first[2] and first[1] ~= LEASE_MARK then return math.max(0, tonumber(first[2]) - now) end
+  return -1
+end
+local nxt = soonest(first_lease, K_LEASES)
+if n > 0 and (nxt < 0 or lease < nxt) then nxt = lease end
+local due = soonest(first_retry, K_DELAYED)
+if due >= 0 and (nxt < 0 or due < nxt) then nxt = due end
+out[1] = nxt
 flush_replies()
 return out
