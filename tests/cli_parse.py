@@ -35,11 +35,11 @@ def parse_mtq(argv: list[str], where: str) -> Parsed:
             at = len(args) - len(ctx.args) - 1
             if at < 0 or args[at].startswith("-"):
                 pytest.fail(f"{where}: '{' '.join(path)}' needs a subcommand "
-                            f"({', '.join(sorted(cmd.commands))}); got {argv!r}")
+                            f"({', '.join(cmd.list_commands(ctx))}); got {argv!r}")
             sub = cmd.get_command(ctx, args[at])
             if sub is None:
                 pytest.fail(f"{where}: '{' '.join(path)}' has no command {args[at]!r} "
-                            f"(it has {', '.join(sorted(cmd.commands))}); fix {argv!r}")
+                            f"(it has {', '.join(cmd.list_commands(ctx))}); fix {argv!r}")
             path.append(args[at])
             cmd, args, parent = sub, list(ctx.args), ctx
         ctx = cmd.make_context(path[-1], list(args), parent=parent)

@@ -12,8 +12,6 @@ from datetime import datetime
 from typing import Any, NoReturn, TypeVar
 
 import click
-from rich.console import Console
-from rich.markup import escape
 
 from mtq.errors import (
     BrokerError,
@@ -28,8 +26,21 @@ from mtq.errors import (
     TaskNotFound,
 )
 
-console = Console()
-err_console = Console(stderr=True)
+#: the rich Consoles ``console`` and ``err_console``, made on first use (PEP 562, see
+#: __getattr__): rich (about 50 ms of imports) is loaded only by a command that prints
+#: through them, not by ``mtq worker run`` starting up
+_consoles: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("console", "err_console"):
+        made = _consoles.get(name)
+        if made is None:
+            from rich.console import Console
+
+            made = _consoles[name] = Console(stderr=name == "err_console")
+        return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: exit codes (listed in ``mtq --help`` and the README)
 OK, FAILED, USAGE, NOT_FOUND, NO_LISTENER, UNREACHABLE, TIMEOUT = 0, 1, 2, 3, 4, 5, 6
@@ -63,7 +74,7 @@ class FloatRange(click.FloatRange):
 
 def fail(message: object, code: int = FAILED) -> NoReturn:
     """One line on stderr (not wrapped: a log keeps it whole), then exit ``code``."""
-    err_console.print(f"[bold red]error:[/] {shown(message)}", highlight=False,
+    __getattr__("err_console").print(f"[bold red]error:[/] {shown(message)}", highlight=False,
                       soft_wrap=True)
     sys.exit(code)
 
@@ -91,12 +102,14 @@ def shown(value: object) -> str:
     """``str(value)`` for a rich markup string: :func:`printable`, and markup escaped,
     so that task data (an error, progress, a payload) is printed as it is written,
     never read as markup (``[bold]``, ``[/]``) or terminal control."""
+    from rich.markup import escape
+
     return escape(printable(str(value)))
 
 
 def say(line: str) -> None:
     """A line of a long-running command's own (a supervisor's events), on stderr."""
-    err_console.print(f"[mtq] {line}", markup=False, highlight=False, soft_wrap=True)
+    __getattr__("err_console").print(f"[mtq] {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 def code_for(exc: BaseException) -> int:

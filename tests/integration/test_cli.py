@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 
 import click
 import pytest
@@ -19,7 +20,10 @@ from tests.conftest import kill_process, worker_process
 
 def _command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     paths = [prefix]
-    for name, cmd in sorted(group.commands.items()):
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):  # the public way: some are imported lazily
+        cmd = group.get_command(ctx, name)
+        assert cmd is not None, f"'{' '.join((*prefix, name))}' is listed but not found"
         if isinstance(cmd, click.Group):
             paths += _command_paths(cmd, (*prefix, name))
         else:
@@ -260,3 +264,13 @@ def test_worker_subprocess_burst_records_failures(redis_url, qname, subprocess_e
         assert "ValueError: boom on {'n': 1}" in (info.value.error or "")
     finally:
         kill_process(proc)
+
+
+def test_a_worker_starts_without_the_rest_of_the_cli() -> None:
+    """``mtq worker run`` imports neither rich nor the other commands' modules: they are
+    loaded when a command that needs them runs (mtq.cli.main.LAZY)."""
+    code = ("import sys; from mtq.cli.main import cli; "
+            "print(sorted(m for m in sys.modules if m.startswith(('rich', 'mtq.cli.'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "['mtq.cli.common', 'mtq.cli.main']", out
