@@ -207,6 +207,27 @@ class ItemResult:
     error: BaseException | None = None
 
 
+def _rows(results: Any, n: int) -> list[Any]:
+    """predict's results for ``n`` payloads as a list; BatchShapeError if they are not."""
+    if isinstance(results, (str, bytes, dict)) or not hasattr(results, "__len__"):
+        raise BatchShapeError(f"predict must return a list, got {type(results).__name__}")
+    if len(results) != n:
+        raise BatchShapeError(f"predict returned {len(results)} results for {n} payloads")
+    return list(results)
+
+
+def run_one(call: Callable[[int, int], Any], j: int) -> ItemResult:
+    """:func:`run_isolated` of the one item ``j`` (``call(j, j + 1)``), without its
+    machinery: the per-item path runs this once a task."""
+    try:
+        (r,) = _rows(call(j, j + 1), 1)
+    except Exception as exc:
+        return ItemResult(False, error=exc)
+    if isinstance(r, BaseException):
+        return ItemResult(False, error=r)
+    return ItemResult(True, value=r)
+
+
 def run_isolated(call: Callable[[int, int], Any], n: int) -> list[ItemResult]:
     """Run ``call(lo, hi)`` (predict on items lo..hi-1) for the whole batch; when it
     raises, bisect so the items that succeed on their own keep their results and
@@ -216,13 +237,7 @@ def run_isolated(call: Callable[[int, int], Any], n: int) -> list[ItemResult]:
 
     def go(lo: int, hi: int) -> None:
         try:
-            results = call(lo, hi)
-            if isinstance(results, (str, bytes, dict)) or not hasattr(results, "__len__"):
-                raise BatchShapeError(f"predict must return a list, got {type(results).__name__}")
-            if len(results) != hi - lo:
-                raise BatchShapeError(f"predict returned {len(results)} results for "
-                                      f"{hi - lo} payloads")
-            rows = list(results)
+            rows = _rows(call(lo, hi), hi - lo)
         except Exception as exc:
             if hi - lo == 1:
                 out.append(ItemResult(False, error=exc))

@@ -23,7 +23,6 @@ Control commands (pause, resume, drain, stop, reload) arrive through
 from __future__ import annotations
 
 import collections
-import functools
 import gc
 import inspect
 import logging
@@ -61,7 +60,7 @@ from mtq.errors import (
 )
 from mtq.settings import QueueSettings
 from mtq.workers import catalogue, devices, registry
-from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated
+from mtq.workers.batching import BatchShapeError, BatchSlot, ItemResult, run_isolated, run_one
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.generator import Generator
 from mtq.workers.model import FunctionModel, Progress, is_per_item
@@ -437,13 +436,14 @@ class Worker:
         start = time.perf_counter()
         start_mono = time.monotonic()
         in_predict = 0.0
+        floor = self._live_floor()  # once a batch: a settings read
 
         def call(lo: int, hi: int) -> Any:
             nonlocal in_predict
             # never call the model on a lease this process cannot show to be live: a
             # freeze may have fallen between two calls (per item, or bisection)
             tasks = [batch[index[j]] for j in range(lo, hi)]
-            live = self._live(tasks)
+            live = self._live(tasks, floor)
             if len(live) < len(tasks):
                 return self._call_live(call, lo, tasks, live)
             self.monitor.call(index[lo], index[hi - 1] + 1)
@@ -464,12 +464,15 @@ class Worker:
                     self._observe_outcome(bad, start_mono)
             if done:
                 self._publish(done)
+            ran: list[Outcome] = []
+            ended: list[float] = []
             for j, i in enumerate(index):
-                r = run_isolated(functools.partial(self._call_one, call, j), 1)[0]
-                o = self._outcome(batch[i], r)
+                o = self._outcome(batch[i], run_one(call, j))
                 if o is not None:
-                    self._observe_outcome(o, start_mono)
                     self._publish([o])
+                    ran.append(o)
+                    ended.append(time.monotonic())
+            self._observe_items(ran, ended, start_mono)
         else:
             results = run_isolated(call, len(payloads))
             for i, r in zip(index, results):
@@ -504,10 +507,6 @@ class Worker:
             self._publish([Chunk(tasks[i], counters[i], value)])
             counters[i] += 1
 
-    @staticmethod
-    def _call_one(call: Callable[[int, int], Any], j: int, lo: int, hi: int) -> Any:
-        return call(j, j + 1)
-
     def _call_live(self, call: Callable[[int, int], Any], lo: int, tasks: list[Claimed],
                    live: list[Claimed]) -> list[Any]:
         """A call on items lo.. of which only ``live`` still belong to this worker: the
@@ -527,7 +526,11 @@ class Worker:
             out.append(next(iter(res)))
         return out
 
-    def _live(self, tasks: Sequence[Claimed]) -> list[Claimed]:
+    def _live_floor(self) -> float:
+        """How long a lease must still be known live for a task to run unasked (s)."""
+        return self.consumer.lease_s() * REVALIDATE_BELOW
+
+    def _live(self, tasks: Sequence[Claimed], floor: float | None = None) -> list[Claimed]:
         """The tasks whose lease this process can show to be live, the others dropped
         unrun (Redis gave them to another worker after their lease ran out).
 
@@ -537,7 +540,8 @@ class Worker:
         starved heartbeat or a lost connection, is checked with Redis first (one
         extend round trip, from the model thread: the rare path)."""
         now = time.monotonic()
-        floor = self.consumer.lease_s() * REVALIDATE_BELOW
+        if floor is None:
+            floor = self._live_floor()
         doubtful = [t for t in tasks if t.live_until - now < floor]
         if not doubtful:
             return list(tasks)
@@ -923,6 +927,27 @@ class Worker:
             since = self._submitted.get(o.task.id)
             if since is not None:
                 st.observe("latency", max(0.0, now - since))
+
+    def _observe_items(self, outcomes: Sequence[Outcome], ended: Sequence[float],
+                       started: float) -> None:
+        """:meth:`_observe_outcome` of the per-item path's outcomes, each ended at its
+        time in ``ended`` (monotonic), in one call a metric."""
+        st = self.stats
+        if not st.enabled:
+            return
+        runs: list[float] = []
+        lats: list[float] = []
+        submitted = self._submitted
+        for o, now in zip(outcomes, ended):
+            if o.cancelled:
+                continue
+            runs.append(now - started)
+            if o.ok or self._ends(o):
+                since = submitted.get(o.task.id)
+                if since is not None:
+                    lats.append(max(0.0, now - since))
+        st.observe_many("run", runs)
+        st.observe_many("latency", lats)
 
     def _observe_batch(self, outcomes: Sequence[Outcome | None], started: float) -> None:
         """:meth:`_observe_outcome` for a whole batch's outcomes (one lock a metric)."""

@@ -155,7 +155,8 @@ def test_claim_works_its_timer_out_from_the_earliest_lease_and_retry(
     r.zadd(q.broker.keys.leases, {held.id: int(r.time()[0]) * 1000 + 20_000}, xx=True)
     (other,) = c.claim(1)  # its own lease ends in 60 s: the older one, in 20 s, is sooner
     assert 15_000 < c.next_timer_ms <= 20_000, c.next_timer_ms
-    c.settle([mtq.Outcome(other, ok=False, error="ValueError: later")])  # a retry in ~600 s
+    c.settle([mtq.Outcome(other, ok=False, error="ValueError: later")])
+    r.zadd(q.broker.keys.delayed, {other.id: int(r.time()[0]) * 1000 + 600_000}, xx=True)
     assert c.claim(5) == [] and 15_000 < c.next_timer_ms <= 20_000
     expire_leases(r, q, held.id)  # due: reaped, and the timer read again without it
     (again,) = c.claim(5)
