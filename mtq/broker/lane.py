@@ -37,6 +37,7 @@ its own spans: :mod:`mtq.tracing`).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -80,12 +81,19 @@ class _Lane:
             self.pool.release(conn)
 
 
+_made = threading.Lock()
+
+
 def _lane(client: redis.Redis) -> _Lane:
     lane: _Lane | None = getattr(client, "_mtq_lane", None)
-    if lane is None or lane.pool is not client.connection_pool:
-        lane = _Lane(client.connection_pool)
-        client._mtq_lane = lane  # type: ignore[attr-defined]
-    return lane
+    if lane is not None and lane.pool is client.connection_pool:
+        return lane
+    with _made:  # one lane a client: two made at once would strand one's connections
+        lane = getattr(client, "_mtq_lane", None)
+        if lane is None or lane.pool is not client.connection_pool:
+            lane = _Lane(client.connection_pool)
+            client._mtq_lane = lane  # type: ignore[attr-defined]
+        return lane
 
 
 def pack(conn: Any, args: Sequence[Any]) -> list[bytes]:
