@@ -167,13 +167,15 @@ def roundtrips(server: Server, count: int, cpu: int | None, load: float = 0.0
                  "_producer(sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4])",
                  server.url, name, str(load), stop_file], env=worker_env(server), cwd=ROOT)
             time.sleep(0.5)  # let the load settle
-        c0, _ = _snap(r)
+        c0, cpu0 = _snap(r)
+        w0, m0 = _proc_cpu(proc.pid), time.process_time()
         out = []
         for _ in range(count):
             t = time.perf_counter()
             q.submit(None).result(timeout=30)
             out.append(time.perf_counter() - t)
-        c1, _ = _snap(r)
+        c1, cpu1 = _snap(r)
+        w1, m1 = _proc_cpu(proc.pid), time.process_time()
     finally:
         Path(stop_file).touch()
         if producer is not None:
@@ -184,7 +186,14 @@ def roundtrips(server: Server, count: int, cpu: int | None, load: float = 0.0
         r.close()
     out.sort()
     return {"p50_ms": 1000 * out[len(out) // 2], "p99_ms": 1000 * out[int(len(out) * 0.99)],
-            "cmds": (c1 - c0) / count}
+            "cmds": (c1 - c0) / count, "redis_us": 1e6 * (cpu1 - cpu0) / count,
+            "worker_us": 1e6 * (w1 - w0) / count, "client_us": 1e6 * (m1 - m0) / count}
+
+
+def _proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def floor(server: Server, reps: int = 500) -> dict[str, float]:
@@ -192,7 +201,7 @@ def floor(server: Server, reps: int = 500) -> dict[str, float]:
     Redis time (INFO commandstats, EVALSHA usec per call) of each script one task
     goes through alone (submit, claim, ack), next to a script that only runs the
     shared library (_lib.lua) and the one that does nothing."""
-    from mtq.broker import scripts
+    from mtq.broker import lane, scripts
     from mtq.broker.consumer import Consumer, Outcome
 
     r = redis.Redis.from_url(server.url)
@@ -219,6 +228,15 @@ def floor(server: Server, reps: int = 500) -> dict[str, float]:
         sha = r.script_load(src)
         out[name] = usec(lambda sha=sha: r.evalsha(sha, len(k.script_keys), *k.script_keys,
                                                    *k.channels))
+    sha = r.script_load("return 1")
+    args = (sha, len(k.script_keys), *k.script_keys, *k.channels)
+    for name, call in (("redispy_call_us", lambda: r.evalsha(*args)),
+                       ("lane_call_us", lambda: lane.exchange(r, [("EVALSHA", *args)]))):
+        call()
+        t = time.process_time()
+        for _ in range(reps):
+            call()
+        out[name] = 1e6 * (time.process_time() - t) / reps
     out["submit_us"] = usec(lambda: q.submit(None))
     r.flushall()
     q.submit_many([None] * (reps + 1))
@@ -286,6 +304,10 @@ def main(argv: list[str] | None = None) -> None:
          f"range {rng('drain', 'startup_s')}"),
         ("round trip p50 / p99 (ms)", f"{med('rt', 'p50_ms'):.3f} / {med('rt', 'p99_ms'):.3f}",
          "<= 0.5 / <= 1.0", f"{count} round trips a pass"),
+        ("round trip: CPU per round trip of the client, the worker and redis-server (us)",
+         f"{med('rt', 'client_us'):.0f} / {med('rt', 'worker_us'):.0f} / "
+         f"{med('rt', 'redis_us'):.0f}", "",
+         "client and worker share one CPU: their sum bounds the round trip from below"),
         (f"round trip p99 at half the steady drain rate (~{med('load', 'rate'):,.0f}/s)",
          f"{med('load', 'p99_ms'):.3f} ms", "<= 2 ms",
          f"p50 {med('load', 'p50_ms'):.3f} ms"),
@@ -298,6 +320,9 @@ def main(argv: list[str] | None = None) -> None:
                  f"{fl['claim_us']:.0f} + ack {fl['ack_us']:.0f} us of EVALSHA, one task each "
                  f"(a script that only runs _lib.lua: {fl['library_us']:.0f} us, "
                  f"`return 1`: {fl['empty_script_us']:.0f} us)"))
+    rows.append(("client CPU per command: redis-py's execute_command / mtq.broker.lane",
+                 f"{fl['redispy_call_us']:.1f} / {fl['lane_call_us']:.1f} us", "",
+                 "EVALSHA of `return 1` with mtq's 19 keys, round trip included"))
     table = "\n".join(["| figure | median of passes | target | notes |", "|---|---:|---|---|",
                        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)])
     print(table)
