@@ -485,6 +485,7 @@ class Queue:
         self.broker = Broker(self.redis, self.name, SettingsSource.shared(self.redis, self.name,
                                                                    spec))
         self._registered = False
+        self._hub: Hub | None = None
         self._reply: str | None = None
 
     @property
@@ -506,7 +507,10 @@ class Queue:
     @property
     def hub(self) -> Hub:
         """The reply listener this queue's client shares with every queue on it."""
-        return hub_of(self.redis)
+        hub = self._hub
+        if hub is None or hub.closed:  # (a closed hub is replaced by hub_of)
+            hub = self._hub = hub_of(self.redis)
+        return hub
 
     def reply_channel(self) -> str:
         """This client's reply channel on the queue, subscribed (once per process)."""

@@ -668,6 +668,11 @@ class Hub:
                 if not feeds:
                     del self._feeds[feed.key]
 
+    @property
+    def closed(self) -> bool:
+        """close_all() was called: hub_of() makes a new hub for the client."""
+        return self._closed.is_set()
+
     def close_all(self) -> None:
         """Stop the listener and callback threads and drop the subscription (a hub
         for a client that is going away). Waiters still open get no more events."""
