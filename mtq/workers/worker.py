@@ -464,15 +464,15 @@ class Worker:
                     self._observe_outcome(bad, start_mono)
             if done:
                 self._publish(done)
-            ran: list[Outcome] = []
-            ended: list[float] = []
+            ran: list[tuple[Outcome, float, float | None]] = []
+            submitted = self._submitted
             for j, i in enumerate(index):
                 o = self._outcome(batch[i], run_one(call, j))
                 if o is not None:
+                    # its submit time, before the publisher settles it and forgets it
+                    ran.append((o, time.monotonic(), submitted.get(o.task.id)))
                     self._publish([o])
-                    ran.append(o)
-                    ended.append(time.monotonic())
-            self._observe_items(ran, ended, start_mono)
+            self._observe_items(ran, start_mono)
         else:
             results = run_isolated(call, len(payloads))
             for i, r in zip(index, results):
@@ -928,24 +928,22 @@ class Worker:
             if since is not None:
                 st.observe("latency", max(0.0, now - since))
 
-    def _observe_items(self, outcomes: Sequence[Outcome], ended: Sequence[float],
+    def _observe_items(self, ran: Sequence[tuple[Outcome, float, float | None]],
                        started: float) -> None:
-        """:meth:`_observe_outcome` of the per-item path's outcomes, each ended at its
-        time in ``ended`` (monotonic), in one call a metric."""
+        """:meth:`_observe_outcome` of the per-item path's outcomes, in one call a
+        metric: (outcome, when it ended, when its task was submitted: taken before it was
+        published, since the publisher forgets it once settled), monotonic."""
         st = self.stats
         if not st.enabled:
             return
         runs: list[float] = []
         lats: list[float] = []
-        submitted = self._submitted
-        for o, now in zip(outcomes, ended):
+        for o, now, since in ran:
             if o.cancelled:
                 continue
             runs.append(now - started)
-            if o.ok or self._ends(o):
-                since = submitted.get(o.task.id)
-                if since is not None:
-                    lats.append(max(0.0, now - since))
+            if since is not None and (o.ok or self._ends(o)):
+                lats.append(max(0.0, now - since))
         st.observe_many("run", runs)
         st.observe_many("latency", lats)
 
