@@ -245,6 +245,13 @@ def floor(server: Server, reps: int = 500) -> dict[str, float]:
     out["ack_us"] = usec(lambda: c.settle([Outcome(held.pop(), True, None)]))
     mtq.replies.hub_of(r).close_all()
     r.close()
+    for name, code in (("python_s", "pass"), ("import_redis_s", "import redis")):
+        times = []
+        for _ in range(5):  # the quickest of five: what the imports cost at least
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-c", code], check=True)
+            times.append(time.perf_counter() - t)
+        out[name] = min(times)
     return out
 
 
@@ -301,7 +308,9 @@ def main(argv: list[str] | None = None) -> None:
         ("drain of 5,000 incl. start-up (tasks/s)", f"{med('drain', 'with_startup'):,.0f}",
          ">= 15,000", f"range {rng('drain', 'with_startup')}"),
         ("worker start-up to first task (s)", f"{med('drain', 'startup_s'):.3f}", "<= 0.2",
-         f"range {rng('drain', 'startup_s')}"),
+         f"range {rng('drain', 'startup_s')}; its floor: a Python that only imports "
+         f"redis-py takes {med('floor', 'import_redis_s'):.3f} s "
+         f"(`python -c pass`: {med('floor', 'python_s'):.3f} s)"),
         ("round trip p50 / p99 (ms)", f"{med('rt', 'p50_ms'):.3f} / {med('rt', 'p99_ms'):.3f}",
          "<= 0.5 / <= 1.0", f"{count} round trips a pass"),
         ("round trip: CPU per round trip of the client, the worker and redis-server (us)",
@@ -347,10 +356,17 @@ channel and one per client, the reaper's and timers' reads) is paid once per cal
 to 64 tasks. Below 5 a task would have to do without one of these: a read before it
 runs (its payload), the fenced read before its result is written, or a retention
 Redis keeps by itself (EXPIRE, rather than a sweep that only runs while a worker does).
+Where a drained task's redis-server instructions go (callgrind, Redis 6.2): a fifth in
+scanning the task's hash (a small hash is a ziplist, searched from its head: HMGET of a
+field a task does not have, such as `deadline` or `traceparent`, scans all of it), a
+fifth in the Lua VM, a tenth in malloc and free, a twentieth in formatting and parsing
+numbers; the commands themselves are the rest.
 A round trip adds three script calls (submit, claim, ack) around one task, each with its
-fixed cost (the "floor" row: a script that only runs `_lib.lua` costs most of what the
-three calls cost beyond their commands), and the commands every script call makes once
-(TIME, counters, PUBLISH to the events channel and to the client): about 45.
+fixed cost (the "floor" row), and the commands every script call makes once (TIME,
+counters, PUBLISH to the events channel and to the client): 40 in all, counted with
+MONITOR: submit 12 (EVALSHA included), the worker's BLPOP 1, claim 17, ack 10. The
+"CPU per round trip" row is the other floor: the client's and the worker's Python share
+one CPU here (as in the peer harness), and their sum is most of the round trip.
 """
     write_docs(ROOT / "docs" / "benchmarks.md", section, "## Hot path")
 

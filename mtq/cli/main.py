@@ -253,6 +253,7 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
     listener.start()
     if burst:
         w.command({"cmd": "drain"})
+    w.freeze_startup()
     try:
         totals = w.run()
     except MtqError as exc:

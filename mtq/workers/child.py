@@ -164,6 +164,7 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
     elif config.get("paused"):
         worker.slot.set_paused(True)
     threading.Thread(target=read_commands, name="mtq-control", daemon=True).start()
+    worker.freeze_startup()
     worker.run()
     monitor.send("bye", worker.totals)
     sys.exit(EXIT_OK)
