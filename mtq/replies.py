@@ -9,11 +9,11 @@ queue, or a callback. Nothing polls: a feed wakes when its event arrives.
 
 Nothing is lost either. A feed starts from the task's stored state (status,
 result, the tokens streamed so far: one round trip), then takes live events,
-dropping tokens it already has by index. When the connection drops, redis-py
-reconnects and subscribes again; the hub sees the new subscription confirmed and
-tells every feed of that queue to read the stored state again, so tokens and
-completions published while it was away are replayed from Redis. (The hub reads its
-connection's pushes itself, see :class:`_Wire`; redis-py connects and subscribes.)
+dropping tokens it already has by index. When the connection drops, the hub makes a
+new one and subscribes again; it sees the new subscription confirmed and tells every
+feed of that queue to read the stored state again, so tokens and completions
+published while it was away are replayed from Redis. (The hub reads its connection's
+pushes itself, see :class:`_Wire`; redis-py connects and subscribes.)
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """The hot path's own way to Redis: commands packed once, sent on a connection this
 module keeps, replies read back raw.
 
-A call through redis-py's ``Redis.execute_command`` costs about 50 us of Python on this
-project's reference machine before and after the round trip itself (packing
-through its encoder, taking and giving back a pool connection with their
-observability hooks, response callbacks), four times what the bytes on the
-socket cost. mtq's hot commands (submit, claim, ack, nack, the worker's BLPOP) go
-through :func:`exchange` instead, which keeps everything redis-py does that matters
-here and drops the rest:
+A call through redis-py's ``Redis.execute_command`` costs about 64 us of client CPU on
+this project's 2-core machine, round trip included (packing through its encoder, taking
+and giving back a pool connection with their observability hooks, response callbacks);
+the same call through :func:`exchange` costs about 25 us (``python -m
+benchmarks.hotpath``, its last row). mtq's hot commands (the scripts' calls, the
+worker's BLPOP) go through it: it keeps everything redis-py does that matters here and
+drops the rest:
 
 * the **connection** is one of redis-py's own, from the client's pool, so its class
   (TLS, a cluster slot's connection that follows the slot, a Sentinel-watched
@@ -113,11 +113,17 @@ def exchange(client: redis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any
     raise (redis-py's ``ConnectionError`` / ``TimeoutError``) after the connection's
     retry policy gave up on them, as ``Redis.execute_command`` does.
     """
-    if getattr(client, "connection_pool", None) is None:  # not a plain client: by redis-py
-        pipe = client.pipeline(transaction=False)
+    if getattr(client, "connection_pool", None) is None:
+        # a cluster client (mtq passes a queue's slot client, but a caller may not):
+        # redis-py routes each command by its keys, one at a time (its pipelines refuse
+        # EVALSHA)
+        out: list[Any] = []
         for args in commands:
-            pipe.execute_command(*args)
-        return pipe.execute(raise_on_error=False)
+            try:
+                out.append(client.execute_command(*args))
+            except ResponseError as error:
+                out.append(error)
+        return out
     lane = _lane(client)
     conn = lane.take()
     try:
@@ -128,7 +134,7 @@ def exchange(client: redis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any
 
         def once() -> list[Any]:
             conn.send_packed_command(packed)
-            out: list[Any] = []
+            out = []
             try:
                 for _ in range(n):
                     try:

@@ -125,6 +125,20 @@ def test_a_cluster_url_gives_a_client_of_the_queues_own_primary(the_cluster: Clu
     assert mtq.Queue(names[0], url).redis is mtq.Queue(names[0], url).redis
 
 
+def test_a_script_run_on_the_cluster_client_itself_is_routed_by_its_keys(
+        the_cluster: Cluster, url: str) -> None:
+    """mtq passes a queue's slot client to its scripts; one given the cluster client
+    (a caller of mtq.broker.protocol.read_traces, say) still runs, routed by redis-py."""
+    from mtq.broker.protocol import read_traces
+
+    for name in queue_on_each_shard(the_cluster):
+        q = mtq.Queue(name, url)
+        t = q.submit({"x": 1})
+        assert read_traces(q.broker.shared, name, [t.id]) == read_traces(q.redis, name, [t.id])
+        assert [line.split(b"|")[1] for line in read_traces(q.broker.shared, name, [t.id])[0]] \
+            == [b"queued"]
+
+
 def test_submit_work_and_results_on_queues_of_every_shard(the_cluster: Cluster, url: str,
                                                           workers: Workers) -> None:
     names = queue_on_each_shard(the_cluster)
