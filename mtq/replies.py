@@ -495,7 +495,7 @@ class Hub:
         wire: _Wire | None = None
         while not self._closed.is_set():
             try:
-                if ps is None or wire is None:
+                if wire is None:
                     self._sharded = cluster.sharded(self.client)
                     ps = self._pubsub = self.client.pubsub()
                     # the hub channel stays a plain one: a rare poke, from this process

@@ -42,13 +42,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+from hiredis import pack_command as _hiredis_pack  # redis[hiredis]: a dependency
 from redis.exceptions import ResponseError
-
-try:
-    from hiredis import pack_command as _hiredis_pack
-except ImportError:  # pragma: no cover - hiredis is a dependency (redis[hiredis])
-    _hiredis_pack = None  # type: ignore[assignment]
-
 
 #: connections a client's lane keeps between calls (see the module docstring)
 KEEP = 2
@@ -98,12 +93,10 @@ def _lane(client: redis.Redis) -> _Lane:
 
 def pack(conn: Any, args: Sequence[Any]) -> list[bytes]:
     """One command's bytes."""
-    if _hiredis_pack is not None:
-        try:
-            return [_hiredis_pack(tuple(args))]
-        except TypeError:  # bytearray, memoryview, ...: redis-py's encoder takes them
-            pass
-    return list(conn.pack_command(*args))
+    try:
+        return [_hiredis_pack(tuple(args))]
+    except TypeError:  # bytearray, memoryview, ...: redis-py's encoder takes them
+        return list(conn.pack_command(*args))
 
 
 def exchange(client: redis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any]:

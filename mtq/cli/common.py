@@ -32,14 +32,18 @@ from mtq.errors import (
 _consoles: dict[str, Any] = {}
 
 
+def _console(name: str) -> Any:
+    made = _consoles.get(name)
+    if made is None:
+        from rich.console import Console
+
+        made = _consoles[name] = Console(stderr=name == "err_console")
+    return made
+
+
 def __getattr__(name: str) -> Any:
     if name in ("console", "err_console"):
-        made = _consoles.get(name)
-        if made is None:
-            from rich.console import Console
-
-            made = _consoles[name] = Console(stderr=name == "err_console")
-        return made
+        return _console(name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 #: exit codes (listed in ``mtq --help`` and the README)
@@ -74,7 +78,7 @@ class FloatRange(click.FloatRange):
 
 def fail(message: object, code: int = FAILED) -> NoReturn:
     """One line on stderr (not wrapped: a log keeps it whole), then exit ``code``."""
-    __getattr__("err_console").print(f"[bold red]error:[/] {shown(message)}", highlight=False,
+    _console("err_console").print(f"[bold red]error:[/] {shown(message)}", highlight=False,
                       soft_wrap=True)
     sys.exit(code)
 
@@ -109,7 +113,7 @@ def shown(value: object) -> str:
 
 def say(line: str) -> None:
     """A line of a long-running command's own (a supervisor's events), on stderr."""
-    __getattr__("err_console").print(f"[mtq] {line}", markup=False, highlight=False, soft_wrap=True)
+    _console("err_console").print(f"[mtq] {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 def code_for(exc: BaseException) -> int:

@@ -393,8 +393,6 @@ def workers_scale(replicas: int, queue: str, url: str | None) -> None:
     _control("scale", queue, url, replicas=replicas)
 
 
-
-
 # -- dashboard -------------------------------------------------------------------
 @cli.command()
 @click.option("--queue", "-q", "queues", multiple=True,

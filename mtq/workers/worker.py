@@ -936,9 +936,9 @@ class Worker:
 
     def _observe_items(self, ran: Sequence[tuple[Outcome, float, float | None]],
                        started: float) -> None:
-        """:meth:`_observe_outcome` of the per-item path's outcomes, in one call a
-        metric: (outcome, when it ended, when its task was submitted: taken before it was
-        published, since the publisher forgets it once settled), monotonic."""
+        """:meth:`_observe_outcome` of many outcomes, in one call a metric: each (outcome,
+        when it ended, when its task was submitted: taken before it was published, since
+        the publisher forgets it once settled), monotonic."""
         st = self.stats
         if not st.enabled:
             return
@@ -954,24 +954,13 @@ class Worker:
         st.observe_many("latency", lats)
 
     def _observe_batch(self, outcomes: Sequence[Outcome | None], started: float) -> None:
-        """:meth:`_observe_outcome` for a whole batch's outcomes (one lock a metric)."""
-        st = self.stats
-        if not st.enabled:
+        """:meth:`_observe_items` of a whole batch's outcomes, all ended now."""
+        if not self.stats.enabled:
             return
         now = time.monotonic()
-        ran = 0
-        ended: list[float] = []
         submitted = self._submitted
-        for o in outcomes:
-            if o is None or o.cancelled:
-                continue
-            ran += 1
-            if o.ok or self._ends(o):
-                since = submitted.get(o.task.id)
-                if since is not None:
-                    ended.append(max(0.0, now - since))
-        st.observe_many("run", [now - started] * ran)
-        st.observe_many("latency", ended)
+        self._observe_items([(o, now, submitted.get(o.task.id)) for o in outcomes
+                             if o is not None], started)
 
     def report(self, rate: float = 0.0) -> dict[str, Any]:
         """The registry entry of this worker."""

@@ -428,15 +428,21 @@ local function promote_due(now, limit)
   return #ids
 end
 
--- Milliseconds until the earliest lease deadline or retry is due; -1 if none.
-local function next_timer(now)
+-- Milliseconds until the entry ZRANGE key 0 0 WITHSCORES returned is due (0: due now);
+-- -1 for none (an empty set, or only the leases' LEASE_MARK).
+local function due_in(first, now)
+  if first[2] and first[1] ~= LEASE_MARK then return math.max(0, tonumber(first[2]) - now) end
+  return -1
+end
+
+-- Milliseconds until the earliest lease deadline or retry is due; -1 if none. known:
+-- key -> what the caller's own ZRANGE of it returned, still true (false or nil: read it).
+local function next_timer(now, known)
   local nxt = -1
   for _, key in ipairs({K_LEASES, K_DELAYED}) do
-    local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
-    if first[2] and first[1] ~= LEASE_MARK then
-      local d = math.max(0, tonumber(first[2]) - now)
-      if nxt < 0 or d < nxt then nxt = d end
-    end
+    local first = known and known[key] or redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    local d = due_in(first, now)
+    if d >= 0 and (nxt < 0 or d < nxt) then nxt = d end
   end
   return nxt
 end

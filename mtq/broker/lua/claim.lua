@@ -26,11 +26,11 @@ local now = now_ms()
 local first_lease = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
 local first_retry = redis.call('ZRANGE', K_DELAYED, 0, 0, 'WITHSCORES')
 local reaped = 0
-if first_lease[2] and first_lease[1] ~= LEASE_MARK and tonumber(first_lease[2]) <= now then
+if due_in(first_lease, now) == 0 then
   reaped = reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
   first_lease = false
 end
-if first_retry[2] and tonumber(first_retry[2]) <= now then
+if due_in(first_retry, now) == 0 then
   promote_due(now, limit)
   first_retry = false
 end
@@ -134,16 +134,10 @@ if marked == 1 or (not ring_empty and redis.call('LLEN', K_READY) > 0) then
 else
   redis.call('DEL', K_WAKE)
 end
--- next_timer(), from the reads above: a lease taken here ends at until_ms
-local function soonest(first, key)
-  if not first then first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES') end
-  if first[2] and first[1] ~= LEASE_MARK then return math.max(0, tonumber(first[2]) - now) end
-  return -1
-end
-local nxt = soonest(first_lease, K_LEASES)
+-- from the reads above (a list the reaper or the promoter changed is read again); a
+-- lease taken here ends at until_ms
+local nxt = next_timer(now, {[K_LEASES] = first_lease, [K_DELAYED] = first_retry})
 if n > 0 and (nxt < 0 or lease < nxt) then nxt = lease end
-local due = soonest(first_retry, K_DELAYED)
-if due >= 0 and (nxt < 0 or due < nxt) then nxt = due end
 out[1] = nxt
 flush_replies()
 return out
