@@ -37,6 +37,7 @@ from mtq.broker.protocol import (
     Broker,
     Claimed,
     ClaimResult,
+    parse_handed,
 )
 from mtq.errors import MtqError, RedisUnavailable
 from mtq.settings import QueueSettings
@@ -152,8 +153,17 @@ class Consumer:
                                                                     settings))
         self.worker_id = worker_id or default_worker_id()
         self.wake_key = self.broker.keys.worker_wake(self.worker_id)
+        self.inbox_key = self.broker.keys.worker_inbox(self.worker_id)
         #: ms until the next lease deadline / due retry, from the last claim (-1: none)
         self.next_timer_ms = -1
+        #: take tasks handed over directly: a claim that finds nothing registers this
+        #: consumer idle, and :meth:`wait` returns what a submit hands it (see "Direct
+        #: delivery" in lua/_lib.lua). Set by a worker whose fetcher waits with
+        #: :meth:`wait` and takes what it returns; never on a durable queue
+        self.direct = False
+        #: (time the registering claim was sent, its lease ms, its window ms) while this
+        #: consumer may be registered idle; None when it is not
+        self._registered: tuple[float, int, int] | None = None
         self._rng = random.Random()
 
     @property
@@ -178,23 +188,68 @@ class Consumer:
         return result.tasks
 
     def claim(self, batch_size: int, lease_ms: int | None = None) -> list[Claimed]:
-        """Claim up to ``batch_size`` tasks (one round trip)."""
+        """Claim up to ``batch_size`` tasks (one round trip). With :attr:`direct`, the
+        tasks handed to this consumer since its last claim come first."""
         sent = time.monotonic()
         # the lease asked for and the one recorded must be the same (the settings may
         # be re-read between two reads of them)
-        lease_ms = self.settings.lease_ms if lease_ms is None else lease_ms
-        return self._claimed(self.broker.claim(self.worker_id, batch_size, lease_ms), sent,
-                             lease_ms)
+        settings = self.settings
+        lease_ms = settings.lease_ms if lease_ms is None else lease_ms
+        window = 0
+        if self.direct and batch_size > 0 and not settings.durable_replicas:
+            # back (BLPOP's limit) before the registration lapses, and a hand-off at its
+            # end still leaves half a lease known live (see _handed)
+            window = int(min(MAX_IDLE_S * 1000, lease_ms / 2))
+        was = self._registered
+        result = self.broker.claim(self.worker_id, batch_size, lease_ms, window, was is not None)
+        tasks = self._claimed(result, sent, lease_ms)
+        if result.handed and was is not None:
+            tasks = self._handed(result.handed, was) + tasks
+        self._registered = (sent, lease_ms, window) \
+            if window and not tasks and not result.handed else None
+        return tasks
 
-    def wait(self, timeout: float | None = None) -> bool:
+    @staticmethod
+    def _handed(tasks: list[Claimed], registered: tuple[float, int, int]) -> list[Claimed]:
+        """Tasks handed over under the registration made by a claim sent at
+        ``registered[0]``: their leases began after that claim ran, so that time plus
+        the lease is never later than Redis's deadline (as for a claim, see
+        ``Claimed.live_until``)."""
+        until = registered[0] + registered[1] / 1000
+        wall = time.time()
+        for t in tasks:
+            t.live_until = until
+            if t.traceparent:
+                t.claimed_at = wall
+        return tasks
+
+    def wait(self, timeout: float | None = None) -> list[Claimed] | bool:
         """Sleep until woken by a submit, the next timer, or ``timeout`` (BLPOP).
 
-        Returns True if woken by a marker. Call it only after a claim returned nothing.
+        Returns the tasks a submit handed over (with :attr:`direct`; they are this
+        consumer's now, as if claimed), else True if woken by a marker, False on a
+        timeout. Call it only after a claim returned nothing.
         """
         limit = MAX_IDLE_S if timeout is None else min(timeout, MAX_IDLE_S)
         if self.next_timer_ms >= 0:
             limit = min(limit, self.next_timer_ms / 1000 + 0.001)
-        return self.broker.wait_for_work(limit, self.wake_key)
+        registered = self._registered
+        if registered is not None:
+            limit = min(limit, registered[2] / 1000)
+        popped = self.broker.wait_for_work(limit, self.wake_key,
+                                           self.inbox_key if registered else None)
+        if isinstance(popped, bytes) and registered is not None:
+            self._registered = None  # a registration is used once
+            return self._handed(parse_handed(popped), registered)
+        return popped
+
+    def retire(self) -> list[Claimed]:
+        """Stop taking tasks handed over: drop this consumer's idle registration and
+        return what was handed to it and not taken yet (running under it: release
+        them). A worker calls it when it stops, or when a wait failed and what it
+        popped may be lost."""
+        self._registered = None
+        return self.broker.retire(self.worker_id)
 
     def interrupt(self) -> None:
         """End a :meth:`wait` in progress (from another thread) at once."""
@@ -368,7 +423,10 @@ class Consumer:
         were never started, so they go back uncounted; ``skip``: ids another process
         runs now (a suspect handed to the quarantine process). Call it once the process's
         connections are gone (:meth:`wait_disconnected`), so no claim of it can still
-        run after this. Two round trips, the first O(running tasks of the queue)."""
+        run after this. Its idle registration is dropped first, so that no submit hands
+        it anything more; what was handed to it is running under its id, and goes back
+        with the rest. Three round trips, the second O(running tasks of the queue)."""
+        self.broker.retire(worker)
         known = {i for i, _ in running} | {i for i, _ in rest} | set(skip)
         unknown = [(i, t) for i, t in self.broker.orphans(worker) if i not in known]
         if unknown:

@@ -61,6 +61,7 @@ class QueueKeys:
         "free",
         "hist",
         "idem_prefix",
+        "idle",
         "latency",
         "leases",
         "model",
@@ -112,11 +113,14 @@ class QueueKeys:
         #: recent batches, newest first (list: one record per batch a worker ran; what
         #: `mtq trace` reads)
         self.batches = self.base + "batches"
+        #: workers asleep with room for a batch (hash: worker id -> "expiry ms|lease
+        #: ms|room"): a submit hands new tasks to one of them directly (see submit.lua)
+        self.idle = self.base + "idle"
         self.script_keys = [
             self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
             self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,
             self.seq, self.out_prefix, self.trace_prefix, self.latency, self.failures,
-            self.cache_prefix, self.cache_index, self.model,
+            self.cache_prefix, self.cache_index, self.model, self.idle,
         ]
         #: ARGV[1] and ARGV[2] of every script
         self.channels = [self.events, self.control]
@@ -136,6 +140,11 @@ class QueueKeys:
     def worker_wake(self, worker_id: str) -> str:
         """A worker's own wake list: pushed to by its own threads to end its BLPOP."""
         return self.base + "wake:" + worker_id
+
+    def worker_inbox(self, worker_id: str) -> str:
+        """A worker's inbox: tasks a submit handed to it while it slept (see submit.lua),
+        each entry one msgpack claim reply."""
+        return self.idle + ":" + worker_id
 
     def trace(self, task_id: str) -> str:
         """The list of a task's life events ("ms|kind|detail"), oldest first."""

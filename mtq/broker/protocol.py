@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -99,17 +99,20 @@ class ClaimResult:
     next_timer_ms: int
     #: expired leases reclaimed by this call
     reaped: int
+    #: tasks a submit handed to the worker while it was registered idle (its inbox, read
+    #: by this claim: see "Direct delivery" in lua/_lib.lua); leased since then
+    handed: list[Claimed] = field(default_factory=list)
 
 
 def _s(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _parse_claim(raw: list[Any]) -> ClaimResult:
+def _claimed(raw: list[Any], start: int) -> list[Claimed]:
     # claim.lua's strings come back as bytes and its numbers as ints (a hot loop: 9
-    # fields a task, no helper calls)
+    # fields a task, no helper calls); int() takes the digits of a string as bytes
     tasks = []
-    for i in range(2, len(raw), 9):
+    for i in range(start, len(raw), 9):
         stream = raw[i + 3]
         retries = raw[i + 6]
         tasks.append(Claimed(
@@ -117,7 +120,18 @@ def _parse_claim(raw: list[Any]) -> ClaimResult:
             int(raw[i + 4]), int(raw[i + 5]), int(retries) if retries else None,
             int(raw[i + 7]), 0.0, raw[i + 8].decode(),
         ))
-    return ClaimResult(tasks, int(raw[0]), int(raw[1]))
+    return tasks
+
+
+def parse_handed(entry: bytes) -> list[Claimed]:
+    """The tasks of one inbox entry: the claim reply a submit handed to a worker (an
+    msgpack array of claim.lua's 9 entries per task; see submit.lua)."""
+    return _claimed(msgpack.unpackb(entry, raw=True), 0)
+
+
+def _parse_claim(raw: list[Any]) -> ClaimResult:
+    handed = [t for entry in raw[2] for t in parse_handed(entry)] if raw[2] else []
+    return ClaimResult(_claimed(raw, 3), int(raw[0]), int(raw[1]), handed)
 
 
 #: most reply channels one task carries (its submitter's and clients watching it)
@@ -291,19 +305,25 @@ class Broker:
         return self.run(self.watch_call(task_id, reply, tokens_from))[0]
 
     # -- consumers -------------------------------------------------------------
-    def claim_call(self, worker: str, batch: int, lease_ms: int | None = None) -> scripts.Call:
+    def claim_call(self, worker: str, batch: int, lease_ms: int | None = None,
+                   window_ms: int = 0, registered: bool = False) -> scripts.Call:
+        """``window_ms``: register the worker idle for this long if it claims nothing (0:
+        not at all); ``registered``: it may be registered still (see claim.lua)."""
         s = self.settings
         args = [worker, batch, s.lease_ms if lease_ms is None else lease_ms, s.max_deliveries,
-                s.reap_limit, s.retention_s, s.dead_retention_s, s.dead_max]
+                s.reap_limit, s.retention_s, s.dead_retention_s, s.dead_max, window_ms,
+                "1" if registered else "0"]
         return self._call("claim", args, _parse_claim)
 
-    def claim(self, worker: str, batch: int, lease_ms: int | None = None) -> ClaimResult:
+    def claim(self, worker: str, batch: int, lease_ms: int | None = None,
+              window_ms: int = 0, registered: bool = False) -> ClaimResult:
         """Claim up to ``batch`` tasks (after reaping and promoting due retries). On a
         durable queue the claim returns once a replica has it (:meth:`run_durable`): a
         task runs only once a replica knows who runs it, so its ack, sent again to the
         replica promoted after its primary died, finds it running under its token
         (else it would be queued there, and run twice)."""
-        return self.run_durable(self.claim_call(worker, batch, lease_ms))[0]
+        return self.run_durable(self.claim_call(worker, batch, lease_ms, window_ms,
+                                                registered))[0]
 
     def ack_call(self, results: Sequence[tuple[str, str, bytes]]) -> scripts.Call:
         s = self.settings
@@ -364,23 +384,43 @@ class Broker:
         raw = self.run(self._call("reap", args, lambda r: tuple(int(x) for x in r)))
         return raw[0]
 
-    def wait_for_work(self, timeout_s: float, interrupt: str | None = None) -> bool:
+    def wait_for_work(self, timeout_s: float, interrupt: str | None = None,
+                      inbox: str | None = None) -> bytes | bool:
         """Block until a submit wakes this worker or ``timeout_s`` passes (BLPOP).
 
         ``interrupt``: a worker's own wake key (:meth:`QueueKeys.worker_wake`), which
         its other threads push to when they need the sleeper back (pause, stop).
+        ``inbox``: its inbox (:meth:`QueueKeys.worker_inbox`), where a submit hands
+        tasks to a worker registered idle. Returns the inbox entry popped (see
+        :func:`parse_handed`), True if woken by a marker, False on timeout.
         Redis checks blocking timeouts at its ``hz`` (10/s by default), so a timeout
         may overrun by up to 100 ms; nothing on a latency path depends on it.
         """
-        keys = [self.keys.wake] if interrupt is None else [self.keys.wake, interrupt]
+        keys = [k for k in (self.keys.wake, interrupt, inbox) if k is not None]
         # sent once: a BLPOP repeated after a dropped connection would sleep on, though
         # the marker it had popped was lost with the connection; RedisUnavailable tells
-        # the worker to claim at once instead
+        # the worker to claim at once instead (and to look for what it was handed)
         with redis_errors("while waiting for work"), single_attempt():
             popped = lane.exchange(self.redis, [("BLPOP", *keys, max(timeout_s, 0.001))])[0]
             if isinstance(popped, Exception):
                 raise popped
-        return popped is not None
+        if popped is None:
+            return False
+        if inbox is not None and popped[0] == inbox.encode():
+            return bytes(popped[1])
+        return True
+
+    def retire(self, worker: str) -> list[Claimed]:
+        """Take worker ``worker``'s idle registration back, and what was handed to it and
+        not yet taken (its inbox), in one transaction: no submit hands it anything
+        after this. Returns those tasks (still running under it: release them)."""
+        with redis_errors("while retiring a worker"):
+            pipe = self.redis.pipeline(transaction=True)
+            pipe.hdel(self.keys.idle, worker)
+            pipe.lrange(self.keys.worker_inbox(worker), 0, -1)
+            pipe.delete(self.keys.worker_inbox(worker))
+            _, entries, _ = pipe.execute()
+        return [t for e in entries for t in parse_handed(e)]
 
     def interrupt(self, key: str) -> None:
         """Wake the worker sleeping on its own wake key ``key``."""

@@ -329,6 +329,8 @@ class Worker:
         self.started = time.time()
         self._read_stats_settings()
         self._start_outlet()
+        # its fetcher sleeps in Consumer.wait and takes what a submit hands over there
+        self.consumer.direct = not self.quarantine
         for name, fn in (("fetcher", self._fetch_loop), ("publisher", self._publish_loop),
                          ("heartbeat", self._heartbeat_loop)):
             t = threading.Thread(target=fn, name=f"mtq-{name}", daemon=True)
@@ -340,6 +342,7 @@ class Worker:
             self.stop()
             for t in self._threads[:1]:  # the fetcher may hold a claim in flight
                 t.join(timeout=10)
+            self._retire()
             if self._outlet is not None:
                 self._outlet.close()
             self._outbox.put(None)
@@ -663,6 +666,7 @@ class Worker:
         c = self.consumer
         backoff = Backoff()
         in_doubt = False  # a claim failed: it may have run, its reply lost with the connection
+        handed: list[Claimed] = []  # what a submit handed over while it waited (see wait)
         while True:
             need = self.slot.wait_space()
             if need <= 0:
@@ -671,7 +675,8 @@ class Worker:
                 if in_doubt:
                     self._release_unknown()
                     in_doubt = False
-                tasks = c.claim(need)
+                # handed over: claim again next (registering again if nothing is there)
+                tasks, direct, handed = (handed, True, []) if handed else (c.claim(need), False, [])
                 now = time.monotonic()
                 backoff.reset()
             except Exception as exc:  # Redis unreachable, or a reply we did not expect
@@ -683,7 +688,7 @@ class Worker:
                 if self._stop.wait(delay):
                     return
                 continue
-            full = len(tasks) == need
+            full = direct or len(tasks) == need
             if self.hand_off and any(t.suspect for t in tasks):
                 # a process died running these: under a supervisor they run in its
                 # quarantine process, so that if they kill it again, no batch is lost
@@ -714,18 +719,25 @@ class Worker:
                     self.stop()
                     self.slot.kick()
                     return
-                c.wait()
+                woke = c.wait()
+                if isinstance(woke, list):
+                    handed = woke
             except MtqError as exc:
-                # the wake-up may have been lost with the connection: claim again now
+                # the wake-up may have been lost with the connection, or tasks handed
+                # over: claim again now, after giving back any such (see _release_unknown)
                 log.debug("waiting for work failed (%s); claiming again", exc)
+                in_doubt = True
                 if self._stop.wait(backoff.next()):
                     return
             finally:
                 self._fetcher_sleeping = False
 
     def _release_unknown(self) -> None:
-        """After a claim whose reply was lost: give back the tasks Redis shows running
-        under this worker that it does not hold (that claim ran), uncounted."""
+        """After a claim (or a wait) whose reply was lost: give back the tasks Redis shows
+        running under this worker that it does not hold (that claim ran, or a submit
+        handed them over), uncounted. Its idle registration goes first, so that nothing
+        is handed over while it looks."""
+        self.consumer.retire()
         mine = self.consumer.broker.orphans(self.worker_id)
         self._handed &= set(mine)  # those no longer running are done with
         with self._lock:
@@ -740,6 +752,19 @@ class Worker:
         """Nothing running, waiting in the slot or waiting to be settled here."""
         with self._lock:
             return not self._busy and not self._held and len(self.slot) == 0
+
+    def _retire(self) -> None:
+        """No more direct deliveries: take the idle registration back, and give back what
+        was handed over and not taken."""
+        if not self.consumer.direct:
+            return
+        try:
+            handed = self.consumer.retire()
+        except MtqError:
+            log.warning("could not take back the idle registration; tasks handed to this "
+                        "worker as it stopped return when their leases expire", exc_info=True)
+            return
+        self._give_back(handed)
 
     def _give_back(self, tasks: Sequence[Claimed]) -> None:
         """Release unstarted tasks to the head of their streams (no delivery counted)."""

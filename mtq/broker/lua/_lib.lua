@@ -33,6 +33,10 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
   KEYS[18] cache index        zset: cache entry key -> expiry (ms), bounds the entries
   KEYS[19] model              hash: the model the queue's workers serve (target, version,
                               deterministic, loaded)
+  KEYS[20] idle               hash: worker id -> "expiry ms|lease ms|room" of each worker
+                              asleep with room for a batch (claim.lua registers it);
+                              K_IDLE .. ':' .. worker id is its inbox, a list of claim
+                              replies a submit handed to it (see "Direct delivery")
 ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
 the rest is per script.
 
@@ -74,6 +78,16 @@ Fencing: ack, nack and extend act only on a task whose status is 'running' AND
 whose token matches, so a token left in the hash after the task moves on is inert
 (retry and release leave it for the next claim to overwrite).
 
+Direct delivery: a worker whose claim found nothing is registered in K_IDLE (with its
+lease and its room) until it claims again, for at most a window it names (under half a
+lease). A submit that finds one hands it the new tasks that would have been claimable at
+once (a stream-less task while the free list is empty, or the head of an empty stream
+that is not busy): it writes them as claim.lua would have left them (running, leased,
+under a token), pushes a claim reply to the worker's inbox and drops the registration.
+The sleeping worker's BLPOP returns that reply: one hop instead of a wake-up, a claim
+and its reply. Everything else (retries, releases, reclaims) is queued and woken for as
+before. A registration is used once; a worker that stops takes its own back.
+
 Ring invariant (what makes ordering hold): a stream whose list is non-empty and
 which is not in busy is in the ring. The ring may also hold stale or duplicate
 entries; claim checks each popped stream (busy? list empty?) and drops those.
@@ -84,7 +98,7 @@ local K_TASK, K_STREAM, K_READY, K_BUSY = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_LEASES, K_DELAYED, K_DEAD, K_WAKE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
-local K_CACHE, K_CACHEX, K_MODEL = KEYS[17], KEYS[18], KEYS[19]
+local K_CACHE, K_CACHEX, K_MODEL, K_IDLE = KEYS[17], KEYS[18], KEYS[19], KEYS[20]
 local LATENCY_KEEP, LATENCY_SLACK, FAILURES_KEEP = 1000, 200, 100
 local EVENTS, CONTROL = ARGV[1], ARGV[2]
 local FREE = ''

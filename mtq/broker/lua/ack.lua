@@ -1,5 +1,5 @@
 --[[ ack.lua -- record the results of a batch, fenced by lease token.
-KEYS: the standard nineteen (see _lib.lua).
+KEYS: the standard twenty (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] n, then n groups of 3: id, lease token, result (msgpack)
 ARGV[5 + 3n] result cache TTL s (0 = off)

@@ -1,13 +1,22 @@
 --[[ claim.lua -- reap, promote due retries, then claim up to B tasks.
-KEYS: the standard nineteen (see _lib.lua).
+KEYS: the standard twenty (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
 ARGV[6] max deliveries   ARGV[7] reap/promote limit per call
 ARGV[8] retention s   ARGV[9] dead-letter retention s   ARGV[10] dead-letter max length
-Returns: {next_timer_ms, reaped, then 9 entries per claimed task:
+ARGV[11] registration window ms: a claim that takes nothing registers the worker in
+  K_IDLE for this long, so that a submit may hand it tasks (0 = never; see "Direct
+  delivery" in _lib.lua)
+ARGV[12] '1' if the worker may be registered still (its last claim registered it and
+  no hand-off has reached it since): its inbox is collected first (tasks handed to it
+  meanwhile, which fill its room: nothing more is claimed then), and a claim that takes
+  work drops the registration
+Returns: {next_timer_ms, reaped, inbox, then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
   age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
   traceparent (W3C trace context stored by submit, '' = none; see mtq.tracing)}
+  inbox is the list of claim replies handed to the worker (see submit.lua), each a
+  msgpack array of 9 entries per task as above; empty unless ARGV[12] is '1'.
   next_timer_ms is the time until the earliest lease deadline or due retry (-1: none);
   a worker that claimed nothing blocks on the wake list for at most that long.
 Order: streams are taken round robin from the ring, one task each (the head of
@@ -19,7 +28,20 @@ A task whose deadline has passed is marked expired and skipped, never run.
 local worker, B, lease = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_deliveries, limit = tonumber(ARGV[6]), tonumber(ARGV[7])
 local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local window, registered = tonumber(ARGV[11]), ARGV[12] == '1'
 local now = now_ms()
+local room = B
+-- handed to it since its last claim: those fill its room (the registration is gone with
+-- the hand-off)
+local inbox = {}
+if registered then
+  local ik = K_IDLE .. ':' .. worker
+  inbox = redis.call('LRANGE', ik, 0, -1)
+  if #inbox > 0 then
+    redis.call('DEL', ik)
+    B, registered = 0, false
+  end
+end
 -- The earliest lease deadline and retry, read once: the reaper and the promoter run only
 -- when one is due, and the timer this call returns is worked out from them (a list read
 -- again only if the reaper or the promoter changed it).
@@ -35,7 +57,7 @@ if due_in(first_retry, now) == 0 then
   first_retry = false
 end
 
-local out = {0, reaped}
+local out = {0, reaped, inbox}
 local n, taken, base = 0, 0, false
 local until_ms = now + lease
 local claimed, expired = {}, {}
@@ -127,6 +149,12 @@ if #expired > 0 then
   event('expired', now, {ids = expired})
 end
 if n > 0 then event('started', now, {ids = claimed, worker = worker}) end
+-- asleep from here with room for a batch: a submit may hand it tasks (see _lib.lua)
+if n == 0 and #inbox == 0 and room > 0 and window > 0 then
+  redis.call('HSET', K_IDLE, worker, num(now + window) .. '|' .. num(lease) .. '|' .. num(room))
+elseif registered then
+  redis.call('HDEL', K_IDLE, worker)
+end
 -- Work left over: wake one more worker to help (it will chain on if still more).
 -- No work left: drop stale markers so sleepers do not wake for nothing.
 if marked == 1 or (not ring_empty and redis.call('LLEN', K_READY) > 0) then

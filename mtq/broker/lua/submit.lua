@@ -1,5 +1,5 @@
 --[[ submit.lua -- enqueue one or many tasks in one call.
-KEYS: the standard nineteen (see _lib.lua).
+KEYS: the standard twenty (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
 ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
@@ -16,6 +16,14 @@ Returns: a list with one entry per task: its id (for an idempotency hit, the id
   {id, result} for a result-cache hit: the task was created succeeded, its result
   inline (and no done message is published: the submitter has it here). Or
   {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is written).
+
+Direct delivery (see _lib.lua): a task that would be claimable at once (stream-less
+while the free list is empty, or the head of an empty stream that is not busy) goes to
+a worker registered idle in K_IDLE, if one is, up to its room: written running under
+a lease token of this call, as claim.lua would leave it, and pushed to the worker's
+inbox as one claim reply (an msgpack array of claim.lua's 9 entries per task) per worker.
+It is not counted waiting, sends its client 'started' and the events channel 'started'
+({ids, worker}), and costs no wake-up marker.
 
 Result cache (see docs/operations.md): a digest is 'c' or 'u' (the payload has no
 integer seed) then the hex digest of the payload. It is used only if the queue's
@@ -42,6 +50,64 @@ end
 local out, added, newly, new_streams = {}, 0, 0, 0
 local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
 local indexed = {}  -- score, member pairs: the entries this call points at new tasks
+
+-- Direct delivery (see the header): the live registrations, read at the first task that
+-- could go to one (nil: not read yet); each {worker, lease ms, room, claim reply, ids}
+local idle, at, handed = nil, 1, 0
+local free_empty = nil  -- the free list is known empty (nil: not read yet)
+local base = false      -- lease tokens, taken once for the whole call
+local leases = {'+inf', LEASE_MARK}  -- ZADD arguments, as in claim.lua
+
+-- The registered worker that takes the next task, or nil.
+local function idle_worker()
+  if not idle then
+    idle = {}
+    local all, stale = redis.call('HGETALL', K_IDLE), {}
+    for j = 1, #all, 2 do
+      local expiry, lease, room = string.match(all[j + 1], '^(%d+)|(%d+)|(%d+)$')
+      if expiry and tonumber(expiry) > now then
+        idle[#idle + 1] = {all[j], tonumber(lease), tonumber(room), {}, {}}
+      else
+        stale[#stale + 1] = all[j]  -- its worker did not come back: stopped, or died
+      end
+    end
+    if #stale > 0 then redis.call('HDEL', K_IDLE, unpack(stale)) end
+  end
+  while idle[at] and idle[at][3] == 0 do at = at + 1 end
+  return idle[at]
+end
+
+-- Would a task of stream s (or stream-less: '') be claimable at once?
+local function deliverable(s)
+  if s ~= '' then
+    return redis.call('LLEN', K_STREAM .. s) == 0 and redis.call('SISMEMBER', K_BUSY, s) == 0
+  end
+  if free_empty == nil then free_empty = redis.call('LLEN', K_FREE) == 0 end
+  return free_empty
+end
+
+-- Write task id (fields f) running under worker w, as a claim of it would leave it.
+local function hand(w, id, s, f, payload, retries, traceparent)
+  if not base then base = redis.call('INCRBY', K_SEQ, n) - n end  -- n tokens, for this call
+  handed = handed + 1
+  local token = tostring(base + handed)
+  f[4] = 'running'
+  f[#f + 1] = 'worker'; f[#f + 1] = w[1]
+  f[#f + 1] = 'token'; f[#f + 1] = token
+  f[#f + 1] = 'started'; f[#f + 1] = num(now)
+  f[#f + 1] = 'deliveries'; f[#f + 1] = '1'
+  redis.call('HSET', K_TASK .. id, unpack(f))
+  if s ~= '' then redis.call('SADD', K_BUSY, s) end
+  leases[#leases + 1] = num(now + w[2])
+  leases[#leases + 1] = id
+  local r = w[4]
+  local o = #r
+  r[o + 1] = id; r[o + 2] = token; r[o + 3] = payload; r[o + 4] = s
+  r[o + 5] = '0'; r[o + 6] = 1; r[o + 7] = retries; r[o + 8] = 0; r[o + 9] = traceparent
+  w[5][#w[5] + 1] = id
+  w[3] = w[3] - 1
+  reply('started', reply_to, id, 1)
+end
 
 -- The cache entry suffix of a digest (version .. ':' .. hex), or nil: not cacheable.
 local function cache_suffix(digest)
@@ -134,9 +200,15 @@ for i = 0, n - 1 do
       indexed[#indexed + 1] = suffix
       misses = misses + 1
     end
-    redis.call('HSET', tk, unpack(f))
-    local claimable, new_stream = push_tail(id, s)
-    newly, new_streams = newly + claimable, new_streams + new_stream
+    local w = (idle == nil or idle[at]) and idle_worker()
+    if w and deliverable(s) then
+      hand(w, id, s, f, payload, retries, traceparent)
+    else
+      redis.call('HSET', tk, unpack(f))
+      local claimable, new_stream = push_tail(id, s)
+      newly, new_streams = newly + claimable, new_streams + new_stream
+      if s == '' then free_empty = false end
+    end
     added = added + 1
     out[i + 1] = id
     -- no 'queued' message: the submitter has this reply, and nobody else knows the id
@@ -167,8 +239,23 @@ if misses > 0 then
   end
 end
 if joined > 0 then redis.call('HINCRBY', K_STATS, 'cache_joined', joined) end
+if handed > 0 then
+  for i = 1, #leases, 4000 do
+    redis.call('ZADD', K_LEASES, unpack(leases, i, math.min(i + 3999, #leases)))
+  end
+  local used = {}
+  for _, w in ipairs(idle) do
+    if #w[5] > 0 then
+      -- its claim reply, as claim.lua's tasks part (its lease is the one it registered)
+      redis.call('RPUSH', K_IDLE .. ':' .. w[1], cmsgpack.pack(w[4]))
+      used[#used + 1] = w[1]
+      event('started', now, {ids = w[5], worker = w[1]})
+    end
+  end
+  redis.call('HDEL', K_IDLE, unpack(used))
+end
 if added > 0 then
-  redis.call('HINCRBY', K_STATS, 'waiting', added)
+  if added > handed then redis.call('HINCRBY', K_STATS, 'waiting', added - handed) end
   redis.call('HINCRBY', K_STATS, 'submitted', added)
   if new_streams > 0 then redis.call('HINCRBY', K_STATS, 'streams', new_streams) end
   wake(newly, cap)
