@@ -209,6 +209,11 @@ class Consumer:
             if window and not tasks and not result.handed else None
         return tasks
 
+    @property
+    def registered(self) -> bool:
+        """This consumer may be registered idle (a submit may hand it tasks)."""
+        return self._registered is not None
+
     @staticmethod
     def _handed(tasks: list[Claimed], registered: tuple[float, int, int]) -> list[Claimed]:
         """Tasks handed over under the registration made by a claim sent at
@@ -238,7 +243,8 @@ class Consumer:
             limit = min(limit, registered[2] / 1000)
         popped = self.broker.wait_for_work(limit, self.wake_key,
                                            self.inbox_key if registered else None)
-        if isinstance(popped, bytes) and registered is not None:
+        if isinstance(popped, bytes):
+            assert registered is not None  # only then is the inbox waited on
             self._registered = None  # a registration is used once
             return self._handed(parse_handed(popped), registered)
         return popped

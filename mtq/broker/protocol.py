@@ -396,7 +396,8 @@ class Broker:
         Redis checks blocking timeouts at its ``hz`` (10/s by default), so a timeout
         may overrun by up to 100 ms; nothing on a latency path depends on it.
         """
-        keys = [k for k in (self.keys.wake, interrupt, inbox) if k is not None]
+        # its inbox first: what was handed to it before a marker for the rest
+        keys = [k for k in (inbox, self.keys.wake, interrupt) if k is not None]
         # sent once: a BLPOP repeated after a dropped connection would sleep on, though
         # the marker it had popped was lost with the connection; RedisUnavailable tells
         # the worker to claim at once instead (and to look for what it was handed)

@@ -668,6 +668,10 @@ class Worker:
         in_doubt = False  # a claim failed: it may have run, its reply lost with the connection
         handed: list[Claimed] = []  # what a submit handed over while it waited (see wait)
         while True:
+            if c.registered and self.slot.paused:
+                # paused (or reloading) with a registration left from its last claim: a
+                # submit must not hand it tasks it would hold unstarted until it resumes
+                self._retire()
             need = self.slot.wait_space()
             if need <= 0:
                 return

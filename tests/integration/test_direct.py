@@ -1,0 +1,245 @@
+"""Direct delivery (see "Direct delivery" in mtq/broker/lua/_lib.lua): a worker whose
+claim found nothing is registered idle, and a submit hands it the tasks that would be
+claimable at once, running under a lease, through its inbox. Against a real
+redis-server; the kill test SIGKILLs a real worker process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import redis
+
+import mtq
+from mtq.broker.consumer import Consumer, Outcome
+from mtq.broker.keys import QueueKeys
+from mtq.settings import QueueSettings
+from mtq.workers import registry
+from tests.conftest import kill_process, serving, wait_for
+from tests.integration.test_worker import Recorder, make_worker
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def consumer(qname: str, client: redis.Redis, **settings: int) -> Consumer:
+    c = Consumer(qname, client=client, settings=QueueSettings(**settings) if settings else None)
+    c.direct = True
+    return c
+
+
+def evalshas(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+
+def test_a_sleeping_worker_is_handed_a_new_task_without_a_claim(r: redis.Redis,
+                                                                qname: str) -> None:
+    keys = QueueKeys(qname)
+    c = consumer(qname, r)
+    assert c.claim(8) == []
+    assert r.hkeys(keys.idle) == [c.worker_id.encode()], "an empty claim registers its worker"
+    q = mtq.Queue(qname, client=r)
+    task = q.submit({"x": 1})
+    # the submit itself made it the worker's: running under a lease, no wake-up marker
+    h = r.hgetall(keys.task(task.id))
+    assert (h[b"status"], h[b"worker"], h[b"deliveries"]) == \
+        (b"running", c.worker_id.encode(), b"1"), h
+    assert r.zscore(keys.leases, task.id) is not None
+    assert r.llen(keys.wake) == 0 and r.llen(keys.free) == 0
+    assert r.hlen(keys.idle) == 0, "a registration is used once"
+    assert q.stats()["waiting"] == 0 and q.stats()["running"] == 1
+    before = evalshas(r)
+    handed = c.wait(5)
+    assert evalshas(r) == before, "the wait returned the task: no claim ran"
+    assert isinstance(handed, list) and [t.id for t in handed] == [task.id]
+    t = handed[0]
+    assert (t.token, t.payload, t.deliveries, t.stream) == \
+        (h[b"token"].decode(), h[b"payload"], 1, None)
+    assert t.live_until > 0
+    report = c.settle([Outcome(t, True, {"y": 2})])
+    assert report.succeeded == 1
+    assert task.result(timeout=5) == {"y": 2}
+    trace = task.trace()
+    assert [e.kind for e in trace] == ["queued", "started", "succeeded"], trace
+    assert trace[1].detail == f"delivery 1 on {c.worker_id}"
+
+
+def test_only_what_would_be_claimable_at_once_is_handed_over(r: redis.Redis, qname: str) -> None:
+    """Room 2: of five stream-less tasks the first two are handed over, the rest queue in
+    order behind them; of three tasks of one stream only the head is, and the next
+    waits for it to end (one running task per stream, order kept)."""
+    keys = QueueKeys(qname)
+    q = mtq.Queue(qname, client=r)
+    c = consumer(qname, r)
+    assert c.claim(2) == []
+    free = q.submit_many([{"i": i} for i in range(5)])
+    handed = c.wait(5)
+    assert isinstance(handed, list)
+    assert [t.id for t in handed] == [t.id for t in free[:2]]
+    assert r.lrange(keys.free, 0, -1) == [t.id.encode() for t in free[2:]]
+    other = Consumer(qname, client=r)
+    assert [t.id for t in other.claim(8)] == [t.id for t in free[2:]]
+
+    assert c.claim(8) == []
+    s = q.submit_many([{"i": i} for i in range(3)], stream="s")
+    handed = c.wait(5)
+    assert isinstance(handed, list) and [t.id for t in handed] == [s[0].id]
+    assert r.sismember(keys.busy, "s")
+    assert other.claim(8) == [], "the stream is busy: its next task waits"
+    c.settle([Outcome(handed[0], True, None)])
+    assert [t.id for t in other.claim(8)] == [s[1].id]
+
+
+def test_a_worker_with_work_or_busy_takes_no_hand_off(r: redis.Redis, qname: str) -> None:
+    keys = QueueKeys(qname)
+    q = mtq.Queue(qname, client=r)
+    c = consumer(qname, r)
+    assert c.claim(8) == []
+    first = q.submit(None)
+    assert isinstance(c.wait(5), list)
+    # claims again at once (as a worker's fetcher does after a hand-off): registered
+    assert c.claim(8) == [] and r.hlen(keys.idle) == 1
+    second = q.submit(None)  # handed over while it is not waiting: its next claim has it
+    got = c.claim(8)
+    assert [t.id for t in got] == [second.id]
+    assert r.hlen(keys.idle) == 0 and r.llen(keys.worker_inbox(c.worker_id)) == 0
+    # it holds work now: the next submit queues and wakes, as without direct delivery
+    third = q.submit(None)
+    assert r.hget(keys.task(third.id), "status") == b"queued"
+    assert r.llen(keys.wake) == 1
+    del first
+
+
+def test_a_registration_lapses_after_its_window(r: redis.Redis, qname: str) -> None:
+    """A worker that did not come back (stopped, or died) within its window is handed
+    nothing; the next submit drops its stale registration and queues."""
+    keys = QueueKeys(qname)
+    c = consumer(qname, r, lease_ms=400)  # window: half a lease, 200 ms
+    assert c.claim(8) == []
+    expiry = int(r.hget(keys.idle, c.worker_id).split(b"|")[0])
+
+    def server_ms() -> int:
+        sec, usec = r.time()
+        return sec * 1000 + usec // 1000
+
+    wait_for(lambda: server_ms() > expiry, 5, "the registration did not lapse")
+    task = mtq.Queue(qname, client=r).submit(None)
+    assert r.hget(keys.task(task.id), "status") == b"queued"
+    assert r.hlen(keys.idle) == 0, "the stale registration was dropped"
+
+
+def test_a_retired_worker_gives_back_what_it_was_handed(r: redis.Redis, qname: str) -> None:
+    keys = QueueKeys(qname)
+    q = mtq.Queue(qname, client=r)
+    c = consumer(qname, r)
+    assert c.claim(8) == []
+    task = q.submit({"x": 1}, stream="s")
+    handed = c.retire()
+    assert [t.id for t in handed] == [task.id]
+    assert r.hlen(keys.idle) == 0 and r.exists(keys.worker_inbox(c.worker_id)) == 0
+    assert c.release(handed) == 1
+    after = q.submit({"x": 2})  # no registration left: queued
+    assert r.hget(keys.task(after.id), "status") == b"queued"
+    other = Consumer(qname, client=r)
+    got = other.claim(8)
+    assert [t.id for t in got] == [task.id, after.id]
+    assert got[0].deliveries == 1, "given back uncounted"
+
+
+def test_a_worker_run_takes_hand_offs_and_retires_when_it_stops(
+        r: redis.Redis, qname: str, redis_url: str) -> None:
+    keys = QueueKeys(qname)
+    gate = threading.Event()
+    model = Recorder(lambda p: p["i"] * 2, gate=gate, max_batch_size=4)
+    w = make_worker(model, qname, redis_url)
+    q = mtq.Queue(qname, redis_url)
+    with serving(w, gate) as running:
+        wait_for(lambda: r.hlen(keys.idle) == 1, 10, "the worker did not register idle")
+        first = q.submit({"i": 1})
+        assert r.hget(keys.task(first.id), "worker") == w.worker_id.encode()
+        assert model.started.wait(10), "the handed task did not run"
+        # held in predict: its fetcher claimed again and registered with the room left
+        wait_for(lambda: r.hget(keys.idle, w.worker_id) is not None, 10,
+                 "the fetcher did not register again")
+        assert r.hget(keys.idle, w.worker_id).split(b"|")[2] == b"3"
+        second = q.submit({"i": 2})
+        gate.set()
+        assert (first.result(timeout=10), second.result(timeout=10)) == (2, 4)
+        wait_for(lambda: r.hlen(keys.idle) == 1, 10, "the worker did not register again")
+        totals = running.stop()
+    assert totals["succeeded"] == 2
+    assert r.hlen(keys.idle) == 0, "a stopped worker takes its registration back"
+    late = q.submit({"i": 3})
+    assert r.hget(keys.task(late.id), "status") == b"queued"
+
+
+def _worker_process(qname: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "mtq", "worker", "run", "tests.handlers:double",
+             "--queue", qname], env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+
+def test_a_task_handed_to_a_killed_worker_runs_once_elsewhere(
+        r: redis.Redis, qname: str, redis_url: str, subprocess_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """SIGKILL a worker process asleep and registered, then submit: the task is handed
+    to the dead worker. It is not lost: its lease expires and a live worker runs it,
+    once, to completion; the dead worker's registration is not used again."""
+    keys = QueueKeys(qname)
+    q = mtq.Queue(qname, redis_url)
+    q.configure(lease_ms=1000)
+    dead = _worker_process(qname, subprocess_env, tmp_path / "dead.log")
+    try:
+        wait_for(lambda: r.hlen(keys.idle) == 1, 30,
+                 f"the worker did not register idle: {(tmp_path / 'dead.log').read_text()}")
+        dead_id = r.hkeys(keys.idle)[0].decode()
+    finally:
+        os.killpg(dead.pid, signal.SIGKILL)
+        dead.wait(10)
+    task = q.submit({"x": 21})
+    assert r.hget(keys.task(task.id), "worker") == dead_id.encode(), \
+        "a registration made within its window is taken"
+    live = _worker_process(qname, subprocess_env, tmp_path / "live.log")
+    try:
+        assert task.result(timeout=30) == 42
+        h = r.hgetall(keys.task(task.id))
+        assert h[b"status"] == b"succeeded" and h[b"deliveries"] == b"2", h
+        assert h[b"worker"] != dead_id.encode()
+        assert r.exists(keys.worker_inbox(dead_id)) == 1, "the dead worker's inbox is left"
+        assert q.stats()["succeeded"] == 1
+        assert not r.hexists(keys.idle, dead_id)
+    finally:
+        kill_process(live)
+
+
+def test_a_supervisor_gives_back_at_once_what_a_dead_worker_was_handed(
+        r: redis.Redis, qname: str, redis_url: str, subprocess_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """What a supervisor does when its worker process dies (give_back_all): the dead
+    worker's registration and inbox are dropped first, and the task it was handed goes
+    back uncounted, claimable at once (no lease to wait out)."""
+    keys = QueueKeys(qname)
+    q = mtq.Queue(qname, redis_url)
+    proc = _worker_process(qname, subprocess_env, tmp_path / "w.log")
+    try:
+        wait_for(lambda: r.hlen(keys.idle) == 1, 30,
+                 f"the worker did not register idle: {(tmp_path / 'w.log').read_text()}")
+        dead_id = r.hkeys(keys.idle)[0].decode()
+        assert registry.list_workers(r, qname)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    task = q.submit({"x": 1}, stream="s")
+    assert r.hget(keys.task(task.id), "worker") == dead_id.encode()
+    sup = Consumer(qname, client=r)
+    codes = sup.give_back_all(dead_id, [], [], "killed")
+    assert codes == [1]
+    assert r.hlen(keys.idle) == 0 and r.exists(keys.worker_inbox(dead_id)) == 0
+    got = Consumer(qname, client=r).claim(8)
+    assert [t.id for t in got] == [task.id] and got[0].deliveries == 1
