@@ -161,9 +161,9 @@ class Consumer:
         #: delivery" in lua/_lib.lua). Set by a worker whose fetcher waits with
         #: :meth:`wait` and takes what it returns; never on a durable queue
         self.direct = False
-        #: (time the registering claim was sent, its lease ms, its window ms) while this
-        #: consumer may be registered idle; None when it is not
-        self._registered: tuple[float, int, int] | None = None
+        #: (time the registering claim was sent, its lease ms, its window ms, the room
+        #: left) while this consumer may be registered idle; None when it is not
+        self._registered: tuple[float, int, int, int] | None = None
         self._rng = random.Random()
 
     @property
@@ -205,7 +205,7 @@ class Consumer:
         tasks = self._claimed(result, sent, lease_ms)
         if result.handed and was is not None:
             tasks = self._handed(result.handed, was) + tasks
-        self._registered = (sent, lease_ms, window) \
+        self._registered = (sent, lease_ms, window, batch_size) \
             if window and not tasks and not result.handed else None
         return tasks
 
@@ -215,7 +215,8 @@ class Consumer:
         return self._registered is not None
 
     @staticmethod
-    def _handed(tasks: list[Claimed], registered: tuple[float, int, int]) -> list[Claimed]:
+    def _handed(tasks: list[Claimed], registered: tuple[float, int, int, int]
+                ) -> list[Claimed]:
         """Tasks handed over under the registration made by a claim sent at
         ``registered[0]``: their leases began after that claim ran, so that time plus
         the lease is never later than Redis's deadline (as for a claim, see
@@ -233,20 +234,26 @@ class Consumer:
 
         Returns the tasks a submit handed over (with :attr:`direct`; they are this
         consumer's now, as if claimed), else True if woken by a marker, False on a
-        timeout. Call it only after a claim returned nothing.
+        timeout. Call it after a claim returned nothing, or after a hand-off that left
+        this consumer registered (:attr:`registered`).
         """
         limit = MAX_IDLE_S if timeout is None else min(timeout, MAX_IDLE_S)
         if self.next_timer_ms >= 0:
             limit = min(limit, self.next_timer_ms / 1000 + 0.001)
         registered = self._registered
         if registered is not None:
-            limit = min(limit, registered[2] / 1000)
+            # back (a claim) before the registration lapses
+            left = registered[0] + registered[2] / 1000 - time.monotonic()
+            limit = max(0.001, min(limit, left))
         popped = self.broker.wait_for_work(limit, self.wake_key,
                                            self.inbox_key if registered else None)
         if isinstance(popped, bytes):
             assert registered is not None  # only then is the inbox waited on
-            self._registered = None  # a registration is used once
-            return self._handed(parse_handed(popped), registered)
+            tasks = self._handed(parse_handed(popped), registered)
+            # registered still while room is left (submit.lua keeps it so)
+            room = registered[3] - len(tasks)
+            self._registered = (*registered[:3], room) if room > 0 else None
+            return tasks
         return popped
 
     def retire(self) -> list[Claimed]:

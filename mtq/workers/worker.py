@@ -679,7 +679,7 @@ class Worker:
                 if in_doubt:
                     self._release_unknown()
                     in_doubt = False
-                # handed over: claim again next (registering again if nothing is there)
+                # handed over: it sleeps again while registered (room left), else claims
                 tasks, direct, handed = (handed, True, []) if handed else (c.claim(need), False, [])
                 now = time.monotonic()
                 backoff.reset()
@@ -692,7 +692,7 @@ class Worker:
                 if self._stop.wait(delay):
                     return
                 continue
-            full = direct or len(tasks) == need
+            full = not c.registered if direct else len(tasks) == need
             if self.hand_off and any(t.suspect for t in tasks):
                 # a process died running these: under a supervisor they run in its
                 # quarantine process, so that if they kill it again, no batch is lost

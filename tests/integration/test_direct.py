@@ -50,12 +50,13 @@ def test_a_sleeping_worker_is_handed_a_new_task_without_a_claim(r: redis.Redis,
         (b"running", c.worker_id.encode(), b"1"), h
     assert r.zscore(keys.leases, task.id) is not None
     assert r.llen(keys.wake) == 0 and r.llen(keys.free) == 0
-    assert r.hlen(keys.idle) == 0, "a registration is used once"
+    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"7", "registered, one less room"
     assert q.stats()["waiting"] == 0 and q.stats()["running"] == 1
     before = evalshas(r)
     handed = c.wait(5)
     assert evalshas(r) == before, "the wait returned the task: no claim ran"
     assert isinstance(handed, list) and [t.id for t in handed] == [task.id]
+    assert c.registered, "room is left: it sleeps again without a claim"
     t = handed[0]
     assert (t.token, t.payload, t.deliveries, t.stream) == \
         (h[b"token"].decode(), h[b"payload"], 1, None)
@@ -63,6 +64,10 @@ def test_a_sleeping_worker_is_handed_a_new_task_without_a_claim(r: redis.Redis,
     report = c.settle([Outcome(t, True, {"y": 2})])
     assert report.succeeded == 1
     assert task.result(timeout=5) == {"y": 2}
+    second = q.submit({"x": 2})  # to the same registration, until its room is used up
+    handed = c.wait(5)
+    assert isinstance(handed, list) and [t.id for t in handed] == [second.id]
+    assert evalshas(r) == before + 2, "a submit and an ack: no claim"
     trace = task.trace()
     assert [e.kind for e in trace] == ["queued", "started", "succeeded"], trace
     assert trace[1].detail == f"delivery 1 on {c.worker_id}"
@@ -81,11 +86,13 @@ def test_only_what_would_be_claimable_at_once_is_handed_over(r: redis.Redis, qna
     assert isinstance(handed, list)
     assert [t.id for t in handed] == [t.id for t in free[:2]]
     assert r.lrange(keys.free, 0, -1) == [t.id.encode() for t in free[2:]]
+    assert r.hlen(keys.idle) == 0 and not c.registered, "its room is used up"
     other = Consumer(qname, client=r)
     assert [t.id for t in other.claim(8)] == [t.id for t in free[2:]]
 
     assert c.claim(8) == []
     s = q.submit_many([{"i": i} for i in range(3)], stream="s")
+    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"7"
     handed = c.wait(5)
     assert isinstance(handed, list) and [t.id for t in handed] == [s[0].id]
     assert r.sismember(keys.busy, "s")
@@ -94,24 +101,23 @@ def test_only_what_would_be_claimable_at_once_is_handed_over(r: redis.Redis, qna
     assert [t.id for t in other.claim(8)] == [s[1].id]
 
 
-def test_a_worker_with_work_or_busy_takes_no_hand_off(r: redis.Redis, qname: str) -> None:
+def test_a_worker_that_claims_work_takes_no_more_hand_offs(r: redis.Redis,
+                                                          qname: str) -> None:
     keys = QueueKeys(qname)
     q = mtq.Queue(qname, client=r)
     c = consumer(qname, r)
     assert c.claim(8) == []
-    first = q.submit(None)
-    assert isinstance(c.wait(5), list)
-    # claims again at once (as a worker's fetcher does after a hand-off): registered
-    assert c.claim(8) == [] and r.hlen(keys.idle) == 1
-    second = q.submit(None)  # handed over while it is not waiting: its next claim has it
+    first = q.submit(None)  # handed over while it is not waiting: its next claim has it
     got = c.claim(8)
-    assert [t.id for t in got] == [second.id]
+    assert [t.id for t in got] == [first.id]
     assert r.hlen(keys.idle) == 0 and r.llen(keys.worker_inbox(c.worker_id)) == 0
+    assert not c.registered
     # it holds work now: the next submit queues and wakes, as without direct delivery
-    third = q.submit(None)
-    assert r.hget(keys.task(third.id), "status") == b"queued"
+    second = q.submit(None)
+    assert r.hget(keys.task(second.id), "status") == b"queued"
     assert r.llen(keys.wake) == 1
-    del first
+    assert [t.id for t in c.claim(8)] == [second.id]
+    assert r.hlen(keys.idle) == 0, "a claim that takes work does not register"
 
 
 def test_a_registration_lapses_after_its_window(r: redis.Redis, qname: str) -> None:
@@ -162,11 +168,10 @@ def test_a_worker_run_takes_hand_offs_and_retires_when_it_stops(
         first = q.submit({"i": 1})
         assert r.hget(keys.task(first.id), "worker") == w.worker_id.encode()
         assert model.started.wait(10), "the handed task did not run"
-        # held in predict: its fetcher claimed again and registered with the room left
-        wait_for(lambda: r.hget(keys.idle, w.worker_id) is not None, 10,
-                 "the fetcher did not register again")
+        # held in predict: it is registered still, with the room left
         assert r.hget(keys.idle, w.worker_id).split(b"|")[2] == b"3"
         second = q.submit({"i": 2})
+        assert r.hget(keys.task(second.id), "worker") == w.worker_id.encode()
         gate.set()
         assert (first.result(timeout=10), second.result(timeout=10)) == (2, 4)
         wait_for(lambda: r.hlen(keys.idle) == 1, 10, "the worker did not register again")
@@ -188,9 +193,10 @@ def _worker_process(qname: str, env: dict[str, str], log: Path) -> subprocess.Po
 def test_a_task_handed_to_a_killed_worker_runs_once_elsewhere(
         r: redis.Redis, qname: str, redis_url: str, subprocess_env: dict[str, str],
         tmp_path: Path) -> None:
-    """SIGKILL a worker process asleep and registered, then submit: the task is handed
-    to the dead worker. It is not lost: its lease expires and a live worker runs it,
-    once, to completion; the dead worker's registration is not used again."""
+    """SIGKILL a worker process asleep and registered, then submit three tasks one by
+    one: the first two are handed to the dead worker (the second finds the first still
+    in its inbox, and ends its registration), the third is queued. None is lost: the
+    two leases expire and a live worker runs all three, each once, to completion."""
     keys = QueueKeys(qname)
     q = mtq.Queue(qname, redis_url)
     q.configure(lease_ms=1000)
@@ -202,18 +208,18 @@ def test_a_task_handed_to_a_killed_worker_runs_once_elsewhere(
     finally:
         os.killpg(dead.pid, signal.SIGKILL)
         dead.wait(10)
-    task = q.submit({"x": 21})
-    assert r.hget(keys.task(task.id), "worker") == dead_id.encode(), \
-        "a registration made within its window is taken"
+    tasks = [q.submit({"x": i}) for i in range(3)]
+    assert [r.hget(keys.task(t.id), "worker") for t in tasks] == \
+        [dead_id.encode(), dead_id.encode(), None]
+    assert not r.hexists(keys.idle, dead_id), "an unread hand-off ends the registration"
+    assert r.llen(keys.worker_inbox(dead_id)) == 2
     live = _worker_process(qname, subprocess_env, tmp_path / "live.log")
     try:
-        assert task.result(timeout=30) == 42
-        h = r.hgetall(keys.task(task.id))
-        assert h[b"status"] == b"succeeded" and h[b"deliveries"] == b"2", h
-        assert h[b"worker"] != dead_id.encode()
-        assert r.exists(keys.worker_inbox(dead_id)) == 1, "the dead worker's inbox is left"
-        assert q.stats()["succeeded"] == 1
-        assert not r.hexists(keys.idle, dead_id)
+        assert [t.result(timeout=30) for t in tasks] == [0, 2, 4]
+        rows = [r.hgetall(keys.task(t.id)) for t in tasks]
+        assert [h[b"deliveries"] for h in rows] == [b"2", b"2", b"1"], rows
+        assert all(h[b"worker"] != dead_id.encode() for h in rows)
+        assert q.stats()["succeeded"] == 3
     finally:
         kill_process(live)
 

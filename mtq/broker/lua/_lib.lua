@@ -83,10 +83,15 @@ lease and its room) until it claims again, for at most a window it names (under 
 lease). A submit that finds one hands it the new tasks that would have been claimable at
 once (a stream-less task while the free list is empty, or the head of an empty stream
 that is not busy): it writes them as claim.lua would have left them (running, leased,
-under a token), pushes a claim reply to the worker's inbox and drops the registration.
-The sleeping worker's BLPOP returns that reply: one hop instead of a wake-up, a claim
-and its reply. Everything else (retries, releases, reclaims) is queued and woken for as
-before. A registration is used once; a worker that stops takes its own back.
+under a token), and pushes one claim reply to the worker's inbox. The registration
+stays, with the room that is left, until the room or the window ends, or until a push
+finds the reply before it still unread (the worker died, or is frozen or busy: so a
+worker killed while it slept takes at most two submits' tasks into its grave, and
+their leases bring them back). The sleeping
+worker's BLPOP returns that reply: one hop instead of a wake-up, a claim and its reply;
+and it goes back to sleep on its inbox without a claim. Everything else (retries,
+releases, reclaims) is queued and woken for as before. A worker that stops or pauses
+takes its registration back.
 
 Ring invariant (what makes ordering hold): a stream whose list is non-empty and
 which is not in busy is in the ring. The ring may also hold stale or duplicate

@@ -7,10 +7,10 @@ ARGV[8] retention s   ARGV[9] dead-letter retention s   ARGV[10] dead-letter max
 ARGV[11] registration window ms: a claim that takes nothing registers the worker in
   K_IDLE for this long, so that a submit may hand it tasks (0 = never; see "Direct
   delivery" in _lib.lua)
-ARGV[12] '1' if the worker may be registered still (its last claim registered it and
-  no hand-off has reached it since): its inbox is collected first (tasks handed to it
-  meanwhile, which fill its room: nothing more is claimed then), and a claim that takes
-  work drops the registration
+ARGV[12] '1' if the worker may be registered still (a claim registered it, and the
+  hand-offs that reached it since left room): its inbox is collected first (tasks
+  handed to it meanwhile, which fill its room: nothing more is claimed then), and a
+  claim that takes work or finds an inbox drops the registration
 Returns: {next_timer_ms, reaped, inbox, then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
   age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
@@ -31,15 +31,15 @@ local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(A
 local window, registered = tonumber(ARGV[11]), ARGV[12] == '1'
 local now = now_ms()
 local room = B
--- handed to it since its last claim: those fill its room (the registration is gone with
--- the hand-off)
+-- handed to it since its last claim: those fill its room (nothing more is claimed now;
+-- its registration is dropped below)
 local inbox = {}
 if registered then
   local ik = K_IDLE .. ':' .. worker
   inbox = redis.call('LRANGE', ik, 0, -1)
   if #inbox > 0 then
     redis.call('DEL', ik)
-    B, registered = 0, false
+    B = 0
   end
 end
 -- The earliest lease deadline and retry, read once: the reaper and the promoter run only

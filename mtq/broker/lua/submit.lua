@@ -22,8 +22,11 @@ while the free list is empty, or the head of an empty stream that is not busy) g
 a worker registered idle in K_IDLE, if one is, up to its room: written running under
 a lease token of this call, as claim.lua would leave it, and pushed to the worker's
 inbox as one claim reply (an msgpack array of claim.lua's 9 entries per task) per worker.
-It is not counted waiting, sends its client 'started' and the events channel 'started'
-({ids, worker}), and costs no wake-up marker.
+Its registration stays, with the room that is left, until the room or the window ends,
+or a hand-off finds the one before it still in the inbox (the worker did not come
+back to its BLPOP: it died, or is frozen or busy).
+It is not counted waiting, sends the events channel 'started' ({ids, worker}) but its
+client nothing (see hand()), and costs no wake-up marker.
 
 Result cache (see docs/operations.md): a digest is 'c' or 'u' (the payload has no
 integer seed) then the hex digest of the payload. It is used only if the queue's
@@ -52,7 +55,8 @@ local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
 local indexed = {}  -- score, member pairs: the entries this call points at new tasks
 
 -- Direct delivery (see the header): the live registrations, read at the first task that
--- could go to one (nil: not read yet); each {worker, lease ms, room, claim reply, ids}
+-- could go to one (nil: not read yet); each {worker, lease ms, room, claim reply, ids,
+-- expiry}
 local idle, at, handed = nil, 1, 0
 local free_empty = nil  -- the free list is known empty (nil: not read yet)
 local base = false      -- lease tokens, taken once for the whole call
@@ -66,7 +70,7 @@ local function idle_worker()
     for j = 1, #all, 2 do
       local expiry, lease, room = string.match(all[j + 1], '^(%d+)|(%d+)|(%d+)$')
       if expiry and tonumber(expiry) > now then
-        idle[#idle + 1] = {all[j], tonumber(lease), tonumber(room), {}, {}}
+        idle[#idle + 1] = {all[j], tonumber(lease), tonumber(room), {}, {}, expiry}
       else
         stale[#stale + 1] = all[j]  -- its worker did not come back: stopped, or died
       end
@@ -106,7 +110,9 @@ local function hand(w, id, s, f, payload, retries, traceparent)
   r[o + 5] = '0'; r[o + 6] = 1; r[o + 7] = retries; r[o + 8] = 0; r[o + 9] = traceparent
   w[5][#w[5] + 1] = id
   w[3] = w[3] - 1
-  reply('started', reply_to, id, 1)
+  -- no 'started' message: its one reply channel is the submitter's, which has no feed of
+  -- the task open before this call returns (a client's hub drops a non-terminal event
+  -- nobody waits for), and no other client knows the id yet
 end
 
 -- The cache entry suffix of a digest (version .. ':' .. hex), or nil: not cacheable.
@@ -243,16 +249,22 @@ if handed > 0 then
   for i = 1, #leases, 4000 do
     redis.call('ZADD', K_LEASES, unpack(leases, i, math.min(i + 3999, #leases)))
   end
-  local used = {}
+  local full = {}
   for _, w in ipairs(idle) do
     if #w[5] > 0 then
       -- its claim reply, as claim.lua's tasks part (its lease is the one it registered)
-      redis.call('RPUSH', K_IDLE .. ':' .. w[1], cmsgpack.pack(w[4]))
-      used[#used + 1] = w[1]
+      -- a reply it has not popped yet: it did not come back to its BLPOP (it died, or
+      -- is frozen or busy): no more for it until it claims again
+      local unread = redis.call('RPUSH', K_IDLE .. ':' .. w[1], cmsgpack.pack(w[4])) > 1
       event('started', now, {ids = w[5], worker = w[1]})
+      if w[3] > 0 and not unread then  -- room left: registered still, for its window
+        redis.call('HSET', K_IDLE, w[1], w[6] .. '|' .. w[2] .. '|' .. w[3])
+      else
+        full[#full + 1] = w[1]
+      end
     end
   end
-  redis.call('HDEL', K_IDLE, unpack(used))
+  if #full > 0 then redis.call('HDEL', K_IDLE, unpack(full)) end
 end
 if added > 0 then
   if added > handed then redis.call('HINCRBY', K_STATS, 'waiting', added - handed) end
