@@ -8,6 +8,9 @@ reliably.
   per task.
 * **round trip**: 200 times, one task submitted, claimed alone and acked: instructions per
   round trip (three script calls, each paying its fixed cost).
+* **round trip to a sleeping worker**: 200 times, as a worker's fetcher sees it: one task
+  submitted while the consumer sleeps in ``wait`` (a tree with direct delivery hands it
+  over there; an older one wakes it with a marker, and it claims), then acked.
 
 ``--against REV`` measures the tree of a git revision the same way, in the same run
 (``git archive`` into a temporary directory), and prints both with the change.
@@ -76,11 +79,22 @@ if what == "drain":
     held = c.claim(64)
     while held:
         _, held = c.settle_and_claim([Outcome(t, True, None) for t in held], 64)
-else:
+elif what == "roundtrip":
     instrument(True)
     for _ in range(n):
         q.submit(None)
         c.settle([Outcome(t, True, None) for t in c.claim(1)])
+else:  # a sleeping worker: its claim found nothing, it waits
+    c.direct = True  # (an attribute older trees do not read)
+    assert c.claim(64) == []
+    instrument(True)
+    for _ in range(n):
+        q.submit(None)
+        woke = c.wait(5)
+        held = woke if isinstance(woke, list) else c.claim(64)
+        c.settle([Outcome(t, True, None) for t in held])
+        if not isinstance(woke, list) or not getattr(c, "registered", True):
+            assert c.claim(64) == []  # asleep again, as its fetcher would be
 instrument(False)
 done = int(r.hget(q.broker.keys.stats, "succeeded"))
 assert done == n + 64, f"{done} succeeded, expected {n + 64}"
@@ -91,7 +105,8 @@ except redis.ConnectionError:
 proc.wait(120)
 '''
 
-CASES = (("drained task (batch 64)", "drain", 3200), ("round trip (one task)", "roundtrip", 200))
+CASES = (("drained task (batch 64)", "drain", 3200), ("round trip (one task)", "roundtrip", 200),
+         ("round trip to a sleeping worker (one task)", "sleeping", 200))
 
 
 def _total(dump: Path) -> int:

@@ -666,7 +666,7 @@ class Worker:
         c = self.consumer
         backoff = Backoff()
         in_doubt = False  # a claim failed: it may have run, its reply lost with the connection
-        handed: list[Claimed] = []  # what a submit handed over while it waited (see wait)
+        delivered: list[Claimed] = []  # what a submit handed over while it waited (wait)
         while True:
             if c.registered and self.slot.paused:
                 # paused (or reloading) with a registration left from its last claim: a
@@ -680,7 +680,8 @@ class Worker:
                     self._release_unknown()
                     in_doubt = False
                 # handed over: it sleeps again while registered (room left), else claims
-                tasks, direct, handed = (handed, True, []) if handed else (c.claim(need), False, [])
+                tasks, direct, delivered = (delivered, True, []) if delivered \
+                    else (c.claim(need), False, [])
                 now = time.monotonic()
                 backoff.reset()
             except Exception as exc:  # Redis unreachable, or a reply we did not expect
@@ -725,7 +726,7 @@ class Worker:
                     return
                 woke = c.wait()
                 if isinstance(woke, list):
-                    handed = woke
+                    delivered = woke
             except MtqError as exc:
                 # the wake-up may have been lost with the connection, or tasks handed
                 # over: claim again now, after giving back any such (see _release_unknown)
