@@ -199,8 +199,9 @@ def _proc_cpu(pid: int) -> float:
 def floor(server: Server, reps: int = 500) -> dict[str, float]:
     """What one round trip costs at least on this machine: a PING round trip, and the
     Redis time (INFO commandstats, EVALSHA usec per call) of each script one task
-    goes through alone (submit, claim, ack), next to a script that only runs the
-    shared library (_lib.lua) and the one that does nothing."""
+    goes through alone (submit, a submit that hands the task to a sleeping worker,
+    claim, ack), next to a script that only runs the shared library (_lib.lua) and the
+    one that does nothing."""
     from mtq.broker import lane, scripts
     from mtq.broker.consumer import Consumer, Outcome
 
@@ -238,6 +239,18 @@ def floor(server: Server, reps: int = 500) -> dict[str, float]:
             call()
         out[name] = 1e6 * (time.process_time() - t) / reps
     out["submit_us"] = usec(lambda: q.submit(None))
+    r.flushall()
+    # a submit that hands its task to a sleeping worker (direct delivery), which pops it
+    sleeper = Consumer("floor", client=r)
+    sleeper.direct = True
+    sleeper.claim(10 * reps)  # registers it, with room for every task below
+
+    def hand_off() -> None:
+        q.submit(None)
+        sleeper.wait(5)
+
+    out["handoff_us"] = usec(hand_off)
+    sleeper.retire()
     r.flushall()
     q.submit_many([None] * (reps + 1))
     held: list[Any] = []
@@ -322,16 +335,18 @@ def main(argv: list[str] | None = None) -> None:
          f"p50 {med('load', 'p50_ms'):.3f} ms"),
     ]
     fl = {m: med("floor", m) for m in results["floor"][0]}
-    scripts_us = fl["submit_us"] + fl["claim_us"] + fl["ack_us"]
-    rows.append(("floor of a round trip: 4 PING round trips + the three scripts' Redis time",
-                 f"{(4 * fl['ping_us'] + scripts_us) / 1000:.3f} ms", "",
-                 f"PING {fl['ping_us']:.0f} us; submit {fl['submit_us']:.0f} + claim "
-                 f"{fl['claim_us']:.0f} + ack {fl['ack_us']:.0f} us of EVALSHA, one task each "
-                 f"(a script that only runs _lib.lua: {fl['library_us']:.0f} us, "
-                 f"`return 1`: {fl['empty_script_us']:.0f} us)"))
+    scripts_us = fl["handoff_us"] + fl["ack_us"]
+    rows.append(("floor of a round trip to a sleeping worker: 2 PING round trips (4 hops) + "
+                 "the two scripts' Redis time",
+                 f"{(2 * fl['ping_us'] + scripts_us) / 1000:.3f} ms", "",
+                 f"PING {fl['ping_us']:.0f} us; submit handing the task over "
+                 f"{fl['handoff_us']:.0f} + ack {fl['ack_us']:.0f} us of EVALSHA, one task "
+                 f"each (a submit that queues: {fl['submit_us']:.0f} us, a claim: "
+                 f"{fl['claim_us']:.0f} us; a script that only runs _lib.lua: "
+                 f"{fl['library_us']:.0f} us, `return 1`: {fl['empty_script_us']:.0f} us)"))
     rows.append(("client CPU per command: redis-py's execute_command / mtq.broker.lane",
                  f"{fl['redispy_call_us']:.1f} / {fl['lane_call_us']:.1f} us", "",
-                 "EVALSHA of `return 1` with mtq's 19 keys, round trip included"))
+                 "EVALSHA of `return 1` with mtq's 20 keys, round trip included"))
     table = "\n".join(["| figure | median of passes | target | notes |", "|---|---:|---|---|",
                        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)])
     print(table)
@@ -361,12 +376,20 @@ scanning the task's hash (a small hash is a ziplist, searched from its head: HMG
 field a task does not have, such as `deadline` or `traceparent`, scans all of it), a
 fifth in the Lua VM, a tenth in malloc and free, a twentieth in formatting and parsing
 numbers; the commands themselves are the rest.
-A round trip adds three script calls (submit, claim, ack) around one task, each with its
-fixed cost (the "floor" row), and the commands every script call makes once (TIME,
-counters, PUBLISH to the events channel and to the client): 40 in all, counted with
-MONITOR: submit 12 (EVALSHA included), the worker's BLPOP 1, claim 17, ack 10. The
-"CPU per round trip" row is the other floor: the client's and the worker's Python share
-one CPU here (as in the peer harness), and their sum is most of the round trip.
+A round trip to a sleeping worker is two script calls around one task (a submit that
+hands the task over, see docs/architecture.md, "Direct delivery"; an ack) and the
+worker's BLPOP, each call with its fixed cost (the "floor" row) and the commands it
+makes once (TIME, counters, PUBLISH to the events channel and to the client): 24 in
+all, counted with MONITOR: submit 13 (EVALSHA, TIME, EXISTS of the id, HGETALL of the
+sleeping workers, LLEN of the free list, INCRBY of the lease tokens, HSET of the task,
+ZADD of its lease, RPUSH to the worker's inbox, HSET of the worker's room left, HINCRBY
+`submitted`, PUBLISH `started` and `queued` to the events channel), BLPOP 1, ack 10
+(EVALSHA, TIME, HMGET, HSET, EXPIRE, ZREM of the lease, HINCRBY `succeeded`, PUBLISH to
+the events channel and to the client, LPUSH of the latency). Below that, a round trip
+would drop a record the guarantees or the dashboard read (the lease, the retention, a
+counter, an event), or the fenced read before the result is written. The "CPU per
+round trip" row is the other floor: the client's and the worker's Python share one
+CPU here (as in the peer harness), and their sum is most of the round trip.
 """
     write_docs(ROOT / "docs" / "benchmarks.md", section, "## Hot path")
 

@@ -156,8 +156,8 @@ class Consumer:
         self.inbox_key = self.broker.keys.worker_inbox(self.worker_id)
         #: ms until the next lease deadline / due retry, from the last claim (-1: none)
         self.next_timer_ms = -1
-        #: take tasks handed over directly: a claim that finds nothing registers this
-        #: consumer idle, and :meth:`wait` returns what a submit hands it (see "Direct
+        #: take tasks handed over directly: a claim that takes all there is and leaves
+        #: room registers this consumer idle, and :meth:`wait` returns what a submit hands it (see "Direct
         #: delivery" in lua/_lib.lua). Set by a worker whose fetcher waits with
         #: :meth:`wait` and takes what it returns; never on a durable queue
         self.direct = False
@@ -205,8 +205,10 @@ class Consumer:
         tasks = self._claimed(result, sent, lease_ms)
         if result.handed and was is not None:
             tasks = self._handed(result.handed, was) + tasks
-        self._registered = (sent, lease_ms, window, batch_size) \
-            if window and not tasks and not result.handed else None
+        # registered by this claim if it left room (it took all there was)
+        room = batch_size - len(result.tasks)
+        self._registered = (sent, lease_ms, window, room) \
+            if window and room > 0 and not result.handed else None
         return tasks
 
     @property

@@ -1,5 +1,5 @@
 """Direct delivery (see "Direct delivery" in mtq/broker/lua/_lib.lua): a worker whose
-claim found nothing is registered idle, and a submit hands it the tasks that would be
+claim took all there was and left it room is registered idle, and a submit hands it the tasks that would be
 claimable at once, running under a lease, through its inbox. Against a real
 redis-server; the kill test SIGKILLs a real worker process."""
 
@@ -102,8 +102,7 @@ def test_only_what_would_be_claimable_at_once_is_handed_over(r: redis.Redis, qna
     assert [t.id for t in other.claim(8)] == [s[1].id]
 
 
-def test_a_worker_that_claims_work_takes_no_more_hand_offs(r: redis.Redis,
-                                                          qname: str) -> None:
+def test_a_worker_is_handed_only_what_its_room_holds(r: redis.Redis, qname: str) -> None:
     keys = QueueKeys(qname)
     q = mtq.Queue(qname, client=r)
     c = consumer(qname, r)
@@ -113,12 +112,17 @@ def test_a_worker_that_claims_work_takes_no_more_hand_offs(r: redis.Redis,
     assert [t.id for t in got] == [first.id]
     assert r.hlen(keys.idle) == 0 and r.llen(keys.worker_inbox(c.worker_id)) == 0
     assert not c.registered
-    # it holds work now: the next submit queues and wakes, as without direct delivery
+    # a claim that finds an inbox registers nothing: the next submit queues and wakes
     second = q.submit(None)
     assert r.hget(keys.task(second.id), "status") == b"queued"
     assert r.llen(keys.wake) == 1
     assert [t.id for t in c.claim(8)] == [second.id]
-    assert r.hlen(keys.idle) == 0, "a claim that takes work does not register"
+    # it took all there was: registered again, with the room left
+    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"7" and c.registered
+    assert [t.id for t in c.claim(8)] == [] and r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"8"
+    third = q.submit_many([None] * 9)  # more than its room: eight handed over, one queued
+    assert [r.hget(keys.task(t.id), "status") for t in third] == [b"running"] * 8 + [b"queued"]
+    assert r.hlen(keys.idle) == 0, "its room is used up"
 
 
 def test_a_registration_lapses_after_its_window(r: redis.Redis, qname: str) -> None:

@@ -78,9 +78,9 @@ Fencing: ack, nack and extend act only on a task whose status is 'running' AND
 whose token matches, so a token left in the hash after the task moves on is inert
 (retry and release leave it for the next claim to overwrite).
 
-Direct delivery: a worker whose claim found nothing is registered in K_IDLE (with its
-lease and its room) until it claims again, for at most a window it names (under half a
-lease). A submit that finds one hands it the new tasks that would have been claimable at
+Direct delivery: a worker whose claim took all there was and left it room is registered
+in K_IDLE (with its lease and that room) until it claims again, for at most a window it
+names (under half a lease). A submit that finds one hands it the new tasks that would have been claimable at
 once (a stream-less task while the free list is empty, or the head of an empty stream
 that is not busy): it writes them as claim.lua would have left them (running, leased,
 under a token), and pushes one claim reply to the worker's inbox. The registration

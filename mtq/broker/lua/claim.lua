@@ -4,9 +4,9 @@ ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
 ARGV[6] max deliveries   ARGV[7] reap/promote limit per call
 ARGV[8] retention s   ARGV[9] dead-letter retention s   ARGV[10] dead-letter max length
-ARGV[11] registration window ms: a claim that takes nothing registers the worker in
-  K_IDLE for this long, so that a submit may hand it tasks (0 = never; see "Direct
-  delivery" in _lib.lua)
+ARGV[11] registration window ms: a claim that leaves the worker room (it took all there
+  was, fewer than B) registers it in K_IDLE for this long, with that room, so that a
+  submit may hand it tasks (0 = never; see "Direct delivery" in _lib.lua)
 ARGV[12] '1' if the worker may be registered still (a claim registered it, and the
   hand-offs that reached it since left room): its inbox is collected first (tasks
   handed to it meanwhile, which fill its room: nothing more is claimed then), and a
@@ -30,7 +30,6 @@ local max_deliveries, limit = tonumber(ARGV[6]), tonumber(ARGV[7])
 local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local window, registered = tonumber(ARGV[11]), ARGV[12] == '1'
 local now = now_ms()
-local room = B
 -- handed to it since its last claim: those fill its room (nothing more is claimed now;
 -- its registration is dropped below)
 local inbox = {}
@@ -149,9 +148,10 @@ if #expired > 0 then
   event('expired', now, {ids = expired})
 end
 if n > 0 then event('started', now, {ids = claimed, worker = worker}) end
--- asleep from here with room for a batch: a submit may hand it tasks (see _lib.lua)
-if n == 0 and #inbox == 0 and room > 0 and window > 0 then
-  redis.call('HSET', K_IDLE, worker, num(now + window) .. '|' .. num(lease) .. '|' .. num(room))
+-- it took all there was and has room left: a submit may hand it tasks from now on (see
+-- _lib.lua; a worker that was busy when the queue emptied becomes one to hand to here)
+if n < B and window > 0 then
+  redis.call('HSET', K_IDLE, worker, num(now + window) .. '|' .. num(lease) .. '|' .. num(B - n))
 elseif registered then
   redis.call('HDEL', K_IDLE, worker)
 end
