@@ -157,9 +157,10 @@ class Consumer:
         #: ms until the next lease deadline / due retry, from the last claim (-1: none)
         self.next_timer_ms = -1
         #: take tasks handed over directly: a claim that takes all there is and leaves
-        #: room registers this consumer idle, and :meth:`wait` returns what a submit hands it (see "Direct
-        #: delivery" in lua/_lib.lua). Set by a worker whose fetcher waits with
-        #: :meth:`wait` and takes what it returns; never on a durable queue
+        #: room registers this consumer idle, and :meth:`wait` returns what a submit
+        #: hands it (see "Direct delivery" in lua/_lib.lua). Set by a worker whose
+        #: fetcher waits with :meth:`wait` and takes what it returns; never registered
+        #: on a durable queue
         self.direct = False
         #: (time the registering claim was sent, its lease ms, its window ms, the room
         #: left) while this consumer may be registered idle; None when it is not
