@@ -195,6 +195,18 @@ def _worker_process(qname: str, env: dict[str, str], log: Path) -> subprocess.Po
             start_new_session=True)
 
 
+def _killed_asleep(r: redis.Redis, qname: str, env: dict[str, str], log: Path) -> str:
+    """Start a worker process, wait until it sleeps registered, SIGKILL it; its id."""
+    proc = _worker_process(qname, env, log)
+    try:
+        wait_for(lambda: r.hlen(QueueKeys(qname).idle) == 1, 30,
+                 f"the worker did not register idle: {log.read_text()}")
+        return str(r.hkeys(QueueKeys(qname).idle)[0].decode())
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
 def test_a_task_handed_to_a_killed_worker_runs_once_elsewhere(
         r: redis.Redis, qname: str, redis_url: str, subprocess_env: dict[str, str],
         tmp_path: Path) -> None:
@@ -205,14 +217,7 @@ def test_a_task_handed_to_a_killed_worker_runs_once_elsewhere(
     keys = QueueKeys(qname)
     q = mtq.Queue(qname, redis_url)
     q.configure(lease_ms=1000)
-    dead = _worker_process(qname, subprocess_env, tmp_path / "dead.log")
-    try:
-        wait_for(lambda: r.hlen(keys.idle) == 1, 30,
-                 f"the worker did not register idle: {(tmp_path / 'dead.log').read_text()}")
-        dead_id = r.hkeys(keys.idle)[0].decode()
-    finally:
-        os.killpg(dead.pid, signal.SIGKILL)
-        dead.wait(10)
+    dead_id = _killed_asleep(r, qname, subprocess_env, tmp_path / "dead.log")
     tasks = [q.submit({"x": i}) for i in range(3)]
     assert [r.hget(keys.task(t.id), "worker") for t in tasks] == \
         [dead_id.encode(), dead_id.encode(), None]
@@ -237,14 +242,7 @@ def test_a_supervisor_gives_back_at_once_what_a_dead_worker_was_handed(
     back uncounted, claimable at once (no lease to wait out)."""
     keys = QueueKeys(qname)
     q = mtq.Queue(qname, redis_url)
-    proc = _worker_process(qname, subprocess_env, tmp_path / "w.log")
-    try:
-        wait_for(lambda: r.hlen(keys.idle) == 1, 30,
-                 f"the worker did not register idle: {(tmp_path / 'w.log').read_text()}")
-        dead_id = r.hkeys(keys.idle)[0].decode()
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    dead_id = _killed_asleep(r, qname, subprocess_env, tmp_path / "w.log")
     task = q.submit({"x": 1}, stream="s")
     assert r.hget(keys.task(task.id), "worker") == dead_id.encode()
     sup = Consumer(qname, client=r)

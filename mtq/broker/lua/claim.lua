@@ -10,7 +10,7 @@ ARGV[11] registration window ms: a claim that leaves the worker room (it took al
 ARGV[12] '1' if the worker may be registered still (a claim registered it, and the
   hand-offs that reached it since left room): its inbox is collected first (tasks
   handed to it meanwhile, which fill its room: nothing more is claimed then), and a
-  claim that takes work or finds an inbox drops the registration
+  claim that fills the room or finds an inbox drops the registration
 Returns: {next_timer_ms, reaped, inbox, then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
   age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
@@ -60,8 +60,7 @@ local out = {0, reaped, inbox}
 local n, taken, base = 0, 0, false
 local until_ms = now + lease
 local claimed, expired = {}, {}
--- ZADD arguments: every task claimed here gets its lease in one command (LEASE_MARK
--- first: the set is a skiplist before the leases go in)
+-- every task claimed here gets its lease in one command (see add_leases)
 local leases = {'+inf', LEASE_MARK}
 -- what the ring and the free list were left as (each known empty saves a read at the end)
 local ring_empty, free_empty = false, false
@@ -135,11 +134,7 @@ while n < B do
   if not ids then free_empty = true; break end
   for _, id in ipairs(ids) do take(id, false) end
 end
-if #leases > 2 then
-  for i = 1, #leases, 4000 do
-    redis.call('ZADD', K_LEASES, unpack(leases, i, math.min(i + 3999, #leases)))
-  end
-end
+if #leases > 2 then add_leases(leases) end
 local marked = 0
 if not free_empty and redis.call('LLEN', K_FREE) > 0 then marked = free_mark() end
 if taken > 0 then redis.call('HINCRBY', K_STATS, 'waiting', -taken) end

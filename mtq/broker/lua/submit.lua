@@ -60,7 +60,7 @@ local indexed = {}  -- score, member pairs: the entries this call points at new 
 local idle, at, handed = nil, 1, 0
 local free_empty = nil  -- the free list is known empty (nil: not read yet)
 local base = false      -- lease tokens, taken once for the whole call
-local leases = {'+inf', LEASE_MARK}  -- ZADD arguments, as in claim.lua
+local leases = {'+inf', LEASE_MARK}  -- the handed tasks' leases (see add_leases)
 
 -- The registered worker that takes the next task, or nil.
 local function idle_worker()
@@ -246,9 +246,7 @@ if misses > 0 then
 end
 if joined > 0 then redis.call('HINCRBY', K_STATS, 'cache_joined', joined) end
 if handed > 0 then
-  for i = 1, #leases, 4000 do
-    redis.call('ZADD', K_LEASES, unpack(leases, i, math.min(i + 3999, #leases)))
-  end
+  add_leases(leases)
   local full = {}
   for _, w in ipairs(idle) do
     if #w[5] > 0 then
