@@ -125,7 +125,10 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         fail("--raw goes with --follow", USAGE)
     if payload is None:
         fail("give a PAYLOAD (JSON), '-' to read it from stdin, or --file FILE", USAGE)
-    text = sys.stdin.read() if payload == "-" else payload
+    try:
+        text = sys.stdin.read() if payload == "-" else payload
+    except UnicodeDecodeError as exc:
+        fail(f"<stdin> is not UTF-8 text ({exc}); nothing was submitted", USAGE)
     value = parse_json(text, "PAYLOAD")
     q = _queue(queue, url)
     try:

@@ -112,7 +112,8 @@ def test_no_input_gets_a_traceback_or_a_partial_write(argv: list[str], stdin: st
         stdin_text = stdin if "--file" not in argv else stdin + "\n" + stdin
     else:
         stdin_text = ""
-    res = CliRunner().invoke(cli, argv, input=stdin_text)
+    # stdin is bytes: a lone surrogate of the text stands for bytes that are not UTF-8
+    res = CliRunner().invoke(cli, argv, input=stdin_text.encode("utf-8", "surrogatepass"))
     out = res.output
     if res.exception is not None and not isinstance(res.exception, SystemExit):
         raise AssertionError(f"{argv!r} raised {res.exception!r}") from res.exception
@@ -149,3 +150,16 @@ def test_a_bad_argument_to_submit_writes_nothing(kwargs: dict[str, Any], redis_u
     with pytest.raises((mtq.ConfigError, mtq.InvalidName)):
         mtq.Queue(qname, redis_url).submit({"x": 1}, **kwargs)
     assert list(r.scan_iter(match=f"mtq:{{{qname}}}:*")) == []
+
+
+@pytest.mark.parametrize("argv", [["submit", QUEUE, "-"],
+                                  ["submit", QUEUE, "--file", "-"]])
+def test_stdin_that_is_not_utf8_is_refused_whole(argv: list[str], fuzz_redis: redis.Redis,
+                                                 redis_url: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MTQ_REDIS_URL", redis_url)
+    before = task_keys(fuzz_redis)
+    res = CliRunner().invoke(cli, argv, input=b'{"a": "\xed\xa0\x80"}\n')
+    assert res.exit_code == 2, (res.exit_code, res.exception, res.output)
+    assert "<stdin> is not UTF-8 text" in res.output and "nothing was submitted" in res.output
+    assert task_keys(fuzz_redis) == before
