@@ -33,10 +33,13 @@ from mtq.errors import (
     TaskNotFound,
 )
 from mtq.replies import (
+    FETCH,
+    RESYNC_S,
     AsyncFeed,
     CallbackFeed,
     Event,
     Hub,
+    OneShot,
     Pacer,
     StreamState,
     SyncFeed,
@@ -255,6 +258,31 @@ class Task:
             return None
         return [] if kept is None else state.accept(kept)[0]
 
+    def _await_own(self, epoch: int, timeout: float | None
+                   ) -> tuple[Event | None, float | None]:
+        """result()'s short way for a task this client submitted (``epoch``: the task's,
+        taken by the caller): with its one-shot feed open and the reply subscription
+        unbroken since the submit (see :meth:`_unbroken`), its terminal event is in the
+        inbox or on its way to the feed. Returns (that event, None), or (None, the
+        timeout left) for the long way (:meth:`events`, from the stored state): the
+        subscription broke, the result is too large to ride in the message, or nothing
+        came in RESYNC_S (the long way's safety net) or the timeout."""
+        hub, name = self.queue.hub, self.queue.name
+        feed = OneShot((name, self.id))
+        start = time.monotonic()
+        hub.open(feed)
+        try:
+            item = hub.take(name, self.id)
+            if hub.epoch(name) == epoch and not isinstance(item, str):
+                if item is None:
+                    item = feed.get(RESYNC_S if timeout is None else min(timeout, RESYNC_S))
+                if isinstance(item, Event) and item.terminal and item.data is not FETCH:
+                    return item, None
+        finally:
+            hub.close(feed)
+        return None, None if timeout is None else \
+            max(0.0, timeout - (time.monotonic() - start))
+
     def events(self, timeout: float | None = None, *, tokens: bool = True, start: int = 0,
                idle: float | None = None, fail_fast: bool = False,
                _since: int | None = None, _ends: bool = False) -> Iterator[Event]:
@@ -338,6 +366,11 @@ class Task:
         kept, since = self._take_outcome()
         if kept is not None:
             return self._outcome(kept)
+        if since is not None:
+            ev, timeout = self._await_own(since, timeout)
+            if ev is not None:
+                return self._outcome(ev)
+            since = None  # the long way reads the stored state first
         for ev in self.events(timeout, tokens=False, _since=since, _ends=True):
             if ev.terminal:
                 hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting

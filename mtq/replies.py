@@ -304,6 +304,31 @@ class SyncFeed(Feed):
             return self.items.popleft()
 
 
+class OneShot(Feed):
+    """A feed for a reader that waits for one item, the task's terminal event (or a hub
+    marker): ``Task.result()``'s wait for a task its client submitted. A lock released
+    by the first push, cheaper to wait on than :class:`SyncFeed`'s condition."""
+
+    __slots__ = ("items", "ready")
+
+    def __init__(self, key: tuple[str, str]) -> None:
+        super().__init__(key, ends=True)
+        self.items: list[Event | str] = []
+        self.ready = threading.Lock()
+        self.ready.acquire()
+
+    def push(self, item: Event | str) -> None:
+        self.items.append(item)
+        if self.ready.locked():  # (only the hub thread pushes)
+            self.ready.release()
+
+    def get(self, timeout: float | None) -> Event | str | None:
+        """The first item pushed, or None after ``timeout`` seconds."""
+        if self.ready.acquire(timeout=-1 if timeout is None else timeout):
+            return self.items[0]
+        return None
+
+
 class AsyncFeed(Feed):
     """An asyncio queue, fed from the hub thread through the loop."""
 
