@@ -47,7 +47,9 @@ class BatchLog:
         self.queue = queue
         self._head = {"w": worker_id, "h": socket.gethostname(), "p": os.getpid()}
         self._lock = threading.Lock()
-        self._pending: list[str] = []
+        #: (kind, start, end, task ids) of the batches not written yet (see end)
+        self._pending: list[tuple[str, float, float, list[str]]] = []
+        #: encoded records of a write whose pipeline has not run yet (or failed)
         self._inflight: list[str] = []
         self._t0 = 0.0
         self._tasks: Sequence[Claimed] = ()
@@ -69,17 +71,22 @@ class BatchLog:
                     self.open.pop(next(iter(self.open)))
 
     def end(self, kind: str = "batch") -> None:
-        """The batch begun by :meth:`start` ended (its predict or prefill returned)."""
+        """The batch begun by :meth:`start` ended (its predict or prefill returned). The
+        record is kept as it is and encoded by the heartbeat thread (:meth:`write`): no
+        JSON on the model thread."""
         if not self._tasks:
             return
-        record = dict(self._head, k=kind, t0=int(self._t0 * 1000), t1=int(time.time() * 1000),
-                      ids=[t.id for t in self._tasks])
+        record = (kind, self._t0, time.time(), [t.id for t in self._tasks])
         self._tasks = ()
-        line = json.dumps(record, separators=(",", ":"))
         with self._lock:
-            self._pending.append(line)
+            self._pending.append(record)
             if len(self._pending) > BUFFER_MAX:
                 del self._pending[:len(self._pending) - BUFFER_MAX]
+
+    def _encode(self, record: tuple[str, float, float, list[str]]) -> str:
+        kind, t0, t1, ids = record
+        return json.dumps(dict(self._head, k=kind, t0=int(t0 * 1000), t1=int(t1 * 1000),
+                               ids=ids), separators=(",", ":"))
 
     def ended(self, items: Iterable[Any]) -> None:
         """Outcomes left the model thread: close the traced tasks among them. Call it
@@ -106,9 +113,9 @@ class BatchLog:
         """Queue the records gathered since the last beat on ``pipe`` (and those of a
         beat that failed); :meth:`written` once the pipeline ran."""
         with self._lock:
-            records = (self._inflight + self._pending)[-BUFFER_MAX:]
-            self._pending = []
-            self._inflight = records
+            fresh, self._pending = self._pending, []
+        records = (self._inflight + [self._encode(r) for r in fresh])[-BUFFER_MAX:]
+        self._inflight = records
         if records:
             pipe.lpush(self.key, *records)
             pipe.ltrim(self.key, 0, BATCHES_KEEP - 1)
