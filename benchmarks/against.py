@@ -28,7 +28,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from benchmarks.broker import ROOT, write_docs
+from benchmarks.broker import ROOT, compile_tree, write_docs
 from benchmarks.instructions import export
 
 #: run with ``python -c`` in the tree measured; prints one JSON line of figures
@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="mtq-rev-") as tmp:
         name = export(args.rev, Path(tmp))
+        for tree in (Path(tmp), ROOT):  # as installed (see compile_tree)
+            compile_tree(tree)
         runs: dict[str, list[dict[str, float]]] = {"ref": [], "now": []}
         for i in range(args.passes):
             for which, tree in (("ref", Path(tmp)), ("now", ROOT)):

@@ -40,7 +40,7 @@ from typing import Any
 import redis
 
 import mtq
-from benchmarks.broker import ROOT, Server, write_docs
+from benchmarks.broker import ROOT, Server, compile_tree, write_docs
 from mtq.workers import registry
 
 #: the environment variables the worker's handler (benchmarks.noop:marked) reads
@@ -274,6 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-pin", action="store_true", help="leave CPU placement to Linux")
     args = ap.parse_args(argv)
     n, passes, count = (5000, 1, 200) if args.quick else (5000, 5, 300)
+    compile_tree()  # as installed: the workers it spawns do not compile mtq first
     cpus = sorted(os.sched_getaffinity(0))
     pin = not args.no_pin and len(cpus) >= 2
     server = Server()

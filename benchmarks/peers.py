@@ -20,7 +20,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from benchmarks.broker import ROOT, write_docs
+from benchmarks.broker import ROOT, compile_tree, write_docs
 
 HARNESS = ROOT.parent / "shared" / "bench" / "peers"
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/peerbench"))
@@ -85,6 +85,9 @@ def _fmt(v: float) -> str:
 def run(passes: int) -> Path:
     if not (WORK / "venvs" / "mtq" / "bin" / "python").exists():
         subprocess.run([str(HARNESS / "setup.sh"), str(ROOT)], check=True)
+    # the harness installs mtq editable (this tree) and runs with PYTHONDONTWRITEBYTECODE=1,
+    # while the peers come from wheels pip compiled: mtq's bytecode as installed, too
+    compile_tree(ROOT, str(WORK / "venvs" / "mtq" / "bin" / "python"))
     out = WORK / f"results-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
     subprocess.run([str(HARNESS / "run_all.sh")], check=True, cwd=ROOT,
                    env={**os.environ, "PASSES": str(passes), "OUT": str(out)})

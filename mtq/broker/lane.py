@@ -33,8 +33,8 @@ drops the rest:
   connection's socket and feeds the connection's hiredis reader itself, without
   ``send_packed_command`` / ``read_response`` (about 17 us of client CPU less a call
   here; see :func:`_talk` for what it keeps, RESP3 push messages included). Anything
-  else (another parser, a connection to open, a health check due) goes through those
-  methods.
+  else (another parser, a connection class that overrides those methods, such as
+  Sentinel's, a connection to open, a health check due) goes through those methods.
 
 What is left out: redis-py's response callbacks (the callers parse raw replies), its
 event dispatcher and its OpenTelemetry metrics for these commands (mtq traces
@@ -120,13 +120,32 @@ def pack(conn: Any, args: Sequence[Any]) -> list[bytes]:
         return list(conn.pack_command(*args))
 
 
+#: connection classes -> whether they send and read as redis-py's own do (see _direct)
+_PLAIN: dict[type, bool] = {}
+_BASE = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
+
+
+def _plain(cls: type) -> bool:
+    """Whether connections of ``cls`` send commands and read replies with redis-py's own
+    methods: a class that overrides them (Sentinel's, which turns a READONLY reply into
+    a reconnect to the new primary; a counting or tracing subclass) keeps its override."""
+    plain = _PLAIN.get(cls)
+    if plain is None:
+        plain = _PLAIN[cls] = getattr(cls, "send_packed_command", None) is \
+            _BASE.send_packed_command and getattr(cls, "read_response", None) is \
+            _BASE.read_response
+    return plain
+
+
 def _direct(conn: Any) -> Any:
     """The parser of ``conn`` if this call may talk on its socket directly (see
-    :func:`_talk`): a connected connection read by hiredis (RESP3 only with a hiredis
-    that marks push messages) whose health check is not due. None: go through the
-    connection's own methods (they connect and check health)."""
+    :func:`_talk`): a connected connection of a plain class (:func:`_plain`) read by
+    hiredis (RESP3 only with a hiredis that marks push messages) whose health check is
+    not due. None: go through the connection's own methods (they connect, check
+    health, and do what a subclass adds)."""
     parser = getattr(conn, "_parser", None)
-    if _Hiredis is None or type(parser) is not _Hiredis or conn._sock is None or \
+    if _Hiredis is None or type(parser) is not _Hiredis or not _plain(type(conn)) or \
+            conn._sock is None or \
             getattr(parser, "_sock", None) is not conn._sock or \
             (_PUSH is None and getattr(conn, "protocol", 2) not in (2, "2", None)):
         return None

@@ -127,3 +127,28 @@ def test_a_socket_timeout_drops_the_connection_and_leaves_no_reply_behind(
         assert _my_id(c) != first, "the timed-out connection was kept"
     finally:
         c.close()
+
+
+class _Counting(redis.connection.Connection):
+    """A subclass that overrides how commands are sent (as a tracing or counting one
+    would; Sentinel's overrides how replies are read)."""
+
+    sent = 0
+
+    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        _Counting.sent += 1
+        super().send_packed_command(command, check_health)
+
+
+def test_a_connection_class_that_overrides_sending_keeps_its_override(redis_url: str) -> None:
+    pool = redis.ConnectionPool.from_url(redis_url, connection_class=_Counting)
+    c = redis.Redis(connection_pool=pool, retry=retry_policy())
+    try:
+        lane.exchange(c, [("PING",)])
+        before = _Counting.sent
+        assert lane.exchange(c, [("PING",), ("PING",)]) == [b"PONG", b"PONG"]
+        assert _Counting.sent == before + 1, "the lane went around the class's own send"
+        assert not lane._plain(redis.sentinel.SentinelManagedConnection), \
+            "Sentinel's connection (READONLY -> reconnect) would be talked to directly"
+    finally:
+        c.close()
