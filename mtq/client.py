@@ -366,15 +366,22 @@ class Task:
         kept, since = self._take_outcome()
         if kept is not None:
             return self._outcome(kept)
+        left = timeout
         if since is not None:
-            ev, timeout = self._await_own(since, timeout)
+            ev, left = self._await_own(since, timeout)
             if ev is not None:
                 return self._outcome(ev)
             since = None  # the long way reads the stored state first
-        for ev in self.events(timeout, tokens=False, _since=since, _ends=True):
-            if ev.terminal:
-                hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
-                return self._outcome(ev)
+        try:
+            for ev in self.events(left, tokens=False, _since=since, _ends=True):
+                if ev.terminal:
+                    hub.take(self.queue.name, self.id)  # if it also came with nobody waiting
+                    return self._outcome(ev)
+        except ResultTimeout as exc:
+            if left is timeout:
+                raise
+            # the time the caller gave, not what the long way had left of it
+            raise ResultTimeout(self.id, timeout or 0.0, exc.status) from None
         raise AssertionError("unreachable: events() ends with a terminal event")
 
     async def aevents(self, timeout: float | None = None, *, tokens: bool = True,

@@ -511,9 +511,14 @@ def test_result_waits_for_completion_from_another_thread(qname: str, redis_url: 
 def test_result_timeout_and_not_found(qname: str, redis_url: str) -> None:
     q, _ = make(qname, redis_url)
     t = q.submit({})
+    start = time.monotonic()
     with pytest.raises(mtq.ResultTimeout) as exc:
-        t.result(timeout=0.05)
+        t.result(timeout=0.3)
+    waited = time.monotonic() - start
     assert isinstance(exc.value, TimeoutError) and exc.value.status == "queued"
+    # the caller's timeout, once: not what was left of it after the wait on its own task
+    assert exc.value.timeout == 0.3 and "within 0.3s" in str(exc.value)
+    assert 0.3 <= waited < 2.0, f"result(timeout=0.3) gave up after {waited:.2f} s"
     with pytest.raises(mtq.TaskNotFound):
         q.task("missing").result(timeout=1)
 
