@@ -36,6 +36,7 @@ from mtq.replies import (
     FETCH,
     RESYNC_S,
     AsyncFeed,
+    AsyncOneShot,
     CallbackFeed,
     Event,
     Hub,
@@ -446,11 +447,42 @@ class Task:
         kept, since = self._take_outcome()
         if kept is not None:
             return self._outcome(kept)
-        async for ev in self.aevents(timeout, tokens=False, _since=since, _ends=True):
-            if ev.terminal:
-                hub.take(self.queue.name, self.id)  # if it also arrived with nobody waiting
+        left = timeout
+        if since is not None:  # the short way, as result() takes it
+            ev, left = await self._await_own_async(since, timeout)
+            if ev is not None:
                 return self._outcome(ev)
+            since = None
+        try:
+            async for ev in self.aevents(left, tokens=False, _since=since, _ends=True):
+                if ev.terminal:
+                    hub.take(self.queue.name, self.id)  # if it also came with nobody waiting
+                    return self._outcome(ev)
+        except ResultTimeout as exc:
+            if left is timeout:
+                raise
+            raise ResultTimeout(self.id, timeout or 0.0, exc.status) from None
         raise AssertionError("unreachable: aevents() ends with a terminal event")
+
+    async def _await_own_async(self, epoch: int, timeout: float | None
+                               ) -> tuple[Event | None, float | None]:
+        """:meth:`_await_own` for asyncio (a future of the running loop)."""
+        hub, name = self.queue.hub, self.queue.name
+        feed = AsyncOneShot((name, self.id), asyncio.get_running_loop())
+        start = time.monotonic()
+        hub.open(feed)
+        try:
+            item = hub.take(name, self.id)
+            if hub.epoch(name) == epoch and not isinstance(item, str):
+                if item is None:
+                    item = await feed.get(RESYNC_S if timeout is None
+                                          else min(timeout, RESYNC_S))
+                if isinstance(item, Event) and item.terminal and item.data is not FETCH:
+                    return item, None
+        finally:
+            hub.close(feed)
+        return None, None if timeout is None else \
+            max(0.0, timeout - (time.monotonic() - start))
 
     # -- callbacks -----------------------------------------------------------------
     def add_done_callback(self, fn: Callable[[Task, Event], None], *, _known: bool = False

@@ -329,6 +329,35 @@ class OneShot(Feed):
         return None
 
 
+class AsyncOneShot(Feed):
+    """:class:`OneShot` for asyncio: a future of the loop, set (through the loop) by the
+    first push (``Task.aresult()``'s wait for a task its client submitted)."""
+
+    __slots__ = ("future", "loop")
+
+    def __init__(self, key: tuple[str, str], loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(key, ends=True)
+        self.loop = loop
+        self.future: asyncio.Future[Event | str] = loop.create_future()
+
+    def push(self, item: Event | str) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self._set, item)
+        except RuntimeError:  # the loop is closed: nobody is reading any more
+            pass
+
+    def _set(self, item: Event | str) -> None:
+        if not self.future.done():
+            self.future.set_result(item)
+
+    async def get(self, timeout: float | None) -> Event | str | None:
+        """The first item pushed, or None after ``timeout`` seconds."""
+        try:
+            return await asyncio.wait_for(self.future, timeout)
+        except asyncio.TimeoutError:
+            return None
+
+
 class AsyncFeed(Feed):
     """An asyncio queue, fed from the hub thread through the loop."""
 

@@ -5,6 +5,7 @@ bounded, and a dead letter's outcome is never kept (it can be retried)."""
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -146,6 +147,31 @@ def test_waiting_on_an_own_task_reads_nothing_but_another_handle_reads_once(
     assert reads == [], "the submitter's own reply subscription was enough"
     assert other.result(timeout=30)["i"] == 1
     assert reads == [t.id], "a handle from an id reads the stored state once"
+
+
+def test_aresult_on_an_own_task_reads_nothing_and_times_out_with_the_callers_timeout(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
+    reads = _count_reads(monkeypatch)
+    q = mtq.Queue(qname, redis_url, client=client)
+    gate = tmp_path / "gate"
+    gate.touch()
+    t = q.submit({"i": 7, "gate": str(gate)})
+
+    async def go() -> None:
+        with pytest.raises(mtq.ResultTimeout) as exc:
+            await t.aresult(timeout=0.3)  # its handler waits for the gate
+        assert exc.value.timeout == 0.3, "the timeout reported is not the caller's"
+        assert reads == [t.id], "the short way gave up without one read of the stored state"
+        gate.unlink()
+        u = q.submit({"i": 8})
+        assert (await u.aresult(timeout=30))["i"] == 8
+        assert reads == [t.id], "waiting on an own task read its stored state"
+        # its outcome came while nobody waited on it: the inbox holds it
+        assert (await t.aresult(timeout=30))["i"] == 7
+
+    asyncio.run(go())
+    assert reads == [t.id]
 
 
 def test_an_own_task_is_read_after_its_reply_connection_was_lost(
