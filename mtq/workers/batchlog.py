@@ -33,6 +33,9 @@ from mtq.broker.connection import redis_errors
 from mtq.broker.consumer import Outcome
 from mtq.broker.protocol import Claimed
 
+#: compact JSON (one encoder, not one made per json.dumps call with separators)
+_compact = json.JSONEncoder(separators=(",", ":")).encode
+
 #: records kept in the queue's batch list (the newest)
 BATCHES_KEEP = 10_000
 #: records (and finished traced tasks) a process keeps while Redis cannot be reached
@@ -85,8 +88,8 @@ class BatchLog:
 
     def _encode(self, record: tuple[str, float, float, list[str]]) -> str:
         kind, t0, t1, ids = record
-        return json.dumps(dict(self._head, k=kind, t0=int(t0 * 1000), t1=int(t1 * 1000),
-                               ids=ids), separators=(",", ":"))
+        return _compact(dict(self._head, k=kind, t0=int(t0 * 1000), t1=int(t1 * 1000),
+                             ids=ids))
 
     def ended(self, items: Iterable[Any]) -> None:
         """Outcomes left the model thread: close the traced tasks among them. Call it
