@@ -329,7 +329,8 @@ end
 -- Record a terminal state: status, time, retention, and the done message to its client.
 -- own: the result cache entry suffix the task owns and that must be freed, false for
 -- none (or one that answers from now on: ack.lua), nil: not known, read it here.
--- h: {reply, created, trace, out} as the caller read them, or nil: read them here.
+-- h: {reply, created, trace, out, ...} as the caller read them (what follows the fourth
+-- is not looked at), or nil: read them here.
 local function finish(id, status, now, ttl, field, value, own, h)
   local tk = K_TASK .. id
   if field then

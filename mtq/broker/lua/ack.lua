@@ -34,19 +34,20 @@ end
 for i = 0, n - 1 do
   local b = 5 + i * 3
   local id, token = ARGV[b], ARGV[b + 1]
-  local f = redis.call('HMGET', K_TASK .. id, 'status', 'token', 'stream', 'cache', 'reply', 'created',
-    'trace', 'out')
-  if f[1] ~= 'running' or f[2] ~= token then
+  -- reply, created, trace, out first: finish() takes them as they are (no table a task)
+  local f = redis.call('HMGET', K_TASK .. id, 'reply', 'created', 'trace', 'out', 'status', 'token',
+    'stream', 'cache')
+  if f[5] ~= 'running' or f[6] ~= token then
     codes[i + 1] = E_LEASE_LOST
   else
-    local keep, own, result = ttl, f[4] or false, ARGV[b + 2]
+    local keep, own, result = ttl, f[8] or false, ARGV[b + 2]
     -- find, plain, not sub: no new string per task
     if own and keepable and #result <= REPLY_INLINE and string.find(own, prefix, 1, true) == 1 then
       own = false  -- its entry answers from now on: finish() leaves it
       keep = math.max(ttl, cache_ttl)
     end
-    finish(id, 'succeeded', now, keep, 'result', result, own, {f[5], f[6], f[7], f[8]})
-    if f[3] then woken = woken + release_stream(f[3]) end
+    finish(id, 'succeeded', now, keep, 'result', result, own, f)
+    if f[7] then woken = woken + release_stream(f[7]) end
     codes[i + 1] = 1
     done[#done + 1] = id
   end

@@ -61,7 +61,7 @@ local n, taken, base = 0, 0, false
 local until_ms = now + lease
 local claimed, expired = {}, {}
 -- every task claimed here gets its lease in one command (see add_leases)
-local leases = {'+inf', LEASE_MARK}
+local leases, nl = {'+inf', LEASE_MARK}, 2
 -- what the ring and the free list were left as (each known empty saves a read at the end)
 local ring_empty, free_empty = false, false
 
@@ -89,18 +89,19 @@ local function take(id, s)
   local token = tostring(base + n)
   local deliveries = tonumber(f[4] or '0') + 1
   redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
-    'started', num(now), 'deliveries', deliveries)
-  leases[#leases + 1] = num(until_ms)
-  leases[#leases + 1] = id
+    'started', num(now), 'deliveries', f[4] and num(deliveries) or '1')
+  leases[nl + 1] = num(until_ms)
+  leases[nl + 2] = id
+  nl = nl + 2
   if f[10] ~= '0' then  -- its trace is stored (see _lib.lua)
     redis.call('RPUSH', K_TRACE .. id, trace_line(now, 'started', 'delivery ' .. deliveries .. ' on ' .. worker))
   end
-  local o = #out
+  local o = 3 + 9 * (n - 1)  -- (#out, without its search)
   out[o + 1] = id; out[o + 2] = token; out[o + 3] = f[2]; out[o + 4] = s or ''
   out[o + 5] = f[5] or '0'; out[o + 6] = deliveries; out[o + 7] = f[6] or ''
   out[o + 8] = math.max(0, now - tonumber(f[7] or now))
   out[o + 9] = f[9] or ''
-  claimed[#claimed + 1] = id
+  claimed[n] = id
   reply('started', f[8], id, deliveries)
   return true
 end

@@ -61,6 +61,8 @@ local idle, at, handed = nil, 1, 0
 local free_empty = nil  -- the free list is known empty (nil: not read yet)
 local base = false      -- lease tokens, taken once for the whole call
 local leases = {'+inf', LEASE_MARK}  -- the handed tasks' leases (see add_leases)
+-- the stream-less tasks queued, in order: one RPUSH to the free list for all of them
+local free_ids = {}
 
 -- The registered worker that takes the next task, or nil.
 local function idle_worker()
@@ -167,8 +169,8 @@ for i = 0, n - 1 do
       -- from these fields ('cached'). No
       -- done message: the submitter has the result in this reply, and nobody else
       -- knows the new id yet (the reply channel is stored for a retried submit)
-      local f = {'payload', payload, 'status', 'succeeded', 'created', now, 'finished', now,
-                 'result', hit, 'cached', suffix, 'trace', '0'}
+      local f = {'payload', payload, 'status', 'succeeded', 'created', num(now),
+                 'finished', num(now), 'result', hit, 'cached', suffix, 'trace', '0'}
       if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
       if key ~= '' then
         f[#f + 1] = 'key'; f[#f + 1] = key
@@ -187,7 +189,7 @@ for i = 0, n - 1 do
       out[i + 1] = running
     else
     -- 'trace' '0': its trace is read from its fields until it leaves the happy path
-    local f = {'payload', payload, 'status', 'queued', 'created', now, 'trace', '0'}
+    local f = {'payload', payload, 'status', 'queued', 'created', num(now), 'trace', '0'}
     if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
     if key ~= '' then
       f[#f + 1] = 'key'; f[#f + 1] = key
@@ -211,15 +213,28 @@ for i = 0, n - 1 do
       hand(w, id, s, f, payload, retries, traceparent)
     else
       redis.call('HSET', tk, unpack(f))
-      local claimable, new_stream = push_tail(id, s)
-      newly, new_streams = newly + claimable, new_streams + new_stream
-      if s == '' then free_empty = false end
+      if s == '' then
+        free_ids[#free_ids + 1] = id  -- pushed all at once, after the loop
+        free_empty = false
+      else
+        local claimable, new_stream = push_tail(id, s)
+        newly, new_streams = newly + claimable, new_streams + new_stream
+      end
     end
     added = added + 1
     out[i + 1] = id
     -- no 'queued' message: the submitter has this reply, and nobody else knows the id
     end
   end
+end
+if #free_ids > 0 then
+  local was = nil  -- the free list's length before the first push
+  for j = 1, #free_ids, 4000 do
+    local last = math.min(j + 3999, #free_ids)
+    local len = redis.call('RPUSH', K_FREE, unpack(free_ids, j, last))
+    if not was then was = len - (last - j + 1) end
+  end
+  if was == 0 then newly = newly + free_mark() end  -- it became claimable
 end
 if hits > 0 then
   redis.call('HINCRBY', K_STATS, 'submitted', hits)
