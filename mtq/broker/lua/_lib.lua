@@ -364,7 +364,7 @@ local function finish(id, status, now, ttl, field, value, own, h)
     end
   end
   if status ~= 'cancelled' and status ~= 'expired' and h[2] then
-    LATENCIES[#LATENCIES + 1] = now - tonumber(h[2])
+    LATENCIES[#LATENCIES + 1] = num(now - tonumber(h[2]))  -- (a batch shares a few values)
   end
   if status == 'failed' or status == 'dead' or status == 'expired' then
     FAILURES[#FAILURES + 1] = cjson.encode({id = id, status = status, ts = now,
