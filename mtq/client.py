@@ -275,8 +275,9 @@ class Task:
         try:
             item = hub.take(name, self.id)
             if hub.epoch(name) == epoch and not isinstance(item, str):
-                if item is None:
-                    item = feed.get(RESYNC_S if timeout is None else min(timeout, RESYNC_S))
+                if item is None:  # (a negative timeout waits not at all, as the long way)
+                    item = feed.get(RESYNC_S if timeout is None
+                                    else max(0.0, min(timeout, RESYNC_S)))
                 if isinstance(item, Event) and item.terminal and item.data is not FETCH:
                     return item, None
         finally:
@@ -476,7 +477,7 @@ class Task:
             if hub.epoch(name) == epoch and not isinstance(item, str):
                 if item is None:
                     item = await feed.get(RESYNC_S if timeout is None
-                                          else min(timeout, RESYNC_S))
+                                          else max(0.0, min(timeout, RESYNC_S)))
                 if isinstance(item, Event) and item.terminal and item.data is not FETCH:
                     return item, None
         finally:

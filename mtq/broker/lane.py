@@ -31,8 +31,8 @@ drops the rest:
 * **the socket**: on a connected connection read by hiredis (redis-py's own parser
   when ``redis[hiredis]`` is installed, as mtq requires) a call writes to the
   connection's socket and feeds the connection's hiredis reader itself, without
-  ``send_packed_command`` / ``read_response`` (about 17 us of client CPU less a call
-  here; see :func:`_talk` for what it keeps, RESP3 push messages included). Anything
+  ``send_packed_command`` / ``read_response`` (2-5 us of client CPU less a call here;
+  see :func:`_talk` for what it keeps, RESP3 push messages included). Anything
   else (another parser, a connection class that overrides those methods, such as
   Sentinel's, a connection to open, a health check due) goes through those methods.
 
@@ -147,7 +147,8 @@ def _direct(conn: Any) -> Any:
     if _Hiredis is None or type(parser) is not _Hiredis or not _plain(type(conn)) or \
             conn._sock is None or \
             getattr(parser, "_sock", None) is not conn._sock or \
-            (_PUSH is None and getattr(conn, "protocol", 2) not in (2, "2", None)):
+            (getattr(conn, "protocol", 2) not in (2, "2", None) and
+             (_PUSH is None or not hasattr(parser, "handle_push_response"))):
         return None
     interval = conn.health_check_interval
     if interval and time.monotonic() > conn.next_health_check:
@@ -157,9 +158,8 @@ def _direct(conn: Any) -> Any:
 
 def _talk(conn: Any, parser: Any, packed: list[bytes], n: int) -> list[Any]:
     """Send ``packed`` and read ``n`` replies on the socket and hiredis reader that
-    redis-py's connection set up, without its per-call layers (about 17 us of client CPU a
-    call here, most of what the lane costs over the socket's own calls). What those
-    layers do that matters is done here: one write (one syscall for a pipeline too), an
+    redis-py's connection set up, without its per-call layers (2-5 us of client CPU a call
+    here). What those layers do that matters is done here: one write (one syscall for a pipeline too), an
     error reply returned in its place, a dropped or timed-out socket disconnected and
     raised as redis-py's ConnectionError or TimeoutError (its retry then reconnects),
     and the idle health check moved on."""

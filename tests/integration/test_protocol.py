@@ -519,6 +519,11 @@ def test_result_timeout_and_not_found(qname: str, redis_url: str) -> None:
     # the caller's timeout, once: not what was left of it after the wait on its own task
     assert exc.value.timeout == 0.3 and "within 0.3s" in str(exc.value)
     assert 0.3 <= waited < 2.0, f"result(timeout=0.3) gave up after {waited:.2f} s"
+    other = q.submit({})
+    start = time.monotonic()
+    with pytest.raises(mtq.ResultTimeout):
+        other.result(timeout=-1)  # a time already past: no wait at all (not "forever")
+    assert time.monotonic() - start < 2.0
     with pytest.raises(mtq.TaskNotFound):
         q.task("missing").result(timeout=1)
 
