@@ -58,12 +58,14 @@ def load(path: Path) -> dict[tuple[str, str, str], dict[str, list[float]]]:
         for name, value in row.items():
             if isinstance(value, dict) and "runs" in value:
                 fields.setdefault(name, []).extend(value["runs"])
+        # the harness's PING round trip just before the measurement: the machine's speed then
+        fields.setdefault("ping_rtt_us", []).extend(row.get("ping_rtt_us") or [])
     return out
 
 
 def table(data: dict[tuple[str, str, str], dict[str, list[float]]]) -> str:
-    lines = ["| figure | mtq | best peer in the same run | mtq / best peer |",
-             "|---|---:|---|---:|"]
+    lines = ["| figure | mtq | best peer in the same run | mtq / best peer | PING at mtq's / "
+             "the peer's measurement (us) |", "|---|---:|---|---:|---:|"]
     for label, measure, field, higher, variant in ROWS:
         mine = data.get(("mtq", variant, measure), {}).get(field)
         peers = [(statistics.median(v[field]), system, var)
@@ -73,8 +75,11 @@ def table(data: dict[tuple[str, str, str], dict[str, list[float]]]) -> str:
             continue
         best = max(peers) if higher else min(peers)
         value = statistics.median(mine)
+        pings = [data.get(k, {}).get("ping_rtt_us") for k in
+                 (("mtq", variant, measure), (best[1], best[2], measure))]
+        ping = " / ".join(f"{statistics.median(p):.0f}" if p else "?" for p in pings)
         lines.append(f"| {label} | {_fmt(value)} [{_fmt(min(mine))}-{_fmt(max(mine))}] | "
-                     f"{best[1]} {best[2]}: {_fmt(best[0])} | {value / best[0]:.2f}x |")
+                     f"{best[1]} {best[2]}: {_fmt(best[0])} | {value / best[0]:.2f}x | {ping} |")
     return "\n".join(lines)
 
 
@@ -126,7 +131,10 @@ JSON lines). {env.get("cpu", "")}, {env.get("nproc", "?")} CPUs, Python {env.get
 redis-server {env.get("redis_server", "?")} pinned to CPU 0, drivers and workers to CPU 1; 5,000
 no-op tasks, one execution slot. Cells: median [min-max] over the passes. The peers:
 {", ".join(sorted(f"{s} {v}" for s, v in other))}. The harness's README says how
-each figure is taken; compare ratios, never figures from another run.
+each figure is taken; compare ratios, never figures from another run. This machine's
+speed swings within a run: the last column is the harness's PING round trip just before
+mtq's measurement and the peer's (medians over the passes), so a ratio taken while one
+of them ran at a slower moment shows it.
 
 {text}
 """
