@@ -39,6 +39,7 @@ from mtq.replies import (
     AsyncOneShot,
     CallbackFeed,
     Event,
+    Feed,
     Hub,
     OneShot,
     Pacer,
@@ -66,6 +67,13 @@ SUBMIT_RETRY_S = 10.0
 #: (15 s by default) and an election (see docs/scaling.md)
 SUBMIT_RETRY_HA_S = 30.0
 READ_RETRY_S = 60.0
+
+
+def _own_wait(timeout: float | None) -> float:
+    """How long the short way of result() waits on its feed: the caller's timeout, at
+    most RESYNC_S (then the long way reads the stored state); a negative one not at all
+    (a lock's -1 would mean forever)."""
+    return RESYNC_S if timeout is None else max(0.0, min(timeout, RESYNC_S))
 
 
 def new_task_id() -> str:
@@ -268,22 +276,34 @@ class Task:
         timeout left) for the long way (:meth:`events`, from the stored state): the
         subscription broke, the result is too large to ride in the message, or nothing
         came in RESYNC_S (the long way's safety net) or the timeout."""
-        hub, name = self.queue.hub, self.queue.name
-        feed = OneShot((name, self.id))
-        start = time.monotonic()
-        hub.open(feed)
+        feed, start = OneShot((self.queue.name, self.id)), time.monotonic()
         try:
-            item = hub.take(name, self.id)
-            if hub.epoch(name) == epoch and not isinstance(item, str):
-                if item is None:  # (a negative timeout waits not at all, as the long way)
-                    item = feed.get(RESYNC_S if timeout is None
-                                    else max(0.0, min(timeout, RESYNC_S)))
-                if isinstance(item, Event) and item.terminal and item.data is not FETCH:
-                    return item, None
+            going, item = self._open_own(feed, epoch)
+            if going and item is None:
+                item = feed.get(_own_wait(timeout))
         finally:
-            hub.close(feed)
-        return None, None if timeout is None else \
-            max(0.0, timeout - (time.monotonic() - start))
+            self.queue.hub.close(feed)
+        return self._own_outcome(item if going else None, timeout, start)
+
+    def _open_own(self, feed: Feed, epoch: int) -> tuple[bool, Event | str | None]:
+        """Open the short way's ``feed``: (whether the short way goes on, the outcome the
+        inbox held, None for none yet)."""
+        hub, name = self.queue.hub, self.queue.name
+        hub.open(feed)
+        item = hub.take(name, self.id)
+        return hub.epoch(name) == epoch and not isinstance(item, str), item
+
+    @staticmethod
+    def _own_outcome(item: Event | str | None, timeout: float | None, start: float
+                     ) -> tuple[Event | None, float | None]:
+        """What the short way ends with (see :meth:`_await_own`)."""
+        if isinstance(item, Event) and item.terminal and item.data is not FETCH:
+            return item, None
+        return None, None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+
+    def _given(self, exc: ResultTimeout, timeout: float | None) -> ResultTimeout:
+        """``exc`` as the caller's timeout, not what the long way had left of it."""
+        return ResultTimeout(self.id, timeout or 0.0, exc.status)
 
     def events(self, timeout: float | None = None, *, tokens: bool = True, start: int = 0,
                idle: float | None = None, fail_fast: bool = False,
@@ -382,8 +402,7 @@ class Task:
         except ResultTimeout as exc:
             if left is timeout:
                 raise
-            # the time the caller gave, not what the long way had left of it
-            raise ResultTimeout(self.id, timeout or 0.0, exc.status) from None
+            raise self._given(exc, timeout) from None
         raise AssertionError("unreachable: events() ends with a terminal event")
 
     async def aevents(self, timeout: float | None = None, *, tokens: bool = True,
@@ -462,28 +481,21 @@ class Task:
         except ResultTimeout as exc:
             if left is timeout:
                 raise
-            raise ResultTimeout(self.id, timeout or 0.0, exc.status) from None
+            raise self._given(exc, timeout) from None
         raise AssertionError("unreachable: aevents() ends with a terminal event")
 
     async def _await_own_async(self, epoch: int, timeout: float | None
                                ) -> tuple[Event | None, float | None]:
         """:meth:`_await_own` for asyncio (a future of the running loop)."""
-        hub, name = self.queue.hub, self.queue.name
-        feed = AsyncOneShot((name, self.id), asyncio.get_running_loop())
+        feed = AsyncOneShot((self.queue.name, self.id), asyncio.get_running_loop())
         start = time.monotonic()
-        hub.open(feed)
         try:
-            item = hub.take(name, self.id)
-            if hub.epoch(name) == epoch and not isinstance(item, str):
-                if item is None:
-                    item = await feed.get(RESYNC_S if timeout is None
-                                          else max(0.0, min(timeout, RESYNC_S)))
-                if isinstance(item, Event) and item.terminal and item.data is not FETCH:
-                    return item, None
+            going, item = self._open_own(feed, epoch)
+            if going and item is None:
+                item = await feed.get(_own_wait(timeout))
         finally:
-            hub.close(feed)
-        return None, None if timeout is None else \
-            max(0.0, timeout - (time.monotonic() - start))
+            self.queue.hub.close(feed)
+        return self._own_outcome(item if going else None, timeout, start)
 
     # -- callbacks -----------------------------------------------------------------
     def add_done_callback(self, fn: Callable[[Task, Event], None], *, _known: bool = False

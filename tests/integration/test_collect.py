@@ -133,14 +133,19 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return reads
 
 
+def _gated(q: mtq.Queue, tmp_path: Path, i: int) -> tuple[Path, mtq.Task]:
+    """A task of ``q`` whose handler waits while the returned gate file exists."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    return gate, q.submit({"i": i, "gate": str(gate)})
+
+
 def test_waiting_on_an_own_task_reads_nothing_but_another_handle_reads_once(
         qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
     reads = _count_reads(monkeypatch)
     q = mtq.Queue(qname, redis_url, client=client)
-    gate = tmp_path / "gate"
-    gate.touch()
-    t = q.submit({"i": 1, "gate": str(gate)})
+    gate, t = _gated(q, tmp_path, 1)
     other = mtq.Queue(qname, redis_url).task(t.id)  # a handle that did not submit it
     subprocess.Popen(["sh", "-c", f"sleep 0.3; rm -f {gate}"])  # opens while both wait
     assert t.result(timeout=30)["i"] == 1
@@ -154,9 +159,7 @@ def test_aresult_on_an_own_task_reads_nothing_and_times_out_with_the_callers_tim
         monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
     reads = _count_reads(monkeypatch)
     q = mtq.Queue(qname, redis_url, client=client)
-    gate = tmp_path / "gate"
-    gate.touch()
-    t = q.submit({"i": 7, "gate": str(gate)})
+    gate, t = _gated(q, tmp_path, 7)
 
     async def go() -> None:
         with pytest.raises(mtq.ResultTimeout) as exc:
@@ -180,9 +183,7 @@ def test_an_own_task_is_read_after_its_reply_connection_was_lost(
     reads = _count_reads(monkeypatch)
     q = mtq.Queue(qname, redis_url, client=client)
     hub = replies.hub_of(client)
-    gate = tmp_path / "gate"
-    gate.touch()
-    t = q.submit({"i": 2, "gate": str(gate)})
+    gate, t = _gated(q, tmp_path, 2)
     before = hub.resyncs
     # the reply connection drops while the task runs; its outcome may come while it is away
     client.client_kill_filter(_type="pubsub")
