@@ -15,13 +15,22 @@ Redis on another host.
   event). Redis's time in the drain's scripts and in the commands they call comes from
   ``INFO commandstats`` (usec by command) over the drain / N. mtq's modules are compiled
   to bytecode first, as an installed mtq has them (:func:`benchmarks.broker.compile_tree`).
+* **bare**: the floor under Redis CPU per task. The commands mtq's scripts make for each
+  task, sent as plain pipelined commands with the same fields (no script, none of what
+  the scripts add around them), and a queue that keeps no record of a task (payloads
+  pushed and popped in bulk, each result HSET into one hash); Redis CPU per task as the
+  drain takes it. See :func:`bare`.
 * **round trip**: a warm worker on its own queue; 20 untimed, then 300 timed
-  ``q.submit(None).result()``; p50 / p99, and Redis commands per round trip.
+  ``q.submit(None).result()``; p50 / p99, and Redis commands per round trip. Then the
+  floor: round trips through an echo process on the worker's CPU (``ECHO``: it BLPOPs
+  a request and RPUSHes it back; four commands, no record), in 10 blocks alternating
+  with as many more of mtq's, so that both meet the same moments of this machine.
 * **under load**: a producer process submits the queue's no-op tasks at half the steady
   drain rate (``submit_many`` every millisecond) while the round trips are timed on the
   same queue and worker. The producer runs on the CPU of this driver and the worker
   (the other one is Redis's); its share and the worker's of that CPU are reported, and
-  how late a 1 ms sleep on it wakes (p99): a floor for any latency measured there.
+  how late a 1 ms sleep on it wakes (p99), and the echo process's round trip under the
+  same load: floors for any latency measured there.
 
     python -m benchmarks.hotpath            # full run, rewrites "## Hot path"
     python -m benchmarks.hotpath --quick    # smaller, prints only
@@ -161,21 +170,51 @@ def _producer(url: str, queue: str, rate: float, stop_file: str) -> None:
         time.sleep(0.001)
 
 
+#: the least a round trip through Redis and a worker process costs in Python here: a
+#: process that BLPOPs a request and RPUSHes it back onto the requester's list
+#: (redis-py with hiredis, as mtq), no record, no lease, no event: four commands
+ECHO = r"""
+import sys, redis
+r = redis.Redis.from_url(sys.argv[1])
+while True:
+    got = r.blpop("bare:in", timeout=1)  # (redis-py 8 reads with a 5 s socket timeout)
+    if got is None:
+        continue
+    if got[1] == b"stop":
+        break
+    r.rpush(b"bare:out:" + got[1], got[1])
+"""
+
+
+def _echo(r: redis.Redis) -> float:
+    """One round trip through the echo process (s)."""
+    t = time.perf_counter()
+    r.rpush("bare:in", b"c")
+    if r.blpop("bare:out:c", timeout=30) is None:
+        raise SystemExit("the echo process did not answer in 30 s")
+    return time.perf_counter() - t
+
+
 def roundtrips(server: Server, count: int, cpu: int | None, load: float = 0.0
                ) -> dict[str, float]:
     """p50 / p99 of submit -> result on a warm worker, with ``load`` tasks/s of background
-    work on the same queue (0: idle)."""
+    work on the same queue (0: idle); and, in blocks alternating with them, of a round
+    trip through the echo process (:data:`ECHO`) on the worker's CPU: the floor."""
     r = redis.Redis.from_url(server.url)
     r.flushall()
     name = f"ping-{time.monotonic_ns()}"
     q = mtq.Queue(name, client=r)
     proc = spawn_worker(server, name, "benchmarks.noop:handle", cpu, worker_env(server))
+    echo_cmd = [sys.executable, "-c", ECHO, server.url]
+    echo = subprocess.Popen(["taskset", "-c", str(cpu), *echo_cmd] if cpu is not None
+                            else echo_cmd)
     producer = None
     stop_file = tempfile.mktemp(prefix="mtq-bench-stop-")
     try:
         wait_worker(r, name, proc)
         for _ in range(20):
             q.submit(None).result(timeout=30)
+            _echo(r)
         if load:
             producer = subprocess.Popen(
                 [sys.executable, "-c", "import sys; from benchmarks.hotpath import _producer; "
@@ -196,16 +235,36 @@ def roundtrips(server: Server, count: int, cpu: int | None, load: float = 0.0
         w1, m1 = _proc_cpu(proc.pid), time.process_time()
         elapsed = time.perf_counter() - t0
         p1 = _proc_cpu(producer.pid) if producer is not None else 0.0
+        # the floor, in blocks alternating with more of mtq's round trips (not counted
+        # above), so that both see the same moments of this machine and of the load
+        floor_rt: list[float] = []
+        beside: list[float] = []
+        for _ in range(10):
+            for _ in range(count // 10):
+                floor_rt.append(_echo(r))
+            for _ in range(count // 10):
+                t = time.perf_counter()
+                q.submit(None).result(timeout=30)
+                beside.append(time.perf_counter() - t)
     finally:
         Path(stop_file).touch()
         if producer is not None:
             producer.wait(30)
         Path(stop_file).unlink(missing_ok=True)
+        r.rpush("bare:in", b"stop")
+        try:
+            echo.wait(30)
+        except subprocess.TimeoutExpired:
+            echo.kill()
         _stop(proc)
         mtq.replies.hub_of(r).close_all()
         r.close()
-    out.sort()
-    return {"p50_ms": 1000 * out[len(out) // 2], "p99_ms": 1000 * out[int(len(out) * 0.99)],
+    def pct(v: list[float], q: float) -> float:
+        return 1000 * sorted(v)[int(len(v) * q)]
+
+    return {"p50_ms": pct(out, 0.5), "p99_ms": pct(out, 0.99),
+            "floor_p50_ms": pct(floor_rt, 0.5), "floor_p99_ms": pct(floor_rt, 0.99),
+            "beside_p50_ms": pct(beside, 0.5), "beside_p99_ms": pct(beside, 0.99),
             "cmds": (c1 - c0) / count, "redis_us": 1e6 * (cpu1 - cpu0) / count,
             "worker_us": 1e6 * (w1 - w0) / count, "client_us": 1e6 * (m1 - m0) / count,
             # under load: the CPU this driver, the worker and the producer share
@@ -229,6 +288,71 @@ def _proc_cpu(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` (all its threads), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bare(server: Server, n: int = 20000, batch: int = 64) -> dict[str, float]:
+    """Redis CPU per task (user + sys over submit and drain / n, as :func:`drain` takes
+    it) of two task lives sent as plain commands, pipelined, without a script:
+
+    * ``record_us``: the commands mtq's scripts make for each task, with the same
+      fields (submit: HSET of the task, one RPUSH a thousand; claim: LPOP of a batch,
+      then HMGET and HSET of each task, one ZADD of the batch's leases; ack: HMGET,
+      HSET and EXPIRE of each task, one ZREM, one PUBLISH), and nothing of what the
+      scripts add around them (atomicity, fencing decisions, counters, events, replies);
+    * ``lean_us``: a queue that keeps no record of a task (the shape of the leanest
+      peers): the payloads RPUSHed a thousand at a time, LPOPed a batch at a time, each
+      result HSET into one hash.
+
+    The first is what a task that has its own record costs Redis before any scripting,
+    the floor under mtq's figure; the second what a queue without one costs."""
+    r = redis.Redis.from_url(server.url)
+    payload, result, created = b"\x90", b"\xc0", "1764225000000"
+    out: dict[str, float] = {}
+    for name in ("record", "lean"):
+        r.flushall()
+        _, c0 = _snap(r)
+        if name == "record":
+            # a member longer than 64 bytes keeps the set a skiplist, as mtq's LEASE_MARK does
+            r.zadd("leases", {"~" * 80: float("inf")})
+            for lo in range(0, n, 1000):
+                p = r.pipeline(transaction=False)
+                ids = [f"bare-{i:016d}" for i in range(lo, min(n, lo + 1000))]
+                for i in ids:
+                    p.hset(f"task:{i}", mapping={"payload": payload, "status": "queued",
+                                                 "created": created, "trace": "0",
+                                                 "reply": "mtq:{bare}:reply:c1"})
+                p.rpush("free", *ids)
+                p.execute()
+            while ids := r.lpop("free", batch):
+                p = r.pipeline(transaction=False)
+                for i in ids:
+                    p.hmget(b"task:" + i, "status", "payload", "deadline", "deliveries",
+                            "attempts", "retries", "created", "reply", "traceparent", "trace")
+                    p.hset(b"task:" + i, mapping={"status": "running", "worker": "w1",
+                                                  "token": "1001", "started": created,
+                                                  "deliveries": "1"})
+                p.zadd("leases", {i: 1764225030000 for i in ids})
+                p.execute()
+                p = r.pipeline(transaction=False)
+                for i in ids:
+                    p.hmget(b"task:" + i, "reply", "created", "trace", "out", "status", "token",
+                            "stream", "cache")
+                    p.hset(b"task:" + i, mapping={"status": "succeeded", "finished": created,
+                                                  "result": result})
+                    p.expire(b"task:" + i, 86400)
+                p.zrem("leases", *ids)
+                p.publish("mtq:{bare}:reply:c1", b"x" * 64 * len(ids))
+                p.execute()
+        else:
+            for lo in range(0, n, 1000):
+                r.rpush("q", *[b"bare-%016d" % i for i in range(lo, min(n, lo + 1000))])
+            while msgs := r.lpop("q", batch):
+                r.hset("results", mapping=dict.fromkeys(msgs, result))
+        _, c1 = _snap(r)
+        out[f"{name}_us"] = 1e6 * (c1 - c0) / n
+    r.flushall()
+    r.close()
+    return out
 
 
 def floor(server: Server, reps: int = 500) -> dict[str, float]:
@@ -319,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
         os.sched_setaffinity(server.proc.pid, {cpus[0]})
         os.sched_setaffinity(0, {cpus[1]})
     results: dict[str, list[dict[str, float]]] = {"drain": [], "drain20k": [], "rt": [],
-                                                  "load": [], "floor": []}
+                                                  "load": [], "floor": [], "bare": []}
     t_run = time.time()
     try:
         version = redis.Redis.from_url(server.url).info("server")["redis_version"]
@@ -331,6 +455,7 @@ def main(argv: list[str] | None = None) -> None:
             results["load"].append({**roundtrips(server, count, worker_cpu, half),
                                     "rate": half})
             results["floor"].append(floor(server))
+            results["bare"].append(bare(server))
             print(f"pass {i + 1}/{passes}: " + "; ".join(
                 f"{k} " + ", ".join(f"{m} {v[-1][m]:.3g}" for m in v[-1])
                 for k, v in results.items()), flush=True)
@@ -352,6 +477,11 @@ def main(argv: list[str] | None = None) -> None:
         ("Redis CPU per task: submit + claim + ack + completion event",
          f"{med('drain20k', 'cpu_us'):.2f} us", "<= 8 us",
          f"20,000 tasks, batch 64; range {rng('drain20k', 'cpu_us')}"),
+        ("Redis CPU per task, the same commands sent bare: mtq's per-task commands / a "
+         "queue that keeps no record of a task",
+         f"{med('bare', 'record_us'):.1f} / {med('bare', 'lean_us'):.1f} us", "",
+         "20,000 tasks, batch 64, pipelined, no script; the floor under the row above "
+         "for a task that has its own record (see below and `bare` in the module)"),
         ("Redis time per drained task: its scripts (EVALSHA) / the commands they call",
          f"{med('drain20k', 'script_us'):.1f} / {med('drain20k', 'commands_us'):.1f} us", "",
          f"INFO commandstats, 20,000 tasks; of the commands, the task's HSET, HMGET and "
@@ -367,6 +497,12 @@ def main(argv: list[str] | None = None) -> None:
          f"(`python -c pass`: {med('floor', 'python_s'):.3f} s)"),
         ("round trip p50 / p99 (ms)", f"{med('rt', 'p50_ms'):.3f} / {med('rt', 'p99_ms'):.3f}",
          "<= 0.5 / <= 1.0", f"{count} round trips a pass"),
+        ("floor of a round trip: the same through an echo process on the worker's CPU "
+         "(BLPOP, RPUSH back; no record), p50 / p99 (ms)",
+         f"{med('rt', 'floor_p50_ms'):.3f} / {med('rt', 'floor_p99_ms'):.3f}", "",
+         f"{count} a pass, in 10 blocks alternating with {count} more of mtq's, which took "
+         f"{med('rt', 'beside_p50_ms'):.3f} / {med('rt', 'beside_p99_ms'):.3f} ms "
+         "(see `ECHO` in the module)"),
         ("round trip: CPU per round trip of the client, the worker and redis-server (us)",
          f"{med('rt', 'client_us'):.0f} / {med('rt', 'worker_us'):.0f} / "
          f"{med('rt', 'redis_us'):.0f}", "",
@@ -377,6 +513,10 @@ def main(argv: list[str] | None = None) -> None:
          f"also runs the producer: worker {med('load', 'worker_pct'):.0f} % + producer "
          f"{med('load', 'producer_pct'):.0f} % of it, and a 1 ms sleep on it wakes "
          f"{med('load', 'oversleep_p99_ms'):.2f} ms late at p99"),
+        ("floor under that load: the echo process's round trip p50 / p99 (ms)",
+         f"{med('load', 'floor_p50_ms'):.3f} / {med('load', 'floor_p99_ms'):.3f}", "",
+         f"alternating with mtq's, which took {med('load', 'beside_p50_ms'):.3f} / "
+         f"{med('load', 'beside_p99_ms'):.3f} ms in the same blocks"),
     ]
     fl = {m: med("floor", m) for m in results["floor"][0]}
     scripts_us = fl["handoff_us"] + fl["ack_us"]
