@@ -555,6 +555,20 @@ channel and one per client, the reaper's and timers' reads) is paid once per cal
 to 64 tasks. Below 5 a task would have to do without one of these: a read before it
 runs (its payload), the fenced read before its result is written, or a retention
 Redis keeps by itself (EXPIRE, rather than a sweep that only runs while a worker does).
+Fewer commands would not be much less work for Redis, measured: a prototype (sixth
+session) that kept a running task's state out of its hash, in one hash per queue (id ->
+lease token and what ack reads: one HSET per claim, one HMGET and one HDEL per ack, the
+task's hash untouched until it ends) drained a task in 3.46 commands, and redis-server's
+instructions per drained task fell 4.8 % (140,300 -> 133,600, the drain case of
+`benchmarks.instructions`; 4 % more than now until that hash was kept a hashtable). It
+was not built: every reader of a running task (cancel, nack, extend, emit, the reaper,
+orphans, watch, `mtq task`) would read two places, and an older worker in a fleet being
+upgraded (docs/operations.md) would drop such a task's expired lease without requeueing
+it, as it finds no `running` status: lost. The floor under the "Redis CPU per task" row
+is the row after it: the same per-task commands sent bare, with no script, cost Redis
+about half of mtq's figure here, far above 8 us already; only a queue that keeps no
+record of a task (its payload in the list, the results in one hash: the shape of the
+leanest peers, with no lease, no retention, nothing to inspect) comes near 8 us.
 Where a drained task's redis-server instructions go (callgrind, Redis 6.2): a fifth in
 scanning the task's hash (a small hash is a ziplist, searched from its head: HMGET of a
 field a task does not have, such as `deadline` or `traceparent`, scans all of it), a
@@ -580,7 +594,11 @@ the events channel and to the client, LPUSH of the latency). Below that, a round
 would drop a record the guarantees or the dashboard read (the lease, the retention, a
 counter, an event), or the fenced read before the result is written. The "CPU per
 round trip" row is the other floor: the client's and the worker's Python share one
-CPU here (as in the peer harness), and their sum is most of the round trip.
+CPU here (as in the peer harness), and their sum is most of the round trip. The echo
+rows measure the floor of any such round trip: a second Python process on the same CPU
+that only BLPOPs a request and RPUSHes it back (four commands, no record), timed in
+blocks alternating with mtq's; under load it shares that CPU with the worker and the
+producer, as mtq's round trip does.
 """
     write_docs(ROOT / "docs" / "benchmarks.md", section, "## Hot path")
 

@@ -6,6 +6,8 @@ in the same run, and their ratio.
 
     python -m benchmarks.peers --run               # setup.sh once, then run_all.sh (PASSES=2)
     python -m benchmarks.peers results.jsonl       # a run already made
+    ONLY="huey mtq" python -m benchmarks.peers --run --passes 6 \
+        --heading "## Peers: mtq and Huey"         # a subset, more passes, its own section
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", action="store_true", help="run the harness first")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--no-docs", action="store_true")
+    ap.add_argument("--heading", default="## Peers",
+                    help="the section of docs/benchmarks.md to write (a subset run: its own)")
     args = ap.parse_args(argv)
     if args.run:
         path = run(args.passes)
@@ -123,14 +127,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_docs:
         return
     other = {(s, v) for s, v, _ in data if s not in ("mtq", "redis-benchmark")}
-    section = f"""## Peers
+    systems = " ".join(sorted({s for s, _, _ in data if s != "redis-benchmark"}))
+    subset = "" if args.heading == "## Peers" else (
+        f' (only these ran: `ONLY="{systems}"`, with more passes than the run in "Peers", '
+        "to compare the two more closely)")
+    made = f"python -m benchmarks.peers {path.name}" + (
+        f' --heading "{args.heading}"' if args.heading != "## Peers" else "")
+    section = f"""{args.heading}
 
 {date.today().isoformat()}, one run of the shared peer harness (`../shared/bench/peers/run_all.sh`,
-{passes} interleaved passes; `python -m benchmarks.peers {path.name}` made this table from its
+{passes} interleaved passes; `{made}` made this table from its
 JSON lines). {env.get("cpu", "")}, {env.get("nproc", "?")} CPUs, Python {env.get("python_version", "?")},
 redis-server {env.get("redis_server", "?")} pinned to CPU 0, drivers and workers to CPU 1; 5,000
 no-op tasks, one execution slot. Cells: median [min-max] over the passes. The peers:
-{", ".join(sorted(f"{s} {v}" for s, v in other))}. The harness's README says how
+{", ".join(sorted(f"{s} {v}" for s, v in other))}{subset}. The harness's README says how
 each figure is taken; compare ratios, never figures from another run. This machine's
 speed swings within a run: the last column is the harness's PING round trip just before
 mtq's measurement and the peer's (medians over the passes), so a ratio taken while one
@@ -138,7 +148,7 @@ of them ran at a slower moment shows it.
 
 {text}
 """
-    write_docs(ROOT / "docs" / "benchmarks.md", section, "## Peers")
+    write_docs(ROOT / "docs" / "benchmarks.md", section, args.heading)
 
 
 if __name__ == "__main__":
