@@ -762,9 +762,9 @@ def bench_overhead(server: Server, r: redis.Redis, s: Sizes, res: Results,
         f"{float(ev.get('usec', 0)) / nb / 1000 / wall:.0%}); the worker's threads "
         "overlap (fetcher claims while the publisher acks), and the model thread's own "
         "Python work per batch (take, decode 32 payloads, outcomes) is ~0.06 ms in a "
-        "profile. The fetcher claims one batch ahead, so with a no-op model it is the "
-        "claim round trip (one script call that reaps, promotes and claims) that sets the "
-        "pace.")
+        "profile. With a no-op model (batches far under 10 ms) on a deep queue the fetcher "
+        "keeps two batches claimed ahead, so that Redis's work on the claim and ack scripts, "
+        "not the claim's round trip, sets the pace (mtq.workers.worker.Worker._claim_ahead).")
     st = flood.log_stats()
     if st:
         res.add("  with MiniLM: the model thread outside predict per batch", st["gap_mean_ms"],

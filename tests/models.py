@@ -9,6 +9,8 @@ Payloads are dicts; these fields steer :class:`Probe` inside ``predict``:
 * ``"sleep": s``  sleep s seconds for this item
 * ``"exit": true``  ``os._exit(1)`` (a crash the worker cannot catch)
 * ``"hang": true``  sleep forever (only the supervisor's timeout ends it)
+* ``"hang_here": true``  sleep forever in a process whose ``MTQ_TEST_HANG`` is set
+  (the victim of a kill test); run normally elsewhere
 * ``"s"``, ``"i"``  stream label and index, echoed in the result and the log
 
 When ``MTQ_TEST_LOG`` names a file, every predict call appends a line as it starts,
@@ -30,6 +32,7 @@ import mtq
 LOG_ENV = "MTQ_TEST_LOG"
 VERSION_ENV = "MTQ_TEST_VERSION_FILE"
 SETUP_DELAY_ENV = "MTQ_TEST_SETUP_DELAY"
+HANG_ENV = "MTQ_TEST_HANG"
 
 
 def _log(tag: str, batch: list[Any]) -> None:
@@ -74,7 +77,7 @@ class Probe(mtq.Model):
             p = p if isinstance(p, dict) else {}
             if p.get("exit"):
                 os._exit(1)
-            if p.get("hang"):
+            if p.get("hang") or (p.get("hang_here") and os.environ.get(HANG_ENV)):
                 while True:
                     time.sleep(3600)
             if p.get("sleep"):

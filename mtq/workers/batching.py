@@ -41,6 +41,9 @@ class BatchSlot:
         self._kicked = False
         #: places taken by tasks already out of the slot (a generator's running batch)
         self._reserved = 0
+        #: batches the fetcher keeps claimed ahead (the worker raises it to 2 for a fast
+        #: model on a deep queue: see Worker._claim_ahead)
+        self.ahead = 1
 
     def configure(self, max_batch_size: int, max_wait_ms: float) -> None:
         """New limits (after a reload)."""
@@ -61,13 +64,15 @@ class BatchSlot:
     # -- fetcher side -----------------------------------------------------------
     def wait_space(self) -> int:
         """Block until the slot has room and is not paused; returns how many tasks to
-        claim, or 0 once the slot is closed."""
+        claim (at most a batch), or 0 once the slot is closed. The slot holds up to
+        :attr:`ahead` batches."""
         with self.cond:
             while not self.closed and (self.paused or len(self._pending) + self._reserved
-                                       >= self.max_batch_size):
+                                       >= self.ahead * self.max_batch_size):
                 self.cond.wait()
-            return 0 if self.closed else \
-                self.max_batch_size - len(self._pending) - self._reserved
+            return 0 if self.closed else min(
+                self.max_batch_size,
+                self.ahead * self.max_batch_size - len(self._pending) - self._reserved)
 
     def reserve(self, n: int) -> None:
         """``n`` places are held by tasks that left the slot but still count against

@@ -7,8 +7,9 @@ Threads, each with one job:
   a batch that raises) and hands the outcomes to the publisher. It never talks to
   Redis, so a slow network never stalls the device.
 * **fetcher**: claims tasks into the slot (one round trip per claim), keeping up to
-  one batch claimed ahead while the model runs; sleeps on the wake list (BLPOP)
-  when there is nothing to claim.
+  one batch claimed ahead while the model runs (two for a fast model on a deep queue:
+  see :meth:`Worker._claim_ahead`); sleeps on the wake list (BLPOP) when there is
+  nothing to claim.
 * **publisher**: settles outcomes (acks with results, retries, failures) in one
   pipelined round trip for everything that finished since its last trip. A
   :class:`~mtq.workers.generator.Generator` publishes from a process of its own
@@ -77,6 +78,9 @@ BEAT_S = 1.0
 #: with Redis before the model is called on it (a heartbeat extends every lease/3 at
 #: most, so this happens only when the process was frozen, starved or cut off)
 REVALIDATE_BELOW = 0.5
+#: a batch that ran in less than this is a fast model's: while its claims come back
+#: full, the fetcher keeps two batches claimed ahead (see Worker._claim_ahead)
+FAST_BATCH_S = 0.01
 
 Lease = tuple[str, str]
 
@@ -171,6 +175,9 @@ class Worker:
         self._user_paused = False  # paused by a command (a reload pauses the slot too)
         self._beat_stop = threading.Event()  # leases are extended until the batch is settled
         self._fetcher_sleeping = False
+        #: how long the model thread's last batch ran (s); inf until one has, and for a
+        #: generator (see _claim_ahead)
+        self._batch_s = float("inf")
         self._busy = False
         self._current = 0
         self.hist: collections.Counter[int] = collections.Counter()
@@ -391,6 +398,9 @@ class Worker:
             if isinstance(self.model, Generator):
                 from mtq.workers.engine import GenerationEngine
 
+                # its running batch holds places in the slot: one batch ahead at most
+                self._batch_s = float("inf")
+                self.slot.ahead = 1
                 if not GenerationEngine(self).run():
                     return
                 self._do_reload()
@@ -419,7 +429,9 @@ class Worker:
                 self._busy = True
                 self._current = len(batch)
             self.monitor.batch([(t.id, t.token) for t in batch])
+            t0 = time.perf_counter()
             self._run_batch(batch, per_item)
+            self._batch_s = time.perf_counter() - t0
             with self._lock:
                 self._busy = False
                 self._current = 0
@@ -694,6 +706,7 @@ class Worker:
                     return
                 continue
             full = not c.registered if direct else len(tasks) == need
+            self._claim_ahead(full)
             if self.hand_off and any(t.suspect for t in tasks):
                 # a process died running these: under a supervisor they run in its
                 # quarantine process, so that if they kill it again, no batch is lost
@@ -736,6 +749,22 @@ class Worker:
                     return
             finally:
                 self._fetcher_sleeping = False
+
+    def _claim_ahead(self, full: bool) -> None:
+        """How many batches the fetcher keeps claimed ahead, after a claim: two while
+        the claims come back full (a deep queue) and the model's last batch ran in less
+        than FAST_BATCH_S; one otherwise.
+
+        The model thread's Python holds the GIL while it runs a batch, so the claim the
+        fetcher makes when the model takes a batch goes out only when that batch ends:
+        with one batch ahead, a fast model then waits for that claim's round trip after
+        every batch (Redis and the worker take turns instead of overlapping; steady
+        drain of no-op tasks about 1.3x with two, docs/benchmarks.md). A slow model
+        hides the claim behind its batch and keeps one, so that on a queue shared by
+        several workers the last batches spread over them; a generator keeps one (its
+        running batch holds places in the slot)."""
+        fast = self._batch_s < FAST_BATCH_S and not isinstance(self.model, Generator)
+        self.slot.ahead = 2 if full and fast else 1
 
     def _release_unknown(self) -> None:
         """After a claim (or a wait) whose reply was lost: give back the tasks Redis shows

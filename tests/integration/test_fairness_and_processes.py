@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import redis
@@ -145,3 +146,71 @@ def test_kill_9_mid_batch_tasks_come_back_at_head(qname: str, redis_url: str,
     assert redelivered_at is not None and redelivered_at < 2 * lease_ms / 1000 + 0.5
     assert order == {s: [t.id for t in tasks] for s, tasks in streams.items()}
     assert q.stats()["redelivered"] == 10
+
+
+#: ``mtq worker run tests.models:Probe`` (batches of 4) with every batch counted as fast
+#: (FAST_BATCH_S raised, however slow this machine is at the moment): on a deep queue it
+#: keeps two batches claimed ahead of the one it runs (Worker._claim_ahead)
+FAST_WORKER = r"""
+import sys
+from mtq.workers import worker
+worker.FAST_BATCH_S = 60.0
+from mtq.cli.main import cli
+cli(["worker", "run", "tests.models:Probe", "--queue", sys.argv[1], "--lease-ms", sys.argv[2]],
+    prog_name="mtq")
+"""
+
+
+def test_kill_9_of_a_worker_holding_two_batches_ahead_loses_nothing_and_keeps_order(
+        qname: str, redis_url: str, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    lease_ms = 1500
+    q = mtq.Queue(qname, redis_url, lease_ms=lease_ms)
+    # 24 streams of 2: a claim takes the heads of 4 of them, and the heads alone fill the
+    # first six claims. The first task of s8 (third batch) hangs in the victim, which then
+    # holds that batch and two more claimed ahead, its first two batches acked.
+    streams = {s: q.submit_many([{"s": s, "i": i, "hang_here": (s, i) == (8, 0)}
+                                 for i in range(2)], stream=f"s{s}") for s in range(24)}
+    log = tmp_path / "calls.log"
+    env = {**subprocess_env, "MTQ_TEST_LOG": str(log)}
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str, hang: bool = False) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, *args],
+                                env={**env, "MTQ_TEST_HANG": "1"} if hang else env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    try:
+        victim = start("-c", FAST_WORKER, qname, str(lease_ms), hang=True)
+        wait_for(lambda: (q.stats()["succeeded"], q.stats()["running"]) == (8, 12), 60,
+                 "the worker does not hold its hanging batch and two claimed ahead: "
+                 f"{q.stats()}")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        # another worker takes them back once their leases run out
+        start("-m", "mtq", "worker", "run", "tests.models:Probe", "--queue", qname,
+              "--lease-ms", str(lease_ms))
+        wait_for(lambda: q.stats()["succeeded"] == 48, 60,
+                 f"the killed worker's tasks did not all complete: {q.stats()}")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+    # each task ran to completion once (the victim's hanging call never returned), each
+    # stream in order
+    done = [key for line in log.read_text().splitlines() if line[0] == "D"
+            for key in line.split()[3:]]
+    assert sorted(done) == sorted(f"{s}:{i}" for s in streams for i in range(2))
+    order: dict[str, list[int]] = defaultdict(list)
+    for key in done:
+        s, i = key.split(":")
+        order[s].append(int(i))
+    assert order == {str(s): [0, 1] for s in streams}
+    assert [t.result(timeout=1)["i"] for ts in streams.values() for t in ts] == [0, 1] * 24
+    # the twelve it held (the heads of s8 to s19) were delivered again; the others once
+    twice = {(s, i) for s, ts in streams.items() for i, t in enumerate(ts)
+             if t.info().deliveries == 2}
+    assert twice == {(s, 0) for s in range(8, 20)}, twice
+    assert q.stats()["redelivered"] == 12

@@ -21,6 +21,7 @@ import mtq
 from mtq.broker.protocol import TERMINAL, NewTask
 from mtq.settings import QueueSettings
 from mtq.workers import control, registry
+from mtq.workers import worker as worker_module
 from mtq.workers.model import FunctionModel, Model
 from mtq.workers.worker import Worker
 from tests.conftest import Running, serving, wait_for
@@ -100,6 +101,67 @@ def test_presubmitted_backlog_runs_in_full_batches(qname: str, redis_url: str) -
     assert [t.result(timeout=1) for t in tasks] == [i * 2 for i in range(64)]
     assert w.hist == {32: 2}
     assert totals["succeeded"] == 64 and totals["batches"] == 2 and totals["tasks"] == 64
+
+
+class HoldsACall(Model):
+    """Batches of 4, run at once, except its ``hold``-th predict call, which waits until
+    ``release`` is set."""
+
+    name = "holds-a-call"
+    max_batch_size = 4
+    max_wait_ms = 0.0
+
+    def __init__(self, hold: int) -> None:
+        self.hold = hold
+        self.calls: list[list[int]] = []
+        self.holding, self.release = threading.Event(), threading.Event()
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        self.calls.append([p["i"] for p in batch])
+        if len(self.calls) == self.hold:
+            self.holding.set()
+            assert self.release.wait(20), "test release never came"
+        return [p["i"] for p in batch]
+
+
+@pytest.mark.parametrize(("fast_batch_s", "ahead"), [(60.0, 2), (0.0, 1)],
+                         ids=["fast-model", "slow-model"])
+def test_batches_claimed_ahead_two_for_a_fast_model_on_a_deep_queue(
+        qname: str, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+        fast_batch_s: float, ahead: int) -> None:
+    """Worker._claim_ahead: while its claims come back full and its batches run in
+    under FAST_BATCH_S (set here so that every batch is fast, or none, however slow
+    this machine is), the fetcher keeps two batches claimed ahead of the running one,
+    never more; one for a slow model, and one again once the queue is empty."""
+    monkeypatch.setattr(worker_module, "FAST_BATCH_S", fast_batch_s)
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    tasks = q.submit_many([{"i": i} for i in range(40)])
+    model = HoldsACall(hold=3)
+    w = make_worker(model, qname, redis_url)
+    most = 0
+    put = w.slot.put
+
+    def put_and_count(claimed: Any, claimed_at: float) -> list[mtq.Claimed]:
+        nonlocal most
+        refused = put(claimed, claimed_at)
+        most = max(most, len(w.slot))
+        return refused
+
+    w.slot.put = put_and_count  # type: ignore[method-assign]
+    with serving(w, model.release) as run:
+        wait_for(lambda: model.holding.is_set() and len(w.slot) == 4 * ahead, 10,
+                 f"the third batch did not start with {ahead} batch(es) claimed ahead")
+        # Redis shows them running (leased): the held batch and those claimed ahead
+        assert q.stats()["running"] == 4 + 4 * ahead
+        assert w.slot.ahead == ahead
+        model.release.set()
+        wait_for(all_done(tasks), 10, "the worker did not run every task")
+        wait_for(lambda: w.slot.ahead == 1, 5, "an empty queue left two batches ahead")
+        run.stop()
+    assert most == 4 * ahead  # never more
+    assert [t.result(timeout=1) for t in tasks] == list(range(40))
+    assert sorted(i for call in model.calls for i in call) == list(range(40))
+    assert [t.info().deliveries for t in tasks] == [1] * 40
 
 
 def test_partial_batch_runs_max_wait_after_submission(qname: str, redis_url: str) -> None:

@@ -113,6 +113,21 @@ def test_put_that_fills_the_batch_wakes_a_waiting_take() -> None:
     assert ids(taker.join()) == ["t0", "t1", "t2"]
 
 
+def test_wait_space_claims_a_batch_at_most_into_ahead_batches() -> None:
+    slot = BatchSlot(max_batch_size=4, max_wait_ms=10_000)
+    slot.put([claimed(i) for i in range(3)], time.monotonic())
+    assert slot.wait_space() == 1  # one batch: the room left in it
+    slot.ahead = 2
+    assert slot.wait_space() == 4  # two: at most a batch a claim
+    slot.put([claimed(i) for i in range(3, 7)], time.monotonic())
+    assert slot.wait_space() == 1
+    slot.put([claimed(7)], time.monotonic())
+    fetcher = Background(slot.wait_space)
+    assert not fetcher.done.wait(0.05), "wait_space returned with two batches held"
+    assert ids(slot.take()) == ["t0", "t1", "t2", "t3"]
+    assert fetcher.join() == 4
+
+
 def test_suspect_task_runs_alone_and_first() -> None:
     slot = BatchSlot(max_batch_size=8, max_wait_ms=10_000)
     normal = [claimed(0), claimed(1)]
