@@ -654,6 +654,9 @@ class Worker:
         else:
             self._catalogue("reloaded", model)
             self.model, self.policy = model, policy
+            # one batch ahead until the new model has shown itself fast (_claim_ahead)
+            self._batch_s = float("inf")
+            self.slot.ahead = 1
             self.slot.configure(policy.max_batch_size, policy.max_wait_ms)
             self.last_error = ""
             log.info("worker %s reloaded %s", self.worker_id, "/".join(model.describe()))
