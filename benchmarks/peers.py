@@ -6,7 +6,7 @@ in the same run, and their ratio.
 
     python -m benchmarks.peers --run               # setup.sh once, then run_all.sh (PASSES=2)
     python -m benchmarks.peers results.jsonl       # a run already made
-    ONLY="huey mtq" python -m benchmarks.peers --run --passes 6 \
+    ONLY="huey mtq" python -m benchmarks.peers --run --passes 8 \
         --heading "## Peers: mtq and Huey"         # a subset, more passes, its own section
 """
 
