@@ -175,8 +175,9 @@ class Worker:
         self._user_paused = False  # paused by a command (a reload pauses the slot too)
         self._beat_stop = threading.Event()  # leases are extended until the batch is settled
         self._fetcher_sleeping = False
-        #: how long the model thread's last batch ran (s); inf until one has, and for a
-        #: generator (see _claim_ahead)
+        #: how long the model thread's last dynamic batch ran (s); inf until one has,
+        #: after a reload, and always for a generator, whose engine never sets it (see
+        #: _claim_ahead)
         self._batch_s = float("inf")
         self._busy = False
         self._current = 0
@@ -398,9 +399,6 @@ class Worker:
             if isinstance(self.model, Generator):
                 from mtq.workers.engine import GenerationEngine
 
-                # its running batch holds places in the slot: one batch ahead at most
-                self._batch_s = float("inf")
-                self.slot.ahead = 1
                 if not GenerationEngine(self).run():
                     return
                 self._do_reload()
@@ -765,9 +763,8 @@ class Worker:
         drain of no-op tasks about 1.3x with two, docs/benchmarks.md). A slow model
         hides the claim behind its batch and keeps one, so that on a queue shared by
         several workers the last batches spread over them; a generator keeps one (its
-        running batch holds places in the slot)."""
-        fast = self._batch_s < FAST_BATCH_S and not isinstance(self.model, Generator)
-        self.slot.ahead = 2 if full and fast else 1
+        running batch holds places in the slot; only dynamic batches set _batch_s)."""
+        self.slot.ahead = 2 if full and self._batch_s < FAST_BATCH_S else 1
 
     def _release_unknown(self) -> None:
         """After a claim (or a wait) whose reply was lost: give back the tasks Redis shows
