@@ -40,7 +40,7 @@ from mtq import serialization
 from mtq.broker import catalogue as broker_catalogue
 from mtq.broker.cluster import shared
 from mtq.broker.config import SettingsSpec
-from mtq.broker.connection import Backoff, client_url, redis_errors
+from mtq.broker.connection import Backoff, client_url, redis_errors, single_attempt
 from mtq.broker.consumer import (
     OUTCOME_COUNTERS,
     Chunk,
@@ -74,6 +74,8 @@ log = logging.getLogger(__name__)
 #: how often the heartbeat reports to the registry (leases are extended at least
 #: every lease/3, whichever comes first)
 BEAT_S = 1.0
+#: gives this thread's CPU to another runnable thread or process, if any (POSIX)
+_sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 #: a task whose lease is known live for less than this share of the lease is checked
 #: with Redis before the model is called on it (a heartbeat extends every lease/3 at
 #: most, so this happens only when the process was frozen, starved or cut off)
@@ -167,6 +169,10 @@ class Worker:
         self._lost: set[str] = set()
         self._outbox: queue_mod.SimpleQueue[list[Outcome | Chunk] | None] = \
             queue_mod.SimpleQueue()
+        #: lists put in the outbox and not yet settled by the publisher (under _lock):
+        #: while any is, the model thread leaves its outcomes to the publisher too, so
+        #: that a task's chunks still in hand there reach Redis before its outcome
+        self._unsettled = 0
         #: a generator's publisher process (see mtq.workers.outlet); None: the thread
         self._outlet: Outlet | None = None
         self._stop = threading.Event()
@@ -386,12 +392,50 @@ class Worker:
             return
         self._outlet = outlet
 
-    def _publish(self, items: list[Outcome | Chunk]) -> None:
-        """Hand outcomes and chunks to the outlet process, or the publisher thread."""
+    def _publish(self, items: list[Outcome | Chunk], last: bool = False) -> None:
+        """Hand outcomes and chunks to the outlet process, or the publisher thread;
+        ``last`` (the model thread, with a dynamic batch's last outcomes): settle them
+        here if nothing else waits (see :meth:`_settle_here`)."""
         if self.batchlog.open:  # traced tasks run: close those that ended
             self.batchlog.ended(items)
+        if last and self._settle_here(items):  # type: ignore[arg-type]
+            return
         if self._outlet is None or not self._outlet.put(items):
-            self._outbox.put(items)
+            self._enqueue(items)
+
+    def _enqueue(self, items: list[Outcome | Chunk]) -> None:
+        with self._lock:
+            self._unsettled += 1
+        self._outbox.put(items)
+
+    def _settle_here(self, outcomes: list[Outcome]) -> bool:
+        """Settle a batch's last outcomes in the model thread, when no batch waits in the
+        slot and the publisher has nothing in hand: the model thread would only go to
+        sleep, and the hand-off to the publisher (its wake-up, a switch of the GIL) is
+        saved on every round trip of an idle worker. Under load the next batch waits
+        in the slot, and the publisher settles while the model runs it.
+
+        One try (:class:`single_attempt`): False if it failed, and the publisher takes
+        the outcomes over (retrying with backoff while Redis is away; an ack whose
+        reply was lost is then refused by its lease token, never applied twice).
+        After the settle this thread yields its CPU once: a client on the same CPU
+        (a co-located web app, the benchmarks) reads its reply before this thread's
+        bookkeeping runs."""
+        if not outcomes or self._outlet is not None or self._unsettled or len(self.slot):
+            return False
+        try:
+            with single_attempt():
+                report = self.consumer.settle(outcomes)
+        except Exception as exc:  # Redis unreachable (or worse): the publisher's way
+            log.debug("settling %d task(s) failed (%s); the publisher retries",
+                      len(outcomes), exc)
+            return False
+        _sched_yield()
+        self._record(report)
+        self._forget([(o.task.id, o.task.token) for o in outcomes])
+        if self._draining and self._fetcher_sleeping:
+            self._interrupt_fetcher()  # as the publisher does (see _publish_loop)
+        return True
 
     # -- model thread --------------------------------------------------------------
     def _model_loop(self) -> None:
@@ -434,7 +478,7 @@ class Worker:
                 self._busy = False
                 self._current = 0
             if self._draining:  # the publisher lets the fetcher check if the queue is empty
-                self._outbox.put([])
+                self._enqueue([])
 
     def _run_batch(self, batch: list[Claimed], per_item: bool) -> None:
         self.hist[len(batch)] += 1
@@ -490,7 +534,7 @@ class Worker:
                 if o is not None:
                     # its submit time, before the publisher settles it and forgets it
                     ran.append((o, time.monotonic(), submitted.get(o.task.id)))
-                    self._publish([o])
+                    self._publish([o], last=j == len(index) - 1)
             self._observe_items(ran, start_mono)
         else:
             results = run_isolated(call, len(payloads))
@@ -498,7 +542,7 @@ class Worker:
                 outcomes[i] = self._outcome(batch[i], r)
             self.batchlog.end()
             self._observe_batch(outcomes, start_mono)
-            self._publish([o for o in outcomes if o is not None])
+            self._publish([o for o in outcomes if o is not None], last=True)
         self.batchlog.end()  # (per item: after the last one)
         self.timing["predict_s"] += in_predict
         self.timing["overhead_s"] += time.perf_counter() - start - in_predict
@@ -840,10 +884,12 @@ class Worker:
                 time.sleep(gap)
             last = time.monotonic()
             batch: list[Outcome | Chunk] = []
+            took = 0  # lists taken from the outbox (see _unsettled)
             if item is None:
                 done = True
             else:
                 batch.extend(item)
+                took += 1
             while True:  # everything that finished meanwhile goes in the same trip
                 try:
                     more = self._outbox.get_nowait()
@@ -853,6 +899,7 @@ class Worker:
                     done = True
                 else:
                     batch.extend(more)
+                    took += 1
             if batch:
                 outcomes = [o for o in batch if isinstance(o, Outcome)]
                 chunks = [c for c in batch if isinstance(c, Chunk)]
@@ -862,6 +909,8 @@ class Worker:
                     log.exception("settling %d task(s) failed; they run again when their "
                                   "leases expire", len(outcomes))
                     self._forget([(o.task.id, o.task.token) for o in outcomes])
+            with self._lock:
+                self._unsettled -= took
             if self._draining and self._fetcher_sleeping:
                 # a stream's next task may be claimable now, or the queue is empty
                 self._interrupt_fetcher()
@@ -874,12 +923,12 @@ class Worker:
         self._forget([(o.task.id, o.task.token) for o in outcomes])
 
     def _record(self, report: SettleReport) -> None:
-        for name in OUTCOME_COUNTERS:
-            self.totals[name] += getattr(report, name)
-        self.totals["lost"] += len(report.lost)
-        self.totals["tokens"] += report.streamed
-        if report.stream_lost:
-            with self._lock:
+        with self._lock:  # the publisher and the model thread (_settle_here) both record
+            for name in OUTCOME_COUNTERS:
+                self.totals[name] += getattr(report, name)
+            self.totals["lost"] += len(report.lost)
+            self.totals["tokens"] += report.streamed
+            if report.stream_lost:
                 self._lost.update(i for i in report.stream_lost if i in self._held)
         if report.lost:
             log.warning("lease lost on %d task(s); their results were discarded", len(report.lost))

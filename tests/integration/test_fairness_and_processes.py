@@ -214,3 +214,65 @@ def test_kill_9_of_a_worker_holding_two_batches_ahead_loses_nothing_and_keeps_or
              if t.info().deliveries == 2}
     assert twice == {(s, 0) for s in range(8, 20)}, twice
     assert q.stats()["redelivered"] == 12
+
+
+def test_kill_9_of_an_idle_worker_with_its_model_threads_ack_in_flight_ends_the_task_once(
+        qname: str, redis_url: str, r: redis.Redis, subprocess_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """An idle worker's model thread sends a task's ack itself (Worker._settle_here).
+    Killed with that ack held in Redis (CLIENT PAUSE WRITE holds every script call),
+    the task still ends once: the ack ran, or it was dropped with the connection and
+    another worker runs the task again when its lease runs out. Never both."""
+    lease_ms = 2000
+    q = mtq.Queue(qname, redis_url, lease_ms=lease_ms)
+    log = tmp_path / "calls.log"
+    env = {**subprocess_env, "MTQ_TEST_LOG": str(log)}
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start() -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
+                                 "tests.models:Probe", "--queue", qname,
+                                 "--lease-ms", str(lease_ms)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    def lines(tag: str) -> list[list[str]]:
+        text = log.read_text() if log.exists() else ""
+        return [ln.split() for ln in text.splitlines() if ln.startswith(tag + " ")]
+
+    def held_scripts() -> list[dict[str, object]]:
+        return [c for c in r.client_list() if "b" in str(c["flags"]) and c["cmd"] == "evalsha"]
+
+    try:
+        victim = start()
+        wait_for(lambda: lines("S"), 60, "the worker did not set its model up")
+        warm = q.submit({"i": -1})  # the worker is up, and idle again after it
+        assert warm.result(timeout=30)["pid"] == victim.pid
+        t = q.submit({"i": 0, "sleep": 0.3})
+        wait_for(lambda: len(lines("B")) == 2, 10, "the task did not start")
+        r.execute_command("CLIENT", "PAUSE", str(10 * lease_ms), "WRITE")
+        try:
+            wait_for(lambda: len(lines("D")) == 2 and held_scripts(), 10,
+                     "the worker's ack was not held in Redis")
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait(10)
+        finally:
+            r.execute_command("CLIENT", "UNPAUSE")
+        second = start()
+        wait_for(lambda: t.status() == "succeeded", 60, f"the task did not end: {t.info()}")
+        # the second worker serves the queue: a later task runs once, on it
+        assert q.submit({"i": 1}).result(timeout=30)["pid"] == second.pid
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+    runs = [ln[2] for ln in lines("D") if ln[3:] == ["-:0"]]
+    result, deliveries = t.result(timeout=1), t.info().deliveries
+    if deliveries == 1:  # the held ack ran: the victim's result, and no second run
+        assert runs == [str(victim.pid)] and result["pid"] == victim.pid
+    else:  # dropped with the connection: run again once, on the second worker
+        assert deliveries == 2 and runs == [str(victim.pid), str(second.pid)]
+        assert result["pid"] == second.pid
+    assert q.stats()["succeeded"] == 3

@@ -164,6 +164,124 @@ def test_batches_claimed_ahead_two_for_a_fast_model_on_a_deep_queue(
     assert [t.info().deliveries for t in tasks] == [1] * 40
 
 
+class SettleLog:
+    """Wraps a worker's ``consumer.settle``: records which thread settled which tasks
+    (the model thread is the one serving() runs the worker in); ``hold_chunks``: a
+    settle that streams chunks waits for ``release``; ``fail_inline``: the model
+    thread's first settle raises RedisUnavailable, before ("unsent") or after ("lost
+    reply") the real one ran."""
+
+    def __init__(self, w: Worker, hold_chunks: bool = False, fail_inline: str = "") -> None:
+        self.real = w.consumer.settle
+        self.calls: list[tuple[str, list[str]]] = []
+        self.hold_chunks, self.fail_inline = hold_chunks, fail_inline
+        self.holding, self.release = threading.Event(), threading.Event()
+        w.consumer.settle = self  # type: ignore[method-assign]
+
+    def __call__(self, outcomes: Any, chunks: Any = ()) -> Any:
+        name = threading.current_thread().name
+        self.calls.append((name, [o.task.id for o in outcomes]))
+        if chunks and self.hold_chunks:
+            self.holding.set()
+            assert self.release.wait(20), "the test never released the chunks"
+        if self.fail_inline and name != "mtq-publisher":
+            mode, self.fail_inline = self.fail_inline, ""
+            if mode == "lost reply":
+                self.real(outcomes, chunks)
+            raise mtq.RedisUnavailable("connection reset (test)")
+        return self.real(outcomes, chunks)
+
+    def threads(self, task_id: str) -> list[str]:
+        return [name for name, ids in self.calls if task_id in ids]
+
+
+def test_an_idle_worker_settles_in_the_model_thread_a_busy_one_in_the_publisher(
+        qname: str, redis_url: str) -> None:
+    """Worker._settle_here: a batch that ends with the next batch claimed ahead is left
+    to the publisher, and the model runs on; one that ends with nothing waiting in the
+    slot is settled by the model thread itself (no hand-off to the publisher)."""
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    tasks = q.submit_many([{"i": i} for i in range(8)])
+    model = HoldsACall(hold=1)
+    w = make_worker(model, qname, redis_url)
+    log = SettleLog(w)
+    with serving(w, model.release) as run:
+        # the first batch of 4 is held; the other 4 are claimed into the slot meanwhile
+        wait_for(lambda: model.holding.is_set() and len(w.slot) == 4, 10,
+                 "the next batch was not claimed while the first ran")
+        model.release.set()
+        assert [t.result(timeout=10) for t in tasks] == list(range(8))
+        alone = q.submit({"i": 8})  # to the idle worker
+        assert alone.result(timeout=10) == 8
+        run.stop()
+    assert model.calls == [[0, 1, 2, 3], [4, 5, 6, 7], [8]]
+    assert [log.threads(t.id) for t in tasks[:4]] == [["mtq-publisher"]] * 4
+    # the second batch: by either, whether the publisher was still settling the first
+    assert all(len(log.threads(t.id)) == 1 for t in tasks[4:])
+    assert log.threads(alone.id) == ["test-worker"]
+    assert [t.info().deliveries for t in [*tasks, alone]] == [1] * 9
+
+
+class Streams(Model):
+    """Streams two tokens per payload, then returns their join."""
+
+    name = "streams"
+    max_batch_size = 4
+    max_wait_ms = 0.0
+
+    def predict(self, batch: list[Any]) -> Any:
+        for i, p in enumerate(batch):
+            yield i, f"{p}-a"
+            yield i, f"{p}-b"
+        return [f"{p}-a{p}-b" for p in batch]
+
+
+def test_an_outcome_waits_for_its_chunks_in_the_publishers_hands(qname: str,
+                                                                  redis_url: str) -> None:
+    """A task's chunks reach Redis before its outcome: while the publisher holds a
+    task's chunks, the model thread does not settle the task itself (it would end the
+    task, and its lease, before the chunks were written: they would be refused)."""
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    w = make_worker(Streams(), qname, redis_url)
+    log = SettleLog(w, hold_chunks=True)
+    with serving(w, log.release) as run:
+        t = q.submit("x")
+        assert log.holding.wait(10), "the publisher never sent the chunks"
+        wait_for(lambda: w.totals["batches"] == 1 and not w._busy, 10,
+                 "the model did not finish its batch")
+        assert t.status() == "running"  # its outcome waits behind its chunks
+        log.release.set()
+        assert t.result(timeout=10) == "x-ax-b"
+        run.stop()
+    assert [e.data for e in t.events(timeout=5) if e.kind == "token"] == ["x-a", "x-b"]
+    assert set(log.threads(t.id)) == {"mtq-publisher"}
+
+
+@pytest.mark.parametrize("fault", ["unsent", "lost reply"])
+def test_a_settle_that_fails_in_the_model_thread_is_taken_over_by_the_publisher(
+        qname: str, redis_url: str, fault: str) -> None:
+    """The model thread's settle is tried once: when it fails (the connection reset
+    before the ack went out, or after it ran with its reply lost), the publisher
+    settles the outcome instead, and the task ends once, with one delivery (an ack
+    applied already is refused by its lease token, not applied twice)."""
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    model = Recorder(lambda p: p * 2)
+    w = make_worker(model, qname, redis_url)
+    log = SettleLog(w, fail_inline=fault)
+    with serving(w) as run:
+        t = q.submit(21)
+        assert t.result(timeout=10) == 42
+        wait_for(lambda: len(log.threads(t.id)) == 2, 10, "the publisher did not settle it")
+        later = q.submit(1)
+        assert later.result(timeout=10) == 2
+        run.stop()
+    assert log.threads(t.id) == ["test-worker", "mtq-publisher"]
+    assert log.threads(later.id) == ["test-worker"]  # one failure, not a fallback for good
+    assert model.seen() == [21, 1]
+    assert t.info().deliveries == 1 and t.status() == "succeeded"
+    assert q.stats()["succeeded"] == 2
+
+
 def test_partial_batch_runs_max_wait_after_submission(qname: str, redis_url: str) -> None:
     q = mtq.Queue(qname, redis_url, settings=FAST)
     model = Recorder(max_batch_size=32)
