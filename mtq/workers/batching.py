@@ -22,6 +22,17 @@ from typing import Any
 from mtq.broker.protocol import Claimed
 
 
+class _Offered(list):
+    """The type of :data:`OFFERED` (told apart by identity)."""
+
+
+#: what :meth:`BatchSlot.take` returns to the model thread when the fetcher has offered
+#: it the wait on Redis (see :meth:`BatchSlot.offer_wait`)
+OFFERED: list[Claimed] = _Offered()
+#: what :meth:`BatchSlot.offer_wait` returns when the model thread did not take the wait
+NOT_TAKEN = object()
+
+
 @dataclass(slots=True)
 class _Pending:
     task: Claimed
@@ -32,7 +43,12 @@ class BatchSlot:
     """The batch being formed: filled by the fetcher, taken by the model thread."""
 
     def __init__(self, max_batch_size: int, max_wait_ms: float) -> None:
-        self.cond = threading.Condition()
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)
+        #: where the fetcher waits while the model thread holds its wait on Redis
+        #: (offer_wait): woken when the wait comes back, or the slot is paused, kicked
+        #: or closed, and not by every batch put and taken
+        self._back = threading.Condition(lock)
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000
         self._pending: list[_Pending] = []
@@ -44,6 +60,11 @@ class BatchSlot:
         #: batches the fetcher keeps claimed ahead (the worker raises it to 2 for a fast
         #: model on a deep queue: see Worker._claim_ahead)
         self.ahead = 1
+        #: who waits on Redis for work while the worker is idle: None (the fetcher),
+        #: "offered" (the fetcher offers it to the model thread), "taken" (the model
+        #: thread waits; see :meth:`offer_wait`)
+        self._waiter: str | None = None
+        self._waited: Any = None  # what the model thread's wait returned
 
     def configure(self, max_batch_size: int, max_wait_ms: float) -> None:
         """New limits (after a reload)."""
@@ -94,6 +115,35 @@ class BatchSlot:
             self.cond.notify_all()
             return []
 
+    def offer_wait(self) -> Any:
+        """Fetcher: offer its wait on Redis (``Consumer.wait``) to the model thread,
+        which takes it when it comes back to :meth:`take` with nothing to run, and block
+        until the model thread hands it back (:meth:`return_wait`, or :meth:`take`
+        when the slot is paused, kicked or closed). Returns what the model thread's
+        wait came back with, or :data:`NOT_TAKEN`: the slot was paused, kicked or
+        closed before the model thread took the wait (the fetcher waits itself). For
+        a slot whose tasks are due at once (``max_wait_ms`` 0: none waits for a batch
+        to fill while no one waits on Redis)."""
+        with self.cond:
+            if self.closed or self.paused or self._kicked:
+                return NOT_TAKEN
+            self._waiter = "offered"
+            self.cond.notify_all()
+            while True:
+                if self._waiter is None:
+                    got, self._waited = self._waited, None
+                    return got
+                if self._waiter == "offered" and (self.closed or self.paused or self._kicked):
+                    self._waiter = None
+                    return NOT_TAKEN
+                self._back.wait()
+
+    def return_wait(self, got: Any) -> None:
+        """Model thread: hand the wait back to the fetcher, with what it returned."""
+        with self.cond:
+            self._waiter, self._waited = None, got
+            self._back.notify_all()
+
     # -- model side -------------------------------------------------------------
     def _pop_suspect(self) -> Claimed | None:
         """Take the first suspect out of the slot (it killed a worker before: it runs
@@ -107,9 +157,17 @@ class BatchSlot:
 
     def take(self) -> list[Claimed] | None:
         """Block until a batch is due and return it; None once closed; [] after
-        :meth:`kick` (the caller has something to do between batches)."""
+        :meth:`kick` (the caller has something to do between batches); :data:`OFFERED`
+        when the slot is empty and the fetcher offered its wait on Redis (the caller
+        waits, then hands the wait back with :meth:`return_wait`, or keeps it and
+        comes back here, which returns OFFERED again while the slot is empty)."""
         with self.cond:
             while True:
+                if self._waiter == "taken" and (self.closed or self.paused or self._kicked):
+                    # the model thread holds the wait, and is not in it: back to the
+                    # fetcher, which must see this (a paused worker takes nothing)
+                    self._waiter, self._waited = None, True
+                    self._back.notify_all()
                 if self.closed:
                     return None
                 if self._kicked:
@@ -128,6 +186,9 @@ class BatchSlot:
                         self.cond.notify_all()
                         return [p.task for p in batch]
                     self.cond.wait(wait)
+                elif self._waiter is not None and not pending and not self.paused:
+                    self._waiter = "taken"
+                    return OFFERED
                 else:
                     self.cond.wait()
 
@@ -164,6 +225,7 @@ class BatchSlot:
         with self.cond:
             self._kicked = True
             self.cond.notify_all()
+            self._back.notify_all()
 
     def set_paused(self, paused: bool) -> list[Claimed]:
         """Pause or resume; pausing empties the slot and returns its tasks."""
@@ -173,6 +235,7 @@ class BatchSlot:
             if paused:
                 self._pending = []
             self.cond.notify_all()
+            self._back.notify_all()
             return out
 
     def close(self) -> list[Claimed]:
@@ -182,6 +245,7 @@ class BatchSlot:
             out = [p.task for p in self._pending]
             self._pending = []
             self.cond.notify_all()
+            self._back.notify_all()
             return out
 
     def remove(self, ids: set[str], tokens: dict[str, str] | None = None) -> list[Claimed]:

@@ -195,29 +195,40 @@ def _worker_process(qname: str, env: dict[str, str], log: Path) -> subprocess.Po
             start_new_session=True)
 
 
-def _killed_asleep(r: redis.Redis, qname: str, env: dict[str, str], log: Path) -> str:
-    """Start a worker process, wait until it sleeps registered, SIGKILL it; its id."""
+def _killed_asleep(r: redis.Redis, qname: str, env: dict[str, str], log: Path,
+                   warm: int = 0) -> str:
+    """Start a worker process, wait until it sleeps registered, SIGKILL it; its id.
+    ``warm``: it first runs that many tasks, one at a time (a handler as quick as
+    tests.handlers:double: from the second, its model thread makes the wait, see
+    Worker._wait)."""
     proc = _worker_process(qname, env, log)
     try:
         wait_for(lambda: r.hlen(QueueKeys(qname).idle) == 1, 30,
                  f"the worker did not register idle: {log.read_text()}")
+        q = mtq.Queue(qname, client=r)
+        for i in range(warm):
+            assert q.submit({"x": i}).result(timeout=30) == 2 * i
+        wait_for(lambda: r.hlen(QueueKeys(qname).idle) == 1, 30,
+                 f"the worker did not register idle again: {log.read_text()}")
         return str(r.hkeys(QueueKeys(qname).idle)[0].decode())
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
 
 
+@pytest.mark.parametrize("warm", [0, 3], ids=["fetcher-waits", "model-thread-waits"])
 def test_a_task_handed_to_a_killed_worker_runs_once_elsewhere(
         r: redis.Redis, qname: str, redis_url: str, subprocess_env: dict[str, str],
-        tmp_path: Path) -> None:
-    """SIGKILL a worker process asleep and registered, then submit three tasks one by
+        tmp_path: Path, warm: int) -> None:
+    """SIGKILL a worker process asleep and registered (waiting in its fetcher, or,
+    warm with a quick handler, in its model thread), then submit three tasks one by
     one: the first two are handed to the dead worker (the second finds the first still
     in its inbox, and ends its registration), the third is queued. None is lost: the
     two leases expire and a live worker runs all three, each once, to completion."""
     keys = QueueKeys(qname)
     q = mtq.Queue(qname, redis_url)
     q.configure(lease_ms=1000)
-    dead_id = _killed_asleep(r, qname, subprocess_env, tmp_path / "dead.log")
+    dead_id = _killed_asleep(r, qname, subprocess_env, tmp_path / "dead.log", warm)
     tasks = [q.submit({"x": i}) for i in range(3)]
     assert [r.hget(keys.task(t.id), "worker") for t in tasks] == \
         [dead_id.encode(), dead_id.encode(), None]
@@ -229,7 +240,7 @@ def test_a_task_handed_to_a_killed_worker_runs_once_elsewhere(
         rows = [r.hgetall(keys.task(t.id)) for t in tasks]
         assert [h[b"deliveries"] for h in rows] == [b"2", b"2", b"1"], rows
         assert all(h[b"worker"] != dead_id.encode() for h in rows)
-        assert q.stats()["succeeded"] == 3
+        assert q.stats()["succeeded"] == 3 + warm
     finally:
         kill_process(live)
 

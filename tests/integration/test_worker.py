@@ -18,6 +18,7 @@ import pytest
 import redis
 
 import mtq
+from mtq.broker.keys import QueueKeys
 from mtq.broker.protocol import TERMINAL, NewTask
 from mtq.settings import QueueSettings
 from mtq.workers import control, registry
@@ -220,6 +221,88 @@ def test_an_idle_worker_settles_in_the_model_thread_a_busy_one_in_the_publisher(
     assert all(len(log.threads(t.id)) == 1 for t in tasks[4:])
     assert log.threads(alone.id) == ["test-worker"]
     assert [t.info().deliveries for t in [*tasks, alone]] == [1] * 9
+
+
+class WaitLog:
+    """Wraps a worker's ``consumer.wait``: which thread waited, and the ids of the tasks
+    each wait was handed."""
+
+    def __init__(self, w: Worker) -> None:
+        real = w.consumer.wait
+        self.calls: list[tuple[str, list[str]]] = []
+
+        def wait(*args: Any, **kw: Any) -> Any:
+            got = real(*args, **kw)
+            handed = [t.id for t in got] if isinstance(got, list) else []
+            self.calls.append((threading.current_thread().name, handed))
+            return got
+
+        w.consumer.wait = wait  # type: ignore[method-assign]
+
+    def waited_for(self, task_id: str) -> list[str]:
+        return [name for name, ids in self.calls if task_id in ids]
+
+
+@pytest.mark.parametrize(("fast_batch_s", "waiter"), [(60.0, "test-worker"),
+                                                       (0.0, "mtq-fetcher")],
+                         ids=["fast-model", "slow-model"])
+def test_an_idle_fast_worker_waits_for_work_in_its_model_thread(
+        qname: str, redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+        fast_batch_s: float, waiter: str) -> None:
+    """Worker._wait: once its model has shown itself fast (a batch in under
+    FAST_BATCH_S, set here so that every batch is fast, or none), an idle worker's
+    wait for work (BLPOP) is made by the model thread, which runs what a submit hands
+    it with no hand-off from the fetcher; a slow model's fetcher waits itself."""
+    monkeypatch.setattr(worker_module, "FAST_BATCH_S", fast_batch_s)
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    model = Recorder(lambda p: p * 2, max_batch_size=4, max_wait_ms=0)
+    w = make_worker(model, qname, redis_url)
+    log = WaitLog(w)
+    with serving(w) as run:
+        wait_for(lambda: r.hlen(QueueKeys(qname).idle) == 1, 10,
+                 "the worker did not register idle")
+        first = q.submit(0)  # the model has not run a batch yet: the fetcher waits
+        assert first.result(timeout=10) == 0
+        tasks = []
+        for i in range(1, 6):
+            tasks.append(q.submit(i))
+            assert tasks[-1].result(timeout=10) == 2 * i
+        run.stop()
+    # the fetcher's wait for the second was out before the first batch ended
+    assert [log.waited_for(t.id) for t in (first, tasks[0])] == [["mtq-fetcher"]] * 2
+    assert [log.waited_for(t.id) for t in tasks[1:]] == [[waiter]] * 4
+    assert model.seen() == list(range(6))
+    assert [t.info().deliveries for t in [first, *tasks]] == [1] * 6
+
+
+def test_a_pause_takes_the_wait_back_from_the_model_thread(
+        qname: str, redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Paused while its model thread waits for work, the worker gives up its direct
+    delivery registration (a paused worker is handed nothing): a task submitted then
+    stays queued, and runs once it resumes. Stopped while the model thread waits, it
+    stops."""
+    monkeypatch.setattr(worker_module, "FAST_BATCH_S", 60.0)
+    keys = QueueKeys(qname)
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    model = Recorder(lambda p: p * 2, max_batch_size=4, max_wait_ms=0)
+    w = make_worker(model, qname, redis_url)
+    log = WaitLog(w)
+    with serving(w) as run:
+        for i in range(2):
+            assert q.submit(i).result(timeout=10) == 2 * i
+        wait_for(lambda: w.slot._waiter == "taken", 10, "the model thread did not take the wait")
+        w.command({"cmd": "pause"})
+        wait_for(lambda: r.hlen(keys.idle) == 0, 10, "a paused worker stayed registered")
+        held = q.submit(7)
+        assert held.status() == "queued"
+        w.command({"cmd": "resume"})
+        assert held.result(timeout=10) == 14
+        assert q.submit(8).result(timeout=10) == 16
+        wait_for(lambda: w.slot._waiter == "taken", 10, "the model thread did not wait again")
+        totals = run.stop()  # with the wait in the model thread: bounded by serving()
+    assert totals["succeeded"] == 4
+    assert r.hlen(keys.idle) == 0, "a stopped worker takes its registration back"
+    assert "test-worker" in {name for name, _ in log.calls}
 
 
 class Streams(Model):

@@ -18,7 +18,7 @@ import mtq
 from mtq.broker.protocol import Claimed
 from mtq.errors import ConfigError, TargetError
 from mtq.workers import control, devices
-from mtq.workers.batching import BatchShapeError, BatchSlot, run_isolated
+from mtq.workers.batching import NOT_TAKEN, OFFERED, BatchShapeError, BatchSlot, run_isolated
 from mtq.workers.model import FunctionModel, Model, is_per_item
 from mtq.workers.target import BatchPolicy, load_model, load_target
 
@@ -61,6 +61,13 @@ class Background:
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.001)
 
 
 # -- BatchSlot -----------------------------------------------------------------------
@@ -152,6 +159,66 @@ def test_kick_makes_take_return_empty_once() -> None:
     slot.put([claimed(i) for i in range(8)], time.monotonic())
     assert slot.take() == []  # the kick wins once, even over a full batch
     assert ids(slot.take()) == [f"t{i}" for i in range(8)]
+
+
+def test_an_offered_wait_is_taken_by_an_idle_take_and_comes_back_with_its_result() -> None:
+    """offer_wait / take / return_wait: the model thread's take() returns OFFERED once
+    the fetcher offers its wait and the slot is empty; the fetcher blocks until the
+    wait comes back, with what it returned. While the model thread keeps the wait,
+    take() returns OFFERED again whenever the slot is empty."""
+    slot = BatchSlot(max_batch_size=8, max_wait_ms=0)
+    taker = Background(slot.take)
+    assert not taker.done.wait(0.05)
+    fetcher = Background(slot.offer_wait)
+    assert taker.join() is OFFERED
+    slot.put([claimed(0)], time.monotonic())  # what its wait was handed: runs next
+    assert ids(slot.take()) == ["t0"]
+    assert not fetcher.done.wait(0.05), "the fetcher came back while the wait was kept"
+    assert slot.take() is OFFERED  # kept: empty again, so the model thread waits again
+    slot.return_wait(True)
+    assert fetcher.join() is True
+    taker = Background(slot.take)
+    assert not taker.done.wait(0.05), "take() returned OFFERED with nothing offered"
+    slot.kick()
+    assert taker.join() == []
+
+
+@pytest.mark.parametrize("event", ["pause", "kick", "close"])
+def test_an_offered_wait_comes_back_when_the_slot_is_paused_kicked_or_closed(
+        event: str) -> None:
+    """Offered and not taken yet, the offer is withdrawn (NOT_TAKEN: the fetcher waits
+    itself); taken, the model thread's next take() hands it back (True: woken), so a
+    paused or stopping worker's fetcher always gets its wait back."""
+    act = {"pause": lambda s: s.set_paused(True), "kick": BatchSlot.kick,
+           "close": BatchSlot.close}[event]
+    slot = BatchSlot(max_batch_size=8, max_wait_ms=0)
+    fetcher = Background(slot.offer_wait)
+    assert not fetcher.done.wait(0.05)
+    act(slot)
+    assert fetcher.join() is NOT_TAKEN
+    slot = BatchSlot(max_batch_size=8, max_wait_ms=0)
+    fetcher = Background(slot.offer_wait)
+    wait_until(lambda: slot._waiter == "offered")
+    assert slot.take() is OFFERED
+    act(slot)  # the model thread is not waiting on Redis here (between two takes)
+    assert not fetcher.done.wait(0.05), "handed back before the model thread saw it"
+    taker = Background(slot.take)
+    assert fetcher.join() is True
+    if event == "pause":  # paused: nothing to take, and no wait offered
+        assert not taker.done.wait(0.05)
+        slot.close()
+    assert taker.join() == ([] if event == "kick" else None)
+
+
+def test_an_offered_wait_is_taken_once_the_tasks_in_the_slot_have_run() -> None:
+    slot = BatchSlot(max_batch_size=8, max_wait_ms=0)
+    slot.put([claimed(0)], time.monotonic())
+    fetcher = Background(slot.offer_wait)
+    wait_until(lambda: slot._waiter == "offered")
+    assert ids(slot.take()) == ["t0"]  # what is in the slot runs first
+    assert slot.take() is OFFERED
+    slot.return_wait(False)
+    assert fetcher.join() is False
 
 
 def test_close_returns_pending_and_ends_take_and_put() -> None:
