@@ -844,7 +844,7 @@ class Worker:
         is offered to the model thread, which takes it when it has nothing to run: a
         submit then wakes the thread that runs the task, and the hand-off from the
         fetcher (a wake-up, a switch of the GIL) is saved on every round trip (p50
-        about 0.87x, docs/benchmarks.md). The fetcher sleeps until the wait comes back
+        about 0.88x, docs/benchmarks.md). The fetcher sleeps until the wait comes back
         with anything but a task to run now. Only for a model whose tasks run as soon
         as they come (``max_wait_ms`` 0): a batch that waits to fill needs the fetcher
         collecting hand-offs meanwhile."""
