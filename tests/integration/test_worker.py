@@ -265,6 +265,9 @@ def test_an_idle_fast_worker_waits_for_work_in_its_model_thread(
         assert first.result(timeout=10) == 0
         tasks = []
         for i in range(1, 6):
+            if i > 1 and waiter == "test-worker":  # the model thread's batch has ended
+                wait_for(lambda: w.slot._waiter == "taken", 10,
+                         "the model thread did not take the wait")
             tasks.append(q.submit(i))
             assert tasks[-1].result(timeout=10) == 2 * i
         run.stop()
