@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from mtq import serialization, tracing
+from mtq.broker import lane
 from mtq.broker.cluster import for_queue
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import Backoff, connect, redis_errors
-from mtq.broker.protocol import Broker, NewTask, Submitted
+from mtq.broker.protocol import Answer, Broker, NewTask, Submitted
 from mtq.errors import (
     ConfigError,
     DuplicateTask,
@@ -694,10 +695,17 @@ class Queue:
         answer: list[Submitted]
         while True:
             try:
+                sent: Answer
                 if self.settings.durable_replicas:
-                    answer, acks = self.broker.submit_durable(chunk, reply)
+                    sent, acks = self.broker.submit_durable(chunk, reply)
                 else:
-                    answer = self.broker.submit(chunk, reply)
+                    sent = self.broker.submit(chunk, reply)
+                answer = sent
+                if sent.handed:
+                    # Redis woke a sleeping worker with these tasks as it answered: if it
+                    # shares this CPU, it runs them before this thread's bookkeeping
+                    # (docs/architecture.md, "Direct delivery")
+                    lane.sched_yield()
                 break
             except RedisUnavailable as exc:
                 # a cluster's or a sentinel's client: long enough for a failover

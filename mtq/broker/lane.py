@@ -28,6 +28,10 @@ drops the rest:
 * **replies** are returned as redis-py's parser reads them, an error reply as its
   exception instance (``NoScriptError``, ``ResponseError``) in its place, so a
   pipeline's other replies are still read;
+* **yielding on a reply** (:class:`yielding`): a thread may ask to give its CPU away
+  once as the replies of its next exchange come in, before it does anything with them
+  (the worker's model thread, when Redis tells a client the outcome of a task in the
+  same moment as it answers the worker's ack: see mtq.workers.worker.Worker._settle_here);
 * **the socket**: on a connected connection read by hiredis (redis-py's own parser
   when ``redis[hiredis]`` is installed, as mtq requires) a call writes to the
   connection's socket and feeds the connection's hiredis reader itself, without
@@ -46,7 +50,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -98,6 +102,32 @@ class _Lane:
 
 
 _made = threading.Lock()
+
+#: gives this thread's CPU to another runnable thread or process, if any (POSIX)
+sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
+
+
+class _Yield(threading.local):
+    on = False
+
+
+_yield = _Yield()
+
+
+class yielding:
+    """Within this block, the calling thread's next :func:`exchange` gives its CPU away
+    once (``sched_yield``) as soon as its replies are in, before it returns them: a
+    process that the same commands woke on this CPU (a client reading the event a
+    script published) runs first."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        _yield.on = True
+
+    def __exit__(self, *exc: object) -> None:
+        _yield.on = False
+
 
 
 def _lane(client: redis.Redis) -> _Lane:
@@ -243,7 +273,12 @@ def exchange(client: redis.Redis, commands: Sequence[Sequence[Any]]) -> list[Any
 
         retry = conn.retry
         if retry is None:
-            return once()
-        return retry.call_with_retry(once, lambda _error: conn.disconnect())
+            out = once()
+        else:
+            out = retry.call_with_retry(once, lambda _error: conn.disconnect())
     finally:
         lane.give(conn)
+    if _yield.on:
+        _yield.on = False
+        sched_yield()
+    return out

@@ -170,8 +170,20 @@ Submitted = str | int | tuple[str, bytes]
 RUN_TTL_S = 3600
 
 
-def _parse_submit(raw: list[Any]) -> list[Submitted]:
-    out: list[Submitted] = []
+class Answer(list[Submitted]):
+    """submit's answer (see :meth:`Broker.submit`), with ``handed``: how many of its
+    tasks went straight to a sleeping worker (direct delivery)."""
+
+    __slots__ = ("handed",)
+
+    def __init__(self, items: Sequence[Submitted] = (), handed: int = 0) -> None:
+        super().__init__(items)
+        self.handed = handed
+
+
+def _parse_submit(raw: list[Any]) -> Answer:
+    handed, raw = raw
+    out = Answer(handed=int(handed))
     for r in raw:
         if isinstance(r, int):
             out.append(int(r))
@@ -251,15 +263,16 @@ class Broker:
         args += [s.retention_s, s.cache_ttl_s, s.cache_max_entries, RUN_TTL_S]
         return self._call("submit", args, _parse_submit)
 
-    def submit(self, tasks: Sequence[NewTask], reply: str = "") -> list[Submitted]:
+    def submit(self, tasks: Sequence[NewTask], reply: str = "") -> Answer:
         """Submit tasks in one round trip. Returns ids (or negative codes per task;
         ``(id, encoded result)`` for a task answered from the result cache);
-        ``[Code.QUEUE_FULL, waiting]`` if they do not fit. ``reply``: the submitting
-        client's reply channel (:meth:`QueueKeys.reply`), where their events go."""
+        ``[Code.QUEUE_FULL, waiting]`` if they do not fit; its ``handed``: how many went
+        straight to a sleeping worker. ``reply``: the submitting client's reply channel
+        (:meth:`QueueKeys.reply`), where their events go."""
         return self.run(self.submit_call(tasks, reply))[0]
 
     def submit_durable(self, tasks: Sequence[NewTask], reply: str = ""
-                       ) -> tuple[list[Submitted], int]:
+                       ) -> tuple[Answer, int]:
         """:meth:`submit`, then wait (same round trip) until ``durable_replicas``
         replicas have its writes, at most ``durable_timeout_ms``: (the answer, how
         many replicas acknowledged)."""
@@ -550,6 +563,7 @@ __all__ = [
     "REQUEUE",
     "RETRY",
     "TERMINAL",
+    "Answer",
     "Broker",
     "ClaimResult",
     "Claimed",

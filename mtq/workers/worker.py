@@ -50,6 +50,7 @@ from mtq.broker.consumer import (
     format_traceback,
 )
 from mtq.broker.keys import QUEUES, QueueKeys
+from mtq.broker.lane import yielding
 from mtq.broker.protocol import LOST, Claimed
 from mtq.errors import (
     LeaseLost,
@@ -82,8 +83,6 @@ log = logging.getLogger(__name__)
 #: how often the heartbeat reports to the registry (leases are extended at least
 #: every lease/3, whichever comes first)
 BEAT_S = 1.0
-#: gives this thread's CPU to another runnable thread or process, if any (POSIX)
-_sched_yield: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
 #: a task whose lease is known live for less than this share of the lease is checked
 #: with Redis before the model is called on it (a heartbeat extends every lease/3 at
 #: most, so this happens only when the process was frozen, starved or cut off)
@@ -426,19 +425,19 @@ class Worker:
         One try (:class:`single_attempt`): False if it failed, and the publisher takes
         the outcomes over (retrying with backoff while Redis is away; an ack whose
         reply was lost is then refused by its lease token, never applied twice).
-        After the settle this thread yields its CPU once: a client on the same CPU
-        (a co-located web app, the benchmarks) reads its reply before this thread's
-        bookkeeping runs."""
+        As the ack's reply comes in, this thread yields its CPU once (lane.yielding),
+        before it reads the reply: Redis published the outcome to the task's client in
+        the same moment, and a client on the same CPU (a co-located web app, the
+        benchmarks) reads it before this thread's bookkeeping runs."""
         if not outcomes or self._outlet is not None or self._unsettled or len(self.slot):
             return False
         try:
-            with single_attempt():
+            with single_attempt(), yielding():
                 report = self.consumer.settle(outcomes)
         except Exception as exc:  # Redis unreachable (or worse): the publisher's way
             log.debug("settling %d task(s) failed (%s); the publisher retries",
                       len(outcomes), exc)
             return False
-        _sched_yield()
         self._record(report)
         self._forget([(o.task.id, o.task.token) for o in outcomes])
         if self._draining and self._fetcher_sleeping:

@@ -102,6 +102,31 @@ def test_only_what_would_be_claimable_at_once_is_handed_over(r: redis.Redis, qna
     assert [t.id for t in other.claim(8)] == [s[1].id]
 
 
+def test_a_submit_says_how_many_it_handed_over_and_its_client_yields_only_then(
+        r: redis.Redis, qname: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The submit's answer counts the tasks that went straight to a sleeping worker. Its
+    client then yields its CPU once (a worker that shares it runs the task first,
+    docs/architecture.md): after such a submit, and after no other."""
+    from mtq.broker import lane
+
+    yields: list[int] = []
+    monkeypatch.setattr(lane, "sched_yield", lambda: yields.append(1))
+    q = mtq.Queue(qname, client=r)
+    c = consumer(qname, r)
+    assert c.claim(2) == []
+    answer = q.broker.submit(q.prepare([None] * 3))
+    assert answer.handed == 2 and len(answer) == 3 and all(isinstance(i, str) for i in answer)
+    assert q.broker.submit(q.prepare([None])).handed == 0, "its room is used up: queued"
+    q.submit(None)
+    assert yields == [], "nothing was handed over: no yield"
+    assert len(c.wait(5)) == 2  # type: ignore[arg-type]
+    assert [t.id for t in c.claim(8)] and c.claim(8) == [] and c.registered
+    q.submit(None)
+    assert yields == [1], "a task was handed over: one yield"
+    q.submit_many([None] * 3)
+    assert yields == [1, 1], "one yield a submit, however many it handed over"
+
+
 def test_a_worker_is_handed_only_what_its_room_holds(r: redis.Redis, qname: str) -> None:
     keys = QueueKeys(qname)
     q = mtq.Queue(qname, client=r)

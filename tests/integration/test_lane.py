@@ -33,6 +33,34 @@ def test_replies_come_back_in_order_with_an_error_in_its_place(
     assert lane.exchange(client, [("PING",)]) == [b"PONG"], "a reply was left on the connection"
 
 
+def test_yielding_gives_the_cpu_away_once_with_the_next_replies(
+        client: redis.Redis, redis_url: str, qname: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside lane.yielding(), the thread's next exchange yields once, after its commands
+    ran (another client already sees their effect) and before it returns; later
+    exchanges do not, nor does one after a block that failed, nor another thread."""
+    watcher = redis.Redis.from_url(redis_url)
+    seen: list[tuple[str, bytes | None]] = []
+    monkeypatch.setattr(lane, "sched_yield", lambda: seen.append(
+        (threading.current_thread().name, watcher.get(qname))))
+    with lane.yielding():
+        assert lane.exchange(client, [("INCR", qname)]) == [1]
+        assert seen == [("MainThread", b"1")], "no yield, or one before the command ran"
+        assert lane.exchange(client, [("INCR", qname)]) == [2]
+    assert lane.exchange(client, [("INCR", qname)]) == [3]
+    assert len(seen) == 1, "only the first exchange in the block yields"
+    other = threading.Thread(target=lane.exchange, args=(client, [("INCR", qname)]))
+    with lane.yielding():
+        other.start()
+        other.join(10)
+    assert len(seen) == 1, "another thread's exchange yielded"
+    with pytest.raises(ZeroDivisionError), lane.yielding():
+        raise ZeroDivisionError
+    assert lane.exchange(client, [("INCR", qname)]) == [5]
+    assert len(seen) == 1, "a block that failed left the yield armed"
+    watcher.close()
+
+
 def _my_id(client: redis.Redis) -> int:
     return int(lane.exchange(client, [("CLIENT", "ID")])[0])
 

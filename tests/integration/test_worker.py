@@ -197,10 +197,16 @@ class SettleLog:
 
 
 def test_an_idle_worker_settles_in_the_model_thread_a_busy_one_in_the_publisher(
-        qname: str, redis_url: str) -> None:
+        qname: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Worker._settle_here: a batch that ends with the next batch claimed ahead is left
     to the publisher, and the model runs on; one that ends with nothing waiting in the
-    slot is settled by the model thread itself (no hand-off to the publisher)."""
+    slot is settled by the model thread itself (no hand-off to the publisher), which
+    yields its CPU once as the ack's reply comes in (and the publisher never does)."""
+    from mtq.broker import lane
+
+    yields: list[str] = []
+    monkeypatch.setattr(lane, "sched_yield",
+                        lambda: yields.append(threading.current_thread().name))
     q = mtq.Queue(qname, redis_url, settings=FAST)
     tasks = q.submit_many([{"i": i} for i in range(8)])
     model = HoldsACall(hold=1)
@@ -221,6 +227,12 @@ def test_an_idle_worker_settles_in_the_model_thread_a_busy_one_in_the_publisher(
     assert all(len(log.threads(t.id)) == 1 for t in tasks[4:])
     assert log.threads(alone.id) == ["test-worker"]
     assert [t.info().deliveries for t in [*tasks, alone]] == [1] * 9
+    inline = [name for name, _ in log.calls if name == "test-worker"]
+    assert [name for name in yields if name != "MainThread"] == inline, \
+        "one yield per settle in the model thread, none in the publisher"
+    # (this thread yields after its submit of `alone` if the submit handed it over: the
+    # worker may not have registered again yet; see test_direct.py)
+    assert yields.count("MainThread") <= 1
 
 
 class WaitLog:

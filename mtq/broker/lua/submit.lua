@@ -10,7 +10,10 @@ ARGV[7] n, then n groups of 8: id, payload, stream ('' = none), key ('' = none),
 ARGV[8 + 8n] retention s (of a task answered from the result cache)
 ARGV[9 + 8n] result cache TTL s   ARGV[10 + 8n] most cache entries
 ARGV[11 + 8n] how long an entry may point at a task still queued or running (s)
-Returns: a list with one entry per task: its id (for an idempotency hit, the id
+Returns {handed, answer}: how many of the tasks went to a sleeping worker (direct
+  delivery, below; the client then yields its CPU once, so that a worker it shares
+  the CPU with runs the task before the client's own bookkeeping), and the answer: a
+  list with one entry per task: its id (for an idempotency hit, the id
   of the task that already holds the key; for a single-flight join, the id of the
   identical task queued or running) or E_DUPLICATE_ID when the id exists, or
   {id, result} for a result-cache hit: the task was created succeeded, its result
@@ -48,7 +51,7 @@ local cache_max, run_ttl = tonumber(ARGV[10 + n * 8]), tonumber(ARGV[11 + n * 8]
 local now = now_ms()
 if max_length > 0 then
   local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
-  if waiting + n > max_length then return {E_QUEUE_FULL, waiting} end
+  if waiting + n > max_length then return {0, {E_QUEUE_FULL, waiting}} end
 end
 local out, added, newly, new_streams = {}, 0, 0, 0
 local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
@@ -287,4 +290,4 @@ if added > 0 then
   event('queued', now, {n = added})
 end
 flush_replies()
-return out
+return {handed, out}
