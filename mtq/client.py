@@ -281,7 +281,7 @@ class Task:
         try:
             going, item = self._open_own(feed, epoch)
             if going and item is None:
-                item = feed.get(_own_wait(timeout))
+                item = self.queue.hub.read_own(feed, _own_wait(timeout))
         finally:
             self.queue.hub.close(feed)
         return self._own_outcome(item if going else None, timeout, start)

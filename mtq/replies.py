@@ -410,6 +410,9 @@ class CallbackFeed(Feed):
 POLL_S = 1.0
 #: a reply connection silent this long is sent a PING (its answer proves it alive) ...
 IDLE_PING_S = 30.0
+#: a listener parked for result() waiters (Hub.read_own) reads again after this long
+#: without one
+PARK_S = 0.02
 #: ... and one that does not answer it within this long is dropped and made anew
 PING_ANSWER_S = 30.0
 
@@ -428,7 +431,7 @@ class _Wire:
     connection silent for :data:`IDLE_PING_S` is sent a PING (redis-py's health check
     does the same for its own readers)."""
 
-    __slots__ = ("last", "pinged", "ps", "reader", "sock")
+    __slots__ = ("last", "pinged", "ps", "reader", "sock", "timeout")
 
     def __init__(self, ps: Any) -> None:
         conn = ps.connection
@@ -436,19 +439,23 @@ class _Wire:
         if sock is None:
             raise redis.exceptions.ConnectionError("the reply connection is not open")
         sock.settimeout(POLL_S)
+        self.timeout = POLL_S
         self.ps, self.sock = ps, sock
         self.reader = hiredis.Reader()
         self.last = time.monotonic()
         self.pinged: float | None = None
 
-    def next(self) -> list[Any] | None:
-        """The next push, or None after :data:`POLL_S` without one."""
+    def next(self, timeout: float = POLL_S) -> list[Any] | None:
+        """The next push, or None after ``timeout`` seconds without one."""
         while True:
             msg = self.reader.gets()
             if msg is not False:
                 if isinstance(msg, Exception):
                     raise redis.exceptions.ResponseError(str(msg))
                 return msg
+            if timeout != self.timeout:
+                self.sock.settimeout(timeout)
+                self.timeout = timeout
             try:
                 data = self.sock.recv(65536)
             except TimeoutError:
@@ -472,7 +479,15 @@ class _Wire:
 
 
 class Hub:
-    """The reply listener of one Redis client in this process (thread-safe)."""
+    """The reply listener of one Redis client in this process (thread-safe).
+
+    Its thread reads the pub/sub connection, except while it is parked: a thread
+    waiting for the result of a task this client submitted (:meth:`read_own`) then
+    reads it in its place, so the message wakes that thread alone (docs/streaming.md).
+    Who reads is ``_owner`` (under ``_lock``): "listener", a waiting thread's ident,
+    or None (the listener parked, nobody reading); a waiter takes the connection only
+    from None, and the listener parks only at a message boundary, so two threads never
+    read it at once."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.client = client
@@ -502,6 +517,17 @@ class Hub:
         self._inbox_bytes = 0
         #: queue -> its epoch (see epoch())
         self._epochs: dict[str, int] = {}
+        #: who reads the reply connection: "listener", None (nobody: the listener is
+        #: parked), or the ident of a thread reading for its own result (see read_own)
+        self._owner: Any = "listener"
+        self._park = threading.Condition(self._lock)
+        self._want = False      # a result() waiter asked the listener to park
+        self._resume = False    # the parked listener must read again at once
+        self._broken = False    # a reading thread found the connection broken
+        self._freed_at = 0.0
+        self._wire: _Wire | None = None
+        #: messages read by threads waiting for their own result (for tests and metrics)
+        self.read_by_callers = 0
 
     # -- subscriptions -----------------------------------------------------------
     def channel(self, queue: str, timeout: float = 10.0) -> str:
@@ -524,6 +550,8 @@ class Hub:
         if done.is_set():
             return name
         if not first:
+            with self._lock:
+                self._wake()
             if not self._ready.wait(timeout):
                 raise BrokerError("the reply listener could not subscribe; is Redis reachable?")
             try:  # wake the listener so it subscribes from its own thread
@@ -545,34 +573,22 @@ class Hub:
 
     def _run(self) -> None:
         backoff = Backoff()
-        ps: Any = None
-        wire: _Wire | None = None
         while not self._closed.is_set():
             try:
-                if wire is None:
+                if self._wire is None:
                     self._sharded = cluster.sharded(self.client)
                     ps = self._pubsub = self.client.pubsub()
                     # the hub channel stays a plain one: a rare poke, from this process
                     ps.subscribe(self.hub_channel)
-                    wire = _Wire(ps)
+                    self._wire = _Wire(ps)
                     with self._lock:  # every queue channel, after a full reconnect too
                         self._pending = [c.decode() for c in self._queues]
-                msg = wire.next()
-                backoff.reset()
-                if msg is None:
+                if self._want and self._parked():
                     continue
-                kind, channel = msg[0], msg[1]
-                if kind == b"message" or kind == b"smessage":
-                    if channel == self._hub_bytes:
-                        self._subscribe_pending(ps)
-                    else:
-                        self._dispatch(channel, msg[2])
-                elif kind == b"subscribe" or kind == b"ssubscribe":
-                    self._confirm(channel, ps)
-                elif kind == b"sunsubscribe" and not self._closed.is_set():
-                    # the server dropped a shard channel: its slot moved (a failover,
-                    # a reshard). Subscribe anew, on the slot's new owner
-                    raise redis.exceptions.PubSubError(f"shard channel {channel!r} moved")
+                msg = self._wire.next()
+                backoff.reset()
+                if msg is not None:
+                    self._handle(msg)
             except (redis.RedisError, OSError) as exc:
                 if self._closed.is_set():
                     return
@@ -581,12 +597,12 @@ class Hub:
                     self._lost()
                 (log.warning if backoff.failures == 2 else log.debug)(
                     "reply channel lost (%s); reconnecting in %.2f s", exc, delay)
+                ps, self._wire = self._pubsub, None
                 if ps is not None:  # a new connection subscribes to every channel again
                     try:
                         ps.close()
                     except Exception:  # a broken connection may raise anything on close
                         pass
-                    ps = wire = None
                 self._closed.wait(delay)  # close_all() ends it at once
             except Exception:  # never let the listener die: every waiter would hang
                 if self._closed.is_set():
@@ -595,6 +611,119 @@ class Hub:
                     # message that failed
                     return
                 log.exception("a reply message could not be handled")
+
+    def _handle(self, msg: list[Any]) -> None:
+        """One push read off the reply connection (by the listener, or a thread reading
+        for its own result)."""
+        kind, channel = msg[0], msg[1]
+        if kind == b"message" or kind == b"smessage":
+            if channel == self._hub_bytes:
+                self._subscribe_pending(self._pubsub)
+            else:
+                self._dispatch(channel, msg[2])
+        elif kind == b"subscribe" or kind == b"ssubscribe":
+            self._confirm(channel, self._pubsub)
+        elif kind == b"sunsubscribe" and not self._closed.is_set():
+            # the server dropped a shard channel: its slot moved (a failover,
+            # a reshard). Subscribe anew, on the slot's new owner
+            raise redis.exceptions.PubSubError(f"shard channel {channel!r} moved")
+
+    def _waiting(self, mine: Feed | None = None) -> bool:
+        """Whether a feed other than ``mine`` waits for events: anything but a one-shot
+        feed that has its item (the lock held)."""
+        for fs in self._feeds.values():
+            for f in fs:
+                if f is not mine and not (type(f) is OneShot and f.items):
+                    return True
+        return False
+
+    def _parked(self) -> bool:
+        """The listener, asked to by a result() waiter (read_own): leave the connection
+        to threads that read it for their own results, and sleep until one finds other
+        waiters (or a broken connection), or nobody read it for PARK_S. False: nothing
+        to park for."""
+        with self._lock:
+            self._want = False
+            if self._waiting():
+                return False
+            self._owner, self._freed_at = None, time.monotonic()
+            while not self._closed.is_set():
+                if self._owner is None:
+                    left = PARK_S - (time.monotonic() - self._freed_at)
+                    if self._resume or left <= 0:
+                        break
+                    self._park.wait(left)
+                else:
+                    self._park.wait(PARK_S)
+            self._owner, self._resume = "listener", False
+            broken, self._broken = self._broken, False
+        if broken:
+            raise redis.exceptions.ConnectionError("a reader found the reply connection broken")
+        return True
+
+    def _wake(self) -> None:
+        """Make a parked listener read again at once (the lock held)."""
+        if self._owner != "listener":
+            self._resume = True
+            self._park.notify_all()
+
+    @property
+    def reader(self) -> str:
+        """Who reads the reply connection now: "listener", "waiter" (a thread waiting
+        for its own result, see :meth:`read_own`) or "nobody" (the listener is parked
+        and no waiter reads; for tests and metrics)."""
+        owner = self._owner
+        return "listener" if owner == "listener" else "nobody" if owner is None else "waiter"
+
+    def read_own(self, feed: OneShot, timeout: float) -> Event | str | None:
+        """Wait for ``feed``'s item (``Task.result()`` on a task this client submitted):
+        read the reply connection in this thread if nobody else does (the listener
+        parks while threads wait for their own results one after another: the message
+        then wakes the thread that waits for it, not the listener and then it), else
+        wait for the listener (and ask it to park after its next message)."""
+        with self._lock:
+            wire = self._wire
+            lead = self._owner is None and timeout > 0 and not self._closed.is_set()
+            if lead:
+                self._owner = threading.get_ident()
+            else:
+                self._want = True
+        if not lead or wire is None:  # (the wire is there while the listener parks)
+            return feed.get(timeout)
+        end = time.monotonic() + timeout
+        broken = False
+        try:
+            while not feed.items and not self._closed.is_set():
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                msg = wire.next(POLL_S if left > POLL_S else left)
+                if msg is not None:
+                    self.read_by_callers += 1
+                    try:
+                        self._handle(msg)
+                    except redis.RedisError:
+                        raise
+                    except Exception:  # as the listener: one bad message harms no other
+                        log.exception("a reply message could not be handled")
+        except (redis.RedisError, OSError):
+            broken = True
+        except BaseException:
+            # an interrupt between a read and its parse may have lost bytes of the
+            # stream: the listener makes a new connection
+            broken = True
+            raise
+        finally:
+            with self._lock:
+                self._owner, self._freed_at = None, time.monotonic()
+                if broken:
+                    self._broken = True
+                if broken or self._waiting(feed):
+                    self._resume = True
+                    self._park.notify_all()
+        if broken and not feed.items:
+            return feed.get(max(0.0, end - time.monotonic()))
+        return feed.items[0] if feed.items else None
 
     def _lost(self) -> None:
         """Tell the fail-fast feeds that the connection is gone (redis-py's own retries,
@@ -709,6 +838,8 @@ class Hub:
             feeds = self._feeds.setdefault(feed.key, [])
             if feed not in feeds:
                 feeds.append(feed)
+            if type(feed) is not OneShot:
+                self._wake()
 
     def close(self, feed: Feed) -> None:
         """Stop delivering to ``feed``."""
@@ -731,6 +862,8 @@ class Hub:
         """Stop the listener and callback threads and drop the subscription (a hub
         for a client that is going away). Waiters still open get no more events."""
         self._closed.set()
+        with self._lock:
+            self._park.notify_all()
         self.callbacks.put(None)
         ps = self._pubsub
         if ps is not None:

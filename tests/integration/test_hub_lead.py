@@ -1,0 +1,215 @@
+"""A thread waiting for its own result reads the reply connection itself
+(``mtq.replies.Hub.read_own``) while the reply listener parks: what the listener must
+still do (serve other feeds, fill the inbox, make a lost connection anew) it still
+does. Against a real redis-server and a real ``mtq worker run`` process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+import mtq
+from mtq import replies
+from tests.conftest import PY, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def worker(qname: str, subprocess_env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.handlers:gated", "-q",
+                             qname], env=subprocess_env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    yield proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(20) == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _lead(q: mtq.Queue, hub: replies.Hub) -> None:
+    """Round trips until this thread reads its result itself (the listener parked)."""
+    before = hub.read_by_callers
+    for i in range(200):
+        assert q.submit({"i": i}).result(timeout=30)["i"] == i
+        if hub.read_by_callers > before:
+            return
+    pytest.fail("200 round trips in a row, and the listener never left a result to its "
+                "waiter")
+
+
+def test_a_waiter_reads_its_own_result_and_the_listener_reads_again_when_none_does(
+        qname: str, redis_url: str, client: redis.Redis,
+        worker: subprocess.Popen[bytes]) -> None:
+    q = mtq.Queue(qname, redis_url, client=client)
+    hub = replies.hub_of(client)
+    _lead(q, hub)
+    before = hub.read_by_callers
+    for i in range(50):
+        assert q.submit({"i": i}).result(timeout=30)["i"] == i
+    assert hub.read_by_callers >= before + 50, "a waiter in a loop did not read its own"
+    # nobody waits now: the listener reads again within PARK_S, and an outcome that comes
+    # meanwhile reaches the inbox (no round trip for the result() that comes later)
+    t = q.submit({"i": 7})
+    wait_for(lambda: hub.kept() == 1, 10, "the outcome nobody waited for was not read")
+    assert hub.read_by_callers == before + 50
+    assert t.result(timeout=5)["i"] == 7
+
+
+def test_many_threads_waiting_for_their_own_results_each_get_theirs(
+        qname: str, redis_url: str, client: redis.Redis,
+        worker: subprocess.Popen[bytes]) -> None:
+    q = mtq.Queue(qname, redis_url, client=client)
+    hub = replies.hub_of(client)
+    _lead(q, hub)
+    got: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def loop(k: int) -> None:
+        try:
+            got[k] = [q.submit({"i": k * 1000 + i}).result(timeout=30)["i"]
+                      for i in range(40)]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert got == {k: [k * 1000 + i for i in range(40)] for k in range(8)}
+
+
+def test_a_waiter_left_waiting_when_the_reading_one_is_done_is_served_at_once(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes],
+        subprocess_env: dict[str, str]) -> None:
+    """A reads for itself, B waits for A to read; A's result comes first: the listener
+    reads on for B (it is parked for as long as the test runs otherwise)."""
+    monkeypatch.setattr(replies, "PARK_S", 600.0)
+    second = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.handlers:gated",
+                               "-q", qname], env=subprocess_env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        q = mtq.Queue(qname, redis_url, client=client)
+        hub = replies.hub_of(client)
+        _lead(q, hub)
+        gates = [tmp_path / "a", tmp_path / "b"]
+        for g in gates:
+            g.touch()
+        a = q.submit({"i": 1, "gate": str(gates[0])})
+        b = q.submit({"i": 2, "gate": str(gates[1])})  # on the other worker
+        got: dict[str, Any] = {}
+        ta = threading.Thread(target=lambda: got.update(a=a.result(timeout=30)))
+        ta.start()
+        wait_for(lambda: hub.reader == "waiter", 10, "A did not read for itself")
+        tb = threading.Thread(target=lambda: got.update(b=b.result(timeout=30)))
+        tb.start()
+        wait_for(lambda: hub.watching() == 2, 10, "B is not waiting")
+        gates[0].unlink()
+        ta.join(10)
+        assert got.get("a", {}).get("i") == 1
+        gates[1].unlink()
+        tb.join(5)  # well within RESYNC_S (10 s), after which B would read Redis itself
+        assert got.get("b", {}).get("i") == 2, "B was left waiting with nobody reading"
+    finally:
+        second.send_signal(signal.SIGTERM)
+        second.wait(20)
+
+
+@pytest.mark.parametrize("reader", ["events", "callback", "aresult"])
+def test_a_reader_opened_while_the_listener_parks_is_served_at_once(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes],
+        reader: str) -> None:
+    """With the listener parked for as long as the test runs, a reader that is not a
+    waiter for its own result (which would read for itself) wakes it."""
+    import asyncio
+
+    monkeypatch.setattr(replies, "PARK_S", 600.0)
+    q = mtq.Queue(qname, redis_url, client=client)
+    hub = replies.hub_of(client)
+    _lead(q, hub)
+    gate = tmp_path / "gate"
+    gate.touch()
+    t = q.submit({"i": 1, "gate": str(gate)})
+    seen: list[Any] = []
+    done = threading.Event()
+    if reader == "events":
+        def read() -> None:
+            seen.extend(ev.kind for ev in t.events(timeout=30))
+            done.set()
+        threading.Thread(target=read, daemon=True).start()
+    elif reader == "callback":
+        t.add_done_callback(lambda task, ev: (seen.append(ev.kind), done.set()))
+    else:
+        def read_async() -> None:
+            seen.append(asyncio.run(t.aresult(timeout=30))["i"])
+            done.set()
+        threading.Thread(target=read_async, daemon=True).start()
+    wait_for(lambda: hub.watching() >= 1, 10, "the reader opened no feed")
+    gate.unlink()
+    # well within RESYNC_S (10 s), after which each of them would read the stored state
+    assert done.wait(5), f"the {reader} reader was not served while the listener parked"
+    assert seen[-1] in ("succeeded", 1), seen
+
+
+def test_a_reply_connection_lost_under_a_reading_waiter_is_made_anew(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
+    """The waiter reading for itself finds the connection gone: the listener makes it
+    anew and the waiter gets its result (from the stored state if its event was lost)."""
+    monkeypatch.setattr(replies, "PARK_S", 600.0)
+    q = mtq.Queue(qname, redis_url, client=client)
+    hub = replies.hub_of(client)
+    _lead(q, hub)
+    gate = tmp_path / "gate"
+    gate.touch()
+    t = q.submit({"i": 3, "gate": str(gate)})
+    before, read = hub.resyncs, hub.read_by_callers
+    answer: list[Any] = []
+    waiter = threading.Thread(target=lambda: answer.append(t.result(timeout=30)))
+    waiter.start()
+    wait_for(lambda: hub.reader == "waiter", 10, "the waiter did not read for itself")
+    client.client_kill_filter(_type="pubsub")
+    # at once, not after RESYNC_S (10 s) of the waiter's silence
+    wait_for(lambda: hub.resyncs > before, 5, "the hub did not subscribe again")
+    gate.unlink()
+    waiter.join(5)
+    assert answer and answer[0]["i"] == 3
+    assert hub.read_by_callers >= read
+    # and the next round trips go on as before (a waiter reads for itself again)
+    _lead(q, hub)
+
+
+def test_closing_the_hub_under_a_reading_waiter_ends_its_wait(
+        qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
+    monkeypatch.setattr(replies, "PARK_S", 600.0)
+    q = mtq.Queue(qname, redis_url, client=client)
+    hub = replies.hub_of(client)
+    _lead(q, hub)
+    gate = tmp_path / "gate"
+    gate.touch()
+    t = q.submit({"i": 4, "gate": str(gate)})
+    answer: list[Any] = []
+    waiter = threading.Thread(target=lambda: answer.append(t.result(timeout=30)))
+    waiter.start()
+    wait_for(lambda: hub.reader == "waiter", 10, "the waiter did not read for itself")
+    hub.close_all()
+    gate.unlink()  # its result now comes from the stored state, through a new hub
+    waiter.join(30)
+    assert not waiter.is_alive(), "the waiter hung on a closed hub"
+    assert answer and answer[0]["i"] == 4
