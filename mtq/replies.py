@@ -22,6 +22,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import queue as queue_mod
 import secrets
 import threading
@@ -528,6 +529,7 @@ class Hub:
         self._wire: _Wire | None = None
         #: messages read by threads waiting for their own result (for tests and metrics)
         self.read_by_callers = 0
+        self._pid = os.getpid()
 
     # -- subscriptions -----------------------------------------------------------
     def channel(self, queue: str, timeout: float = 10.0) -> str:
@@ -680,7 +682,11 @@ class Hub:
         read the reply connection in this thread if nobody else does (the listener
         parks while threads wait for their own results one after another: the message
         then wakes the thread that waits for it, not the listener and then it), else
-        wait for the listener (and ask it to park after its next message)."""
+        wait for the listener (and ask it to park after its next message). A forked
+        child never reads its parent's connection (nor takes a lock a thread of the
+        parent may have held at the fork)."""
+        if self._pid != os.getpid():
+            return feed.get(timeout)
         with self._lock:
             wire = self._wire
             lead = self._owner is None and timeout > 0 and not self._closed.is_set()

@@ -213,3 +213,29 @@ def test_closing_the_hub_under_a_reading_waiter_ends_its_wait(
     waiter.join(30)
     assert not waiter.is_alive(), "the waiter hung on a closed hub"
     assert answer and answer[0]["i"] == 4
+
+
+def test_a_forked_child_never_reads_its_parents_reply_connection(
+        qname: str, redis_url: str, client: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
+    """The listener parked at the fork: the child's waiter must not read (nor steal a
+    message of) the socket it shares with its parent, whose round trips go on."""
+    import os
+
+    monkeypatch.setattr(replies, "PARK_S", 600.0)
+    q = mtq.Queue(qname, redis_url, client=client)
+    hub = replies.hub_of(client)
+    _lead(q, hub)
+    pid = os.fork()
+    if pid == 0:  # the child: wait a while on a feed, as result() would
+        code = 2
+        try:
+            before = hub.read_by_callers
+            got = hub.read_own(replies.OneShot((qname, "nothing")), 0.5)
+            code = 0 if got is None and hub.read_by_callers == before else 1
+        finally:
+            os._exit(code)
+    for i in range(30):
+        assert q.submit({"i": i}).result(timeout=10)["i"] == i
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child read its parent's connection"
