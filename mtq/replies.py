@@ -411,11 +411,11 @@ class CallbackFeed(Feed):
 POLL_S = 1.0
 #: a reply connection silent this long is sent a PING (its answer proves it alive) ...
 IDLE_PING_S = 30.0
-#: a listener parked for result() waiters (Hub.read_own) reads again after this long
-#: without one
-PARK_S = 0.02
 #: ... and one that does not answer it within this long is dropped and made anew
 PING_ANSWER_S = 30.0
+#: a listener parked for result() waiters (Hub.read_own) reads again after this long
+#: with none reading
+PARK_S = 0.02
 
 
 class _Wire:
