@@ -29,7 +29,8 @@ drops the rest:
   exception instance (``NoScriptError``, ``ResponseError``) in its place, so a
   pipeline's other replies are still read;
 * **yielding on a reply** (:class:`yielding`): a thread may ask to give its CPU away
-  once as the replies of its next exchange come in, before it does anything with them
+  once as the replies of its next exchange come in, before its caller does anything
+  with them
   (the worker's model thread, when Redis tells a client the outcome of a task in the
   same moment as it answers the worker's ack: see mtq.workers.worker.Worker._settle_here);
 * **the socket**: on a connected connection read by hiredis (redis-py's own parser
@@ -127,7 +128,6 @@ class yielding:
 
     def __exit__(self, *exc: object) -> None:
         _yield.on = False
-
 
 
 def _lane(client: redis.Redis) -> _Lane:
