@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -162,6 +163,39 @@ def subprocess_env(redis_url: str) -> dict[str, str]:
 
 
 PY = sys.executable
+
+
+@contextmanager
+def gated_worker(qname: str, env: dict[str, str], *args: str
+                 ) -> Iterator[subprocess.Popen[bytes]]:
+    """A real ``mtq worker run tests.handlers:gated`` on ``qname`` (``args`` added to its
+    command line); stopped with SIGTERM on the way out, its clean exit asserted."""
+    proc = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.handlers:gated", "-q",
+                             qname, *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield proc
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(20) == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def gated_task(q: Any, tmp_path: Path, i: int, gate: str = "gate") -> tuple[Path, Any]:
+    """A task of ``q`` (an mtq.Queue) for tests.handlers:gated, whose handler waits while
+    the returned gate file exists; it echoes ``i``."""
+    path = tmp_path / gate
+    path.touch()
+    return path, q.submit({"i": i, "gate": str(path)})
 
 
 class Reader:

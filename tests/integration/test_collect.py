@@ -16,25 +16,15 @@ import redis
 
 import mtq
 from mtq import replies
-from tests.conftest import PY, wait_for
+from tests.conftest import gated_task, gated_worker, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
 def worker(qname: str, subprocess_env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.handlers:gated", "-q",
-                             qname, "--batch-size", "16"], env=subprocess_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    yield proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(20) == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with gated_worker(qname, subprocess_env, "--batch-size", "16") as proc:
+        yield proc
 
 
 def commands(client: redis.Redis) -> int:
@@ -133,19 +123,12 @@ def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return reads
 
 
-def _gated(q: mtq.Queue, tmp_path: Path, i: int) -> tuple[Path, mtq.Task]:
-    """A task of ``q`` whose handler waits while the returned gate file exists."""
-    gate = tmp_path / "gate"
-    gate.touch()
-    return gate, q.submit({"i": i, "gate": str(gate)})
-
-
 def test_waiting_on_an_own_task_reads_nothing_but_another_handle_reads_once(
         qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
     reads = _count_reads(monkeypatch)
     q = mtq.Queue(qname, redis_url, client=client)
-    gate, t = _gated(q, tmp_path, 1)
+    gate, t = gated_task(q, tmp_path, 1)
     other = mtq.Queue(qname, redis_url).task(t.id)  # a handle that did not submit it
     subprocess.Popen(["sh", "-c", f"sleep 0.3; rm -f {gate}"])  # opens while both wait
     assert t.result(timeout=30)["i"] == 1
@@ -159,7 +142,7 @@ def test_aresult_on_an_own_task_reads_nothing_and_times_out_with_the_callers_tim
         monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
     reads = _count_reads(monkeypatch)
     q = mtq.Queue(qname, redis_url, client=client)
-    gate, t = _gated(q, tmp_path, 7)
+    gate, t = gated_task(q, tmp_path, 7)
 
     async def go() -> None:
         with pytest.raises(mtq.ResultTimeout) as exc:
@@ -183,7 +166,7 @@ def test_an_own_task_is_read_after_its_reply_connection_was_lost(
     reads = _count_reads(monkeypatch)
     q = mtq.Queue(qname, redis_url, client=client)
     hub = replies.hub_of(client)
-    gate, t = _gated(q, tmp_path, 2)
+    gate, t = gated_task(q, tmp_path, 2)
     before = hub.resyncs
     # the reply connection drops while the task runs; its outcome may come while it is away
     client.client_kill_filter(_type="pubsub")

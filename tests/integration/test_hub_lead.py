@@ -17,25 +17,16 @@ import redis
 
 import mtq
 from mtq import replies
-from tests.conftest import PY, wait_for
+from mtq.broker.keys import QueueKeys
+from tests.conftest import gated_task, gated_worker, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture
 def worker(qname: str, subprocess_env: dict[str, str]) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.handlers:gated", "-q",
-                             qname], env=subprocess_env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    yield proc
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        assert proc.wait(20) == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with gated_worker(qname, subprocess_env) as proc:
+        yield proc
 
 
 def _lead(q: mtq.Queue, hub: replies.Hub) -> None:
@@ -47,6 +38,23 @@ def _lead(q: mtq.Queue, hub: replies.Hub) -> None:
             return
     pytest.fail("200 round trips in a row, and the listener never left a result to its "
                 "waiter")
+
+
+def _parked(q: mtq.Queue, hub: replies.Hub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """:func:`_lead`, with the listener then parked for as long as the test runs (only
+    the wake-ups under test bring it back)."""
+    monkeypatch.setattr(replies, "PARK_S", 600.0)
+    _lead(q, hub)
+
+
+def _waiting(t: mtq.Task, hub: replies.Hub) -> tuple[threading.Thread, list[Any]]:
+    """A thread waiting for ``t``'s result, once it reads the reply connection itself:
+    the thread, and the list its result goes to."""
+    answer: list[Any] = []
+    waiter = threading.Thread(target=lambda: answer.append(t.result(timeout=30)))
+    waiter.start()
+    wait_for(lambda: hub.reader == "waiter", 10, "the waiter did not read for itself")
+    return waiter, answer
 
 
 def test_a_waiter_reads_its_own_result_and_the_listener_reads_again_when_none_does(
@@ -98,35 +106,26 @@ def test_a_waiter_left_waiting_when_the_reading_one_is_done_is_served_at_once(
         subprocess_env: dict[str, str]) -> None:
     """A reads for itself, B waits for A to read; A's result comes first: the listener
     reads on for B (it is parked for as long as the test runs otherwise)."""
-    monkeypatch.setattr(replies, "PARK_S", 600.0)
-    second = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.handlers:gated",
-                               "-q", qname], env=subprocess_env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+    with gated_worker(qname, subprocess_env):
         q = mtq.Queue(qname, redis_url, client=client)
         hub = replies.hub_of(client)
-        _lead(q, hub)
-        gates = [tmp_path / "a", tmp_path / "b"]
-        for g in gates:
-            g.touch()
-        a = q.submit({"i": 1, "gate": str(gates[0])})
-        b = q.submit({"i": 2, "gate": str(gates[1])})  # on the other worker
-        got: dict[str, Any] = {}
-        ta = threading.Thread(target=lambda: got.update(a=a.result(timeout=30)))
-        ta.start()
-        wait_for(lambda: hub.reader == "waiter", 10, "A did not read for itself")
-        tb = threading.Thread(target=lambda: got.update(b=b.result(timeout=30)))
+        _parked(q, hub, monkeypatch)
+        # both workers up and asleep, so that the two tasks run at once
+        wait_for(lambda: client.hlen(QueueKeys(qname).idle) == 2, 20,
+                 "the second worker did not start")
+        gate_a, a = gated_task(q, tmp_path, 1, "a")
+        gate_b, b = gated_task(q, tmp_path, 2, "b")  # on the other worker
+        ta, got_a = _waiting(a, hub)
+        got_b: list[Any] = []
+        tb = threading.Thread(target=lambda: got_b.append(b.result(timeout=30)))
         tb.start()
         wait_for(lambda: hub.watching() == 2, 10, "B is not waiting")
-        gates[0].unlink()
+        gate_a.unlink()
         ta.join(10)
-        assert got.get("a", {}).get("i") == 1
-        gates[1].unlink()
+        assert got_a and got_a[0]["i"] == 1
+        gate_b.unlink()
         tb.join(5)  # well within RESYNC_S (10 s), after which B would read Redis itself
-        assert got.get("b", {}).get("i") == 2, "B was left waiting with nobody reading"
-    finally:
-        second.send_signal(signal.SIGTERM)
-        second.wait(20)
+        assert got_b and got_b[0]["i"] == 2, "B was left waiting with nobody reading"
 
 
 @pytest.mark.parametrize("reader", ["events", "callback", "aresult"])
@@ -138,13 +137,10 @@ def test_a_reader_opened_while_the_listener_parks_is_served_at_once(
     waiter for its own result (which would read for itself) wakes it."""
     import asyncio
 
-    monkeypatch.setattr(replies, "PARK_S", 600.0)
     q = mtq.Queue(qname, redis_url, client=client)
     hub = replies.hub_of(client)
-    _lead(q, hub)
-    gate = tmp_path / "gate"
-    gate.touch()
-    t = q.submit({"i": 1, "gate": str(gate)})
+    _parked(q, hub, monkeypatch)
+    gate, t = gated_task(q, tmp_path, 1)
     seen: list[Any] = []
     done = threading.Event()
     if reader == "events":
@@ -171,18 +167,12 @@ def test_a_reply_connection_lost_under_a_reading_waiter_is_made_anew(
         monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
     """The waiter reading for itself finds the connection gone: the listener makes it
     anew and the waiter gets its result (from the stored state if its event was lost)."""
-    monkeypatch.setattr(replies, "PARK_S", 600.0)
     q = mtq.Queue(qname, redis_url, client=client)
     hub = replies.hub_of(client)
-    _lead(q, hub)
-    gate = tmp_path / "gate"
-    gate.touch()
-    t = q.submit({"i": 3, "gate": str(gate)})
+    _parked(q, hub, monkeypatch)
+    gate, t = gated_task(q, tmp_path, 3)
     before, read = hub.resyncs, hub.read_by_callers
-    answer: list[Any] = []
-    waiter = threading.Thread(target=lambda: answer.append(t.result(timeout=30)))
-    waiter.start()
-    wait_for(lambda: hub.reader == "waiter", 10, "the waiter did not read for itself")
+    waiter, answer = _waiting(t, hub)
     client.client_kill_filter(_type="pubsub")
     # at once, not after RESYNC_S (10 s) of the waiter's silence
     wait_for(lambda: hub.resyncs > before, 5, "the hub did not subscribe again")
@@ -197,17 +187,11 @@ def test_a_reply_connection_lost_under_a_reading_waiter_is_made_anew(
 def test_closing_the_hub_under_a_reading_waiter_ends_its_wait(
         qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, worker: subprocess.Popen[bytes]) -> None:
-    monkeypatch.setattr(replies, "PARK_S", 600.0)
     q = mtq.Queue(qname, redis_url, client=client)
     hub = replies.hub_of(client)
-    _lead(q, hub)
-    gate = tmp_path / "gate"
-    gate.touch()
-    t = q.submit({"i": 4, "gate": str(gate)})
-    answer: list[Any] = []
-    waiter = threading.Thread(target=lambda: answer.append(t.result(timeout=30)))
-    waiter.start()
-    wait_for(lambda: hub.reader == "waiter", 10, "the waiter did not read for itself")
+    _parked(q, hub, monkeypatch)
+    gate, t = gated_task(q, tmp_path, 4)
+    waiter, answer = _waiting(t, hub)
     hub.close_all()
     gate.unlink()  # its result now comes from the stored state, through a new hub
     waiter.join(30)
@@ -222,10 +206,9 @@ def test_a_forked_child_never_reads_its_parents_reply_connection(
     message of) the socket it shares with its parent, whose round trips go on."""
     import os
 
-    monkeypatch.setattr(replies, "PARK_S", 600.0)
     q = mtq.Queue(qname, redis_url, client=client)
     hub = replies.hub_of(client)
-    _lead(q, hub)
+    _parked(q, hub, monkeypatch)
     pid = os.fork()
     if pid == 0:  # the child: wait a while on a feed, as result() would
         code = 2
@@ -237,5 +220,18 @@ def test_a_forked_child_never_reads_its_parents_reply_connection(
             os._exit(code)
     for i in range(30):
         assert q.submit({"i": i}).result(timeout=10)["i"] == i
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, "the child read its parent's connection"
+    ended: list[int] = []
+
+    def child_ended() -> bool:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            ended.append(status)
+        return bool(got)
+
+    try:
+        wait_for(child_ended, 10, "the forked child did not end")
+    finally:
+        if not ended:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(ended[0]) == 0, "the child read its parent's connection"
