@@ -815,7 +815,7 @@ class Worker:
         """Take claimed or handed-over tasks into the slot (the fetcher, or the model
         thread waiting in its place): suspects go to the supervisor's quarantine, the
         rest are held, and given back if the slot refuses them (paused, closed).
-        Returns those kept here."""
+        Returns the tasks less those sent to the quarantine."""
         if self.hand_off and any(t.suspect for t in tasks):
             # a process died running these: under a supervisor they run in its
             # quarantine process, so that if they kill it again, no batch is lost
