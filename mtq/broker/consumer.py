@@ -162,8 +162,9 @@ class Consumer:
         #: fetcher waits with :meth:`wait` and takes what it returns; never registered
         #: on a durable queue
         self.direct = False
-        #: (time the registering claim was sent, its lease ms, its window ms, the room
-        #: left) while this consumer may be registered idle; None when it is not
+        #: (time the registering claim was sent, its lease ms, its window ms, its room:
+        #: the most one submit hands it) while this consumer may be registered idle;
+        #: None when it is not
         self._registered: tuple[float, int, int, int] | None = None
         self._rng = random.Random()
 
@@ -253,9 +254,12 @@ class Consumer:
         if isinstance(popped, bytes):
             assert registered is not None  # only then is the inbox waited on
             tasks = self._handed(parse_handed(popped), registered)
-            # registered still while room is left (submit.lua keeps it so)
-            room = registered[3] - len(tasks)
-            self._registered = (*registered[:3], room) if room > 0 else None
+            # registered still unless that submit handed it its whole room: a submit
+            # keeps a registration whose worker came back for its last reply
+            # (submit.lua). If it found one unread, it ended it, and the tasks it
+            # queued then wake this consumer for a claim
+            if len(tasks) >= registered[3]:
+                self._registered = None
             return tasks
         return popped
 

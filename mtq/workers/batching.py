@@ -95,6 +95,11 @@ class BatchSlot:
                 self.max_batch_size,
                 self.ahead * self.max_batch_size - len(self._pending) - self._reserved)
 
+    def full(self) -> bool:
+        """The slot holds all it may: :meth:`wait_space` waits for room."""
+        with self.cond:
+            return len(self._pending) + self._reserved >= self.ahead * self.max_batch_size
+
     def reserve(self, n: int) -> None:
         """``n`` places are held by tasks that left the slot but still count against
         its size (the generator's running batch): the fetcher claims only into the

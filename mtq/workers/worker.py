@@ -757,41 +757,45 @@ class Worker:
         c = self.consumer
         backoff = Backoff()
         in_doubt = False  # a claim failed: it may have run, its reply lost with the connection
-        delivered: list[Claimed] = []  # what a submit handed over while it waited (wait)
+        handed = False  # its last wait returned tasks handed over (taken already)
+        tasks: list[Claimed] = []
         while True:
-            if c.registered and self.slot.paused:
-                # paused (or reloading) with a registration left from its last claim: a
-                # submit must not hand it tasks it would hold unstarted until it resumes
+            if c.registered and (self.slot.paused or self.slot.full()):
+                # paused (or reloading), or its slot filled by what it was handed, with
+                # its registration left: a submit must not hand it tasks it would hold
+                # unstarted until it resumes or has room (another worker may be idle)
                 self._retire()
             need = self.slot.wait_space()
             if need <= 0:
                 return
-            try:
-                if in_doubt:
-                    self._release_unknown()
-                    in_doubt = False
-                # handed over: it sleeps again while registered (room left), else claims
-                tasks, direct, delivered = (delivered, True, []) if delivered \
-                    else (c.claim(need), False, [])
-                now = time.monotonic()
-                backoff.reset()
-            except Exception as exc:  # Redis unreachable, or a reply we did not expect
-                in_doubt = True
-                delay = backoff.next()
-                (log.warning if backoff.failures in (1, 2) else log.debug)(
-                    "claim failed (%s); retrying in %.2f s", exc, delay,
-                    exc_info=not isinstance(exc, RedisUnavailable))
-                if self._stop.wait(delay):
-                    return
-                continue
-            full = not c.registered if direct else len(tasks) == need
-            self._claim_ahead(full)
-            tasks = self._accept(tasks, now)
-            if full:
-                continue
+            # handed over: it sleeps again while registered, else claims
+            if not (handed and c.registered):
+                try:
+                    if in_doubt:
+                        self._release_unknown()
+                        in_doubt = False
+                    tasks = c.claim(need)
+                    now = time.monotonic()
+                    backoff.reset()
+                except Exception as exc:  # Redis unreachable, or a reply we did not expect
+                    in_doubt = True
+                    delay = backoff.next()
+                    (log.warning if backoff.failures in (1, 2) else log.debug)(
+                        "claim failed (%s); retrying in %.2f s", exc, delay,
+                        exc_info=not isinstance(exc, RedisUnavailable))
+                    if self._stop.wait(delay):
+                        return
+                    continue
+                full = len(tasks) == need
+                self._claim_ahead(full)
+                tasks = self._accept(tasks, now)
+                if full:
+                    continue
+            handed = False
             # set before the drain check: whoever makes the worker idle after the check
             # sees it and wakes the fetcher (see _publish_loop)
             self._fetcher_sleeping = True
+            woke: list[Claimed] | bool = False
             try:
                 if self._draining and not tasks and c.next_timer_ms < 0 and self._idle():
                     log.info("worker %s drained the queue; stopping", self.worker_id)
@@ -799,8 +803,6 @@ class Worker:
                     self.slot.kick()
                     return
                 woke = self._wait()
-                if isinstance(woke, list):
-                    delivered = woke
             except MtqError as exc:
                 # the wake-up may have been lost with the connection, or tasks handed
                 # over: claim again now, after giving back any such (see _release_unknown)
@@ -810,6 +812,13 @@ class Worker:
                     return
             finally:
                 self._fetcher_sleeping = False
+            if isinstance(woke, list):
+                # taken at once (held: their leases are kept); a slot they filled ends
+                # the registration (above), and the loop waits for room before it waits
+                # for more
+                self._claim_ahead(not c.registered)
+                tasks = self._accept(woke, time.monotonic())
+                handed = True
 
     def _accept(self, tasks: list[Claimed], now: float) -> list[Claimed]:
         """Take claimed or handed-over tasks into the slot (the fetcher, or the model

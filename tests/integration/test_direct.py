@@ -22,7 +22,7 @@ from mtq.broker.protocol import Claimed
 from mtq.settings import QueueSettings
 from mtq.workers.worker import Monitor
 from tests.conftest import kill_process, serving, wait_for
-from tests.integration.test_worker import Recorder, make_worker
+from tests.integration.test_worker import FAST, Recorder, make_worker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,13 +51,13 @@ def test_a_sleeping_worker_is_handed_a_new_task_without_a_claim(r: redis.Redis,
         (b"running", c.worker_id.encode(), b"1"), h
     assert r.zscore(keys.leases, task.id) is not None
     assert r.llen(keys.wake) == 0 and r.llen(keys.free) == 0
-    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"7", "registered, one less room"
+    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"8", "registered as it was"
     assert q.stats()["waiting"] == 0 and q.stats()["running"] == 1
     before = evalshas(r)
     handed = c.wait(5)
     assert evalshas(r) == before, "the wait returned the task: no claim ran"
     assert isinstance(handed, list) and [t.id for t in handed] == [task.id]
-    assert c.registered, "room is left: it sleeps again without a claim"
+    assert c.registered, "it sleeps again without a claim"
     t = handed[0]
     assert (t.token, t.payload, t.deliveries, t.stream) == \
         (h[b"token"].decode(), h[b"payload"], 1, None)
@@ -65,10 +65,11 @@ def test_a_sleeping_worker_is_handed_a_new_task_without_a_claim(r: redis.Redis,
     report = c.settle([Outcome(t, True, {"y": 2})])
     assert report.succeeded == 1
     assert task.result(timeout=5) == {"y": 2}
-    second = q.submit({"x": 2})  # to the same registration, until its room is used up
+    second = q.submit({"x": 2})  # to the same registration: it came back for the first
     handed = c.wait(5)
     assert isinstance(handed, list) and [t.id for t in handed] == [second.id]
     assert evalshas(r) == before + 2, "a submit and an ack: no claim"
+    c.settle([Outcome(handed[0], True, None)])
     trace = task.trace()
     assert [e.kind for e in trace] == ["queued", "started", "succeeded"], trace
     assert trace[1].detail == f"delivery 1 on {c.worker_id}"
@@ -87,13 +88,13 @@ def test_only_what_would_be_claimable_at_once_is_handed_over(r: redis.Redis, qna
     assert isinstance(handed, list)
     assert [t.id for t in handed] == [t.id for t in free[:2]]
     assert r.lrange(keys.free, 0, -1) == [t.id.encode() for t in free[2:]]
-    assert r.hlen(keys.idle) == 0 and not c.registered, "its room is used up"
+    assert r.hlen(keys.idle) == 0 and not c.registered, "it was handed its whole room"
     other = Consumer(qname, client=r)
     assert [t.id for t in other.claim(8)] == [t.id for t in free[2:]]
 
     assert c.claim(8) == []
     s = q.submit_many([{"i": i} for i in range(3)], stream="s")
-    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"7"
+    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"8"
     handed = c.wait(5)
     assert isinstance(handed, list) and [t.id for t in handed] == [s[0].id]
     assert r.sismember(keys.busy, "s")
@@ -116,7 +117,7 @@ def test_a_submit_says_how_many_it_handed_over_and_its_client_yields_only_then(
     assert c.claim(2) == []
     answer = q.broker.submit(q.prepare([None] * 3))
     assert answer.handed == 2 and len(answer) == 3 and all(isinstance(i, str) for i in answer)
-    assert q.broker.submit(q.prepare([None])).handed == 0, "its room is used up: queued"
+    assert q.broker.submit(q.prepare([None])).handed == 0, "its whole room was handed: queued"
     q.submit(None)
     assert yields == [], "nothing was handed over: no yield"
     assert len(c.wait(5)) == 2  # type: ignore[arg-type]
@@ -128,6 +129,9 @@ def test_a_submit_says_how_many_it_handed_over_and_its_client_yields_only_then(
 
 
 def test_a_worker_is_handed_only_what_its_room_holds(r: redis.Redis, qname: str) -> None:
+    """Its room (what its claim left: what its slot could take) is the most one submit
+    hands it, and a submit that hands it all of it ends its registration: a burst
+    spreads over the sleeping workers, and what none has room for queues."""
     keys = QueueKeys(qname)
     q = mtq.Queue(qname, client=r)
     c = consumer(qname, r)
@@ -145,9 +149,45 @@ def test_a_worker_is_handed_only_what_its_room_holds(r: redis.Redis, qname: str)
     # it took all there was: registered again, with the room left
     assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"7" and c.registered
     assert [t.id for t in c.claim(8)] == [] and r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"8"
-    third = q.submit_many([None] * 9)  # more than its room: eight handed over, one queued
-    assert [r.hget(keys.task(t.id), "status") for t in third] == [b"running"] * 8 + [b"queued"]
-    assert r.hlen(keys.idle) == 0, "its room is used up"
+    other = consumer(qname, r)
+    assert other.claim(4) == []
+    burst = q.submit_many([None] * 13)  # eight to one, four to the other, one queued
+    assert [r.hget(keys.task(t.id), "worker") for t in burst] == \
+        [c.worker_id.encode()] * 8 + [other.worker_id.encode()] * 4 + [None]
+    assert r.lrange(keys.free, 0, -1) == [burst[-1].id.encode()]
+    assert [len(w.wait(5)) for w in (c, other)] == [8, 4]  # type: ignore[arg-type]
+    assert r.hlen(keys.idle) == 0 and not (c.registered or other.registered)
+
+
+def test_a_worker_that_comes_back_for_each_hand_off_is_handed_any_number(
+        r: redis.Redis, qname: str) -> None:
+    """The room bounds one submit, not a registration: a worker that popped every reply
+    before the next submit keeps being handed tasks without a claim, until its window
+    ends; one that did not ends its registration with the next hand-off. (Its worker
+    takes the registration back itself when its slot is full: see the next test.)"""
+    keys = QueueKeys(qname)
+    q = mtq.Queue(qname, client=r)
+    c = consumer(qname, r)
+    assert c.claim(2) == []
+    before = evalshas(r)
+    for i in range(7):  # more than three times its room
+        task = q.submit({"i": i})
+        handed = c.wait(5)
+        assert isinstance(handed, list) and [t.id for t in handed] == [task.id], i
+        assert c.settle([Outcome(handed[0], True, i)]).succeeded == 1
+        assert task.result(timeout=5) == i
+    assert evalshas(r) == before + 14, "a submit and an ack each: no claim"
+    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"2" and c.registered
+    # it does not come back: the second hand-off finds the first unread and ends it
+    unread = [q.submit(None), q.submit(None)]
+    assert [r.hget(keys.task(t.id), "worker") for t in unread] == [c.worker_id.encode()] * 2
+    assert r.hlen(keys.idle) == 0
+    late = q.submit(None)
+    assert r.hget(keys.task(late.id), "status") == b"queued" and r.llen(keys.wake) == 1
+    # it thinks itself registered still: it pops what it was handed, then the marker
+    assert [t.id for w in (c.wait(5), c.wait(5)) for t in w] == [t.id for t in unread]  # type: ignore[union-attr]
+    assert c.wait(5) is True
+    assert [t.id for t in c.claim(8)] == [late.id]
 
 
 def test_a_registration_lapses_after_its_window(r: redis.Redis, qname: str) -> None:
@@ -198,8 +238,8 @@ def test_a_worker_run_takes_hand_offs_and_retires_when_it_stops(
         first = q.submit({"i": 1})
         assert r.hget(keys.task(first.id), "worker") == w.worker_id.encode()
         assert model.started.wait(10), "the handed task did not run"
-        # held in predict: it is registered still, with the room left
-        assert r.hget(keys.idle, w.worker_id).split(b"|")[2] == b"3"
+        # held in predict: it is registered still, as it was
+        assert r.hget(keys.idle, w.worker_id).split(b"|")[2] == b"4"
         second = q.submit({"i": 2})
         assert r.hget(keys.task(second.id), "worker") == w.worker_id.encode()
         gate.set()
@@ -210,6 +250,50 @@ def test_a_worker_run_takes_hand_offs_and_retires_when_it_stops(
     assert r.hlen(keys.idle) == 0, "a stopped worker takes its registration back"
     late = q.submit({"i": 3})
     assert r.hget(keys.task(late.id), "status") == b"queued"
+
+
+def test_a_worker_whose_slot_is_full_takes_its_registration_back(
+        r: redis.Redis, qname: str, redis_url: str) -> None:
+    """A model that lets batches fill (max_wait_ms above 0) leaves the wait to the
+    fetcher, which pops hand-offs while its slot has room and holds what it popped at
+    once (the heartbeat keeps the leases, here for longer than one). Once the
+    hand-offs fill its slot it takes its registration back: later tasks queue for
+    any worker instead of waiting, shown running, behind its batch. Each runs once."""
+    keys = QueueKeys(qname)
+    gate = threading.Event()
+    model = Recorder(lambda p: p["i"], gate=gate, max_batch_size=2, max_wait_ms=20)
+    w = make_worker(model, qname, redis_url)  # lease 1.5 s
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    inbox = keys.worker_inbox(w.worker_id)
+
+    def server_ms() -> int:
+        sec, usec = r.time()
+        return sec * 1000 + usec // 1000
+
+    with serving(w, gate) as running:
+        wait_for(lambda: r.hlen(keys.idle) == 1, 10, "the worker did not register idle")
+        tasks = [q.submit({"i": 0})]
+        assert model.started.wait(10), "the first task did not run"
+        for i in (1, 2):  # each one comes when the slot has room for it: popped
+            wait_for(lambda: r.hlen(keys.idle) == 1, 10, "the worker is not registered")
+            tasks.append(q.submit({"i": i}))
+            wait_for(lambda: r.llen(inbox) == 0, 10, f"hand-off {i} was not popped")
+        assert [r.hget(keys.task(t.id), "worker") for t in tasks] == [w.worker_id.encode()] * 3
+        wait_for(lambda: r.hlen(keys.idle) == 0 and not w.consumer.registered, 10,
+                 "the worker with a full slot did not take its registration back")
+        assert len(w.slot) == 2
+        tasks += [q.submit({"i": 3}), q.submit({"i": 4})]
+        assert [r.hget(keys.task(t.id), "status") for t in tasks[3:]] == [b"queued"] * 2
+        # held past the lease they were handed under: their leases were kept
+        until = max(float(r.zscore(keys.leases, t.id) or 0) for t in tasks[:3])
+        wait_for(lambda: server_ms() > until + 200, 10, "the first leases did not run out")
+        assert [r.hget(keys.task(t.id), "status") for t in tasks[:3]] == [b"running"] * 3
+        assert all(float(r.zscore(keys.leases, t.id) or 0) > until for t in tasks[:3])
+        gate.set()
+        assert [t.result(timeout=10) for t in tasks] == list(range(5))
+        running.stop()
+    assert sorted(p["i"] for p in model.seen()) == list(range(5)), "each ran once"
+    assert [r.hget(keys.task(t.id), "deliveries") for t in tasks] == [b"1"] * 5
 
 
 def _worker_process(qname: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:

@@ -34,7 +34,8 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
   KEYS[19] model              hash: the model the queue's workers serve (target, version,
                               deterministic, loaded)
   KEYS[20] idle               hash: worker id -> "expiry ms|lease ms|room" of each worker
-                              asleep with room for a batch (claim.lua registers it);
+                              asleep with room for tasks (claim.lua registers it; room:
+                              the most one submit hands it);
                               K_IDLE .. ':' .. worker id is its inbox, a list of claim
                               replies a submit handed to it (see "Direct delivery")
 ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
@@ -83,13 +84,15 @@ in K_IDLE (with its lease and that room) until it claims again, for at most a wi
 names (under half a lease). A submit that finds one hands it the new tasks that would
 have been claimable at once (a stream-less task while the free list is empty, or the
 head of an empty stream that is not busy): it writes them as claim.lua would have left
-them (running, leased, under a token), and pushes one claim reply to the worker's inbox. The registration
-stays, with the room that is left, until the room or the window ends, or until a push
+them (running, leased, under a token), up to the worker's room (the most one submit hands
+it: a burst spreads over the sleeping workers), and pushes one claim reply to the
+worker's inbox. The registration stays as it is until its window ends, or until a push
 finds the reply before it still unread (the worker died, or is frozen or busy: so a
 worker killed while it slept takes at most two submits' tasks into its grave, and
 their leases bring them back). The sleeping
 worker's BLPOP returns that reply: one hop instead of a wake-up, a claim and its reply;
-and it goes back to sleep on its inbox without a claim. Everything else (retries,
+and it goes back to sleep on its inbox without a claim, for as many hand-offs as come
+while it comes back for each. Everything else (retries,
 releases, reclaims) is queued and woken for as before. A worker that stops or pauses
 takes its registration back.
 

@@ -7,10 +7,10 @@ ARGV[8] retention s   ARGV[9] dead-letter retention s   ARGV[10] dead-letter max
 ARGV[11] registration window ms: a claim that leaves the worker room (it took all there
   was, fewer than B) registers it in K_IDLE for this long, with that room, so that a
   submit may hand it tasks (0 = never; see "Direct delivery" in _lib.lua)
-ARGV[12] '1' if the worker may be registered still (a claim registered it, and the
-  hand-offs that reached it since left room): its inbox is collected first (tasks
-  handed to it meanwhile, which fill its room: nothing more is claimed then), and a
-  claim that fills the room or finds an inbox drops the registration
+ARGV[12] '1' if the worker may be registered still (a claim registered it, and no
+  claim since): its inbox is collected first (tasks handed to it meanwhile: nothing
+  more is claimed then), and a claim that fills the batch or finds an inbox drops the
+  registration
 Returns: {next_timer_ms, reaped, inbox, then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
   age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
@@ -30,8 +30,8 @@ local max_deliveries, limit = tonumber(ARGV[6]), tonumber(ARGV[7])
 local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local window, registered = tonumber(ARGV[11]), ARGV[12] == '1'
 local now = now_ms()
--- handed to it since its last claim: those fill its room (nothing more is claimed now;
--- its registration is dropped below)
+-- handed to it since it last came back to its inbox: those are its batch (nothing more
+-- is claimed now; its registration is dropped below)
 local inbox = {}
 if registered then
   local ik = K_IDLE .. ':' .. worker

@@ -22,12 +22,13 @@ Returns {handed, answer}: how many of the tasks went to a sleeping worker (direc
 
 Direct delivery (see _lib.lua): a task that would be claimable at once (stream-less
 while the free list is empty, or the head of an empty stream that is not busy) goes to
-a worker registered idle in K_IDLE, if one is, up to its room: written running under
-a lease token of this call, as claim.lua would leave it, and pushed to the worker's
-inbox as one claim reply (an msgpack array of claim.lua's 9 entries per task) per worker.
-Its registration stays, with the room that is left, until the room or the window ends,
-or a hand-off finds the one before it still in the inbox (the worker did not come
-back to its BLPOP: it died, or is frozen or busy).
+a worker registered idle in K_IDLE, if one is, up to its room (what its slot could take:
+the most one call hands it; the next task goes to the next registration): written
+running under a lease token of this call, as claim.lua would leave it, and pushed to
+the worker's inbox as one claim reply (an msgpack array of claim.lua's 9 entries per
+task) per worker. Its registration stays as it is until its window ends, a call hands
+it its whole room, or a hand-off finds the one before it still in the inbox (the
+worker did not come back to its BLPOP: it died, or is frozen or busy).
 It is not counted waiting, sends the events channel 'started' ({ids, worker}) but its
 client nothing (see hand()), and costs no wake-up marker.
 
@@ -265,22 +266,20 @@ end
 if joined > 0 then redis.call('HINCRBY', K_STATS, 'cache_joined', joined) end
 if handed > 0 then
   add_leases(leases)
-  local full = {}
+  local ended = {}
   for _, w in ipairs(idle) do
     if #w[5] > 0 then
-      -- its claim reply, as claim.lua's tasks part (its lease is the one it registered)
-      -- a reply it has not popped yet: it did not come back to its BLPOP (it died, or
-      -- is frozen or busy): no more for it until it claims again
+      -- its claim reply, as claim.lua's tasks part (its lease is the one it registered).
+      -- The registration stays as it is while the worker comes back for every reply
+      -- and no call hands it its whole room (what its slot could take); a reply it has
+      -- not popped yet (it did not come back to its BLPOP: it died, or is frozen or
+      -- busy) ends it: no more for it until it claims again
       local unread = redis.call('RPUSH', K_IDLE .. ':' .. w[1], cmsgpack.pack(w[4])) > 1
+      if unread or w[3] == 0 then ended[#ended + 1] = w[1] end
       event('started', now, {ids = w[5], worker = w[1]})
-      if w[3] > 0 and not unread then  -- room left: registered still, for its window
-        redis.call('HSET', K_IDLE, w[1], w[6] .. '|' .. w[2] .. '|' .. w[3])
-      else
-        full[#full + 1] = w[1]
-      end
     end
   end
-  if #full > 0 then redis.call('HDEL', K_IDLE, unpack(full)) end
+  if #ended > 0 then redis.call('HDEL', K_IDLE, unpack(ended)) end
 end
 if added > 0 then
   if added > handed then redis.call('HINCRBY', K_STATS, 'waiting', added - handed) end
