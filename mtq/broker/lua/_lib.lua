@@ -86,8 +86,9 @@ have been claimable at once (a stream-less task while the free list is empty, or
 head of an empty stream that is not busy): it writes them as claim.lua would have left
 them (running, leased, under a token), up to the worker's room (the most one submit hands
 it: a burst spreads over the sleeping workers), and pushes one claim reply to the
-worker's inbox. The registration stays as it is until its window ends, or until a push
-finds the reply before it still unread (the worker died, or is frozen or busy: so a
+worker's inbox. The registration stays as it is until its window ends, until a submit
+hands the worker its whole room, until the worker takes it back (its batch slot is full),
+or until a push finds the reply before it still unread (the worker died, or is frozen or busy: so a
 worker killed while it slept takes at most two submits' tasks into its grave, and
 their leases bring them back). The sleeping
 worker's BLPOP returns that reply: one hop instead of a wake-up, a claim and its reply;
