@@ -90,7 +90,9 @@ def _fmt(v: float) -> str:
 
 
 def run(passes: int) -> Path:
-    if not (WORK / "venvs" / "mtq" / "bin" / "python").exists():
+    # the harness's three venvs (setup.sh makes only those missing): one left from
+    # another run (mtq's alone, say) must not stand for all three
+    if not all((WORK / "venvs" / v / "bin" / "python").exists() for v in ("peers", "celery", "mtq")):
         subprocess.run([str(HARNESS / "setup.sh"), str(ROOT)], check=True)
     # the harness installs mtq editable (this tree) and runs with PYTHONDONTWRITEBYTECODE=1,
     # while the peers come from wheels pip compiled: mtq's bytecode as installed, too
