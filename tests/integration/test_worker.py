@@ -370,6 +370,9 @@ def test_a_settle_that_fails_in_the_model_thread_is_taken_over_by_the_publisher(
         t = q.submit(21)
         assert t.result(timeout=10) == 42
         wait_for(lambda: len(log.threads(t.id)) == 2, 10, "the publisher did not settle it")
+        # its settle is done (the log has it from its start): the model thread settles
+        # only when the publisher has nothing in hand
+        wait_for(lambda: w._unsettled == 0, 10, "the publisher did not finish settling it")
         later = q.submit(1)
         assert later.result(timeout=10) == 2
         run.stop()
