@@ -493,8 +493,8 @@ class Worker:
     def _wait_here(self) -> None:
         """The fetcher's wait on Redis, offered to this thread (see :meth:`_wait`): wait
         for work (Consumer.wait). Tasks handed over are taken as the fetcher takes them
-        (:meth:`_accept`) and run next, and the wait stays here while the registration
-        has room; anything else (a wake-up marker, the end of the registration, an
+        (:meth:`_take_handed`) and run next, and the wait stays here while the worker is
+        registered; anything else (a wake-up marker, the end of the registration, an
         error) goes back to the fetcher."""
         c = self.consumer
         if self._batch_s >= FAST_BATCH_S:  # the model showed itself slow meanwhile
@@ -508,10 +508,8 @@ class Worker:
         if not (isinstance(woke, list) and woke):
             self.slot.return_wait(woke)
             return
-        keep = c.registered and self.slot.max_wait_s == 0
-        self._claim_ahead(not c.registered)
-        self._accept(woke, time.monotonic())
-        if not keep:
+        self._take_handed(woke)
+        if not (c.registered and self.slot.max_wait_s == 0):
             self.slot.return_wait(True)  # the fetcher claims, or waits for more
 
     def _run_batch(self, batch: list[Claimed], per_item: bool) -> None:
@@ -813,12 +811,16 @@ class Worker:
             finally:
                 self._fetcher_sleeping = False
             if isinstance(woke, list):
-                # taken at once (held: their leases are kept); a slot they filled ends
-                # the registration (above), and the loop waits for room before it waits
-                # for more
-                self._claim_ahead(not c.registered)
-                tasks = self._accept(woke, time.monotonic())
+                # a slot they filled ends the registration (above), and the loop waits
+                # for room before it waits for more
+                tasks = self._take_handed(woke)
                 handed = True
+
+    def _take_handed(self, tasks: list[Claimed]) -> list[Claimed]:
+        """Take tasks a submit handed over (the fetcher's wait, or the model thread's in
+        its place) at once: held, so their leases are kept, whatever room the slot has."""
+        self._claim_ahead(not self.consumer.registered)
+        return self._accept(tasks, time.monotonic())
 
     def _accept(self, tasks: list[Claimed], now: float) -> list[Claimed]:
         """Take claimed or handed-over tasks into the slot (the fetcher, or the model

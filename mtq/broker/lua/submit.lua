@@ -59,8 +59,8 @@ local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
 local indexed = {}  -- score, member pairs: the entries this call points at new tasks
 
 -- Direct delivery (see the header): the live registrations, read at the first task that
--- could go to one (nil: not read yet); each {worker, lease ms, room, claim reply, ids,
--- expiry}
+-- could go to one (nil: not read yet); each {worker, lease ms, room left in this call,
+-- claim reply, ids}
 local idle, at, handed = nil, 1, 0
 local free_empty = nil  -- the free list is known empty (nil: not read yet)
 local base = false      -- lease tokens, taken once for the whole call
@@ -76,7 +76,7 @@ local function idle_worker()
     for j = 1, #all, 2 do
       local expiry, lease, room = string.match(all[j + 1], '^(%d+)|(%d+)|(%d+)$')
       if expiry and tonumber(expiry) > now then
-        idle[#idle + 1] = {all[j], tonumber(lease), tonumber(room), {}, {}, expiry}
+        idle[#idle + 1] = {all[j], tonumber(lease), tonumber(room), {}, {}}
       else
         stale[#stale + 1] = all[j]  -- its worker did not come back: stopped, or died
       end
