@@ -15,6 +15,7 @@ Redis on another host.
   event). Redis's time in the drain's scripts and in the commands they call comes from
   ``INFO commandstats`` (usec by command) over the drain / N. mtq's modules are compiled
   to bytecode first, as an installed mtq has them (:func:`benchmarks.broker.compile_tree`).
+  The same again with ``--batch-size 1`` (10,000 tasks): one task per ``predict``.
 * **bare**: the floor under Redis CPU per task. The commands mtq's scripts make for each
   task, sent as plain pipelined commands with the same fields (no script, none of what
   the scripts add around them), and a queue that keeps no record of a task (payloads
@@ -77,8 +78,8 @@ def worker_env(server: Server, **extra: str) -> dict[str, str]:
 
 
 def spawn_worker(server: Server, queue: str, target: str, cpu: int | None,
-                 env: dict[str, str]) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "mtq", "worker", "run", target, "--queue", queue]
+                 env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "mtq", "worker", "run", target, "--queue", queue, *extra]
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu), *cmd]
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -114,8 +115,9 @@ def _read_stamp(path: Path, deadline: float) -> float:
             time.sleep(0.002)
 
 
-def drain(server: Server, n: int, cpu: int | None) -> dict[str, float]:
-    """One drain of n no-op tasks by a freshly spawned worker."""
+def drain(server: Server, n: int, cpu: int | None, *extra: str) -> dict[str, float]:
+    """One drain of n no-op tasks by a freshly spawned worker (``extra``: more of its
+    command line)."""
     r = redis.Redis.from_url(server.url)
     r.flushall()
     name = f"drain-{time.monotonic_ns()}"
@@ -130,7 +132,7 @@ def drain(server: Server, n: int, cpu: int | None) -> dict[str, float]:
         c1, _ = _snap(r)
         u1 = _usec(r)
         t_spawn = time.time()
-        proc = spawn_worker(server, name, "benchmarks.noop:marked", cpu, env)
+        proc = spawn_worker(server, name, "benchmarks.noop:marked", cpu, env, *extra)
         try:
             deadline = time.monotonic() + 120
             first = _read_stamp(Path(marks) / "first", deadline)
@@ -450,14 +452,16 @@ def main(argv: list[str] | None = None) -> None:
     if pin:
         os.sched_setaffinity(server.proc.pid, {cpus[0]})
         os.sched_setaffinity(0, {cpus[1]})
-    results: dict[str, list[dict[str, float]]] = {"drain": [], "drain20k": [], "rt": [],
-                                                  "load": [], "floor": [], "bare": []}
+    results: dict[str, list[dict[str, float]]] = {"drain": [], "drain20k": [], "drain1": [],
+                                                  "rt": [], "load": [], "floor": [],
+                                                  "bare": []}
     t_run = time.time()
     try:
         version = redis.Redis.from_url(server.url).info("server")["redis_version"]
         for i in range(passes):
             results["drain"].append(drain(server, n, worker_cpu))
             results["drain20k"].append(drain(server, 4 * n, worker_cpu))
+            results["drain1"].append(drain(server, 2 * n, worker_cpu, "--batch-size", "1"))
             results["rt"].append(roundtrips(server, count, worker_cpu))
             half = statistics.median(d["steady"] for d in results["drain20k"]) / 2
             results["load"].append({**roundtrips(server, count, worker_cpu, half),
@@ -497,6 +501,11 @@ def main(argv: list[str] | None = None) -> None:
          "their own work (see below)"),
         ("steady drain, 1 worker (tasks/s)", f"{med('drain20k', 'steady'):,.0f}", ">= 40,000",
          f"20,000 tasks; range {rng('drain20k', 'steady')}"),
+        ("steady drain, 1 worker, `--batch-size 1` (tasks/s)",
+         f"{med('drain1', 'steady'):,.0f}", "",
+         f"10,000 tasks, one per `predict`; range {rng('drain1', 'steady')}; Redis commands "
+         f"/ CPU per task: {med('drain1', 'cmds_drain'):.2f} / {med('drain1', 'cpu_us'):.1f} "
+         "us (a fast model's small batches are claimed many at a time: docs/workers.md)"),
         ("drain of 5,000 incl. start-up (tasks/s)", f"{med('drain', 'with_startup'):,.0f}",
          ">= 15,000", f"range {rng('drain', 'with_startup')}"),
         ("worker start-up to first task (s)", f"{med('drain', 'startup_s'):.3f}", "<= 0.2",
@@ -550,7 +559,7 @@ Produced by `python -m benchmarks.hotpath` on {date.today().isoformat()} in {tim
 Machine: {os.cpu_count()} CPU cores, {platform.platform()}; Python {platform.python_version()}; redis-server {version}
 ({"redis-server pinned to one CPU, this driver and the worker to the other" if pin else "CPU placement left to Linux"}).
 Each pass drains 5,000 and 20,000 no-op tasks with a freshly spawned `mtq worker run`
-(default batch 64), then times {count} round trips on a warm worker, idle and under load.
+(default batch 64) and 10,000 with `--batch-size 1`, then times {count} round trips on a warm worker, idle and under load.
 See the module docstring for how each figure is taken; the peers' figures are in "Peers".
 
 {table}

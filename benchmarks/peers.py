@@ -36,12 +36,16 @@ ROWS: list[tuple[str, str, str, bool, str]] = [
     ("steady drain, 1 worker (tasks/s)", "drain", "steady_tasks_per_s", True, "default"),
     ("steady drain, 1 worker, batch 1000 (tasks/s)", "drain", "steady_tasks_per_s", True,
      "batch1000"),
+    ("steady drain, 1 worker, batch 1: one task per call (tasks/s)", "drain",
+     "steady_tasks_per_s", True, "batch1"),
     ("round trip submit -> result p50 (ms)", "latency", "p50_ms", False, "default"),
     ("round trip submit -> result p99 (ms)", "latency", "p99_ms", False, "default"),
     ("Redis commands per drained task", "drain", "redis_cmds_per_task", False, "default"),
     ("Redis commands per round trip (idle polling included)", "latency",
      "redis_cmds_per_task", False, "default"),
     ("Redis CPU per drained task (us)", "drain", "redis_cpu_us_per_task", False, "default"),
+    ("Redis CPU per drained task, batch 1 (us)", "drain", "redis_cpu_us_per_task", False,
+     "batch1"),
     ("worker start-up to first task (s)", "drain", "startup_s", False, "default"),
 ]
 

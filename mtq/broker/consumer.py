@@ -189,9 +189,12 @@ class Consumer:
                 t.claimed_at = wall
         return result.tasks
 
-    def claim(self, batch_size: int, lease_ms: int | None = None) -> list[Claimed]:
+    def claim(self, batch_size: int, lease_ms: int | None = None,
+              room: int | None = None) -> list[Claimed]:
         """Claim up to ``batch_size`` tasks (one round trip). With :attr:`direct`, the
-        tasks handed to this consumer since its last claim come first."""
+        tasks handed to this consumer since its last claim come first, and a claim
+        that takes all there is registers it idle, with the room it left, ``room`` at
+        most (the most one submit hands it; None: no other bound)."""
         sent = time.monotonic()
         # the lease asked for and the one recorded must be the same (the settings may
         # be re-read between two reads of them)
@@ -203,12 +206,14 @@ class Consumer:
             # end still leaves half a lease known live (see _handed)
             window = int(min(MAX_IDLE_S * 1000, lease_ms / 2))
         was = self._registered
-        result = self.broker.claim(self.worker_id, batch_size, lease_ms, window, was is not None)
+        result = self.broker.claim(self.worker_id, batch_size, lease_ms, window, was is not None,
+                                   room)
         tasks = self._claimed(result, sent, lease_ms)
         if result.handed and was is not None:
             tasks = self._handed(result.handed, was) + tasks
         # registered by this claim if it left room (it took all there was)
-        room = batch_size - len(result.tasks)
+        left = batch_size - len(result.tasks)
+        room = left if room is None else min(left, room)
         self._registered = (sent, lease_ms, window, room) \
             if window and room > 0 and not result.handed else None
         return tasks

@@ -319,24 +319,28 @@ class Broker:
 
     # -- consumers -------------------------------------------------------------
     def claim_call(self, worker: str, batch: int, lease_ms: int | None = None,
-                   window_ms: int = 0, registered: bool = False) -> scripts.Call:
+                   window_ms: int = 0, registered: bool = False,
+                   room: int | None = None) -> scripts.Call:
         """``window_ms``: register the worker idle for this long if it claims nothing (0:
-        not at all); ``registered``: it may be registered still (see claim.lua)."""
+        not at all); ``registered``: it may be registered still; ``room``: the most one
+        submit may hand it if registered (None: what it left of ``batch``; see
+        claim.lua)."""
         s = self.settings
         args = [worker, batch, s.lease_ms if lease_ms is None else lease_ms, s.max_deliveries,
                 s.reap_limit, s.retention_s, s.dead_retention_s, s.dead_max, window_ms,
-                "1" if registered else "0"]
+                "1" if registered else "0", batch if room is None else room]
         return self._call("claim", args, _parse_claim)
 
     def claim(self, worker: str, batch: int, lease_ms: int | None = None,
-              window_ms: int = 0, registered: bool = False) -> ClaimResult:
+              window_ms: int = 0, registered: bool = False,
+              room: int | None = None) -> ClaimResult:
         """Claim up to ``batch`` tasks (after reaping and promoting due retries). On a
         durable queue the claim returns once a replica has it (:meth:`run_durable`): a
         task runs only once a replica knows who runs it, so its ack, sent again to the
         replica promoted after its primary died, finds it running under its token
         (else it would be queued there, and run twice)."""
         return self.run_durable(self.claim_call(worker, batch, lease_ms, window_ms,
-                                                registered))[0]
+                                                registered, room))[0]
 
     def ack_call(self, results: Sequence[tuple[str, str, bytes]]) -> scripts.Call:
         s = self.settings

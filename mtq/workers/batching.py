@@ -57,9 +57,13 @@ class BatchSlot:
         self._kicked = False
         #: places taken by tasks already out of the slot (a generator's running batch)
         self._reserved = 0
-        #: batches the fetcher keeps claimed ahead (the worker raises it to 2 for a fast
-        #: model on a deep queue: see Worker._claim_ahead)
+        #: batches the fetcher keeps claimed ahead (the worker raises it for a fast model
+        #: on a deep queue: see Worker._claim_ahead and :meth:`claim_ahead`)
         self.ahead = 1
+        #: 0: the fetcher claims as soon as the slot has room, at most a batch a claim;
+        #: n > 0: it waits until the slot has room for n tasks, then claims all the room
+        #: (many small batches in one claim: see :meth:`claim_ahead`)
+        self.refill = 0
         #: who waits on Redis for work while the worker is idle: None (the fetcher),
         #: "offered" (the fetcher offers it to the model thread), "taken" (the model
         #: thread waits; see :meth:`offer_wait`)
@@ -83,22 +87,34 @@ class BatchSlot:
             return [p.task for p in self._pending]
 
     # -- fetcher side -----------------------------------------------------------
+    def claim_ahead(self, ahead: int, refill: int = 0) -> None:
+        """Hold up to ``ahead`` batches; ``refill``: see :attr:`refill` (the fetcher
+        and the model thread both set it, as they take tasks)."""
+        with self.cond:
+            if (ahead, refill) != (self.ahead, self.refill):
+                self.ahead, self.refill = ahead, refill
+                self.cond.notify_all()  # a fetcher waiting for room may have it now
+
+    def _room(self) -> int:
+        return self.ahead * self.max_batch_size - len(self._pending) - self._reserved
+
     def wait_space(self) -> int:
-        """Block until the slot has room and is not paused; returns how many tasks to
-        claim (at most a batch), or 0 once the slot is closed. The slot holds up to
+        """Block until the slot has room (for :attr:`refill` tasks, if set) and is not
+        paused; returns how many tasks to claim (at most a batch, or all the room with
+        :attr:`refill`), or 0 once the slot is closed. The slot holds up to
         :attr:`ahead` batches."""
         with self.cond:
-            while not self.closed and (self.paused or len(self._pending) + self._reserved
-                                       >= self.ahead * self.max_batch_size):
+            while not self.closed and (self.paused or self._room() < max(1, self.refill)):
                 self.cond.wait()
-            return 0 if self.closed else min(
-                self.max_batch_size,
-                self.ahead * self.max_batch_size - len(self._pending) - self._reserved)
+            if self.closed:
+                return 0
+            room = self._room()
+            return room if self.refill else min(self.max_batch_size, room)
 
     def full(self) -> bool:
         """The slot holds all it may: :meth:`wait_space` waits for room."""
         with self.cond:
-            return len(self._pending) + self._reserved >= self.ahead * self.max_batch_size
+            return self._room() <= 0
 
     def reserve(self, n: int) -> None:
         """``n`` places are held by tasks that left the slot but still count against

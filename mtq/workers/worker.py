@@ -90,6 +90,11 @@ REVALIDATE_BELOW = 0.5
 #: a batch that ran in less than this is a fast model's: while its claims come back
 #: full, the fetcher keeps two batches claimed ahead (see Worker._claim_ahead)
 FAST_BATCH_S = 0.01
+#: ... or, when its batches are small, as many as hold about this much of its work (by
+#: its last batch), in claims of many batches each ...
+AHEAD_WORK_S = 0.002
+#: ... and no more tasks than this (a claim the size of the default batch)
+AHEAD_MOST = 64
 
 Lease = tuple[str, str]
 
@@ -192,6 +197,7 @@ class Worker:
         #: after a reload, and always for a generator, whose engine never sets it (see
         #: _claim_ahead)
         self._batch_s = float("inf")
+        self._batch_n = 1  # its size
         self._busy = False
         self._current = 0
         self.hist: collections.Counter[int] = collections.Counter()
@@ -483,7 +489,7 @@ class Worker:
             self.monitor.batch([(t.id, t.token) for t in batch])
             t0 = time.perf_counter()
             self._run_batch(batch, per_item)
-            self._batch_s = time.perf_counter() - t0
+            self._batch_s, self._batch_n = time.perf_counter() - t0, len(batch)
             with self._lock:
                 self._busy = False
                 self._current = 0
@@ -730,7 +736,7 @@ class Worker:
             self.model, self.policy = model, policy
             # one batch ahead until the new model has shown itself fast (_claim_ahead)
             self._batch_s = float("inf")
-            self.slot.ahead = 1
+            self.slot.claim_ahead(1)
             self.slot.configure(policy.max_batch_size, policy.max_wait_ms)
             self.last_error = ""
             log.info("worker %s reloaded %s", self.worker_id, "/".join(model.describe()))
@@ -772,7 +778,9 @@ class Worker:
                     if in_doubt:
                         self._release_unknown()
                         in_doubt = False
-                    tasks = c.claim(need)
+                    # registered (it took all there was) with the room of one batch at
+                    # most, however many it claims ahead (see _claim_ahead)
+                    tasks = c.claim(need, room=self.slot.max_batch_size)
                     now = time.monotonic()
                     backoff.reset()
                 except Exception as exc:  # Redis unreachable, or a reply we did not expect
@@ -869,9 +877,10 @@ class Worker:
         return c.wait()
 
     def _claim_ahead(self, full: bool) -> None:
-        """How many batches the fetcher keeps claimed ahead, after a claim: two while
+        """How many batches the fetcher keeps claimed ahead, after a claim: one, or, while
         the claims come back full (a deep queue) and the model's last batch ran in less
-        than FAST_BATCH_S; one otherwise.
+        than FAST_BATCH_S, two; and more than two when its batches are small: as many
+        as hold AHEAD_WORK_S of its work by its last batch, AHEAD_MOST tasks at most.
 
         The model thread's Python holds the GIL while it runs a batch, so the claim the
         fetcher makes when the model takes a batch goes out only when that batch ends:
@@ -880,8 +889,24 @@ class Worker:
         drain of no-op tasks about 1.3x with two, docs/benchmarks.md). A slow model
         hides the claim behind its batch and keeps one, so that on a queue shared by
         several workers the last batches spread over them; a generator keeps one (its
-        running batch holds places in the slot; only dynamic batches set _batch_s)."""
-        self.slot.ahead = 2 if full and self._batch_s < FAST_BATCH_S else 1
+        running batch holds places in the slot; only dynamic batches set _batch_s).
+
+        Small batches of a fast model (``--batch-size 1`` of a function that returns
+        in microseconds) would otherwise cost a claim, with its fixed cost in Redis and
+        in this process, for every batch or two. With more than two batches ahead the
+        fetcher waits until half of them are taken, then claims all the room in one
+        call (the slot's refill); one that comes back short registers the worker idle
+        with the room of one batch, as any other claim (the most one submit hands it).
+        The work held stays under AHEAD_WORK_S beyond the two batches, so the last
+        tasks of a queue still spread over its workers."""
+        if not (full and self._batch_s < FAST_BATCH_S):
+            self.slot.claim_ahead(1)
+            return
+        size = self.slot.max_batch_size
+        fit = AHEAD_MOST if self._batch_s <= 0 else \
+            min(AHEAD_MOST, int(AHEAD_WORK_S * self._batch_n / self._batch_s))
+        ahead = max(2, fit // size)
+        self.slot.claim_ahead(ahead, ahead * size // 2 if ahead > 2 else 0)
 
     def _release_unknown(self) -> None:
         """After a claim (or a wait) whose reply was lost: give back the tasks Redis shows

@@ -16,6 +16,7 @@ import pytest
 import redis
 
 import mtq
+from mtq.broker import scripts
 from mtq.broker.consumer import Consumer, Outcome
 from mtq.broker.keys import QueueKeys
 from mtq.broker.protocol import Claimed
@@ -157,6 +158,34 @@ def test_a_worker_is_handed_only_what_its_room_holds(r: redis.Redis, qname: str)
     assert r.lrange(keys.free, 0, -1) == [burst[-1].id.encode()]
     assert [len(w.wait(5)) for w in (c, other)] == [8, 4]  # type: ignore[arg-type]
     assert r.hlen(keys.idle) == 0 and not (c.registered or other.registered)
+
+
+def test_a_claim_of_many_small_batches_registers_the_room_of_one(
+        r: redis.Redis, qname: str) -> None:
+    """A claim's ``room`` (a worker that claims many small batches at once passes its
+    batch size) bounds the room it registers with, whatever it left of what it asked
+    for; a claim without it (an older worker's: claim.lua's ARGV[13] absent) registers
+    what it left, as before; and one with no room to give registers nothing."""
+    keys = QueueKeys(qname)
+    q = mtq.Queue(qname, client=r)
+    c = consumer(qname, r)
+    q.submit(None)
+    assert len(c.claim(64, room=1)) == 1  # took all there was, 63 left of its 64
+    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"1" and c.registered
+    burst = q.submit_many([None] * 3)  # one handed over, two queued for anyone
+    assert [r.hget(keys.task(t.id), "status") for t in burst] == \
+        [b"running", b"queued", b"queued"]
+    assert r.hlen(keys.idle) == 0
+    assert [t.id for t in c.wait(5)] == [burst[0].id]  # type: ignore[union-attr]
+    assert not c.registered
+    assert len(c.claim(64, room=0)) == 2  # room for none: not registered
+    assert r.hlen(keys.idle) == 0 and not c.registered
+    # an older worker's claim: eleven arguments after the channels, no room
+    b = c.broker
+    call = b.claim_call(c.worker_id, 5, window_ms=5000)
+    old = scripts.Call(call.script, call.keys, call.args[:-1], call.parse)
+    assert b.run(old)[0].tasks == []
+    assert r.hget(keys.idle, c.worker_id).split(b"|")[2] == b"5"
 
 
 def test_a_worker_that_comes_back_for_each_hand_off_is_handed_any_number(

@@ -149,12 +149,14 @@ def test_kill_9_mid_batch_tasks_come_back_at_head(qname: str, redis_url: str,
 
 
 #: ``mtq worker run tests.models:Probe`` (batches of 4) with every batch counted as fast
-#: (FAST_BATCH_S raised, however slow this machine is at the moment): on a deep queue it
-#: keeps two batches claimed ahead of the one it runs (Worker._claim_ahead)
+#: (FAST_BATCH_S raised, however slow this machine is at the moment) and no more than two
+#: batches fitting in AHEAD_WORK_S of its work: on a deep queue it keeps two batches
+#: claimed ahead of the one it runs (Worker._claim_ahead)
 FAST_WORKER = r"""
 import sys
 from mtq.workers import worker
 worker.FAST_BATCH_S = 60.0
+worker.AHEAD_WORK_S = 0.0
 from mtq.cli.main import cli
 cli(["worker", "run", "tests.models:Probe", "--queue", sys.argv[1], "--lease-ms", sys.argv[2]],
     prog_name="mtq")
@@ -214,6 +216,76 @@ def test_kill_9_of_a_worker_holding_two_batches_ahead_loses_nothing_and_keeps_or
              if t.info().deliveries == 2}
     assert twice == {(s, 0) for s in range(8, 20)}, twice
     assert q.stats()["redelivered"] == 12
+
+
+#: ``mtq worker run tests.models:Probe --batch-size 1`` with every batch counted as fast
+#: and AHEAD_MOST tasks of its work fitting in AHEAD_WORK_S: on a deep queue it keeps
+#: AHEAD_MOST batches of one claimed ahead, claimed many at a time (Worker._claim_ahead)
+DEEP_WORKER = r"""
+import sys
+from mtq.workers import worker
+worker.FAST_BATCH_S = 60.0
+worker.AHEAD_WORK_S = 60.0
+from mtq.cli.main import cli
+cli(["worker", "run", "tests.models:Probe", "--batch-size", "1", "--queue", sys.argv[1],
+     "--lease-ms", sys.argv[2]], prog_name="mtq")
+"""
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_worker_holding_many_batches_of_one_ahead_loses_nothing(
+        qname: str, redis_url: str, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    """A worker of batches of one that claims many at a time, SIGKILLed while its model
+    hangs on the 11th task with more than AHEAD_MOST / 2 claimed ahead of it (it claims
+    again only once it has room for half of AHEAD_MOST): every task it held runs to
+    completion once, on another worker, once their leases run out; the others once."""
+    from mtq.workers.worker import AHEAD_MOST
+
+    lease_ms = 1500
+    q = mtq.Queue(qname, redis_url, lease_ms=lease_ms)
+    n = 120
+    tasks = q.submit_many([{"s": "-", "i": i, "hang_here": i == 10} for i in range(n)])
+    log = tmp_path / "calls.log"
+    env = {**subprocess_env, "MTQ_TEST_LOG": str(log)}
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(*args: str, hang: bool = False) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, *args],
+                                env={**env, "MTQ_TEST_HANG": "1"} if hang else env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    def hung() -> bool:
+        s = q.stats()
+        return s["succeeded"] == 10 and s["running"] > 1 + AHEAD_MOST // 2
+
+    try:
+        victim = start("-c", DEEP_WORKER, qname, str(lease_ms), hang=True)
+        # the first ten ran one at a time, in order; the slot is full behind the 11th
+        wait_for(hung, 60, f"the worker does not hang on its 11th task with more than "
+                 f"{AHEAD_MOST // 2} claimed ahead")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        # what it held: nothing moves until their leases run out, and nobody else runs
+        held = [i for i, t in enumerate(tasks) if t.status() == "running"]
+        assert held == list(range(10, 10 + len(held))) and len(held) > 1 + AHEAD_MOST // 2
+        start("-m", "mtq", "worker", "run", "tests.models:Probe", "--queue", qname,
+              "--lease-ms", str(lease_ms))
+        wait_for(lambda: q.stats()["succeeded"] == n, 60,
+                 "the killed worker's tasks did not all complete")
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(10)
+    done = [key for line in log.read_text().splitlines() if line[0] == "D"
+            for key in line.split()[3:]]
+    assert sorted(done) == sorted(f"-:{i}" for i in range(n))  # each once
+    assert [t.result(timeout=1)["i"] for t in tasks] == list(range(n))
+    twice = [i for i, t in enumerate(tasks) if t.info().deliveries == 2]
+    assert twice == held
+    assert q.stats()["redelivered"] == len(held)
 
 
 def test_kill_9_of_an_idle_worker_with_its_model_threads_ack_in_flight_ends_the_task_once(

@@ -133,8 +133,10 @@ def test_batches_claimed_ahead_two_for_a_fast_model_on_a_deep_queue(
     """Worker._claim_ahead: while its claims come back full and its batches run in
     under FAST_BATCH_S (set here so that every batch is fast, or none, however slow
     this machine is), the fetcher keeps two batches claimed ahead of the running one,
-    never more; one for a slow model, and one again once the queue is empty."""
+    never more (when no more fit in AHEAD_WORK_S of its work: none here); one for a
+    slow model, and one again once the queue is empty."""
     monkeypatch.setattr(worker_module, "FAST_BATCH_S", fast_batch_s)
+    monkeypatch.setattr(worker_module, "AHEAD_WORK_S", 0.0)  # no more than two (below)
     q = mtq.Queue(qname, redis_url, settings=FAST)
     tasks = q.submit_many([{"i": i} for i in range(40)])
     model = HoldsACall(hold=3)
@@ -163,6 +165,69 @@ def test_batches_claimed_ahead_two_for_a_fast_model_on_a_deep_queue(
     assert [t.result(timeout=1) for t in tasks] == list(range(40))
     assert sorted(i for call in model.calls for i in call) == list(range(40))
     assert [t.info().deliveries for t in tasks] == [1] * 40
+
+
+def test_a_fast_model_with_batches_of_one_claims_many_at_a_time(
+        qname: str, redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker._claim_ahead: a model given batches of one that runs in microseconds (every
+    batch counted fast, and AHEAD_MOST tasks of its work fitting in AHEAD_WORK_S, however
+    slow this machine is) keeps up to AHEAD_MOST tasks claimed ahead on a deep queue,
+    claiming once half of them are taken: 300 tasks in a few claims instead of 300, each
+    run once, in the queue's order. The many-batch claim that found the queue empty
+    registered the worker idle with the room of one batch, not the 63 or so it left (a
+    submit hands it one task at most, the rest queue for any worker), and a burst
+    submitted then runs."""
+    monkeypatch.setattr(worker_module, "FAST_BATCH_S", 60.0)
+    monkeypatch.setattr(worker_module, "AHEAD_WORK_S", 60.0)
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    tasks = q.submit_many([{"i": i} for i in range(300)])
+    ran: list[int] = []
+
+    def handle(p: dict[str, int]) -> int:
+        ran.append(p["i"])
+        return p["i"]
+
+    w = make_worker(FunctionModel(handle), qname, redis_url, max_batch_size=1)
+    claims: list[tuple[int, int]] = []  # (asked for, got)
+    claim = w.consumer.claim
+
+    def claim_and_log(batch_size: int, lease_ms: int | None = None,
+                      room: int | None = None) -> list[mtq.Claimed]:
+        assert room == 1
+        got = claim(batch_size, lease_ms, room)
+        claims.append((batch_size, len(got)))
+        return got
+
+    w.consumer.claim = claim_and_log  # type: ignore[method-assign]
+    most = 0
+    put = w.slot.put
+
+    def put_and_count(claimed: Any, claimed_at: float) -> list[mtq.Claimed]:
+        nonlocal most
+        refused = put(claimed, claimed_at)
+        most = max(most, len(w.slot))
+        return refused
+
+    w.slot.put = put_and_count  # type: ignore[method-assign]
+    idle = QueueKeys(qname).idle
+    with serving(w) as run:
+        wait_for(all_done(tasks), 20, "the worker did not run every task")
+        wait_for(lambda: r.hget(idle, w.worker_id) is not None, 10,
+                 f"the worker did not register idle after the queue emptied: {claims}")
+        # a claim that found the queue empty; the first that did asked for many
+        short = next(i for i, (asked, got) in enumerate(claims) if got < asked)
+        assert claims[short][0] > 1, claims
+        room = r.hget(idle, w.worker_id).decode().split("|")[2]
+        assert room == "1"
+        burst = q.submit_many([{"i": i} for i in range(300, 304)])
+        wait_for(all_done(burst), 10, "the burst did not run")
+        run.stop()
+    assert ran == list(range(304))
+    assert [t.info().deliveries for t in tasks] == [1] * 300
+    assert most <= worker_module.AHEAD_MOST
+    deep = [c for c in claims if c[0] > 1]
+    assert deep and max(got for _, got in deep) >= worker_module.AHEAD_MOST // 2, claims
+    assert len(claims) < 40, f"{len(claims)} claims for 300 tasks: {claims}"
 
 
 class SettleLog:
@@ -576,8 +641,9 @@ def test_drain_runs_every_task_of_a_stream(qname: str, redis_url: str) -> None:
     w = make_worker(model, qname, redis_url)
     claim, settle = w.consumer.claim, w.consumer.settle
 
-    def claim_then_mark(batch_size: int, lease_ms: int | None = None) -> list[mtq.Claimed]:
-        got = claim(batch_size, lease_ms)
+    def claim_then_mark(batch_size: int, lease_ms: int | None = None,
+                        room: int | None = None) -> list[mtq.Claimed]:
+        got = claim(batch_size, lease_ms, room)
         if not got and ran.is_set():
             claimed_after.set()
         return got

@@ -135,6 +135,42 @@ def test_wait_space_claims_a_batch_at_most_into_ahead_batches() -> None:
     assert fetcher.join() == 4
 
 
+def test_a_refill_claims_all_the_room_once_half_of_many_small_batches_are_taken() -> None:
+    """claim_ahead(ahead, refill): with many batches ahead, the fetcher waits until the
+    slot has room for ``refill`` tasks, then claims all of it in one claim; back to
+    claim_ahead(1), it claims as soon as there is room, a batch at most."""
+    slot = BatchSlot(max_batch_size=1, max_wait_ms=0)
+    slot.claim_ahead(8, 4)
+    assert slot.wait_space() == 8  # empty: all the room, eight batches of one
+    slot.put([claimed(i) for i in range(8)], time.monotonic())
+    fetcher = Background(slot.wait_space)
+    for i in range(3):
+        assert ids(slot.take()) == [f"t{i}"]
+        assert not fetcher.done.wait(0.05), f"wait_space returned with room for {i + 1}"
+    assert ids(slot.take()) == ["t3"]
+    assert fetcher.join() == 4  # room for four: the refill, claimed at once
+    assert slot.full() is False
+    slot.put([claimed(i) for i in range(8, 12)], time.monotonic())
+    assert slot.full()
+    slot.claim_ahead(1)  # a claim came back short: one batch, claimed into any room
+    assert slot.full()
+    for i in range(4, 11):
+        assert ids(slot.take()) == [f"t{i}"]
+    fetcher = Background(slot.wait_space)
+    assert not fetcher.done.wait(0.05), "wait_space returned with the batch held"
+    assert ids(slot.take()) == ["t11"]
+    assert fetcher.join() == 1
+
+
+def test_raising_the_refill_wakes_no_fetcher_until_there_is_that_room() -> None:
+    slot = BatchSlot(max_batch_size=2, max_wait_ms=0)
+    slot.put([claimed(0), claimed(1)], time.monotonic())
+    fetcher = Background(slot.wait_space)
+    assert not fetcher.done.wait(0.05)
+    slot.claim_ahead(4, 4)  # holds eight now: room for six, more than the refill
+    assert fetcher.join() == 6
+
+
 def test_suspect_task_runs_alone_and_first() -> None:
     slot = BatchSlot(max_batch_size=8, max_wait_ms=10_000)
     normal = [claimed(0), claimed(1)]

@@ -11,6 +11,9 @@ ARGV[12] '1' if the worker may be registered still (a claim registered it, and n
   claim since): its inbox is collected first (tasks handed to it meanwhile: nothing
   more is claimed then), and a claim that fills the batch or finds an inbox drops the
   registration
+ARGV[13] the most one submit may hand the worker if this claim registers it (its room is
+  the lesser of this and what it left of B; absent, as from an older worker: B): a
+  worker that claims many small batches at once registers with the room of one
 Returns: {next_timer_ms, reaped, inbox, then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
   age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
@@ -29,6 +32,7 @@ local worker, B, lease = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
 local max_deliveries, limit = tonumber(ARGV[6]), tonumber(ARGV[7])
 local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local window, registered = tonumber(ARGV[11]), ARGV[12] == '1'
+local most = tonumber(ARGV[13] or '') or B
 local now = now_ms()
 -- handed to it since it last came back to its inbox: those are its batch (nothing more
 -- is claimed now; its registration is dropped below)
@@ -146,8 +150,9 @@ end
 if n > 0 then event('started', now, {ids = claimed, worker = worker}) end
 -- it took all there was and has room left: a submit may hand it tasks from now on (see
 -- _lib.lua; a worker that was busy when the queue emptied becomes one to hand to here)
-if n < B and window > 0 then
-  redis.call('HSET', K_IDLE, worker, num(now + window) .. '|' .. num(lease) .. '|' .. num(B - n))
+local room = math.min(B - n, most)
+if room > 0 and window > 0 then
+  redis.call('HSET', K_IDLE, worker, num(now + window) .. '|' .. num(lease) .. '|' .. num(room))
 elseif registered then
   redis.call('HDEL', K_IDLE, worker)
 end
