@@ -80,8 +80,9 @@ whose token matches, so a token left in the hash after the task moves on is iner
 (retry and release leave it for the next claim to overwrite).
 
 Direct delivery: a worker whose claim took all there was and left it room is registered
-in K_IDLE (with its lease and that room) until it claims again, for at most a window it
-names (under half a lease). A submit that finds one hands it the new tasks that would
+in K_IDLE (with its lease and that room, or less: the most it names, one batch of a
+claim of many) until it claims again, for at most a window it names (under half a
+lease). A submit that finds one hands it the new tasks that would
 have been claimable at once (a stream-less task while the free list is empty, or the
 head of an empty stream that is not busy): it writes them as claim.lua would have left
 them (running, leased, under a token), up to the worker's room (the most one submit hands
