@@ -1,5 +1,6 @@
 """The hot path of this tree next to a git revision's, in one run: the drains, the
-round trip and their Redis figures of ``benchmarks.hotpath``, measured for each tree in
+round trip and their Redis figures of ``benchmarks.hotpath`` (a drain with
+``--batch-size 1`` too), measured for each tree in
 turn (passes alternate), client and worker alike running the tree's own code.
 
 Timings on this machine swing 2-4x within minutes, so a figure is only compared with
@@ -33,9 +34,23 @@ from benchmarks.instructions import export
 
 #: run with ``python -c`` in the tree measured; prints one JSON line of figures
 CHILD = r'''
-import json, os, sys
+import json, os, subprocess, sys
+from benchmarks import hotpath
 from benchmarks.broker import Server
 from benchmarks.hotpath import drain, roundtrips
+
+
+def batch1(server, queue, target, cpu, env, *extra):
+    # hotpath.spawn_worker with --batch-size 1, for a tree whose drain() takes no more
+    # of the worker's command line
+    cmd = [sys.executable, "-m", "mtq", "worker", "run", target, "--queue", queue,
+           "--batch-size", "1"]
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    return subprocess.Popen(cmd, env=env, cwd=hotpath.ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+
+
 cpus = sorted(os.sched_getaffinity(0))
 server = Server()
 server.start()
@@ -45,13 +60,19 @@ if worker is not None:
     os.sched_setaffinity(0, {worker})
 try:
     d5, d20 = drain(server, 5000, worker), drain(server, 20000, worker)
+    spawn, hotpath.spawn_worker = hotpath.spawn_worker, batch1
+    try:
+        d1 = drain(server, 10000, worker)
+    finally:
+        hotpath.spawn_worker = spawn
     rt = roundtrips(server, 300, worker)
 finally:
     server.stop()
 print(json.dumps({"startup_s": d5["startup_s"], "with_startup": d5["with_startup"],
                   "steady": d20["steady"], "cmds_drain": d5["cmds_drain"],
                   "cpu_us": d20["cpu_us"], "p50_ms": rt["p50_ms"], "p99_ms": rt["p99_ms"],
-                  "rt_cmds": rt["cmds"]}))
+                  "rt_cmds": rt["cmds"], "steady1": d1["steady"], "cmds1": d1["cmds_drain"],
+                  "cpu1_us": d1["cpu_us"]}))
 '''
 
 #: (field, what it is, format, higher is better)
@@ -64,6 +85,10 @@ ROWS = (
     ("cpu_us", "Redis CPU per task, submit + drain of 20,000 (us)", "{:.1f}", False),
     ("cmds_drain", "Redis commands per drained task", "{:.2f}", False),
     ("rt_cmds", "Redis commands per round trip", "{:.2f}", False),
+    ("steady1", "steady drain, `--batch-size 1`, 10,000 tasks (tasks/s)", "{:,.0f}", True),
+    ("cpu1_us", "Redis CPU per task, submit + drain of 10,000, `--batch-size 1` (us)",
+     "{:.1f}", False),
+    ("cmds1", "Redis commands per drained task, `--batch-size 1`", "{:.2f}", False),
 )
 
 

@@ -233,18 +233,25 @@ cli(["worker", "run", "tests.models:Probe", "--batch-size", "1", "--queue", sys.
 
 
 @pytest.mark.slow
-def test_kill_9_of_a_worker_holding_many_batches_of_one_ahead_loses_nothing(
-        qname: str, redis_url: str, subprocess_env: dict[str, str], tmp_path: Path) -> None:
-    """A worker of batches of one that claims many at a time, SIGKILLed while its model
-    hangs on the 11th task with more than AHEAD_MOST / 2 claimed ahead of it (it claims
-    again only once it has room for half of AHEAD_MOST): every task it held runs to
-    completion once, on another worker, once their leases run out; the others once."""
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_a_worker_holding_many_batches_of_one_ahead_that_dies_or_freezes_loses_nothing(
+        qname: str, redis_url: str, subprocess_env: dict[str, str], tmp_path: Path,
+        fault: str) -> None:
+    """A worker of batches of one that claims many at a time, SIGKILLed or SIGSTOPped
+    while its model is in the 11th task with more than AHEAD_MOST / 2 claimed ahead of
+    it (it claims again only once it has room for half of AHEAD_MOST): every task it
+    held runs to completion once, on another worker, once their leases run out; the
+    others once. Frozen, then resumed once the other worker is done and gone, it
+    starts none of the tasks it held (its call in the 11th runs on to its end, its
+    result refused), and runs the next task submitted, which it found behind them."""
     from mtq.workers.worker import AHEAD_MOST
 
     lease_ms = 1500
     q = mtq.Queue(qname, redis_url, lease_ms=lease_ms)
     n = 120
-    tasks = q.submit_many([{"s": "-", "i": i, "hang_here": i == 10} for i in range(n)])
+    # the 11th hangs in the victim (killed), or sleeps 4 s (frozen mid-way)
+    hold = {"hang_here": True} if fault == "kill" else {"sleep": 4}
+    tasks = q.submit_many([{"s": "-", "i": i, **(hold if i == 10 else {})} for i in range(n)])
     log = tmp_path / "calls.log"
     env = {**subprocess_env, "MTQ_TEST_LOG": str(log)}
     procs: list[subprocess.Popen[bytes]] = []
@@ -257,31 +264,52 @@ def test_kill_9_of_a_worker_holding_many_batches_of_one_ahead_loses_nothing(
         procs.append(proc)
         return proc
 
-    def hung() -> bool:
+    def lines(tag: str, pid: int, after: float = 0.0) -> list[str]:
+        return [key for line in log.read_text().splitlines()
+                for t, when, who, *keys in [line.split()]
+                if t == tag and int(who) == pid and float(when) > after for key in keys]
+
+    def in_the_11th() -> bool:
         s = q.stats()
-        return s["succeeded"] == 10 and s["running"] > 1 + AHEAD_MOST // 2
+        return s["succeeded"] == 10 and s["running"] > 1 + AHEAD_MOST // 2 and \
+            "-:10" in lines("B", victim.pid)
 
     try:
         victim = start("-c", DEEP_WORKER, qname, str(lease_ms), hang=True)
         # the first ten ran one at a time, in order; the slot is full behind the 11th
-        wait_for(hung, 60, f"the worker does not hang on its 11th task with more than "
+        wait_for(in_the_11th, 60, f"the worker is not in its 11th task with more than "
                  f"{AHEAD_MOST // 2} claimed ahead")
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.wait(10)
+        os.kill(victim.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        if fault == "kill":
+            victim.wait(10)
         # what it held: nothing moves until their leases run out, and nobody else runs
         held = [i for i, t in enumerate(tasks) if t.status() == "running"]
         assert held == list(range(10, 10 + len(held))) and len(held) > 1 + AHEAD_MOST // 2
-        start("-m", "mtq", "worker", "run", "tests.models:Probe", "--queue", qname,
-              "--lease-ms", str(lease_ms))
+        other = start("-m", "mtq", "worker", "run", "tests.models:Probe", "--queue", qname,
+                      "--lease-ms", str(lease_ms))
         wait_for(lambda: q.stats()["succeeded"] == n, 60,
-                 "the killed worker's tasks did not all complete")
+                 "the tasks it held did not all complete")
+        if fault == "freeze":
+            other.send_signal(signal.SIGTERM)
+            assert other.wait(20) == 0
+            resumed = time.time()
+            os.kill(victim.pid, signal.SIGCONT)
+            # the only worker left: it runs this once it took (and dropped) what it held
+            marker = q.submit({"s": "m", "i": 0})
+            assert marker.result(timeout=30)["pid"] == victim.pid
+            assert lines("B", victim.pid, resumed) == ["m:0"]
+            assert lines("D", victim.pid, resumed) == ["-:10", "m:0"]
+            assert tasks[10].result(timeout=1)["pid"] == other.pid  # its own refused
     finally:
         for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
             proc.kill()
             proc.wait(10)
     done = [key for line in log.read_text().splitlines() if line[0] == "D"
-            for key in line.split()[3:]]
-    assert sorted(done) == sorted(f"-:{i}" for i in range(n))  # each once
+            for key in line.split()[3:] if key != "m:0"]
+    twice_done = ["-:10"] if fault == "freeze" else []  # the call it was in, and the rerun
+    assert sorted(done) == sorted([f"-:{i}" for i in range(n)] + twice_done)
     assert [t.result(timeout=1)["i"] for t in tasks] == list(range(n))
     twice = [i for i, t in enumerate(tasks) if t.info().deliveries == 2]
     assert twice == held
