@@ -5,7 +5,7 @@ turn (passes alternate), client and worker alike running the tree's own code.
 
 Timings on this machine swing 2-4x within minutes, so a figure is only compared with
 the other tree's in the same run, pass by pass: the table gives medians and the median
-of the per-pass ratios.
+of the per-pass ratios. Which tree a pass measures first alternates.
 
 Each tree is measured by its own ``benchmarks/hotpath.py`` (``drain`` and
 ``roundtrips``, which every tree since the hot-path work has), in a child process with
@@ -113,7 +113,11 @@ def main(argv: list[str] | None = None) -> None:
             compile_tree(tree)
         runs: dict[str, list[dict[str, float]]] = {"ref": [], "now": []}
         for i in range(args.passes):
-            for which, tree in (("ref", Path(tmp)), ("now", ROOT)):
+            # which tree goes first alternates: a pass's first child meets the machine at
+            # another moment than its second (a figure of one tree a pass apart from the
+            # other's swung by a third within one run, always the same way)
+            order = (("ref", Path(tmp)), ("now", ROOT))
+            for which, tree in order if i % 2 == 0 else order[::-1]:
                 runs[which].append(measure(tree))
                 print(f"pass {i + 1}/{args.passes} {which}: {runs[which][-1]}", flush=True)
     lines = [f"| figure | `{name}` | this tree | this tree / `{name}` (median of the "
