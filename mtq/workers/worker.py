@@ -7,8 +7,9 @@ Threads, each with one job:
   a batch that raises) and hands the outcomes to the publisher. It never talks to
   Redis, so a slow network never stalls the device.
 * **fetcher**: claims tasks into the slot (one round trip per claim), keeping up to
-  one batch claimed ahead while the model runs (two for a fast model on a deep queue:
-  see :meth:`Worker._claim_ahead`); sleeps on the wake list (BLPOP) when there is
+  one batch claimed ahead while the model runs (two or more for a fast model on a deep
+  queue, many small ones in a claim: see :meth:`Worker._claim_ahead`); sleeps on the
+  wake list (BLPOP) when there is
   nothing to claim.
 * **publisher**: settles outcomes (acks with results, retries, failures) in one
   pipelined round trip for everything that finished since its last trip. A
