@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,22 @@ def test_kill_9_mid_batch_tasks_come_back_at_head(qname: str, redis_url: str,
     assert q.stats()["redelivered"] == 10
 
 
+def starter(env: dict[str, str], procs: list[subprocess.Popen[bytes]]
+            ) -> Callable[..., subprocess.Popen[bytes]]:
+    """``start(*args, hang=False)``: a Python process with ``args`` and ``env``
+    (``MTQ_TEST_HANG`` set with ``hang``: tests.models' victim), added to ``procs``."""
+
+    def start(*args: str, hang: bool = False) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([sys.executable, *args],
+                                env={**env, "MTQ_TEST_HANG": "1"} if hang else env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        procs.append(proc)
+        return proc
+
+    return start
+
+
 #: ``mtq worker run tests.models:Probe`` (batches of 4) with every batch counted as fast
 #: (FAST_BATCH_S raised, however slow this machine is at the moment) and no more than two
 #: batches fitting in AHEAD_WORK_S of its work: on a deep queue it keeps two batches
@@ -175,14 +192,7 @@ def test_kill_9_of_a_worker_holding_two_batches_ahead_loses_nothing_and_keeps_or
     log = tmp_path / "calls.log"
     env = {**subprocess_env, "MTQ_TEST_LOG": str(log)}
     procs: list[subprocess.Popen[bytes]] = []
-
-    def start(*args: str, hang: bool = False) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, *args],
-                                env={**env, "MTQ_TEST_HANG": "1"} if hang else env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-        procs.append(proc)
-        return proc
+    start = starter(env, procs)
 
     try:
         victim = start("-c", FAST_WORKER, qname, str(lease_ms), hang=True)
@@ -255,14 +265,7 @@ def test_a_worker_holding_many_batches_of_one_ahead_that_dies_or_freezes_loses_n
     log = tmp_path / "calls.log"
     env = {**subprocess_env, "MTQ_TEST_LOG": str(log)}
     procs: list[subprocess.Popen[bytes]] = []
-
-    def start(*args: str, hang: bool = False) -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, *args],
-                                env={**env, "MTQ_TEST_HANG": "1"} if hang else env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
-        procs.append(proc)
-        return proc
+    start = starter(env, procs)
 
     def lines(tag: str, pid: int, after: float = 0.0) -> list[str]:
         return [key for line in log.read_text().splitlines()

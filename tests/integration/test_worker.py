@@ -125,6 +125,22 @@ class HoldsACall(Model):
         return [p["i"] for p in batch]
 
 
+class SlotPeak:
+    """Wraps a worker's ``slot.put``: :attr:`most` is the most tasks its slot held
+    after a put."""
+
+    def __init__(self, w: Worker) -> None:
+        self.most = 0
+        put = w.slot.put
+
+        def put_and_count(claimed: Any, claimed_at: float) -> list[mtq.Claimed]:
+            refused = put(claimed, claimed_at)
+            self.most = max(self.most, len(w.slot))
+            return refused
+
+        w.slot.put = put_and_count  # type: ignore[method-assign]
+
+
 @pytest.mark.parametrize(("fast_batch_s", "ahead"), [(60.0, 2), (0.0, 1)],
                          ids=["fast-model", "slow-model"])
 def test_batches_claimed_ahead_two_for_a_fast_model_on_a_deep_queue(
@@ -141,16 +157,7 @@ def test_batches_claimed_ahead_two_for_a_fast_model_on_a_deep_queue(
     tasks = q.submit_many([{"i": i} for i in range(40)])
     model = HoldsACall(hold=3)
     w = make_worker(model, qname, redis_url)
-    most = 0
-    put = w.slot.put
-
-    def put_and_count(claimed: Any, claimed_at: float) -> list[mtq.Claimed]:
-        nonlocal most
-        refused = put(claimed, claimed_at)
-        most = max(most, len(w.slot))
-        return refused
-
-    w.slot.put = put_and_count  # type: ignore[method-assign]
+    peak = SlotPeak(w)
     with serving(w, model.release) as run:
         wait_for(lambda: model.holding.is_set() and len(w.slot) == 4 * ahead, 10,
                  f"the third batch did not start with {ahead} batch(es) claimed ahead")
@@ -161,7 +168,7 @@ def test_batches_claimed_ahead_two_for_a_fast_model_on_a_deep_queue(
         wait_for(all_done(tasks), 10, "the worker did not run every task")
         wait_for(lambda: w.slot.ahead == 1, 5, "an empty queue left two batches ahead")
         run.stop()
-    assert most == 4 * ahead  # never more
+    assert peak.most == 4 * ahead  # never more
     assert [t.result(timeout=1) for t in tasks] == list(range(40))
     assert sorted(i for call in model.calls for i in call) == list(range(40))
     assert [t.info().deliveries for t in tasks] == [1] * 40
@@ -199,16 +206,7 @@ def test_a_fast_model_with_batches_of_one_claims_many_at_a_time(
         return got
 
     w.consumer.claim = claim_and_log  # type: ignore[method-assign]
-    most = 0
-    put = w.slot.put
-
-    def put_and_count(claimed: Any, claimed_at: float) -> list[mtq.Claimed]:
-        nonlocal most
-        refused = put(claimed, claimed_at)
-        most = max(most, len(w.slot))
-        return refused
-
-    w.slot.put = put_and_count  # type: ignore[method-assign]
+    peak = SlotPeak(w)
     idle = QueueKeys(qname).idle
     with serving(w) as run:
         wait_for(all_done(tasks), 20, "the worker did not run every task")
@@ -224,7 +222,7 @@ def test_a_fast_model_with_batches_of_one_claims_many_at_a_time(
         run.stop()
     assert ran == list(range(304))
     assert [t.info().deliveries for t in tasks] == [1] * 300
-    assert most <= worker_module.AHEAD_MOST
+    assert peak.most <= worker_module.AHEAD_MOST
     deep = [c for c in claims if c[0] > 1]
     assert deep and max(got for _, got in deep) >= worker_module.AHEAD_MOST // 2, claims
     assert len(claims) < 40, f"{len(claims)} claims for 300 tasks: {claims}"
