@@ -52,6 +52,10 @@ class BatchSlot:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000
         self._pending: list[_Pending] = []
+        #: False when no task in the slot is a suspect; True when one may be (set as a
+        #: suspect comes in, cleared by the scan that finds none): the slot is scanned
+        #: for suspects only then, not at every batch it gives out
+        self._suspects = False
         self.paused = False
         self.closed = False
         self._kicked = False
@@ -133,6 +137,8 @@ class BatchSlot:
                 return list(tasks)
             for t in tasks:
                 self._pending.append(_Pending(t, claimed_at - t.age_ms / 1000 + self.max_wait_s))
+                if t.suspect:
+                    self._suspects = True
             self.cond.notify_all()
             return []
 
@@ -169,12 +175,24 @@ class BatchSlot:
     def _pop_suspect(self) -> Claimed | None:
         """Take the first suspect out of the slot (it killed a worker before: it runs
         alone). Call with the lock held."""
+        if not self._suspects:
+            return None
         for i, p in enumerate(self._pending):
             if p.task.suspect:
                 del self._pending[i]
                 self.cond.notify_all()  # room for the fetcher
                 return p.task
+        self._suspects = False
         return None
+
+    def _pop(self, n: int) -> list[Claimed]:
+        """The first ``n`` tasks, taken out of the slot (in place: the slot may hold many
+        small batches). Call with the lock held."""
+        pending = self._pending
+        batch = [p.task for p in pending[:n]]
+        del pending[:n]
+        self.cond.notify_all()  # room for the fetcher
+        return batch
 
     def take(self) -> list[Claimed] | None:
         """Block until a batch is due and return it; None once closed; [] after
@@ -200,12 +218,10 @@ class BatchSlot:
                     if suspect is not None:
                         return [suspect]
                     b = self.max_batch_size
-                    due = min(p.ready_at for p in pending)
-                    wait = due - time.monotonic()
-                    if len(pending) >= b or wait <= 0:
-                        batch, self._pending = pending[:b], pending[b:]
-                        self.cond.notify_all()
-                        return [p.task for p in batch]
+                    wait = 0.0 if len(pending) >= b else \
+                        min(p.ready_at for p in pending) - time.monotonic()
+                    if wait <= 0:
+                        return self._pop(b)
                     self.cond.wait(wait)
                 elif self._waiter is not None and not pending and not self.paused:
                     self._waiter = "taken"
@@ -233,9 +249,7 @@ class BatchSlot:
                     suspect = self._pop_suspect()
                     if suspect is not None:
                         return [suspect]
-                    batch, self._pending = pending[:limit], pending[limit:]
-                    self.cond.notify_all()
-                    return [p.task for p in batch]
+                    return self._pop(limit)
                 if not block:
                     return []
                 self.cond.wait()

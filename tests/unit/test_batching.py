@@ -185,6 +185,22 @@ def test_suspect_task_runs_alone_and_first() -> None:
     assert [t.id for t in slot.ids()] == ["t0", "t1", "tr"]
 
 
+def test_a_suspect_put_after_the_slot_was_scanned_still_runs_alone_and_first() -> None:
+    """The slot looks for suspects only while one may be in it (set as one comes in,
+    cleared by a scan that finds none): one that comes in later, behind others, is
+    still taken first, alone; and each of several in turn."""
+    slot = BatchSlot(max_batch_size=2, max_wait_ms=0)
+    slot.put([claimed(i) for i in range(4)], time.monotonic())
+    assert ids(slot.take()) == ["t0", "t1"]  # no suspect: the scan found none
+    slot.put([claimed("s1", attempts=1, deliveries=3), claimed(4)], time.monotonic())
+    assert ids(slot.take()) == ["ts1"]
+    assert ids(slot.take()) == ["t2", "t3"]
+    slot.put([claimed("s2", attempts=0, deliveries=2)], time.monotonic())
+    slot.put([claimed("s3", attempts=2, deliveries=4)], time.monotonic())
+    assert [ids(slot.take()) for _ in range(3)] == [["ts2"], ["ts3"], ["t4"]]
+    assert len(slot) == 0
+
+
 def test_kick_makes_take_return_empty_once() -> None:
     slot = BatchSlot(max_batch_size=8, max_wait_ms=10_000)
     taker = Background(slot.take)

@@ -134,3 +134,27 @@ def test_expired_while_waiting():
                                  since_ms=0, now_ms=300))
     wait = next(e for e in events if e.get("cat") == "queue")
     assert wait["args"]["status"] == "expired" and wait["dur"] == 100_000
+
+
+@pytest.mark.parametrize("host, ids", [
+    ("host-a", ["t1"]),
+    ('we"ird\\host\u00e9\u2028', ["a", "b-c_d"] * 40),
+    ("h", []),
+])
+def test_a_batch_record_is_the_json_of_its_fields(monkeypatch, host, ids):
+    """A worker writes each record from a head encoded once (mtq.workers.batchlog): the
+    text is the compact JSON of the whole record, whatever the host name holds, and
+    parse_record reads it back."""
+    import os
+    import socket
+
+    from mtq.workers.batchlog import BatchLog
+
+    monkeypatch.setattr(socket, "gethostname", lambda: host)
+    log = BatchLog("mtq:{q}:batches", "w-1", "q")
+    for kind in ("batch", "prefill"):
+        text = log._encode((kind, 1700000000.1234, 1700000000.5, ids))
+        fields = {"w": "w-1", "h": host, "p": os.getpid(), "k": kind,
+                  "t0": 1700000000123, "t1": 1700000000500, "ids": ids}
+        assert text == json.dumps(fields, separators=(",", ":"))
+        assert parse_record(text) == fields
