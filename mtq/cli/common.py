@@ -58,7 +58,7 @@ EXIT_CODES = (
     "input (JSON, names, options, a target that cannot be loaded); 3 not found "
     "(queue, task, server); 4 no supervisor listening; "
     "5 Redis unreachable, or it refused mtq's credentials or TLS; 6 timed out waiting; "
-    "130 stopped waiting with Ctrl-C."
+    "130 stopped with Ctrl-C while waiting or submitting a file (what was submitted goes on)."
 )
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -279,37 +279,47 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
     except MtqError as exc:
         fail_on(exc)
     sent: list[Any] = []
+    summary: dict[str, Any] = {"queue": queue, "submitted": 0}
     t0 = time.perf_counter()
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
-    with Progress(*columns, console=err_console, disable=as_json) as bar:
-        job = bar.add_task("submitting", total=len(tasks))
-        for k in range(0, len(tasks), FILE_CHUNK):
-            try:
-                sent += q.send(tasks[k:k + FILE_CHUNK])
-            except MtqError as exc:
-                bar.stop()
-                err_console.print(f"{len(sent)} of {len(tasks)} submitted before the error")
-                fail_on(exc)
-            bar.advance(job, min(FILE_CHUNK, len(tasks) - k))
-    seconds = time.perf_counter() - t0
-    summary: dict[str, Any] = {"queue": queue, "submitted": len(sent),
-                               "seconds": round(seconds, 3),
-                               "per_s": round(len(sent) / max(seconds, 1e-9))}
     code = OK
-    if wait is not None:
-        try:
+    try:  # a Ctrl-C from the first chunk sent on (see the handler)
+        with Progress(*columns, console=err_console, disable=as_json) as bar:
+            job = bar.add_task("submitting", total=len(tasks))
+            for k in range(0, len(tasks), FILE_CHUNK):
+                try:
+                    sent += q.send(tasks[k:k + FILE_CHUNK])
+                except MtqError as exc:
+                    bar.stop()
+                    err_console.print(f"{len(sent)} of {len(tasks)} submitted before the "
+                                      "error")
+                    fail_on(exc)
+                bar.advance(job, min(FILE_CHUNK, len(tasks) - k))
+        seconds = time.perf_counter() - t0
+        summary.update(submitted=len(sent), seconds=round(seconds, 3),
+                       per_s=round(len(sent) / max(seconds, 1e-9)))
+        if wait is not None:
             summary.update(_wait_all(sent, wait, as_json))
-        except KeyboardInterrupt:
-            err_console.print(f"\nstopped waiting; the {len(sent)} task(s) go on "
-                              "(--json lists their ids)", markup=False, highlight=False)
-            if as_json:
-                echo_json({**summary, "interrupted": True, "ids": [t.id for t in sent]})
-            sys.exit(INTERRUPTED)
-        if summary["timed_out"]:
-            code = TIMEOUT
-        elif summary["failed"]:
-            code = FAILED
+            if summary["timed_out"]:
+                code = TIMEOUT
+            elif summary["failed"]:
+                code = FAILED
+    except KeyboardInterrupt:
+        # whether it came while the tasks were sent, between the last one and the wait,
+        # or in the wait: what was submitted goes on, and the user is told so (exit 130,
+        # never click's "Aborted!")
+        if len(sent) < len(tasks):
+            said = (f"stopped submitting; {len(sent)} of {len(tasks)} task(s) were "
+                    "submitted and go on (the chunk being sent then may have been too)")
+        else:
+            said = f"stopped waiting; the {len(sent)} task(s) go on"
+        err_console.print(f"\n{said} (--json lists their ids)", markup=False,
+                          highlight=False)
+        if as_json:
+            echo_json({**summary, "submitted": len(sent), "interrupted": True,
+                       "ids": [t.id for t in sent]})
+        sys.exit(INTERRUPTED)
     if as_json:
         summary["ids"] = [t.id for t in sent]
         echo_json(summary)

@@ -1,6 +1,7 @@
 """``mtq submit --wait/--follow`` on a queue no worker serves: the task id comes
 first (so the user can find or cancel the task), ``--timeout`` bounds the wait
-(exit 6), Ctrl-C stops waiting (exit 130); either way the task goes on."""
+(exit 6), Ctrl-C stops waiting, or
+submitting a file (exit 130); either way what was submitted goes on."""
 
 from __future__ import annotations
 
@@ -77,3 +78,33 @@ def test_ctrl_c_while_waiting_for_a_file_exits_130(redis_url: str, qname: str,
     assert proc.returncode == 130, (out, err)
     assert "stopped waiting; the 2 task(s) go on" in err and "Traceback" not in err, err
     assert len(json.loads(out)["ids"]) == 2, out
+
+
+def test_ctrl_c_while_submitting_a_file_says_what_was_submitted_and_exits_130(
+        redis_url: str, qname: str, tmp_path: Path) -> None:
+    """A Ctrl-C in the middle of sending a file (chunks of FILE_CHUNK, one round trip
+    each): exit 130, never click's "Aborted!"; the user is told how many were
+    submitted, and --json lists them: each is queued, and nothing else was sent but,
+    at most, the chunk in flight."""
+    from mtq.cli.tasks import FILE_CHUNK
+
+    total = 120 * FILE_CHUNK
+    f = tmp_path / "requests.jsonl"
+    f.write_text('{"a": 1}\n' * total)
+    proc = subprocess.Popen([PY, "-m", "mtq", "submit", qname, "--file", str(f), "--json",
+                             "--redis", redis_url], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    q = mtq.Queue(qname, redis_url)
+    # the second chunk's script runs only once the first one's reply is read: from then
+    # on, the client knows at least one chunk is in
+    wait_for(lambda: q.stats()["waiting"] >= 2 * FILE_CHUNK, 60, "two chunks were not sent")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, (out[-300:], err)
+    assert "Aborted" not in err and "Traceback" not in err, err
+    listed = json.loads(out)
+    ids, waiting = listed["ids"], q.stats()["waiting"]
+    assert listed["interrupted"] and listed["submitted"] == len(ids), listed.keys()
+    assert FILE_CHUNK <= len(ids) < total and len(ids) <= waiting <= len(ids) + FILE_CHUNK
+    assert f"stopped submitting; {len(ids)} of {total} task(s) were submitted" in err, err
+    assert {q.task(i).status() for i in ids[:: FILE_CHUNK // 5]} == {"queued"}
