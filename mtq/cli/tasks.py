@@ -311,11 +311,11 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
         # never click's "Aborted!")
         if len(sent) < len(tasks):
             said = (f"stopped submitting; {len(sent)} of {len(tasks)} task(s) were "
-                    "submitted and go on (the chunk being sent then may have been too)")
+                    "submitted and go on (--json lists their ids), and the chunk being "
+                    "sent then may have been too")
         else:
-            said = f"stopped waiting; the {len(sent)} task(s) go on"
-        err_console.print(f"\n{said} (--json lists their ids)", markup=False,
-                          highlight=False)
+            said = f"stopped waiting; the {len(sent)} task(s) go on (--json lists their ids)"
+        err_console.print(f"\n{said}", markup=False, highlight=False)
         if as_json:
             echo_json({**summary, "submitted": len(sent), "interrupted": True,
                        "ids": [t.id for t in sent]})

@@ -94,9 +94,8 @@ class BatchLog:
 
     def _encode(self, record: tuple[Kind, float, float, list[str]]) -> str:
         """The record's JSON: the same text as encoding the whole dict, in a third of the
-        time (a batch of one task, one record each, is the common case of a heartbeat's
-        thousands): the head is encoded once, and ``kind`` is one of this module's
-        names (no escaping)."""
+        time (with batches of one task, a beat encodes a record per task: thousands).
+        The head is encoded once, and ``kind`` is one of :data:`Kind` (no escaping)."""
         kind, t0, t1, ids = record
         return f'{self._head}{kind}","t0":{int(t0 * 1000)},"t1":{int(t1 * 1000)},' \
                f'"ids":{_compact(ids)}}}'
