@@ -497,7 +497,6 @@ def main(argv: list[str] | None = None) -> None:
                                                   "bare": [], "other": []}
     t_run = time.time()
     try:
-        version = redis.Redis.from_url(server.url).info("server")["redis_version"]
         build = server_build(server.url)
         for i in range(passes):
             results["drain"].append(drain(server, n, worker_cpu))
@@ -525,6 +524,18 @@ def main(argv: list[str] | None = None) -> None:
         v = [r[m] for r in results[kind]]
         return f"{min(v):,.3g}-{max(v):,.3g}"
 
+    def ratio(m: str) -> float:
+        """The other build's drain / the run's server's, median of the passes' ratios."""
+        return statistics.median(o[m] / d[m] for o, d in
+                                 zip(results["other"], results["drain20k"]))
+
+    other_row = [(
+        f"the same 20,000-task drain on another Redis build ({results['other'][0]['build']}"
+        "): Redis CPU per task / steady drain",
+        f"{med('other', 'cpu_us'):.1f} us / {med('other', 'steady'):,.0f} tasks/s", "",
+        f"{ratio('cpu_us'):.2f}x / {ratio('steady'):.2f}x the run's server ({build}) in "
+        f"the same passes (medians of the passes' ratios); `{other}` (see below)")
+    ] if results["other"] else []
     rows: list[tuple[str, str, str, str]] = [
         ("Redis commands per drained task", f"{med('drain', 'cmds_drain'):.2f}", "<= 4",
          f"5,000-task drain; range {rng('drain', 'cmds_drain')}"),
@@ -543,6 +554,7 @@ def main(argv: list[str] | None = None) -> None:
          f"INFO commandstats, 20,000 tasks; of the commands, the task's HSET, HMGET and "
          f"EXPIRE: {med('drain20k', 'hash_us'):.1f} us; the rest of the scripts' time is "
          "their own work (see below)"),
+        *other_row,
         ("steady drain, 1 worker (tasks/s)", f"{med('drain20k', 'steady'):,.0f}", ">= 40,000",
          f"20,000 tasks; range {rng('drain20k', 'steady')}"),
         ("steady drain, 1 worker, `--batch-size 1` (tasks/s)",
@@ -579,17 +591,6 @@ def main(argv: list[str] | None = None) -> None:
          f"alternating with mtq's, which took {med('load', 'beside_p50_ms'):.3f} / "
          f"{med('load', 'beside_p99_ms'):.3f} ms in the same blocks"),
     ]
-    if results["other"]:
-        def ratio(m: str) -> float:
-            return statistics.median(o[m] / d[m] for o, d in
-                                     zip(results["other"], results["drain20k"]))
-
-        rows.insert(5, (
-            f"the same 20,000-task drain on another Redis build ({results['other'][0]['build']}"
-            "): Redis CPU per task / steady drain",
-            f"{med('other', 'cpu_us'):.1f} us / {med('other', 'steady'):,.0f} tasks/s", "",
-            f"{ratio('cpu_us'):.2f}x / {ratio('steady'):.2f}x the run's server ({build}) in "
-            f"the same passes (medians of the passes' ratios); `{other}` (see below)"))
     fl = {m: med("floor", m) for m in results["floor"][0]}
     scripts_us = fl["handoff_us"] + fl["ack_us"]
     rows.append(("floor of a round trip to a sleeping worker: 2 PING round trips (4 hops) + "
@@ -611,7 +612,7 @@ def main(argv: list[str] | None = None) -> None:
     section = f"""## Hot path
 
 Produced by `python -m benchmarks.hotpath` on {date.today().isoformat()} in {time.time() - t_run:.0f} s: {passes} passes, medians.
-Machine: {os.cpu_count()} CPU cores, {platform.platform()}; Python {platform.python_version()}; redis-server {version}
+Machine: {os.cpu_count()} CPU cores, {platform.platform()}; Python {platform.python_version()}; redis-server {build.split(", ")[0]}
 ({"redis-server pinned to one CPU, this driver and the worker to the other" if pin else "CPU placement left to Linux"}).
 Each pass drains 5,000 and 20,000 no-op tasks with a freshly spawned `mtq worker run`
 (default batch 64) and 10,000 with `--batch-size 1`, then times {count} round trips on a warm worker, idle and under load.
