@@ -359,10 +359,11 @@ class Drain:
 
 
 def drain(server: Server, r: redis.Redis, target: str, payloads: Sequence[Any], batch: int,
-          burst: bool = False, timeout: float = 180) -> Drain:
+          burst: bool = False, timeout: float = 180, args: Sequence[str] = ()) -> Drain:
     """Pre-submit the payloads as single tasks, then drain them with one ``mtq worker
-    run`` process, stopped with SIGTERM once everything succeeded (or, with ``burst``,
-    run with --burst so that it exits by itself)."""
+    run`` process (``args`` added to its command line: ``--device cuda:0``, say),
+    stopped with SIGTERM once everything succeeded (or, with ``burst``, run with
+    --burst so that it exits by itself)."""
     qname = uniq("drain")
     q = mtq.Queue(qname, client=r)
     tasks = q.submit_many(payloads)
@@ -373,7 +374,7 @@ def drain(server: Server, r: redis.Redis, target: str, payloads: Sequence[Any], 
     redis_cpu = _proc_cpu(redis_pid)
     t0 = time.perf_counter()
     p = Proc(["worker", "run", target, "--queue", qname, "--redis", server.url,
-              "--batch-size", str(batch), *(["--burst"] if burst else [])],
+              "--batch-size", str(batch), *(["--burst"] if burst else []), *args],
              worker_env(server, MTQ_BENCH_TIMINGS=timings.name))
     try:
         if not burst:

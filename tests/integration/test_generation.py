@@ -125,6 +125,7 @@ class Recording(Counter):
 
 
 # -- 1. continuous batching ------------------------------------------------------------
+@pytest.mark.gpu_smoke
 def test_streams_are_decoded_together_and_join_the_running_batch(
         qname: str, redis_url: str, client: redis.Redis) -> None:
     q = mtq.Queue(qname, client=client, settings=FAST)
@@ -478,6 +479,7 @@ def outlet_children(parent: int) -> list[int]:
     return found
 
 
+@pytest.mark.gpu_smoke
 def test_a_generator_publishes_through_its_outlet_process(
         qname: str, redis_url: str, client: redis.Redis) -> None:
     q = mtq.Queue(qname, client=client, settings=FAST)
@@ -581,6 +583,7 @@ def test_token_values_of_every_kind_cross_the_outlet_unchanged(
 
 
 # -- 7. seeds --------------------------------------------------------------------------
+@pytest.mark.gpu_smoke
 def test_tinygpt_seeded_request_gives_the_same_text_alone_and_in_a_batch(
         qname: str, redis_url: str, client: redis.Redis, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:

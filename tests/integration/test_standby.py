@@ -42,6 +42,7 @@ def start_with_standby(supervise: StartFn, queue: str, r: redis.Redis, log: Path
     return sup, serving, standby
 
 
+@pytest.mark.gpu_smoke
 def test_a_standby_takes_a_dead_workers_place_at_once(supervise: StartFn, qname: str,
                                                       redis_url: str, r: redis.Redis,
                                                       tmp_path: Path) -> None:

@@ -497,6 +497,7 @@ def test_reload_under_load_switches_version_and_loses_nothing(
 
 
 # -- 7. pinning ----------------------------------------------------------------------
+@pytest.mark.gpu_smoke
 def test_child_env_pins_one_gpu_or_none() -> None:
     assert devices.child_env("cuda:3") == ({"CUDA_VISIBLE_DEVICES": "3"}, "cuda:0")
     assert devices.child_env("cuda:0") == ({"CUDA_VISIBLE_DEVICES": "0"}, "cuda:0")
@@ -505,6 +506,7 @@ def test_child_env_pins_one_gpu_or_none() -> None:
     assert devices.parse_devices("cuda") == ["cuda:0"]
 
 
+@pytest.mark.gpu_smoke
 def test_a_cpu_worker_sees_no_gpu(supervise: StartFn, qname: str, redis_url: str,
                                   r: redis.Redis) -> None:
     # the supervisor's own environment names a GPU; its CPU child must not see it
@@ -528,6 +530,30 @@ def test_a_cuda_worker_is_pinned_to_its_gpu(supervise: StartFn, qname: str, redi
     res = mtq.Queue(qname, redis_url).submit({"s": "p", "i": 0}).result(timeout=30)
     assert res["visible"] == "0"
     assert res["device"] == "cuda:0" and res["tensor_device"] == "cuda:0", res
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(devices.cuda_count() == 0, reason="needs a CUDA device")
+def test_devices_all_pins_a_worker_to_each_gpu_and_keeps_no_standby_there(
+        supervise: StartFn, qname: str, redis_url: str, r: redis.Redis) -> None:
+    n = devices.cuda_count()
+    sup = supervise("tests.models:Probe", qname, "--devices", "all")
+    ws = wait_workers(r, qname, n, sup, timeout=90)
+    assert sorted(w["device"] for w in ws) == [f"cuda:{i}" for i in range(n)], ws
+    assert sorted(w["visible_devices"] for w in ws) == [str(i) for i in range(n)], ws
+    q = mtq.Queue(qname, redis_url)
+    assert q.submit({"s": "p", "i": 0}).result(timeout=60)["tensor_device"] == "cuda:0"
+    # no warm standby on a GPU (it would hold a second copy of the model in device
+    # memory): a killed worker is replaced by a cold start, and nothing is lost
+    victim = ws[0]
+    os.kill(victim["pid"], signal.SIGKILL)
+    again = wait_workers(r, qname, n, sup, timeout=90,
+                         check=lambda w: w["pid"] != victim["pid"])
+    assert victim["device"] in {w["device"] for w in again}
+    out = sup.output()
+    assert "died" in out and "its standby" not in out and "standby ready" not in out, out
+    res = q.submit({"s": "p", "i": 1}).result(timeout=60)
+    assert res["visible"] != "" and res["tensor_device"] == "cuda:0", res
 
 
 def test_registry_keeps_string_fields_as_written(r: redis.Redis, qname: str) -> None:

@@ -89,6 +89,7 @@ def all_done(tasks: list[mtq.Task]) -> Callable[[], bool]:
 
 
 # -- dynamic batching ------------------------------------------------------------------------
+@pytest.mark.gpu_smoke
 def test_presubmitted_backlog_runs_in_full_batches(qname: str, redis_url: str) -> None:
     q = mtq.Queue(qname, redis_url, settings=FAST)
     tasks = q.submit_many([{"i": i} for i in range(64)])
@@ -446,6 +447,7 @@ def test_a_settle_that_fails_in_the_model_thread_is_taken_over_by_the_publisher(
     assert q.stats()["succeeded"] == 2
 
 
+@pytest.mark.gpu_smoke
 def test_partial_batch_runs_max_wait_after_submission(qname: str, redis_url: str) -> None:
     q = mtq.Queue(qname, redis_url, settings=FAST)
     model = Recorder(max_batch_size=32)
@@ -463,6 +465,7 @@ def test_partial_batch_runs_max_wait_after_submission(qname: str, redis_url: str
     assert 0.040 <= ran_after < 1.0, f"batch ran {ran_after * 1000:.1f} ms after submission"
 
 
+@pytest.mark.gpu_smoke
 def test_batch_holds_at_most_one_task_per_stream_in_fifo_order(qname: str,
                                                                redis_url: str) -> None:
     q = mtq.Queue(qname, redis_url, settings=FAST)

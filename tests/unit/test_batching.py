@@ -598,6 +598,7 @@ def test_parse_devices_rejects_bad_specs(spec: str) -> None:
         devices.parse_devices(spec)
 
 
+@pytest.mark.gpu_smoke
 def test_parse_devices_all(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(devices, "cuda_count", lambda: 0)
     assert devices.parse_devices("all") == ["cpu"]
@@ -611,6 +612,7 @@ def test_child_env_pins_one_gpu_or_hides_them() -> None:
     assert devices.child_env("cpu") == ({"CUDA_VISIBLE_DEVICES": ""}, "cpu")
 
 
+@pytest.mark.gpu_smoke
 def test_torch_device_and_memory_on_cpu() -> None:
     dev = devices.torch_device("cpu")
     assert str(dev) == "cpu"
