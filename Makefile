@@ -1,4 +1,4 @@
-.PHONY: install test test-slow test-all lint bench demo
+.PHONY: install test test-slow test-all lint bench demo gpu-wheels gpu-check gpu-check-dry-run
 
 install:
 	scripts/install-system-deps
@@ -23,3 +23,15 @@ bench:
 
 demo:
 	mtq demo
+
+# the GPU check (docs/benchmarks.md, "GPU"): make gpu-wheels here, then run make
+# gpu-check on the lent GPU machine with .whl/ carried; gpu-check-dry-run runs the
+# same steps here on the CPU, in a throwaway venv
+gpu-wheels:
+	scripts/gpu-wheels
+
+gpu-check:
+	scripts/gpu-check
+
+gpu-check-dry-run:
+	scripts/gpu-check --dry-run
