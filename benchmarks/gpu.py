@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -79,7 +80,7 @@ class Sizes:
 
 FULL = Sizes(embed_n=8192, embed_n1=1024, direct_reps=3, tokens=256, start=16, stream_reps=3,
              mixed_n=256, mixed_reps=3,
-             budget_s={"batching": 150, "generation": 130, "memory": 40})
+             budget_s={"batching": 100, "generation": 100, "memory": 30})
 QUICK = Sizes(embed_n=128, embed_n1=32, direct_reps=1, tokens=40, start=8, stream_reps=1,
               mixed_n=64, mixed_reps=1,
               budget_s={"batching": 150, "generation": 150, "memory": 60})
@@ -294,7 +295,7 @@ def gaps_ms(streams: list[Stream]) -> list[float]:
     out = []
     for x in streams:
         times = [now for _, _, now in sorted(x.tokens)]
-        out += [(b - a) * 1000 for a, b in zip(times, times[1:])]
+        out += [(b - a) * 1000 for a, b in itertools.pairwise(times)]
     return out
 
 

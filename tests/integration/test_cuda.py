@@ -23,6 +23,7 @@ import pytest
 import redis
 
 import mtq
+from mtq.reference.gpt import TinyGPT, generate
 from mtq.workers import control, devices
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
@@ -127,6 +128,10 @@ def test_tinygpt_on_the_device_gives_a_seeded_request_the_same_text_alone_and_in
     assert len(first["tokens"]) == 24 and first["finish_reason"] == "length"
     assert results[-1]["tokens"] == first["tokens"] and results[-1]["text"] == first["text"]
     assert all(len(x["tokens"]) == 30 + 4 * k for k, x in enumerate(results[:-1]))
+    # float64 logits, sampled on the host from the request's seed: the device does not
+    # change the text either
+    (on_cpu,) = generate(TinyGPT(), [probe])
+    assert on_cpu["tokens"] == first["tokens"], (on_cpu["text"], first["text"])
 
 
 def test_minilm_on_the_device_embeds_as_on_the_cpu(
