@@ -53,9 +53,9 @@ from typing import Any
 import redis
 
 import mtq
-from benchmarks.batching import Proc, drain, live_workers, pct, sentences, wait_for, worker_env
+from benchmarks.batching import Proc, drain, pct, sentences, wait_for, worker_env
 from benchmarks.broker import Server, console, median, uniq
-from benchmarks.streaming import mixed_payloads
+from benchmarks.streaming import mixed_payloads, wait_ready, worker_entry
 from mtq.workers import control
 
 PROMPT = "Hello, world"
@@ -197,6 +197,16 @@ def direct_rate(model: Any, payloads: list[Any], batch: int, reps: int, device: 
     return median(rates)
 
 
+def param_dtype(model: Any) -> str:
+    """The dtype of an embedder's weights: MiniLM's encoder (transformers loads the
+    float16 wheel of scripts/gpu-wheels as float16) or the reference embedder's module."""
+    for net in (getattr(getattr(model, "encoder", None), "model", None),
+                getattr(model, "module", None)):
+        if net is not None:
+            return str(next(net.parameters()).dtype).removeprefix("torch.")
+    return "?"
+
+
 def bench_batching(server: Server, r: redis.Redis, device: str, s: Sizes, rep: Report,
                    limit: Deadline) -> None:
     from mtq.workers import devices
@@ -208,8 +218,7 @@ def bench_batching(server: Server, r: redis.Redis, device: str, s: Sizes, rep: R
         limit.check(label)
         model = load_model(spec)
         model.setup(devices.torch_device(device))
-        dtype = next((str(p.dtype) for m in vars(model).values()
-                      for p in getattr(getattr(m, "model", m), "parameters", list)()), "?")
+        dtype = param_dtype(model)
         for batch in (1, 32, 64):
             limit.check(f"{label} at batch {batch}")
             payloads = texts[:s.embed_n1] if batch == 1 else texts
@@ -311,28 +320,6 @@ def gpt_payloads(n: int, tokens: int) -> list[dict[str, Any]]:
 def start_worker(server: Server, spec: str, queue: str, device: str) -> Proc:
     return Proc(["-v", "worker", "run", spec, "--queue", queue, "--redis", server.url,
                  "--device", device], worker_env(server))
-
-
-def wait_ready(r: redis.Redis, procs: Sequence[tuple[Proc, str]], timeout: float = 120) -> None:
-    for p, q in procs:
-        wait_for(f"a worker on {q}", lambda q=q: bool(live_workers(r, q)),  # type: ignore[misc]
-                 timeout, [p])
-
-
-def worker_entry(r: redis.Redis, queue: str, proc: Proc, *, after: float | None = None
-                 ) -> dict[str, Any]:
-    """The worker's registry entry, from a heartbeat written after ``after`` (now)."""
-    after = time.time() if after is None else after
-    got: dict[str, Any] = {}
-
-    def fresh() -> bool:
-        ws = live_workers(r, queue)
-        if ws and float(ws[0].get("beat", 0)) > after:
-            got.update(ws[0])
-        return bool(got)
-
-    wait_for("a fresh worker heartbeat", fresh, 15, [proc], every=0.1)
-    return got
 
 
 def mixed_stats(streams: list[Stream], payloads: list[dict[str, Any]]) -> dict[str, float]:
