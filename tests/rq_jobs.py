@@ -146,3 +146,31 @@ def rendezvous(key: str, n: int) -> str:
         time.sleep(0.01)
     job = get_current_job()
     return job.worker_name if job else "?"
+
+
+def fail_counting(key: str) -> None:
+    """Counts its attempts in ``key``, and fails each."""
+    n = _r().incr(key)
+    raise RuntimeError(f"attempt {n} fails")
+
+
+def retry_later(key: str, interval: int) -> object:
+    """Returns ``Retry(max=1, interval=interval)`` the first time it runs for ``key``."""
+    if _r().incr(key) == 1:
+        return Retry(max=1, interval=interval)
+    return "retried"
+
+
+def always_retry() -> object:
+    """Asks for one retry, every time: its second attempt exhausts it."""
+    return Retry(max=1)
+
+
+def until_flag(key: str) -> str:
+    """Waits (10 s at most) until ``key`` exists in Redis, then returns "done"."""
+    deadline = time.monotonic() + 10
+    while not _r().exists(key):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{key} was never set")
+        time.sleep(0.01)
+    return "done"

@@ -7,13 +7,16 @@ loop.
 
 from __future__ import annotations
 
+import calendar
 import threading
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import redis
 from rq.executions import Execution
 from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
+from rq.registry import ScheduledJobRegistry
 from rq.results import Result
 from rq.utils import now
 
@@ -29,8 +32,8 @@ else:
 class Prepared:
     """A claimed job on its way: its lease, its queue, its Execution."""
 
-    __slots__ = ("cap", "deliveries", "dependents", "execution", "job", "outcome", "owner",
-                 "queue")
+    __slots__ = ("cap", "counters", "deliveries", "dependents", "execution", "job", "outcome",
+                 "owner", "queue")
 
     def __init__(self, job: Job, owner: str, queue: Queue, deliveries: int = 0,
                  cap: int = 0) -> None:
@@ -43,6 +46,23 @@ class Prepared:
         self.outcome: Outcome | None = None
         #: how many jobs depend on it (read under WATCH before the commit)
         self.dependents = 0
+        #: (retries_left, number_of_retries) as claimed: RQ's retry bookkeeping changes
+        #: them in memory, and a commit that must be tried again starts from these
+        self.counters = (job.retries_left, job.number_of_retries)
+
+
+def _schedule(job: Job, queue: Queue, interval: float, pipe: Any) -> None:
+    """Schedule a retry ``interval`` s from now, every write in ``pipe`` (RQ's
+    ``Queue.schedule_job`` writes the ScheduledJobRegistry entry, and ``Job.retry`` and
+    ``Job._handle_retry_result`` the status, straight to Redis: inside the commit's
+    transaction that would touch the WATCHed job hash, abort the EXEC and leave the job
+    scheduled with its retry uncounted, and it would schedule a job this worker may
+    have lost). The same keys and values as RQ's."""
+    when = now() + timedelta(seconds=interval)
+    pipe.sadd(queue.redis_queues_keys, queue.key)
+    queue._persist_job(job, pipe, status=JobStatus.SCHEDULED)
+    pipe.zadd(ScheduledJobRegistry(queue=queue).key,
+              {job.id: calendar.timegm(when.utctimetuple())})
 
 
 class Finishing(_Base):
@@ -59,6 +79,7 @@ class Finishing(_Base):
         handle_job_failure / handle_job_retry, with a per-job Execution), into ``pipe``."""
         job, outcome, queue, ex = p.job, p.outcome, p.queue, p.execution
         assert outcome is not None
+        job.retries_left, job.number_of_retries = p.counters  # as claimed: see Prepared
         ex_id = ex.id if ex else None
         ex_started = ex.created_at if ex else None
         ended = outcome.ended_at or now()
@@ -85,18 +106,54 @@ class Finishing(_Base):
                     job, job.failure_ttl, return_value=retry, worker_name=self.name,
                     pipeline=pipe, execution_id=ex_id or "",
                     execution_started_at=ex_started or ended, execution_ended_at=ended)
+            else:  # Job._handle_retry_result, with its writes in the transaction
+                Result.create_retried(job, job.failure_ttl, return_value=retry,
+                                      worker_name=self.name, pipeline=pipe,
+                                      execution_id=ex_id or "",
+                                      execution_started_at=ex_started or ended,
+                                      execution_ended_at=ended)
+                interval = Retry.get_interval(job.number_of_retries or 0, retry.intervals)
+                job.number_of_retries = (job.number_of_retries or 0) + 1
+                if interval:
+                    _schedule(job, queue, interval, pipe)
+                else:
+                    queue._enqueue_job(job, pipeline=pipe)
+        elif job.should_retry:  # Job.retry, with its writes in the transaction
+            interval = job.get_retry_interval()
+            job.retries_left = (job.retries_left or 0) - 1
+            if interval:
+                _schedule(job, queue, interval, pipe)
             else:
-                job._handle_retry_result(queue=queue, pipeline=pipe, retry=retry,
-                                         worker_name=self.name, execution_id=ex_id or "",
-                                         execution_started_at=ex_started or ended,
-                                         execution_ended_at=ended)
-        elif job.should_retry:
-            job.retry(queue, pipe)
+                queue._enqueue_job(job, pipeline=pipe, at_front=job.enqueue_at_front_on_retry)
         else:
             job.set_status(JobStatus.FAILED, pipeline=pipe)
-            job._handle_failure(outcome.exc_string, pipeline=pipe, worker_name=self.name,
-                                execution_id=ex_id, execution_started_at=ex_started,
-                                execution_ended_at=ended)
+            if not self.disable_default_exception_handler:  # RQ's FailedJobRegistry entry
+                job._handle_failure(outcome.exc_string, pipeline=pipe, worker_name=self.name,
+                                    execution_id=ex_id, execution_started_at=ex_started,
+                                    execution_ended_at=ended)
+        if ex is not None:
+            ex.delete(job=job, pipeline=pipe)
+
+    def _cancelled(self, p: Prepared, pipe: Any) -> None:
+        """The end of a job cancelled while it ran (``job.cancel()``, ``rq cancel``): its
+        result is stored, as RQ's worker stores it, but the job keeps the canceled
+        status and its place in the CanceledJobRegistry, is neither retried nor counted
+        as finished or failed, and its dependents stay deferred (RQ's worker also marks
+        it finished and adds it to the FinishedJobRegistry: docs/rq.md)."""
+        job, outcome, ex = p.job, p.outcome, p.execution
+        assert outcome is not None
+        ended = outcome.ended_at or now()
+        ex_id, ex_started = (ex.id, ex.created_at) if ex else (None, None)
+        if outcome.kind == "ok":
+            ttl = job.get_result_ttl(self.default_result_ttl)
+            if ttl != 0:
+                Result.create(job, Result.Type.SUCCESSFUL, return_value=outcome.value, ttl=ttl,
+                              worker_name=self.name, pipeline=pipe, execution_id=ex_id,
+                              execution_started_at=ex_started, execution_ended_at=ended)
+        elif outcome.kind == "fail":  # a returned Retry: not retried, nothing to store
+            Result.create_failure(job, job.failure_ttl, exc_string=outcome.exc_string or "",
+                                  worker_name=self.name, pipeline=pipe, execution_id=ex_id,
+                                  execution_started_at=ex_started, execution_ended_at=ended)
         if ex is not None:
             ex.delete(job=job, pipeline=pipe)
 
@@ -131,15 +188,19 @@ class Finishing(_Base):
             self.total_working_time += working
             pipe.hincrbyfloat(self.key, "total_working_time", working)
 
-    def _terminal(self, p: Prepared) -> bool:
-        """Whether this outcome ends the job (then its dependents may be enqueued)."""
+    @staticmethod
+    def _terminal(p: Prepared) -> bool:
+        """Whether this outcome ends the job (then its dependents may be enqueued, and
+        the ``failed`` webhook fires), judged on its retry counters as claimed (the
+        bookkeeping changes them in memory)."""
         o = p.outcome
         assert o is not None
+        retries_left, retries = p.counters
         if o.kind == "ok":
             return True
         if o.kind == "retry":
-            return bool(p.job.number_of_retries and p.job.number_of_retries >= o.value.max)
-        return not p.job.should_retry
+            return bool(retries and retries >= o.value.max)
+        return not retries_left
 
     def _finish(self, batch: list[Prepared]) -> None:
         """Commit the batch's outcomes in one transaction, for the jobs still ours."""
@@ -177,11 +238,14 @@ class Finishing(_Base):
         mine: list[Prepared] = []
         later: list[Prepared] = []
         lost: list[Prepared] = []
+        cancelled: list[Prepared] = []
         parent: Prepared | None = None  # at most one job with dependents per transaction
         for p in batch:
             owner, status, deps = states[p.job.id]
             p.dependents = deps
-            if owner != p.owner or status not in ("started", "queued"):
+            if owner == p.owner and status == JobStatus.CANCELED:
+                cancelled.append(p)  # cancelled while it ran: still ours to end
+            elif owner != p.owner or status not in ("started", "queued"):
                 lost.append(p)
             elif deps and self._terminal(p):
                 if parent is None:
@@ -207,6 +271,11 @@ class Finishing(_Base):
             ended.setdefault(p.queue.name, []).append(p.job.id)
             if p.deliveries:
                 pipe.hdel(leases.deliveries_key(p.queue.name), p.job.id)
+        for p in cancelled:
+            self._cancelled(p, pipe)
+            ended.setdefault(p.queue.name, []).append(p.job.id)
+            if p.deliveries:
+                pipe.hdel(leases.deliveries_key(p.queue.name), p.job.id)
         for qname, ids in ended.items():  # the leases, one command per queue
             pipe.hdel(leases.owner_key(qname), *ids)
             pipe.zrem(leases.leases_key(qname), *ids)
@@ -216,6 +285,9 @@ class Finishing(_Base):
         if idle:  # no later batch started meanwhile (commits run beside the loop)
             self.set_current_job_id(None, pipeline=pipe)
         pipe.execute()
+        for p in cancelled:
+            self.log.info("Worker %s: job %s was cancelled while it ran; its result is "
+                          "stored, its status stays canceled", self.name, p.job.id)
         for p in lost:
             self.log.warning("Worker %s: job %s was given back while this worker held it "
                              "(a stall past its lease); its outcome here is dropped",

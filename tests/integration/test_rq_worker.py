@@ -447,3 +447,16 @@ def test_django_rq_app_enqueues_and_mtq_rq_worker_runs_it(qname, redis_url, env,
     got = shell(f"import django_rq, json; j = django_rq.get_queue({qname!r}).fetch_job("
                 f"{job_id!r}); print(json.dumps([j.get_status(), j.return_value()]))")
     assert json.loads(got) == ["finished", {"words": 3, "django_rq": True}], got
+
+
+def test_retries_with_an_interval_run_out_under_the_cli_scheduler(
+        q: Queue, client: redis.Redis, redis_url: str, env: dict, procs: list) -> None:
+    # the retries go through the worker's scheduler, as under rq worker --with-scheduler
+    key = "attempts-" + uuid.uuid4().hex
+    job = q.enqueue(J.fail_counting, key, retry=Retry(max=2, interval=1))
+    start(procs, env, redis_url, q.name, "--with-scheduler")
+    wait_for(lambda: fetch(client, job).get_status() == JobStatus.FAILED, 40,
+             f"the job never failed for good: {fetch(client, job).get_status()}, "
+             f"{client.get(key)} attempts")
+    assert client.get(key) == b"3"  # the first run and two retries, as under rq worker
+    assert fetch(client, job).retries_left == 0
