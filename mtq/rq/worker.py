@@ -36,6 +36,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
@@ -113,6 +114,7 @@ class BatchWorker(Finishing, SimpleWorker):
              max_jobs: int | None = None, with_scheduler: bool = False, **_: Any) -> bool:
         """Serve until stopped (SIGTERM/SIGINT: finish the running batch, give back the
         rest), or, with ``burst``, until the queues are empty. Returns whether any job ran."""
+        self._beat_stop.clear()  # work() may be called again on the same worker (RQ's may)
         self.bootstrap(logging_level)
         if with_scheduler:
             self._start_scheduler(burst, logging_level)
@@ -123,7 +125,10 @@ class BatchWorker(Finishing, SimpleWorker):
         done = 0
         try:
             while not self._stop_requested:
-                self.check_for_suspension(burst)
+                try:
+                    self.check_for_suspension(burst)
+                except StopRequested:  # `rq suspend` in burst mode: exit, as RQ's worker does
+                    break
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()
                 batch = self._claim(block=not burst)

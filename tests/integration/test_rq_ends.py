@@ -24,6 +24,7 @@ from rq.job import Job, JobStatus
 from rq.registry import CanceledJobRegistry, FailedJobRegistry, ScheduledJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
+from rq.suspension import resume, suspend
 from rq.webhook import Webhook
 
 from mtq.rq import leases
@@ -193,3 +194,18 @@ def test_disable_default_exception_handler_keeps_a_failed_job_out_of_the_registr
     assert j.get_status() == JobStatus.FAILED  # as under rq worker, whichever
     assert (job.id in FailedJobRegistry(queue=q).get_job_ids()) is not disabled
     assert (j.latest_result() is None) is disabled
+
+
+# -- rq suspend --------------------------------------------------------------------------
+def test_a_burst_under_rq_suspend_runs_nothing_and_returns_then_runs_after_resume(
+        q: Queue, client: redis.Redis) -> None:
+    job = q.enqueue(J.add, 2, 3)
+    w = BatchWorker([q], connection=client, name="w-" + uuid.uuid4().hex[:8])
+    suspend(client)
+    try:
+        assert w.work(burst=True) is False
+        assert q.count == 1 and fetch(q, job).get_status() == JobStatus.QUEUED
+    finally:
+        resume(client)
+    assert w.work(burst=True) is True  # the same worker, again, as RQ's tests do
+    assert q.count == 0 and fetch(q, job).return_value() == 5

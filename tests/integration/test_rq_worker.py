@@ -460,3 +460,17 @@ def test_retries_with_an_interval_run_out_under_the_cli_scheduler(
              f"{client.get(key)} attempts")
     assert client.get(key) == b"3"  # the first run and two retries, as under rq worker
     assert fetch(client, job).retries_left == 0
+
+
+def test_a_burst_under_rq_suspend_exits_at_once_and_leaves_the_jobs(
+        q, client, redis_url, env, procs):
+    from rq.suspension import resume, suspend
+
+    job = q.enqueue(J.add, 2, 3)
+    suspend(client)
+    try:
+        out = burst(procs, env, redis_url, q.name, timeout=30)  # exit 0, asserted there
+    finally:
+        resume(client)
+    assert "suspended in burst mode" in out and "died" not in out, out
+    assert q.count == 1 and fetch(client, job).get_status() == JobStatus.QUEUED
