@@ -174,3 +174,11 @@ def until_flag(key: str) -> str:
             raise TimeoutError(f"{key} was never set")
         time.sleep(0.01)
     return "done"
+
+
+def term_self() -> str:
+    """Sends SIGTERM to its own process (a warm stop asked while it runs)."""
+    import signal
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    return "stopping"

@@ -22,7 +22,9 @@ A heartbeat thread extends the leases of the jobs held, RQ's worker and executio
 heartbeats, and gives back jobs whose lease expired (a frozen or killed worker).
 N adapts: as many jobs as take about ``target_batch_ms`` to run (at least 1), so
 slow jobs are claimed one at a time and spread over the workers, fast ones in
-batches (fewer Redis round trips per job).
+batches (fewer Redis round trips per job). Until it has timed a job, a worker claims
+one: it cannot know yet whether the jobs behind the first are slow, and another
+worker may be idle. ``max_jobs`` is exact: a claim takes no more than are left.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis
+from rq.defaults import DEFAULT_LOGGING_DATE_FORMAT, DEFAULT_LOGGING_FORMAT
 from rq.exceptions import StopRequested
 from rq.executions import Execution
 from rq.job import Job, JobStatus, Retry
@@ -43,7 +46,7 @@ from rq.queue import Queue
 from rq.serializers import JSONSerializer
 from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
 from rq.utils import now
-from rq.worker import SimpleWorker, WorkerStatus
+from rq.worker import DequeueStrategy, SimpleWorker, WorkerStatus
 
 from mtq.rq import leases
 from mtq.rq.committer import Committer
@@ -81,12 +84,15 @@ class BatchWorker(Finishing, SimpleWorker):
     arguments plus ``accept_pickle``, ``lease_ms``, ``device``, ``target_batch_ms``, and
     ``link`` (a :class:`mtq.rq.faults.ChildLink` to the supervisor, or None)."""
 
-    def __init__(self, queues: Any, *, accept_pickle: bool = False, lease_ms: int = LEASE_MS,
-                 device: str = "cpu", target_batch_ms: float = 20.0, max_claim: int = MAX_CLAIM,
+    def __init__(self, queues: Any, name: str | None = None, *args: Any,
+                 accept_pickle: bool = False, lease_ms: int = LEASE_MS, device: str = "cpu",
+                 target_batch_ms: float = 20.0, max_claim: int = MAX_CLAIM,
                  link: ChildLink | None = None, **kwargs: Any) -> None:
-        kwargs.setdefault("serializer", JSONSerializer)
+        # RQ's positional arguments too (Worker.find_by_key, Worker.all build workers so)
+        if kwargs.get("serializer") is None:
+            kwargs["serializer"] = JSONSerializer
         memoize_serializer_resolution()
-        super().__init__(queues, **kwargs)
+        super().__init__(queues, name, *args, **kwargs)
         self.accept_pickle = accept_pickle
         self.lease_ms = int(lease_ms)
         self.resolver = Resolver(device)
@@ -100,7 +106,7 @@ class BatchWorker(Finishing, SimpleWorker):
         self._lost: set[str] = set()
         self._lock = threading.Lock()
         self._valid_until = 0.0  # monotonic: the leases held are live until then
-        self._avg_job_s = 0.001
+        self._avg_job_s: float | None = None  # seconds a job takes; None: none timed yet
         self._beat_stop = threading.Event()
         self._signals = 0
         self._idle = False
@@ -110,12 +116,22 @@ class BatchWorker(Finishing, SimpleWorker):
         self.batch_sizes: list[int] = []
 
     # -- the loop ----------------------------------------------------------------
-    def work(self, burst: bool = False, logging_level: str | None = "INFO",  # type: ignore[override]
-             max_jobs: int | None = None, with_scheduler: bool = False, **_: Any) -> bool:
+    def work(self, burst: bool = False, logging_level: str | None = "INFO",
+             date_format: str = DEFAULT_LOGGING_DATE_FORMAT,
+             log_format: str = DEFAULT_LOGGING_FORMAT, max_jobs: int | None = None,
+             max_idle_time: int | None = None, with_scheduler: bool = False,
+             dequeue_strategy: DequeueStrategy = DequeueStrategy.DEFAULT) -> bool:
         """Serve until stopped (SIGTERM/SIGINT: finish the running batch, give back the
-        rest), or, with ``burst``, until the queues are empty. Returns whether any job ran."""
+        rest), or, with ``burst``, until the queues are empty, or after ``max_jobs`` jobs,
+        or once idle for ``max_idle_time`` s. ``dequeue_strategy``: ``default`` (the
+        queues in order), ``round_robin`` (one job from each in turn) or ``random``, as
+        RQ's worker. Returns whether any job ran."""
+        if dequeue_strategy not in ("default", "random", "round_robin"):
+            raise ValueError(f"dequeue strategy {dequeue_strategy!r} is not allowed: use "
+                             "default, random or round_robin")
+        self._dequeue_strategy = DequeueStrategy(dequeue_strategy)
         self._beat_stop.clear()  # work() may be called again on the same worker (RQ's may)
-        self.bootstrap(logging_level)
+        self.bootstrap(logging_level, date_format, log_format)
         if with_scheduler:
             self._start_scheduler(burst, logging_level)
         self._install_signal_handlers()
@@ -123,6 +139,7 @@ class BatchWorker(Finishing, SimpleWorker):
         beat.start()
         self._committer = Committer(self._finish)
         done = 0
+        idle_since = time.monotonic()
         try:
             while not self._stop_requested:
                 try:
@@ -131,18 +148,28 @@ class BatchWorker(Finishing, SimpleWorker):
                     break
                 if self.should_run_maintenance_tasks:
                     self.run_maintenance_tasks()
-                batch = self._claim(block=not burst)
+                left = None if max_jobs is None else max_jobs - done
+                wait = None
+                if max_idle_time is not None:
+                    wait = max(0.0, max_idle_time - (time.monotonic() - idle_since))
+                batch = self._claim(block=not burst, limit=left, wait=wait)
                 if not batch and burst and self._committer is not None:
                     # a commit still running may enqueue dependents (or retries)
                     self._committer.drain()
-                    batch = self._claim(block=False)
+                    batch = self._claim(block=False, limit=left)
                 if not batch:
                     if burst:
                         self.log.info("Worker %s: done, quitting", self.name)
                         break
+                    if (max_idle_time is not None
+                            and time.monotonic() - idle_since >= max_idle_time):
+                        self.log.info("Worker %s: idle for %d seconds, quitting", self.name,
+                                      max_idle_time)
+                        break
                     continue
                 for part in self._isolate_suspects(batch):
                     done += self._run_batch(part)
+                idle_since = time.monotonic()
                 if max_jobs is not None and done >= max_jobs:
                     self.log.info("Worker %s: finished executing %d jobs, quitting",
                                   self.name, done)
@@ -170,7 +197,7 @@ class BatchWorker(Finishing, SimpleWorker):
             self._signals += 1
             if self._signals > 1:
                 os._exit(130)  # cold: the supervisor or the reaper gives the jobs back
-            self._stop_requested = True
+            self._warm_stop()
             self.log.info("Worker %s: warm shutdown requested", self.name)
             if self._idle:  # blocked on an empty queue: holds no job, stop at once
                 self._idle = False
@@ -181,21 +208,54 @@ class BatchWorker(Finishing, SimpleWorker):
 
     def request_stop(self, signum: Any = None, frame: Any = None) -> None:
         """RQ's 'rq shutdown' command (and the signals): stop after the running batch."""
+        self._warm_stop()
+
+    def _warm_stop(self) -> None:
+        """Stop after the running batch; a busy worker records when that was asked in
+        its RQ hash (``shutdown_requested_date``), as RQ's worker does."""
+        self._shutdown_requested_date = now()
         self._stop_requested = True
+        if not self._idle:
+            try:
+                self.set_shutdown_requested_date()
+            except redis.RedisError:
+                self.log.warning("Worker %s: could not record the shutdown request", self.name)
 
     # -- claiming ----------------------------------------------------------------
-    def _claim_size(self) -> int:
-        n = int(self.target_batch_ms / 1000 / max(self._avg_job_s, 1e-6))
-        return max(1, min(self.max_claim, n))
+    def _claim_size(self, limit: int | None = None) -> int:
+        """How many jobs to claim: about ``target_batch_ms`` of them once a job was
+        timed, one before; never more than ``limit`` (what max_jobs leaves)."""
+        if self._avg_job_s is None:
+            n = 1
+        else:
+            n = int(self.target_batch_ms / 1000 / max(self._avg_job_s, 1e-6))
+        n = max(1, min(self.max_claim, n))
+        return n if limit is None else max(0, min(n, limit))
 
     def _claim_from(self, want: int) -> list[tuple[str, str, Queue]]:
         got: list[tuple[str, str, Queue]] = []
-        for q in self._ordered_queues:
-            if len(got) >= want:
-                break
-            for job_id, owner in leases.claim(self.scripts, q.name, self.name,
-                                              want - len(got), self.lease_ms):
-                got.append((job_id, owner, q))
+        if self._dequeue_strategy == DequeueStrategy.ROUND_ROBIN:
+            # one job from each queue in turn, as RQ's worker takes them
+            while len(got) < want:
+                before = len(got)
+                for q in list(self._ordered_queues):
+                    if len(got) >= want:
+                        break
+                    for job_id, owner in leases.claim(self.scripts, q.name, self.name, 1,
+                                                      self.lease_ms):
+                        got.append((job_id, owner, q))
+                        self.reorder_queues(reference_queue=q)
+                if len(got) == before:
+                    break
+        else:
+            if self._dequeue_strategy == DequeueStrategy.RANDOM:
+                self.reorder_queues(reference_queue=self._ordered_queues[0])  # shuffles
+            for q in self._ordered_queues:
+                if len(got) >= want:
+                    break
+                for job_id, owner in leases.claim(self.scripts, q.name, self.name,
+                                                  want - len(got), self.lease_ms):
+                    got.append((job_id, owner, q))
         if got:
             with self._lock:
                 for job_id, owner, q in got:
@@ -212,8 +272,13 @@ class BatchWorker(Finishing, SimpleWorker):
                                     [q.key for q in self._ordered_queues], name=self.name)
         self._waiters.wait(max(0.001, timeout))
 
-    def _claim(self, block: bool) -> list[Prepared]:
-        want = self._claim_size()
+    def _claim(self, block: bool, limit: int | None = None,
+               wait: float | None = None) -> list[Prepared]:
+        """A batch of at most ``limit`` jobs; when there is none and ``block``, wait
+        for one (at most ``wait`` s, and a third of the worker TTL) and try again."""
+        want = self._claim_size(limit)
+        if want <= 0:
+            return []
         got = self._claim_from(want)
         if not got:
             if not block:
@@ -222,14 +287,15 @@ class BatchWorker(Finishing, SimpleWorker):
             self._idle = True
             try:
                 if not self._stop_requested:
-                    self._wait_for_work(max(1, self.worker_ttl // 3))
+                    timeout = max(1, self.worker_ttl // 3)
+                    self._wait_for_work(timeout if wait is None else min(timeout, wait))
             finally:
                 self._idle = False
             got = self._claim_from(want)
             if not got:
                 return []
         batch = self._load(got)
-        self._fill(batch)
+        self._fill(batch, limit)
         return batch
 
     def _load(self, got: Sequence[tuple[str, str, Queue]]) -> list[Prepared]:
@@ -262,9 +328,10 @@ class BatchWorker(Finishing, SimpleWorker):
                 self._held.pop(job_id, None)
         return out
 
-    def _fill(self, batch: list[Prepared]) -> None:
+    def _fill(self, batch: list[Prepared], limit: int | None = None) -> None:
         """If the batch holds jobs of a batched function with room left, claim more for
-        up to its max_wait_ms (mtq's dynamic batching), then stop."""
+        up to its max_wait_ms (mtq's dynamic batching), then stop; ``limit``: at most
+        that many jobs in all."""
         from mtq.rq.batched import batched_spec
         from mtq.rq.jobs import is_model_class
 
@@ -282,6 +349,8 @@ class BatchWorker(Finishing, SimpleWorker):
             elif is_model_class(f):
                 size = max(size, int(getattr(f, "max_batch_size", 32)))
                 wait_ms = max(wait_ms, float(getattr(f, "max_wait_ms", 5.0)))
+        if limit is not None:
+            size = min(size, limit)
         if not size:
             return
         deadline = time.monotonic() + wait_ms / 1000
@@ -389,7 +458,8 @@ class BatchWorker(Finishing, SimpleWorker):
             ran += len(unit.jobs)
         if ran:
             per_job = (time.monotonic() - t0) / ran
-            self._avg_job_s = 0.7 * self._avg_job_s + 0.3 * per_job
+            self._avg_job_s = (per_job if self._avg_job_s is None
+                               else 0.7 * self._avg_job_s + 0.3 * per_job)
         finished = [p for p in batch if p.outcome is not None]
         if self._committer is not None:
             self._committer.put(finished)

@@ -10,6 +10,7 @@ import http.server
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -209,3 +210,84 @@ def test_a_burst_under_rq_suspend_runs_nothing_and_returns_then_runs_after_resum
         resume(client)
     assert w.work(burst=True) is True  # the same worker, again, as RQ's tests do
     assert q.count == 0 and fetch(q, job).return_value() == 5
+
+
+# -- RQ's work() arguments and worker bookkeeping -------------------------------------------
+def worker(q: Queue, *queues: Queue) -> BatchWorker:
+    return BatchWorker([q, *queues], connection=q.connection, name="w-" + uuid.uuid4().hex[:8])
+
+
+def test_max_jobs_is_exact_even_once_the_worker_claims_in_batches(
+        q: Queue, client: redis.Redis) -> None:
+    key = "ran-" + uuid.uuid4().hex
+    for i in range(10):
+        q.enqueue(J.record, key, f"j{i}")
+    w = worker(q)
+    assert w.work(burst=True, max_jobs=1) is True and client.llen(key) == 1
+    # timed now: fast jobs, so it would claim many at once; max_jobs caps the claim
+    assert w.work(burst=True, max_jobs=3) is True
+    assert client.llen(key) == 4 and q.count == 6 and no_lease(client, q)
+    assert max(w.batch_sizes) <= 3, w.batch_sizes
+
+
+def test_max_idle_time_returns_once_idle_that_long(q: Queue, client: redis.Redis) -> None:
+    key = "ran-" + uuid.uuid4().hex
+    q.enqueue(J.record, key, "a")
+    w = worker(q)
+    t0 = time.monotonic()
+    assert w.work(max_idle_time=1) is True  # runs the job, then idles 1 s and returns
+    assert 1 <= time.monotonic() - t0 < 8 and client.llen(key) == 1
+    t0 = time.monotonic()
+    assert w.work(max_idle_time=1) is False
+    assert 1 <= time.monotonic() - t0 < 8
+
+
+def test_dequeue_strategies_take_the_queues_in_rqs_orders(
+        q: Queue, client: redis.Redis, qname: str) -> None:
+    other = Queue(qname + "-b", connection=client, serializer=JSONSerializer)
+    for strategy, want in (("default", ["a", "a", "a", "b", "b", "b"]),
+                           ("round_robin", ["a", "b", "a", "b", "a", "b"])):
+        key = f"order-{strategy}-" + uuid.uuid4().hex
+        for _ in range(3):
+            q.enqueue(J.record, key, "a")
+            other.enqueue(J.record, key, "b")
+        worker(q, other).work(burst=True, dequeue_strategy=strategy)  # type: ignore[arg-type]
+        got = [x.decode().split(":")[0] for x in client.lrange(key, 0, -1)]
+        assert got == want, (strategy, got)
+    key = "order-random-" + uuid.uuid4().hex
+    for _ in range(3):
+        q.enqueue(J.record, key, "a")
+        other.enqueue(J.record, key, "b")
+    worker(q, other).work(burst=True, dequeue_strategy="random")  # type: ignore[arg-type]
+    assert client.llen(key) == 6
+    with pytest.raises(ValueError, match="round_robin"):
+        worker(q).work(burst=True, dequeue_strategy="fifo")  # type: ignore[arg-type]
+
+
+def test_rqs_class_methods_rebuild_a_batch_worker_by_its_key(
+        q: Queue, client: redis.Redis) -> None:
+    w = worker(q)
+    w.register_birth()
+    try:
+        found = BatchWorker.find_by_key(w.key, connection=client)
+        assert found is not None and found.name == w.name
+        assert w.name in {x.name for x in BatchWorker.all(connection=client)}
+    finally:
+        w.register_death()
+
+
+def test_a_warm_stop_asked_while_busy_is_recorded_in_the_worker_hash(
+        q: Queue, client: redis.Redis) -> None:
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    q.enqueue(J.term_self)
+    late = q.enqueue(J.add, 1, 1)
+    w = worker(q)
+    try:
+        assert w.work() is True  # not burst: it returns because of the stop
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
+    assert client.hget(w.key, "shutdown_requested_date") is not None
+    assert fetch(q, late).get_status() == JobStatus.QUEUED  # given back, not run

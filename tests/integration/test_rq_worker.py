@@ -474,3 +474,26 @@ def test_a_burst_under_rq_suspend_exits_at_once_and_leaves_the_jobs(
         resume(client)
     assert "suspended in burst mode" in out and "died" not in out, out
     assert q.count == 1 and fetch(client, job).get_status() == JobStatus.QUEUED
+
+
+def test_a_fresh_worker_claims_one_job_so_an_idle_one_takes_the_rest(
+        q, client, redis_url, env, procs):
+    # a worker that has timed no job yet cannot tell that the first is slow: it claims
+    # that one alone, and the jobs behind it go to the next worker
+    flag, key = "flag-" + uuid.uuid4().hex, "fast-" + uuid.uuid4().hex
+    slow = q.enqueue(J.until_flag, flag)
+    fast = [q.enqueue(J.record, key, f"f{i}") for i in range(3)]
+    first = start(procs, env, redis_url, q.name, "--burst", "-n", "first")
+    wait_for(lambda: fetch(client, slow).get_status() == JobStatus.STARTED, 30,
+             "the first worker never started the slow job")
+    second = start(procs, env, redis_url, q.name, "--burst", "-n", "second")
+    try:
+        wait_for(lambda: client.llen(key) == 3, 30,
+                 f"the fast jobs did not run beside the slow one: {q.count} queued")
+        assert {fetch(client, j).worker_name.split(".")[0] for j in fast} == {"second"}
+    finally:
+        client.set(flag, 1)
+    for p in (first, second):
+        out, _ = p.communicate(timeout=40)
+        assert p.returncode == 0, out
+    assert fetch(client, slow).return_value() == "done"
