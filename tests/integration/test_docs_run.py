@@ -117,7 +117,11 @@ def doc_env(tmp: Path, url: str) -> dict[str, str]:
     bin_dir, home = tmp / "bin", tmp / "home"
     bin_dir.mkdir()
     home.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
+    # a script, not a symlink: a venv's python found through a link of a link (a venv
+    # made by `python -m venv`, whose python is itself a link) no longer sees its venv
+    python = bin_dir / "python"
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    python.chmod(0o755)
     for tool in ("mtq", *WEB_SERVICES):
         script = bin_dir / tool
         script.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} -m {tool} "$@"\n')
