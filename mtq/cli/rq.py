@@ -3,6 +3,7 @@
 The options follow ``rq worker``'s where they mean the same (``--url/-u``, ``--burst/-b``,
 ``--name/-n``, ``--results-ttl``, ``--worker-ttl``, ``--job-monitoring-interval``,
 ``--logging_level/-l``, ``--quiet/-q``, ``--with-scheduler/-s``, ``--max-jobs``,
+``--max-idle-time``, ``--dequeue-strategy/-ds``, ``--disable-default-exception-handler/-d``,
 ``--serializer``, ``--path/-P``), plus mtq's own (``--devices``, ``--replicas``,
 ``--lease-ms``, ``--max-deliveries``, ``--hang-grace``); see docs/rq.md for what is and
 is not supported.
@@ -38,7 +39,16 @@ def rq_group() -> None:
               help="Worker processes per device.")
 @click.option("--name", "-n", default=None, help="RQ worker name (of the processes' prefix).")
 @click.option("--max-jobs", default=None, type=click.IntRange(1),
-              help="Each worker process exits after about this many jobs (a whole batch).")
+              help="Each worker process exits after this many jobs.")
+@click.option("--max-idle-time", default=None, type=click.IntRange(1), metavar="SECONDS",
+              help="Each worker process exits once it has had no job for this long.")
+@click.option("--dequeue-strategy", "-ds", default="default", show_default=True,
+              type=click.Choice(["default", "round_robin", "random"]),
+              help="default: the queues in the order given; round_robin: one job from each "
+                   "in turn; random: a random order at each claim (as rq worker).")
+@click.option("--disable-default-exception-handler", "-d", is_flag=True,
+              help="A failed job is not put in RQ's FailedJobRegistry (its status is "
+                   "failed all the same), as rq worker -d.")
 @click.option("--serializer", "-S", type=click.Choice(["json", "pickle"]), default="json",
               show_default=True,
               help="json: RQ's JSONSerializer; pickled jobs are refused (to the failed job "
@@ -72,7 +82,9 @@ def rq_group() -> None:
 @click.option("--quiet", "-q", is_flag=True, help="Only warnings and errors.")
 @click.option("--verbose", "-v", is_flag=True, help="Debug logging.")
 def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spec: str,
-              replicas: int, name: str | None, max_jobs: int | None, serializer: str,
+              replicas: int, name: str | None, max_jobs: int | None,
+              max_idle_time: int | None, dequeue_strategy: str,
+              disable_default_exception_handler: bool, serializer: str,
               results_ttl: int | None, worker_ttl: int | None,
               job_monitoring_interval: int | None, lease_ms: int, max_deliveries: int,
               hang_grace_s: float, with_scheduler: bool,
@@ -115,6 +127,8 @@ def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spe
     except ValueError as exc:
         fail(f"bad Redis URL {url!r}: {exc}", USAGE)
     worker: dict[str, object] = {"accept_pickle": serializer == "pickle", "lease_ms": lease_ms}
+    if disable_default_exception_handler:
+        worker["disable_default_exception_handler"] = True
     if results_ttl is not None:
         worker["default_result_ttl"] = results_ttl
     if worker_ttl is not None:
@@ -124,7 +138,8 @@ def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spe
     try:
         sup = RQSupervisor(list(queues), url, devices_spec=devices_spec, replicas=replicas,
                            name=name, burst=burst, max_jobs=max_jobs,
-                           with_scheduler=with_scheduler, log_level=level, worker=worker,
+                           with_scheduler=with_scheduler, max_idle_time=max_idle_time,
+                           dequeue_strategy=dequeue_strategy, log_level=level, worker=worker,
                            max_deliveries=max_deliveries, hang_grace_s=hang_grace_s,
                            on_event=say)
     except MtqError as exc:

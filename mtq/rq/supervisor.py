@@ -84,7 +84,9 @@ def child_main(config: dict[str, Any], conn: Any = None, shared: Any = None) -> 
         log.error("bad worker configuration: %s", exc)
         raise SystemExit(EXIT_CONFIG) from None
     worker.work(burst=config.get("burst", False), logging_level=config.get("log_level", "INFO"),
-                max_jobs=config.get("max_jobs"), with_scheduler=config.get("with_scheduler", False))
+                max_jobs=config.get("max_jobs"), with_scheduler=config.get("with_scheduler", False),
+                max_idle_time=config.get("max_idle_time"),
+                dequeue_strategy=config.get("dequeue_strategy", "default"))
     raise SystemExit(EXIT_OK)
 
 
@@ -121,6 +123,7 @@ class RQSupervisor:
     def __init__(self, queues: list[str], url: str, *, devices_spec: str = "cpu",
                  replicas: int = 1, name: str | None = None, burst: bool = False,
                  max_jobs: int | None = None, with_scheduler: bool = False,
+                 max_idle_time: int | None = None, dequeue_strategy: str = "default",
                  log_level: str = "INFO", worker: dict[str, Any] | None = None,
                  max_deliveries: int = 3, hang_grace_s: float = 10.0,
                  on_event: Callable[[str], None] | None = None) -> None:
@@ -132,6 +135,11 @@ class RQSupervisor:
         self.burst = burst
         self.max_jobs = max_jobs
         self.with_scheduler = with_scheduler
+        if dequeue_strategy not in ("default", "round_robin", "random"):
+            raise ValueError(f"dequeue strategy {dequeue_strategy!r} is not allowed: use "
+                             "default, round_robin or random")
+        self.max_idle_time = max_idle_time
+        self.dequeue_strategy = dequeue_strategy
         self.log_level = log_level
         self.worker = worker or {}
         if max_deliveries < 1:
@@ -164,7 +172,8 @@ class RQSupervisor:
         config = {"queues": self.queues, "url": self.url, "name": name, "worker": worker,
                   "burst": self.burst, "max_jobs": self.max_jobs, "env": env,
                   "with_scheduler": self.with_scheduler and slot == 0,
-                  "log_level": self.log_level}
+                  "max_idle_time": self.max_idle_time,
+                  "dequeue_strategy": self.dequeue_strategy, "log_level": self.log_level}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)  # a spawned child copies the environment at its start
         ours, theirs = self._ctx.Pipe(duplex=False)

@@ -497,3 +497,20 @@ def test_a_fresh_worker_claims_one_job_so_an_idle_one_takes_the_rest(
         out, _ = p.communicate(timeout=40)
         assert p.returncode == 0, out
     assert fetch(client, slow).return_value() == "done"
+
+
+def test_rq_worker_options_max_idle_time_dequeue_strategy_and_d(
+        q, client, redis_url, env, procs):
+    other = Queue(q.name + "-b", connection=client, serializer=JSONSerializer)
+    key = "order-" + uuid.uuid4().hex
+    for _ in range(2):
+        q.enqueue(J.record, key, "a")
+        other.enqueue(J.record, key, "b")
+    bad = q.enqueue(J.boom, "kaput")
+    p = start(procs, env, redis_url, q.name, other.name, "--max-idle-time", "1",
+              "--dequeue-strategy", "round_robin", "-d")
+    out, _ = p.communicate(timeout=40)  # not --burst: it exits once idle for 1 s
+    assert p.returncode == 0, out
+    assert [x.decode().split(":")[0] for x in client.lrange(key, 0, -1)] == ["a", "b", "a", "b"]
+    assert fetch(client, bad).get_status() == JobStatus.FAILED
+    assert bad.id not in FailedJobRegistry(q.name, connection=client).get_job_ids()
