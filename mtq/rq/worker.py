@@ -197,11 +197,15 @@ class BatchWorker(Finishing, SimpleWorker):
             self._signals += 1
             if self._signals > 1:
                 os._exit(130)  # cold: the supervisor or the reaper gives the jobs back
-            self._warm_stop()
             self.log.info("Worker %s: warm shutdown requested", self.name)
-            if self._idle:  # blocked on an empty queue: holds no job, stop at once
+            if self._idle:  # blocked on an empty queue: holds no job, stop at once (as
+                # RQ's worker, which then returns without setting its stop flag)
                 self._idle = False
+                self._shutdown_requested_date = now()
                 raise _Interrupted()
+            self._warm_stop()
+
+        self._signals = 0
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
