@@ -1,4 +1,5 @@
-.PHONY: install test test-slow test-all lint bench demo gpu-wheels gpu-check gpu-check-dry-run
+.PHONY: install test test-slow test-all test-rq-conformance lint bench demo gpu-wheels gpu-check \
+	gpu-check-dry-run
 
 install:
 	scripts/install-system-deps
@@ -13,6 +14,11 @@ test-slow:
 
 test-all:
 	python -m pytest -q -m ''
+
+# RQ's own test suite with mtq's BatchWorker in place of RQ's workers, against
+# scripts/rq_conformance/expected-failures.txt (needs 127.0.0.1:6379 free; see the script)
+test-rq-conformance:
+	scripts/rq-conformance
 
 lint:
 	ruff check mtq tests benchmarks
