@@ -150,10 +150,11 @@ class Finishing(_Base):
                 Result.create(job, Result.Type.SUCCESSFUL, return_value=outcome.value, ttl=ttl,
                               worker_name=self.name, pipeline=pipe, execution_id=ex_id,
                               execution_started_at=ex_started, execution_ended_at=ended)
-        elif outcome.kind == "fail":  # a returned Retry: not retried, nothing to store
+        elif outcome.kind == "fail":
             Result.create_failure(job, job.failure_ttl, exc_string=outcome.exc_string or "",
                                   worker_name=self.name, pipeline=pipe, execution_id=ex_id,
                                   execution_started_at=ex_started, execution_ended_at=ended)
+        # a returned Retry: the job is not retried, and there is no result to store
         if ex is not None:
             ex.delete(job=job, pipeline=pipe)
 
