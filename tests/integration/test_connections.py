@@ -94,7 +94,8 @@ def test_workers_producers_and_readers_ride_through_client_kills(
             except BaseException as exc:
                 errors.append(exc)
 
-        with Killer(redis_url, 0.3) as killer:
+        # every 0.15 s: this workload takes 2-3 s here, and the test wants 8 rounds at least
+        with Killer(redis_url, 0.15) as killer:
             threads = [threading.Thread(target=produce, args=(k,)) for k in range(producers)]
             for t in threads:
                 t.start()
