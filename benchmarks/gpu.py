@@ -80,7 +80,7 @@ class Sizes:
 
 FULL = Sizes(embed_n=8192, embed_n1=1024, direct_reps=3, tokens=256, start=16, stream_reps=3,
              mixed_n=256, mixed_reps=3,
-             budget_s={"batching": 100, "generation": 100, "memory": 30})
+             budget_s={"batching": 95, "generation": 95, "memory": 30})
 QUICK = Sizes(embed_n=128, embed_n1=32, direct_reps=1, tokens=40, start=8, stream_reps=1,
               mixed_n=64, mixed_reps=1,
               budget_s={"batching": 150, "generation": 150, "memory": 60})

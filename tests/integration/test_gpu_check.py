@@ -151,11 +151,17 @@ def test_a_step_over_its_limit_is_killed_with_its_children_and_the_check_goes_on
     def fails() -> str:
         raise mod.StepFailed("it broke")
 
+    def overruns() -> str:  # a probe's own timeout, say: not a StepFailed
+        raise subprocess.TimeoutExpired("python", 10)
+
     assert check.step("bench", fails) is False
+    assert check.step("environment", overruns) is False
     assert check.step("redis", lambda: "fine") is True
     report = json.loads((tmp_path / "gpu-check.json").read_text())
-    assert [(s["step"], s["ok"], s["detail"]) for s in report["steps"]] == \
-        [("bench", False, "it broke"), ("redis", True, "fine")]
+    assert [(s["step"], s["ok"], s["detail"]) for s in report["steps"]] == [
+        ("bench", False, "it broke"),
+        ("environment", False, "TimeoutExpired: Command 'python' timed out after 10 seconds"),
+        ("redis", True, "fine")]
 
 
 def test_the_gpu_targets_count_their_parameters_and_cache_right(
