@@ -25,6 +25,32 @@ EXT_NDARRAY = 1
 EXT_TENSOR = 2
 
 
+def _tensor_data(obj: Any) -> bytes:
+    """A dense tensor as ``[dtype name, shape, raw bytes]`` (C order, on the host).
+    Raises EncodeError for what has no such form (torch's own errors for these range
+    from RuntimeError to a crash of the process: a quantized tensor's byte view)."""
+    import torch
+
+    t = obj.detach()
+    if t.is_nested:
+        raise EncodeError("nested tensors cannot be encoded; send a list of tensors")
+    if t.layout != torch.strided:
+        raise EncodeError(f"{t.layout} tensors cannot be encoded; send t.to_dense(), or "
+                          "the indices and values as tensors of their own")
+    if t.is_quantized:
+        raise EncodeError("quantized tensors cannot be encoded; send t.dequantize(), or "
+                          "t.int_repr() with its scale and zero point")
+    if t.device.type == "meta":
+        raise EncodeError("a tensor on the meta device holds no data; send a real one")
+    try:
+        t = t.resolve_conj().resolve_neg().contiguous().cpu()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    except (RuntimeError, NotImplementedError, TypeError) as exc:
+        raise EncodeError(f"a {t.dtype} tensor on {t.device} cannot be encoded ({exc}); "
+                          "send a dense tensor of a plain dtype") from exc
+    return msgpack.packb([str(t.dtype).removeprefix("torch."), list(t.shape), raw])
+
+
 def _default(obj: Any) -> Any:
     module = type(obj).__module__
     if module == "numpy":
@@ -44,13 +70,7 @@ def _default(obj: Any) -> Any:
         if isinstance(obj, np.generic):
             return obj.item()
     if module.startswith("torch") and type(obj).__name__ in ("Tensor", "Parameter"):
-        import torch
-
-        t = obj.detach().contiguous().cpu()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-        name = str(t.dtype).removeprefix("torch.")
-        data = msgpack.packb([name, list(t.shape), raw])
-        return msgpack.ExtType(EXT_TENSOR, data)
+        return msgpack.ExtType(EXT_TENSOR, _tensor_data(obj))
     if isinstance(obj, int):
         raise EncodeError(f"integer {obj} is outside the 64-bit range msgpack carries; "
                           "send it as a str")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import warnings
 
 import msgpack
 import pytest
@@ -312,3 +313,39 @@ def test_plain_payloads_do_not_import_torch_or_numpy():
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("make, hint", [
+    (lambda torch: torch.eye(3).to_sparse(), "to_dense"),
+    (lambda torch: torch.eye(3).to_sparse_csr(), "to_dense"),
+    (lambda torch: torch.empty(3, device="meta"), "meta device"),
+    (lambda torch: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "list of tensors"),
+], ids=["sparse-coo", "sparse-csr", "meta", "nested"])
+def test_a_tensor_with_no_dense_bytes_is_an_encode_error(make, hint):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sparse CSR and nested tensors warn: beta, prototype
+        t = make(torch)
+    with pytest.raises(EncodeError, match=hint):
+        serialization.dumps({"x": t})
+
+
+def test_a_quantized_tensor_is_an_encode_error_not_a_crash():
+    # its byte view crashed the process (SIGSEGV): run apart, so a regression fails
+    # this test rather than the whole run
+    code = ("import warnings; warnings.simplefilter('ignore'); import torch\n"
+            "from mtq import serialization\n"
+            "from mtq.errors import EncodeError\n"
+            "t = torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.quint8)\n"
+            "try:\n    serialization.dumps(t)\n"
+            "except EncodeError as e:\n    print('EncodeError:', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    assert out.stdout.startswith("EncodeError:") and "dequantize" in out.stdout, out.stdout
+
+
+def test_conjugate_and_negative_views_encode_their_values():
+    z = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)
+    for t in (z.conj(), z.conj().imag, torch.arange(6.0).reshape(2, 3).T):
+        back = serialization.loads(serialization.dumps(t))
+        assert torch.equal(back, t.resolve_conj().resolve_neg()) and back.dtype == t.dtype
