@@ -291,3 +291,15 @@ class DeviceTensors(mtq.Model):
         return [{"values": torch.arange(int(p["n"]), device=self.device,
                                         dtype=torch.bfloat16) * 2,
                  "device": str(self.block.device)} for p in batch]
+
+
+class SignalBlocker(Probe):
+    """A :class:`Probe` whose ``setup`` blocks SIGTERM and SIGINT in the thread that
+    runs it (the worker's main thread), as a native library loaded there can: the
+    kernel then gives the stop signals to another thread of the process."""
+
+    def setup(self, device: Any) -> None:
+        import signal
+
+        super().setup(device)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})

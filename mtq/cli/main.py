@@ -6,9 +6,7 @@ import importlib
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -218,6 +216,7 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
     plain function). SIGTERM/SIGINT stop it after the running batch; a second
     signal exits at once (its tasks return when their leases expire)."""
     from mtq.workers.control import Listener
+    from mtq.workers.signals import on_stop_signals
     from mtq.workers.target import load_model
     from mtq.workers.worker import Worker
 
@@ -238,17 +237,7 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
         logging.getLogger("mtq.cli").info("setup failed", exc_info=True)
         fail(f"setup of {target} failed: {type(exc).__name__}: {exc} (-v shows the "
              "traceback)", FAILED)
-    signals = 0
-
-    def on_signal(signum: int, _frame: Any) -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            os._exit(130)
-        threading.Thread(target=w.stop, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    on_stop_signals(w.stop)  # the first stops the worker, a second exits (130)
     listener = Listener(w.consumer.redis, w.queue, w.command)
     listener.start()
     if burst:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mtq.workers.signals import on_stop_signals
 from mtq.workers.worker import Monitor
 
 #: exit codes the supervisor reads
@@ -135,10 +136,7 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
     monitor.send("ready", {"timeout_s": worker.policy.timeout_s,
                            "model": "/".join(worker.model.describe())})
 
-    def stop_on_signal(signum: int, frame: Any) -> None:
-        threading.Thread(target=worker.stop, daemon=True).start()
-
-    signal.signal(signal.SIGTERM, stop_on_signal)
+    on_stop_signals(worker.stop, signals=(signal.SIGTERM,), exit_code=None)
     if config.get("standby"):
         # a warm spare: set up, claiming nothing, until the supervisor promotes it in
         # place of a process that died (or stops it)

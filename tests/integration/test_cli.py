@@ -246,6 +246,27 @@ def test_worker_subprocess_serves_and_stops_on_sigterm(redis_url, qname, subproc
         kill_process(proc)
 
 
+def test_an_idle_worker_stops_on_sigterm_when_its_main_thread_blocks_the_signal(
+        redis_url, qname, subprocess_env, tmp_path):
+    # the kernel gives the signal to another thread, and the main thread sleeps in an
+    # untimed wait: the stop must not depend on the main thread receiving it
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log:
+        proc = worker_process(["tests.models:SignalBlocker", "--queue", qname], subprocess_env,
+                              log)
+    try:
+        q = mtq.Queue(qname, redis_url)
+        assert q.submit({"s": "a", "i": 0}).result(timeout=60)["i"] == 0
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"worker did not exit within 15 s of SIGTERM:\n{log_path.read_text()}")
+        assert code == 0 and "worker stopped" in log_path.read_text(), log_path.read_text()
+    finally:
+        kill_process(proc)
+
+
 def test_worker_subprocess_burst_records_failures(redis_url, qname, subprocess_env, tmp_path):
     q = mtq.Queue(qname, redis_url)
     task = q.submit({"n": 1}, retries=0)

@@ -352,6 +352,18 @@ def test_a_hung_predict_is_killed_restarted_and_ends_dead(
 
 
 # -- 4. SIGTERM: graceful drain ------------------------------------------------------
+def test_sigterm_stops_children_whose_main_thread_blocks_the_signal(
+        supervise: StartFn, qname: str, redis_url: str, r: redis.Redis) -> None:
+    # each child's setup blocks SIGTERM in its main thread (as a native library can):
+    # the supervisor's SIGTERM to the child must stop it all the same
+    sup = supervise("tests.models:SignalBlocker", qname, "--replicas", "2")
+    wait_workers(r, qname, 2, sup)
+    assert mtq.Queue(qname, redis_url).submit({"s": "a", "i": 0}).result(timeout=30)["i"] == 0
+    sup.proc.send_signal(signal.SIGTERM)
+    assert sup.wait_exit(20, "after SIGTERM") == 0, sup.output()
+    wait_for(lambda: not sup.group_alive(), 10, "worker processes left after the supervisor")
+
+
 @pytest.mark.slow
 def test_sigterm_finishes_the_running_batch_and_gives_back_the_rest(
         supervise: StartFn, qname: str, redis_url: str, r: redis.Redis,

@@ -1,0 +1,61 @@
+"""Stop signals that reach a worker process whichever of its threads the kernel
+delivers them to.
+
+Python runs a signal handler in the main thread, between two bytecodes. A worker's
+main thread sleeps in an untimed wait while it is idle, and wakes for a signal only
+when the signal is delivered to it. Libraries loaded by a model's ``setup`` can make
+that fail: a native library that blocks SIGTERM in the thread that loads it (the
+main thread) has the kernel give the signal to another thread, and the idle worker
+then never stops (an idle all-MiniLM-L6-v2 worker on an H200 ignored SIGTERM so).
+
+So the process's C-level handler, which runs on whichever thread got the signal,
+writes the signal's number to a socket (``signal.set_wakeup_fd``), and a thread of
+ours reads it and asks the worker to stop. Must be called from the main thread.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterable
+
+__all__ = ["on_stop_signals"]
+
+
+def _noop(_signum: int, _frame: object) -> None:
+    """The Python-level handler: the watcher thread does the work (see the module)."""
+
+
+def on_stop_signals(stop: Callable[[], None], signals: Iterable[int] = (signal.SIGTERM,
+                                                                        signal.SIGINT),
+                    exit_code: int | None = 130) -> None:
+    """On the first of ``signals``, call ``stop`` in a thread of its own; on a second
+    one, ``os._exit(exit_code)`` (None: call ``stop`` again; it must be idempotent)."""
+    wanted = {int(s) for s in signals}
+    reader, writer = socket.socketpair()
+    writer.setblocking(False)  # a full buffer drops a byte rather than block the handler
+    signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    for s in wanted:
+        signal.signal(s, _noop)
+
+    def watch() -> None:
+        seen = 0
+        while True:
+            data = reader.recv(64)
+            if not data:
+                return
+            for signum in data:
+                if signum not in wanted:
+                    continue
+                seen += 1
+                if seen > 1 and exit_code is not None:
+                    os._exit(exit_code)
+                threading.Thread(target=stop, name="mtq-stop", daemon=True).start()
+
+    # the sockets live as long as the process: the thread holds the reader, and the
+    # writer is kept on the thread object (the wakeup fd must stay open)
+    thread = threading.Thread(target=watch, name="mtq-signals", daemon=True)
+    thread.writer = writer  # type: ignore[attr-defined]
+    thread.start()
