@@ -78,9 +78,11 @@ class Sizes:
     budget_s: dict[str, float] = field(default_factory=dict)  # a section's time limit
 
 
-FULL = Sizes(embed_n=8192, embed_n1=1024, direct_reps=3, tokens=256, start=16, stream_reps=3,
+# sized from the first H200 run: a worker takes 10-15 s to start there (CUDA, the
+# model), and MiniLM's batch-1 call about 5 ms
+FULL = Sizes(embed_n=4096, embed_n1=256, direct_reps=2, tokens=256, start=16, stream_reps=3,
              mixed_n=256, mixed_reps=3,
-             budget_s={"batching": 95, "generation": 95, "memory": 30})
+             budget_s={"batching": 100, "generation": 95, "memory": 25})
 QUICK = Sizes(embed_n=128, embed_n1=32, direct_reps=1, tokens=40, start=8, stream_reps=1,
               mixed_n=64, mixed_reps=1,
               budget_s={"batching": 150, "generation": 150, "memory": 60})
