@@ -23,6 +23,9 @@ from collections.abc import Callable, Iterable
 
 __all__ = ["on_stop_signals"]
 
+#: the wakeup sockets' write ends, kept open for the process's life
+_open: list[socket.socket] = []
+
 
 def _noop(_signum: int, _frame: object) -> None:
     """The Python-level handler: the watcher thread does the work (see the module)."""
@@ -54,8 +57,5 @@ def on_stop_signals(stop: Callable[[], None], signals: Iterable[int] = (signal.S
                     os._exit(exit_code)
                 threading.Thread(target=stop, name="mtq-stop", daemon=True).start()
 
-    # the sockets live as long as the process: the thread holds the reader, and the
-    # writer is kept on the thread object (the wakeup fd must stay open)
-    thread = threading.Thread(target=watch, name="mtq-signals", daemon=True)
-    thread.writer = writer  # type: ignore[attr-defined]
-    thread.start()
+    _open.append(writer)  # the wakeup fd must stay open as long as the process
+    threading.Thread(target=watch, name="mtq-signals", daemon=True).start()
