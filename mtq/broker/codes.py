@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Literal, overload
 
 from mtq.errors import (
     BrokerError,
@@ -35,6 +36,36 @@ class Code(enum.IntEnum):
 def is_error(value: object) -> bool:
     """True if a script result entry is one of the negative codes."""
     return isinstance(value, int) and value < 0
+
+
+@overload
+def error(code: Literal[Code.QUEUE_FULL], *, queue: str = ..., task_id: str = ...,
+          task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
+          max_length: int = ..., adding: int = ..., detail: str = ...) -> QueueFull: ...
+@overload
+def error(code: Literal[Code.DUPLICATE_ID], *, queue: str = ..., task_id: str = ...,
+          task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
+          max_length: int = ..., adding: int = ..., detail: str = ...) -> DuplicateTask: ...
+@overload
+def error(code: Literal[Code.LEASE_LOST], *, queue: str = ..., task_id: str = ...,
+          task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
+          max_length: int = ..., adding: int = ..., detail: str = ...) -> LeaseLost: ...
+@overload
+def error(code: Literal[Code.NOT_FOUND], *, queue: str = ..., task_id: str = ...,
+          task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
+          max_length: int = ..., adding: int = ..., detail: str = ...) -> TaskNotFound: ...
+@overload
+def error(code: Literal[Code.FINISHED], *, queue: str = ..., task_id: str = ...,
+          task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
+          max_length: int = ..., adding: int = ..., detail: str = ...) -> TaskFinished: ...
+@overload
+def error(code: Literal[Code.BAD_ARGUMENT], *, queue: str = ..., task_id: str = ...,
+          task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
+          max_length: int = ..., adding: int = ..., detail: str = ...) -> InvalidArgument: ...
+@overload
+def error(code: int, *, queue: str = ..., task_id: str = ...,
+          task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
+          max_length: int = ..., adding: int = ..., detail: str = ...) -> MtqError: ...
 
 
 def error(code: int, *, queue: str = "", task_id: str = "", task_ids: Sequence[str] = (),

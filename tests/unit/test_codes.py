@@ -56,7 +56,7 @@ def test_messages_carry_the_context() -> None:
 
     lost = codes.error(Code.LEASE_LOST, task_ids=["x", "y"])
     assert isinstance(lost, LeaseLost) and lost.task_ids == ["x", "y"]
-    assert codes.error(Code.LEASE_LOST, task_id="z").task_ids == ["z"]  # type: ignore[attr-defined]
+    assert codes.error(Code.LEASE_LOST, task_id="z").task_ids == ["z"]
 
     missing = codes.error(Code.NOT_FOUND, queue="embed", task_id="abc")
     assert isinstance(missing, TaskNotFound) and isinstance(missing, LookupError)
@@ -81,6 +81,6 @@ def test_an_unknown_code_raises_a_clear_error(code: int) -> None:
 
 
 def test_new_classes_are_reachable_from_the_package() -> None:
-    assert mtq.TaskFinished is TaskFinished  # type: ignore[attr-defined]
-    assert mtq.InvalidArgument is InvalidArgument  # type: ignore[attr-defined]
+    assert mtq.TaskFinished is TaskFinished
+    assert mtq.InvalidArgument is InvalidArgument
     assert "TaskFinished" not in mtq.__all__ and "InvalidArgument" not in mtq.__all__
