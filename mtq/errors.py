@@ -24,16 +24,16 @@
     ├── LeaseLost                   a worker's lease on a task expired; another owns it
     ├── TargetError                 a worker target (``module:attr``) cannot be loaded
     ├── PermanentError              raised or returned by a model: fail at once, no retry
-    ├── InvalidArgument             a script refused an argument (also a ValueError)
+    ├── InvalidArgument             a script refused an argument; nothing was changed
     ├── TaskFinished                the task had already ended: nothing was changed
-    ├── BatchShapeError             a model returned the wrong number of results (also a ValueError)
+    ├── BatchShapeError             a model returned the wrong number of results
     ├── BatchArityError             an RQ job of a batched function has other than one argument
     ├── JobRefused                  a job the RQ worker will not run (a pickled job)
     └── ResultNotStorable           an RQ job's return value its serializer cannot write
 
-BatchArityError and ResultNotStorable are also TypeErrors. ``mtq.broker.codes.error``
-turns the codes the Lua scripts return into these exceptions (the one place that
-does).
+InvalidArgument and BatchShapeError are also ValueErrors; BatchArityError and
+ResultNotStorable TypeErrors. ``mtq.broker.codes.error`` is the one place that turns
+the codes the Lua scripts return into these exceptions.
 
 Every message says what was wrong and what to do about it.
 """
