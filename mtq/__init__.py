@@ -39,6 +39,9 @@ from mtq.workers.model import Model, Progress
 
 __version__ = "0.1.0"
 
+_MORE_ERRORS = frozenset({"BatchArityError", "BatchShapeError", "InvalidArgument", "JobRefused",
+                          "ResultNotStorable", "TaskFinished"})
+
 
 def __getattr__(name: str) -> object:
     """``mtq.rq`` (``@mtq.rq.batched`` for RQ job modules) without an explicit import;
@@ -47,6 +50,10 @@ def __getattr__(name: str) -> object:
         import importlib
 
         return importlib.import_module("mtq.rq")
+    if name in _MORE_ERRORS:  # in mtq.errors' tree, not in __all__
+        from mtq import errors
+
+        return getattr(errors, name)
     raise AttributeError(f"module 'mtq' has no attribute {name!r}")
 
 __all__ = [

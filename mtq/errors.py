@@ -23,7 +23,17 @@
     ├── ResultTimeout               the task did not finish in time (also a TimeoutError)
     ├── LeaseLost                   a worker's lease on a task expired; another owns it
     ├── TargetError                 a worker target (``module:attr``) cannot be loaded
-    └── PermanentError              raised or returned by a model: fail at once, no retry
+    ├── PermanentError              raised or returned by a model: fail at once, no retry
+    ├── InvalidArgument             a script refused an argument; nothing was changed
+    ├── TaskFinished                the task had already ended: nothing was changed
+    ├── BatchShapeError             a model returned the wrong number of results
+    ├── BatchArityError             an RQ job of a batched function has other than one argument
+    ├── JobRefused                  a job the RQ worker will not run (a pickled job)
+    └── ResultNotStorable           an RQ job's return value its serializer cannot write
+
+InvalidArgument and BatchShapeError are also ValueErrors; BatchArityError and
+ResultNotStorable TypeErrors. ``mtq.broker.codes.error`` is the one place that turns
+the codes the Lua scripts return into these exceptions.
 
 Every message says what was wrong and what to do about it.
 """
@@ -33,11 +43,15 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "BatchArityError",
+    "BatchShapeError",
     "BrokerError",
     "ConfigError",
     "DuplicateTask",
     "EncodeError",
+    "InvalidArgument",
     "InvalidName",
+    "JobRefused",
     "LeaseLost",
     "MtqError",
     "NotDurable",
@@ -49,11 +63,13 @@ __all__ = [
     "RedisAuthError",
     "RedisTLSError",
     "RedisUnavailable",
+    "ResultNotStorable",
     "ResultTimeout",
     "ServerNotFound",
     "TargetError",
     "TaskCancelled",
     "TaskFailed",
+    "TaskFinished",
     "TaskNotFound",
 ]
 
@@ -216,3 +232,34 @@ class PermanentError(MtqError):
     """Raise it from ``predict`` (or put an instance in an item's place) when retrying
     cannot help, e.g. a malformed request: the task fails at once, without retries
     and without going to the dead-letter list."""
+
+
+class InvalidArgument(MtqError, ValueError):
+    """A Lua script refused an argument: an unknown action (a dead-letter action other
+    than retry or purge), or a token index past the next one. Nothing was changed."""
+
+
+class TaskFinished(MtqError):
+    """The task had already reached a terminal state (``status``), so the operation
+    (a cancel) changed nothing."""
+
+    def __init__(self, task_id: str, status: str) -> None:
+        self.task_id, self.status = task_id, status
+        super().__init__(f"task {task_id} already ended {status}; nothing was changed")
+
+
+class BatchShapeError(MtqError, ValueError):
+    """A model's predict (or a generator's prefill or decode) returned the wrong number
+    of results for its batch, or not a list: the batch's tasks fail with it."""
+
+
+class BatchArityError(MtqError, TypeError):
+    """A job of a batched function was enqueued with other than one positional argument."""
+
+
+class JobRefused(MtqError):
+    """A job that the RQ worker will not run (see ``mtq.rq.jobs.PICKLE_REFUSED``)."""
+
+
+class ResultNotStorable(MtqError, TypeError):
+    """A job's return value cannot be written with the job's serializer."""

@@ -30,7 +30,7 @@ import redis
 from mtq.broker.cluster import for_queue, shared
 from mtq.broker.connection import redis_errors, single_attempt
 from mtq.broker.keys import QUEUES, QueueKeys
-from mtq.errors import ConfigError, MtqError
+from mtq.errors import BrokerError, ConfigError
 from mtq.settings import QueueSettings
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class SettingsSource:
                 else:  # a re-read tries once: the settings read before do meanwhile
                     with single_attempt():
                         stored = read(self.client, self.queue)
-            except MtqError:
+            except BrokerError:  # Redis away (read raises nothing else of mtq's)
                 if self._current is None:
                     raise
                 self._read_at = time.monotonic()

@@ -4,7 +4,10 @@ A :class:`Consumer` claims batches, settles them (ack / retry / fail / dead-lett
 / release), extends leases and sleeps on the wake list when there is nothing to
 do. Every operation is one round trip for the whole batch, and
 :meth:`Consumer.settle_and_claim` settles one batch and claims the next in a
-single round trip, which is what the workers' hot loop uses.
+single round trip, which is what the workers' hot loop uses. What to ack, retry,
+dead-letter or fail is decided in :mod:`mtq.broker.outcomes` (which also holds
+:class:`Outcome`, :class:`Chunk` and :class:`SettleReport`, imported here as they
+always were); giving tasks back, in :mod:`mtq.broker.recovery`.
 """
 
 from __future__ import annotations
@@ -14,31 +17,30 @@ import os
 import random
 import socket
 import time
-import traceback
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
-from typing import Any
 
 import redis
 
-from mtq import serialization
+from mtq.broker import recovery
 from mtq.broker.cluster import for_queue
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import Backoff, connect, redis_errors
-from mtq.broker.protocol import (
-    CANCEL,
-    DEAD,
-    FAIL,
-    LOST,
-    RELEASE,
-    REQUEUE,
-    RETRY,
-    Broker,
-    Claimed,
-    ClaimResult,
-    parse_handed,
+from mtq.broker.outcomes import (
+    OUTCOME_COUNTERS,
+    TRACEBACK_MAX,
+    Chunk,
+    Encoded,
+    Outcome,
+    SettleReport,
+    backoff_ms,
+    count,
+    encode,
+    format_traceback,
+    plan,
+    stream_items,
 )
+from mtq.broker.protocol import LOST, Broker, Claimed, ClaimResult, parse_handed
 from mtq.errors import MtqError, RedisUnavailable
 from mtq.settings import QueueSettings
 from mtq.validation import check_queue_name
@@ -59,85 +61,6 @@ def connection_name(worker_id: str) -> str:
     takes no spaces or newlines; host names and worker ids have none)."""
     return "mtq-worker:" + "".join(c if c.isprintable() and not c.isspace() else "_"
                                    for c in worker_id)
-
-
-@dataclass(frozen=True, slots=True)
-class Encoded:
-    """A result or chunk value already encoded with :func:`mtq.serialization.dumps`
-    (by the worker process, before it crossed to its outlet process)."""
-
-    data: bytes
-
-
-def encode(value: Any) -> bytes:
-    """``value`` as stored bytes (an :class:`Encoded` is passed through)."""
-    return value.data if isinstance(value, Encoded) else serialization.dumps(value)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How one claimed task ended in the handler."""
-
-    task: Claimed
-    ok: bool
-    value: Any = None          # the result when ok
-    error: str | None = None   # "Type: message" when not ok
-    retryable: bool = True     # False: fail at once (e.g. an undecodable payload)
-    cancelled: bool = False    # the handler stopped on a cancel request
-    traceback: str | None = None  # where it was raised (bounded: see format_traceback)
-
-
-#: the most of a traceback kept on a task (its end: the frames nearest the error)
-TRACEBACK_MAX = 8000
-
-
-def format_traceback(exc: BaseException) -> str:
-    """``exc``'s traceback as Python prints it, cut to its last TRACEBACK_MAX
-    characters (the frames nearest the error)."""
-    text = "".join(traceback.format_exception(exc)).rstrip("\n")
-    if len(text) > TRACEBACK_MAX:
-        text = "...\n" + text[-TRACEBACK_MAX:].split("\n", 1)[-1]
-    return text
-
-
-def _utf8(text: str) -> str:
-    """``text`` that Redis can take: a lone surrogate (bytes of a file name that were
-    not UTF-8, in an exception's message) written as its escape, not an error that
-    would leave the task unsettled."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-@dataclass(slots=True)
-class Chunk:
-    """A token (or chunk) of a running task, streamed to its client; index -1 is a
-    progress report. (Not frozen: a generator makes one per token, and a frozen
-    dataclass's ``__init__`` costs three times as much.)"""
-
-    task: Claimed
-    index: int
-    value: Any
-
-
-#: the counters a SettleReport and a worker's running totals share
-OUTCOME_COUNTERS = ("succeeded", "retried", "failed", "dead", "cancelled")
-
-
-@dataclass
-class SettleReport:
-    """What a settle call did."""
-
-    succeeded: int = 0
-    retried: int = 0
-    failed: int = 0
-    dead: int = 0
-    cancelled: int = 0
-    #: tasks whose lease had expired: their outcome was discarded (another worker owns them)
-    lost: list[str] = field(default_factory=list)
-    #: running tasks whose tokens were refused (lease lost) or could not be encoded
-    #: (the task was failed): stop generating them
-    stream_lost: list[str] = field(default_factory=list)
-    #: tokens written to the tasks' streams
-    streamed: int = 0
 
 
 class Consumer:
@@ -287,56 +210,11 @@ class Consumer:
 
     # -- settling --------------------------------------------------------------
     def backoff_ms(self, attempts: int) -> int:
-        """Exponential backoff with full jitter over the upper half: attempt n waits
-        between 0.5 and 1 times min(max, base * 2**n)."""
+        """The delay before retry ``attempts`` + 1 (see
+        :func:`mtq.broker.outcomes.backoff_ms`)."""
         s = self.settings
-        ceiling = min(s.retry_backoff_max_ms, s.retry_backoff_ms * (2 ** min(attempts, 30)))
-        return int(ceiling * (0.5 + self._rng.random() / 2))
-
-    def _plan(self, outcomes: Sequence[Outcome]
-              ) -> tuple[list[tuple[str, str, bytes]], list[tuple[str, str, str, str]]]:
-        acks: list[tuple[str, str, bytes]] = []
-        nacks: list[tuple[str, str, str, str]] = []
-        for o in outcomes:
-            t = o.task
-            if o.ok:
-                try:
-                    acks.append((t.id, t.token, encode(o.value)))
-                    continue
-                except Exception as exc:  # PayloadError, or anything a tensor's .cpu() raises
-                    o = Outcome(t, ok=False, error=f"{type(exc).__name__}: {exc}",
-                                retryable=False)
-            if o.cancelled:
-                nacks.append((t.id, t.token, CANCEL, ""))
-                continue
-            error = _utf8((o.error or "error")[:4000]).replace("\0", " ")
-            if o.traceback:  # nack.lua stores what follows a NUL as the traceback
-                error += "\0" + _utf8(o.traceback[-TRACEBACK_MAX - 4:]).replace("\0", " ")
-            allowed = self.settings.max_retries if t.retries is None else t.retries
-            if o.retryable and t.attempts < allowed:
-                nacks.append((t.id, t.token, RETRY, f"{self.backoff_ms(t.attempts)}|{error}"))
-            elif o.retryable and self.settings.dead_letter:
-                nacks.append((t.id, t.token, DEAD, error))
-            else:
-                nacks.append((t.id, t.token, FAIL, error))
-        return acks, nacks
-
-    @staticmethod
-    def _count(acks: Sequence[tuple[str, str, bytes]], nacks: Sequence[tuple[str, str, str, str]],
-               ack_codes: list[int], nack_codes: list[int]) -> SettleReport:
-        report = SettleReport()
-        for (task_id, _, _), code in zip(acks, ack_codes):
-            if code == Code.LEASE_LOST:
-                report.lost.append(task_id)
-            else:
-                report.succeeded += 1
-        names = {RETRY: "retried", FAIL: "failed", DEAD: "dead", CANCEL: "cancelled"}
-        for (task_id, _, action, _), code in zip(nacks, nack_codes):
-            if code == Code.LEASE_LOST:
-                report.lost.append(task_id)
-            elif action in names:
-                setattr(report, names[action], getattr(report, names[action]) + 1)
-        return report
+        return backoff_ms(attempts, s.retry_backoff_ms, s.retry_backoff_max_ms,
+                          self._rng.random())
 
     def settle(self, outcomes: Sequence[Outcome], chunks: Sequence[Chunk] = ()) -> SettleReport:
         """Stream ``chunks``, then ack the successes and nack the failures (retry with
@@ -344,23 +222,6 @@ class Consumer:
         A task's chunks reach its client before its completion."""
         report, _ = self.settle_and_claim(outcomes, 0, chunks=chunks)
         return report
-
-    def _stream_items(self, chunks: Sequence[Chunk]
-                      ) -> tuple[list[tuple[str, str, int, bytes]], list[Outcome], set[str]]:
-        items: list[tuple[str, str, int, bytes]] = []
-        failed: list[Outcome] = []
-        bad: set[str] = set()
-        for c in chunks:
-            t = c.task
-            if t.id in bad:
-                continue
-            try:
-                items.append((t.id, t.token, c.index, encode(c.value)))
-            except Exception as exc:  # an unencodable token fails its task, no other
-                bad.add(t.id)
-                failed.append(Outcome(t, ok=False, retryable=False,
-                                      error=f"{type(exc).__name__}: token {c.index}: {exc}"))
-        return items, failed, bad
 
     def settle_retrying(self, outcomes: Sequence[Outcome], chunks: Sequence[Chunk] = (),
                         give_up_after: float | None = None) -> SettleReport | None:
@@ -386,10 +247,10 @@ class Consumer:
                          lease_ms: int | None = None, chunks: Sequence[Chunk] = ()
                          ) -> tuple[SettleReport, list[Claimed]]:
         """(Stream chunks,) settle a batch and claim the next one in one round trip."""
-        items, failed, bad = self._stream_items(chunks) if chunks else ([], [], set())
+        items, failed, bad = stream_items(chunks) if chunks else ([], [], set())
         if bad:
             outcomes = [o for o in outcomes if o.task.id not in bad] + failed
-        acks, nacks = self._plan(outcomes)
+        acks, nacks = plan(outcomes, self.settings, self._rng) if outcomes else ([], [])
         lease_ms = self.settings.lease_ms if lease_ms is None else lease_ms
         calls = []
         if items:
@@ -409,7 +270,7 @@ class Consumer:
         emit_codes = replies.pop(0) if items else []
         ack_codes = replies.pop(0) if acks else []
         nack_codes = replies.pop(0) if nacks else []
-        report = self._count(acks, nacks, ack_codes, nack_codes)
+        report = count(acks, nacks, ack_codes, nack_codes)
         lost = {i[0] for i, c in zip(items, emit_codes) if c == Code.LEASE_LOST}
         report.stream_lost = sorted(lost | bad)
         report.streamed = sum(1 for i, c in zip(items, emit_codes) if c == 1 and i[2] >= 0)
@@ -422,65 +283,31 @@ class Consumer:
         if not tasks:
             return 0
         # Each release LPUSHes to the head: they go last-first so the batch keeps its order.
-        return self.release_leases([(t.id, t.token) for t in tasks])
+        return recovery.release_leases(self.broker, [(t.id, t.token) for t in tasks])
 
+    # -- giving back (mtq.broker.recovery) ----------------------------------------
     def give_back(self, running: Sequence[tuple[str, str]], rest: Sequence[tuple[str, str]],
                   reason: str) -> list[int]:
-        """The process holding these (id, token) tasks died or was killed; put them back
-        now instead of waiting for their leases, in one round trip.
-
-        ``running`` (the items of the predict call it died in) go back with the
-        delivery counted, dead as poison at ``max_deliveries``; ``rest`` (claimed, not
-        started) go back uncounted. Both go to the head of their streams, the running
-        ones in front, since they were claimed first.
-        """
-        arg = f"{self.settings.max_deliveries}|{reason}"
-        items = [(i, t, RELEASE, "") for i, t in reversed(rest)]
-        items += [(i, t, REQUEUE, arg) for i, t in reversed(running)]
-        return self.broker.nack(items) if items else []
+        """Put back now the (id, token) tasks of a process that died: ``running`` with
+        the delivery counted, ``rest`` uncounted (:func:`recovery.give_back`)."""
+        return recovery.give_back(self.broker, running, rest, reason)
 
     def give_back_all(self, worker: str, running: Sequence[tuple[str, str]],
                       rest: Sequence[tuple[str, str]], reason: str,
                       skip: Collection[str] = ()) -> list[int]:
-        """:meth:`give_back` for a worker process that died, plus every task Redis still
-        shows running under its id ``worker`` that the caller did not know of (a claim
-        answered just before the process died, before it could report it): those
-        were never started, so they go back uncounted; ``skip``: ids another process
-        runs now (a suspect handed to the quarantine process). Call it once the process's
-        connections are gone (:meth:`wait_disconnected`), so no claim of it can still
-        run after this. Its idle registration is dropped first, so that no submit hands
-        it anything more; what was handed to it is running under its id, and goes back
-        with the rest. Three round trips, the second O(running tasks of the queue)."""
-        self.broker.retire(worker)
-        known = {i for i, _ in running} | {i for i, _ in rest} | set(skip)
-        unknown = [(i, t) for i, t in self.broker.orphans(worker) if i not in known]
-        if unknown:
-            log.info("worker %s died with %d task(s) claimed but not reported; giving "
-                     "them back", worker, len(unknown))
-        return self.give_back(running, [*rest, *unknown], reason)
+        """:meth:`give_back`, plus what Redis still shows running under the dead
+        worker's id ``worker`` (:func:`recovery.give_back_all`); call it after
+        :meth:`wait_disconnected`."""
+        return recovery.give_back_all(self.broker, worker, running, rest, reason, skip)
 
     def wait_disconnected(self, name: str, timeout: float = 1.0) -> bool:
-        """Wait until Redis has closed every connection named ``name`` (see
-        :func:`mtq.broker.connection.connect`): a command a dead process sent before
-        it died has then run. Redis has no blocking call for this, so it asks again
-        every 5 ms; a killed process's connections are normally gone at the first
-        look. Returns False on timeout, or when the server does not allow CLIENT LIST
-        (an ACL user without it), after one look or none."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                clients = self.redis.client_list()
-            except redis.exceptions.RedisError:
-                return False
-            if not any(c.get("name") == name for c in clients):
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
+        """Wait until Redis has closed every connection named ``name``
+        (:func:`recovery.wait_disconnected`)."""
+        return recovery.wait_disconnected(self.redis, name, timeout)
 
     def release_leases(self, leases: Sequence[tuple[str, str]]) -> int:
         """:meth:`release` by (id, token) pairs (a supervisor holds no Claimed objects)."""
-        return sum(1 for c in self.give_back([], leases, "") if c == 1)
+        return recovery.release_leases(self.broker, leases)
 
     def extend(self, tasks: Sequence[Claimed], lease_ms: int | None = None
                ) -> tuple[list[str], list[str]]:
@@ -511,3 +338,19 @@ class Consumer:
         reaped, _promoted, nxt = self.broker.reap()
         self.next_timer_ms = nxt
         return reaped
+
+
+__all__ = [
+    "MAX_IDLE_S",
+    "OUTCOME_COUNTERS",
+    "TRACEBACK_MAX",
+    "Chunk",
+    "Consumer",
+    "Encoded",
+    "Outcome",
+    "SettleReport",
+    "connection_name",
+    "default_worker_id",
+    "encode",
+    "format_traceback",
+]

@@ -24,9 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-
-class BatchArityError(TypeError):
-    """A job of a batched function was enqueued with other than one positional argument."""
+from mtq.errors import BatchArityError  # defined there; imported from here too
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ from rq.job import Job, Retry
 from rq.registry import FailedJobRegistry, FinishedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer, PickleSerializer
 
+from mtq.errors import JobRefused as JobRefused  # defined there; imported from here too
+from mtq.errors import ResultNotStorable
 from mtq.rq.batched import BatchArityError, Batched, batched_spec, check_arity
 
 PICKLE_REFUSED = (
@@ -24,14 +26,6 @@ PICKLE_REFUSED = (
     "code that anyone with write access to Redis chose. Enqueue with "
     "Queue(..., serializer=JSONSerializer) (from rq.serializers import JSONSerializer), "
     "or start the worker with --serializer pickle if you trust every writer to this Redis")
-
-
-class JobRefused(Exception):
-    """A job that this worker will not run (see :data:`PICKLE_REFUSED`)."""
-
-
-class ResultNotStorable(TypeError):
-    """A job's return value cannot be written with the job's serializer."""
 
 
 def raw_data(raw: dict[bytes, bytes]) -> bytes:

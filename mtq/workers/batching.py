@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mtq.broker.protocol import Claimed
+from mtq.errors import BatchShapeError  # defined there; imported from here too
 
 
 class _Offered(list):
@@ -296,10 +297,6 @@ class BatchSlot:
                 self._pending = [p for p in self._pending if not hit(p.task)]
                 self.cond.notify_all()
             return out
-
-
-class BatchShapeError(Exception):
-    """predict returned the wrong number of results."""
 
 
 @dataclass(slots=True)
