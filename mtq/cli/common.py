@@ -164,6 +164,28 @@ def running_server(url: str | None) -> str:
     return server.url
 
 
+def open_queue(name: str, url: str | None) -> Any:
+    """:class:`mtq.Queue` ``name`` on ``url``; exits with the error's code if the name
+    or the URL is refused."""
+    from mtq.client import Queue
+
+    try:
+        return Queue(name, url)
+    except MtqError as exc:
+        fail_on(exc)
+
+
+def require_known(client: Any, name: str) -> None:
+    """Exit 3 if no task was ever submitted to queue ``name``."""
+    from mtq.admin import queue_names
+
+    names = queue_names(client)
+    if name not in names:
+        known = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
+        fail(f"unknown queue {name!r}: nothing was ever submitted to it"
+             + (f" (known: {known})" if names else " (no queues yet)"), NOT_FOUND)
+
+
 def json_option(fn: F) -> F:
     return click.option("--json", "as_json", is_flag=True,
                         help="Print JSON instead of tables.")(fn)
