@@ -27,8 +27,8 @@ from mtq.errors import (
 )
 
 #: the rich Consoles ``console`` and ``err_console``, made on first use (PEP 562, see
-#: __getattr__): rich (about 50 ms of imports) is loaded only by a command that prints
-#: through them, not by ``mtq worker run`` starting up
+#: __getattr__): rich's imports are loaded only by a command that prints through them,
+#: not by ``mtq worker run`` starting up
 _consoles: dict[str, Any] = {}
 
 
