@@ -103,7 +103,7 @@ def queue_default() -> str:
 def status_command() -> Any:
     """``mtq status`` with the project's Redis."""
     from mtq.cli.common import with_defaults
-    from mtq.cli.tasks import status
+    from mtq.cli.status import status
 
     return with_defaults(status, "mtq_status", url=redis_url)
 
