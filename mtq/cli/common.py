@@ -27,8 +27,8 @@ from mtq.errors import (
 )
 
 #: the rich Consoles ``console`` and ``err_console``, made on first use (PEP 562, see
-#: __getattr__): rich (about 50 ms of imports) is loaded only by a command that prints
-#: through them, not by ``mtq worker run`` starting up
+#: __getattr__): rich's imports are loaded only by a command that prints through them,
+#: not by ``mtq worker run`` starting up
 _consoles: dict[str, Any] = {}
 
 
@@ -162,6 +162,28 @@ def running_server(url: str | None) -> str:
              "start' ('mtq submit' and 'mtq workers start' start it too), or set "
              "MTQ_REDIS_URL", NOT_FOUND)
     return server.url
+
+
+def open_queue(name: str, url: str | None) -> Any:
+    """:class:`mtq.Queue` ``name`` on ``url``; exits with the error's code if the name
+    or the URL is refused."""
+    from mtq.client import Queue
+
+    try:
+        return Queue(name, url)
+    except MtqError as exc:
+        fail_on(exc)
+
+
+def require_known(client: Any, name: str) -> None:
+    """Exit 3 if no task was ever submitted to queue ``name``."""
+    from mtq.admin import queue_names
+
+    names = queue_names(client)
+    if name not in names:
+        known = ", ".join(names[:10]) + (" ..." if len(names) > 10 else "")
+        fail(f"unknown queue {name!r}: nothing was ever submitted to it"
+             + (f" (known: {known})" if names else " (no queues yet)"), NOT_FOUND)
 
 
 def json_option(fn: F) -> F:

@@ -1,4 +1,4 @@
-"""``mtq metrics serve``: the Prometheus exporter of :mod:`mtq.metrics`."""
+"""``mtq metrics serve``: the Prometheus exporter of :mod:`mtq.observe.prometheus`."""
 
 from __future__ import annotations
 
@@ -35,7 +35,12 @@ def serve(port: int, host: str, queues: tuple[str, ...], url: str | None) -> Non
     (a misspelt name would otherwise export zeros for ever); if Redis is
     unreachable at start the names are not checked. A port in use exits 2."""
     try:
-        from mtq.metrics import MtqCollector, exporter_client, known_queues, make_exporter
+        from mtq.observe.prometheus import (
+            MtqCollector,
+            exporter_client,
+            known_queues,
+            make_exporter,
+        )
     except ImportError as exc:
         fail(f"the exporter needs prometheus-client ({exc}); pip install 'mtq[metrics]'",
              USAGE)
@@ -43,6 +48,7 @@ def serve(port: int, host: str, queues: tuple[str, ...], url: str | None) -> Non
 
     from mtq.broker.connection import safe_url
     from mtq.validation import check_queue_name
+    from mtq.workers.registry import list_workers
 
     try:
         for q in queues:
@@ -64,7 +70,7 @@ def serve(port: int, host: str, queues: tuple[str, ...], url: str | None) -> Non
                      f"{safe_url(resolved)} (known: {', '.join(sorted(known)) or 'none'}); "
                      "check the name, or submit to the queue first", NOT_FOUND)
     try:
-        server = make_exporter(MtqCollector(client, list(queues) or None), host, port)
+        server = make_exporter(MtqCollector(client, list(queues) or None, list_workers), host, port)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port} ({exc.strerror or exc}); is another exporter "
              "running there? choose another --port", USAGE)

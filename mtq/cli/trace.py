@@ -30,7 +30,7 @@ def trace_command(queue: str, since: str, output: str, limit: int, url: str | No
     tasks' timelines, never a scan. A malformed --since exits 2 and writes
     nothing; a queue Redis does not know exits 3."""
     from mtq.broker.connection import connect, redis_errors, safe_url
-    from mtq.trace import collect, parse_since, queue_exists
+    from mtq.observe.perfetto import collect, parse_since, queue_exists
     from mtq.validation import check_queue_name
 
     try:

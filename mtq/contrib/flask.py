@@ -234,8 +234,8 @@ def cli_group(app: Flask) -> click.Group:
     the ``MTQ_REDIS_URL`` environment variable, as for ``mtq``) and, for
     ``workers``, its ``MTQ_QUEUE``; every option of the mtq command is there."""
     from mtq.cli.common import with_defaults
-    from mtq.cli.main import workers_start
-    from mtq.cli.tasks import status
+    from mtq.cli.status import status
+    from mtq.cli.workers import workers_start
 
     def url() -> str | None:
         return app.config.get("MTQ_REDIS_URL") or os.environ.get("MTQ_REDIS_URL")

@@ -3,181 +3,58 @@
 Token + position embeddings, pre-LayerNorm blocks (causal multi-head attention,
 GELU MLP), a final LayerNorm and a head tied to the token embedding, over the
 byte vocabulary of :mod:`mtq.reference.tokenizer`; weights from a fixed seed,
-cached in a file. ``prefill`` runs each prompt into a preallocated KV-cache
-slot, ``decode`` runs one token of every running request in one batched forward
-over their caches, and each request samples from its own seeded generator.
-:func:`generate` and :func:`decode_rate` drive it without a queue. torch is
-imported only inside functions: importing this module does not need it.
+cached in a file (:mod:`mtq.reference.weights`). ``prefill`` runs each prompt into
+a preallocated KV-cache slot, ``decode`` runs one token of every running request
+in one batched forward over their caches (:mod:`mtq.reference.decoder`), and each
+request samples from its own seeded generator (:mod:`mtq.reference.sampling`).
+This module holds the :class:`mtq.Generator` side: payloads, prefill, decode,
+release, results; :func:`generate` and :func:`decode_rate` drive it without a
+queue. torch is imported only inside functions: importing this module does not
+need it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 import math
 import os
-import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import mtq
-from mtq.broker.embedded import default_state_dir
 from mtq.errors import ConfigError, PermanentError
-from mtq.reference.tokenizer import BOS, EOS, VOCAB_SIZE, StreamDecoder, encode
+from mtq.reference.decoder import CachedDecoder
+from mtq.reference.sampling import RequestState, sample
+from mtq.reference.tokenizer import BOS, EOS, StreamDecoder, encode
+from mtq.reference.weights import (
+    WEIGHTS_ENV,
+    GPTConfig,
+    build_module,
+    make_weights,
+    save_atomic,
+    weights_path,
+)
 from mtq.workers.generator import Generation
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WEIGHTS_ENV", "GPTConfig", "TinyGPT", "decode_rate", "generate", "make_weights",
-           "weights_path"]
+__all__ = ["WEIGHTS_ENV", "GPTConfig", "RequestState", "TinyGPT", "build_module", "decode_rate",
+           "generate", "make_weights", "save_atomic", "weights_path"]
 
 logger = logging.getLogger(__name__)
 
-#: a weights file to use instead of the default one under the state dir
-WEIGHTS_ENV = "MTQ_REFERENCE_WEIGHTS"
-#: bump when the module layout or the init changes, so old weight files are not reused
-_INIT_VERSION = "1"
-#: temperatures below this sample the argmax (dividing by ~0 would overflow)
-_MIN_TEMPERATURE = 1e-5
 _PAYLOAD_KEYS = ("prompt", "max_tokens", "temperature", "top_k", "seed", "stop_at_eos")
 _EXAMPLE = "{'prompt': 'Once upon a time', 'max_tokens': 32, 'temperature': 0.8}"
-
-
-@dataclasses.dataclass(frozen=True)
-class GPTConfig:
-    """Shape of the model. ``max_seq`` bounds prompt + generated tokens."""
-
-    vocab_size: int = VOCAB_SIZE
-    d_model: int = 128
-    n_layer: int = 4
-    n_head: int = 4
-    max_seq: int = 512
-
-    def __post_init__(self) -> None:
-        if self.vocab_size < VOCAB_SIZE:
-            raise ConfigError(f"vocab_size must be at least {VOCAB_SIZE} (bytes + BOS + EOS)")
-        if min(self.d_model, self.n_layer, self.n_head, self.max_seq) < 1:
-            raise ConfigError("d_model, n_layer, n_head and max_seq must be positive")
-        if self.d_model % self.n_head:
-            raise ConfigError(f"d_model ({self.d_model}) must be a multiple of n_head "
-                              f"({self.n_head})")
-
-    def digest(self) -> str:
-        """A short hash of the config (and of the init scheme), for file names."""
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True) + "|init" + _INIT_VERSION
-        return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def weights_path(config: GPTConfig | None = None, seed: int = 0,
-                 environ: Mapping[str, str] | None = None) -> Path:
-    """The weights file: ``$MTQ_REFERENCE_WEIGHTS`` if set, else
-    ``<state dir>/reference/tinygpt-<config hash>-seed<seed>.pt``."""
-    env = os.environ if environ is None else environ
-    if env.get(WEIGHTS_ENV):
-        return Path(env[WEIGHTS_ENV]).expanduser()
-    config = config or GPTConfig()
-    return default_state_dir(env) / "reference" / f"tinygpt-{config.digest()}-seed{seed}.pt"
-
-
-def build_module(config: GPTConfig) -> torch.nn.ModuleDict:
-    """The parameters as a ``ModuleDict`` on the meta device (no storage, and the
-    default init draws nothing from the global RNG); the forward is in
-    :class:`TinyGPT`, so no ``nn.Module`` subclass is defined at import time."""
-    import torch
-    from torch import nn
-
-    d = config.d_model
-    with torch.device("meta"):
-
-        def block() -> nn.ModuleDict:
-            return nn.ModuleDict({
-                "ln1": nn.LayerNorm(d), "qkv": nn.Linear(d, 3 * d), "proj": nn.Linear(d, d),
-                "ln2": nn.LayerNorm(d), "fc": nn.Linear(d, 4 * d), "out": nn.Linear(4 * d, d),
-            })
-
-        module = nn.ModuleDict({
-            "tok": nn.Embedding(config.vocab_size, d), "pos": nn.Embedding(config.max_seq, d),
-            "blocks": nn.ModuleList(block() for _ in range(config.n_layer)),
-            "ln_f": nn.LayerNorm(d),
-        })
-    return module
-
-
-def make_weights(path: str | os.PathLike[str], config: GPTConfig | None = None,
-                 seed: int = 0) -> Path:
-    """Initialise the model from ``seed`` (GPT-2 style, from a local generator: the
-    global RNG is untouched) and save its state_dict to ``path`` atomically (a temp
-    file in the same directory, then ``os.replace``), so processes starting at once
-    never read a half-written file. Returns the path."""
-    import torch
-
-    config = config or GPTConfig()
-    module = build_module(config).to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(seed)
-    resid_std = 0.02 / math.sqrt(2 * config.n_layer)  # residual branches add up over layers
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name.endswith(".bias"):
-                p.zero_()
-            elif ".ln" in name or name.startswith("ln_f"):
-                p.fill_(1.0)
-            else:
-                std = resid_std if name.endswith(("proj.weight", "out.weight")) else 0.02
-                p.normal_(0.0, std, generator=gen)
-    path = save_atomic(module.state_dict(), path)
-    logger.info("created reference weights %s (seed %d)", path, seed)
-    return path
-
-
-def save_atomic(state: Any, path: str | os.PathLike[str]) -> Path:
-    """``torch.save`` to ``path`` through a temp file in the same directory and
-    ``os.replace``, so processes starting at once never read a half-written file."""
-    import torch
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
-@dataclasses.dataclass(eq=False)
-class RequestState:
-    """What TinyGPT keeps in ``Generation.state``: the parsed payload, the KV-cache
-    slot, the sampler and the generated ids and text pieces."""
-
-    prompt_ids: list[int]  # BOS + the prompt's bytes
-    max_tokens: int
-    temperature: float
-    top_k: int | None
-    stop_at_eos: bool
-    slot: int | None = None
-    length: int = 0  # positions written in the slot's cache
-    gen: Any = None  # torch.Generator, one draw per token
-    decoder: StreamDecoder = dataclasses.field(default_factory=StreamDecoder)
-    token_ids: list[int] = dataclasses.field(default_factory=list)
-    pieces: list[str] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
 
 
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class TinyGPT(mtq.Generator):
+class TinyGPT(CachedDecoder, mtq.Generator):
     """A small GPT with a KV cache, served with continuous batching.
 
     Payload: ``{"prompt": str, "max_tokens": 32, "temperature": 0.8, "top_k": None,
@@ -231,154 +108,13 @@ class TinyGPT(mtq.Generator):
             raise ConfigError(f"reference weights file {path} does not match {self.config} "
                               f"({type(e).__name__}: {str(e)[:300]}); {fix}") from e
         self.module = module.to(self.torch_dtype).eval().requires_grad_(False)
-        params: dict[str, torch.Tensor] = dict(self.module.named_parameters())
-        self.tok_w, self.pos_w = params["tok.weight"], params["pos.weight"]
-        self.ln_f = (params["ln_f.weight"], params["ln_f.bias"])
-        self.layers = [tuple(params[f"blocks.{i}.{key}.{kind}"]
-                             for key in ("ln1", "qkv", "proj", "ln2", "fc", "out")
-                             for kind in ("weight", "bias"))
-                       for i in range(self.config.n_layer)]
-        self.k_pool: list[torch.Tensor] = []
-        self.v_pool: list[torch.Tensor] = []
-        #: owners[i]: the request holding slot i; slots [0, used) are taken (kept
-        #: compact by release, so a decode batch reads its caches as one slice)
-        self.owners: list[RequestState | None] = []
-        self.used = 0
+        self._bind(self.module)
         self.ready = True
         logger.info("loaded reference weights %s on %s (%s)", path, self.device, self.dtype)
 
-    def _allocate_cache(self) -> None:
-        import torch
-
-        c = self.config
-        shape = (self.max_running, c.n_head, c.max_seq, c.d_model // c.n_head)
-        # zeros, not empty: unused positions are multiplied by an exact 0 attention
-        # weight, which keeps a row's result independent of them only if they are finite
-        self.k_pool = [torch.zeros(shape, dtype=self.torch_dtype, device=self.device)
-                       for _ in range(c.n_layer)]
-        self.v_pool = [torch.zeros_like(k) for k in self.k_pool]
-        self.owners, self.used = [None] * self.max_running, 0
-
-    def _take_slot(self, state: RequestState) -> None:
-        if self.used == len(self.owners):
-            raise RuntimeError(f"all {len(self.owners)} KV-cache slots are in use: "
-                               "release finished requests before prefilling more")
-        state.slot, self.owners[self.used] = self.used, state
-        self.used += 1
-
-    def _free_slot(self, state: RequestState) -> None:
-        """Free the state's slot, moving the last taken slot's cache into it."""
-        slot, last = state.slot, self.used - 1
-        state.slot = None
-        if slot is None or slot >= self.used or self.owners[slot] is not state:
-            return
-        mover = self.owners[last]
-        if slot != last and mover is not None:
-            n = mover.length
-            for pool in (*self.k_pool, *self.v_pool):
-                pool[slot, :, :n] = pool[last, :, :n]
-            self.owners[slot], mover.slot = mover, slot
-        self.owners[last] = None
-        self.used -= 1
-
-    def _forward(self, x: torch.Tensor, attend: Any) -> torch.Tensor:
-        """Run the blocks on ``x`` [N, d]; ``attend(layer, q, k, v)`` ([N, H, hd] each)
-        returns the attention output [N, H, hd] (and writes the cache)."""
-        import torch.nn.functional as F
-
-        n, d = x.shape
-        h_ = self.config.n_head
-        for i, (w1, b1, wqkv, bqkv, wp, bp, w2, b2, wfc, bfc, wo, bo) in enumerate(self.layers):
-            qkv = F.linear(F.layer_norm(x, (d,), w1, b1), wqkv, bqkv)
-            q, k, v = qkv.view(n, 3, h_, -1).unbind(1)
-            x = x + F.linear(attend(i, q, k, v).reshape(n, d), wp, bp)
-            x = x + F.linear(F.gelu(F.linear(F.layer_norm(x, (d,), w2, b2), wfc, bfc)), wo, bo)
-        return F.layer_norm(x, (d,), *self.ln_f)
-
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   allowed: torch.Tensor) -> torch.Tensor:
-        # masked scores are -inf, so their weight is exactly 0: a row's result does
-        # not depend on how far other rows made the keys reach
-        scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5)
-        return scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
-
-    def forward_full(self, ids: Sequence[int], slot: int | None = None) -> torch.Tensor:
-        """Logits [L, vocab] of every position of ``ids`` from scratch (causal
-        attention); with ``slot``, also write the keys/values into that cache slot."""
-        import torch
-
-        n = len(ids)
-        x = self.tok_w[torch.tensor(list(ids), device=self.device)] + self.pos_w[:n]
-        causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [H, N, hd]
-            if slot is not None:
-                self.k_pool[i][slot, :, :n] = k
-                self.v_pool[i][slot, :, :n] = v
-            return self._attention(q, k, v, causal).transpose(0, 1)
-
-        with torch.inference_mode():
-            return self._forward(x, attend) @ self.tok_w.T
-
-    def _decode_logits(self, states: list[RequestState], tokens: list[int]) -> torch.Tensor:
-        """Feed ``tokens[j]`` to request j at its next position, in one batched step,
-        attending over the cache only: logits [B, vocab].
-
-        Attention reads the slots [lo, hi) spanning the batch as a view of the pool
-        (a gather would copy, and allocate, B x span keys per layer: most of a step
-        at B=32); slots of that range outside the batch get a zero query whose
-        output is dropped. Slots are kept compact, so the engine's batch has none.
-        """
-        import torch
-
-        dev = self.device
-        slot_list = [cast(int, s.slot) for s in states]  # decode checked they are set
-        lo, hi = min(slot_list), max(slot_list) + 1
-        slots = torch.tensor(slot_list, device=dev)
-        rows = slots - lo
-        pos = torch.tensor([s.length for s in states], device=dev)
-        span = max(s.length for s in states) + 1
-        x = self.tok_w[torch.tensor(tokens, device=dev)] + self.pos_w[pos]
-        row_pos = torch.zeros(hi - lo, dtype=pos.dtype, device=dev).index_copy_(0, rows, pos)
-        allowed = (torch.arange(span, device=dev) <= row_pos[:, None])[:, None, None, :]
-        in_order = slot_list == list(range(lo, hi))
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k_pool[i][slots, :, pos] = k
-            self.v_pool[i][slots, :, pos] = v
-            if not in_order:
-                q = q.new_zeros(hi - lo, *q.shape[1:]).index_copy_(0, rows, q)
-            keys = self.k_pool[i][lo:hi, :, :span]  # [hi - lo, H, span, hd], a view
-            values = self.v_pool[i][lo:hi, :, :span]
-            return self._attention(q[:, :, None], keys, values, allowed)[rows, :, 0]
-
-        with torch.inference_mode():
-            logits = self._forward(x, attend) @ self.tok_w.T
-        for s in states:
-            s.length += 1
-        return logits
-
     def _sample(self, logits: torch.Tensor, states: list[RequestState]) -> list[int]:
-        """One token per row, each from its request's generator with exactly one draw
-        (also when greedy), so a request's stream depends only on its seed."""
-        import torch
-
-        logits = logits.to("cpu", torch.float64)
-        vocab = logits.shape[-1]
-        u = torch.cat([torch.rand(1, generator=s.gen, dtype=torch.float64) for s in states])
-        temps = torch.tensor([max(s.temperature, _MIN_TEMPERATURE) for s in states],
-                             dtype=torch.float64)
-        scaled = logits / temps[:, None]
-        ks = torch.tensor([min(s.top_k or vocab, vocab) for s in states])
-        if bool((ks < vocab).any()):
-            kth = scaled.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
-            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-        cdf = scaled.softmax(-1).cumsum(-1)
-        picked = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-        picked = picked.clamp_max(vocab - 1)
-        greedy = torch.tensor([s.temperature < _MIN_TEMPERATURE for s in states])
-        return torch.where(greedy, logits.argmax(-1), picked).tolist()
+        """One token per row (:func:`mtq.reference.sampling.sample`)."""
+        return sample(logits, states)
 
     def _emit(self, request: Generation, state: RequestState, token: int) -> str:
         """Record ``token``; finish the request if it is its last; return its text."""

@@ -1,10 +1,11 @@
 """Commits of finished batches on a thread of their own, so the next batch runs meanwhile.
 
-A batch's commit (:meth:`mtq.rq.worker.BatchWorker._finish`: WATCH, the fencing read,
-then one MULTI/EXEC holding RQ's writes for every job) keeps Redis busy for about
-50 µs a job, and the worker's thread would only wait for it: with Redis on another
-core, handing the commit to this thread lets the worker claim, prepare and run the
-next batch in the meantime (the thread waits on the socket without the GIL).
+A batch's commit (:meth:`mtq.rq.finishing.Finishing._finish`: WATCH, the fencing
+read, then one MULTI/EXEC holding RQ's writes for every job) keeps Redis busy for a
+while per job (docs/benchmarks.md, RQ), and the worker's thread would only wait for
+it: with Redis on another core, handing the commit to this thread lets the worker
+claim, prepare and run the next batch in the meantime (the thread waits on the
+socket without the GIL).
 
 Commits stay in order (one thread), at most ``depth`` finished batches wait (the
 worker blocks past that, so jobs never pile up uncommitted), and an error of a

@@ -1,19 +1,16 @@
 """The end of a batch in :class:`mtq.rq.worker.BatchWorker`: RQ's end-of-job writes for
 every job of the batch, committed in one ``WATCH``/``MULTI`` transaction for the jobs
 whose lease still holds the worker's token (fencing), on the worker's commit thread
-(:mod:`mtq.rq.committer`). :class:`Prepared` is a claimed job on its way through the
-loop.
+(:mod:`mtq.rq.committer`).
 """
 
 from __future__ import annotations
 
 import calendar
-import threading
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import redis
-from rq.executions import Execution
 from rq.job import Job, JobStatus, Retry
 from rq.queue import Queue
 from rq.registry import ScheduledJobRegistry
@@ -21,34 +18,12 @@ from rq.results import Result
 from rq.utils import now
 
 from mtq.rq import leases
-from mtq.rq.jobs import Outcome
+from mtq.rq.claims import Claims, Prepared
 
 if TYPE_CHECKING:
     from rq.worker import SimpleWorker as _Base
 else:
     _Base = object
-
-
-class Prepared:
-    """A claimed job on its way: its lease, its queue, its Execution."""
-
-    __slots__ = ("cap", "counters", "deliveries", "dependents", "execution", "job", "outcome",
-                 "owner", "queue")
-
-    def __init__(self, job: Job, owner: str, queue: Queue, deliveries: int = 0,
-                 cap: int = 0) -> None:
-        self.job = job
-        self.owner = owner
-        self.queue = queue
-        self.deliveries = deliveries  # times a worker died while running it
-        self.cap = cap  # then: the most jobs it may share a call (and a commit) with
-        self.execution: Execution | None = None
-        self.outcome: Outcome | None = None
-        #: how many jobs depend on it (read under WATCH before the commit)
-        self.dependents = 0
-        #: (retries_left, number_of_retries) as claimed: RQ's retry bookkeeping changes
-        #: them in memory, and a commit that must be tried again starts from these
-        self.counters = (job.retries_left, job.number_of_retries)
 
 
 def _schedule(job: Job, queue: Queue, interval: float, pipe: Any) -> None:
@@ -70,9 +45,7 @@ class Finishing(_Base):
     name, counters and the claims it holds)."""
 
     scripts: leases.Scripts
-    _lock: threading.Lock
-    _held: dict[str, tuple[str, str]]
-    _running: dict[str, Prepared]
+    claims: Claims
 
     def _bookkeeping(self, p: Prepared, pipe: Any) -> None:
         """RQ's end-of-job writes for one job (BaseWorker.handle_job_success /
@@ -219,10 +192,11 @@ class Finishing(_Base):
         else:
             self.log.error("Worker %s: could not commit %d job(s) after 50 tries; their leases "
                            "will expire and they run again", self.name, len(pending))
-        with self._lock:
+        claims = self.claims
+        with claims.lock:
             for p in batch:
-                self._held.pop(p.job.id, None)
-                self._running.pop(p.job.id, None)
+                claims.held.pop(p.job.id, None)
+                claims.running.pop(p.job.id, None)
 
     def _commit(self, batch: list[Prepared], pipe: Any) -> list[Prepared]:
         """One WATCH / read / MULTI..EXEC. Returns the jobs left for a later round (those
@@ -281,8 +255,8 @@ class Finishing(_Base):
             pipe.hdel(leases.owner_key(qname), *ids)
             pipe.zrem(leases.leases_key(qname), *ids)
         self._counters(mine, pipe)
-        with self._lock:
-            idle = not (self._running.keys() - {p.job.id for p in batch})
+        with self.claims.lock:
+            idle = not (self.claims.running.keys() - {p.job.id for p in batch})
         if idle:  # no later batch started meanwhile (commits run beside the loop)
             self.set_current_job_id(None, pipeline=pipe)
         pipe.execute()

@@ -1,6 +1,6 @@
 """The "observability" profile of docker-compose.yml and deploy/ (Prometheus, Grafana
 and mtq's dashboard), checked without Docker: the files parse, point at each other,
-and every metric the dashboard queries is one the exporter (mtq.metrics) exports."""
+and every metric the dashboard queries is one the exporter (mtq.observe.prometheus) exports."""
 
 from __future__ import annotations
 
@@ -90,8 +90,8 @@ def test_grafana_provisions_the_data_source_and_the_dashboard(
 
 
 def _exported() -> set[str]:
-    """Metric family names mtq.metrics declares (string literals starting with mtq_)."""
-    source = (ROOT / "mtq" / "metrics.py").read_text()
+    """Metric family names mtq.observe.prometheus declares (string literals starting with mtq_)."""
+    source = (ROOT / "mtq" / "observe" / "prometheus.py").read_text()
     return {_family(n) for n in re.findall(r"""["'](mtq_[a-z0-9_]+)["']""", source)}
 
 

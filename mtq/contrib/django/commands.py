@@ -103,7 +103,7 @@ def queue_default() -> str:
 def status_command() -> Any:
     """``mtq status`` with the project's Redis."""
     from mtq.cli.common import with_defaults
-    from mtq.cli.tasks import status
+    from mtq.cli.status import status
 
     return with_defaults(status, "mtq_status", url=redis_url)
 
@@ -111,7 +111,7 @@ def status_command() -> Any:
 def workers_command() -> Any:
     """``mtq workers start`` with the project's Redis, queue and (if set) target."""
     from mtq.cli.common import with_defaults
-    from mtq.cli.main import workers_start
+    from mtq.cli.workers import workers_start
 
     defaults: dict[str, Callable[[], Any]] = {"url": redis_url, "queue": queue_default}
     target = get_settings().workers

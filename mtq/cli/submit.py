@@ -1,0 +1,354 @@
+"""``mtq submit``: one task from an argument or stdin (printing its id, waiting for
+its result or following its tokens), or many from a JSON Lines file."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from typing import IO, Any
+
+import click
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from mtq.cli.common import (
+    FAILED,
+    INTERRUPTED,
+    MAX_WAIT_S,
+    OK,
+    TIMEOUT,
+    USAGE,
+    FloatRange,
+    console,
+    echo_json,
+    err_console,
+    fail,
+    fail_on,
+    json_option,
+    millis,
+    open_queue,
+    parse_json,
+    printable,
+    redis_option,
+    shown,
+)
+from mtq.client import MAX_TTL_S
+from mtq.errors import MtqError, ResultTimeout, TaskCancelled, TaskFailed
+
+#: requests sent per round trip by ``mtq submit --file``
+FILE_CHUNK = 500
+
+
+@click.command()
+@click.argument("queue")
+@click.argument("payload", required=False)
+@click.option("--stream", "-s", default=None,
+              help="Ordering key (a user, a session): its tasks run one at a time, in order.")
+@click.option("--file", "file", type=click.File("r"), default=None,
+              help="Submit every line of a JSON Lines file (- for stdin) as one task.")
+@click.option("--stream-from", default=None, metavar="FIELD",
+              help="With --file: each task's stream is this field of its payload.")
+@click.option("--key", default=None, help="Idempotency key (one task per key per hour).")
+@click.option("--ttl", type=FloatRange(min=0.001, max=MAX_TTL_S), default=None,
+              help="Seconds after which the task, if not started, expires unrun.")
+@click.option("--wait", "wait", is_flag=True,
+              help="Wait for the result(s) and print them (the task id goes to stderr "
+                   "first).")
+@click.option("--follow", "-f", is_flag=True,
+              help="Print tokens live as they arrive, then the end (implies waiting).")
+@click.option("--timeout", type=FloatRange(min=0, max=MAX_WAIT_S), default=None,
+              metavar="SECONDS",
+              help="Stop waiting after SECONDS (exit 6; the task goes on). Implies "
+                   "--wait. Default: no limit (Ctrl-C stops waiting, exit 130).")
+@click.option("--raw", is_flag=True,
+              help="With --follow: write the tokens exactly as they come, control "
+                   "characters included (default: escaped, e.g. \\x1b, on a terminal; "
+                   "as they come into a pipe or a file).")
+@click.option("--no-cache", "no_cache", is_flag=True,
+              help="Bypass the queue's result cache: run it even if an identical request "
+                   "was answered or is running.")
+@redis_option
+@json_option
+def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | None,
+           stream_from: str | None, key: str | None, ttl: float | None, wait: bool,
+           follow: bool, timeout: float | None, raw: bool, no_cache: bool, url: str | None,
+           as_json: bool) -> None:
+    """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
+
+    Prints the task id; with --wait, the result; with --follow, the tokens as
+    they stream, then the result. --file submits many (one JSON payload per
+    line) with a progress bar and prints a summary.
+
+    \b
+    mtq submit chat '{"prompt": "hello"}' --stream user-42 --follow
+    mtq submit embed --file requests.jsonl --stream-from user --wait --timeout 60
+    """
+    wait = wait or follow or timeout is not None
+    if file is not None:
+        if payload is not None:
+            fail("give PAYLOAD or --file, not both", USAGE)
+        if follow or key:
+            fail("--follow and --key take one task; drop them with --file", USAGE)
+        _submit_file(queue, file, stream, stream_from, ttl,
+                     (math.inf if timeout is None else timeout) if wait else None, url,
+                     as_json, not no_cache)
+        return
+    if stream_from:
+        fail("--stream-from goes with --file", USAGE)
+    if raw and not follow:
+        fail("--raw goes with --follow", USAGE)
+    if payload is None:
+        fail("give a PAYLOAD (JSON), '-' to read it from stdin, or --file FILE", USAGE)
+    try:
+        text = sys.stdin.read() if payload == "-" else payload
+    except UnicodeDecodeError as exc:
+        fail(f"<stdin> is not UTF-8 text ({exc}); nothing was submitted", USAGE)
+    value = parse_json(text, "PAYLOAD")
+    q = open_queue(queue, url)
+    try:
+        task = q.submit(value, stream=stream, key=key, ttl=ttl, cache=not no_cache)
+    except MtqError as exc:
+        fail_on(exc)
+    if not wait:
+        click.echo(json.dumps({"id": task.id, "queue": queue}) if as_json else task.id)
+        return
+    try:
+        # the id first, so that a user who stops waiting can find or cancel the task
+        err_console.print(f"task {task.id} queued on {queue!r}", markup=False,
+                          highlight=False)
+        _hint_if_unserved(q)
+        if follow:
+            sys.exit(_follow(task, timeout, as_json, raw))
+        result = task.result(timeout=timeout)
+    except KeyboardInterrupt:
+        err_console.print(f"\nstopped waiting; task {task.id} goes on (mtq task {task.id}, "
+                          f"mtq cancel {task.id})", markup=False, highlight=False)
+        sys.exit(INTERRUPTED)
+    except (TaskFailed, TaskCancelled, ResultTimeout) as exc:
+        if as_json:
+            echo_json({"id": task.id, "status": getattr(exc, "status", "waiting"),
+                       "error": str(exc)})
+        fail_on(exc)
+    except MtqError as exc:
+        fail_on(exc)
+    click.echo(json.dumps({"id": task.id, "status": "succeeded", "result": result},
+                          default=repr, ensure_ascii=False) if as_json
+               else json.dumps(result, default=repr, ensure_ascii=False))
+
+
+def _hint_if_unserved(q: Any) -> None:
+    """Say so when no worker serves the queue: waiting would wait for nothing."""
+    from mtq.workers.registry import list_workers
+
+    try:
+        if not list_workers(q.redis, q.name):
+            err_console.print(f"[yellow]no worker serves {q.name!r} yet[/]: the task waits "
+                              f"until one does ('mtq workers start TARGET --queue {q.name}')")
+    except MtqError:
+        pass  # the wait itself reports an unreachable Redis
+
+
+def _follow(task: Any, timeout: float | None, as_json: bool, raw: bool = False) -> int:
+    """Print a task's events live; returns the exit code.
+
+    The tokens go to stdout: on a terminal, with :func:`printable` escapes for what
+    would move the cursor or recolour the screen (a model's output is arbitrary text);
+    with ``raw``, or into a pipe or a file, exactly as they came (like ``ls``). Every
+    other line goes to stderr, task data in it shown as text, never as markup."""
+    out = sys.stdout
+    escaped = not raw and out.isatty()
+
+    def write(text: str) -> None:  # not click.echo: it drops ANSI codes from a pipe
+        out.write(printable(text) if escaped else text)
+        out.flush()
+
+    last = None
+    printed = False
+    try:
+        for ev in task.events(timeout=timeout):
+            last = ev
+            if as_json:
+                click.echo(json.dumps({"event": ev.kind, "id": ev.task_id, "data": ev.data,
+                                       "index": ev.index, "delivery": ev.delivery,
+                                       "ts": ev.ts}, default=repr, ensure_ascii=False))
+                continue
+            if ev.kind == "token":
+                text = ev.data if isinstance(ev.data, str) else json.dumps(ev.data, default=repr)
+                sep = "" if isinstance(ev.data, str) else " "
+                write(text + sep)
+                printed = True
+            elif ev.kind == "progress":
+                err_console.print(f"[dim]progress: {shown(ev.data)}[/]", highlight=False)
+            elif ev.kind == "restarted":
+                err_console.print(f"\n[yellow]restarted[/] (delivery {ev.delivery}: "
+                                  f"{shown(ev.data)}); the stream goes on where it stopped",
+                                  highlight=False)
+            elif ev.kind in ("queued", "started"):
+                err_console.print(f"[dim]{ev.kind}[/]")
+    except ResultTimeout as exc:
+        if printed:
+            write("\n")
+        fail(exc, TIMEOUT)
+    except MtqError as exc:
+        fail_on(exc)
+    if printed and not as_json:
+        write("\n")
+    if last is None:
+        return FAILED
+    if as_json:
+        return OK if last.kind == "succeeded" else FAILED
+    if last.kind == "succeeded":
+        if not printed:  # no tokens: the result is the output
+            text = json.dumps(last.data, default=repr, ensure_ascii=False)
+            out.write((printable(text, json_string=True) if escaped else text) + "\n")
+            out.flush()
+        err_console.print(f"[green]succeeded[/] {task.id}")
+        return OK
+    err_console.print(f"[red]{last.kind}[/] {task.id}: {shown(last.data)}", highlight=False)
+    return FAILED
+
+
+def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str | None,
+                 ttl: float | None, wait: float | None, url: str | None, as_json: bool,
+                 cache: bool = True) -> None:
+    from mtq.client import Request
+
+    items: list[Request] = []
+    errors: list[str] = []
+    try:
+        lines = list(enumerate(file, 1))
+    except UnicodeDecodeError as exc:
+        fail(f"{file.name} is not UTF-8 text ({exc}); nothing was submitted", USAGE)
+    for n, line in lines:
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as exc:
+            errors.append(f"line {n}: not valid JSON ({exc})")
+            continue
+        except RecursionError:
+            errors.append(f"line {n}: nested too deeply for JSON")
+            continue
+        except ValueError as exc:  # e.g. an integer of more than 4 300 digits
+            errors.append(f"line {n}: cannot be read as JSON ({exc})")
+            continue
+        s = stream
+        if stream_from is not None:
+            if not isinstance(value, dict) or value.get(stream_from) is None:
+                errors.append(f"line {n}: no field {stream_from!r} to take the stream from")
+                continue
+            s = str(value[stream_from])
+        items.append(Request(value, stream=s, ttl=ttl))
+    if errors:  # nothing is sent when any line is bad
+        shown = "\n  ".join(errors[:10])
+        more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""
+        fail(f"{len(errors)} bad line(s) in {file.name}; nothing was submitted:\n  "
+             f"{shown}{more}", USAGE)
+    if not items:
+        fail(f"{file.name} has no requests (one JSON payload per line)", USAGE)
+    q = open_queue(queue, url)
+    try:
+        tasks = q.prepare(items, cache=cache)  # validates and encodes every request first
+    except MtqError as exc:
+        fail_on(exc)
+    sent: list[Any] = []
+    summary: dict[str, Any] = {"queue": queue, "submitted": 0}
+    t0 = time.perf_counter()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    code = OK
+    try:  # a Ctrl-C from the first chunk sent on (see the handler)
+        with Progress(*columns, console=err_console, disable=as_json) as bar:
+            job = bar.add_task("submitting", total=len(tasks))
+            for k in range(0, len(tasks), FILE_CHUNK):
+                try:
+                    sent += q.send(tasks[k:k + FILE_CHUNK])
+                except MtqError as exc:
+                    bar.stop()
+                    err_console.print(f"{len(sent)} of {len(tasks)} submitted before the "
+                                      "error")
+                    fail_on(exc)
+                bar.advance(job, min(FILE_CHUNK, len(tasks) - k))
+        seconds = time.perf_counter() - t0
+        summary.update(submitted=len(sent), seconds=round(seconds, 3),
+                       per_s=round(len(sent) / max(seconds, 1e-9)))
+        if wait is not None:
+            summary.update(_wait_all(sent, wait, as_json))
+            if summary["timed_out"]:
+                code = TIMEOUT
+            elif summary["failed"]:
+                code = FAILED
+    except KeyboardInterrupt:
+        # whether it came while the tasks were sent, between the last one and the wait,
+        # or in the wait: what was submitted goes on, and the user is told so (exit 130,
+        # never click's "Aborted!")
+        if len(sent) < len(tasks):
+            said = (f"stopped submitting; {len(sent)} of {len(tasks)} task(s) were "
+                    "submitted and go on (--json lists their ids), and the chunk being "
+                    "sent then may have been too")
+        else:
+            said = f"stopped waiting; the {len(sent)} task(s) go on (--json lists their ids)"
+        err_console.print(f"\n{said}", markup=False, highlight=False)
+        if as_json:
+            echo_json({**summary, "submitted": len(sent), "interrupted": True,
+                       "ids": [t.id for t in sent]})
+        sys.exit(INTERRUPTED)
+    if as_json:
+        summary["ids"] = [t.id for t in sent]
+        echo_json(summary)
+    else:
+        table = Table(title="submitted", show_header=False)
+        table.add_row("queue", queue)
+        table.add_row("tasks", f"{len(sent)} in {seconds:.2f} s ({summary['per_s']}/s)")
+        if wait is not None:
+            table.add_row("succeeded", str(summary["succeeded"]))
+            table.add_row("failed", str(summary["failed"]))
+            if summary["timed_out"]:
+                table.add_row("still running", f"{summary['timed_out']} after {wait:g} s")
+            table.add_row("latency p50 / p99", f"{millis(summary['p50_ms'])} / "
+                                               f"{millis(summary['p99_ms'])} ms")
+        console.print(table)
+    sys.exit(code)
+
+
+def _wait_all(tasks: list[Any], wait: float, quiet: bool) -> dict[str, Any]:
+    """Wait for every task (a group's callbacks, no polling)."""
+    import threading
+
+    if not tasks:
+        return {"succeeded": 0, "failed": 0, "timed_out": 0, "p50_ms": None, "p99_ms": None}
+    lock = threading.Lock()
+    done = {"succeeded": 0, "failed": 0}
+    finished = threading.Event()
+    t0 = time.time()
+    lat: list[float] = []
+
+    def on_done(task: Any, ev: Any) -> None:
+        with lock:
+            done["succeeded" if ev.kind == "succeeded" else "failed"] += 1
+            lat.append((time.time() - t0) * 1000)
+            if done["succeeded"] + done["failed"] == len(tasks):
+                finished.set()
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, disable=quiet) as bar:
+        job = bar.add_task("waiting", total=len(tasks))
+        for t in tasks:
+            t.add_done_callback(on_done)
+        deadline = time.monotonic() + wait
+        while not finished.wait(min(0.1, max(0.0, deadline - time.monotonic()))):
+            with lock:
+                bar.update(job, completed=done["succeeded"] + done["failed"])
+            if time.monotonic() >= deadline:
+                break
+        with lock:
+            bar.update(job, completed=done["succeeded"] + done["failed"])
+    with lock:
+        lat.sort()
+        n = len(lat)
+        return {**done, "timed_out": len(tasks) - done["succeeded"] - done["failed"],
+                "p50_ms": lat[n // 2] if n else None,
+                "p99_ms": lat[min(n - 1, int(n * 0.99))] if n else None}

@@ -1,0 +1,278 @@
+"""``mtq worker run`` (one worker in this process) and ``mtq workers ...`` (supervised
+worker processes: start, list, and the commands sent to running supervisors)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import click
+
+from mtq.broker.connection import REACH_TIMEOUT_S
+from mtq.cli import common
+from mtq.cli.common import (
+    FAILED,
+    USAGE,
+    FloatRange,
+    fail,
+    fail_on,
+    redis_option,
+    running_server,
+    say,
+)
+from mtq.errors import MtqError
+
+_queue_opt = click.option("--queue", "-q", required=True, help="Queue to serve.")
+_app_dir_opt = click.option(
+    "--app-dir", default=".", show_default=True, type=click.Path(file_okay=False),
+    help="Where the target's code is: put first on the import path of this process "
+         "and of the processes it starts.")
+_wait_opt = click.option(
+    "--wait-for-redis", is_flag=True,
+    help="At start, wait for an unreachable Redis without a limit (default: give up "
+         f"after MTQ_REDIS_WAIT_S, {REACH_TIMEOUT_S:.0f} s unless set, and exit 5).")
+
+
+def _overrides(**given: Any) -> dict[str, Any] | None:
+    """The queue settings given on the command line, over the queue's stored ones."""
+    return {k: v for k, v in given.items() if v is not None} or None
+
+
+def _import_from(app_dir: str) -> None:
+    from mtq.workers.target import add_app_dir
+
+    try:
+        add_app_dir(app_dir)
+    except MtqError as exc:
+        fail(exc, USAGE)
+
+
+def _reach(url: str | None, wait: bool) -> str:
+    """Wait for Redis before anything starts (see mtq.broker.connection.reach): a wrong
+    address, password or certificate is one line and exit 5. Returns the URL."""
+    from mtq.broker.connection import connect, reach, resolve_url, safe_url
+    from mtq.errors import RedisUnavailable
+
+    limit: float | None = None
+    try:
+        if not wait:
+            limit = float(os.environ.get("MTQ_REDIS_WAIT_S") or REACH_TIMEOUT_S)
+            if not 0 <= limit < float("inf"):
+                raise ValueError(limit)
+    except ValueError:
+        fail("MTQ_REDIS_WAIT_S must be a number of seconds (0 or more)", USAGE)
+    try:
+        resolved = resolve_url(url)
+        deadline = None if limit is None else time.monotonic() + limit
+        while True:  # a cluster's client reads the slot map when it is made: wait for it
+            try:
+                client = connect(resolved)
+                break
+            except RedisUnavailable as exc:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+                say(f"cannot reach {safe_url(resolved)} ({exc.__cause__ or exc}); "
+                    "retrying in 1 s")
+                time.sleep(1.0)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        reach(client, resolved, say, timeout_s=left)
+    except MtqError as exc:
+        fail_on(exc)
+    return resolved
+
+
+@click.group()
+def worker() -> None:
+    """Run one worker in this process (no supervisor; see 'mtq workers start')."""
+
+
+@worker.command("run")
+@click.argument("target")
+@_queue_opt
+@redis_option
+@click.option("--batch-size", default=None, type=click.IntRange(1, 100_000),
+              help="Most tasks per batch (default: the model's max_batch_size).")
+@click.option("--max-wait-ms", default=None, type=FloatRange(0, 60_000),
+              help="Longest wait for a batch to fill (default: the model's max_wait_ms).")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or mps.")
+@click.option("--lease-ms", default=None, type=click.IntRange(1),
+              help="Lease of a claimed task, extended every second (default: the queue's "
+                   "lease_ms, see 'mtq queue config').")
+@click.option("--burst", is_flag=True, help="Exit when the queue has nothing left to do.")
+@_app_dir_opt
+@_wait_opt
+def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
+               max_wait_ms: float | None, device: str, lease_ms: int | None, burst: bool,
+               app_dir: str, wait_for_redis: bool) -> None:
+    """Serve QUEUE with TARGET ('package.module:attr': an mtq.Model subclass or a
+    plain function). SIGTERM/SIGINT stop it after the running batch; a second
+    signal exits at once (its tasks return when their leases expire)."""
+    from mtq.workers.control import Listener
+    from mtq.workers.signals import on_stop_signals
+    from mtq.workers.target import load_model
+    from mtq.workers.worker import Worker
+
+    _import_from(app_dir)
+    try:  # a target that cannot be loaded is bad input, whatever Redis does
+        load_model(target)
+    except MtqError as exc:
+        fail(exc, USAGE)
+    url = _reach(url, wait_for_redis)
+    try:
+        w = Worker(target, queue, url=url, settings=_overrides(lease_ms=lease_ms),
+                   device=device, max_batch_size=batch_size, max_wait_ms=max_wait_ms)
+    except MtqError as exc:
+        fail(exc, USAGE)  # the target cannot be loaded, or an option is out of range
+    try:
+        w.setup()
+    except Exception as exc:  # the model's own setup(): the work failed
+        logging.getLogger("mtq.cli").info("setup failed", exc_info=True)
+        fail(f"setup of {target} failed: {type(exc).__name__}: {exc} (-v shows the "
+             "traceback)", FAILED)
+    on_stop_signals(w.stop)  # the first stops the worker, a second exits (130)
+    listener = Listener(w.consumer.redis, w.queue, w.command)
+    listener.start()
+    if burst:
+        w.command({"cmd": "drain"})
+    w.freeze_startup()
+    try:
+        totals = w.run()
+    except MtqError as exc:
+        fail_on(exc)
+    finally:
+        listener.close()
+    common.err_console.print(f"worker stopped: {totals}")
+
+
+@click.group()
+def workers() -> None:
+    """Start, list and control supervised worker processes."""
+
+
+@workers.command("start")
+@click.argument("target")
+@_queue_opt
+@redis_option
+@click.option("--devices", "devices_spec", default="cpu", show_default=True,
+              help="cpu | cuda:0,cuda:1 | all (every GPU, or cpu without one).")
+@click.option("--replicas", default=1, show_default=True, type=click.IntRange(0, 256),
+              help="Worker processes per device.")
+@click.option("--max-batch-size", default=None, type=click.IntRange(1, 100_000),
+              help="Override the model's max_batch_size.")
+@click.option("--max-wait-ms", default=None, type=FloatRange(0, 60_000),
+              help="Override the model's max_wait_ms.")
+@click.option("--timeout", "timeout_s", default=None, type=FloatRange(min=0.001),
+              help="Override the model's timeout_s: longest one predict call may run.")
+@click.option("--lease-ms", default=None, type=click.IntRange(100),
+              help="Lease of a claimed task, extended every second (default: the queue's "
+                   "lease_ms, see 'mtq queue config').")
+@click.option("--standby", default=None, type=click.IntRange(0, 1),
+              help="A warm spare process per device that takes over at once when a worker "
+                   "process dies (default: 1 on the CPU, 0 on a GPU, where it holds a "
+                   "second copy of the model in device memory).")
+@_app_dir_opt
+@_wait_opt
+def workers_start(target: str, queue: str, url: str | None, devices_spec: str, replicas: int,
+                  max_batch_size: int | None, max_wait_ms: float | None,
+                  timeout_s: float | None, lease_ms: int | None, standby: int | None,
+                  app_dir: str, wait_for_redis: bool) -> None:
+    """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
+    device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
+    signal forces."""
+    from mtq.workers.supervisor import Supervisor
+    from mtq.workers.target import find_target_module
+
+    _import_from(app_dir)
+    try:  # (the module is imported in the worker processes, not here)
+        find_target_module(target)
+    except MtqError as exc:
+        fail(exc, USAGE)
+    url = _reach(url, wait_for_redis)
+    try:
+        sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,
+                         settings=_overrides(lease_ms=lease_ms),
+                         max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
+                         timeout_s=timeout_s, standby=standby,
+                         on_event=say)
+    except MtqError as exc:
+        fail(exc, 2)
+    say(f"supervisor {sup.id} serving {queue!r} with {target} on "
+        f"{', '.join(sup.devices)} x {replicas}")
+    sys.exit(sup.run())
+
+
+@workers.command("list")
+@click.option("--queue", "-q", default=None, help="Only workers of this queue.")
+@redis_option
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def workers_list(queue: str | None, url: str | None, as_json: bool) -> None:
+    """Live workers from the registry (host, device, model, state, batch sizes, rate)."""
+    from mtq.broker.connection import connect
+    from mtq.workers.registry import list_workers
+
+    url = running_server(url)
+    try:
+        rows = list_workers(connect(url), queue)
+    except MtqError as exc:
+        fail_on(exc)
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{len(rows)} worker(s)")
+    for col in ("id", "queue", "device", "model", "state", "batch", "typical", "tasks/s",
+                "done", "beat age"):
+        table.add_column(col)
+    for w in rows:
+        table.add_row(w["id"], str(w.get("queue")), str(w.get("device")),
+                      f"{w.get('model')}/{w.get('version')}", str(w.get("state")),
+                      str(w.get("batch")), str(w.get("typical_batch")),
+                      str(w.get("tasks_per_s")), str(w.get("succeeded")),
+                      f"{w['heartbeat_age_s']:.1f}s")
+    common.console.print(table)
+
+
+def _control(cmd: str, queue: str, url: str | None, worker_id: str | None = None,
+             replicas: int | None = None) -> None:
+    from mtq.broker.connection import connect
+    from mtq.workers import control
+
+    url = running_server(url)
+    try:
+        n = control.send(connect(url), queue, cmd, worker=worker_id, replicas=replicas)
+    except MtqError as exc:
+        fail_on(exc)
+    if n == 0:
+        common.err_console.print(f"[yellow]no supervisor of queue {queue!r} is listening[/]")
+        sys.exit(4)
+    common.console.print(f"{cmd}: sent to {n} supervisor(s) of {queue!r}")
+
+
+def _control_command(cmd: str, help_text: str) -> None:
+    @workers.command(cmd, help=help_text)
+    @_queue_opt
+    @redis_option
+    @click.option("--worker", "worker_id", default=None, help="Only this worker id.")
+    def _cmd(queue: str, url: str | None, worker_id: str | None) -> None:
+        _control(cmd, queue, url, worker_id)
+
+
+_control_command("pause", "Stop claiming; claimed-ahead tasks go back to the queue.")
+_control_command("resume", "Claim again after a pause.")
+_control_command("reload", "Re-import the target and run setup again, losing no task.")
+_control_command("drain", "Work until the queue is empty, then exit.")
+_control_command("stop", "Finish running batches, give the rest back, exit.")
+
+
+@workers.command("scale")
+@click.argument("replicas", type=click.IntRange(0, 256))
+@_queue_opt
+@redis_option
+def workers_scale(replicas: int, queue: str, url: str | None) -> None:
+    """Set the number of worker processes per device of the running supervisors."""
+    _control("scale", queue, url, replicas=replicas)
