@@ -17,7 +17,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -30,7 +29,7 @@ from benchmarks import targets
 from benchmarks.harness.meters import machine_info, median, rate, spread
 from benchmarks.harness.procs import worker_env
 from benchmarks.harness.report import Results, cli_args, write_block
-from benchmarks.harness.server import ROOT, Counting, Server, compile_tree
+from benchmarks.harness.server import ROOT, Counting, Server, compile_tree, uniq
 from mtq import serialization
 from mtq.broker import scripts
 
@@ -85,10 +84,6 @@ QUICK = Sizes(raw_single=3_000, raw_pipelined=20_000, submit_single=1_000,
 
 def ratio(value: float, base: float, label: str) -> str:
     return f"{value / base:.2f}x {label}"
-
-
-def uniq(prefix: str) -> str:
-    return f"bench-{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @dataclass
@@ -329,7 +324,7 @@ def run_worker(server: Server, r: redis.Redis, n: int) -> tuple[float, float, fl
     q = mtq.Queue(qname, client=r)
     tasks = presubmit(q, n)
     env = worker_env(server.url)
-    cmd = [sys.executable, "-m", "mtq", "worker", "run", "benchmarks.noop:handle",
+    cmd = [sys.executable, "-m", "mtq", "worker", "run", "benchmarks.children.noop:handle",
            "--queue", qname, "--batch-size", "64", "--burst"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,

@@ -2,7 +2,7 @@
 
 * cache-hit round trip, submit -> result (the submit's one script call answers it,
   the result inline), warm, vs an uncached round trip through a warm real worker
-  (``mtq worker run benchmarks.noop:handle``) in the same run, in alternating blocks of
+  (``mtq worker run benchmarks.children.noop:handle``) in the same run, in alternating blocks of
   100; target hit p50 <= 0.3 ms;
 * no-op drain rate of a queue with the cache on and every payload distinct (all
   misses: single-flight markers, cache fields, entry writes) vs the cache off, same
@@ -36,7 +36,7 @@ import redis
 
 import mtq
 from benchmarks.broker import ROOT, Server, free_port, run_worker, write_docs
-from benchmarks.noop import handle
+from benchmarks.children.noop import handle
 from mtq.broker import catalogue
 from mtq.broker.consumer import Consumer
 from mtq.broker.embedded import find_redis_server
@@ -57,7 +57,7 @@ def round_trips(server: Server, r: redis.Redis, samples: int) -> dict[str, float
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
                                          if p)}
     proc = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
-                             "benchmarks.noop:handle", "--queue", "bench-rt"], env=env,
+                             "benchmarks.children.noop:handle", "--queue", "bench-rt"], env=env,
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         q.submit({"x": "warm"}, cache=False).result(timeout=60)
@@ -96,7 +96,7 @@ def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str
         # the version the worker will compute (so that its acks write the entries)
         version = version_of(FunctionModel(handle))
         catalogue.record(r, q.name, {"event": "loaded"},
-                         {"target": "benchmarks.noop:handle", "version": version,
+                         {"target": "benchmarks.children.noop:handle", "version": version,
                           "kind": "function", "deterministic": 0, "cacheable": 1})
         return original(q, count, streams, **kw)  # type: ignore[arg-type]
 
@@ -146,7 +146,7 @@ def redis_cost(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str,
             if mode == "on":
                 q.configure(cache_ttl_s=3600, cache_max_entries=10 * n)  # no eviction
                 catalogue.record(r, q.name, {"event": "loaded"},
-                                 {"target": "benchmarks.noop:handle",
+                                 {"target": "benchmarks.children.noop:handle",
                                   "version": version_of(FunctionModel(handle)),
                                   "kind": "function", "deterministic": 0, "cacheable": 1})
             items = [{"text": "hello world", "i": j} for j in range(n)]
@@ -158,7 +158,7 @@ def redis_cost(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str,
             out[mode]["submit_cmds"].append(calls / n)
             r.config_resetstat()
             c0, _, _ = window()
-            subprocess.run([sys.executable, "-m", "mtq", "worker", "run", "benchmarks.noop:handle",
+            subprocess.run([sys.executable, "-m", "mtq", "worker", "run", "benchmarks.children.noop:handle",
                             "--queue", q.name, "--batch-size", "64", "--burst"], env=env,
                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=300, check=True)
@@ -219,7 +219,7 @@ def counted(prepare: Callable[[redis.Redis], Callable[[], None]]) -> int:
 
 def with_model(r: redis.Redis, q: mtq.Queue, version: str) -> None:
     catalogue.record(r, q.name, {"event": "loaded"},
-                     {"target": "benchmarks.noop:handle", "version": version,
+                     {"target": "benchmarks.children.noop:handle", "version": version,
                       "kind": "function", "deterministic": 0, "cacheable": 1})
 
 

@@ -57,7 +57,7 @@ def one_pass(server: Server, mode: str, n: int) -> dict[str, float]:
     r = redis.Redis.from_url(server.url)
     name = f"collect-{len(mode)}-{time.monotonic_ns()}"
     q = mtq.Queue(name, client=r)
-    proc = spawn_worker(server, name, "benchmarks.noop:handle", None, worker_env(server))
+    proc = spawn_worker(server, name, "benchmarks.children.noop:handle", None, worker_env(server))
     saved = replies.INBOX_MAX
     try:
         wait_worker(r, name, proc)

@@ -169,7 +169,7 @@ def bare_recovery(url: str, rounds: int, seed: int, workdir: Path) -> dict[str, 
             os.killpg(victim.pid, signal.SIGKILL)
             victim.wait(10)
             wait_for("the round's tasks to succeed",
-                     lambda: all(t.status() == "succeeded" for t in submitted), 120)
+                     lambda: all(t.status() == "succeeded" for t in submitted), 120)  # noqa: B023
             times += recovery_times(client, queue, [t.id for t in submitted], [kill])
     finally:
         kill_group(helper)

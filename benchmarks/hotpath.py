@@ -45,7 +45,7 @@ from benchmarks.harness.report import write_block
 from benchmarks.harness.server import ROOT, Server, compile_tree
 from mtq.workers import registry
 
-#: the environment variables the worker's handler (benchmarks.noop:marked) reads
+#: the environment variables the worker's handler (benchmarks.children.noop:marked) reads
 MARK_DIR, MARK_N = "MTQ_BENCH_MARK_DIR", "MTQ_BENCH_N"
 
 

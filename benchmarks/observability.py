@@ -8,7 +8,7 @@ It starts its own redis-server on a free loopback port (persistence off) and
 measures, in the same run:
 
 a. the no-op drain rate of one real ``mtq worker run`` process
-   (``benchmarks.noop:NoopModel``, batch 32, ``--burst``) with the queue's
+   (``benchmarks.children.noop:NoopModel``, batch 32, ``--burst``) with the queue's
    ``metrics`` setting true and false, in interleaved passes (on, off, on, off ...),
    each rate taken from the first completion to the last (server clock); the
    figures are the medians and their ratio (target: metrics on at most 3 % slower);
@@ -62,7 +62,7 @@ def drain_rate(server: Server, r: redis.Redis, n: int, metrics: bool) -> float:
     q = mtq.Queue(qname, client=r)
     q.configure(metrics=metrics)
     tasks = q.submit_many([{"i": i} for i in range(n)])
-    p = Proc(["worker", "run", "benchmarks.noop:NoopModel", "--queue", qname, "--redis",
+    p = Proc(["worker", "run", "benchmarks.children.noop:NoopModel", "--queue", qname, "--redis",
               server.url, "--batch-size", str(BATCH), "--burst"], worker_env(server))
     try:
         code = p.wait(300)
@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{dt.date.today().isoformat()}, `{command}` on {platform.machine()} "
             f"({platform.python_version()}), {time.time() - started:.0f} s. (a) "
             f"{passes} interleaved passes each of one `mtq worker run --burst` draining "
-            f"{n:,} no-op tasks (`benchmarks.noop:NoopModel`, batch {BATCH}) with the "
+            f"{n:,} no-op tasks (`benchmarks.children.noop:NoopModel`, batch {BATCH}) with the "
             "queue's `metrics` setting on and off; rate from the first completion to the "
             f"last (server clock). (b) `mtq metrics serve` scraped {len(walls)} times over "
             f"HTTP at {queues:,} queues, each with stats and histogram data, 8 workers; "

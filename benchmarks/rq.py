@@ -16,7 +16,7 @@ results are kept, as a default RQ deployment keeps them), and it measures:
 1. no-op jobs drained by one ``rq worker --worker-class rq.worker.SimpleWorker
    --burst`` and by one ``mtq rq worker --burst``: jobs/s, Redis commands and Redis CPU
    per job, and that every job finished (target: mtq >= 10x RQ);
-2. all-MiniLM-L6-v2 (``benchmarks.rq_jobs.embed``, an ``mtq.rq.batched`` function) on
+2. all-MiniLM-L6-v2 (``benchmarks.children.rq_jobs.embed``, an ``mtq.rq.batched`` function) on
    the CPU: the model's own batch-32 rate in this process, then single-sentence jobs
    drained by one warm ``rq worker`` (a batch of one per job) and by one warm ``mtq rq
    worker`` (batches of up to 32), in turns (target: mtq >= 90 % of the model's rate).
@@ -68,9 +68,9 @@ from benchmarks.broker import (
 SECTION = "## RQ interoperability"
 TARGET_NOOP_RATIO = 10.0      # (1) mtq rq worker / rq SimpleWorker
 TARGET_CEILING = 0.90         # (2) mtq rq worker / the model's own batch-32 rate
-BATCH = 32                    # benchmarks.rq_jobs.embed's max_batch_size
-NOOP = "benchmarks.rq_jobs.noop"
-EMBED = "benchmarks.rq_jobs.embed"
+BATCH = 32                    # benchmarks.children.rq_jobs.embed's max_batch_size
+NOOP = "benchmarks.children.rq_jobs.noop"
+EMBED = "benchmarks.children.rq_jobs.embed"
 MTQ_MISSING = "mtq rq worker not available"
 CHUNK = 1000                  # jobs per enqueue_many pipeline
 
@@ -384,7 +384,7 @@ def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Res
 # -- 2. MiniLM -----------------------------------------------------------------------
 def direct_pass(texts: Sequence[str]) -> float:
     """The model called in this process in batches of 32: sentences/s."""
-    from benchmarks.rq_jobs import encode
+    from benchmarks.children.rq_jobs import encode
 
     t0 = time.perf_counter()
     for i in range(0, len(texts), BATCH):
@@ -412,7 +412,7 @@ def chunk(r: redis.Redis, w: Worker, queue: str, texts: Sequence[str]
 
 def check_results(r: redis.Redis, ids: Sequence[str], texts: Sequence[str], w: Worker) -> None:
     """A few results, read through RQ's API, match the model called here."""
-    from benchmarks.rq_jobs import encode
+    from benchmarks.children.rq_jobs import encode
 
     for k in (0, len(ids) // 2, len(ids) - 1):
         job = Job.fetch(ids[k], connection=r, serializer=JSONSerializer)
@@ -521,7 +521,7 @@ NOTES = [
     "chunk of single-sentence jobs enqueued at once to the idle rq worker, then to the "
     "mtq worker, each chunk timed from its first job's `started_at` to its last job's "
     "`ended_at` (results kept). Every process that runs the model sets the same torch "
-    "thread count (`benchmarks.rq_jobs.encoder`). Three results per chunk are checked "
+    "thread count (`benchmarks.children.rq_jobs.encoder`). Three results per chunk are checked "
     "against the model run here (cosine >= 0.999).",
 ]
 

@@ -174,7 +174,7 @@ def drain(primaries: int, queues: int, per_queue: int, tmp: Path) -> tuple[float
         cpu0 = _cpu(c.nodes)
         t0 = time.monotonic()
         procs = [subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
-                                   "benchmarks.noop:handle", "--queue", n, "--burst"],
+                                   "benchmarks.children.noop:handle", "--queue", n, "--burst"],
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for n in names]
         ends = []

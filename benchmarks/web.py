@@ -4,8 +4,8 @@
     python -m benchmarks.web            # full run (~1-2 minutes on 2 cores), writes docs
     python -m benchmarks.web --quick    # smaller run (~50 s), prints only (add --docs)
 
-On a private redis-server, with one uvicorn process serving benchmarks/web_app.py (an
-``EventStreamResponse`` per request) and ``mtq worker run benchmarks.web_targets:Paced``
+On a private redis-server, with one uvicorn process serving benchmarks/children/web_app.py (an
+``EventStreamResponse`` per request) and ``mtq worker run benchmarks.children.web_client:Paced``
 processes (a generator without a model: one token per running request per step, at a
 fixed pace), it measures:
 
@@ -71,7 +71,7 @@ from benchmarks.broker import (
 
 SECTION = "## Web (SSE)"
 TARGET_ADDED_MS = (1.0, 5.0)   # SSE arrival - in-process arrival, p50 and p99
-TARGET = "benchmarks.web_targets:Paced"
+TARGET = "benchmarks.children.web_client:Paced"
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ QUICK = Sizes(lat_tasks=8, lat_tokens=100, lat_step_ms=20, lat_runs=1, many=500,
 
 # -- the web server ------------------------------------------------------------------
 class Uvicorn:
-    """``python -m uvicorn benchmarks.web_app:app``, one process, on a free port."""
+    """``python -m uvicorn benchmarks.children.web_app:app``, one process, on a free port."""
 
     def __init__(self, env: dict[str, str], profile: Path | None = None) -> None:
         self.port = free_port()
@@ -109,7 +109,7 @@ class Uvicorn:
         self.log = tempfile.NamedTemporaryFile(prefix="mtq-bench-uvicorn-", suffix=".log",
                                                delete=False)
         env = dict(env, MTQ_BENCH_CLIENT_NAME=self.name)
-        command = [sys.executable, "-m", "uvicorn", "benchmarks.web_app:app", "--host",
+        command = [sys.executable, "-m", "uvicorn", "benchmarks.children.web_app:app", "--host",
                    "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
                    "--no-access-log", "--timeout-graceful-shutdown", "2"]
         if profile is not None:
@@ -179,7 +179,7 @@ def save(*_):
     prof.dump_stats(sys.argv[2])
 signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
 signal.signal(signal.SIGUSR2, save)
-uvicorn.run("benchmarks.web_app:app", host="127.0.0.1", port=int(sys.argv[1]),
+uvicorn.run("benchmarks.children.web_app:app", host="127.0.0.1", port=int(sys.argv[1]),
             log_level="warning", access_log=False, timeout_graceful_shutdown=2)
 """
 
@@ -226,7 +226,7 @@ def client(mode: str, where: str, queue: str, ids: Sequence[str], stages: Sequen
     ids_file.write_text("\n".join(ids))
     out = tmp / f"{mode}-{uuid.uuid4().hex[:6]}.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.web_targets", mode, where, queue, str(ids_file),
+        [sys.executable, "-m", "benchmarks.children.web_client", mode, where, queue, str(ids_file),
          str(out), ",".join(map(str, stages))],
         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return proc, out
@@ -470,7 +470,7 @@ def bench_floor(web: Uvicorn, s: Sizes, res: Results, tmp: Path, env: dict[str, 
     """Pre-made events from a bare StreamingResponse, read by the same raw-socket client."""
     code = (
         "import asyncio, json, sys, time\n"
-        "from benchmarks.web_targets import _new, _sse\n"
+        "from benchmarks.children.web_client import _new, _sse\n"
         "host, port, n, step, k, out = sys.argv[1:]\n"
         "async def main():\n"
         "    recs = [_new(str(i)) for i in range(int(k))]\n"
@@ -544,13 +544,13 @@ def bench_profile(r: redis.Redis, q: mtq.Queue, server: Server, s: Sizes, res: R
 
 # -- main ------------------------------------------------------------------------------
 NOTES = [
-    "Workers: `python -m mtq worker run benchmarks.web_targets:Paced` processes (2), a "
+    "Workers: `python -m mtq worker run benchmarks.children.web_client:Paced` processes (2), a "
     "generator without a model: up to 1 024 running requests, one token per request per "
     "decode step, steps on a fixed schedule (20 ms in 1., 100 ms in 2.), each token "
     "`[index, time.time()]` stamped when the step's tokens leave the handler; the outlet "
     "process publishes them (emit.lua, PUBLISH). A request gets no token until a gate file "
     "exists, so every reader is open (it has had its first keep-alive, sent 0.5 s after its read of the task) before the first token.",
-    "Server: one `python -m uvicorn benchmarks.web_app:app` process (asyncio loop, h11: "
+    "Server: one `python -m uvicorn benchmarks.children.web_app:app` process (asyncio loop, h11: "
     "uvloop and httptools are not installed here) serving `EventStreamResponse(task)` in a "
     "Starlette app; its Redis client is named, so CLIENT LIST counts its connections.",
     "Reading 2.: in the in-process baseline most of the p99 lies before the publish "
@@ -559,10 +559,10 @@ NOTES = [
     "process's work per token (section 4), which a burst of 500 events per step queues "
     "up. The floor (3.) is the same uvicorn process sending the same burst of pre-made "
     "events without Redis or mtq.",
-    "SSE client: `python -m benchmarks.web_targets sse`, one asyncio process, one raw "
+    "SSE client: `python -m benchmarks.children.web_client sse`, one asyncio process, one raw "
     "socket per stream (HTTP/1.1 GET, chunked body parsed by hand), `time.time()` when a "
     "chunk has been read; data is decoded after the run. In-process reader: "
-    "`python -m benchmarks.web_targets inproc`, `Task.aevents()` per task in one asyncio "
+    "`python -m benchmarks.children.web_client inproc`, `Task.aevents()` per task in one asyncio "
     "process, the reader the SSE response wraps. Latencies use one host clock; 'publish' "
     "is the event's `ts` (Redis TIME in the emit script).",
 ]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def uniq(prefix: str) -> str:
+    """A fresh queue name: ``bench-PREFIX-xxxxxxxx``."""
+    return f"bench-{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def bench_binary() -> str:

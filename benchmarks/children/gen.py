@@ -4,7 +4,7 @@
   batching: a new batch starts only once the whole previous one finished) and
   ``max_running = 16``; the baseline of the continuous-batching comparison;
 * :class:`ContinuousTinyGPT`: the same with continuous batching;
-* ``python -m benchmarks.gen_targets``: loads TinyGPT once, then for each JSON line
+* ``python -m benchmarks.children.gen``: loads TinyGPT once, then for each JSON line
   ``{"b": B, "steps": n, "prompt": str, "publish": url | null}`` on stdin prints
   ``{"rate": tokens/s}``: :func:`mtq.reference.gpt.decode_rate`, or with ``publish``
   the same loop with a thread that streams every step's tokens to Redis as a
@@ -14,7 +14,7 @@
   process with the worker's thread settings. A line ``{"mixed": [payload, ...],
   "continuous": bool}`` instead runs those payloads through :func:`schedule_rate` on
   a :class:`ContinuousTinyGPT` (the mixed workload's ceiling, without a queue);
-* ``python -m benchmarks.gen_targets publish PORT N SIZE GAP`` and ``... echo PORT``:
+* ``python -m benchmarks.children.gen publish PORT N SIZE GAP`` and ``... echo PORT``:
   the baselines' other process: raw PUBLISH of N messages of SIZE bytes carrying the
   publish time, one every GAP s (:func:`publish`); a hand-rolled queue worker,
   BLPOP request -> LPUSH reply (:func:`echo`).
@@ -148,10 +148,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class RawDecoder:
-    """Client of ``python -m benchmarks.gen_targets`` (every wait has a timeout)."""
+    """Client of ``python -m benchmarks.children.gen`` (every wait has a timeout)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gen_targets"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.children.gen"], env=env,
                                      cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # a thread reads the answers: select() on a buffered pipe misses lines that
@@ -173,7 +173,7 @@ class RawDecoder:
             line = ""
         if not line:
             self.close()
-            raise SystemExit(f"benchmarks.gen_targets gave no answer within {timeout:.0f} s")
+            raise SystemExit(f"benchmarks.children.gen gave no answer within {timeout:.0f} s")
         return dict(json.loads(line))
 
     def ask(self, b: int, steps: int, prompt: str, publish: str | None = None) -> None:
@@ -223,7 +223,7 @@ def pubsub_latencies(port: int, n: int, size: int, gap: float) -> list[float]:
     ps.subscribe("bench:pub")
     ps.get_message(timeout=5)  # the subscribe confirmation
     out: list[float] = []
-    pub = subprocess.Popen([sys.executable, "-m", "benchmarks.gen_targets", "publish",
+    pub = subprocess.Popen([sys.executable, "-m", "benchmarks.children.gen", "publish",
                             str(port), str(n), str(size), str(gap)], cwd=ROOT)
     try:
         deadline = time.monotonic() + 30 + n * gap * 3
