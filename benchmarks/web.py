@@ -21,13 +21,12 @@ fixed pace), it measures:
 3. the floor of the HTTP side: a bare Starlette ``StreamingResponse`` of pre-made
    events in the same uvicorn process, read by the same client.
 
-It prints a table and rewrites the "## Web (SSE)" section of docs/benchmarks.md
-(``--quick`` only prints unless ``--docs``).
+It writes the ``web`` block of docs/benchmarks.md (``--quick`` only prints unless
+``--docs``).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import signal
@@ -47,30 +46,13 @@ import psutil
 import redis
 
 import mtq
-from benchmarks.batching import (
-    CpuMeter,
-    Proc,
-    live_workers,
-    pct,
-    wait_for,
-    worker_env,
-)
-from benchmarks.broker import (
-    ROOT,
-    Results,
-    Server,
-    cli_args,
-    console,
-    free_port,
-    machine_info,
-    print_table,
-    results_markdown,
-    uniq,
-    write_docs,
-)
+from benchmarks import targets
+from benchmarks.harness.meters import CpuMeter, machine_info, pct
+from benchmarks.harness.procs import Proc, wait_for, worker_env
+from benchmarks.harness.report import Results, cli_args, write_block
+from benchmarks.harness.server import ROOT, Server, free_port, uniq
+from mtq.workers.registry import list_workers
 
-SECTION = "## Web (SSE)"
-TARGET_ADDED_MS = (1.0, 5.0)   # SSE arrival - in-process arrival, p50 and p99
 TARGET = "benchmarks.children.web_client:Paced"
 
 
@@ -113,7 +95,8 @@ class Uvicorn:
                    "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
                    "--no-access-log", "--timeout-graceful-shutdown", "2"]
         if profile is not None:
-            command = [sys.executable, "-c", PROFILED, str(self.port), str(profile)]
+            command = [sys.executable, "-m", "benchmarks.children.web_profiled", str(self.port),
+                       str(profile)]
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self.pid = 0
@@ -167,21 +150,6 @@ class Uvicorn:
                 self.proc.wait(10)
         self.log.close()
         os.unlink(self.log.name)
-
-
-#: the server under cProfile (its event loop's thread), saving the profile at the end
-#: (SIGUSR1 starts it, SIGUSR2 stops it and saves: the token phase only)
-PROFILED = """
-import cProfile, signal, sys, uvicorn
-prof = cProfile.Profile()
-def save(*_):
-    prof.disable()
-    prof.dump_stats(sys.argv[2])
-signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
-signal.signal(signal.SIGUSR2, save)
-uvicorn.run("benchmarks.children.web_app:app", host="127.0.0.1", port=int(sys.argv[1]),
-            log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-"""
 
 
 class Sampler:
@@ -378,8 +346,8 @@ def bench_added(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: S
         res.add(f"SSE via uvicorn, publish -> arrival, {label}" if q_ == 50 else f"  {label}",
                 v, "ms", (f"{stats(sse)}; " if q_ == 50 else "")
                 + f"{v / pct(inproc, q_):.2f}x in-process")
-    for label, q_, target in (("p50", 50, TARGET_ADDED_MS[0]), ("p90", 90, None),
-                              ("p99", 99, TARGET_ADDED_MS[1])):
+    for label, q_, target in (("p50", 50, targets.SSE_ADDED_MS[0]), ("p90", 90, None),
+                              ("p99", 99, targets.SSE_ADDED_MS[1])):
         v = pct(added, q_)
         note = stats(added) + "; " if q_ == 50 else ""
         if target is not None:
@@ -468,23 +436,13 @@ def bench_many(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: Si
 # -- 3. the floor ----------------------------------------------------------------------
 def bench_floor(web: Uvicorn, s: Sizes, res: Results, tmp: Path, env: dict[str, str]) -> None:
     """Pre-made events from a bare StreamingResponse, read by the same raw-socket client."""
-    code = (
-        "import asyncio, json, sys, time\n"
-        "from benchmarks.children.web_client import _new, _sse\n"
-        "host, port, n, step, k, out = sys.argv[1:]\n"
-        "async def main():\n"
-        "    recs = [_new(str(i)) for i in range(int(k))]\n"
-        "    await asyncio.gather(*(_sse(host, int(port), f'/bare/{n}/{step}', rec,"
-        " asyncio.Event()) for rec in recs))\n"
-        "    json.dump(recs, open(out, 'w'))\n"
-        "asyncio.run(main())\n")
     rows = []
     for k, step in ((s.lat_tasks, s.lat_step_ms), (s.many, s.many_step_ms)):
         n = s.bare_tokens if k == s.lat_tasks else s.many_tokens
         out = tmp / f"bare-{k}.json"
-        subprocess.run([sys.executable, "-c", code, "127.0.0.1", str(web.port), str(n),
-                        str(step), str(k), str(out)], cwd=ROOT, env=env, check=True,
-                       timeout=300)
+        subprocess.run([sys.executable, "-m", "benchmarks.children.web_client", "bare",
+                        "127.0.0.1", str(web.port), str(n), str(step), str(k), str(out)],
+                       cwd=ROOT, env=env, check=True, timeout=300)
         rows.append((k, n, step, stamp_lat(json.loads(out.read_text()))))
     res.section = ("3. floor: a bare Starlette StreamingResponse of pre-made events (no Redis, "
                    "no mtq), same uvicorn process, same client")
@@ -543,29 +501,6 @@ def bench_profile(r: redis.Redis, q: mtq.Queue, server: Server, s: Sizes, res: R
 
 
 # -- main ------------------------------------------------------------------------------
-NOTES = [
-    "Workers: `python -m mtq worker run benchmarks.children.web_client:Paced` processes (2), a "
-    "generator without a model: up to 1 024 running requests, one token per request per "
-    "decode step, steps on a fixed schedule (20 ms in 1., 100 ms in 2.), each token "
-    "`[index, time.time()]` stamped when the step's tokens leave the handler; the outlet "
-    "process publishes them (emit.lua, PUBLISH). A request gets no token until a gate file "
-    "exists, so every reader is open (it has had its first keep-alive, sent 0.5 s after its read of the task) before the first token.",
-    "Server: one `python -m uvicorn benchmarks.children.web_app:app` process (asyncio loop, h11: "
-    "uvloop and httptools are not installed here) serving `EventStreamResponse(task)` in a "
-    "Starlette app; its Redis client is named, so CLIENT LIST counts its connections.",
-    "Reading 2.: in the in-process baseline most of the p99 lies before the publish "
-    "(stamp -> publish, the workers' engine and outlet process with 250 requests each, on "
-    "2 shared cores), so it is common to both readers; what SSE adds there is the uvicorn "
-    "process's work per token (section 4), which a burst of 500 events per step queues "
-    "up. The floor (3.) is the same uvicorn process sending the same burst of pre-made "
-    "events without Redis or mtq.",
-    "SSE client: `python -m benchmarks.children.web_client sse`, one asyncio process, one raw "
-    "socket per stream (HTTP/1.1 GET, chunked body parsed by hand), `time.time()` when a "
-    "chunk has been read; data is decoded after the run. In-process reader: "
-    "`python -m benchmarks.children.web_client inproc`, `Task.aevents()` per task in one asyncio "
-    "process, the reader the SSE response wraps. Latencies use one host clock; 'publish' "
-    "is the event's `ts` (Redis TIME in the emit script).",
-]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -580,52 +515,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         r = server.client()
         r.flushall()
-        env = worker_env(server)
+        env = worker_env(server.url)
         web = Uvicorn(env)
         q = mtq.Queue(uniq("web"), client=r)
         workers = [Proc(["worker", "run", TARGET, "--queue", q.name, "--redis", server.url],
                         env) for _ in range(s.workers)]
-        wait_for(f"{s.workers} workers", lambda: len(live_workers(r, q.name)) >= s.workers,
+        wait_for(f"{s.workers} workers", lambda: len(list_workers(r, q.name)) >= s.workers,
                  60, workers)
         # warm-up: imports, the server's reply subscription, the workers' first steps
         stream_run(r, web, q, server, 20, 10, 10, ("sse", "inproc"), (20,), tmp, env, workers)
         res = Results()
         steps: list[tuple[str, Callable[[], Any]]] = [
             ("added latency", lambda: bench_added(r, web, q, server, s, res, tmp, env,
-                                                  workers)),  # type: ignore[arg-type]
+                                                  workers)),
             (f"{s.many} streams", lambda: bench_many(r, web, q, server, s, res, tmp, env,
-                                                     workers)),  # type: ignore[arg-type]
-            ("floor", lambda: bench_floor(web, s, res, tmp, env)),  # type: ignore[arg-type]
+                                                     workers)),
+            ("floor", lambda: bench_floor(web, s, res, tmp, env)),
             ("profile", lambda: bench_profile(r, q, server, s, res, tmp, env,
-                                              workers)),  # type: ignore[arg-type]
+                                              workers)),
         ]
         meter = CpuMeter()
-        meter.run(steps, res.notes, s.quiet_s)
+        meter.run(steps, s.quiet_s)
         seconds = time.perf_counter() - started
-        res.notes += [*NOTES, meter.summary()]
-        info = machine_info(r, str(r.info("memory").get("mem_allocator", "?")))
         import starlette
         import uvicorn
 
-        versions = f"uvicorn {uvicorn.__version__}, starlette {starlette.__version__}"
-        print_table(res, f"mtq web/SSE ({'quick' if quick else 'full'} run, {seconds:.0f} s) "
-                    f"- {info['cpus']} cores, {info['python']}, {versions}, {info['server']}",
-                    "ratio / target")
+        machine = machine_info(r, f"uvicorn {uvicorn.__version__}, starlette "
+                               f"{starlette.__version__}",
+                               f"other processes {meter.share():.0%} of the CPU")
+        res.print(f"mtq web/SSE ({'quick' if quick else 'full'} run, {seconds:.0f} s), {machine}")
         if docs is not None:
             command = "python -m benchmarks.web" + (" --quick" if quick else "")
-            lines = [
-                SECTION, "",
-                f"Produced by `{command}` on {dt.date.today().isoformat()} in {seconds:.0f} s.",
-                "",
-                f"Machine: {info['cpus']} CPU cores ({info['cpu']}), {info['os']}; "
-                f"{info['python']}; {info['redis_py']}; {versions}; {info['server']} on "
-                "loopback TCP (started by the script, persistence off). Redis, the workers "
-                "and their outlets, the uvicorn process and the client processes share the "
-                "cores.", "",
-                *results_markdown(res, "ratio / target"),
-            ]
-            write_docs(docs, "\n".join(lines) + "\n", SECTION)
-            console.print(f"wrote {docs}")
+            write_block("web", res.markdown(), command, machine, seconds, docs)
         return 0
     finally:
         for w in workers:

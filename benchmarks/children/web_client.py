@@ -20,6 +20,8 @@
   tasks read in this process with ``Task.aevents()`` (mtq's own reader, the one the
   SSE response wraps), with the same stages and output, plus each token's ``ts``
   (Redis TIME when it was published).
+* ``python -m benchmarks.children.web_client bare HOST PORT N STEP K OUT``: K streams of
+  the app's ``/bare/N/STEP`` (pre-made events, no Redis), stamped the same way.
 """
 
 from __future__ import annotations
@@ -170,7 +172,19 @@ async def _stages(ids: list[str], stages: list[int],
     return recs
 
 
+async def _bare(host: str, port: int, n: str, step: str, k: int) -> list[Record]:
+    recs = [_new(str(i)) for i in range(k)]
+    await asyncio.gather(*(_sse(host, port, f"/bare/{n}/{step}", rec, asyncio.Event())
+                           for rec in recs))
+    return recs
+
+
 def main(argv: list[str]) -> None:
+    if argv[0] == "bare":  # bare HOST PORT N STEP K OUT: the floor, pre-made events
+        host, port, n, step, k, out = argv[1:]
+        with open(out, "w") as f:
+            json.dump(asyncio.run(_bare(host, int(port), n, step, int(k))), f)
+        return
     mode, where, queue, ids_file, out, stages_s = argv
     with open(ids_file) as f:
         ids = f.read().split()
