@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 
 from benchmarks.harness.meters import machine_info
 from benchmarks.harness.report import write_block
-from benchmarks.harness.server import ROOT
+from benchmarks.harness.server import ROOT, callgrind_total
 
 #: run by path with the measured tree first on PYTHONPATH (see its docstring)
 CHILD = Path(__file__).resolve().parent / "children" / "callgrind_tree.py"
@@ -46,16 +45,6 @@ CHILD = Path(__file__).resolve().parent / "children" / "callgrind_tree.py"
 CASES = (("submitted task (submit_many of 1,000)", "submit", 5000),
          ("drained task (batch 64)", "drain", 3200), ("round trip (one task)", "roundtrip", 200),
          ("round trip to a sleeping worker (one task)", "sleeping", 200))
-
-
-def _total(dump: Path) -> int:
-    # "summary:" at the top is written before the run (0 with --instr-atstart=no);
-    # "totals:" at the end is the count
-    totals = re.findall(r"^totals:\s*(\d+)", dump.read_text(encoding="utf-8", errors="replace"),
-                        flags=re.M)
-    if not totals or not int(totals[-1]):
-        raise SystemExit(f"no instruction count in {dump}")
-    return int(totals[-1])
 
 
 def measure(tree: Path) -> dict[str, float]:
@@ -67,7 +56,7 @@ def measure(tree: Path) -> dict[str, float]:
             env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
             subprocess.run([sys.executable, "-P", str(CHILD), what, str(dump), str(n)], env=env,
                            check=True, cwd=tmp, timeout=900)
-            out[label] = _total(dump) / n
+            out[label] = callgrind_total(dump) / n
     return out
 
 
