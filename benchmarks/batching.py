@@ -1,30 +1,14 @@
 #!/usr/bin/env python
-"""Batching benchmark: mtq workers serving a real model (all-MiniLM-L6-v2 on CPU).
+"""Batching: mtq workers serving a real model (all-MiniLM-L6-v2 on the CPU).
 
-    python -m benchmarks.batching            # full run (~3 minutes on 2 cores), writes docs
-    python -m benchmarks.batching --quick    # smaller run (~1 minute), prints only
+    python -m benchmarks.batching            # ~3 minutes on 2 cores, writes the batching block
+    python -m benchmarks.batching --quick    # ~1 minute, prints only (add --docs to write)
 
-It starts its own redis-server on a free loopback port (persistence off) and
-measures, in the same run, with the same sentences:
-
-a. the ceiling: the model called directly in this process, batches of 32 and of 1
-   (``examples.embeddings.encode``, the code path of ``MiniLM.predict``);
-b. one ``mtq worker run`` process at batch size 32 serving chunks of single-sentence
-   tasks submitted at once, each timed from its first completion to its last (model
-   load left out), in turns with the direct passes of (a);
-c. the same at batch size 1;
-d. latency (submit -> result stored) under a steady open-loop Poisson load at half
-   of (b)'s throughput, served by ``mtq workers start`` with the model's max_wait_ms;
-e. the queue's own cost per batch: a no-op model at batch 32, drained by one worker;
-f. recovery: a worker killed with SIGKILL mid-batch (lease 2 s): how long until the
-   tasks it was running are given back and running again, (1) under ``mtq workers
-   start`` with one replica (the supervisor gives them back and restarts the process,
-   which loads the model again), (2) with two replicas (the other one takes them),
-   (3) without a supervisor (a second ``mtq worker run`` reaps them when the lease
-   expires).
-
-It prints a table and rewrites the "## Batching (workers)" section of
-docs/benchmarks.md (a full run; ``--quick`` only prints unless ``--docs`` is given).
+With the same sentences, in one run: (a) the ceiling, the model called directly in this
+process at batch 32 and 1; (b) one ``mtq worker run`` at batch 32 serving chunks of
+single-sentence tasks submitted at once, in turns with (a); (c) the same at batch 1;
+(d) latency under an open-loop Poisson load at half of (b), served by ``mtq workers
+start``; (e) the queue's own cost per batch, a no-op model at batch 32.
 """
 
 from __future__ import annotations
@@ -32,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import sys
 import tempfile
 import threading
@@ -61,10 +44,8 @@ from benchmarks.harness.meters import (
 from benchmarks.harness.procs import Proc, wait_for, worker_env
 from benchmarks.harness.report import Results, cli_args, write_block
 from benchmarks.harness.server import Server, compile_tree, uniq
-from mtq.workers import control
 from mtq.workers.registry import list_workers
 
-LEASE_MS = 2000                # lease of the recovery runs; target: back within 2 x lease
 MAX_WAIT_MS = 10.0             # examples.embeddings:MiniLM.max_wait_ms (checked at start)
 BATCH = 32
 
@@ -78,19 +59,16 @@ class Sizes:
     load_s: float          # seconds of open-loop load
     noop_batches: int      # batches of 32 drained by the no-op model (per run)
     noop_reps: int
-    kills: dict[str, int]  # recovery variant -> kills
     quiet_s: float         # longest wait for a quiet machine before each step
     latency_retakes: int   # latency runs taken again at most when the machine was busy
     retakes: int           # pairs taken again at most, per pair, when the machine was busy
 
 
 FULL = Sizes(corpus=320, pairs32=6, n1=160, pairs1=4, load_s=15.0, noop_batches=500,
-             noop_reps=3, kills={"supervised, 1 replica": 3, "supervised, 2 replicas": 3,
-                                 "no supervisor, 2 workers": 1}, quiet_s=20,
+             noop_reps=3, quiet_s=20,
              latency_retakes=1, retakes=1)
 QUICK = Sizes(corpus=320, pairs32=2, n1=160, pairs1=1, load_s=6.0, noop_batches=300,
-              noop_reps=1, kills={"supervised, 1 replica": 1, "supervised, 2 replicas": 1},
-              quiet_s=3, latency_retakes=0, retakes=0)
+              noop_reps=1, quiet_s=3, latency_retakes=0, retakes=0)
 
 
 # -- sentences -------------------------------------------------------------------
@@ -544,251 +522,6 @@ def bench_overhead(server: Server, r: redis.Redis, s: Sizes, res: Results,
                 f"{st['gap_ms']:.2f} ms); claim and ack overlap with predict")
 
 
-# -- f. recovery -----------------------------------------------------------------------
-class Events:
-    """Collects a queue's event channel (server timestamps) in a thread."""
-
-    def __init__(self, server: Server, q: mtq.Queue) -> None:
-        self.client = redis.Redis.from_url(server.url)
-        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.subscribe(q.broker.keys.events)
-        self.items: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="events", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            msg = self.pubsub.get_message(timeout=0.1)
-            if msg and msg.get("type") == "message":
-                with self.lock:
-                    self.items.append(json.loads(msg["data"]))
-
-    def since(self, ts: int, name: str) -> list[dict[str, Any]]:
-        with self.lock:
-            return [e for e in self.items if e.get("event") == name and int(e["ts"]) >= ts]
-
-    def first(self, ts: int, name: str, ids: set[str]) -> int | None:
-        """Server ms of the first ``name`` event at or after ts that names one of ids."""
-        for e in self.since(ts, name):
-            if ids & set(e.get("ids") or ()):
-                return int(e["ts"])
-        return None
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join(2)
-        self.pubsub.close()
-        self.client.close()
-
-
-@dataclass
-class Kill:
-    held: int            # tasks the victim held (running + claimed ahead)
-    requeued: int        # given back with the delivery counted
-    released: int        # claimed ahead, given back uncounted
-    back_ms: float       # kill -> given back (first 'restarted' or 'released' event)
-    first_ms: float      # kill -> the first task of the killed batch claimed again
-    batch_ms: float      # kill -> the last task of the killed batch claimed again
-    ahead_ms: float      # kill -> the last of the claimed-ahead tasks claimed again
-    all_ms: float        # kill -> the last of everything it held claimed again
-    stalled: list[str]   # workers that stopped claiming afterwards (unstuck with 'resume')
-    early: bool = False  # they stalled before everything was claimed again
-
-
-def stalled_workers(r: redis.Redis, q: mtq.Queue, skip: set[int]) -> list[str]:
-    """Live workers whose task counter does not move over 2 s while tasks wait: they
-    stopped claiming (the registry is written every heartbeat, every lease/3 here)."""
-    def counts() -> dict[str, int]:
-        return {str(w["id"]): int(w.get("tasks", 0)) for w in live_workers(r, q.name)
-                if int(w["pid"]) not in skip}
-
-    time.sleep(1.0)  # let the registry catch up with what just happened
-    before = counts()
-    time.sleep(2.0)
-    after = counts()
-    if q.stats()["waiting"] == 0:
-        return []
-    return [w for w, n in before.items() if after.get(w) == n]
-
-
-def kill_one(r: redis.Redis, q: mtq.Queue, ev: Events, candidates: dict[str, int],
-             rng: random.Random, skip: set[int], timeout: float = 15) -> tuple[int, Kill]:
-    """SIGKILL one worker mid-batch, then wait until everything it held is claimed again.
-
-    Times are server ms from the kill to the events the scripts publish ('restarted':
-    requeued with the delivery counted, 'released': given back uncounted, 'started':
-    claimed by a worker). Afterwards, checks that every live worker still claims; one
-    that does not is reported and woken with a 'resume' control command, so that the
-    run can go on."""
-    mark = server_ms(r)
-    # mid-batch: wait for a worker's next claim (made as its model takes the batch it
-    # claimed before), then a moment into that predict call; that worker is the victim
-    wait_for("a worker's next claim",
-             lambda: any(e.get("worker") in candidates for e in ev.since(mark, "started")), 20)
-    wid = next(str(e["worker"]) for e in ev.since(mark, "started")
-               if e.get("worker") in candidates)
-    pid = candidates[wid]
-    time.sleep(rng.uniform(0.02, 0.08))
-    held = [_text(i) for i in r.zrangebyscore(q.broker.keys.leases, "-inf", "(+inf")]
-    pipe = r.pipeline(transaction=False)
-    for i in held:
-        pipe.hget(q.broker.keys.task(i), "worker")
-    mine = {i for i, w in zip(held, pipe.execute()) if w is not None and _text(w) == wid}
-    killed_at = server_ms(r)
-    os.kill(pid, signal.SIGKILL)
-    skip = skip | {pid}
-    if not mine:
-        raise SystemExit(f"worker {wid} held no task when it was killed")
-    ahead = {i for e in ev.items[:] if e.get("event") == "started" and e.get("worker") == wid
-             and mark <= int(e["ts"]) <= killed_at for i in e.get("ids") or ()} & mine
-    batch = (mine - ahead) or mine
-
-    def ids(name: str) -> set[str]:
-        return {i for e in ev.since(killed_at, name) for i in e.get("ids") or ()}
-
-    stalled: list[str] = []
-    early = False
-    try:
-        wait_for("the killed worker's tasks to be claimed again",
-                 lambda: mine <= ids("started"), timeout)
-    except SystemExit:
-        stalled = stalled_workers(r, q, skip)
-        if not stalled:
-            raise
-        early = True
-        control.send(r, q.name, "resume")
-        wait_for("the killed worker's tasks to be claimed again (after 'resume')",
-                 lambda: mine <= ids("started"), timeout)
-    requeued, released = ids("restarted") & mine, ids("released") & mine
-    back = [t for t in (ev.first(killed_at, "restarted", mine),
-                        ev.first(killed_at, "released", mine)) if t is not None]
-    started: dict[str, int] = {}
-    for e in ev.since(killed_at, "started"):
-        for i in e.get("ids") or ():
-            started.setdefault(i, int(e["ts"]))
-    if not stalled:  # everything came back: do the workers go on claiming?
-        wait_for("the killed worker's tasks to finish", lambda: mine <= ids("succeeded"),
-                 timeout)
-        stalled = stalled_workers(r, q, skip)
-        if stalled:
-            control.send(r, q.name, "resume")
-    return pid, Kill(len(mine), len(requeued), len(released),
-                     (min(back) - killed_at) if back else float("nan"),
-                     min(started[i] for i in batch) - killed_at,
-                     max(started[i] for i in batch) - killed_at,
-                     max(started[i] for i in (ahead or mine)) - killed_at,
-                     max(started[i] for i in mine) - killed_at, stalled, early)
-
-
-def keep_busy(q: mtq.Queue, corpus: list[str], at_least: int = 300) -> None:
-    st = q.stats()
-    if st["waiting"] < at_least:
-        q.submit_many([corpus[i % len(corpus)] for i in range(2 * at_least)])
-
-
-def recovery_variant(server: Server, r: redis.Redis, variant: str, kills: int,
-                     corpus: list[str], rng: random.Random) -> list[Kill]:
-    """Start the workers of one variant, kill one of them ``kills`` times."""
-    qname = uniq("recover")
-    q = mtq.Queue(qname, client=r)
-    ev = Events(server, q)
-    procs: list[Proc] = []
-    results: list[Kill] = []
-    need = 1 if variant == "supervised, 1 replica" else 2
-    killed: set[int] = set()
-
-    def alive() -> list[dict[str, Any]]:
-        out = []
-        for w in live_workers(r, qname):
-            pid = int(w["pid"])
-            if pid in killed:
-                continue
-            try:
-                os.kill(pid, 0)
-            except OSError:
-                continue
-            out.append(w)
-        return out
-
-    try:
-        if variant.startswith("supervised"):
-            procs.append(start_supervisor(server, r, qname, need, "--lease-ms", str(LEASE_MS)))
-        else:
-            for _ in range(need):
-                procs.append(Proc(["worker", "run", "examples.embeddings:MiniLM",
-                                   "--queue", qname, "--redis", server.url,
-                                   "--lease-ms", str(LEASE_MS)], worker_env(server.url)))
-        for _ in range(kills):
-            wait_for(f"{need} live worker(s)", lambda: len(alive()) >= need, 120, procs)
-            keep_busy(q, corpus)
-            # every kill starts from claiming workers (a worker left stalled by the
-            # previous recovery, see stalled_workers, is counted there, then woken here)
-            control.send(r, qname, "resume")
-            done = q.stats()["succeeded"]
-            wait_for("progress", lambda: q.stats()["succeeded"] > done, 60, procs)  # noqa: B023
-            pid, k = kill_one(r, q, ev, {str(w["id"]): int(w["pid"]) for w in alive()}, rng,
-                              killed)
-            killed.add(pid)
-            results.append(k)
-            print(f"[{variant}: killed pid {pid}: batch back after {k.first_ms:.0f} ms"
-                  + (f", {len(k.stalled)} worker(s) stalled" if k.stalled else "") + "]",
-                  end=" ", flush=True)
-    finally:
-        for p in procs:
-            p.stop(30)
-            p.close()
-        ev.close()
-        r.flushdb()
-    return results
-
-
-def bench_recovery(server: Server, r: redis.Redis, s: Sizes, res: Results,
-                   corpus: list[str]) -> None:
-    res.section = f"f. recovery: a worker killed (SIGKILL) mid-batch, lease {LEASE_MS} ms"
-    rng = random.Random(5)
-    target_ms = 2 * LEASE_MS
-    stalled_total = [0, 0]
-    for variant, kills in s.kills.items():
-        results = recovery_variant(server, r, variant, kills, corpus, rng)
-        first = median([k.first_ms for k in results])
-        back = median([k.back_ms for k in results])
-        every = median([k.all_ms for k in results])
-        mid = sum(1 for k in results if k.requeued)
-        how = {"supervised, 1 replica": "the supervisor gives the tasks back at once and "
-                                        "restarts the process, which loads the model again",
-               "supervised, 2 replicas": "the supervisor gives the tasks back at once; the "
-                                         "other replica claims them",
-               "no supervisor, 2 workers": "nobody gives them back: the other worker's claim "
-                                           "reaps them once the lease expires"}[variant]
-        res.add(f"{variant}: kill -> killed batch running again ({len(results)} kill(s))",
-                first, "ms",
-                res.target(f"back within 2 x lease ({target_ms} ms), {variant}",
-                           first <= target_ms,
-                           f"the batch being run when the worker was killed was claimed again "
-                           f"{first:.0f} ms after the kill (its first task; median of "
-                           f"{len(results)}); {how}"))
-        res.add("  kill -> given back to the queue", back, "ms",
-                f"{mid} of {len(results)} kill(s) hit a predict call; "
-                + ", ".join(f"{k.held} held: {k.requeued} requeued + {k.released} released"
-                            for k in results))
-        res.add("  kill -> everything it held claimed again", every, "ms",
-                "per kill, killed batch first / last task, claimed-ahead tasks last: "
-                + "; ".join(f"{k.first_ms:.0f}/{k.batch_ms:.0f}/{k.ahead_ms:.0f}"
-                            + (" (stalled; claimed after 'resume')" if k.early else "")
-                            for k in results) + " ms; requeued tasks are suspects, run "
-                "(and so claimed) one at a time")
-        stalls = sum(1 for k in results if k.stalled)
-        stalled_total[0] += stalls
-        stalled_total[1] += len(results)
-        res.add("  recoveries after which a worker stopped claiming", stalls,
-                f"of {len(results)}", "a live worker sat idle while tasks waited; woken "
-                "here with 'mtq workers resume' so that the run goes on (see targets)"
-                if stalls else "none")
-    res.target("every worker keeps claiming after a recovery", stalled_total[0] == 0,
-               f"{stalled_total[0]} of {stalled_total[1]} recoveries left a worker idle with "
-               "tasks waiting")
 
 
 # -- output ----------------------------------------------------------------------------
@@ -827,7 +560,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("latency", lambda: bench_latency(server, r, sizes, res, corpus, state["ceil"],
                                               median(state["b32"].worker))),
             ("overhead", lambda: bench_overhead(server, r, sizes, res, state["b32"])),
-            ("recovery", lambda: bench_recovery(server, r, sizes, res, corpus)),
         ]
         meter = CpuMeter()
         meter.run(steps, sizes.quiet_s)

@@ -291,10 +291,6 @@ def bench_claim(r: redis.Redis, s: Sizes, res: Results, base: dict[str, float]) 
                     ratio(per_s, base[basekey], baselabel)
                     + f"; Redis {usec / n:.1f} us/task ({usec / seconds / 1e6:.0%} of wall)"
                     + spread(rates))
-            res.add(f"  round trips, batch {batch}, {label}", rts / calls, "RT/batch",
-                    f"{rts / n:.3f} RT/task; {rts} RT for {calls} claim / settle_and_claim "
-                    "calls; target 1 RT/batch: "
-                    + ("met" if all(x.rts == x.value[1] for x in runs) else "NOT MET"))
             rt_checks.append((batch, label, all(x.rts == x.value[1] for x in runs),
                               rts / calls))
     # the fixed part of a claim call: what it costs Redis when there is nothing to claim

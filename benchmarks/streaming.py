@@ -181,16 +181,14 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
     proc = start_worker(server, "mtq.reference.gpt:TinyGPT", q.name, env)
     runs: dict[int, list[Run]] = {8: [], 32: []}
     raws: dict[int, list[float]] = {8: [], 32: []}
-    pubs: dict[int, list[float]] = {8: [], 32: []}
     work: dict[int, dict[str, float]] = {}
     try:
         wait_ready(r, [(proc, q.name)])
         stream_run(r, q, 32, 2 * s.start + 2, s.start, proc)  # warm-up
         for b, reps in ((8, s.reps8), (32, s.reps32)):
             before = worker_entry(r, q.name, proc)
-            for _ in range(reps):  # in turns, so that a change of load hits all three
+            for _ in range(reps):  # in turns, so that a change of load hits both
                 raw0 = raw.rate(b, steps, raw_prompt)
-                pubs[b].append(raw.rate(b, steps, raw_prompt, publish=server.url))
                 runs[b].append(stream_run(r, q, b, s.max_tokens, s.start, proc))
                 # raw on both sides of the turn: this host's speed drifts by several
                 # percent within seconds, and a turn is compared with its own raw rate
@@ -244,15 +242,11 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
     res.section = (f"2. delivered tokens/s vs raw decode (window: token {s.start} -> the "
                    f"first request's last, {steps} steps)")
     for b in (8, 32):
-        rate, raw_rate, pub = (median(v) for v in ([x.rate for x in runs[b]], raws[b], pubs[b]))
+        rate, raw_rate = median([x.rate for x in runs[b]]), median(raws[b])
         ratios = [x.rate / rw for x, rw in zip(runs[b], raws[b])]
         k = median(ratios)
         res.add(f"raw decode_rate(TinyGPT, {b}, {steps}), 1 thread", raw_rate, "tokens/s",
                 f"baseline; {b / raw_rate * 1000:.2f} ms/step; {runs_of(raws[b])}")
-        res.add("  the same loop + a thread streaming each step (emit.lua)", pub, "tokens/s",
-                f"{median([p / rw for p, rw in zip(pubs[b], raws[b])]):.1%} of raw: a "
-                "publisher thread in the model's process, the design the outlet process "
-                f"replaced; {runs_of(pubs[b])}")
         res.add(f"delivered to {b} reader threads", rate, "tokens/s",
                 f"{k:.1%} of raw (paired, {min(ratios):.0%}-{max(ratios):.0%}); publish clock "
                 f"{median([x.rate_pub for x in runs[b]]):,.0f}/s; "
@@ -261,9 +255,8 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
                              "tokens/s, same positions and threads"))
         w = work[b]
         res.add("  worker: model thread in prefill/decode per step", w["predict_s"] /
-                w["batches"] * 1000, "ms", f"raw {b / raw_rate * 1000:.2f} ms; with the "
-                f"streaming thread {b / pub * 1000:.2f} ms; served step {b / rate * 1000:.2f} "
-                f"ms (window); {w['batches']:.0f} steps (worker registry)")
+                w["batches"] * 1000, "ms", f"raw {b / raw_rate * 1000:.2f} ms; served step "
+                f"{b / rate * 1000:.2f} ms (window); {w['batches']:.0f} steps (worker registry)")
         tokens = sum(x.tokens for x in runs[b])
         calls = {c: sum(x.cmds.get(c, 0) for x in runs[b]) for c in ("evalsha", "publish")}
         worker = calls["evalsha"] - sum(x.client_rts for x in runs[b])

@@ -83,9 +83,8 @@ QUICK = Sizes(lat_tasks=8, lat_tokens=100, lat_step_ms=20, lat_runs=1, many=500,
 class Uvicorn:
     """``python -m uvicorn benchmarks.children.web_app:app``, one process, on a free port."""
 
-    def __init__(self, env: dict[str, str], profile: Path | None = None) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         self.port = free_port()
-        self.profile = profile
         self.base = f"http://127.0.0.1:{self.port}"
         self.name = "mtqbench-web-" + uuid.uuid4().hex[:8]
         self.log = tempfile.NamedTemporaryFile(prefix="mtq-bench-uvicorn-", suffix=".log",
@@ -94,9 +93,6 @@ class Uvicorn:
         command = [sys.executable, "-m", "uvicorn", "benchmarks.children.web_app:app", "--host",
                    "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
                    "--no-access-log", "--timeout-graceful-shutdown", "2"]
-        if profile is not None:
-            command = [sys.executable, "-m", "benchmarks.children.web_profiled", str(self.port),
-                       str(profile)]
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self.pid = 0
@@ -238,8 +234,6 @@ def stream_run(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, n: in
                     p.stdin.flush()
         r.config_resetstat()
         cpu0, loop0, t0 = web.cpu_s(), web.threads_cpu_s()[0], time.perf_counter()
-        if web.profile is not None:
-            web.proc.send_signal(signal.SIGUSR1)
         gate.touch()
         for p, _ in procs.values():
             try:
@@ -250,9 +244,6 @@ def stream_run(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, n: in
                 raise SystemExit(f"a client exited with {p.returncode}")
         run.wall_s, run.cpu_s = time.perf_counter() - t0, web.cpu_s() - cpu0
         run.loop_cpu_s = web.threads_cpu_s()[0] - loop0
-        if web.profile is not None:
-            web.proc.send_signal(signal.SIGUSR2)
-            wait_for("the server's profile", web.profile.exists, 30)
         run.cmds = {k.removeprefix("cmdstat_"): int(v["calls"])
                     for k, v in r.info("commandstats").items()}
         for w in workers:
@@ -453,51 +444,6 @@ def bench_floor(web: Uvicorn, s: Sizes, res: Results, tmp: Path, env: dict[str, 
                 "burst of events per step, as from the worker")
 
 
-# -- 4. where the server's time goes ----------------------------------------------------
-def profile_groups(path: Path) -> tuple[float, dict[str, float]]:
-    """(busy seconds, {group: seconds}) of the loop thread's own time (tottime), less the
-    time it waited in epoll."""
-    import pstats
-
-    st = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
-    groups: dict[str, float] = {}
-    for (file, _, fn), (_, _, tottime, _, _) in st.items():
-        if "epoll" in fn and "poll" in fn:
-            continue
-        if fn == "<method 'send' of '_socket.socket' objects>":
-            g = "socket send() system calls"
-        elif "/mtq/" in file:
-            g = "mtq (aevents, feeds, SSE formatting, the ASGI pump)"
-        elif any(f"site-packages/{m}/" in file for m in ("uvicorn", "h11", "starlette")):
-            g = "uvicorn, h11, starlette (Python)"
-        elif "/json/" in file:
-            g = "json (event data)"
-        elif "/asyncio/" in file or fn.startswith("<method 'run' of '_contextvars"):
-            g = "asyncio (tasks, queues, timers, callbacks)"
-        else:
-            g = "other"
-        groups[g] = groups.get(g, 0.0) + tottime
-    return sum(groups.values()), groups
-
-
-def bench_profile(r: redis.Redis, q: mtq.Queue, server: Server, s: Sizes, res: Results,
-                  tmp: Path, env: dict[str, str], workers: Sequence[Proc]) -> None:
-    out = tmp / "uvicorn.prof"
-    web = Uvicorn(env, profile=out)
-    try:
-        run = stream_run(r, web, q, server, s.many, s.many_tokens, s.many_step_ms, ("sse",),
-                         (s.many,), tmp, env, workers)
-    finally:
-        web.stop()
-    tokens = sum(len(rec["tokens"]) for rec in run.recs["sse"])
-    busy, groups = profile_groups(out)
-    res.section = (f"4. where the server's event loop spends its time: the {s.many}-stream run "
-                   "again, uvicorn under cProfile (its loop thread; profiling slows it)")
-    res.add("loop thread busy (outside epoll), per token, under the profiler", busy / tokens
-            * 1e6, "us", f"{busy:.2f} s over {tokens:,} tokens (the token phase only); "
-            f"without the profiler: {run.loop_cpu_s / tokens * 1e6:.0f} us in this run")
-    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
-        res.add(f"  {g}", v / busy * 100, "%", f"{v / tokens * 1e6:.1f} us per token")
 
 
 # -- main ------------------------------------------------------------------------------
@@ -531,8 +477,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             (f"{s.many} streams", lambda: bench_many(r, web, q, server, s, res, tmp, env,
                                                      workers)),
             ("floor", lambda: bench_floor(web, s, res, tmp, env)),
-            ("profile", lambda: bench_profile(r, q, server, s, res, tmp, env,
-                                              workers)),
         ]
         meter = CpuMeter()
         meter.run(steps, s.quiet_s)

@@ -73,9 +73,17 @@ class Results:
             name = ("&nbsp;&nbsp;" if row.name.startswith("  ") else "") + row.name.strip()
             lines.append(f"| {_cell(name)} | {fmt(row.figure)} | {row.unit} | {_cell(row.note)} |")
         if self.targets:
-            lines += ["", "Targets:", ""]
-            lines += [f"- {what}: **{WORDS[met]}** ({detail})" for what, met, detail in self.targets]
+            lines += ["", self.verdicts()]
         return lines
+
+    def verdicts(self) -> str:
+        """One line: how many targets were met, and which were not (or not judged)."""
+        out = f"Targets: {sum(1 for _, met, _ in self.targets if met)} met"
+        for verdict, word in ((False, "not met"), (None, "not judged (quick run)")):
+            missed = [what for what, met, _ in self.targets if met is verdict]
+            if missed:
+                out += f"; {word}: " + "; ".join(missed)
+        return out + "."
 
     def print(self, title: str) -> None:
         print(title)
