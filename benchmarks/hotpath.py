@@ -10,7 +10,6 @@ redis-server is pinned to one CPU, this driver and the worker to the other.
   The same with ``--batch-size 1``.
 * **bare**: the floor under Redis CPU per task: mtq's per-task commands sent as plain
   pipelined commands, and a queue that keeps no record of a task (:func:`bare`).
-* **another Redis build** (``--other-redis``): the drain on a second redis-server.
 * **round trip**: ``q.submit(None).result()`` on a warm worker, idle and under a
   producer's load at half the steady rate, in blocks alternating with the floor: a
   round trip through ``benchmarks.children.echo`` on the worker's CPU.
@@ -32,7 +31,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import redis
 
@@ -299,71 +297,13 @@ def bare(server: Server, n: int = 20000, batch: int = 64) -> dict[str, float]:
     return out
 
 
-def floor(server: Server, reps: int = 500) -> dict[str, float]:
-    """What one round trip costs at least on this machine: a PING round trip, and the
-    Redis time (INFO commandstats, EVALSHA usec per call) of each script one task
-    goes through alone (submit, a submit that hands the task to a sleeping worker,
-    claim, ack), next to a script that only runs the shared library (_lib.lua) and the
-    one that does nothing."""
-    from mtq.broker import lane, scripts
-    from mtq.broker.consumer import Consumer, Outcome
-
-    r = redis.Redis.from_url(server.url)
-    r.flushall()
-    q = mtq.Queue("floor", client=r)
-    c = Consumer("floor", client=r)
-    k = q.broker.keys
+def import_floor() -> dict[str, float]:
+    """The quickest of five starts of a Python that does nothing, and of one that only
+    imports redis-py: the floor under a worker's start-up."""
     out: dict[str, float] = {}
-    t = time.perf_counter()
-    for _ in range(reps):
-        r.ping()
-    out["ping_us"] = 1e6 * (time.perf_counter() - t) / reps
-
-    def usec(fn: Any) -> float:
-        fn()  # scripts loaded
-        r.config_resetstat()
-        for _ in range(reps):
-            fn()
-        stats = r.info("commandstats")["cmdstat_evalsha"]
-        return float(stats["usec"]) / int(stats["calls"])
-
-    for name, src in (("empty_script_us", "return 1"),
-                      ("library_us", scripts._read("_lib.lua") + "\nreturn 1")):
-        sha = r.script_load(src)
-        out[name] = usec(lambda sha=sha: r.evalsha(sha, len(k.script_keys), *k.script_keys,
-                                                   *k.channels))
-    sha = r.script_load("return 1")
-    args = (sha, len(k.script_keys), *k.script_keys, *k.channels)
-    for name, call in (("redispy_call_us", lambda: r.evalsha(*args)),
-                       ("lane_call_us", lambda: lane.exchange(r, [("EVALSHA", *args)]))):
-        call()
-        t = time.process_time()
-        for _ in range(reps):
-            call()
-        out[name] = 1e6 * (time.process_time() - t) / reps
-    out["submit_us"] = usec(lambda: q.submit(None))
-    r.flushall()
-    # a submit that hands its task to a sleeping worker (direct delivery), which pops it
-    sleeper = Consumer("floor", client=r)
-    sleeper.direct = True
-    sleeper.claim(10 * reps)  # registers it, with room for every task below
-
-    def hand_off() -> None:
-        q.submit(None)
-        sleeper.wait(5)
-
-    out["handoff_us"] = usec(hand_off)
-    sleeper.retire()
-    r.flushall()
-    q.submit_many([None] * (reps + 1))
-    held: list[Any] = []
-    out["claim_us"] = usec(lambda: held.extend(c.claim(1)))
-    out["ack_us"] = usec(lambda: c.settle([Outcome(held.pop(), True, None)]))
-    mtq.replies.hub_of(r).close_all()
-    r.close()
     for name, code in (("python_s", "pass"), ("import_redis_s", "import redis")):
         times = []
-        for _ in range(5):  # the quickest of five: what the imports cost at least
+        for _ in range(5):
             t = time.perf_counter()
             subprocess.run([sys.executable, "-c", code], check=True)
             times.append(time.perf_counter() - t)
@@ -371,8 +311,25 @@ def floor(server: Server, reps: int = 500) -> dict[str, float]:
     return out
 
 
-#: the second redis-server build measured by default (see "another Redis build" above)
-OTHER_REDIS = "/usr/bin/redis-server"
+def lane_cost(server: Server, reps: int = 500) -> dict[str, float]:
+    """Client CPU per script call (round trip included) through redis-py's
+    ``execute_command`` and through ``mtq.broker.lane``: EVALSHA of ``return 1`` with the
+    keys mtq's scripts take."""
+    from mtq.broker import lane
+
+    r = redis.Redis.from_url(server.url)
+    k = mtq.Queue("lane", client=r).broker.keys
+    args = (r.script_load("return 1"), len(k.script_keys), *k.script_keys, *k.channels)
+    out: dict[str, float] = {}
+    for name, call in (("redispy_call_us", lambda: r.evalsha(*args)),
+                       ("lane_call_us", lambda: lane.exchange(r, [("EVALSHA", *args)]))):
+        call()
+        t = time.process_time()
+        for _ in range(reps):
+            call()
+        out[name] = 1e6 * (time.process_time() - t) / reps
+    r.close()
+    return out
 
 
 def server_build(url: str) -> str:
@@ -385,28 +342,10 @@ def server_build(url: str) -> str:
         client.close()
 
 
-def other_drain(binary: str, n: int, cpus: list[int] | None) -> dict[str, Any]:
-    """The drain of ``n`` on a server of another build (after one of 2,000 that warms it,
-    as the run's own server is warmed by the drains before its own)."""
-    other = Server(binary)
-    other.start()
-    try:
-        if cpus:
-            os.sched_setaffinity(other.proc.pid, {cpus[0]})
-        worker_cpu = cpus[1] if cpus else None
-        drain(other, 2000, worker_cpu)
-        return {**drain(other, n, worker_cpu), "build": server_build(other.url)}
-    finally:
-        other.stop()
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-pin", action="store_true", help="leave CPU placement to Linux")
-    ap.add_argument("--other-redis", default=OTHER_REDIS, metavar="PATH",
-                    help="a second redis-server build to drain on ('' = none; default: "
-                         "%(default)s, if it is there and not the run's own)")
     args = ap.parse_args(argv)
     n, passes, count = (5000, 1, 200) if args.quick else (5000, 5, 300)
     compile_tree()  # as installed: the workers it spawns do not compile mtq first
@@ -414,29 +353,25 @@ def main(argv: list[str] | None = None) -> None:
     pin = not args.no_pin and len(cpus) >= 2
     server = Server()
     server.start()
-    other = args.other_redis if args.other_redis and os.path.isfile(args.other_redis) and \
-        os.path.realpath(args.other_redis) != os.path.realpath(server.binary) else None
     worker_cpu = cpus[1] if pin else None
     if pin:
         os.sched_setaffinity(server.proc.pid, {cpus[0]})
         os.sched_setaffinity(0, {cpus[1]})
     results: dict[str, list[dict[str, float]]] = {"drain": [], "drain20k": [], "drain1": [],
                                                   "rt": [], "load": [], "floor": [],
-                                                  "bare": [], "other": []}
+                                                  "bare": []}
     t_run = time.time()
     try:
         build = server_build(server.url)
         for i in range(passes):
             results["drain"].append(drain(server, n, worker_cpu))
             results["drain20k"].append(drain(server, 4 * n, worker_cpu))
-            if other:  # next to the drain it is compared with
-                results["other"].append(other_drain(other, 4 * n, cpus if pin else None))
             results["drain1"].append(drain(server, 2 * n, worker_cpu, "--batch-size", "1"))
             results["rt"].append(roundtrips(server, count, worker_cpu))
             half = statistics.median(d["steady"] for d in results["drain20k"]) / 2
             results["load"].append({**roundtrips(server, count, worker_cpu, half),
                                     "rate": half})
-            results["floor"].append(floor(server))
+            results["floor"].append({**import_floor(), **lane_cost(server)})
             results["bare"].append(bare(server))
             print(f"pass {i + 1}/{passes}: " + "; ".join(
                 f"{k} " + ", ".join(f"{m} {v[-1][m]:.3g}" for m in v[-1]
@@ -452,18 +387,6 @@ def main(argv: list[str] | None = None) -> None:
         v = [r[m] for r in results[kind]]
         return f"{min(v):,.3g}-{max(v):,.3g}"
 
-    def ratio(m: str) -> float:
-        """The other build's drain / the run's server's, median of the passes' ratios."""
-        return statistics.median(o[m] / d[m] for o, d in
-                                 zip(results["other"], results["drain20k"]))
-
-    other_row = [(
-        f"the same 20,000-task drain on another Redis build ({results['other'][0]['build']}"
-        "): Redis CPU per task / steady drain",
-        f"{med('other', 'cpu_us'):.1f} us / {med('other', 'steady'):,.0f} tasks/s", "",
-        f"{ratio('cpu_us'):.2f}x / {ratio('steady'):.2f}x the run's server ({build}) in "
-        f"the same passes (medians of the passes' ratios); `{other}` (see below)")
-    ] if results["other"] else []
     rows: list[tuple[str, str, str, str]] = [
         ("Redis commands per drained task", f"{med('drain', 'cmds_drain'):.2f}", targets.HOTPATH["cmds_drain"],
          f"5,000-task drain; range {rng('drain', 'cmds_drain')}"),
@@ -482,7 +405,6 @@ def main(argv: list[str] | None = None) -> None:
          f"INFO commandstats, 20,000 tasks; of the commands, the task's HSET, HMGET and "
          f"EXPIRE: {med('drain20k', 'hash_us'):.1f} us; the rest of the scripts' time is "
          "their own work (see below)"),
-        *other_row,
         ("steady drain, 1 worker (tasks/s)", f"{med('drain20k', 'steady'):,.0f}", targets.HOTPATH["steady"],
          f"20,000 tasks; range {rng('drain20k', 'steady')}"),
         ("steady drain, 1 worker, `--batch-size 1` (tasks/s)",
@@ -519,19 +441,9 @@ def main(argv: list[str] | None = None) -> None:
          f"alternating with mtq's, which took {med('load', 'beside_p50_ms'):.3f} / "
          f"{med('load', 'beside_p99_ms'):.3f} ms in the same blocks"),
     ]
-    fl = {m: med("floor", m) for m in results["floor"][0]}
-    scripts_us = fl["handoff_us"] + fl["ack_us"]
-    rows.append(("floor of a round trip to a sleeping worker: 2 PING round trips (4 hops) + "
-                 "the two scripts' Redis time",
-                 f"{(2 * fl['ping_us'] + scripts_us) / 1000:.3f} ms", "",
-                 f"PING {fl['ping_us']:.0f} us; submit handing the task over "
-                 f"{fl['handoff_us']:.0f} + ack {fl['ack_us']:.0f} us of EVALSHA, one task "
-                 f"each (a submit that queues: {fl['submit_us']:.0f} us, a claim: "
-                 f"{fl['claim_us']:.0f} us; a script that only runs _lib.lua: "
-                 f"{fl['library_us']:.0f} us, `return 1`: {fl['empty_script_us']:.0f} us)"))
     rows.append(("client CPU per command: redis-py's execute_command / mtq.broker.lane",
-                 f"{fl['redispy_call_us']:.1f} / {fl['lane_call_us']:.1f} us", "",
-                 "EVALSHA of `return 1` with mtq's 20 keys, round trip included"))
+                 f"{med('floor', 'redispy_call_us'):.1f} / {med('floor', 'lane_call_us'):.1f} us",
+                 "", "EVALSHA of `return 1` with mtq's keys, round trip included"))
     table = "\n".join(["| figure | median of passes | target | notes |", "|---|---:|---|---|",
                        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)])
     print(table)

@@ -341,11 +341,9 @@ def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Res
                     "jobs/s", vs + f"; n / (process wall {median([d.wall_s for d in drains]):.2f}"
                     f" s - empty-queue run {median(starts[side]):.2f} s)"
                     + spread([d.rate for d in drains]))
-        res.add("  Redis commands per job", median([d.cmds for d in drains]), "cmds/job",
-                "INFO commandstats (Lua-run commands included); most: "
-                + ", ".join(f"{k} {x:.1f}" for k, x in d0.top.items()))
-        res.add("  Redis CPU per job", median([d.cpu_us for d in drains]), "us/job",
-                "INFO used_cpu_user + used_cpu_sys")
+        res.add("  Redis commands / CPU per job", median([d.cmds for d in drains]), "cmds/job",
+                f"{median([d.cpu_us for d in drains]):,.0f} us of Redis CPU per job; most "
+                "commands: " + ", ".join(f"{k} {x:.1f}" for k, x in d0.top.items()))
         bad = [d for d in drains if not d.ok()]
         res.target(f"every job done, none failed ({LABELS[side]}, no-op, "
                    f"{'results kept' if v == 'kept' else 'result_ttl=0'})", not bad,
