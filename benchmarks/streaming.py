@@ -352,7 +352,7 @@ def bench_mixed(server: Server, r: redis.Redis, s: Sizes, res: Results,
         res.add(label, v, "tokens/s", note)
     for k, label in (("s", "static"), ("c", "continuous")):
         res.add(f"  {label}, the same schedule in one process without a queue",
-                median(alone[k]), "tokens/s", "ceiling: gen_targets.schedule_rate, the "
+                median(alone[k]), "tokens/s", "ceiling: children.gen.schedule_rate, the "
                 "ContinuousTinyGPT model (float32) called directly, every request there from "
                 f"the start; {runs_of(alone[k])}")
     res.add("  the model's own continuous / static ratio (no queue)", ceiling, "x",
