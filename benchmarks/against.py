@@ -1,19 +1,11 @@
-"""The hot path of this tree next to a git revision's, in one run: the drains, the
-round trip and their Redis figures of ``benchmarks.hotpath`` (a drain with
-``--batch-size 1`` too), measured for each tree in
-turn (passes alternate), client and worker alike running the tree's own code.
-
-Timings on this machine swing 2-4x within minutes, so a figure is only compared with
-the other tree's in the same run, pass by pass: the table gives medians and the median
-of the per-pass ratios. Which tree a pass measures first alternates.
-
-Each tree is measured by its own ``benchmarks/hotpath.py`` (``drain`` and
-``roundtrips``, which every tree since the hot-path work has), in a child process with
-the tree first on its import path: its redis-server pinned to one CPU, the child and its
-worker to the other, as ``python -m benchmarks.hotpath`` does.
+"""The hot path of this tree next to a git revision's, in one run: the drains, the round
+trip and their Redis figures of each tree's own ``benchmarks.hotpath``
+(``children/hotpath_tree.py`` runs it with the tree first on the import path), passes
+alternating between the trees and which goes first. Timings here swing 2-4x within
+minutes, so the table gives medians and the median of the per-pass ratios.
 
     python -m benchmarks.against REV              # 3 passes, prints
-    python -m benchmarks.against REV --docs       # and writes the against block of docs/benchmarks.md
+    python -m benchmarks.against REV --docs       # and writes the against block
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The result cache: what a hit costs, and what its bookkeeping costs the misses.
 
-* cache-hit round trip, submit -> result (the submit's one script call answers it,
-  the result inline), warm, vs an uncached round trip through a warm real worker
-  (``mtq worker run benchmarks.children.noop:handle``) in the same run, in alternating blocks of
-  100; target hit p50 <= 0.3 ms;
-* no-op drain rate of a queue with the cache on and every payload distinct (all
-  misses: single-flight markers, cache fields, entry writes) vs the cache off, same
-  run, in pairs whose order alternates; the median of the pairs' ratios; target <= 3 %
-  slower;
-* since those rates move by 10-30 % between passes on a shared 2-core machine, what
-  the drain path's cache bookkeeping costs is also counted where it is repeatable:
-  redis-server's instructions per drained task (valgrind's callgrind), cache off vs
-  on. The worker's own code does not change with the cache (it passes its model
-  version with every ack either way).
+* a cache hit's round trip against an uncached one through a warm worker, in
+  alternating blocks of 100;
+* no-op drain rate with the cache on (every payload distinct: all misses) against off,
+  in pairs whose order alternates;
+* redis-server's CPU and commands per task, submit and drain, off against on; and its
+  instructions per drained task and per hit (callgrind), which repeat where rates
+  on a shared machine do not.
 
-    python -m benchmarks.cache            # full run, writes the cache block of docs/benchmarks.md
+    python -m benchmarks.cache            # full run, writes the cache block
     python -m benchmarks.cache --quick    # smaller, prints only
 """
 

@@ -1,19 +1,9 @@
-"""Collecting many results: ``submit_many`` of N no-op tasks, then every result, end to
-end, with one warm ``mtq worker run`` (batch 64), in one run:
-
-* ``result()`` on each task in a loop, as a user writes it: outcomes that already
-  reached the client over its reply channel are taken from the client's inbox (no
-  round trip; mtq.replies.Hub.take);
-* the same loop with the inbox off (``INBOX_MAX = 0``): a read of the stored state
-  (``watch.lua``) per task: the baseline;
-* the bulk form: a ``Group``'s ``submit_many`` then ``results()`` (callbacks in place
-  before the submit, never a read);
-* and, as the ceiling, the rate at which the worker ran the same tasks (its first
-  ``started`` to its last ``finished``, server clock).
-
-Rates are N / (first submit to last result). Redis commands per task count every
-command the server ran in the pass (scripts' inner ones included). Passes of the
-modes alternate; medians.
+"""Collecting many results: ``submit_many`` of N no-op tasks, then every result, with one
+warm ``mtq worker run`` (batch 64): ``result()`` on each task in a loop (outcomes the
+client's inbox already holds cost no round trip); the same loop with the inbox off
+(``INBOX_MAX = 0``: a read per task, the baseline); a ``Group``'s ``submit_many`` then
+``results()``; and the worker's own drain rate in the same pass, the ceiling. Passes of
+the modes alternate; medians.
 
     python -m benchmarks.collect           # full run, writes the collect block
     python -m benchmarks.collect --quick   # smaller, prints only

@@ -1,36 +1,18 @@
 #!/usr/bin/env python
-"""GPU benchmark: batching, continuous batching and device memory of mtq workers on a GPU.
+"""GPU: batching, continuous batching and device memory of mtq workers on a GPU.
 
     python -m benchmarks.gpu --device cuda:0 --json gpu-out/gpu.json   # scripts/gpu-check
     python -m benchmarks.gpu --device cpu --quick                       # the dry run, here
 
-On a private redis-server (a throw-away one on a free loopback port), each figure
-against a baseline taken in the same run, on the same device:
-
-1. batching: the MiniLM example (examples/embeddings.py) and the reference embedder
-   (mtq.reference.embedder) at batch 1, 32 and 64: tasks/s drained through the queue
-   by one ``mtq worker run --device D --batch-size B`` process (first completion to
-   last, Redis clock) as a share of the model called directly in this process on the
-   same sentences in batches of B (its ``predict``, the worker's code path);
-2. generation: the reference generator at a GPU's size (benchmarks/children/gpt.py:
-   TinyGPT with d_model 1024, 12 layers, bfloat16): tokens/s delivered to reader
-   threads with 8 and 32 requests running against ``decode_rate`` in this process
-   (raw decode, same positions); time to first token; token latency (publish ->
-   the reader) and the gap between a request's tokens, p50/p99; continuous vs static
-   batching on a mixed workload (3/4 of the requests 8 tokens, 1/4 128 tokens,
-   submitted at once), with the same schedule run in this process without a queue
-   (the model's own ratio);
-3. device memory: the worker's reported memory (``torch.cuda.memory_allocated`` in
-   the worker, via the registry) against its parameters and KV cache computed from
-   the config and against the driver's per-process figure (nvidia-smi), before a
-   ``reload`` control command, after it, and once a request ran again: the memory a
-   reload gives back.
-
-Every figure goes to ``--json`` as it is taken (a step killed by a time limit
-leaves what it measured); a table is printed at the end. A section that fails is
-recorded as an error and the next one runs. ``--quick`` takes smaller sizes (the CPU
-dry run of scripts/gpu-check, about a minute). Nothing here writes docs: the GPU
-figures are copied into docs/benchmarks.md ("GPU") by hand, with the device named.
+Each figure against a baseline taken in the same run on the same device: (1) batching,
+MiniLM and the reference embedder at batch 1, 32 and 64 through one ``mtq worker run
+--device D``, against the model's ``predict`` in this process; (2) generation, TinyGPT
+at a GPU's size (benchmarks/children/gpt.py): tokens/s delivered against
+``decode_rate``, time to first token, token latency and gaps, continuous against static
+batching beside the same schedule without a queue; (3) device memory, the worker's
+against parameters and KV cache from the config and the driver's, before and after a
+``reload``. Every figure goes to ``--json`` as it is taken; a section that fails is
+recorded and the next one runs. The figures are copied into docs/benchmarks.md by hand.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
-"""Redis's own work per task, in CPU instructions: redis-server run under valgrind's
-callgrind, counted only while the measured loop runs. Unlike timings, these counts
-repeat to about 0.1 % on a busy or a slow machine, so two trees can be compared
-reliably.
-
-* **submitted task**: 5,000 no-op tasks submitted with ``submit_many``, 1,000 a call
-  (then drained, not counted): instructions per task.
-* **drained task**: 3,200 no-op tasks submitted (not counted), then claimed and acked by a
-  ``Consumer`` in batches of 64 (``settle_and_claim``, as a worker does): instructions
-  per task.
-* **round trip**: 200 times, one task submitted, claimed alone and acked: instructions per
-  round trip (three script calls, each paying its fixed cost).
-* **round trip to a sleeping worker**: 200 times, as a worker's fetcher sees it: one task
-  submitted while the consumer sleeps in ``wait`` (a tree with direct delivery hands it
-  over there; an older one wakes it with a marker, and it claims), then acked.
-
-``--against REV`` measures the tree of a git revision the same way, in the same run
-(``git archive`` into a temporary directory), and prints both with the change.
+"""Redis's own work per task in CPU instructions: redis-server under valgrind's callgrind,
+counted only while the measured loop runs (``children/callgrind_tree.py``). The counts
+repeat to about 0.1 %, so two trees compare where timings cannot: 5,000 tasks submitted
+with ``submit_many``; 3,200 claimed and acked in batches of 64; 200 round trips of one
+task; 200 round trips to a sleeping worker.
 
     python -m benchmarks.instructions                   # this tree, prints
-    python -m benchmarks.instructions --against HEAD~3  # and another revision
+    python -m benchmarks.instructions --against HEAD~3  # and another revision (git archive)
     python -m benchmarks.instructions --against REV --docs   # writes its block
 
-Needs ``valgrind`` (Debian: ``apt-get install valgrind``); the redis-server is the one
-mtq's embedded Redis finds, or ``$MTQ_BENCH_REDIS_SERVER``.
+Needs ``valgrind``; the redis-server is the embedded one or ``$MTQ_BENCH_REDIS_SERVER``.
 """
 
 from __future__ import annotations

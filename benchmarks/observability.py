@@ -1,26 +1,14 @@
 #!/usr/bin/env python
-"""Observability benchmark: what the worker histograms and the exporter cost.
+"""Observability: what the worker histograms and the exporter cost.
 
-    python -m benchmarks.observability            # full run (~1-2 minutes), writes docs
-    python -m benchmarks.observability --quick    # smaller run, prints only
+    python -m benchmarks.observability            # ~2 minutes, writes the observability block
+    python -m benchmarks.observability --quick    # smaller, prints only
 
-It starts its own redis-server on a free loopback port (persistence off) and
-measures, in the same run:
-
-a. the no-op drain rate of one real ``mtq worker run`` process
-   (``benchmarks.children.noop:NoopModel``, batch 32, ``--burst``) with the queue's
-   ``metrics`` setting true and false, in interleaved passes (on, off, on, off ...),
-   each rate taken from the first completion to the last (server clock); the
-   figures are the medians and their ratio (target: metrics on at most 3 % slower);
-b. the scrape time of ``mtq metrics serve`` (a real subprocess) over real HTTP at
-   1 000 queues, each with stats and histogram data (queue wait, run, latency,
-   written by :class:`mtq.workers.stats.Histograms` as workers write them) and 8
-   workers in the registry, a tenth of the queues given new observations and counts
-   before each scrape (the exporter re-renders only what changed): p50 and max of the
-   scrapes (target: at most 100 ms).
-
-It writes the ``observability`` block of docs/benchmarks.md (a full run; ``--quick``
-only prints unless ``--docs`` is given).
+(a) one ``mtq worker run --burst`` draining no-op tasks (batch 32) with the queue's
+``metrics`` setting on and off, in interleaved passes, rates from the first completion
+to the last (server clock); (b) ``mtq metrics serve`` scraped over HTTP at 1,000 queues
+with histogram data and 8 workers, a tenth of the queues given new observations before
+each scrape.
 """
 
 from __future__ import annotations

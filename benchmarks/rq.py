@@ -1,34 +1,23 @@
 #!/usr/bin/env python
-"""RQ interoperability benchmark: jobs enqueued by plain RQ, drained by ``rq worker``
-and by ``mtq rq worker`` in the same run.
+"""RQ interoperability: jobs enqueued by plain RQ, drained by ``rq worker`` and by
+``mtq rq worker`` in the same run.
 
-    python -m benchmarks.rq            # full run (~4 minutes on 2 cores), writes docs
-    python -m benchmarks.rq --quick    # smaller run (~1 minute), prints only (add --docs)
-    python -m benchmarks.rq --no-pin   # let Linux place the processes (see --help)
+    python -m benchmarks.rq            # ~4 minutes on 2 cores, writes the rq block
+    python -m benchmarks.rq --quick    # ~1 minute, prints only (add --docs to write)
+    python -m benchmarks.rq --no-pin   # let Linux place the processes
 
-Run it as a module (``-m``): as a file, its name would hide the ``rq`` package.
-
-On a private redis-server (started here; pinned to CPU 0, this script and the workers
-to CPU 1 unless ``--no-pin``), jobs are enqueued by RQ itself (``Queue.prepare_data`` +
-``Queue.enqueue_many`` on pipelines, RQ's JSON serializer, default ``result_ttl``: the
-results are kept, as a default RQ deployment keeps them), and it measures:
-
-1. no-op jobs drained by one ``rq worker --worker-class rq.worker.SimpleWorker
-   --burst`` and by one ``mtq rq worker --burst``: jobs/s, Redis commands and Redis CPU
-   per job, and that every job finished (target: mtq >= 10x RQ);
-2. all-MiniLM-L6-v2 (``benchmarks.children.rq_jobs.embed``, an ``mtq.rq.batched`` function) on
-   the CPU: the model's own batch-32 rate in this process, then single-sentence jobs
-   drained by one warm ``rq worker`` (a batch of one per job) and by one warm ``mtq rq
-   worker`` (batches of up to 32), in turns (target: mtq >= 90 % of the model's rate).
-
-Until ``mtq rq worker`` exists (``mtq.rq`` importable) its rows say "mtq rq worker not
-available" and the docs are not written.
+Run it as a module: as a file, its name would hide the ``rq`` package. Jobs are
+enqueued by RQ itself (``enqueue_many`` on pipelines, RQ's JSON serializer, default
+``result_ttl``); redis-server is pinned to CPU 0, this script and the workers to CPU 1.
+(1) no-op jobs drained by ``rq worker --burst`` (SimpleWorker) and ``mtq rq worker
+--burst``: jobs/s, Redis commands and CPU per job, every job finished; (2) MiniLM on
+single-sentence jobs (``benchmarks.children.rq_jobs.embed``) against the model's own
+batch-32 rate in this process, in turns.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import os
 import signal
@@ -53,7 +42,7 @@ from rq.utils import utcparse
 
 from benchmarks import targets
 from benchmarks.batching import sentences
-from benchmarks.harness.meters import CpuMeter, machine_info, median
+from benchmarks.harness.meters import CpuMeter, machine_info, median, spread
 from benchmarks.harness.procs import worker_env
 from benchmarks.harness.report import DOCS, Results, write_block
 from benchmarks.harness.server import ROOT, Server, compile_tree
@@ -61,7 +50,6 @@ from benchmarks.harness.server import ROOT, Server, compile_tree
 BATCH = 32                    # benchmarks.children.rq_jobs.embed's max_batch_size
 NOOP = "benchmarks.children.rq_jobs.noop"
 EMBED = "benchmarks.children.rq_jobs.embed"
-MTQ_MISSING = "mtq rq worker not available"
 CHUNK = 1000                  # jobs per enqueue_many pipeline
 
 
@@ -81,17 +69,6 @@ FULL = Sizes(noop_rq=2_000, noop_mtq=20_000, noop_reps=3, corpus=640, mini_rq=32
              mini_mtq=640, mini_reps=3, quiet_s=20)
 QUICK = Sizes(noop_rq=1_000, noop_mtq=10_000, noop_reps=1, corpus=320, mini_rq=160,
               mini_mtq=320, mini_reps=1, quiet_s=3)
-
-
-def mtq_available() -> bool:
-    """``mtq.rq`` importable from the checkout whose ``mtq`` this runs (an editable
-    install of another checkout can put its ``mtq/rq`` on ``mtq.__path__`` too)."""
-    import mtq
-
-    spec = importlib.util.find_spec("mtq.rq")
-    home = Path(mtq.__file__).resolve().parent
-    return spec is not None and spec.origin is not None and Path(spec.origin).resolve(
-    ).is_relative_to(home)
 
 
 # -- processes -----------------------------------------------------------------------
@@ -297,19 +274,13 @@ def noop_drain(r: redis.Redis, url: str, env: dict[str, str], side: str, n: int,
                  1e6 * (cpu1 - cpu0) / (n + 1), top, jobs, left)
 
 
-def spread(values: Sequence[float]) -> str:
-    if len(values) < 2:
-        return ""
-    return f"; median of {len(values)} ({min(values):,.0f}-{max(values):,.0f})"
-
-
 LABELS = {"rq": "rq worker (SimpleWorker)", "mtq": "mtq rq worker"}
 
 
-def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Results,
-               have_mtq: bool) -> None:
+def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Results
+               ) -> None:
     res.section = "1. no-op jobs enqueued by RQ, one worker process (burst)"
-    sides = {"rq": s.noop_rq, **({"mtq": s.noop_mtq} if have_mtq else {})}
+    sides = {"rq": s.noop_rq, "mtq": s.noop_mtq}
     variants: dict[str, int | None] = {"kept": None, "ttl0": 0}
     runs: dict[tuple[str, str], list[Drain]] = {(k, v): [] for k in sides for v in variants}
     starts: dict[str, list[float]] = {k: [] for k in sides}
@@ -356,15 +327,11 @@ def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Res
             median([d.enqueue_rate for d in runs["rq", "kept"]]), "jobs/s",
             "the producer side, the same for both workers")
     what = f">= {targets.RQ_NOOP_RATIO:.0f}x rq SimpleWorker's no-op throughput (results kept)"
-    if have_mtq:
-        ratio = rates["mtq", "kept"] / rates["rq", "kept"]
-        res.target(what, ratio >= targets.RQ_NOOP_RATIO,
-                   f"{rates['mtq', 'kept']:,.0f} vs {rates['rq', 'kept']:,.0f} jobs/s: "
-                   f"{ratio:.1f}x; with result_ttl=0 "
-                   f"{rates['mtq', 'ttl0'] / rates['rq', 'ttl0']:.1f}x")
-    else:
-        res.add("mtq rq worker", None, "jobs/s", MTQ_MISSING)
-        res.targets.append((what, None, MTQ_MISSING))
+    ratio = rates["mtq", "kept"] / rates["rq", "kept"]
+    res.target(what, ratio >= targets.RQ_NOOP_RATIO,
+               f"{rates['mtq', 'kept']:,.0f} vs {rates['rq', 'kept']:,.0f} jobs/s: "
+               f"{ratio:.1f}x; with result_ttl=0 "
+               f"{rates['mtq', 'ttl0'] / rates['rq', 'ttl0']:.1f}x")
 
 
 # -- 2. MiniLM -----------------------------------------------------------------------
@@ -412,7 +379,7 @@ def check_results(r: redis.Redis, ids: Sequence[str], texts: Sequence[str], w: W
 
 
 def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Results,
-                 have_mtq: bool, threads: int) -> None:
+                 threads: int) -> None:
     res.section = (f"2. all-MiniLM-L6-v2 on the CPU ({threads} torch thread(s)), "
                    "single-sentence RQ jobs")
     corpus = sentences(s.corpus)
@@ -421,7 +388,7 @@ def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: R
     runs: dict[str, list[float]] = {"direct": [], "rq": [], "mtq": []}
     seen: dict[str, list[float]] = {"rq": [], "mtq": []}
     jobs: dict[str, list[Jobs]] = {"rq": [], "mtq": []}
-    sizes = {"rq": s.mini_rq, **({"mtq": s.mini_mtq} if have_mtq else {})}
+    sizes = {"rq": s.mini_rq, "mtq": s.mini_mtq}
     r.flushall()
     try:
         for side in sizes:
@@ -466,16 +433,11 @@ def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: R
                         "; enqueue -> all seen done") + spread(runs[side]))
         res.target(f"every job finished, none failed ({side}, MiniLM)", bad == 0,
                    f"{bad} of {n_all} not finished or failed", comparable=True)
-    if have_mtq:
-        ratio = median(runs["mtq"]) / direct
-        res.target(f"mtq rq worker >= {targets.RQ_CEILING:.0%} of the model's own batch-32 rate",
-                   ratio >= targets.RQ_CEILING,
-                   f"{median(runs['mtq']):.0f} vs {direct:.0f} sentences/s: {ratio:.0%}; "
-                   f"{median(runs['mtq']) / median(runs['rq']):.2f}x rq worker")
-    else:
-        res.add("mtq rq worker, batched", None, "sentences/s", MTQ_MISSING)
-        res.targets.append((f"mtq rq worker >= {targets.RQ_CEILING:.0%} of the model's own "
-                            "batch-32 rate", None, MTQ_MISSING))
+    ratio = median(runs["mtq"]) / direct
+    res.target(f"mtq rq worker >= {targets.RQ_CEILING:.0%} of the model's own batch-32 rate",
+               ratio >= targets.RQ_CEILING,
+               f"{median(runs['mtq']):.0f} vs {direct:.0f} sentences/s: {ratio:.0%}; "
+               f"{median(runs['mtq']) / median(runs['rq']):.2f}x rq worker")
 
 
 # -- main ----------------------------------------------------------------------------
@@ -501,7 +463,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
     docs = None if a.no_docs else (a.docs or (None if a.quick else DOCS))
     s = QUICK if a.quick else FULL
-    have_mtq = mtq_available()
     if a.pin and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("--pin needs 2 CPUs; use --no-pin")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -530,13 +491,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = worker_env(server.url, MTQ_BENCH_TORCH_THREADS=str(threads), PYTHONUNBUFFERED="1")
         res = Results()
         steps: list[tuple[str, Callable[[], Any]]] = [
-            ("no-op drain", lambda: bench_noop(r, server.url, env, s, res, have_mtq)),
-            ("MiniLM", lambda: bench_minilm(r, server.url, env, s, res, have_mtq, threads)),
+            ("no-op drain", lambda: bench_noop(r, server.url, env, s, res)),
+            ("MiniLM", lambda: bench_minilm(r, server.url, env, s, res, threads)),
         ]
         meter = CpuMeter()
         meter.run(steps, s.quiet_s)
         seconds = time.perf_counter() - started
-        res.unjudged = not have_mtq
         import torch
 
         machine = machine_info(r, f"rq {rq.__version__}, torch {torch.__version__} ({threads} "
@@ -548,9 +508,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{machine}")
         if docs is None:
             return 0
-        if not have_mtq:
-            print(f"not writing {docs}: {MTQ_MISSING}")
-            return 1
         command = "python -m benchmarks.rq" + (" --quick" if a.quick else "") + (
             "" if a.pin else " --no-pin")
         write_block("rq", res.markdown(), command, machine, seconds, docs)

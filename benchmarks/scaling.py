@@ -1,31 +1,18 @@
-"""Scale-out: what a Redis Cluster costs per task, how queues spread over its shards, what
-several shards drain together on this machine, and how long a failover stops the work.
+"""Scale-out: a cluster's Redis work per task, how queues spread over shards, what several
+shards drain together, and how long a failover stops the work.
 
-* **Redis work per task, one server vs a cluster** (callgrind, instructions: they repeat
-  to 0.1 %, where this machine's timings vary 2-4x): the same Redis 7 binary run
-  standalone, then as a one-node cluster that owns every slot (``--cluster-enabled
-  yes``); 3,200 no-op tasks claimed and acked in batches of 64 by a ``Consumer``
-  (``settle_and_claim``, as a worker does), with the submit (not counted) before. On the
-  cluster mtq goes through its slot client and publishes with SPUBLISH.
-* **Spread**: how many of 300 queues (``chat-0`` .. ``chat-299``, and 300 random names)
-  each primary of a 3-primary cluster serves.
-* **Aggregate drain, 1 vs 3 shards**: 6 queues (2 on each primary of 3), 5,000 no-op
-  tasks each; one ``mtq worker run --burst`` per queue (the default batch), all started
-  at once; tasks/s from the start to the last worker's exit, with the queues on one
-  shard (a cluster of one node that owns every slot) and on 3 shards; 3 passes each, in
-  alternating order, medians. Redis CPU per task is every node's ``used_cpu_user +
-  used_cpu_sys`` over the drain, summed, / tasks.
-* **Failover**: a cluster of 3 primaries with 2 replicas each, ``cluster-node-timeout``
-  1 s; a worker serves a queue while a producer submits 300 tasks/s; the primary of the
-  queue's slot is killed (SIGKILL); the time from the kill until the queue's
-  ``succeeded`` counter, read from the promoted replica every 10 ms, grows. Five rounds;
-  after each, the dead node is started again and rejoins as a replica.
+* instructions per drained task (callgrind) of one Redis 7 server and of a one-node
+  cluster (slot client, SPUBLISH), 3,200 no-op tasks claimed and acked in batches of 64;
+* how many of 300 queues each primary of a 3-primary cluster serves;
+* 6 queues drained at once by one ``mtq worker run --burst`` each, on 1 and on 3 shards,
+  passes alternating; Redis CPU per task summed over the nodes;
+* failover: 3 primaries with 2 replicas each, ``cluster-node-timeout`` 1 s, a producer
+  at 300 tasks/s; from the SIGKILL of the queue's primary to its next success.
 
     python -m benchmarks.scaling            # everything, writes the scaling block
     python -m benchmarks.scaling --quick    # fewer tasks and rounds, prints only
 
-Needs Redis 7 (Debian's ``redis-server``, installed by ``scripts/install-system-deps``)
-and valgrind for the first part.
+Needs Redis 7 (``scripts/install-system-deps``) and valgrind for the first part.
 """
 
 from __future__ import annotations

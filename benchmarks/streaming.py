@@ -1,20 +1,15 @@
 #!/usr/bin/env python
-"""Streaming benchmark: token streams, continuous batching, the no-op round trip.
+"""Streaming: token streams, continuous batching, the no-op round trip.
 
-    python -m benchmarks.streaming            # full run (~1-2 minutes on 2 cores), writes docs
-    python -m benchmarks.streaming --quick    # smaller run (~35 s), prints only
+    python -m benchmarks.streaming            # ~2 minutes on 2 cores, writes the streaming block
+    python -m benchmarks.streaming --quick    # ~35 s, prints only
 
-On a private redis-server it measures, each against a baseline taken in the same run:
-1. token latency, publish -> ``Task.events()`` in a reader thread, 8 requests served by
-   ``mtq worker run mtq.reference.gpt:TinyGPT`` (vs raw PUBLISH -> SUBSCRIBE);
-2. tokens/s delivered while B requests run (B = 8, 32) vs ``decode_rate(TinyGPT, B, ..)``
-   over the same cache positions, with the same thread settings;
-3. continuous vs static batching on a mixed workload (benchmarks/children/gen.py), and
-   the same payloads scheduled the same way in one process without a queue (the
-   model's own ceiling on this machine);
-4. the submit -> result() round trip of a no-op task (vs a hand-rolled LPUSH/BLPOP queue);
-plus Redis commands per token and per task. It prints a table and writes the
-``streaming`` block of docs/benchmarks.md (``--quick`` only prints unless ``--docs``).
+Each against a baseline from the same run: (1) token latency, publish to
+``Task.events()`` in a reader thread, 8 requests on ``mtq.reference.gpt:TinyGPT``,
+against raw PUBLISH -> SUBSCRIBE; (2) tokens/s delivered with 8 and 32 requests against
+``decode_rate`` over the same cache positions and threads; (3) continuous against
+static batching on a mixed workload, beside the same schedule without a queue; (4) the
+submit -> result() round trip of a no-op task against a hand-rolled LPUSH / BLPOP queue.
 """
 
 from __future__ import annotations

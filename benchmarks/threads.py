@@ -1,13 +1,6 @@
-"""Where a round trip's CPU goes, thread by thread: the worker's model thread, fetcher
-and publisher, the client's calling thread and its reply listener, each read from the
-thread's own CPU clock (``time.pthread_getcpuclockid``: exact, where /proc's per-thread
-figures are sampled at the scheduler's tick), over 2,000 round trips of a no-op task
-on a warm worker, as ``benchmarks.hotpath`` times them (redis-server pinned to one
-CPU, the client and the worker to the other).
-
-``--against REV`` measures a git revision's tree the same way in the same run, passes
-alternating between the trees (this machine's speed swings 2-4x within minutes), and
-prints the medians and their ratio.
+"""Where a round trip's CPU goes, thread by thread (each thread's own CPU clock), over
+2,000 round trips of a no-op task on a warm worker (``children/threads_tree.py``);
+``--against REV`` measures a git revision's tree in the same run, passes alternating.
 
     python -m benchmarks.threads                         # this tree
     python -m benchmarks.threads --against 2f99451       # and a revision, 8 passes

@@ -1,28 +1,16 @@
 #!/usr/bin/env python
-"""Web (SSE) benchmark: tokens to an HTTP client through mtq.contrib.asgi.
+"""Web (SSE): tokens to an HTTP client through mtq.contrib.asgi.
 
-    python -m benchmarks.web            # full run (~1-2 minutes on 2 cores), writes docs
-    python -m benchmarks.web --quick    # smaller run (~50 s), prints only (add --docs)
+    python -m benchmarks.web            # ~2 minutes on 2 cores, writes the web block
+    python -m benchmarks.web --quick    # ~50 s, prints only (add --docs to write)
 
-On a private redis-server, with one uvicorn process serving benchmarks/children/web_app.py (an
-``EventStreamResponse`` per request) and ``mtq worker run benchmarks.children.web_client:Paced``
-processes (a generator without a model: one token per running request per step, at a
-fixed pace), it measures:
-
-1. the latency SSE adds: the same tasks read at the same time by an SSE client (raw
-   asyncio sockets, another process) and by ``Task.aevents()`` in a third process
-   (mtq's own reader, which the SSE response wraps); per token, SSE arrival less
-   in-process arrival (same host clock), and both against the publish time (Redis
-   TIME in the event);
-2. 500 concurrent streams on the one uvicorn process: all complete, no token lost,
-   delivery latency (the worker's stamp -> client arrival) against the same 500 tasks
-   read by ``Task.aevents()`` in one process, the server's RSS and CPU, its Redis
-   connections with 1, 100 and 500 streams open, Redis commands per token;
-3. the floor of the HTTP side: a bare Starlette ``StreamingResponse`` of pre-made
-   events in the same uvicorn process, read by the same client.
-
-It writes the ``web`` block of docs/benchmarks.md (``--quick`` only prints unless
-``--docs``).
+One uvicorn process serves benchmarks/children/web_app.py; ``mtq worker run
+benchmarks.children.web_client:Paced`` workers give one token per running request per
+step at a fixed pace. (1) the latency SSE adds: the same tasks read at once by an SSE
+client and by ``Task.aevents()`` in another process, per token; (2) 500 streams on the
+one process: all complete, none loses a token, latency against ``Task.aevents()``, the
+server's CPU, RSS and Redis connections; (3) the floor: a bare ``StreamingResponse``
+of pre-made events read by the same client.
 """
 
 from __future__ import annotations
