@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -265,25 +266,26 @@ def bare(server: Server, n: int = 20000, batch: int = 64) -> dict[str, float]:
                                                  "reply": "mtq:{bare}:reply:c1"})
                 p.rpush("free", *ids)
                 p.execute()
-            while ids := r.lpop("free", batch):
+            while popped := r.lpop("free", batch):
+                claimed: list[bytes] = list(popped)  # type: ignore[arg-type]
                 p = r.pipeline(transaction=False)
-                for i in ids:
-                    p.hmget(b"task:" + i, "status", "payload", "deadline", "deliveries",
+                for tid in claimed:
+                    p.hmget(b"task:" + tid, "status", "payload", "deadline", "deliveries",
                             "attempts", "retries", "created", "reply", "traceparent", "trace")
-                    p.hset(b"task:" + i, mapping={"status": "running", "worker": "w1",
+                    p.hset(b"task:" + tid, mapping={"status": "running", "worker": "w1",
                                                   "token": "1001", "started": created,
                                                   "deliveries": "1"})
-                p.zadd("leases", {i: 1764225030000 for i in ids})
+                p.zadd("leases", {tid: 1764225030000 for tid in claimed})
                 p.execute()
                 p = r.pipeline(transaction=False)
-                for i in ids:
-                    p.hmget(b"task:" + i, "reply", "created", "trace", "out", "status", "token",
+                for tid in claimed:
+                    p.hmget(b"task:" + tid, "reply", "created", "trace", "out", "status", "token",
                             "stream", "cache")
-                    p.hset(b"task:" + i, mapping={"status": "succeeded", "finished": created,
+                    p.hset(b"task:" + tid, mapping={"status": "succeeded", "finished": created,
                                                   "result": result})
-                    p.expire(b"task:" + i, 86400)
-                p.zrem("leases", *ids)
-                p.publish("mtq:{bare}:reply:c1", b"x" * 64 * len(ids))
+                    p.expire(b"task:" + tid, 86400)
+                p.zrem("leases", *claimed)
+                p.publish("mtq:{bare}:reply:c1", b"x" * 64 * len(claimed))
                 p.execute()
         else:
             for lo in range(0, n, 1000):
@@ -319,7 +321,8 @@ def lane_cost(server: Server, reps: int = 500) -> dict[str, float]:
 
     r = redis.Redis.from_url(server.url)
     k = mtq.Queue("lane", client=r).broker.keys
-    args = (r.script_load("return 1"), len(k.script_keys), *k.script_keys, *k.channels)
+    args: tuple[Any, ...] = (r.script_load("return 1"), len(k.script_keys), *k.script_keys,
+                             *k.channels)
     out: dict[str, float] = {}
     for name, call in (("redispy_call_us", lambda: r.evalsha(*args)),
                        ("lane_call_us", lambda: lane.exchange(r, [("EVALSHA", *args)]))):
@@ -354,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     server = Server()
     server.start()
     worker_cpu = cpus[1] if pin else None
-    if pin:
+    if pin and server.proc is not None:
         os.sched_setaffinity(server.proc.pid, {cpus[0]})
         os.sched_setaffinity(0, {cpus[1]})
     results: dict[str, list[dict[str, float]]] = {"drain": [], "drain20k": [], "drain1": [],
