@@ -520,8 +520,6 @@ def bench_overhead(server: Server, r: redis.Redis, s: Sizes, res: Results,
                 f"{st['gap_ms']:.2f} ms); claim and ack overlap with predict")
 
 
-
-
 # -- output ----------------------------------------------------------------------------
 
 

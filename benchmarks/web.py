@@ -416,8 +416,6 @@ def bench_floor(web: Uvicorn, s: Sizes, res: Results, tmp: Path, env: dict[str, 
                 pct(lat, 50), "ms", stats(lat))
 
 
-
-
 # -- main ------------------------------------------------------------------------------
 
 
