@@ -38,7 +38,7 @@ import redis
 import mtq
 from benchmarks import targets
 from benchmarks.harness import procs
-from benchmarks.harness.meters import machine_info, pct, threads_cpu
+from benchmarks.harness.meters import commandstats, machine_info, pct, threads_cpu
 from benchmarks.harness.procs import stop
 from benchmarks.harness.report import write_block
 from benchmarks.harness.server import ROOT, Server, compile_tree
@@ -51,11 +51,6 @@ MARK_DIR, MARK_N = "MTQ_BENCH_MARK_DIR", "MTQ_BENCH_N"
 def _snap(r: redis.Redis) -> tuple[int, float]:
     i = r.info()
     return int(i["total_commands_processed"]), float(i["used_cpu_user"]) + float(i["used_cpu_sys"])
-
-
-def _usec(r: redis.Redis) -> dict[str, int]:
-    """Redis's time so far in each command (INFO commandstats: usec), by name."""
-    return {k.removeprefix("cmdstat_"): int(v["usec"]) for k, v in r.info("commandstats").items()}
 
 
 def worker_env(server: Server, **extra: str) -> dict[str, str]:
@@ -109,7 +104,7 @@ def drain(server: Server, n: int, cpu: int | None, *extra: str) -> dict[str, flo
         q.submit_many([None] * n)
         submit_s = time.perf_counter() - t
         c1, _ = _snap(r)
-        u1 = _usec(r)
+        u1 = commandstats(r, "usec")
         t_spawn = time.time()
         proc = spawn_worker(server, name, "benchmarks.children.noop:marked", cpu, env, *extra)
         try:
@@ -122,7 +117,7 @@ def drain(server: Server, n: int, cpu: int | None, *extra: str) -> dict[str, flo
                     raise SystemExit("the drain did not finish")
                 time.sleep(0.001)
             c2, cpu2 = _snap(r)
-            u2 = _usec(r)
+            u2 = commandstats(r, "usec")
         finally:
             _stop(proc)
             mtq.replies.hub_of(r).close_all()

@@ -32,7 +32,15 @@ import redis
 import mtq
 from benchmarks import targets
 from benchmarks.children.gen import RawDecoder, pubsub_latencies
-from benchmarks.harness.meters import CpuMeter, machine_info, median, ms_stats, pct, torch_info
+from benchmarks.harness.meters import (
+    CpuMeter,
+    commandstats,
+    machine_info,
+    median,
+    ms_stats,
+    pct,
+    torch_info,
+)
 from benchmarks.harness.procs import Proc, wait_for, worker_env
 from benchmarks.harness.report import Results, cli_args, write_block
 from benchmarks.harness.server import ROOT, Counting, Server, compile_tree, uniq
@@ -87,10 +95,6 @@ def worker_entry(r: redis.Redis, queue: str, proc: Proc) -> dict[str, Any]:
 
     wait_for("a fresh worker heartbeat", fresh, 10, [proc], every=0.1)
     return got
-
-
-def commandstats(r: redis.Redis) -> dict[str, int]:
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
 
 
 def runs_of(values: Sequence[float]) -> str:

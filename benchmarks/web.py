@@ -35,7 +35,7 @@ import redis
 
 import mtq
 from benchmarks import targets
-from benchmarks.harness.meters import CpuMeter, machine_info, pct
+from benchmarks.harness.meters import CpuMeter, commandstats, machine_info, pct
 from benchmarks.harness.procs import Proc, wait_for, worker_env
 from benchmarks.harness.report import Results, cli_args, write_block
 from benchmarks.harness.server import ROOT, Server, free_port, uniq
@@ -232,8 +232,7 @@ def stream_run(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, n: in
                 raise SystemExit(f"a client exited with {p.returncode}")
         run.wall_s, run.cpu_s = time.perf_counter() - t0, web.cpu_s() - cpu0
         run.loop_cpu_s = web.threads_cpu_s()[0] - loop0
-        run.cmds = {k.removeprefix("cmdstat_"): int(v["calls"])
-                    for k, v in r.info("commandstats").items()}
+        run.cmds = commandstats(r)
         for w in workers:
             if w.proc.poll() is not None:
                 raise w.fail("a worker exited during the run")

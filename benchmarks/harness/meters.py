@@ -88,9 +88,9 @@ def redis_cpu(r: redis.Redis) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def commandstats(r: redis.Redis) -> dict[str, dict[str, float]]:
-    """INFO commandstats by command name (``calls``, ``usec``...)."""
-    return {k.removeprefix("cmdstat_"): v for k, v in r.info("commandstats").items()}
+def commandstats(r: redis.Redis, field: str = "calls") -> dict[str, int]:
+    """One field of INFO commandstats (``calls``, ``usec``) by command name."""
+    return {k.removeprefix("cmdstat_"): int(v[field]) for k, v in r.info("commandstats").items()}
 
 
 def machine_busy() -> float:

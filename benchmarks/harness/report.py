@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,12 +122,6 @@ def write_block(area: str, lines: Sequence[str], command: str, machine: str,
     block = "\n".join([start, head, "", *lines, end])
     path.write_text(pattern.sub(lambda _m: block, text, count=1), encoding="utf-8")
     print(f"wrote the {area} block of {path}")
-
-
-def command_line(module: str, argv: Sequence[str] | None) -> str:
-    """The command that ran, as the docs show it."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    return " ".join(["python -m", module, *args])
 
 
 def cli_args(argv: Sequence[str] | None, doc: str | None, quick_time: str
