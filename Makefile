@@ -22,7 +22,7 @@ test-rq-conformance:
 
 lint:
 	ruff check mtq tests benchmarks
-	mypy mtq
+	mypy mtq benchmarks
 
 bench:
 	python benchmarks/broker.py

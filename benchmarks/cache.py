@@ -1,20 +1,14 @@
 """The result cache: what a hit costs, and what its bookkeeping costs the misses.
 
-* cache-hit round trip, submit -> result (the submit's one script call answers it,
-  the result inline), warm, vs an uncached round trip through a warm real worker
-  (``mtq worker run benchmarks.noop:handle``) in the same run, in alternating blocks of
-  100; target hit p50 <= 0.3 ms;
-* no-op drain rate of a queue with the cache on and every payload distinct (all
-  misses: single-flight markers, cache fields, entry writes) vs the cache off, same
-  run, in pairs whose order alternates; the median of the pairs' ratios; target <= 3 %
-  slower;
-* since those rates move by 10-30 % between passes on a shared 2-core machine, what
-  the drain path's cache bookkeeping costs is also counted where it is repeatable:
-  redis-server's instructions per drained task (valgrind's callgrind), cache off vs
-  on. The worker's own code does not change with the cache (it passes its model
-  version with every ack either way).
+* a cache hit's round trip against an uncached one through a warm worker, in
+  alternating blocks of 100;
+* no-op drain rate with the cache on (every payload distinct: all misses) against off,
+  in pairs whose order alternates;
+* redis-server's CPU and commands per task, submit and drain, off against on; and its
+  instructions per drained task and per hit (callgrind), which repeat where rates
+  on a shared machine do not.
 
-    python -m benchmarks.cache            # full run, rewrites "## Result cache" in docs/benchmarks.md
+    python -m benchmarks.cache            # full run, writes the cache block
     python -m benchmarks.cache --quick    # smaller, prints only
 """
 
@@ -22,42 +16,37 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
-from datetime import date
+from typing import Any
 
 import redis
 
 import mtq
-from benchmarks.broker import ROOT, Server, free_port, run_worker, write_docs
-from benchmarks.noop import handle
+from benchmarks import targets
+from benchmarks.broker import run_worker
+from benchmarks.children.noop import handle
+from benchmarks.harness.meters import machine_info, pct
+from benchmarks.harness.procs import worker_env
+from benchmarks.harness.report import write_block
+from benchmarks.harness.server import ROOT, CallgrindServer, Server, bench_binary
 from mtq.broker import catalogue
 from mtq.broker.consumer import Consumer
-from mtq.broker.embedded import find_redis_server
 from mtq.replies import hub_of
 from mtq.workers.catalogue import version_of
 from mtq.workers.model import FunctionModel
 
 
-def pct(values: list[float], p: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(p / 100 * len(v)))]
-
-
 def round_trips(server: Server, r: redis.Redis, samples: int) -> dict[str, float]:
     q = mtq.Queue("bench-rt", server.url, client=r)
     q.configure(cache_ttl_s=3600)
-    env = {**os.environ, "MTQ_REDIS_URL": server.url,
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
-                                         if p)}
+    env = worker_env(server.url)
     proc = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
-                             "benchmarks.noop:handle", "--queue", "bench-rt"], env=env,
+                             "benchmarks.children.noop:handle", "--queue", "bench-rt"], env=env,
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         q.submit({"x": "warm"}, cache=False).result(timeout=60)
@@ -81,11 +70,11 @@ def round_trips(server: Server, r: redis.Redis, samples: int) -> dict[str, float
     finally:
         proc.terminate()
         proc.wait(30)
-    return {"hit_p50": pct(hits, 50) * 1e3, "hit_p99": pct(hits, 99) * 1e3,
-            "run_p50": pct(misses, 50) * 1e3, "run_p99": pct(misses, 99) * 1e3}
+    return {"hit_p50": pct(hits, 50, True) * 1e3, "hit_p99": pct(hits, 99, True) * 1e3,
+            "run_p50": pct(misses, 50, True) * 1e3, "run_p99": pct(misses, 99, True) * 1e3}
 
 
-def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str, float]:
+def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str, Any]:
     import benchmarks.broker as b
 
     original = b.presubmit
@@ -96,7 +85,7 @@ def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str
         # the version the worker will compute (so that its acks write the entries)
         version = version_of(FunctionModel(handle))
         catalogue.record(r, q.name, {"event": "loaded"},
-                         {"target": "benchmarks.noop:handle", "version": version,
+                         {"target": "benchmarks.children.noop:handle", "version": version,
                           "kind": "function", "deterministic": 0, "cacheable": 1})
         return original(q, count, streams, **kw)  # type: ignore[arg-type]
 
@@ -104,7 +93,7 @@ def drain_rates(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str
     for i in range(passes):
         # pairs, the order alternating: drift of a noisy machine cancels out
         for mode in (("off", "on") if i % 2 == 0 else ("on", "off")):
-            b.presubmit = presubmit_cached if mode == "on" else original
+            b.presubmit = presubmit_cached if mode == "on" else original  # type: ignore[assignment]
             try:
                 drain_s, *_ = run_worker(server, r, n)
             finally:
@@ -123,9 +112,7 @@ def redis_cost(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str,
     --burst``), each window opened by CONFIG RESETSTAT and closed before anything else
     runs (INFO cpu; commandstats, scripts' inner commands included). Less noisy than
     rates on a shared machine. Medians of ``passes`` runs per mode, order alternating."""
-    env = {**os.environ, "MTQ_REDIS_URL": server.url,
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
-                                         if p)}
+    env = worker_env(server.url)
     out: dict[str, dict[str, list[float]]] = {
         m: {"submit_us": [], "drain_us": [], "submit_cmds": [], "drain_cmds": [],
             "drain_script_us": []}
@@ -146,7 +133,7 @@ def redis_cost(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str,
             if mode == "on":
                 q.configure(cache_ttl_s=3600, cache_max_entries=10 * n)  # no eviction
                 catalogue.record(r, q.name, {"event": "loaded"},
-                                 {"target": "benchmarks.noop:handle",
+                                 {"target": "benchmarks.children.noop:handle",
                                   "version": version_of(FunctionModel(handle)),
                                   "kind": "function", "deterministic": 0, "cacheable": 1})
             items = [{"text": "hello world", "i": j} for j in range(n)]
@@ -158,7 +145,7 @@ def redis_cost(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str,
             out[mode]["submit_cmds"].append(calls / n)
             r.config_resetstat()
             c0, _, _ = window()
-            subprocess.run([sys.executable, "-m", "mtq", "worker", "run", "benchmarks.noop:handle",
+            subprocess.run([sys.executable, "-m", "mtq", "worker", "run", "benchmarks.children.noop:handle",
                             "--queue", q.name, "--batch-size", "64", "--burst"], env=env,
                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            timeout=300, check=True)
@@ -172,54 +159,26 @@ def redis_cost(server: Server, r: redis.Redis, n: int, passes: int) -> dict[str,
 
 
 def counted(prepare: Callable[[redis.Redis], Callable[[], None]]) -> int:
-    """redis-server's instructions (valgrind's callgrind) while the function that
-    ``prepare(client)`` returns runs, on a fresh server under callgrind:
-    ``prepare`` sets up with instrumentation off. Repeatable to a fraction of a
-    percent where CPU time on a shared 2-core machine moves by 10-30 % between runs."""
-    work = tempfile.mkdtemp(prefix="mtq-bench-cg-")
-    dump, port = os.path.join(work, "callgrind.out"), free_port()
-    proc = subprocess.Popen(
-        ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={dump}",
-         find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", work],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    """redis-server's instructions while the function that ``prepare(client)`` returns
+    runs, on a fresh server under callgrind (``prepare`` sets up, not counted)."""
+    server = CallgrindServer()
+    server.start()
+    r = redis.Redis(port=server.port)
     try:
-        r = redis.Redis(port=port)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit("redis-server under valgrind did not start") from None
-                time.sleep(0.1)
         run = prepare(r)
-        for switch in ("on", "off"):
-            if switch == "off":
-                run()
-            subprocess.run(["callgrind_control", "-i", switch, str(proc.pid)], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            r.shutdown(nosave=True)
-        except redis.ConnectionError:
-            pass
-        proc.wait(60)
+        server.instrument(True)
+        run()
+        server.instrument(False)
         hub_of(r).close_all()
-        r.close()
+        return server.total()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    with open(dump) as f:
-        total = next(int(line.split()[1]) for line in f if line.startswith("totals:"))
-    shutil.rmtree(work, ignore_errors=True)
-    return total
+        r.close()
+        server.stop()
 
 
 def with_model(r: redis.Redis, q: mtq.Queue, version: str) -> None:
     catalogue.record(r, q.name, {"event": "loaded"},
-                     {"target": "benchmarks.noop:handle", "version": version,
+                     {"target": "benchmarks.children.noop:handle", "version": version,
                       "kind": "function", "deterministic": 0, "cacheable": 1})
 
 
@@ -309,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     # installs it): most of a hit's time is the submit script inside Redis
     others: dict[str, dict[str, float]] = {}
     system = shutil.which("redis-server", path="/usr/bin:/usr/local/bin")
-    if system and os.path.realpath(system) != os.path.realpath(os.environ.get("MTQ_BENCH_REDIS_SERVER") or find_redis_server()):
+    if system and os.path.realpath(system) != os.path.realpath(bench_binary()):
         other, r, version = start(system)
         try:
             others[version] = round_trips(other, r, samples)
@@ -327,25 +286,19 @@ def main(argv: list[str] | None = None) -> None:
     def more(k: str) -> str:
         return f"{100 * cost[k + '_on'] / cost[k + '_off'] - 100:+.0f} %"
     lines = [
-        "## Result cache", "",
-        f"{date.today().isoformat()}, `python -m benchmarks.cache{' --quick' if args.quick else ''}`"
-        f" ({platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}"
-        + ("; redis-server pinned to one CPU, the client and workers to the other" if pinned
-           else "; not pinned") + ").",
-        "",
         "| measure | value | target |", "|---|---|---|",
         f"| cache-hit round trip submit -> result, p50 / p99 ({samples} warm; "
         f"redis-server {server_version}, the embedded server's, as every other row) | "
-        f"{rt['hit_p50']:.3f} / {rt['hit_p99']:.3f} ms | p50 <= 0.3 ms |",
+        f"{rt['hit_p50']:.3f} / {rt['hit_p99']:.3f} ms | p50 <= {targets.CACHE_HIT_P50_MS:g} ms |",
         f"| uncached round trip through a warm worker, p50 / p99 (same run) | "
         f"{rt['run_p50']:.3f} / {rt['run_p99']:.3f} ms | (baseline) |",
         *(f"| the same two on redis-server {v} (Debian's): hit p50 / p99; uncached p50 / p99 | "
           f"{o['hit_p50']:.3f} / {o['hit_p99']:.3f} ms; {o['run_p50']:.3f} / "
-          f"{o['run_p99']:.3f} ms | p50 <= 0.3 ms |" for v, o in others.items()),
+          f"{o['run_p99']:.3f} ms | p50 <= {targets.CACHE_HIT_P50_MS:g} ms |" for v, o in others.items()),
         f"| no-op drain, cache off, median of {passes} ({n} tasks) | {dr['off']:,.0f} tasks/s | |",
         f"| no-op drain, cache on, all misses, median of {passes} | {dr['on']:,.0f} tasks/s "
         f"({dr['slower_pct']:+.1f} % slower: the median of the pairs' ratios; of the medians "
-        f"{dr['medians_pct']:+.1f} %) | <= 3 % slower |",
+        f"{dr['medians_pct']:+.1f} %) | <= {targets.CACHE_SLOWDOWN:.0%} slower |",
         f"| redis-server CPU per task, submit: cache off / on, all misses | "
         f"{cost['submit_us_off']:.1f} / {cost['submit_us_on']:.1f} us ({more('submit_us')}) | |",
         f"| redis-server CPU per task, drain (claim, ack): cache off / on | "
@@ -357,30 +310,21 @@ def main(argv: list[str] | None = None) -> None:
          f"{len(ir['off'])} passes each): cache off / on | {statistics.median(ir['off']):,.0f} / "
          f"{statistics.median(ir['on']):,.0f} "
          f"({100 * statistics.median(ir['on']) / statistics.median(ir['off']) - 100:+.1f} %) "
-         "| <= 3 % more |" if ir else
+         f"| <= {targets.CACHE_INSTRUCTIONS:.0%} more |" if ir else
          "| redis-server instructions per drained task | (valgrind not installed) | |"),
         *([f"| redis-server instructions per cache hit (its submit; callgrind) | "
            f"{statistics.median(ir['hit']):,.0f} | |"] if ir else []),
         f"| Redis commands per task (scripts' inner ones): submit off / on; drain off / on | "
         f"{cost['submit_cmds_off']:.2f} / {cost['submit_cmds_on']:.2f}; "
         f"{cost['drain_cmds_off']:.2f} / {cost['drain_cmds_on']:.2f} | |",
-        "",
-        "A miss costs Redis a GET and a SET of the entry (which names the task; the result "
-        "is not copied) at submit and the index once per submit call; the drain path runs "
-        "the same commands as without the cache (the rows above). The drain of no-op "
-        "tasks is bound by redis-server's CPU on this 2-core machine, so what the cache "
-        "adds there shows in the rate; but passes of the same mode differ by more than "
-        "the 3 % to be resolved (the passes below), so the instruction count of "
-        "redis-server over the same claims and acks, which repeats to about 0.1 %, is "
-        "the figure that bounds it: the worker's side is the same code either way.",
-        "",
-        "Passes (tasks/s), in pairs whose order alternates: off " + ", ".join(f"{v:,.0f}" for v in dr["off_all"])
-        + "; on " + ", ".join(f"{v:,.0f}" for v in dr["on_all"]) + ".",
+        "| drain passes (tasks/s), in pairs whose order alternates | off "
+        + ", ".join(f"{v:,.0f}" for v in dr["off_all"]) + "; on "
+        + ", ".join(f"{v:,.0f}" for v in dr["on_all"]) + " | |",
     ]
-    section = "\n".join(lines) + "\n"
-    print(section)
+    print("\n".join(lines))
     if not args.quick:
-        write_docs(ROOT / "docs" / "benchmarks.md", section, "## Result cache")
+        write_block("cache", lines, "python -m benchmarks.cache", machine_info(
+            None, f"redis-server {server_version}", "pinned" if pinned else "not pinned"))
 
 
 if __name__ == "__main__":

@@ -1,38 +1,26 @@
-"""Collecting many results: ``submit_many`` of N no-op tasks, then every result, end to
-end, with one warm ``mtq worker run`` (batch 64), in one run:
+"""Collecting many results: ``submit_many`` of N no-op tasks, then every result, with one
+warm ``mtq worker run`` (batch 64): ``result()`` on each task in a loop (outcomes the
+client's inbox already holds cost no round trip); the same loop with the inbox off
+(``INBOX_MAX = 0``: a read per task, the baseline); a ``Group``'s ``submit_many`` then
+``results()``; and the worker's own drain rate in the same pass, the ceiling. Passes of
+the modes alternate; medians.
 
-* ``result()`` on each task in a loop, as a user writes it: outcomes that already
-  reached the client over its reply channel are taken from the client's inbox (no
-  round trip; mtq.replies.Hub.take);
-* the same loop with the inbox off (``INBOX_MAX = 0``): a read of the stored state
-  (``watch.lua``) per task, the behaviour before the inbox: the baseline;
-* the bulk form: a ``Group``'s ``submit_many`` then ``results()`` (callbacks in place
-  before the submit, never a read);
-* and, as the ceiling, the rate at which the worker ran the same tasks (its first
-  ``started`` to its last ``finished``, server clock).
-
-Rates are N / (first submit to last result). Redis commands per task count every
-command the server ran in the pass (scripts' inner ones included). Passes of the
-modes alternate; medians.
-
-    python -m benchmarks.collect           # full run, rewrites "## Collecting results"
+    python -m benchmarks.collect           # full run, writes the collect block
     python -m benchmarks.collect --quick   # smaller, prints only
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import statistics
 import time
 from collections.abc import Callable
-from datetime import date
 
 import redis
 
 import mtq
-from benchmarks.broker import ROOT, Server, write_docs
+from benchmarks.harness.meters import machine_info, median
+from benchmarks.harness.report import write_block
+from benchmarks.harness.server import Server, compile_tree
 from benchmarks.hotpath import spawn_worker, wait_worker, worker_env
 from mtq import replies
 
@@ -57,7 +45,7 @@ def one_pass(server: Server, mode: str, n: int) -> dict[str, float]:
     r = redis.Redis.from_url(server.url)
     name = f"collect-{len(mode)}-{time.monotonic_ns()}"
     q = mtq.Queue(name, client=r)
-    proc = spawn_worker(server, name, "benchmarks.noop:handle", None, worker_env(server))
+    proc = spawn_worker(server, name, "benchmarks.children.noop:handle", None, worker_env(server))
     saved = replies.INBOX_MAX
     try:
         wait_worker(r, name, proc)
@@ -98,6 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
     n, passes = (5000, 1) if args.quick else (20000, 3)
+    compile_tree()
     server = Server()
     server.start()
     out: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
@@ -110,43 +99,24 @@ def main(argv: list[str] | None = None) -> None:
         server.stop()
 
     def med(mode: str, k: str) -> float:
-        return statistics.median(p[k] for p in out[mode])
+        return median([p[k] for p in out[mode]])
 
     base = med("loop, inbox off", "rate")
     lines = [
-        "## Collecting results", "",
-        f"{date.today().isoformat()}, `python -m benchmarks.collect"
-        f"{' --quick' if args.quick else ''}` ({platform.machine()}, {os.cpu_count()} cpus, "
-        f"Python {platform.python_version()}, redis-server {version}, not pinned). "
-        f"`submit_many` of {n:,} no-op tasks, then every result, with one warm "
-        f"`mtq worker run` (batch 64); medians of {passes} passes, the modes alternating.",
-        "",
-        "| mode | end to end (tasks/s) | vs the loop before the inbox | the worker's drain in "
+        "| mode | end to end (tasks/s) | vs the loop with the inbox off | the worker's drain in "
         "the same pass (tasks/s) | Redis commands per task |",
         "|---|---|---|---|---|",
     ]
     for mode, label in (("loop", "`result()` on each task, in a loop"),
-                        ("loop, inbox off", "the same loop, inbox off (a read per task: "
-                                            "before)"),
+                        ("loop, inbox off", "the same loop, inbox off (a read per task)"),
                         ("group", "`Group.submit_many` then `results()`")):
         lines.append(f"| {label} | {med(mode, 'rate'):,.0f} | "
                      f"{med(mode, 'rate') / base:.2f}x | {med(mode, 'drain'):,.0f} | "
                      f"{med(mode, 'cmds'):.2f} |")
-    lines += [
-        "",
-        "The loop no longer pays a round trip per task for outcomes already received, so "
-        "it runs as fast as the worker delivers; the worker's drain rate in the same "
-        "pass is the ceiling of the three. Issue 19's target (>= 30,000 tasks/s end to "
-        "end) waits on that ceiling: the worker's drain.",
-        "",
-        "Before this run `Group.submit_many` built the set of the returned ids once per "
-        "task (O(n^2)): a quick run of 5,000 measured the group at 0.83x of the old loop; "
-        "it is built once now.",
-    ]
-    section = "\n".join(lines) + "\n"
-    print(section)
+    print("\n".join(lines))
     if not args.quick:
-        write_docs(ROOT / "docs" / "benchmarks.md", section, "## Collecting results")
+        write_block("collect", lines, "python -m benchmarks.collect",
+                    machine_info(None, f"redis-server {version}", "not pinned"))
 
 
 if __name__ == "__main__":

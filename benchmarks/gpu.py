@@ -1,36 +1,18 @@
 #!/usr/bin/env python
-"""GPU benchmark: batching, continuous batching and device memory of mtq workers on a GPU.
+"""GPU: batching, continuous batching and device memory of mtq workers on a GPU.
 
     python -m benchmarks.gpu --device cuda:0 --json gpu-out/gpu.json   # scripts/gpu-check
     python -m benchmarks.gpu --device cpu --quick                       # the dry run, here
 
-On a private redis-server (a throw-away one on a free loopback port), each figure
-against a baseline taken in the same run, on the same device:
-
-1. batching: the MiniLM example (examples/embeddings.py) and the reference embedder
-   (mtq.reference.embedder) at batch 1, 32 and 64: tasks/s drained through the queue
-   by one ``mtq worker run --device D --batch-size B`` process (first completion to
-   last, Redis clock) as a share of the model called directly in this process on the
-   same sentences in batches of B (its ``predict``, the worker's code path);
-2. generation: the reference generator at a GPU's size (benchmarks/gpu_targets.py:
-   TinyGPT with d_model 1024, 12 layers, bfloat16): tokens/s delivered to reader
-   threads with 8 and 32 requests running against ``decode_rate`` in this process
-   (raw decode, same positions); time to first token; token latency (publish ->
-   the reader) and the gap between a request's tokens, p50/p99; continuous vs static
-   batching on a mixed workload (3/4 of the requests 8 tokens, 1/4 128 tokens,
-   submitted at once), with the same schedule run in this process without a queue
-   (the model's own ratio);
-3. device memory: the worker's reported memory (``torch.cuda.memory_allocated`` in
-   the worker, via the registry) against its parameters and KV cache computed from
-   the config and against the driver's per-process figure (nvidia-smi), before a
-   ``reload`` control command, after it, and once a request ran again: the memory a
-   reload gives back.
-
-Every figure goes to ``--json`` as it is taken (a step killed by a time limit
-leaves what it measured); a table is printed at the end. A section that fails is
-recorded as an error and the next one runs. ``--quick`` takes smaller sizes (the CPU
-dry run of scripts/gpu-check, about a minute). Nothing here writes docs: the GPU
-figures are copied into docs/benchmarks.md ("GPU") by hand, with the device named.
+Each figure against a baseline taken in the same run on the same device: (1) batching,
+MiniLM and the reference embedder at batch 1, 32 and 64 through one ``mtq worker run
+--device D``, against the model's ``predict`` in this process; (2) generation, TinyGPT
+at a GPU's size (benchmarks/children/gpt.py): tokens/s delivered against
+``decode_rate``, time to first token, token latency and gaps, continuous against static
+batching beside the same schedule without a queue; (3) device memory, the worker's
+against parameters and KV cache from the config and the driver's, before and after a
+``reload``. Every figure goes to ``--json`` as it is taken; a section that fails is
+recorded and the next one runs. The figures are copied into docs/benchmarks.md by hand.
 """
 
 from __future__ import annotations
@@ -42,6 +24,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -51,18 +34,23 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from rich.console import Console
 
 import mtq
-from benchmarks.batching import Proc, drain, pct, sentences, wait_for, worker_env
-from benchmarks.broker import Server, console, median, uniq
+from benchmarks.batching import drain, sentences
+from benchmarks.harness.meters import median, pct
+from benchmarks.harness.procs import Proc, wait_for, worker_env
+from benchmarks.harness.server import Server, uniq
 from benchmarks.streaming import mixed_payloads, wait_ready, worker_entry
 from mtq.workers import control
+
+console = Console(width=None if sys.stdout.isatty() else 170)
 
 PROMPT = "Hello, world"
 EMBEDDERS = {"minilm": "examples.embeddings:MiniLM",
              "tiny-embedder": "mtq.reference.embedder:TinyEmbedder"}
-GPT = "benchmarks.gpu_targets:GpuGPT"
-STATIC_GPT = "benchmarks.gpu_targets:StaticGpuGPT"
+GPT = "benchmarks.children.gpt:GpuGPT"
+STATIC_GPT = "benchmarks.children.gpt:StaticGpuGPT"
 
 
 @dataclass(frozen=True)
@@ -321,7 +309,7 @@ def gpt_payloads(n: int, tokens: int) -> list[dict[str, Any]]:
 
 def start_worker(server: Server, spec: str, queue: str, device: str) -> Proc:
     return Proc(["-v", "worker", "run", spec, "--queue", queue, "--redis", server.url,
-                 "--device", device], worker_env(server))
+                 "--device", device], worker_env(server.url))
 
 
 def mixed_stats(streams: list[Stream], payloads: list[dict[str, Any]]) -> dict[str, float]:
@@ -337,8 +325,8 @@ def mixed_stats(streams: list[Stream], payloads: list[dict[str, Any]]) -> dict[s
 
 def bench_generation(server: Server, r: redis.Redis, device: str, s: Sizes, rep: Report,
                      limit: Deadline, mem_limit: Deadline) -> None:
-    from benchmarks import gpu_targets as gt
-    from benchmarks.gen_targets import schedule_rate
+    from benchmarks.children import gpt as gt
+    from benchmarks.children.gen import schedule_rate
     from mtq.reference.gpt import decode_rate, make_weights, weights_path
 
     rep.section = "generation"
@@ -405,7 +393,7 @@ def bench_generation(server: Server, r: redis.Redis, device: str, s: Sizes, rep:
             rep.add(f"  {label}: mean latency of the 8-token requests", m["short_s"] * 1000,
                     "ms", f"mean of all {m['lat_s'] * 1000:,.0f} ms")
             rep.add(f"  {label}, the same schedule in this process without a queue",
-                    median(alone[k]), "tokens/s", "benchmarks.gen_targets.schedule_rate")
+                    median(alone[k]), "tokens/s", "benchmarks.children.gen.schedule_rate")
         cont = median([x["rate"] for x in out["c"]])
         stat = median([x["rate"] for x in out["s"]])
         rep.add("continuous / static, through the queue", cont / stat, "x", "tokens/s")
@@ -426,7 +414,7 @@ def bench_memory(r: redis.Redis, q: mtq.Queue, proc: Proc, device: str, rep: Rep
                  limit: Deadline) -> None:
     """The continuous worker of section 2 (its KV cache allocated): its reported
     memory, a reload, and its memory after it."""
-    from benchmarks import gpu_targets as gt
+    from benchmarks.children import gpt as gt
 
     rep.section = "memory"
     limit.check("the memory readings")

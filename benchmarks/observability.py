@@ -1,32 +1,18 @@
 #!/usr/bin/env python
-"""Observability benchmark: what the worker histograms and the exporter cost.
+"""Observability: what the worker histograms and the exporter cost.
 
-    python -m benchmarks.observability            # full run (~1-2 minutes), writes docs
-    python -m benchmarks.observability --quick    # smaller run, prints only
+    python -m benchmarks.observability            # ~2 minutes, writes the observability block
+    python -m benchmarks.observability --quick    # smaller, prints only
 
-It starts its own redis-server on a free loopback port (persistence off) and
-measures, in the same run:
-
-a. the no-op drain rate of one real ``mtq worker run`` process
-   (``benchmarks.noop:NoopModel``, batch 32, ``--burst``) with the queue's
-   ``metrics`` setting true and false, in interleaved passes (on, off, on, off ...),
-   each rate taken from the first completion to the last (server clock); the
-   figures are the medians and their ratio (target: metrics on at most 3 % slower);
-b. the scrape time of ``mtq metrics serve`` (a real subprocess) over real HTTP at
-   1 000 queues, each with stats and histogram data (queue wait, run, latency,
-   written by :class:`mtq.workers.stats.Histograms` as workers write them) and 8
-   workers in the registry, a tenth of the queues given new observations and counts
-   before each scrape (the exporter re-renders only what changed): p50 and max of the
-   scrapes (target: at most 100 ms).
-
-It prints a table and rewrites the "## Observability" section of docs/benchmarks.md
-(a full run; ``--quick`` only prints unless ``--docs`` is given).
+(a) one ``mtq worker run --burst`` draining no-op tasks (batch 32) with the queue's
+``metrics`` setting on and off, in interleaved passes, rates from the first completion
+to the last (server clock); (b) ``mtq metrics serve`` scraped over HTTP at 1,000 queues
+with histogram data and 8 workers, a tenth of the queues given new observations before
+each scrape.
 """
 
 from __future__ import annotations
 
-import datetime as dt
-import platform
 import random
 import subprocess
 import sys
@@ -37,21 +23,16 @@ import httpx
 import redis
 
 import mtq
-from benchmarks.batching import (
-    CpuMeter,
-    Proc,
-    cpu_mark,
-    task_fields,
-    worker_env,
-)
-from benchmarks.broker import Server, cli_args, console, median, uniq, write_docs
+from benchmarks import targets
+from benchmarks.batching import task_fields
+from benchmarks.harness.meters import CpuMeter, cpu_mark, machine_info, median, pct
+from benchmarks.harness.procs import Proc, worker_env
+from benchmarks.harness.report import cli_args, write_block
+from benchmarks.harness.server import Server, compile_tree, free_port, uniq
 from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.workers import registry
 from mtq.workers.stats import Histograms
 
-SECTION = "## Observability"
-TARGET_SLOWDOWN = 0.03     # metrics on: at most 3 % slower than off
-TARGET_SCRAPE_MS = 100.0   # 1 000 queues
 BATCH = 32
 
 
@@ -62,8 +43,8 @@ def drain_rate(server: Server, r: redis.Redis, n: int, metrics: bool) -> float:
     q = mtq.Queue(qname, client=r)
     q.configure(metrics=metrics)
     tasks = q.submit_many([{"i": i} for i in range(n)])
-    p = Proc(["worker", "run", "benchmarks.noop:NoopModel", "--queue", qname, "--redis",
-              server.url, "--batch-size", str(BATCH), "--burst"], worker_env(server))
+    p = Proc(["worker", "run", "benchmarks.children.noop:NoopModel", "--queue", qname, "--redis",
+              server.url, "--batch-size", str(BATCH), "--burst"], worker_env(server.url))
     try:
         code = p.wait(300)
         if code != 0:
@@ -120,7 +101,7 @@ def scrape_times(server: Server, port: int, n: int, queues: int = 0
     filled by :func:`fill_queues` get new observations and counts."""
     r = redis.Redis.from_url(server.url)
     rng = random.Random(11)
-    env = worker_env(server)
+    env = worker_env(server.url)
     p = subprocess.Popen([sys.executable, "-m", "mtq", "metrics", "serve", "--port",
                           str(port), "--redis", server.url], env=env,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -164,14 +145,10 @@ def scrape_times(server: Server, port: int, n: int, queues: int = 0
     return walls, reads, size
 
 
-def pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     quick, docs = cli_args(argv, __doc__, "~30 s")
     n, passes, scrapes, queues = (5_000, 3, 20, 1_000) if quick else (20_000, 5, 40, 1_000)
+    compile_tree()
     server = Server()
     server.start()
     r = redis.Redis.from_url(server.url)
@@ -187,11 +164,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rate = drain_rate(server, r, n, metrics)
                 (on if metrics else off).append(rate)
                 meter.add(f"drain metrics={'on' if metrics else 'off'}", mark)
-                console.print(f"[dim]pass {i + 1} metrics={metrics}: {rate:,.0f} tasks/s[/dim]")
+                print(f"pass {i + 1} metrics={metrics}: {rate:,.0f} tasks/s", flush=True)
         fill_queues(r, queues, 8)
         mark = cpu_mark()
-        from tests.conftest import free_port
-
         walls, reads, size = scrape_times(server, free_port(), scrapes, queues)
         meter.add("scrapes", mark)
     finally:
@@ -209,39 +184,23 @@ def main(argv: Sequence[str] | None = None) -> int:
          ", ".join(f"{x:,.0f}" for x in off)),
         ("metrics on vs off (median of the passes' ratios)", f"{-slowdown:+.1%}",
          f"ratio of the medians {on_m / off_m - 1:+.1%}; "
-         f"target: at most {TARGET_SLOWDOWN:.0%} slower: "
-         + ("met" if slowdown <= TARGET_SLOWDOWN else "NOT met")),
+         f"target: at most {targets.METRICS_SLOWDOWN:.0%} slower: "
+         + ("met" if slowdown <= targets.METRICS_SLOWDOWN else "NOT met")),
         (f"scrape, {queues:,} queues, over HTTP: p50", f"{p50:.1f} ms",
          f"max {worst:.1f} ms over {len(walls)} scrapes; {size / 1e6:.1f} MB of text; target "
-         f"<= {TARGET_SCRAPE_MS:g} ms: " + ("met" if worst <= TARGET_SCRAPE_MS else
-                                            "p50 met, max not" if p50 <= TARGET_SCRAPE_MS
+         f"<= {targets.SCRAPE_MS:g} ms: " + ("met" if worst <= targets.SCRAPE_MS else
+                                            "p50 met, max not" if p50 <= targets.SCRAPE_MS
                                             else "NOT met")),
         ("  of which reading Redis (mtq_scrape_duration_seconds)", f"{pct(reads, 50):.1f} ms",
          f"p50; max {max(reads):.1f} ms"),
     ]
-    for name, v, note in rows:
-        console.print(f"{name:<58} {v:>16}  {note}")
-    console.print(meter.summary())
+    table = ["| measure | value | notes |", "|---|---|---|", *(f"| {a} | {b} | {c} |"
+                                                               for a, b, c in rows)]
+    print("\n".join(table))
     if docs is not None:
         command = "python -m benchmarks.observability" + (" --quick" if quick else "")
-        lines = [
-            SECTION, "",
-            f"{dt.date.today().isoformat()}, `{command}` on {platform.machine()} "
-            f"({platform.python_version()}), {time.time() - started:.0f} s. (a) "
-            f"{passes} interleaved passes each of one `mtq worker run --burst` draining "
-            f"{n:,} no-op tasks (`benchmarks.noop:NoopModel`, batch {BATCH}) with the "
-            "queue's `metrics` setting on and off; rate from the first completion to the "
-            f"last (server clock). (b) `mtq metrics serve` scraped {len(walls)} times over "
-            f"HTTP at {queues:,} queues, each with stats and histogram data, 8 workers; "
-            f"before each scrape {ACTIVE_SHARE:.0%} of the queues get new observations and "
-            "counts (the exporter keeps each series' text and writes anew only those whose "
-            "histogram changed).",
-            "", "| measure | value | notes |", "|---|---|---|",
-            *(f"| {a} | {b} | {c} |" for a, b, c in rows), "",
-            meter.summary(), "",
-        ]
-        write_docs(docs, "\n".join(lines) + "\n", SECTION)
-        console.print(f"wrote {docs}")
+        write_block("observability", table, command, machine_info(
+            None, f"other processes {meter.share():.0%} of the CPU"), time.time() - started, docs)
     return 0
 
 

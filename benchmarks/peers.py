@@ -1,13 +1,13 @@
 """mtq side by side with RQ, Celery, Dramatiq, arq and Huey, from one run of the shared
 peer harness (``../shared/bench/peers/``: its README says what each figure is and how it
 is taken). This script runs the harness (or reads a run's JSON lines) and writes the
-"## Peers" section of docs/benchmarks.md: for each figure, mtq's value, the best peer's
-in the same run, and their ratio.
+``peers`` block of docs/benchmarks.md: for each figure, mtq's value, the best peer's in
+the same run, and their ratio.
 
     python -m benchmarks.peers --run               # setup.sh once, then run_all.sh (PASSES=2)
     python -m benchmarks.peers results.jsonl       # a run already made
     ONLY="huey mtq" python -m benchmarks.peers --run --passes 8 \
-        --heading "## Peers: mtq and Huey"         # a subset, more passes, its own section
+        --block peers-huey                         # a subset, more passes, its own block
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
-from benchmarks.broker import ROOT, compile_tree, write_docs
+from benchmarks.harness.report import write_block
+from benchmarks.harness.server import ROOT, compile_tree
 
 HARNESS = ROOT.parent / "shared" / "bench" / "peers"
 WORK = Path(os.environ.get("BENCH_WORK", "/tmp/peerbench"))
@@ -113,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--run", action="store_true", help="run the harness first")
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--no-docs", action="store_true")
-    ap.add_argument("--heading", default="## Peers",
-                    help="the section of docs/benchmarks.md to write (a subset run: its own)")
+    ap.add_argument("--block", default="peers",
+                    help="the block of docs/benchmarks.md to write (a subset run: its own)")
     args = ap.parse_args(argv)
     if args.run:
         path = run(args.passes)
@@ -133,28 +133,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_docs:
         return
     other = {(s, v) for s, v, _ in data if s not in ("mtq", "redis-benchmark")}
-    systems = " ".join(sorted({s for s, _, _ in data if s != "redis-benchmark"}))
-    subset = "" if args.heading == "## Peers" else (
-        f' (only these ran: `ONLY="{systems}"`, with more passes than the run in "Peers", '
-        "to compare the two more closely)")
     made = f"python -m benchmarks.peers {path.name}" + (
-        f' --heading "{args.heading}"' if args.heading != "## Peers" else "")
-    section = f"""{args.heading}
-
-{date.today().isoformat()}, one run of the shared peer harness (`../shared/bench/peers/run_all.sh`,
-{passes} interleaved passes; `{made}` made this table from its
-JSON lines). {env.get("cpu", "")}, {env.get("nproc", "?")} CPUs, Python {env.get("python_version", "?")},
-redis-server {env.get("redis_server", "?")} pinned to CPU 0, drivers and workers to CPU 1; 5,000
-no-op tasks, one execution slot. Cells: median [min-max] over the passes. The peers:
-{", ".join(sorted(f"{s} {v}" for s, v in other))}{subset}. The harness's README says how
-each figure is taken; compare ratios, never figures from another run. This machine's
-speed swings within a run: the last column is the harness's PING round trip just before
-mtq's measurement and the peer's (medians over the passes), so a ratio taken while one
-of them ran at a slower moment shows it.
-
-{text}
-"""
-    write_docs(ROOT / "docs" / "benchmarks.md", section, args.heading)
+        f" --block {args.block}" if args.block != "peers" else "")
+    machine = (f"{env.get('cpu', '')}, {env.get('nproc', '?')} CPUs, Python "
+               f"{env.get('python_version', '?')}, redis-server {env.get('redis_server', '?')} "
+               "pinned to CPU 0, drivers and workers to CPU 1")
+    write_block(args.block, [f"{passes} interleaved passes of `run_all.sh`; peers: "
+                             + ", ".join(sorted(f"{s} {v}" for s, v in other)) + ".", "",
+                             *text.splitlines()], made, machine)
 
 
 if __name__ == "__main__":

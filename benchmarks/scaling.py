@@ -1,38 +1,24 @@
-"""Scale-out: what a Redis Cluster costs per task, how queues spread over its shards, what
-several shards drain together on this machine, and how long a failover stops the work.
+"""Scale-out: a cluster's Redis work per task, how queues spread over shards, what several
+shards drain together, and how long a failover stops the work.
 
-* **Redis work per task, one server vs a cluster** (callgrind, instructions: they repeat
-  to 0.1 %, where this machine's timings vary 2-4x): the same Redis 7 binary run
-  standalone, then as a one-node cluster that owns every slot (``--cluster-enabled
-  yes``); 3,200 no-op tasks claimed and acked in batches of 64 by a ``Consumer``
-  (``settle_and_claim``, as a worker does), with the submit (not counted) before. On the
-  cluster mtq goes through its slot client and publishes with SPUBLISH.
-* **Spread**: how many of 300 queues (``chat-0`` .. ``chat-299``, and 300 random names)
-  each primary of a 3-primary cluster serves.
-* **Aggregate drain, 1 vs 3 shards**: 6 queues (2 on each primary of 3), 5,000 no-op
-  tasks each; one ``mtq worker run --burst`` per queue (the default batch), all started
-  at once; tasks/s from the start to the last worker's exit, with the queues on one
-  shard (a cluster of one node that owns every slot) and on 3 shards; 3 passes each, in
-  alternating order, medians. Redis CPU per task is every node's ``used_cpu_user +
-  used_cpu_sys`` over the drain, summed, / tasks.
-* **Failover**: a cluster of 3 primaries with 2 replicas each, ``cluster-node-timeout``
-  1 s; a worker serves a queue while a producer submits 300 tasks/s; the primary of the
-  queue's slot is killed (SIGKILL); the time from the kill until the queue's
-  ``succeeded`` counter, read from the promoted replica every 10 ms, grows. Five rounds;
-  after each, the dead node is started again and rejoins as a replica.
+* instructions per drained task (callgrind) of one Redis 7 server and of a one-node
+  cluster (slot client, SPUBLISH), 3,200 no-op tasks claimed and acked in batches of 64;
+* how many of 300 queues each primary of a 3-primary cluster serves;
+* 6 queues drained at once by one ``mtq worker run --burst`` each, on 1 and on 3 shards,
+  passes alternating; Redis CPU per task summed over the nodes;
+* failover: 3 primaries with 2 replicas each, ``cluster-node-timeout`` 1 s, a producer
+  at 300 tasks/s; from the SIGKILL of the queue's primary to its next success.
 
-    python -m benchmarks.scaling            # everything, rewrites "## Scale-out"
+    python -m benchmarks.scaling            # everything, writes the scaling block
     python -m benchmarks.scaling --quick    # fewer tasks and rounds, prints only
 
-Needs Redis 7 (Debian's ``redis-server``, installed by ``scripts/install-system-deps``)
-and valgrind for the first part.
+Needs Redis 7 (``scripts/install-system-deps``) and valgrind for the first part.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -43,17 +29,17 @@ import threading
 import time
 import uuid
 from collections import Counter
-from datetime import date
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import redis
 
 import mtq
-from benchmarks.broker import ROOT, write_docs
-from benchmarks.hotpath import worker_env
-from benchmarks.instructions import _total
+from benchmarks import targets
+from benchmarks.harness.meters import machine_info, redis_cpu
+from benchmarks.harness.procs import wait_for, worker_env
+from benchmarks.harness.report import write_block
+from benchmarks.harness.server import ROOT, CallgrindServer
 from mtq.broker.keys import QueueKeys
 
 
@@ -68,62 +54,31 @@ def _cluster_tools() -> Any:
 
 def instructions(binary: str, clustered: bool, n: int) -> float:
     """redis-server instructions per drained task (claim + ack, batch 64)."""
+    from mtq.broker.connection import connect
     from mtq.broker.consumer import Consumer, Outcome
 
-    clusters = _cluster_tools()
-    with tempfile.TemporaryDirectory(prefix="mtq-scale-cg-") as tmp:
-        port = clusters.free_cluster_port()
-        dump = Path(tmp) / "cg.out"
-        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"] \
-            if clustered else []
-        proc = subprocess.Popen(
-            ["valgrind", "--tool=callgrind", "--instr-atstart=no",
-             f"--callgrind-out-file={dump}", binary, "--port", str(port), "--bind",
-             "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp, *args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        r = redis.Redis(port=port)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit("redis-server under valgrind did not start") from None
-                time.sleep(0.1)
-        if clustered:
-            r.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-            while r.cluster("INFO").get("cluster_state") != "ok":
-                time.sleep(0.1)
-            url = f"redis+cluster://127.0.0.1:{port}"
-        else:
-            url = f"redis://127.0.0.1:{port}/0"
-        from mtq.broker.connection import connect
-
-        client = connect(url)
-        q = mtq.Queue("scale", client=client)
-        c = Consumer("scale", client=client)
-        q.submit_many([None] * 64)  # scripts loaded, keys made
-        c.settle([Outcome(t, True, None) for t in c.claim(64)])
-        q.submit_many([None] * n)
-
-        def instrument(on: bool) -> None:
-            subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(proc.pid)],
-                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-        instrument(True)
-        held = c.claim(64)
-        while held:
-            _, held = c.settle_and_claim([Outcome(t, True, None) for t in held], 64)
-        instrument(False)
-        assert q.stats()["succeeded"] == n + 64
-        mtq.replies.hub_of(q.redis).close_all()
-        try:
-            r.shutdown(nosave=True)
-        except redis.ConnectionError:
-            pass
-        proc.wait(120)
-        return _total(dump) / n
+    server = CallgrindServer(binary, ("--cluster-enabled", "yes", "--cluster-config-file",
+                                      "nodes.conf") if clustered else ())
+    server.port = _cluster_tools().free_cluster_port()  # its bus port (+10000) free too
+    server.start()
+    r = redis.Redis(port=server.port)
+    if clustered:
+        r.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        wait_for("the cluster", lambda: r.cluster("INFO").get("cluster_state") == "ok", 60)
+    client = connect(f"redis+cluster://127.0.0.1:{server.port}" if clustered else server.url)
+    q = mtq.Queue("scale", client=client)
+    c = Consumer("scale", client=client)
+    q.submit_many([None] * 64)  # scripts loaded, keys made
+    c.settle([Outcome(t, True, None) for t in c.claim(64)])
+    q.submit_many([None] * n)
+    server.instrument(True)
+    held = c.claim(64)
+    while held:
+        _, held = c.settle_and_claim([Outcome(t, True, None) for t in held], 64)
+    server.instrument(False)
+    assert q.stats()["succeeded"] == n + 64
+    mtq.replies.hub_of(q.redis).close_all()
+    return server.total() / n
 
 
 # -- spread ------------------------------------------------------------------------------
@@ -141,13 +96,13 @@ def spread(names: list[str]) -> list[int]:
 
 # -- aggregate drain ---------------------------------------------------------------------
 
-def _cpu(nodes: list[Any]) -> float:
+
+def nodes_cpu(nodes: list[Any]) -> float:
     total = 0.0
     for node in nodes:
         c = node.client()
         try:
-            i = c.info("cpu")
-            total += float(i["used_cpu_user"]) + float(i["used_cpu_sys"])
+            total += redis_cpu(c)
         finally:
             c.close()
     return total
@@ -170,11 +125,11 @@ def drain(primaries: int, queues: int, per_queue: int, tmp: Path) -> tuple[float
         names = [n for ns in by_node.values() for n in ns]
         for name in names:
             mtq.Queue(name, client=client).submit_many([None] * per_queue)
-        env = worker_env_url(c.url)
-        cpu0 = _cpu(c.nodes)
+        env = worker_env(c.url)
+        cpu0 = nodes_cpu(c.nodes)
         t0 = time.monotonic()
         procs = [subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
-                                   "benchmarks.noop:handle", "--queue", n, "--burst"],
+                                   "benchmarks.children.noop:handle", "--queue", n, "--burst"],
                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                  for n in names]
         ends = []
@@ -184,16 +139,12 @@ def drain(primaries: int, queues: int, per_queue: int, tmp: Path) -> tuple[float
         took = time.monotonic() - t0
         if os.environ.get("MTQ_BENCH_DEBUG"):
             print("worker exits (s):", [round(e, 2) for e in ends], file=sys.stderr)
-        cpu = _cpu(c.nodes) - cpu0
+        cpu = nodes_cpu(c.nodes) - cpu0
         done = sum(mtq.Queue(n, client=client).stats()["succeeded"] for n in names)
         assert done == queues * per_queue, f"{done} of {queues * per_queue} done"
         return done / took, 1e6 * cpu / done
     finally:
         c.stop()
-
-
-def worker_env_url(url: str) -> dict[str, str]:
-    return worker_env(SimpleNamespace(url=url))  # type: ignore[arg-type]
 
 
 # -- failover ----------------------------------------------------------------------------
@@ -207,7 +158,7 @@ def failovers(rounds: int, tmp: Path) -> list[float]:
     try:
         name = f"fo-{uuid.uuid4().hex[:8]}"
         log = tmp / "calls.log"
-        env = {**worker_env_url(c.url), "MTQ_TEST_LOG": str(log),
+        env = {**worker_env(c.url), "MTQ_TEST_LOG": str(log),
                "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
         q = mtq.Queue(name, c.url)
         q.configure(lease_ms=5000)
@@ -230,7 +181,7 @@ def failovers(rounds: int, tmp: Path) -> list[float]:
         producer.start()
         try:
             for _ in range(rounds):
-                _wait(lambda: _completions(log, time.time() - 1.0), 60, "no work before the kill")
+                wait_for("work before the kill", lambda: _completions(log, time.time() - 1.0), 60)
                 victim = c.owner(QueueKeys(name).ready)
                 killed = time.monotonic()
                 victim.kill()
@@ -272,14 +223,6 @@ def _completions(log: Path, since: float) -> list[float]:
             if tag == "D" and float(t) > since]
 
 
-def _wait(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out: {what}")
-        time.sleep(0.01)
-
-
 # -- main --------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
@@ -297,14 +240,14 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(f"| redis-server instructions per drained task (claim + ack, batch 64), "
                     f"one server | {one:,.0f} | |")
         rows.append(f"| the same, a cluster node (slot client, SPUBLISH) | {clu:,.0f} | "
-                    f"{100 * (clu / one - 1):+.1f} % (target within 10 %) |")
+                    f"{100 * (clu / one - 1):+.1f} % (target within {targets.CLUSTER_INSTRUCTIONS:.0%}) |")
     names = [f"chat-{i}" for i in range(300)]
     rand = [uuid.uuid4().hex[:12] for _ in range(300)]
     for label, ns in (("`chat-0` .. `chat-299`", names), ("300 random names", rand)):
         per = spread(ns)
         worst = max(abs(p - 100) for p in per)
         rows.append(f"| 300 queues over 3 primaries, {label} | {' / '.join(map(str, per))} | "
-                    f"{worst} % from even at worst (target within 20 %) |")
+                    f"{worst} % from even at worst (target within {targets.SHARD_SPREAD:.0%}) |")
     with tempfile.TemporaryDirectory(prefix="mtq-scale-") as tmp:
         runs: dict[int, list[tuple[float, float]]] = {1: [], 3: []}
         for p in range(passes):
@@ -334,15 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     print(table)
     if args.quick:
         return
-    section = "\n".join([
-        "## Scale-out", "",
-        f"{date.today().isoformat()}, `python -m benchmarks.scaling` on {platform.machine()} "
-        f"({platform.python_version()}), {took:.0f} s, Redis 7 ({binary}). See the module's "
-        "docstring for what each row does, and docs/scaling.md for what follows from them. "
-        "This machine has 2 cores: every shard, every worker and the driver share them, so "
-        "the aggregate rows show the cost of more shards here, not their gain.", "",
-        table, ""])
-    write_docs(ROOT / "docs" / "benchmarks.md", section, heading="## Scale-out")
+    write_block("scaling", table.splitlines(), "python -m benchmarks.scaling",
+                machine_info(None, f"Redis 7 ({binary})"), took)
 
 
 if __name__ == "__main__":

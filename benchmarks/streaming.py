@@ -1,25 +1,19 @@
 #!/usr/bin/env python
-"""Streaming benchmark: token streams, continuous batching, the no-op round trip.
+"""Streaming: token streams, continuous batching, the no-op round trip.
 
-    python -m benchmarks.streaming            # full run (~1-2 minutes on 2 cores), writes docs
-    python -m benchmarks.streaming --quick    # smaller run (~35 s), prints only
+    python -m benchmarks.streaming            # ~2 minutes on 2 cores, writes the streaming block
+    python -m benchmarks.streaming --quick    # ~35 s, prints only
 
-On a private redis-server it measures, each against a baseline taken in the same run:
-1. token latency, publish -> ``Task.events()`` in a reader thread, 8 requests served by
-   ``mtq worker run mtq.reference.gpt:TinyGPT`` (vs raw PUBLISH -> SUBSCRIBE);
-2. tokens/s delivered while B requests run (B = 8, 32) vs ``decode_rate(TinyGPT, B, ..)``
-   over the same cache positions, with the same thread settings;
-3. continuous vs static batching on a mixed workload (benchmarks/gen_targets.py), and
-   the same payloads scheduled the same way in one process without a queue (the
-   model's own ceiling on this machine);
-4. the submit -> result() round trip of a no-op task (vs a hand-rolled LPUSH/BLPOP queue);
-plus Redis commands per token and per task. It prints a table and rewrites the
-"## Streaming" section of docs/benchmarks.md (``--quick`` only prints unless ``--docs``).
+Each against a baseline from the same run: (1) token latency, publish to
+``Task.events()`` in a reader thread, 8 requests on ``mtq.reference.gpt:TinyGPT``,
+against raw PUBLISH -> SUBSCRIBE; (2) tokens/s delivered with 8 and 32 requests against
+``decode_rate`` over the same cache positions and threads; (3) continuous against
+static batching on a mixed workload, beside the same schedule without a queue; (4) the
+submit -> result() round trip of a no-op task against a hand-rolled LPUSH / BLPOP queue.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import random
 import shutil
 import subprocess
@@ -36,38 +30,25 @@ import msgpack
 import redis
 
 import mtq
-from benchmarks.batching import (
+from benchmarks import targets
+from benchmarks.children.gen import RawDecoder, pubsub_latencies
+from benchmarks.harness.meters import (
     CpuMeter,
-    Proc,
-    live_workers,
-    pct,
-    wait_for,
-    worker_env,
-)
-from benchmarks.broker import (
-    ROOT,
-    Counting,
-    Results,
-    Server,
-    cli_args,
-    console,
+    commandstats,
     machine_info,
     median,
-    print_table,
-    results_markdown,
-    uniq,
-    write_docs,
+    ms_stats,
+    pct,
+    torch_info,
 )
-from benchmarks.gen_targets import RawDecoder, pubsub_latencies
+from benchmarks.harness.procs import Proc, wait_for, worker_env
+from benchmarks.harness.report import Results, cli_args, write_block
+from benchmarks.harness.server import ROOT, Counting, Server, compile_tree, uniq
 from mtq import serialization
 from mtq.replies import decode_message
+from mtq.workers.registry import list_workers
 
-SECTION = "## Streaming"
 PROMPT = "Hello, world"                   # decode_rate's default prompt
-TARGET_LAT_MS = (0.5, 2.0)                # token latency p50, p99
-TARGET_DELIVERED = 0.95                   # delivered / raw decode rate
-TARGET_CONTINUOUS = 1.5                   # continuous / static tokens/s
-TARGET_RT_MS = (1.0, 3.0)                 # no-op round trip p50, p99
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -98,7 +79,7 @@ def start_worker(server: Server, target: str, queue: str, env: dict[str, str]) -
 
 def wait_ready(r: redis.Redis, procs: Sequence[tuple[Proc, str]]) -> None:
     for p, q in procs:
-        wait_for(f"a worker on {q}", lambda q=q: bool(live_workers(r, q)), 120,  # type: ignore[misc]
+        wait_for(f"a worker on {q}", lambda q=q: bool(list_workers(r, q)), 120,  # type: ignore[misc]
                  [p])
 
 
@@ -107,22 +88,13 @@ def worker_entry(r: redis.Redis, queue: str, proc: Proc) -> dict[str, Any]:
     after, got = time.time(), {}
 
     def fresh() -> bool:
-        ws = live_workers(r, queue)
+        ws = list_workers(r, queue)
         if ws and float(ws[0].get("beat", 0)) > after:
             got.update(ws[0])
         return bool(got)
 
     wait_for("a fresh worker heartbeat", fresh, 10, [proc], every=0.1)
     return got
-
-
-def commandstats(r: redis.Redis) -> dict[str, int]:
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
-
-
-def ms_stats(v: Sequence[float]) -> str:
-    return (f"p50 {pct(v, 50):.3f}, p90 {pct(v, 90):.3f}, p99 {pct(v, 99):.3f}, max "
-            f"{max(v):.2f} ms over {len(v):,}")
 
 
 def runs_of(values: Sequence[float]) -> str:
@@ -208,16 +180,14 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
     proc = start_worker(server, "mtq.reference.gpt:TinyGPT", q.name, env)
     runs: dict[int, list[Run]] = {8: [], 32: []}
     raws: dict[int, list[float]] = {8: [], 32: []}
-    pubs: dict[int, list[float]] = {8: [], 32: []}
     work: dict[int, dict[str, float]] = {}
     try:
         wait_ready(r, [(proc, q.name)])
         stream_run(r, q, 32, 2 * s.start + 2, s.start, proc)  # warm-up
         for b, reps in ((8, s.reps8), (32, s.reps32)):
             before = worker_entry(r, q.name, proc)
-            for _ in range(reps):  # in turns, so that a change of load hits all three
+            for _ in range(reps):  # in turns, so that a change of load hits both
                 raw0 = raw.rate(b, steps, raw_prompt)
-                pubs[b].append(raw.rate(b, steps, raw_prompt, publish=server.url))
                 runs[b].append(stream_run(r, q, b, s.max_tokens, s.start, proc))
                 # raw on both sides of the turn: this host's speed drifts by several
                 # percent within seconds, and a turn is compared with its own raw rate
@@ -244,14 +214,13 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
     lat32 = [v for x in runs[32] for v in x.lat_ms]
     res.add(f"raw PUBLISH -> SUBSCRIBE thread, p50 ({size} B messages)", pct(base, 50), "ms",
             f"baseline; {ms_stats(base)}; one message every {gap * 1000:.1f} ms")
-    res.add("  raw PUBLISH -> SUBSCRIBE thread, p99", pct(base, 99), "ms", "baseline")
     res.add("  the same while a TinyGPT decode loop keeps one core busy, p99", pct(busy, 99),
             "ms", f"baseline with the served case's CPU load; {ms_stats(busy)}")
-    for label, q_, target in (("p50", 50, TARGET_LAT_MS[0]), ("p90", 90, None),
-                              ("p99", 99, TARGET_LAT_MS[1]), ("max", 100, None)):
+    for label, q_, target in (("p50", 50, targets.TOKEN_LATENCY_MS[0]),
+                              ("p99", 99, targets.TOKEN_LATENCY_MS[1])):
         v = pct(lat8, q_)
         note = (f"{v / pct(base, q_):.2f}x raw, {v / pct(busy, q_):.2f}x raw with a busy "
-                "core" if q_ in (50, 99) else "")
+                "core" + (f"; max {max(lat8):.2f} ms" if q_ == 99 else ""))
         if target is not None:
             note += "; " + res.target(f"token latency {label} <= {target} ms", v <= target,
                                       f"{v:.3f} ms over {len(lat8):,} live tokens (raw "
@@ -271,26 +240,21 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
     res.section = (f"2. delivered tokens/s vs raw decode (window: token {s.start} -> the "
                    f"first request's last, {steps} steps)")
     for b in (8, 32):
-        rate, raw_rate, pub = (median(v) for v in ([x.rate for x in runs[b]], raws[b], pubs[b]))
+        rate, raw_rate = median([x.rate for x in runs[b]]), median(raws[b])
         ratios = [x.rate / rw for x, rw in zip(runs[b], raws[b])]
         k = median(ratios)
         res.add(f"raw decode_rate(TinyGPT, {b}, {steps}), 1 thread", raw_rate, "tokens/s",
                 f"baseline; {b / raw_rate * 1000:.2f} ms/step; {runs_of(raws[b])}")
-        res.add("  the same loop + a thread streaming each step (emit.lua)", pub, "tokens/s",
-                f"{median([p / rw for p, rw in zip(pubs[b], raws[b])]):.1%} of raw: a "
-                "publisher thread in the model's process, the design the outlet process "
-                f"replaced; {runs_of(pubs[b])}")
         res.add(f"delivered to {b} reader threads", rate, "tokens/s",
                 f"{k:.1%} of raw (paired, {min(ratios):.0%}-{max(ratios):.0%}); publish clock "
                 f"{median([x.rate_pub for x in runs[b]]):,.0f}/s; "
-                + res.target(f">= {TARGET_DELIVERED:.0%} of the raw decode rate at B={b}",
-                             k >= TARGET_DELIVERED, f"{k:.1%}: {rate:,.0f} vs {raw_rate:,.0f} "
+                + res.target(f">= {targets.DELIVERED:.0%} of the raw decode rate at B={b}",
+                             k >= targets.DELIVERED, f"{k:.1%}: {rate:,.0f} vs {raw_rate:,.0f} "
                              "tokens/s, same positions and threads"))
         w = work[b]
         res.add("  worker: model thread in prefill/decode per step", w["predict_s"] /
-                w["batches"] * 1000, "ms", f"raw {b / raw_rate * 1000:.2f} ms; with the "
-                f"streaming thread {b / pub * 1000:.2f} ms; served step {b / rate * 1000:.2f} "
-                f"ms (window); {w['batches']:.0f} steps (worker registry)")
+                w["batches"] * 1000, "ms", f"raw {b / raw_rate * 1000:.2f} ms; served step "
+                f"{b / rate * 1000:.2f} ms (window); {w['batches']:.0f} steps (worker registry)")
         tokens = sum(x.tokens for x in runs[b])
         calls = {c: sum(x.cmds.get(c, 0) for x in runs[b]) for c in ("evalsha", "publish")}
         worker = calls["evalsha"] - sum(x.client_rts for x in runs[b])
@@ -327,7 +291,7 @@ def mixed_run(q: mtq.Queue, payloads: list[dict[str, Any]], proc: Proc
 def bench_mixed(server: Server, r: redis.Redis, s: Sizes, res: Results,
                 env: dict[str, str], raw: RawDecoder) -> None:
     names = {"c": uniq("cont"), "s": uniq("static")}
-    procs = {k: start_worker(server, f"benchmarks.gen_targets:{cls}TinyGPT", names[k], env)
+    procs = {k: start_worker(server, f"benchmarks.children.gen:{cls}TinyGPT", names[k], env)
              for k, cls in (("c", "Continuous"), ("s", "Static"))}
     queues = {k: mtq.Queue(n, client=r) for k, n in names.items()}
     payloads = mixed_payloads(s.mixed_n)
@@ -379,15 +343,15 @@ def bench_mixed(server: Server, r: redis.Redis, s: Sizes, res: Results,
             + f"; {runs_of([x[0] for x in out[k]])}")
         if k == "c":
             note += "; " + res.target(
-                f"continuous >= {TARGET_CONTINUOUS}x static (tokens/s)",
-                cont / stat >= TARGET_CONTINUOUS,
+                f"continuous >= {targets.CONTINUOUS}x static (tokens/s)",
+                cont / stat >= targets.CONTINUOUS,
                 f"{cont / stat:.2f}x ({cont:,.0f} vs {stat:,.0f} tokens/s); the same payloads "
                 f"scheduled the same way in one process, without a queue, give {ceiling:.2f}x "
                 "on this CPU: the model's own ceiling")
         res.add(label, v, "tokens/s", note)
     for k, label in (("s", "static"), ("c", "continuous")):
         res.add(f"  {label}, the same schedule in one process without a queue",
-                median(alone[k]), "tokens/s", "ceiling: gen_targets.schedule_rate, the "
+                median(alone[k]), "tokens/s", "ceiling: children.gen.schedule_rate, the "
                 "ContinuousTinyGPT model (float32) called directly, every request there from "
                 f"the start; {runs_of(alone[k])}")
     res.add("  the model's own continuous / static ratio (no queue)", ceiling, "x",
@@ -399,8 +363,8 @@ def bench_mixed(server: Server, r: redis.Redis, s: Sizes, res: Results,
 # -- 4. no-op round trip -----------------------------------------------------------
 def bench_noop(server: Server, r: redis.Redis, s: Sizes, res: Results) -> None:
     q = mtq.Queue(uniq("noop"), client=r)
-    proc = start_worker(server, "benchmarks.noop:handle", q.name, worker_env(server))
-    echo = subprocess.Popen([sys.executable, "-m", "benchmarks.gen_targets", "echo",
+    proc = start_worker(server, "benchmarks.children.noop:handle", q.name, worker_env(server.url))
+    echo = subprocess.Popen([sys.executable, "-m", "benchmarks.children.gen", "echo",
                              str(server.port)], cwd=ROOT)
     payload = {"i": 1}
     data = serialization.dumps(payload)
@@ -455,9 +419,8 @@ def bench_noop(server: Server, r: redis.Redis, s: Sizes, res: Results) -> None:
     res.section = "4. submit -> result() round trip, no-op task, warm worker, one at a time"
     res.add(f"hand-rolled LPUSH -> BLPOP/LPUSH -> BLPOP, p50 ({len(hand):,})", pct(hand, 50),
             "ms", f"baseline; {ms_stats(hand)}; echo worker: a redis-py loop in another process")
-    res.add("  hand-rolled, p99", pct(hand, 99), "ms", "baseline")
-    for label, q_, target in (("p50", 50, TARGET_RT_MS[0]), ("p90", 90, None),
-                              ("p99", 99, TARGET_RT_MS[1])):
+    for label, q_, target in (("p50", 50, targets.ROUND_TRIP_MS[0]),
+                              ("p99", 99, targets.ROUND_TRIP_MS[1])):
         v = pct(total, q_)
         note = f"{v / pct(hand, q_):.2f}x hand-rolled"
         if target is not None:
@@ -478,33 +441,11 @@ def bench_noop(server: Server, r: redis.Redis, s: Sizes, res: Results) -> None:
 
 
 # -- output --------------------------------------------------------------------------
-NOTES = [
-    "Token latency: `time.time()` when `Task.events()` yields a live token in its reader thread "
-    "less the event's `ts` (Redis TIME at the start of the emit script; same host clock). The "
-    "raw baseline's time is taken by the publisher just before PUBLISH (one client send more).",
-    "Delivered rate: B requests ('Hello, world', max_tokens 300, stop_at_eos false) submitted "
-    "at once; tokens received from the first receipt of token 20 to the first receipt of a "
-    "request's last token. Raw: `decode_rate(TinyGPT(), B, 279)` with the prompt padded by 19 "
-    "bytes, so its timed steps run at the window's cache positions (a step's cost grows with "
-    "position); 'streaming thread': the same loop plus a thread that sends each step's tokens "
-    "with `Consumer.settle` (gen_targets.publisher_rate), what a worker did before its "
-    "tokens went to an outlet process (mtq/workers/outlet.py; docs/streaming.md says why). "
-    "Raw, streaming and served runs are taken in turns, raw at the start and at the end of "
-    "each turn; a turn's ratios are against the mean of its two raw rates.",
-    "Continuous vs static: the same 96 payloads (seed 11), one `submit_many` in a group; "
-    "tokens/s = generated tokens / (last success callback - submit). Both serve TinyGPT in "
-    "float32 (benchmarks/gen_targets.py says why); static mode gathers the next batch in the "
-    "slot while one runs, so its batches start full. The no-queue rows run the same payloads "
-    "through gen_targets.schedule_rate (admit in order up to 16, prefill, one decode step of "
-    "all running; static admits only into an empty batch) in the raw decode process, in "
-    "turns with the served runs.",
-    "No-op round trip: `q.submit(payload)` then `task.result()`, one at a time, the worker "
-    "idle in BLPOP; blocks of 100 in turns with the hand-rolled queue.",
-]
 
 def main(argv: Sequence[str] | None = None) -> int:
     quick, docs = cli_args(argv, __doc__, "~40 s")
     s = QUICK if quick else FULL
+    compile_tree()
     server = Server()
     server.start()
     tmp = tempfile.mkdtemp(prefix="mtq-bench-weights-")
@@ -513,7 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from mtq.reference.gpt import make_weights
 
-        env = worker_env(server, MTQ_REFERENCE_WEIGHTS=str(make_weights(Path(tmp) / "w.pt")),
+        env = worker_env(server.url, MTQ_REFERENCE_WEIGHTS=str(make_weights(Path(tmp) / "w.pt")),
                          **THREADS)
         raw = RawDecoder(env)
         r = server.client()
@@ -525,32 +466,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("no-op round trip", lambda: bench_noop(server, r, s, res)),
         ]
         meter = CpuMeter()
-        meter.run(steps, res.notes, s.quiet_s)
+        meter.run(steps, s.quiet_s)
         seconds = time.perf_counter() - started
-        res.notes += [*NOTES, meter.summary()]
-        import torch
-
-        info = machine_info(r, str(r.info("memory").get("mem_allocator", "?")))
-        print_table(res, f"mtq streaming ({'quick' if quick else 'full'} run, {seconds:.0f} s) "
-                    f"- {info['cpus']} cores, {info['python']}, {info['server']}",
-                    "ratio / target")
+        machine = machine_info(r, torch_info(), f"other processes {meter.share():.0%} of the CPU")
+        res.print(f"mtq streaming ({'quick' if quick else 'full'} run, {seconds:.0f} s), {machine}")
         if docs is not None:
             command = "python -m benchmarks.streaming" + (" --quick" if quick else "")
-            lines = [
-                SECTION, "",
-                f"Produced by `{command}` on {dt.date.today().isoformat()} in {seconds:.0f} s.",
-                "",
-                f"Machine: {info['cpus']} CPU cores ({info['cpu']}), {info['os']}; "
-                f"{info['python']}; {info['redis_py']}; torch {torch.__version__}; "
-                f"{info['server']} on loopback TCP (started by the script, persistence off). "
-                "Workers are `python -m mtq worker run` processes with OMP_NUM_THREADS="
-                "MKL_NUM_THREADS=1; the model is `mtq.reference.gpt:TinyGPT` (4 layers, "
-                "d_model 128, float64, CPU). Worker, Redis, the client's threads and the raw "
-                "decode process share the cores.", "",
-                *results_markdown(res, "ratio / target"),
-            ]
-            write_docs(docs, "\n".join(lines) + "\n", SECTION)
-            console.print(f"wrote {docs}")
+            write_block("streaming", res.markdown(), command, machine, seconds, docs)
         return 0
     finally:
         if raw is not None:

@@ -1,33 +1,20 @@
 #!/usr/bin/env python
-"""Web (SSE) benchmark: tokens to an HTTP client through mtq.contrib.asgi.
+"""Web (SSE): tokens to an HTTP client through mtq.contrib.asgi.
 
-    python -m benchmarks.web            # full run (~1-2 minutes on 2 cores), writes docs
-    python -m benchmarks.web --quick    # smaller run (~50 s), prints only (add --docs)
+    python -m benchmarks.web            # ~2 minutes on 2 cores, writes the web block
+    python -m benchmarks.web --quick    # ~50 s, prints only (add --docs to write)
 
-On a private redis-server, with one uvicorn process serving benchmarks/web_app.py (an
-``EventStreamResponse`` per request) and ``mtq worker run benchmarks.web_targets:Paced``
-processes (a generator without a model: one token per running request per step, at a
-fixed pace), it measures:
-
-1. the latency SSE adds: the same tasks read at the same time by an SSE client (raw
-   asyncio sockets, another process) and by ``Task.aevents()`` in a third process
-   (mtq's own reader, which the SSE response wraps); per token, SSE arrival less
-   in-process arrival (same host clock), and both against the publish time (Redis
-   TIME in the event);
-2. 500 concurrent streams on the one uvicorn process: all complete, no token lost,
-   delivery latency (the worker's stamp -> client arrival) against the same 500 tasks
-   read by ``Task.aevents()`` in one process, the server's RSS and CPU, its Redis
-   connections with 1, 100 and 500 streams open, Redis commands per token;
-3. the floor of the HTTP side: a bare Starlette ``StreamingResponse`` of pre-made
-   events in the same uvicorn process, read by the same client.
-
-It prints a table and rewrites the "## Web (SSE)" section of docs/benchmarks.md
-(``--quick`` only prints unless ``--docs``).
+One uvicorn process serves benchmarks/children/web_app.py; ``mtq worker run
+benchmarks.children.web_client:Paced`` workers give one token per running request per
+step at a fixed pace. (1) the latency SSE adds: the same tasks read at once by an SSE
+client and by ``Task.aevents()`` in another process, per token; (2) 500 streams on the
+one process: all complete, none loses a token, latency against ``Task.aevents()``, the
+server's CPU, RSS and Redis connections; (3) the floor: a bare ``StreamingResponse``
+of pre-made events read by the same client.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
 import signal
@@ -47,31 +34,14 @@ import psutil
 import redis
 
 import mtq
-from benchmarks.batching import (
-    CpuMeter,
-    Proc,
-    live_workers,
-    pct,
-    wait_for,
-    worker_env,
-)
-from benchmarks.broker import (
-    ROOT,
-    Results,
-    Server,
-    cli_args,
-    console,
-    free_port,
-    machine_info,
-    print_table,
-    results_markdown,
-    uniq,
-    write_docs,
-)
+from benchmarks import targets
+from benchmarks.harness.meters import CpuMeter, commandstats, machine_info, pct
+from benchmarks.harness.procs import Proc, wait_for, worker_env
+from benchmarks.harness.report import Results, cli_args, write_block
+from benchmarks.harness.server import ROOT, Server, free_port, uniq
+from mtq.workers.registry import list_workers
 
-SECTION = "## Web (SSE)"
-TARGET_ADDED_MS = (1.0, 5.0)   # SSE arrival - in-process arrival, p50 and p99
-TARGET = "benchmarks.web_targets:Paced"
+TARGET = "benchmarks.children.web_client:Paced"
 
 
 @dataclass(frozen=True)
@@ -99,21 +69,18 @@ QUICK = Sizes(lat_tasks=8, lat_tokens=100, lat_step_ms=20, lat_runs=1, many=500,
 
 # -- the web server ------------------------------------------------------------------
 class Uvicorn:
-    """``python -m uvicorn benchmarks.web_app:app``, one process, on a free port."""
+    """``python -m uvicorn benchmarks.children.web_app:app``, one process, on a free port."""
 
-    def __init__(self, env: dict[str, str], profile: Path | None = None) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
         self.port = free_port()
-        self.profile = profile
         self.base = f"http://127.0.0.1:{self.port}"
         self.name = "mtqbench-web-" + uuid.uuid4().hex[:8]
         self.log = tempfile.NamedTemporaryFile(prefix="mtq-bench-uvicorn-", suffix=".log",
                                                delete=False)
         env = dict(env, MTQ_BENCH_CLIENT_NAME=self.name)
-        command = [sys.executable, "-m", "uvicorn", "benchmarks.web_app:app", "--host",
+        command = [sys.executable, "-m", "uvicorn", "benchmarks.children.web_app:app", "--host",
                    "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
                    "--no-access-log", "--timeout-graceful-shutdown", "2"]
-        if profile is not None:
-            command = [sys.executable, "-c", PROFILED, str(self.port), str(profile)]
         self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
         self.pid = 0
@@ -169,21 +136,6 @@ class Uvicorn:
         os.unlink(self.log.name)
 
 
-#: the server under cProfile (its event loop's thread), saving the profile at the end
-#: (SIGUSR1 starts it, SIGUSR2 stops it and saves: the token phase only)
-PROFILED = """
-import cProfile, signal, sys, uvicorn
-prof = cProfile.Profile()
-def save(*_):
-    prof.disable()
-    prof.dump_stats(sys.argv[2])
-signal.signal(signal.SIGUSR1, lambda *_: prof.enable())
-signal.signal(signal.SIGUSR2, save)
-uvicorn.run("benchmarks.web_app:app", host="127.0.0.1", port=int(sys.argv[1]),
-            log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-"""
-
-
 class Sampler:
     """The server's RSS, sampled every 50 ms in a thread (the peak of a run)."""
 
@@ -226,7 +178,7 @@ def client(mode: str, where: str, queue: str, ids: Sequence[str], stages: Sequen
     ids_file.write_text("\n".join(ids))
     out = tmp / f"{mode}-{uuid.uuid4().hex[:6]}.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.web_targets", mode, where, queue, str(ids_file),
+        [sys.executable, "-m", "benchmarks.children.web_client", mode, where, queue, str(ids_file),
          str(out), ",".join(map(str, stages))],
         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     return proc, out
@@ -270,8 +222,6 @@ def stream_run(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, n: in
                     p.stdin.flush()
         r.config_resetstat()
         cpu0, loop0, t0 = web.cpu_s(), web.threads_cpu_s()[0], time.perf_counter()
-        if web.profile is not None:
-            web.proc.send_signal(signal.SIGUSR1)
         gate.touch()
         for p, _ in procs.values():
             try:
@@ -282,11 +232,7 @@ def stream_run(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, n: in
                 raise SystemExit(f"a client exited with {p.returncode}")
         run.wall_s, run.cpu_s = time.perf_counter() - t0, web.cpu_s() - cpu0
         run.loop_cpu_s = web.threads_cpu_s()[0] - loop0
-        if web.profile is not None:
-            web.proc.send_signal(signal.SIGUSR2)
-            wait_for("the server's profile", web.profile.exists, 30)
-        run.cmds = {k.removeprefix("cmdstat_"): int(v["calls"])
-                    for k, v in r.info("commandstats").items()}
+        run.cmds = commandstats(r)
         for w in workers:
             if w.proc.poll() is not None:
                 raise w.fail("a worker exited during the run")
@@ -369,25 +315,18 @@ def bench_added(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: S
     res.section = (f"1. added latency: {s.lat_tasks} tasks x {s.lat_tokens} tokens, one step "
                    f"every {s.lat_step_ms:g} ms, x {s.lat_runs} runs, each token read by both "
                    "readers at once")
-    for label, q_ in (("p50", 50), ("p90", 90), ("p99", 99)):
-        res.add(f"in-process Task.aevents(), publish -> arrival, {label}" if q_ == 50
-                else f"  {label}", pct(inproc, q_), "ms",
-                f"baseline; {stats(inproc)}" if q_ == 50 else "baseline")
-    for label, q_ in (("p50", 50), ("p90", 90), ("p99", 99)):
-        v = pct(sse, q_)
-        res.add(f"SSE via uvicorn, publish -> arrival, {label}" if q_ == 50 else f"  {label}",
-                v, "ms", (f"{stats(sse)}; " if q_ == 50 else "")
-                + f"{v / pct(inproc, q_):.2f}x in-process")
-    for label, q_, target in (("p50", 50, TARGET_ADDED_MS[0]), ("p90", 90, None),
-                              ("p99", 99, TARGET_ADDED_MS[1])):
+    res.add("in-process Task.aevents(), publish -> arrival, p50", pct(inproc, 50), "ms",
+            f"baseline; {stats(inproc)}")
+    res.add("SSE via uvicorn, publish -> arrival, p50", pct(sse, 50), "ms",
+            f"{stats(sse)}; {pct(sse, 50) / pct(inproc, 50):.2f}x in-process")
+    for label, q_, target in (("p50", 50, targets.SSE_ADDED_MS[0]),
+                              ("p99", 99, targets.SSE_ADDED_MS[1])):
         v = pct(added, q_)
-        note = stats(added) + "; " if q_ == 50 else ""
-        if target is not None:
-            note += res.target(f"SSE added latency {label} <= {target:g} ms", v <= target,
-                               f"{v:.3f} ms over {len(added):,} tokens (in-process "
-                               f"{pct(inproc, q_):.3f} ms, SSE {pct(sse, q_):.3f} ms)")
+        note = res.target(f"SSE added latency {label} <= {target:g} ms", v <= target,
+                          f"{v:.3f} ms over {len(added):,} tokens (in-process "
+                          f"{pct(inproc, q_):.3f} ms, SSE {pct(sse, q_):.3f} ms)")
         res.add(f"added by SSE: SSE arrival - in-process arrival, {label}" if q_ == 50
-                else f"  {label}", v, "ms", note)
+                else f"  {label}", v, "ms", (stats(added) + "; " if q_ == 50 else "") + note)
     res.add("SSE, worker stamp -> arrival, p99", pct(sse_stamp, 99), "ms",
             f"{stats(sse_stamp)}; the stamp is taken when the step's tokens leave the "
             "handler: it adds the engine and the outlet (a trip at most every 2 ms)")
@@ -426,12 +365,9 @@ def bench_many(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: Si
             f"Redis TIME) p50 {pct(b_out, 50):.1f}, p99 {pct(b_out, 99):.1f} ms and publish -> "
             f"arrival p50 {pct(b_pub, 50):.1f}, p99 {pct(b_pub, 99):.1f} ms; {b_exact} of "
             f"{s.many} exact")
-    res.add("  p99", pct(b_lat, 99), "ms", "baseline")
-    for label, q_ in (("p50", 50), ("p90", 90), ("p99", 99)):
-        v = pct(lat, q_)
-        res.add(f"SSE clients (one process), worker stamp -> arrival, {label}" if q_ == 50
-                else f"  {label}", v, "ms", (f"{stats(lat)}; " if q_ == 50 else "")
-                + (f"{v / pct(b_lat, q_):.2f}x in-process" if q_ != 90 else ""))
+    res.add("SSE clients (one process), worker stamp -> arrival, p50", pct(lat, 50), "ms",
+            f"{stats(lat)}; p50 {pct(lat, 50) / pct(b_lat, 50):.2f}x, p99 "
+            f"{pct(lat, 99) / pct(b_lat, 99):.2f}x in-process")
     rate = tokens / run.wall_s
     res.add("tokens delivered / s", rate, "tokens/s",
             f"{tokens:,} tokens in {run.wall_s:.2f} s (gate open -> last stream done)")
@@ -445,17 +381,13 @@ def bench_many(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: Si
             f"+{peak - before:.1f} MiB, {(peak - before) * 1024 / s.many:.0f} KiB per stream "
             "(psutil, sampled every 50 ms)")
     res.add("  after they ended", after, "MiB", f"{after - before:+.1f} MiB vs before")
-    for streams, conns, pubsub in run.conns:
-        note = f"{pubsub} pub/sub; CLIENT LIST by the process's client name"
-        if streams == run.conns[-1][0]:
-            first = run.conns[0][1]
-            note += "; " + res.target(
-                "Redis connections of the server constant in the number of streams",
-                conns <= first + 2,
-                f"{', '.join(f'{c} with {n}' for n, c, _ in run.conns)} streams open; "
-                "one pub/sub connection for all", comparable=True)
-        res.add(f"Redis connections of the uvicorn process, {streams} stream"
-                + ("s" if streams > 1 else "") + " open", conns, "conns", note)
+    (_, first, _), (most, conns, pubsub) = run.conns[0], run.conns[-1]
+    opened = ", ".join(f"{c} with {n}" for n, c, _ in run.conns)
+    res.add(f"Redis connections of the uvicorn process, {most} streams open", conns, "conns",
+            f"{opened} streams open; {pubsub} pub/sub (CLIENT LIST by the process's client "
+            "name); " + res.target("Redis connections of the server constant in the number "
+                                   "of streams", conns <= first + 2, f"{opened} streams open",
+                                   comparable=True))
     calls = run.cmds
     per = {k: v / tokens for k, v in calls.items() if k not in ("config", "info")}
     shown = sorted(((k, v) for k, v in per.items() if v >= 0.001), key=lambda kv: -kv[1])
@@ -468,104 +400,22 @@ def bench_many(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: Si
 # -- 3. the floor ----------------------------------------------------------------------
 def bench_floor(web: Uvicorn, s: Sizes, res: Results, tmp: Path, env: dict[str, str]) -> None:
     """Pre-made events from a bare StreamingResponse, read by the same raw-socket client."""
-    code = (
-        "import asyncio, json, sys, time\n"
-        "from benchmarks.web_targets import _new, _sse\n"
-        "host, port, n, step, k, out = sys.argv[1:]\n"
-        "async def main():\n"
-        "    recs = [_new(str(i)) for i in range(int(k))]\n"
-        "    await asyncio.gather(*(_sse(host, int(port), f'/bare/{n}/{step}', rec,"
-        " asyncio.Event()) for rec in recs))\n"
-        "    json.dump(recs, open(out, 'w'))\n"
-        "asyncio.run(main())\n")
     rows = []
     for k, step in ((s.lat_tasks, s.lat_step_ms), (s.many, s.many_step_ms)):
         n = s.bare_tokens if k == s.lat_tasks else s.many_tokens
         out = tmp / f"bare-{k}.json"
-        subprocess.run([sys.executable, "-c", code, "127.0.0.1", str(web.port), str(n),
-                        str(step), str(k), str(out)], cwd=ROOT, env=env, check=True,
-                       timeout=300)
+        subprocess.run([sys.executable, "-m", "benchmarks.children.web_client", "bare",
+                        "127.0.0.1", str(web.port), str(n), str(step), str(k), str(out)],
+                       cwd=ROOT, env=env, check=True, timeout=300)
         rows.append((k, n, step, stamp_lat(json.loads(out.read_text()))))
     res.section = ("3. floor: a bare Starlette StreamingResponse of pre-made events (no Redis, "
                    "no mtq), same uvicorn process, same client")
     for k, n, step, lat in rows:
         res.add(f"{k} streams x {n} events, one every {step:g} ms, made -> arrival, p50",
                 pct(lat, 50), "ms", stats(lat))
-        res.add("  p99", pct(lat, 99), "ms", "every stream on one grid of the clock: a "
-                "burst of events per step, as from the worker")
-
-
-# -- 4. where the server's time goes ----------------------------------------------------
-def profile_groups(path: Path) -> tuple[float, dict[str, float]]:
-    """(busy seconds, {group: seconds}) of the loop thread's own time (tottime), less the
-    time it waited in epoll."""
-    import pstats
-
-    st = pstats.Stats(str(path)).stats  # type: ignore[attr-defined]
-    groups: dict[str, float] = {}
-    for (file, _, fn), (_, _, tottime, _, _) in st.items():
-        if "epoll" in fn and "poll" in fn:
-            continue
-        if fn == "<method 'send' of '_socket.socket' objects>":
-            g = "socket send() system calls"
-        elif "/mtq/" in file:
-            g = "mtq (aevents, feeds, SSE formatting, the ASGI pump)"
-        elif any(f"site-packages/{m}/" in file for m in ("uvicorn", "h11", "starlette")):
-            g = "uvicorn, h11, starlette (Python)"
-        elif "/json/" in file:
-            g = "json (event data)"
-        elif "/asyncio/" in file or fn.startswith("<method 'run' of '_contextvars"):
-            g = "asyncio (tasks, queues, timers, callbacks)"
-        else:
-            g = "other"
-        groups[g] = groups.get(g, 0.0) + tottime
-    return sum(groups.values()), groups
-
-
-def bench_profile(r: redis.Redis, q: mtq.Queue, server: Server, s: Sizes, res: Results,
-                  tmp: Path, env: dict[str, str], workers: Sequence[Proc]) -> None:
-    out = tmp / "uvicorn.prof"
-    web = Uvicorn(env, profile=out)
-    try:
-        run = stream_run(r, web, q, server, s.many, s.many_tokens, s.many_step_ms, ("sse",),
-                         (s.many,), tmp, env, workers)
-    finally:
-        web.stop()
-    tokens = sum(len(rec["tokens"]) for rec in run.recs["sse"])
-    busy, groups = profile_groups(out)
-    res.section = (f"4. where the server's event loop spends its time: the {s.many}-stream run "
-                   "again, uvicorn under cProfile (its loop thread; profiling slows it)")
-    res.add("loop thread busy (outside epoll), per token, under the profiler", busy / tokens
-            * 1e6, "us", f"{busy:.2f} s over {tokens:,} tokens (the token phase only); "
-            f"without the profiler: {run.loop_cpu_s / tokens * 1e6:.0f} us in this run")
-    for g, v in sorted(groups.items(), key=lambda kv: -kv[1]):
-        res.add(f"  {g}", v / busy * 100, "%", f"{v / tokens * 1e6:.1f} us per token")
 
 
 # -- main ------------------------------------------------------------------------------
-NOTES = [
-    "Workers: `python -m mtq worker run benchmarks.web_targets:Paced` processes (2), a "
-    "generator without a model: up to 1 024 running requests, one token per request per "
-    "decode step, steps on a fixed schedule (20 ms in 1., 100 ms in 2.), each token "
-    "`[index, time.time()]` stamped when the step's tokens leave the handler; the outlet "
-    "process publishes them (emit.lua, PUBLISH). A request gets no token until a gate file "
-    "exists, so every reader is open (it has had its first keep-alive, sent 0.5 s after its read of the task) before the first token.",
-    "Server: one `python -m uvicorn benchmarks.web_app:app` process (asyncio loop, h11: "
-    "uvloop and httptools are not installed here) serving `EventStreamResponse(task)` in a "
-    "Starlette app; its Redis client is named, so CLIENT LIST counts its connections.",
-    "Reading 2.: in the in-process baseline most of the p99 lies before the publish "
-    "(stamp -> publish, the workers' engine and outlet process with 250 requests each, on "
-    "2 shared cores), so it is common to both readers; what SSE adds there is the uvicorn "
-    "process's work per token (section 4), which a burst of 500 events per step queues "
-    "up. The floor (3.) is the same uvicorn process sending the same burst of pre-made "
-    "events without Redis or mtq.",
-    "SSE client: `python -m benchmarks.web_targets sse`, one asyncio process, one raw "
-    "socket per stream (HTTP/1.1 GET, chunked body parsed by hand), `time.time()` when a "
-    "chunk has been read; data is decoded after the run. In-process reader: "
-    "`python -m benchmarks.web_targets inproc`, `Task.aevents()` per task in one asyncio "
-    "process, the reader the SSE response wraps. Latencies use one host clock; 'publish' "
-    "is the event's `ts` (Redis TIME in the emit script).",
-]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -580,52 +430,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         r = server.client()
         r.flushall()
-        env = worker_env(server)
+        env = worker_env(server.url)
         web = Uvicorn(env)
         q = mtq.Queue(uniq("web"), client=r)
         workers = [Proc(["worker", "run", TARGET, "--queue", q.name, "--redis", server.url],
                         env) for _ in range(s.workers)]
-        wait_for(f"{s.workers} workers", lambda: len(live_workers(r, q.name)) >= s.workers,
+        wait_for(f"{s.workers} workers", lambda: len(list_workers(r, q.name)) >= s.workers,
                  60, workers)
         # warm-up: imports, the server's reply subscription, the workers' first steps
         stream_run(r, web, q, server, 20, 10, 10, ("sse", "inproc"), (20,), tmp, env, workers)
         res = Results()
         steps: list[tuple[str, Callable[[], Any]]] = [
             ("added latency", lambda: bench_added(r, web, q, server, s, res, tmp, env,
-                                                  workers)),  # type: ignore[arg-type]
+                                                  workers)),
             (f"{s.many} streams", lambda: bench_many(r, web, q, server, s, res, tmp, env,
-                                                     workers)),  # type: ignore[arg-type]
-            ("floor", lambda: bench_floor(web, s, res, tmp, env)),  # type: ignore[arg-type]
-            ("profile", lambda: bench_profile(r, q, server, s, res, tmp, env,
-                                              workers)),  # type: ignore[arg-type]
+                                                     workers)),
+            ("floor", lambda: bench_floor(web, s, res, tmp, env)),
         ]
         meter = CpuMeter()
-        meter.run(steps, res.notes, s.quiet_s)
+        meter.run(steps, s.quiet_s)
         seconds = time.perf_counter() - started
-        res.notes += [*NOTES, meter.summary()]
-        info = machine_info(r, str(r.info("memory").get("mem_allocator", "?")))
         import starlette
         import uvicorn
 
-        versions = f"uvicorn {uvicorn.__version__}, starlette {starlette.__version__}"
-        print_table(res, f"mtq web/SSE ({'quick' if quick else 'full'} run, {seconds:.0f} s) "
-                    f"- {info['cpus']} cores, {info['python']}, {versions}, {info['server']}",
-                    "ratio / target")
+        machine = machine_info(r, f"uvicorn {uvicorn.__version__}, starlette "
+                               f"{starlette.__version__}",
+                               f"other processes {meter.share():.0%} of the CPU")
+        res.print(f"mtq web/SSE ({'quick' if quick else 'full'} run, {seconds:.0f} s), {machine}")
         if docs is not None:
             command = "python -m benchmarks.web" + (" --quick" if quick else "")
-            lines = [
-                SECTION, "",
-                f"Produced by `{command}` on {dt.date.today().isoformat()} in {seconds:.0f} s.",
-                "",
-                f"Machine: {info['cpus']} CPU cores ({info['cpu']}), {info['os']}; "
-                f"{info['python']}; {info['redis_py']}; {versions}; {info['server']} on "
-                "loopback TCP (started by the script, persistence off). Redis, the workers "
-                "and their outlets, the uvicorn process and the client processes share the "
-                "cores.", "",
-                *results_markdown(res, "ratio / target"),
-            ]
-            write_docs(docs, "\n".join(lines) + "\n", SECTION)
-            console.print(f"wrote {docs}")
+            write_block("web", res.markdown(), command, machine, seconds, docs)
         return 0
     finally:
         for w in workers:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import redis
 
+from benchmarks.harness.server import RedisServer as _HarnessRedisServer
 from mtq.broker.embedded import find_redis_server
 from mtq.workers.worker import Worker
 
@@ -76,41 +77,12 @@ def find_redis7() -> str:
                 "(the README's test command does)")
 
 
-class RedisServer:
-    """A redis-server process on a free loopback port."""
+class RedisServer(_HarnessRedisServer):
+    """A redis-server process on a free loopback port: the benchmarks' launcher
+    (benchmarks/harness/server.py), with the binary mtq's embedded server uses."""
 
     def __init__(self, tmp: Path, appendonly: bool = False) -> None:
-        self.binary = find_redis_server()
-        self.port = free_port()
-        self.dir = tmp
-        self.appendonly = appendonly
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes" if self.appendonly else "no", "--dir", str(self.dir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(port=self.port)
-
-        def up() -> bool:
-            try:
-                return bool(client.ping())
-            except redis.exceptions.ConnectionError:
-                assert self.proc is not None and self.proc.poll() is None, "redis-server exited"
-                return False
-
-        wait_for(up, 10, f"redis-server on port {self.port} did not accept connections")
-        client.close()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
+        super().__init__(tmp, appendonly=appendonly, binary=find_redis_server())
 
 
 @pytest.fixture(scope="session")

@@ -4,17 +4,13 @@
   batching: a new batch starts only once the whole previous one finished) and
   ``max_running = 16``; the baseline of the continuous-batching comparison;
 * :class:`ContinuousTinyGPT`: the same with continuous batching;
-* ``python -m benchmarks.gen_targets``: loads TinyGPT once, then for each JSON line
-  ``{"b": B, "steps": n, "prompt": str, "publish": url | null}`` on stdin prints
-  ``{"rate": tokens/s}``: :func:`mtq.reference.gpt.decode_rate`, or with ``publish``
-  the same loop with a thread that streams every step's tokens to Redis as a
-  worker's publisher thread does (:func:`publisher_rate`; a generator's worker
-  now publishes from its outlet process instead, and this is what that replaced); :class:`RawDecoder`
-  drives it. The benchmark takes raw rates in turns with the served runs, in a
-  process with the worker's thread settings. A line ``{"mixed": [payload, ...],
-  "continuous": bool}`` instead runs those payloads through :func:`schedule_rate` on
-  a :class:`ContinuousTinyGPT` (the mixed workload's ceiling, without a queue);
-* ``python -m benchmarks.gen_targets publish PORT N SIZE GAP`` and ``... echo PORT``:
+* ``python -m benchmarks.children.gen``: loads TinyGPT once, then for each JSON line
+  ``{"b": B, "steps": n, "prompt": str}`` on stdin prints ``{"rate": tokens/s}`` of
+  :func:`mtq.reference.gpt.decode_rate` (:class:`RawDecoder` drives it, in a process
+  with the worker's thread settings); a line ``{"mixed": [payload, ...], "continuous":
+  bool}`` runs those payloads through :func:`schedule_rate` instead (the mixed
+  workload's ceiling, without a queue);
+* ``python -m benchmarks.children.gen publish PORT N SIZE GAP`` and ``... echo PORT``:
   the baselines' other process: raw PUBLISH of N messages of SIZE bytes carrying the
   publish time, one every GAP s (:func:`publish`); a hand-rolled queue worker,
   BLPOP request -> LPUSH reply (:func:`echo`).
@@ -24,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import queue
 import subprocess
 import sys
@@ -60,54 +55,6 @@ class StaticTinyGPT(TinyGPT):
     max_total_tokens = 16 * 512
     continuous = False
     name = "tinygpt-static"
-
-
-def publisher_rate(model: TinyGPT, b: int, steps: int, prompt: str, url: str) -> float:
-    """``decode_rate``'s loop, plus a thread that streams each step's tokens in one
-    ``Consumer.settle`` round trip (emit.lua), taking whatever steps are ready: what
-    a worker's publisher thread does, without the rest of the worker."""
-    import mtq
-    from mtq.broker.consumer import Chunk
-
-    name = f"bench-raw-{os.getpid()}-{time.monotonic_ns()}"
-    consumer = mtq.Consumer(name, url)
-    q = mtq.Queue(name, client=consumer.redis)  # no reply listener: nobody subscribes
-    q.broker.submit(q.prepare([None] * b), f"{name}:reply")
-    tasks = consumer.claim(b)
-    outbox: queue.SimpleQueue[list[Any] | None] = queue.SimpleQueue()
-
-    def publish() -> None:
-        index, done = 0, False
-        while not done:
-            items = [outbox.get()]
-            while True:
-                try:
-                    items.append(outbox.get_nowait())
-                except queue.Empty:
-                    break
-            done = None in items
-            steps_ = [x for x in items if x is not None]
-            consumer.settle([], [Chunk(t, index + k, tok) for k, toks in enumerate(steps_)
-                                 for t, tok in zip(tasks, toks)])
-            index += len(steps_)
-
-    payload = {"prompt": prompt, "max_tokens": steps + 2, "stop_at_eos": False}
-    batch = [Generation(f"rate-{i}", payload, i) for i in range(b)]
-    thread = threading.Thread(target=publish, daemon=True)
-    try:
-        for r in batch:
-            model.admit(r)
-        model.prefill(batch)
-        model.decode(batch)
-        thread.start()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            outbox.put(model.decode(batch))
-        return b * steps / (time.perf_counter() - t0)
-    finally:
-        outbox.put(None)
-        thread.join(30)
-        model.release(batch)
 
 
 def schedule_rate(model: TinyGPT, payloads: list[Any], continuous: bool) -> float:
@@ -148,10 +95,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class RawDecoder:
-    """Client of ``python -m benchmarks.gen_targets`` (every wait has a timeout)."""
+    """Client of ``python -m benchmarks.children.gen`` (every wait has a timeout)."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gen_targets"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.children.gen"], env=env,
                                      cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # a thread reads the answers: select() on a buffered pipe misses lines that
@@ -173,13 +120,13 @@ class RawDecoder:
             line = ""
         if not line:
             self.close()
-            raise SystemExit(f"benchmarks.gen_targets gave no answer within {timeout:.0f} s")
+            raise SystemExit(f"benchmarks.children.gen gave no answer within {timeout:.0f} s")
         return dict(json.loads(line))
 
-    def ask(self, b: int, steps: int, prompt: str, publish: str | None = None) -> None:
+    def ask(self, b: int, steps: int, prompt: str) -> None:
         """Start a measurement (answers come back in order, see :meth:`rate`)."""
         assert self.proc.stdin is not None
-        ask = {"b": b, "steps": steps, "prompt": prompt, "publish": publish}
+        ask = {"b": b, "steps": steps, "prompt": prompt}
         self.proc.stdin.write(json.dumps(ask) + "\n")
         self.proc.stdin.flush()
 
@@ -223,7 +170,7 @@ def pubsub_latencies(port: int, n: int, size: int, gap: float) -> list[float]:
     ps.subscribe("bench:pub")
     ps.get_message(timeout=5)  # the subscribe confirmation
     out: list[float] = []
-    pub = subprocess.Popen([sys.executable, "-m", "benchmarks.gen_targets", "publish",
+    pub = subprocess.Popen([sys.executable, "-m", "benchmarks.children.gen", "publish",
                             str(port), str(n), str(size), str(gap)], cwd=ROOT)
     try:
         deadline = time.monotonic() + 30 + n * gap * 3
@@ -275,8 +222,7 @@ def main() -> int:
             print(json.dumps({"rate": rate}), flush=True)
             continue
         b, steps, prompt = int(ask["b"]), int(ask["steps"]), str(ask["prompt"])
-        rate = (publisher_rate(model, b, steps, prompt, ask["publish"]) if ask.get("publish")
-                else decode_rate(model, b, steps, prompt=prompt))
+        rate = decode_rate(model, b, steps, prompt=prompt)
         print(json.dumps({"rate": rate}), flush=True)
     return 0
 

@@ -1,5 +1,5 @@
 """The ASGI app benchmarks/web.py serves with one uvicorn process
-(``python -m uvicorn benchmarks.web_app:app``), configured by environment variables:
+(``python -m uvicorn benchmarks.children.web_app:app``), configured by environment variables:
 ``MTQ_REDIS_URL`` and ``MTQ_BENCH_CLIENT_NAME`` (the name every Redis connection of
 the process announces, so that the benchmark counts them in CLIENT LIST).
 
@@ -31,7 +31,7 @@ from mtq.broker.connection import connect
 from mtq.contrib.asgi import EventStreamResponse
 
 #: keep-alive comments every 0.5 s without an event: a client's first one tells it
-#: that its stream is past its read of the task (see benchmarks/web_targets.py)
+#: that its stream is past its read of the task (see benchmarks/children/web_client.py)
 KEEPALIVE_S = 0.5
 
 client = connect(os.environ["MTQ_REDIS_URL"], name=os.environ["MTQ_BENCH_CLIENT_NAME"])

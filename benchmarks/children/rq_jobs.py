@@ -2,7 +2,7 @@
 ``rq worker`` or ``mtq rq worker``.
 
 Worker processes import this module by the job's function name
-(``benchmarks.rq_jobs.noop`` / ``benchmarks.rq_jobs.embed``), so it stays light:
+(``benchmarks.children.rq_jobs.noop`` / ``benchmarks.children.rq_jobs.embed``), so it stays light:
 torch and the model are imported on the first ``embed`` call, once per process.
 
 ``embed`` is an ``mtq.rq.batched`` function: ``mtq rq worker`` hands it the texts of

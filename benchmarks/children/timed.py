@@ -17,7 +17,7 @@ import os
 import time
 from typing import Any
 
-from benchmarks.noop import NoopModel
+from benchmarks.children.noop import NoopModel
 from examples.embeddings import MiniLM
 
 ENV = "MTQ_BENCH_TIMINGS"
@@ -52,4 +52,4 @@ class TimedMiniLM(_Timed, MiniLM):
 
 
 class TimedNoop(_Timed, NoopModel):
-    """benchmarks.noop:NoopModel with its predict calls logged."""
+    """benchmarks.children.noop:NoopModel with its predict calls logged."""

@@ -7,19 +7,21 @@
   are handed to the engine (the outlet process publishes them right after). While
   the payload's ``gate`` file does not exist a request gets no token (its step
   returns None), so a benchmark opens every reader first and then lets the tokens go.
-* ``python -m benchmarks.web_targets sse BASE QUEUE IDS OUT STAGES``: reads the tasks
+* ``python -m benchmarks.children.web_client sse BASE QUEUE IDS OUT STAGES``: reads the tasks
   in the file IDS (one id a line) as server-sent events from BASE
-  (``http://127.0.0.1:PORT``, the app of benchmarks/web_app.py), one raw asyncio
+  (``http://127.0.0.1:PORT``, the app of benchmarks/children/web_app.py), one raw asyncio
   socket each (HTTP/1.1, chunked), and stamps every event with ``time.time()`` as it
   arrives. STAGES (``1,100,500``): it opens that many streams, waits until each has
   its first keep-alive comment (sent after 0.5 s without an event: the server
   is past its read of the task and the stream waits on the server's reply hub), prints ``opened K`` and waits for a line on stdin before
   the next stage; after the last one it reads every stream to ``done`` and writes
   what it got as JSON to OUT.
-* ``python -m benchmarks.web_targets inproc URL QUEUE IDS OUT STAGES``: the same
+* ``python -m benchmarks.children.web_client inproc URL QUEUE IDS OUT STAGES``: the same
   tasks read in this process with ``Task.aevents()`` (mtq's own reader, the one the
   SSE response wraps), with the same stages and output, plus each token's ``ts``
   (Redis TIME when it was published).
+* ``python -m benchmarks.children.web_client bare HOST PORT N STEP K OUT``: K streams of
+  the app's ``/bare/N/STEP`` (pre-made events, no Redis), stamped the same way.
 """
 
 from __future__ import annotations
@@ -170,7 +172,19 @@ async def _stages(ids: list[str], stages: list[int],
     return recs
 
 
+async def _bare(host: str, port: int, n: str, step: str, k: int) -> list[Record]:
+    recs = [_new(str(i)) for i in range(k)]
+    await asyncio.gather(*(_sse(host, port, f"/bare/{n}/{step}", rec, asyncio.Event())
+                           for rec in recs))
+    return recs
+
+
 def main(argv: list[str]) -> None:
+    if argv[0] == "bare":  # bare HOST PORT N STEP K OUT: the floor, pre-made events
+        host, port, n, step, k, out = argv[1:]
+        with open(out, "w") as f:
+            json.dump(asyncio.run(_bare(host, int(port), n, step, int(k))), f)
+        return
     mode, where, queue, ids_file, out, stages_s = argv
     with open(ids_file) as f:
         ids = f.read().split()
