@@ -20,7 +20,7 @@ import mtq
 from mtq.broker import config
 from mtq.cli.main import cli
 from mtq.settings import QueueSettings
-from tests.conftest import wait_for
+from tests.support.waits import wait_for
 
 PY = sys.executable
 
@@ -130,7 +130,7 @@ def test_a_lease_shortened_under_a_running_task_is_kept(redis_url: str, qname: s
 
     from mtq.workers.model import FunctionModel
     from mtq.workers.worker import Worker
-    from tests.conftest import serving
+    from tests.support.workers import serving
 
     monkeypatch.setattr(config, "REFRESH_S", 0.2)
     q = mtq.Queue(qname, redis_url)

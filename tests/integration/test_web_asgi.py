@@ -28,9 +28,11 @@ from mtq.broker.keys import QueueKeys
 from mtq.settings import QueueSettings
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import RedisServer, serving, wait_for
+from tests.conftest import RedisServer
 from tests.models import Counter
-from tests.web import SSE, Stream, WebServer, events, read
+from tests.support.waits import wait_for
+from tests.support.web import SSE, Stream, WebServer, events, read
+from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -251,7 +253,7 @@ def test_many_streams_share_the_process_s_one_reply_subscription(
                         buf += chunk
                         while "\n\n" in buf:
                             block, buf = buf.split("\n\n", 1)
-                            from tests.web import parse_block
+                            from tests.support.web import parse_block
 
                             ev = parse_block(block)
                             got.events.append(ev)
@@ -410,7 +412,7 @@ def test_redis_stopped_mid_stream_sends_an_error_event_closes_and_resumes_after(
 
 def test_sse_events_are_parsed_back_by_the_test_reader() -> None:
     """The reader these tests use agrees with the format (multi-line data, comments)."""
-    from tests.web import parse_block
+    from tests.support.web import parse_block
 
     ev = parse_block('id: 3\nevent: token\ndata: "a"')
     assert (ev.id, ev.event, ev.json()) == ("3", "token", "a")

@@ -29,9 +29,11 @@ import mtq
 from mtq.settings import QueueSettings
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import ROOT, serving, wait_for
 from tests.models import Counter
-from tests.web import DjangoAsgiServer, DjangoWsgiServer, Stream, WebServer, events, read
+from tests.support.paths import ROOT
+from tests.support.waits import wait_for
+from tests.support.web import DjangoAsgiServer, DjangoWsgiServer, Stream, WebServer, events, read
+from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -19,9 +19,11 @@ import pytest
 import mtq
 from mtq.settings import QueueSettings
 from mtq.workers.worker import Worker
-from tests.conftest import ROOT, serving, wait_for
 from tests.models import Counter
-from tests.web import GunicornServer, Stream, events, read
+from tests.support.paths import ROOT
+from tests.support.waits import wait_for
+from tests.support.web import GunicornServer, Stream, events, read
+from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(90)
 
