@@ -36,7 +36,6 @@ from tests.support.waits import wait_for
 pytestmark = pytest.mark.timeout(180)
 
 
-
 @pytest.fixture(scope="module")
 def the_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("cluster"))
