@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import mtq
-from tests.conftest import wait_for
+from tests.support.waits import wait_for
 
 MODELS = '''
 import mtq

@@ -36,7 +36,9 @@ import redis
 import mtq
 from mtq.broker.keys import QueueKeys
 from mtq.workers.registry import list_workers
-from tests.conftest import ROOT, free_port, wait_for
+from tests.support.paths import ROOT
+from tests.support.processes import free_port
+from tests.support.waits import wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed "
                                 "(pip install -e '.[dev]')")

@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,33 +13,9 @@ import mtq
 from mtq.broker import catalogue
 from mtq.broker.consumer import Consumer
 from mtq.broker.keys import QueueKeys
-from mtq.workers import control, registry
-from tests.conftest import wait_for
-
-
-@contextmanager
-def worker(target: str, qname: str, env: dict[str, str], log: Path, *extra: str
-           ) -> Iterator[subprocess.Popen[bytes]]:
-    """A ``mtq worker run`` process serving ``target``, in the registry before it yields."""
-    out = (log.parent / f"{log.name}.{target.replace(':', '-')}.out").open("ab")
-    proc = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run", target, "--queue",
-                             qname, *extra], env={**env, "MTQ_TEST_LOG": str(log)},
-                            stdout=out, stderr=subprocess.STDOUT)
-    r = redis.Redis.from_url(env["MTQ_REDIS_URL"])
-    try:
-        wait_for(lambda: [w for w in registry.list_workers(r, qname) if w["pid"] == proc.pid],
-                 30, "the worker process never appeared in the registry")
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        out.close()
-        r.close()
+from mtq.workers import control
+from tests.support.waits import wait_for
+from tests.support.workers import registered_worker
 
 
 def runs(log: Path) -> list[str]:
@@ -68,7 +39,7 @@ def cached_queue(qname: str, redis_url: str, client: redis.Redis, **kw: Any) -> 
 def test_hit_miss_and_bypass(qname: str, redis_url: str, client: redis.Redis,
                              subprocess_env: dict[str, str], log: Path) -> None:
     q = cached_queue(qname, redis_url, client)
-    with worker("tests.handlers:gated", qname, subprocess_env, log):
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, log):
         first = q.submit({"i": 1})
         assert not first.cached
         assert first.result(timeout=20)["i"] == 1
@@ -105,7 +76,7 @@ def test_cache_off_sends_no_digest_and_caches_nothing(qname: str, redis_url: str
                                                       log: Path) -> None:
     q = mtq.Queue(qname, redis_url, client=client)
     assert q.prepare([{"i": 1}])[0].digest == ""
-    with worker("tests.handlers:gated", qname, subprocess_env, log):
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, log):
         assert [q.submit({"i": 1}).result(timeout=20)["i"] for _ in range(2)] == [1, 1]
     assert len(runs(log)) == 2
     assert q.stats()["cache_entries"] == 0
@@ -118,7 +89,8 @@ def test_single_flight_runs_once_for_concurrent_identical_submits(
     gate = tmp_path / "gate"
     gate.touch()
     payload = {"i": 7, "gate": str(gate)}
-    with worker("tests.handlers:gated", qname, subprocess_env, log, "--batch-size", "8"):
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, log,
+                           "--batch-size", "8"):
         first = q.submit(payload)
         wait_for(lambda: runs(log), 20, "the first task never started")
         tasks: list[mtq.Task] = []
@@ -143,7 +115,7 @@ def test_a_failed_task_frees_the_single_flight_record(
     flag = tmp_path / "fail"
     flag.touch()
     payload = {"i": 3, "fail": str(flag)}
-    with worker("tests.handlers:gated", qname, subprocess_env, log):
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, log):
         failed = q.submit(payload, retries=0)
         with pytest.raises(mtq.TaskFailed):
             failed.result(timeout=20)
@@ -162,7 +134,7 @@ def _server_ms(client: redis.Redis) -> int:
 def test_ttl_expiry(qname: str, redis_url: str, client: redis.Redis,
                     subprocess_env: dict[str, str], log: Path) -> None:
     q = cached_queue(qname, redis_url, client, cache_ttl_s=1)
-    with worker("tests.handlers:gated", qname, subprocess_env, log):
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, log):
         first = q.submit({"i": 1})
         first.result(timeout=20)
         assert q.submit({"i": 1}).cached
@@ -180,7 +152,7 @@ def test_corrupt_entry_is_a_miss(qname: str, redis_url: str, client: redis.Redis
                                  subprocess_env: dict[str, str], log: Path) -> None:
     q = cached_queue(qname, redis_url, client)
     k = QueueKeys(qname)
-    with worker("tests.handlers:gated", qname, subprocess_env, log):
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, log):
         q.submit({"i": 1}).result(timeout=20)
         other = q.submit({"i": 2})
         other.result(timeout=20)
@@ -201,7 +173,7 @@ def test_size_cap_evicts_the_oldest(
         log: Path) -> None:
     q = cached_queue(qname, redis_url, client, cache_max_entries=3)
     k = QueueKeys(qname)
-    with worker("tests.handlers:gated", qname, subprocess_env, log):
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, log):
         for i in range(6):
             q.submit({"i": i}).result(timeout=20)
         members = client.zrange(k.cache_index, 0, -1)
@@ -216,7 +188,7 @@ def test_generator_caches_seeded_requests_only(qname: str, redis_url: str,
                                                subprocess_env: dict[str, str],
                                                log: Path) -> None:
     q = cached_queue(qname, redis_url, client)
-    with worker("tests.models:Counter", qname, subprocess_env, log):
+    with registered_worker("tests.models:Counter", qname, subprocess_env, log):
         assert q.submit({"n": 3, "start": 1}).result(timeout=20)["tokens"] == [1, 2, 3]
         assert not q.submit({"n": 3, "start": 1}).cached
         seeded = q.submit({"n": 3, "start": 1, "seed": 5}).result(timeout=20)
@@ -233,7 +205,7 @@ def test_reload_with_a_new_version_invalidates(qname: str, redis_url: str,
     version.write_text("v1")
     env = {**subprocess_env, "MTQ_TEST_VERSION_FILE": str(version)}
     k = QueueKeys(qname)
-    with worker("tests.models:Versioned", qname, env, log):
+    with registered_worker("tests.models:Versioned", qname, env, log):
         assert q.submit({"i": 1}).result(timeout=20)["version"] == "v1"
         assert q.submit({"i": 1}).cached
         version.write_text("v2")
@@ -252,7 +224,7 @@ def test_worker_killed_mid_run_of_a_single_flight_task(
     gate = tmp_path / "gate"
     gate.touch()
     payload = {"i": 9, "gate": str(gate)}
-    with worker("tests.handlers:gated", qname, subprocess_env, log) as first_worker:
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, log) as first_worker:
         tasks = [q.submit(payload)]
         wait_for(lambda: runs(log), 20, "the task never started")
         tasks += [q.submit(payload) for _ in range(4)]
@@ -267,7 +239,7 @@ def test_worker_killed_mid_run_of_a_single_flight_task(
     readers = [threading.Thread(target=collect, args=(i,)) for i in range(len(tasks))]
     for t in readers:
         t.start()
-    with worker("tests.handlers:gated", qname, subprocess_env, log):
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, log):
         for t in readers:
             t.join(40)
     assert all(len(e) == 1 and e[0].kind == "succeeded" for e in events), events

@@ -15,7 +15,7 @@ import mtq
 from mtq import serialization
 from mtq.broker.keys import QueueKeys
 from mtq.cli.main import cli
-from tests.conftest import kill_process, worker_process
+from tests.support.processes import kill_process, worker_process
 
 
 def _command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

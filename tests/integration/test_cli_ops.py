@@ -19,8 +19,9 @@ from mtq.broker.consumer import Outcome
 from mtq.cli.main import cli
 from mtq.settings import QueueSettings
 from mtq.workers.worker import Worker
-from tests.conftest import serving, wait_for
 from tests.models import Counter
+from tests.support.waits import wait_for
+from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(60)
 

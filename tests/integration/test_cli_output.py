@@ -27,7 +27,9 @@ from mtq.cli.main import cli
 from mtq.cli.tasks import STATUS_COLUMNS, compact_count
 from mtq.settings import QueueSettings
 from mtq.workers.worker import Worker
-from tests.conftest import ROOT, serving, wait_for
+from tests.support.paths import ROOT
+from tests.support.waits import wait_for
+from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(90)
 

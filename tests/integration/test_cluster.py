@@ -1,4 +1,4 @@
-"""mtq on a real Redis Cluster: 3 primaries and 3 replicas on loopback (tests/clusters.py).
+"""mtq on a real Redis Cluster: 3 primaries and 3 replicas on loopback (tests/support/clusters.py).
 
 The main paths of the single-Redis suite, against the cluster: submit, claim and results
 through real ``mtq worker run`` processes, FIFO per stream, tokens over sharded pub/sub,
@@ -28,13 +28,12 @@ from mtq.broker.connection import connect, safe_url
 from mtq.broker.keys import QueueKeys
 from mtq.workers import control
 from mtq.workers.registry import list_workers
-from tests.clusters import Cluster
-from tests.conftest import kill_process, wait_for, worker_process
-from tests.integration.test_supervisor import read_log, supervise, wait_workers
+from tests.support.clusters import Cluster
+from tests.support.processes import kill_process, worker_process
+from tests.support.supervisors import read_log, wait_workers
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(180)
-
-__all__ = ["supervise"]  # the fixture, borrowed from test_supervisor
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +52,7 @@ def url(the_cluster: Cluster) -> str:
 @pytest.fixture
 def redis_url(url: str) -> str:
     """The cluster's URL for the conftest fixtures this module uses (subprocess_env,
-    and supervise, borrowed from test_supervisor)."""
+    and supervise, from tests/integration/conftest.py)."""
     return url
 
 

@@ -1,5 +1,5 @@
 """Failovers under load: a primary of a real Redis Cluster (3 primaries with 2 replicas
-each, tests/clusters.py),
+each, tests/support/clusters.py),
 or the primary a set of three sentinels watches, killed with SIGKILL while producers
 submit and workers run; a replica is promoted, and everything rides through.
 
@@ -25,9 +25,11 @@ import pytest
 
 import mtq
 from mtq.broker.keys import QueueKeys
-from tests.clusters import Cluster, SentinelSet
-from tests.conftest import ROOT, kill_process, wait_for, worker_process
-from tests.integration.test_supervisor import read_log
+from tests.support.clusters import Cluster, SentinelSet
+from tests.support.paths import ROOT
+from tests.support.processes import kill_process, worker_process
+from tests.support.supervisors import read_log
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -16,7 +16,8 @@ import redis
 
 import mtq
 from mtq import replies
-from tests.conftest import gated_task, gated_worker, wait_for
+from tests.support.processes import gated_task, gated_worker
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(90)
 

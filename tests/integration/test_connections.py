@@ -21,7 +21,7 @@ import redis
 import mtq
 from mtq.broker.protocol import read_traces
 from mtq.workers.registry import list_workers
-from tests.conftest import Reader, wait_for
+from tests.support.waits import Reader, wait_for
 
 PY = sys.executable
 

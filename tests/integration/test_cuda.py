@@ -27,7 +27,9 @@ from mtq.reference.gpt import TinyGPT, generate
 from mtq.workers import control, devices
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import kill_process, serving, wait_for, worker_process
+from tests.support.processes import kill_process, worker_process
+from tests.support.waits import wait_for
+from tests.support.workers import serving
 
 DEVICE = os.environ.get("MTQ_TEST_CUDA_DEVICE", "cuda:0")
 ON_GPU = DEVICE.startswith("cuda")

@@ -22,8 +22,9 @@ from mtq.broker.keys import QueueKeys
 from mtq.broker.protocol import Claimed
 from mtq.settings import QueueSettings
 from mtq.workers.worker import Monitor
-from tests.conftest import kill_process, serving, wait_for
-from tests.integration.test_worker import FAST, Recorder, make_worker
+from tests.support.processes import kill_process
+from tests.support.waits import wait_for
+from tests.support.workers import FAST, Recorder, make_worker, serving
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ point into the test's directory, so no command touches a shared embedded server 
 the user's files), ``mtq`` and ``python`` are this checkout's (``PYTHONPATH`` is the
 repository root), and each line runs in its own ``bash -eo pipefail`` from the
 repository root. The tags (docs/cli.md, "Commands in these docs"; parsed by
-tests/doc_commands.py) say what does not run:
+tests/support/doc_commands.py) say what does not run:
 
 - ``needs: gpu|docker|zsh`` and ``not run: installs``: skipped;
 - ``runs: service``: a long-running command. A worker (``mtq workers start``,
@@ -34,9 +34,10 @@ import pytest
 import redis
 
 from mtq.workers.registry import list_workers
-from tests.cli_parse import parse_mtq
-from tests.conftest import ROOT, RedisServer
-from tests.doc_commands import Command, commands, pages, tag_problem
+from tests.conftest import RedisServer
+from tests.support.cli_parse import parse_mtq
+from tests.support.doc_commands import Command, commands, pages, tag_problem
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(180)
 

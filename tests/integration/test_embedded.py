@@ -17,7 +17,7 @@ import redis
 import mtq
 from mtq.broker.connection import resolve_url
 from mtq.broker.embedded import EmbeddedServer, default_state_dir, find_redis_server
-from tests.conftest import wait_for
+from tests.support.waits import wait_for
 
 
 def _pid_alive(pid: int) -> bool:

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 import mtq
-from tests.conftest import wait_for
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -25,8 +25,9 @@ from mtq.workers import control
 from mtq.workers.model import FunctionModel
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import Reader, serving, wait_for
 from tests.models import Counter
+from tests.support.waits import Reader, wait_for
+from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 import tomllib
 
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.timeout(300)
 

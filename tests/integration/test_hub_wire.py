@@ -15,7 +15,8 @@ import redis
 
 import mtq
 from mtq import replies
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import RedisServer
+from tests.support.waits import wait_for
 
 
 @pytest.fixture

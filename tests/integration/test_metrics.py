@@ -21,7 +21,10 @@ import mtq.workers.registry
 from mtq.broker import catalogue
 from mtq.broker.consumer import Consumer
 from mtq.broker.keys import QueueKeys
-from tests.conftest import PY, RedisServer, free_port, wait_for
+from tests.conftest import RedisServer
+from tests.support.paths import PY
+from tests.support.processes import free_port
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -279,8 +282,8 @@ def test_a_failed_flush_loses_nothing_and_doubles_nothing(
     from mtq.settings import QueueSettings
     from mtq.workers.model import FunctionModel
     from mtq.workers.worker import Worker
-    from tests.conftest import Running
     from tests.handlers import identity
+    from tests.support.workers import Running
 
     server = RedisServer(tmp_path, appendonly=True)  # what was written survives a restart
     server.start()

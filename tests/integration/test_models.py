@@ -10,8 +10,8 @@ from pathlib import Path
 import redis
 
 from mtq.workers import control
-from tests.conftest import wait_for
-from tests.integration.test_cache import worker
+from tests.support.waits import wait_for
+from tests.support.workers import registered_worker
 
 
 def models(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -27,7 +27,7 @@ def test_models_live_history_and_reload(qname: str, r: redis.Redis,
     version.write_text("v1")
     env = {**subprocess_env, "MTQ_TEST_VERSION_FILE": str(version)}
     log = tmp_path / "calls.log"
-    with worker("tests.models:Versioned", qname, env, log) as proc:
+    with registered_worker("tests.models:Versioned", qname, env, log) as proc:
         out = models(env, "--json", "-q", qname)
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
@@ -53,7 +53,7 @@ def test_models_live_history_and_reload(qname: str, r: redis.Redis,
 def test_computed_version_for_an_unversioned_function(qname: str, r: redis.Redis,
                                                       subprocess_env: dict[str, str],
                                                       tmp_path: Path) -> None:
-    with worker("tests.handlers:gated", qname, subprocess_env, tmp_path / "log"):
+    with registered_worker("tests.handlers:gated", qname, subprocess_env, tmp_path / "log"):
         data = json.loads(models(subprocess_env, "--json", "-q", qname).stdout)
     (row,) = data["models"]
     assert row["version"].startswith("h-") and row["kind"] == "function"

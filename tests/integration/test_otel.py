@@ -16,7 +16,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 import mtq
 from mtq.broker.keys import QueueKeys
 from mtq.workers.worker import Worker
-from tests.conftest import serving, wait_for
+from tests.support.waits import wait_for
+from tests.support.workers import serving
 
 FAST = mtq.QueueSettings(lease_ms=5000, retry_backoff_ms=0)
 

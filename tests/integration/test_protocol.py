@@ -11,7 +11,7 @@ import pytest
 import redis
 
 import mtq
-from mtq.broker import protocol
+from mtq.broker import protocol, scripts
 from mtq.broker.codes import Code
 from mtq.broker.keys import QUEUES
 from mtq.broker.protocol import DEAD, FAIL, Broker
@@ -646,3 +646,13 @@ def test_duplicate_in_submit_many_reports_what_went_in(qname: str, redis_url: st
     assert [t.id for t in exc.value.created] == ["new-1", "new-2"]
     assert exc.value.duplicates == ["taken"]
     assert q.stats()["waiting"] == 3
+
+
+# -- loading --------------------------------------------------------------------------
+def test_scripts_compile_in_redis(r):
+    # SCRIPT LOAD compiles the Lua: a syntax error in any script (or in the
+    # pasted library) fails here, and Redis must agree on the SHA1.
+    for name in scripts.NAMES:
+        s = scripts.script(name)
+        sha = r.script_load(s.source)
+        assert (sha.decode() if isinstance(sha, bytes) else sha) == s.sha

@@ -19,8 +19,9 @@ from click.testing import CliRunner
 import mtq
 from mtq.broker import config
 from mtq.cli.main import cli
+from mtq.errors import ConfigError, InvalidName
 from mtq.settings import QueueSettings
-from tests.conftest import wait_for
+from tests.support.waits import wait_for
 
 PY = sys.executable
 
@@ -130,7 +131,7 @@ def test_a_lease_shortened_under_a_running_task_is_kept(redis_url: str, qname: s
 
     from mtq.workers.model import FunctionModel
     from mtq.workers.worker import Worker
-    from tests.conftest import serving
+    from tests.support.workers import serving
 
     monkeypatch.setattr(config, "REFRESH_S", 0.2)
     q = mtq.Queue(qname, redis_url)
@@ -162,3 +163,26 @@ def test_a_bad_stored_value_is_skipped_not_fatal(redis_url: str, qname: str,
     assert code == 0 and json.loads(out)["stored"] == {"max_retries": 2}, out
     code, out = run("queue", "config", qname, "lease_ms", "9000", "--redis", redis_url)
     assert code == 0 and "9,000" in out, out       # fixed by setting it again
+
+
+# -- Queue construction ----------------------------------------------------------
+def test_queue_rejects_unknown_setting(redis_url):
+    with pytest.raises(ConfigError, match="bogus"):
+        mtq.Queue("q", url=redis_url, bogus=1)
+
+
+def test_queue_rejects_out_of_range_setting(redis_url):
+    with pytest.raises(ConfigError, match="lease_ms"):
+        mtq.Queue("q", url=redis_url, lease_ms=0)
+
+
+def test_queue_rejects_bad_name(redis_url):
+    with pytest.raises(InvalidName):
+        mtq.Queue("bad name", url=redis_url)
+
+
+def test_queue_accepts_overrides(redis_url):
+    q = mtq.Queue("q", url=redis_url, max_length=7)
+    assert q.settings.max_length == 7
+    q2 = mtq.Queue("q", url=redis_url, settings=QueueSettings(lease_ms=99), max_length=3)
+    assert (q2.settings.lease_ms, q2.settings.max_length) == (99, 3)

@@ -13,7 +13,8 @@ import mtq
 from mtq.cli.main import cli
 from mtq.workers.model import FunctionModel
 from mtq.workers.worker import Worker
-from tests.conftest import serving, wait_for
+from tests.support.waits import wait_for
+from tests.support.workers import serving
 
 
 def run(*args: str, input: str | None = None) -> tuple[int, str]:

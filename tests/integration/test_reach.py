@@ -14,7 +14,9 @@ import pytest
 
 import mtq
 from mtq.broker.connection import connect, reach
-from tests.conftest import RedisServer, free_port, wait_for
+from tests.conftest import RedisServer
+from tests.support.processes import free_port
+from tests.support.waits import wait_for
 
 PY = sys.executable
 

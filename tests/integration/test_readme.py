@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from tests.cli_parse import parse_mtq
-from tests.conftest import ROOT, wait_for
-from tests.doc_commands import pages, split_comment
+from tests.support.cli_parse import parse_mtq
+from tests.support.doc_commands import pages, split_comment
+from tests.support.paths import ROOT
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

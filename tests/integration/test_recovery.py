@@ -13,15 +13,13 @@ import pytest
 import redis
 
 import mtq
-from benchmarks.faults import kill_workers, pct, recovery_times
 from mtq.broker.connection import connect
 from mtq.broker.consumer import Consumer, connection_name
 from mtq.broker.keys import QueueKeys
 from mtq.broker.protocol import read_traces
-from tests.conftest import wait_for
-from tests.integration.test_supervisor import StartFn, supervise, wait_workers
-
-__all__ = ["supervise"]  # the fixture, imported for this module's tests
+from tests.support.faults import kill_workers, pct, recovery_times
+from tests.support.supervisors import StartFn, wait_workers
+from tests.support.waits import wait_for
 
 PY = sys.executable
 

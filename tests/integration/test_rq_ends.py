@@ -31,7 +31,7 @@ from rq.webhook import Webhook
 from mtq.rq import leases
 from mtq.rq.worker import BatchWorker
 from tests import rq_jobs as J
-from tests.conftest import wait_for
+from tests.support.waits import wait_for
 
 
 @pytest.fixture

@@ -24,7 +24,8 @@ from rq.serializers import JSONSerializer  # noqa: E402
 from rq.worker import Worker  # noqa: E402
 
 from tests import rq_jobs as J  # noqa: E402
-from tests.conftest import ROOT, wait_for  # noqa: E402
+from tests.support.paths import ROOT  # noqa: E402
+from tests.support.waits import wait_for  # noqa: E402
 
 
 @pytest.fixture

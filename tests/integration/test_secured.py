@@ -9,7 +9,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,9 +17,9 @@ import pytest
 import redis
 
 import mtq
-from mtq.workers.model import FunctionModel
-from mtq.workers.worker import Worker
-from tests.conftest import RedisServer, wait_for
+from tests.conftest import RedisServer
+from tests.support.waits import wait_for
+from tests.support.workers import serve_one
 
 PY = sys.executable
 PASSWORD = "s3cret-pw"
@@ -73,20 +72,6 @@ def with_acl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecuredServer
     server.start()
     yield server
     server.stop()
-
-
-def serve_one(url: str, queue: str) -> None:
-    """A task submitted, run by a worker in this process, its result waited for."""
-    q = mtq.Queue(queue, url)
-    t = q.submit({"x": 21})
-    w = Worker(FunctionModel(lambda p: p["x"] * 2), queue, url=url)
-    runner = threading.Thread(target=w.run, daemon=True)
-    runner.start()
-    try:
-        assert t.result(timeout=15) == 42
-    finally:
-        w.stop()
-        runner.join(15)
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

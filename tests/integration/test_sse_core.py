@@ -16,8 +16,8 @@ from mtq.broker.consumer import Chunk
 from mtq.contrib import sse
 from mtq.contrib.sse import EventStream
 from mtq.settings import QueueSettings
-from tests.conftest import wait_for
-from tests.web import SSE, parse_block
+from tests.support.waits import wait_for
+from tests.support.web import SSE, parse_block
 
 pytestmark = pytest.mark.timeout(60)
 

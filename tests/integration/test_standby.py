@@ -19,10 +19,8 @@ import redis
 
 import mtq
 from mtq.workers import control
-from tests.conftest import wait_for
-from tests.integration.test_supervisor import StartFn, Sup, read_log, supervise, wait_workers
-
-__all__ = ["supervise"]  # the fixture, imported for this module's tests
+from tests.support.supervisors import StartFn, Sup, read_log, wait_workers
+from tests.support.waits import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -10,15 +10,12 @@ see which process ran which batch and in what order.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,130 +26,23 @@ import mtq
 from mtq.workers import control, devices, registry
 from mtq.workers.registry import list_workers
 from mtq.workers.supervisor import MAX_SETUP_FAILURES
-from tests.conftest import wait_for
+from tests.support.supervisors import (
+    Call,
+    StartFn,
+    Sup,
+    pid_exists,
+    read_log,
+    wait_workers,
+    workers_of,
+)
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
 PY = sys.executable
 
-#: runs a Supervisor with settings the CLI does not expose (max_deliveries);
-#: events go to stdout, the children's logs to stderr
-LAUNCHER = r"""
-import json, sys
-from mtq.settings import QueueSettings
-from mtq.workers.supervisor import Supervisor
-cfg = json.loads(sys.argv[1])
-settings = QueueSettings(**cfg.pop("settings"))
-sup = Supervisor(cfg.pop("target"), cfg.pop("queue"), settings=settings,
-                 on_event=lambda m: print("mtq:", m, flush=True), **cfg)
-print("mtq: supervisor", sup.id, flush=True)
-sys.exit(sup.run())
-"""
-
 
 # -- helpers -----------------------------------------------------------------------
-@dataclass
-class Sup:
-    """A supervisor subprocess, leader of its own process group."""
-
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def output(self) -> str:
-        """What it printed, with rich's line wrapping undone (words joined by one space)."""
-        return " ".join(self.log.read_text(errors="replace").split())
-
-    def running(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait_exit(self, timeout: float, what: str) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"supervisor did not exit within {timeout} s {what}:\n{self.output()}")
-
-    def group_alive(self) -> bool:
-        """True while any process of its group (the supervisor or a worker) exists."""
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:  # pragma: no cover - SIGKILL cannot be ignored
-            pass
-
-
-StartFn = Callable[..., Sup]
-
-
-@pytest.fixture
-def supervise(redis_url: str, subprocess_env: dict[str, str],
-              tmp_path: Path) -> Iterator[StartFn]:
-    """``supervise(target, queue, *cli options, env=..., settings=..., **launcher)``:
-    start ``mtq workers start`` (or, given ``settings``, the launcher with those
-    QueueSettings) and kill its whole process group at teardown."""
-    started: list[Sup] = []
-
-    def start(target: str, queue: str, *args: str, env: dict[str, str] | None = None,
-              settings: dict[str, Any] | None = None, **launcher: Any) -> Sup:
-        if settings is None:
-            assert not launcher, "launcher options need settings=..."
-            cmd = [PY, "-m", "mtq", "workers", "start", target, "--queue", queue,
-                   "--redis", redis_url, *args]
-        else:
-            assert not args, "CLI options do not go to the launcher"
-            cfg = {"target": target, "queue": queue, "url": redis_url, "settings": settings,
-                   **launcher}
-            cmd = [PY, "-c", LAUNCHER, json.dumps(cfg)]
-        log = tmp_path / f"supervisor-{len(started)}.log"
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(cmd, env={**subprocess_env, **(env or {})}, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
-        sup = Sup(proc, log)
-        started.append(sup)
-        return sup
-
-    yield start
-    for sup in started:
-        sup.kill()
-
-
-def pid_exists(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
-
-
-@dataclass(frozen=True)
-class Call:
-    """One line of a model's call log (see tests/models.py)."""
-
-    tag: str         # S: setup started, B: predict started, D: predict returned
-    t: float         # time.time() in the worker
-    pid: int
-    keys: tuple[str, ...]
-
-
-def read_log(path: Path) -> list[Call]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        tag, t, pid, *keys = line.split()
-        out.append(Call(tag, float(t), int(pid), tuple(keys)))
-    return out
-
-
 def open_batches(calls: list[Call]) -> dict[int, Call]:
     """pid -> its predict call in progress (a B line with no D line after it)."""
     last: dict[int, Call] = {}
@@ -171,28 +61,6 @@ def done_order(calls: list[Call]) -> dict[str, list[int]]:
                 s, i = k.split(":")
                 order[s].append(int(i))
     return dict(order)
-
-
-def workers_of(r: redis.Redis, queue: str, live_only: bool = False) -> list[dict[str, Any]]:
-    """The registry's serving workers of ``queue`` (not a quarantine process);
-    ``live_only``: those whose process exists (a killed worker's entry stays until its
-    TTL runs out, a few seconds)."""
-    ws = [w for w in list_workers(r, queue) if w.get("role", "serving") == "serving"]
-    return [w for w in ws if pid_exists(w["pid"])] if live_only else ws
-
-
-def wait_workers(r: redis.Redis, queue: str, n: int, sup: Sup, timeout: float = 30,
-                 check: Callable[[dict[str, Any]], bool] = lambda w: True,
-                 live_only: bool = True) -> list[dict[str, Any]]:
-    """Wait until exactly ``n`` workers of ``queue`` are registered (only live processes
-    counted, unless ``live_only`` is False) and all pass ``check``."""
-    def ok() -> list[dict[str, Any]] | None:
-        assert sup.running(), f"supervisor exited:\n{sup.output()}"
-        ws = workers_of(r, queue, live_only)
-        return ws if len(ws) == n and all(check(w) for w in ws) else None
-
-    return wait_for(ok, timeout, f"{n} worker(s) of {queue} in the registry: "
-                                 f"{workers_of(r, queue)}\n{sup.output()}")
 
 
 def streamed(q: mtq.Queue, streams: int, per_stream: int, start: int = 0,

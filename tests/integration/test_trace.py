@@ -13,7 +13,8 @@ import mtq
 from mtq.broker.keys import QueueKeys
 from mtq.cli.main import cli
 from mtq.trace import parse_record
-from tests.conftest import kill_process, wait_for, worker_process
+from tests.support.processes import kill_process, worker_process
+from tests.support.waits import wait_for
 
 
 def _recorded(r, queue: str) -> set[str]:

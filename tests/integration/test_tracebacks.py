@@ -17,8 +17,9 @@ from mtq.broker.consumer import TRACEBACK_MAX
 from mtq.settings import QueueSettings
 from mtq.workers.model import FunctionModel
 from mtq.workers.worker import Worker
-from tests.conftest import serving, wait_for
 from tests.models import Counter
+from tests.support.waits import wait_for
+from tests.support.workers import serving
 
 PY = sys.executable
 

@@ -2,7 +2,9 @@
 real uvicorn process (tests/web_app.py), read by a real HTTP client (httpx, streaming)
 against a real redis-server and real workers: in-process Workers where the test is
 about the HTTP side, supervised worker processes (``mtq workers start``) where a
-cancel must reach a worker or a worker is killed.
+cancel must reach a worker or a worker is killed. The web contract every framework
+keeps (the stream, resume with Last-Event-ID, 404/400, 503, cancel on disconnect) is
+tested, for FastAPI too, in test_web_contract.py.
 """
 
 from __future__ import annotations
@@ -28,9 +30,11 @@ from mtq.broker.keys import QueueKeys
 from mtq.settings import QueueSettings
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import RedisServer, serving, wait_for
+from tests.conftest import RedisServer
 from tests.models import Counter
-from tests.web import SSE, Stream, WebServer, events, read
+from tests.support.waits import wait_for
+from tests.support.web import SSE, Stream, WebServer, events, read
+from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -95,60 +99,6 @@ def server_conns(r: redis.Redis, name: str, kind: str | None = None) -> list[dic
 
 
 # -- the stream ------------------------------------------------------------------------
-def test_tokens_arrive_progressively_and_the_stream_ends_with_the_result(
-        qname: str, redis_url: str, http: httpx.Client) -> None:
-    with serving(worker(qname, redis_url)) as run:
-        task = post(http, f"/q/{qname}/tasks", {"n": 30, "step_ms": 20})
-        assert task["events"] == f"/q/{qname}/tasks/{task['id']}/events"
-        with http.stream("GET", task["events"]) as resp:
-            assert resp.status_code == 200
-            h = resp.headers
-            assert h["content-type"] == "text/event-stream; charset=utf-8"
-            assert (h["cache-control"], h["x-accel-buffering"]) == ("no-cache", "no")
-            assert h["connection"] == "keep-alive"
-            got = Stream(list(events(resp)))
-        run.stop()
-    assert got.events[0].retry == 1000
-    assert got.tokens() == [(i, i) for i in range(30)]  # id = index, in order, once
-    done = got.last
-    assert done.event == "done" and done.id is None
-    assert done.json() == {"status": "succeeded",
-                           "result": {"tokens": list(range(30)), "s": None, "i": None}}
-    # "started" is live news: a stream opened after the worker took the task has none
-    assert [e.json()["delivery"] for e in got.of("started")] in ([1], []), got.of("started")
-    # progressive: the tokens came in many network reads, not one at the end
-    chunks = {e.chunk for e in got.of("token")}
-    assert len(chunks) > 5, chunks
-    assert max(chunks) < done.chunk or len(chunks) > 5
-    # the result endpoint says the same
-    res = http.get(task["result"]).json()
-    assert res == {"id": task["id"], "status": "succeeded", "result": done.json()["result"]}
-
-
-def test_reconnect_with_last_event_id_resumes_without_gap_or_repeat(
-        qname: str, redis_url: str, http: httpx.Client) -> None:
-    with serving(worker(qname, redis_url)) as run:
-        task = post(http, f"/q/{qname}/tasks", {"n": 40, "step_ms": 20})
-        first = read(http, task["events"], until=9)
-        assert first.tokens() == [(i, i) for i in range(10)]
-        # what an EventSource does: the same URL, Last-Event-ID = the last id it saw
-        second = read(http, task["events"], headers={"Last-Event-ID": "9"})
-        assert second.tokens()[0] == (10, 10), second.tokens()[:3]
-        assert first.tokens() + second.tokens() == [(i, i) for i in range(40)]
-        assert second.last.json()["status"] == "succeeded"
-        # after the end: a reload that remembered its place (query parameter), and a
-        # reconnect at the last token (only the end is left)
-        third = read(http, task["events"] + "?last_event_id=34")
-        assert third.tokens() == [(i, i) for i in range(35, 40)]
-        fourth = read(http, task["events"], headers={"Last-Event-ID": "39"})
-        assert fourth.tokens() == [] and fourth.last.event == "done"
-        # the header wins over the query (a reconnect of a page opened with ?last_event_id)
-        fifth = read(http, task["events"] + "?last_event_id=3",
-                     headers={"Last-Event-ID": "37"})
-        assert fifth.tokens() == [(38, 38), (39, 39)]
-        run.stop()
-
-
 def test_keep_alive_comments_while_nothing_happens_and_a_cancel_ends_the_stream(
         qname: str, http: httpx.Client) -> None:
     task = post(http, f"/q/{qname}/tasks", {"n": 3})  # no worker serves this queue
@@ -165,44 +115,6 @@ def test_keep_alive_comments_while_nothing_happens_and_a_cancel_ends_the_stream(
     assert [e.comment for e in got.events if e.comment] == ["keep-alive"] * 3
     assert got.last.event == "done"
     assert got.last.json() == {"status": "cancelled", "error": None}
-
-
-# -- bad input --------------------------------------------------------------------------
-def test_unknown_task_is_404_and_a_malformed_last_event_id_is_400(
-        qname: str, http: httpx.Client) -> None:
-    for path in (f"/q/{qname}/tasks/NoSuchTask123/events", f"/q/{qname}/tasks/bad%21id/events",
-                 f"/q/{qname}/tasks/NoSuchTask123", "/chat/NoSuchTask123/events"):
-        r = http.get(path)
-        assert r.status_code == 404, (path, r.text)
-        assert r.headers["content-type"] == "application/json"
-        assert r.json()["error"] == "not_found", r.text
-    task = post(http, f"/q/{qname}/tasks", {"n": 3})
-    with http.stream("GET", task["events"], headers={"Last-Event-ID": ""}) as resp:
-        assert resp.status_code == 200  # empty: no id, a stream from the start
-    for bad in ("abc", "-1", "1.5", "1e3", "9" * 19):
-        r = http.get(task["events"], headers={"Last-Event-ID": bad})
-        assert r.status_code == 400, (bad, r.text)
-        assert r.json()["error"] == "bad_last_event_id"
-    assert http.get(task["events"] + "?last_event_id=x").status_code == 400
-    r = http.post(f"/q/{qname}/tasks", content=b"{not json", headers={"x-user": "u"})
-    assert (r.status_code, r.json()["error"]) == (400, "bad_json")
-    r = http.get(task["result"] + "?wait=-1")
-    assert (r.status_code, r.json()["error"]) == (400, "bad_wait")
-    assert http.delete(task["result"]).json()["cancelled"] is True
-
-
-def test_a_full_queue_answers_503_with_retry_after_at_once(
-        qname: str, http: httpx.Client, redis_url: str) -> None:
-    mtq.Queue(qname, redis_url).configure(max_length=2)
-    for i in range(2):
-        post(http, f"/q/{qname}/tasks", {"n": 1, "i": i})
-    t0 = time.monotonic()
-    r = http.post(f"/q/{qname}/tasks", json={"n": 1}, headers={"x-user": "u1"})
-    assert time.monotonic() - t0 < 2.0
-    assert r.status_code == 503, r.text
-    assert r.headers["retry-after"] == "2"
-    assert r.json()["error"] == "queue_full" and "max_length is 2" in r.json()["detail"]
-    assert mtq.Queue(qname, redis_url).stats()["waiting"] == 2
 
 
 # -- streams and users ---------------------------------------------------------------------
@@ -251,7 +163,7 @@ def test_many_streams_share_the_process_s_one_reply_subscription(
                         buf += chunk
                         while "\n\n" in buf:
                             block, buf = buf.split("\n\n", 1)
-                            from tests.web import parse_block
+                            from tests.support.web import parse_block
 
                             ev = parse_block(block)
                             got.events.append(ev)
@@ -410,7 +322,7 @@ def test_redis_stopped_mid_stream_sends_an_error_event_closes_and_resumes_after(
 
 def test_sse_events_are_parsed_back_by_the_test_reader() -> None:
     """The reader these tests use agrees with the format (multi-line data, comments)."""
-    from tests.web import parse_block
+    from tests.support.web import parse_block
 
     ev = parse_block('id: 3\nevent: token\ndata: "a"')
     assert (ev.id, ev.event, ev.json()) == ("3", "token", "a")

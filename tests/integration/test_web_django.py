@@ -3,7 +3,8 @@
 async views under a real uvicorn (ASGI), read by a real HTTP client (httpx,
 streaming) against a real redis-server and real Workers; ``submit_on_commit`` with a
 real SQLite transaction; ``manage.py check``, ``mtq_status`` and ``mtq_workers`` as
-real subprocesses."""
+real subprocesses. The web contract every framework keeps (the stream, resume with
+Last-Event-ID, 404/400, 503, cancel on disconnect) is tested in test_web_contract.py."""
 
 from __future__ import annotations
 
@@ -29,9 +30,11 @@ import mtq
 from mtq.settings import QueueSettings
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import ROOT, serving, wait_for
 from tests.models import Counter
-from tests.web import DjangoAsgiServer, DjangoWsgiServer, Stream, WebServer, events, read
+from tests.support.paths import ROOT
+from tests.support.waits import wait_for
+from tests.support.web import DjangoAsgiServer, DjangoWsgiServer, WebServer
+from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -98,10 +101,6 @@ class Site:
     def tasks(self, qname: str) -> str:
         return f"/{self.prefix}/{qname}/tasks"
 
-    def cancelling(self, events_path: str) -> str:
-        """The events URL of the same task, cancelled on disconnect."""
-        return f"/{self.prefix}c" + events_path.removeprefix(f"/{self.prefix}")
-
 
 @pytest.fixture(params=["wsgi", "asgi"])
 def site(request: pytest.FixtureRequest) -> Iterator[Site]:
@@ -121,27 +120,6 @@ def post(http: httpx.Client, path: str, payload: Any, **headers: str) -> dict[st
 
 
 # -- the streams ------------------------------------------------------------------------
-def test_tokens_arrive_progressively_and_done_equals_the_result(
-        qname: str, redis_url: str, site: Site) -> None:
-    with serving(worker(qname, redis_url)) as run:
-        task = post(site.http, site.tasks(qname), {"n": 30, "step_ms": 20})
-        with site.http.stream("GET", task["events"]) as resp:
-            assert resp.status_code == 200
-            h = resp.headers
-            assert h["content-type"] == "text/event-stream; charset=utf-8"
-            assert (h["cache-control"], h["x-accel-buffering"]) == ("no-cache", "no")
-            got = Stream(list(events(resp)))
-        run.stop()
-    assert got.events[0].retry == 1000
-    assert got.tokens() == [(i, i) for i in range(30)]
-    assert got.last.event == "done"
-    result = mtq.Queue(qname, redis_url).task(task["id"]).result(timeout=5)
-    assert got.last.json() == {"status": "succeeded", "result": result}
-    assert result["tokens"] == list(range(30))
-    chunks = {e.chunk for e in got.of("token")}
-    assert len(chunks) > 5, chunks  # many network reads, not one at the end
-
-
 def test_each_user_and_session_has_its_own_fifo_stream(
         qname: str, redis_url: str, site: Site) -> None:
     q = mtq.Queue(qname, redis_url)
@@ -164,73 +142,6 @@ def test_each_user_and_session_has_its_own_fifo_stream(
     for before, after in itertools.pairwise(infos):  # one at a time, in the order sent
         assert before.finished is not None and after.started is not None
         assert after.started >= before.finished, (before, after)
-
-
-def test_reconnect_with_last_event_id_resumes_without_gap_or_repeat(
-        qname: str, redis_url: str, site: Site) -> None:
-    with serving(worker(qname, redis_url)) as run:
-        task = post(site.http, site.tasks(qname), {"n": 40, "step_ms": 20})
-        first = read(site.http, task["events"], until=9)
-        assert first.tokens() == [(i, i) for i in range(10)]
-        second = read(site.http, task["events"], headers={"Last-Event-ID": "9"})
-        assert first.tokens() + second.tokens() == [(i, i) for i in range(40)]
-        assert second.last.json()["status"] == "succeeded"
-        third = read(site.http, task["events"] + "?last_event_id=34")
-        assert third.tokens() == [(i, i) for i in range(35, 40)]
-        both = read(site.http, task["events"] + "?last_event_id=3",
-                    headers={"Last-Event-ID": "37"})
-        assert both.tokens() == [(38, 38), (39, 39)]  # the header wins
-        run.stop()
-
-
-def test_unknown_task_is_404_and_a_malformed_last_event_id_is_400(
-        qname: str, site: Site) -> None:
-    for task_id in ("NoSuchTask123", "bad%21id"):
-        r = site.http.get(f"{site.tasks(qname)}/{task_id}/events")
-        assert r.status_code == 404, (task_id, r.text)
-        assert r.headers["content-type"] == "application/json"
-        assert r.json()["error"] == "not_found", r.text
-    task = post(site.http, site.tasks(qname), {"n": 3})
-    for bad in ("abc", "-1", "1.5", "9" * 19):
-        r = site.http.get(task["events"], headers={"Last-Event-ID": bad})
-        assert (r.status_code, r.json()["error"]) == (400, "bad_last_event_id"), (bad, r.text)
-    assert site.http.get(task["events"] + "?last_event_id=x").status_code == 400
-
-
-def test_a_full_queue_answers_503_with_retry_after(
-        qname: str, redis_url: str, site: Site) -> None:
-    mtq.Queue(qname, redis_url).configure(max_length=2)
-    for i in range(2):
-        post(site.http, site.tasks(qname), {"n": 1, "i": i})
-    t0 = time.monotonic()
-    r = site.http.post(site.tasks(qname), json={"n": 1})
-    assert time.monotonic() - t0 < 2.0
-    assert r.status_code == 503, r.text
-    assert r.headers["retry-after"] == "2"
-    assert r.headers["content-type"] == "application/json"
-    assert r.json()["error"] == "queue_full" and "max_length is 2" in r.json()["detail"]
-    assert mtq.Queue(qname, redis_url).stats()["waiting"] == 2
-
-
-def test_a_client_that_goes_away_cancels_its_running_task(
-        qname: str, redis_url: str, site: Site) -> None:
-    with serving(worker(qname, redis_url)) as run:
-        task = post(site.http, site.tasks(qname), {"n": 500, "step_ms": 20})
-        read(site.http, site.cancelling(task["events"]), until=2)  # then it hangs up
-        t = mtq.Queue(qname, redis_url).task(task["id"])
-        wait_for(lambda: t.status() == "cancelled", 10,
-                 "the running task was not cancelled after its client closed the stream")
-        run.stop()
-
-
-def test_without_cancel_on_disconnect_the_task_runs_on(
-        qname: str, redis_url: str, site: Site) -> None:
-    with serving(worker(qname, redis_url)) as run:
-        task = post(site.http, site.tasks(qname), {"n": 20, "step_ms": 10})
-        read(site.http, task["events"], until=1)
-        t = mtq.Queue(qname, redis_url).task(task["id"])
-        assert t.result(timeout=10)["tokens"] == list(range(20))
-        run.stop()
 
 
 # -- submit_on_commit ---------------------------------------------------------------------

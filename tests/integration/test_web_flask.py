@@ -1,6 +1,8 @@
 """The Flask integration (mtq.contrib.flask) under a real gunicorn process (threaded
-workers, tests/flask_app.py), read by a real HTTP client (httpx, streaming) against a
-real redis-server and a real in-process Worker; ``flask mtq`` as a real subprocess."""
+workers, tests/flask_app.py), driven by a real HTTP client (httpx) against a real
+redis-server; ``flask mtq`` as a real subprocess. The web contract every framework
+keeps (the stream, resume with Last-Event-ID, 404/400, 503, cancel on disconnect) is
+tested in test_web_contract.py."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -17,15 +18,11 @@ import httpx
 import pytest
 
 import mtq
-from mtq.settings import QueueSettings
-from mtq.workers.worker import Worker
-from tests.conftest import ROOT, serving, wait_for
-from tests.models import Counter
-from tests.web import GunicornServer, Stream, events, read
+from tests.support.paths import ROOT
+from tests.support.web import GunicornServer
 
 pytestmark = pytest.mark.timeout(90)
 
-FAST = QueueSettings(lease_ms=1500, retry_backoff_ms=0)
 KEEPALIVE = 0.5
 
 
@@ -44,99 +41,21 @@ def http(web: GunicornServer) -> Iterator[httpx.Client]:
         yield c
 
 
-def worker(qname: str, redis_url: str) -> Worker:
-    return Worker(Counter(), qname, url=redis_url, settings=FAST)
-
-
 def post(http: httpx.Client, qname: str, payload: Any) -> dict[str, Any]:
     r = http.post(f"/q/{qname}/tasks", json=payload)
     assert r.status_code == 202, r.text
     return dict(r.json())
 
 
-def test_submit_into_the_session_stream_and_tokens_arrive_progressively(
+def test_a_submit_goes_into_the_session_stream(
         qname: str, redis_url: str, http: httpx.Client) -> None:
-    with serving(worker(qname, redis_url)) as run:
-        task = post(http, qname, {"n": 30, "step_ms": 20})
-        with http.stream("GET", task["events"]) as resp:
-            assert resp.status_code == 200
-            h = resp.headers
-            assert h["content-type"] == "text/event-stream; charset=utf-8"
-            assert (h["cache-control"], h["x-accel-buffering"]) == ("no-cache", "no")
-            got = Stream(list(events(resp)))
-        run.stop()
-    assert got.events[0].retry == 1000
-    assert got.tokens() == [(i, i) for i in range(30)]
-    done = got.last
-    assert done.event == "done"
-    result = mtq.Queue(qname, redis_url).task(task["id"]).result(timeout=5)
-    assert done.json() == {"status": "succeeded", "result": result}
-    assert result["tokens"] == list(range(30))
-    chunks = {e.chunk for e in got.of("token")}
-    assert len(chunks) > 5, chunks  # many network reads, not one at the end
+    task = post(http, qname, {"n": 30, "step_ms": 20})
     # the session's stream: FIFO per browser (the cookie), another browser has its own
     assert task["stream"].startswith("session:")
     assert mtq.Queue(qname, redis_url).task(task["id"]).info().stream == task["stream"]
     assert post(http, qname, {"n": 1})["stream"] == task["stream"]
     with httpx.Client(base_url=str(http.base_url), timeout=10) as other:
         assert post(other, qname, {"n": 1})["stream"] != task["stream"]
-
-
-def test_reconnect_with_last_event_id_resumes_without_gap_or_repeat(
-        qname: str, redis_url: str, http: httpx.Client) -> None:
-    with serving(worker(qname, redis_url)) as run:
-        task = post(http, qname, {"n": 40, "step_ms": 20})
-        first = read(http, task["events"], until=9)
-        assert first.tokens() == [(i, i) for i in range(10)]
-        second = read(http, task["events"], headers={"Last-Event-ID": "9"})
-        assert first.tokens() + second.tokens() == [(i, i) for i in range(40)]
-        assert second.last.json()["status"] == "succeeded"
-        third = read(http, task["events"] + "?last_event_id=34")
-        assert third.tokens() == [(i, i) for i in range(35, 40)]
-        both = read(http, task["events"] + "?last_event_id=3", headers={"Last-Event-ID": "37"})
-        assert both.tokens() == [(38, 38), (39, 39)]  # the header wins
-        run.stop()
-
-
-def test_unknown_task_is_404_and_a_malformed_last_event_id_is_400(
-        qname: str, http: httpx.Client) -> None:
-    for path in (f"/q/{qname}/tasks/NoSuchTask123/events", f"/q/{qname}/tasks/bad%21id/events"):
-        r = http.get(path)
-        assert r.status_code == 404, (path, r.text)
-        assert r.headers["content-type"] == "application/json"
-        assert r.json()["error"] == "not_found", r.text
-    task = post(http, qname, {"n": 3})
-    for bad in ("abc", "-1", "1.5", "9" * 19):
-        r = http.get(task["events"], headers={"Last-Event-ID": bad})
-        assert (r.status_code, r.json()["error"]) == (400, "bad_last_event_id"), (bad, r.text)
-    assert http.get(task["events"] + "?last_event_id=x").status_code == 400
-
-
-def test_a_full_queue_answers_503_with_retry_after(
-        qname: str, http: httpx.Client, redis_url: str) -> None:
-    mtq.Queue(qname, redis_url).configure(max_length=2)
-    for i in range(2):
-        post(http, qname, {"n": 1, "i": i})
-    t0 = time.monotonic()
-    r = http.post(f"/q/{qname}/tasks", json={"n": 1})
-    assert time.monotonic() - t0 < 2.0
-    assert r.status_code == 503, r.text
-    assert r.headers["retry-after"] == "2"
-    assert r.json()["error"] == "queue_full" and "max_length is 2" in r.json()["detail"]
-    assert mtq.Queue(qname, redis_url).stats()["waiting"] == 2
-
-
-def test_a_client_that_goes_away_cancels_its_task(
-        qname: str, redis_url: str, http: httpx.Client) -> None:
-    task = post(http, qname, {"n": 3})  # no worker: it waits, the stream sends keep-alives
-    with http.stream("GET", "/qc" + task["events"].removeprefix("/q")) as resp:
-        for ev in events(resp):
-            if ev.comment == "keep-alive":
-                break
-    t = mtq.Queue(qname, redis_url).task(task["id"])
-    wait_for(lambda: t.status() == "cancelled", 10,
-             "the task was not cancelled after its client closed the stream (the server's "
-             "close() did not reach the EventStream)")
 
 
 def test_flask_mtq_commands(qname: str, redis_url: str) -> None:

@@ -25,61 +25,13 @@ from mtq.workers import control, registry
 from mtq.workers import worker as worker_module
 from mtq.workers.model import FunctionModel, Model
 from mtq.workers.worker import Worker
-from tests.conftest import Running, serving, wait_for
+from tests.support.waits import wait_for
+from tests.support.workers import FAST, Recorder, Running, make_worker, serving
 
 pytestmark = pytest.mark.timeout(60)
 
-#: a lease short enough for the heartbeat (every lease/3) to beat twice a second
-FAST = QueueSettings(lease_ms=1500, retry_backoff_ms=0)
 
-
-# -- tiny models -------------------------------------------------------------------------
-class Recorder(Model):
-    """Records every predict call; ``fn`` maps a payload to its result; ``gate``
-    (when set) holds the first call until released."""
-
-    name = "recorder"
-    version = "7"
-    max_batch_size = 32
-    max_wait_ms = 0.0
-
-    def __init__(self, fn: Callable[[Any], Any] | None = None, *,
-                 gate: threading.Event | None = None, fail_if: Callable[[Any], bool] | None = None,
-                 max_batch_size: int | None = None, max_wait_ms: float | None = None) -> None:
-        self.fn = fn or (lambda p: p)
-        self.gate = gate
-        self.fail_if = fail_if
-        self.calls: list[list[Any]] = []
-        self.times: list[float] = []
-        self.started = threading.Event()
-        self.lock = threading.Lock()
-        if max_batch_size is not None:
-            self.max_batch_size = max_batch_size  # type: ignore[misc]
-        if max_wait_ms is not None:
-            self.max_wait_ms = max_wait_ms  # type: ignore[misc]
-
-    def predict(self, batch: list[Any]) -> list[Any]:
-        with self.lock:
-            self.calls.append(list(batch))
-            self.times.append(time.monotonic())
-        self.started.set()
-        if self.gate is not None:
-            assert self.gate.wait(20), "test gate never opened"
-        if self.fail_if is not None and any(self.fail_if(p) for p in batch):
-            raise ValueError("bad payload in batch")
-        return [self.fn(p) for p in batch]
-
-    def seen(self) -> list[Any]:
-        with self.lock:
-            return [p for call in self.calls for p in call]
-
-
-
-def make_worker(model: Model | str, qname: str, url: str,
-                settings: QueueSettings | None = None, **kw: Any) -> Worker:
-    return Worker(model, qname, url=url, settings=settings or FAST, **kw)
-
-
+# -- helpers ------------------------------------------------------------------------------
 def statuses(tasks: list[mtq.Task]) -> list[str]:
     return [t.status() for t in tasks]
 

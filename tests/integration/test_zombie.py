@@ -34,8 +34,8 @@ from mtq.settings import QueueSettings
 from mtq.workers.model import FunctionModel
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import wait_for
-from tests.integration.test_supervisor import Call, read_log
+from tests.support.supervisors import Call, read_log
+from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 

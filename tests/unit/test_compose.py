@@ -29,7 +29,7 @@ yaml = pytest.importorskip("yaml")
 from mtq.validation import check_queue_name  # noqa: E402
 from mtq.workers.devices import parse_devices  # noqa: E402
 from mtq.workers.target import load_model  # noqa: E402
-from tests.cli_parse import parse_mtq  # noqa: E402
+from tests.support.cli_parse import parse_mtq  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from markdown_it import MarkdownIt
 
-from tests.doc_commands import ROOT, pages
+from tests.support.doc_commands import ROOT, pages
 
 PAGES = pages()
 

@@ -13,7 +13,7 @@ import pytest
 
 yaml = pytest.importorskip("yaml")
 
-from tests.cli_parse import parse_mtq  # noqa: E402
+from tests.support.cli_parse import parse_mtq  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = "observability"

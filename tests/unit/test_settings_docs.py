@@ -7,7 +7,7 @@ import dataclasses
 import re
 
 from mtq.settings import QUEUE_SETTING_DOCS, QueueSettings
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 
 def test_every_queue_setting_is_documented_with_its_default_and_unit() -> None:

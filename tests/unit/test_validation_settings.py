@@ -171,26 +171,3 @@ def test_redis_settings_from_dict():
     assert (s.url, s.socket_timeout) == ("redis://h", 1.0)
     with pytest.raises(ConfigError, match="sockettimeout"):
         RedisSettings.from_dict({"sockettimeout": 1})
-
-
-# -- Queue construction ----------------------------------------------------------
-def test_queue_rejects_unknown_setting(redis_url):
-    with pytest.raises(ConfigError, match="bogus"):
-        mtq.Queue("q", url=redis_url, bogus=1)
-
-
-def test_queue_rejects_out_of_range_setting(redis_url):
-    with pytest.raises(ConfigError, match="lease_ms"):
-        mtq.Queue("q", url=redis_url, lease_ms=0)
-
-
-def test_queue_rejects_bad_name(redis_url):
-    with pytest.raises(InvalidName):
-        mtq.Queue("bad name", url=redis_url)
-
-
-def test_queue_accepts_overrides(redis_url):
-    q = mtq.Queue("q", url=redis_url, max_length=7)
-    assert q.settings.max_length == 7
-    q2 = mtq.Queue("q", url=redis_url, settings=QueueSettings(lease_ms=99), max_length=3)
-    assert (q2.settings.lease_ms, q2.settings.max_length) == (99, 3)

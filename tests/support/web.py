@@ -18,7 +18,9 @@ from typing import Any
 
 import httpx
 
-from tests.conftest import ROOT, free_port, wait_for
+from tests.support.paths import ROOT
+from tests.support.processes import free_port
+from tests.support.waits import wait_for
 
 
 @dataclass

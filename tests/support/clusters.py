@@ -6,7 +6,7 @@
 * :class:`SentinelSet`: one primary, one replica and three sentinels.
 
 Both use Debian's Redis 7 (sharded pub/sub needs 7; the embedded 6.2 has no cluster
-support worth testing), found by :func:`tests.conftest.find_redis7`.
+support worth testing), found by :func:`tests.support.servers.find_redis7`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ from pathlib import Path
 
 import redis
 
-from tests.conftest import find_redis7, wait_for
+from tests.support.servers import find_redis7
+
+#: how long a node waits before it calls a silent peer failed (ms): failover in seconds
+from tests.support.waits import wait_for
 
 #: how long a node waits before it calls a silent peer failed (ms): failover in seconds
 NODE_TIMEOUT_MS = 1000

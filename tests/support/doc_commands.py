@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent
 
 #: the tags, and what the word after ``needs:`` / ``not run:`` may be
 TAG = re.compile(r"^(?P<kind>runs|needs|not run|exits):\s*(?P<value>[\w-]+)\b")

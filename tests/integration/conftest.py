@@ -1,0 +1,46 @@
+"""Fixtures of the integration tests beyond the session's Redis (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.paths import PY
+from tests.support.supervisors import LAUNCHER, StartFn, Sup
+
+
+@pytest.fixture
+def supervise(redis_url: str, subprocess_env: dict[str, str],
+              tmp_path: Path) -> Iterator[StartFn]:
+    """``supervise(target, queue, *cli options, env=..., settings=..., **launcher)``:
+    start ``mtq workers start`` (or, given ``settings``, the launcher with those
+    QueueSettings) and kill its whole process group at teardown."""
+    started: list[Sup] = []
+
+    def start(target: str, queue: str, *args: str, env: dict[str, str] | None = None,
+              settings: dict[str, Any] | None = None, **launcher: Any) -> Sup:
+        if settings is None:
+            assert not launcher, "launcher options need settings=..."
+            cmd = [PY, "-m", "mtq", "workers", "start", target, "--queue", queue,
+                   "--redis", redis_url, *args]
+        else:
+            assert not args, "CLI options do not go to the launcher"
+            cfg = {"target": target, "queue": queue, "url": redis_url, "settings": settings,
+                   **launcher}
+            cmd = [PY, "-c", LAUNCHER, json.dumps(cfg)]
+        log = tmp_path / f"supervisor-{len(started)}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(cmd, env={**subprocess_env, **(env or {})}, stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        sup = Sup(proc, log)
+        started.append(sup)
+        return sup
+
+    yield start
+    for sup in started:
+        sup.kill()

@@ -1,0 +1,66 @@
+"""Processes the tests start: free loopback ports, ``mtq worker run`` processes, the
+gated handler's worker (``tests.handlers:gated``) and its tasks."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from tests.support.paths import PY
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_process(args: list[str], env: dict[str, str], log: Any) -> subprocess.Popen[bytes]:
+    """A real ``mtq worker run ARGS`` process, its output into ``log`` (a file)."""
+    return subprocess.Popen([PY, "-m", "mtq", "worker", "run", *args],
+                            env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def kill_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL ``proc`` if it still runs, and reap it."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+@contextmanager
+def gated_worker(qname: str, env: dict[str, str], *args: str
+                 ) -> Iterator[subprocess.Popen[bytes]]:
+    """A real ``mtq worker run tests.handlers:gated`` on ``qname`` (``args`` added to its
+    command line); stopped with SIGTERM on the way out, its clean exit asserted."""
+    proc = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.handlers:gated", "-q",
+                             qname, *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        yield proc
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        assert proc.wait(20) == 0, proc.stderr.read().decode()[-2000:] if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def gated_task(q: Any, tmp_path: Path, i: int, gate: str = "gate") -> tuple[Path, Any]:
+    """A task of ``q`` (an mtq.Queue) for tests.handlers:gated, whose handler waits while
+    the returned gate file exists; it echoes ``i``."""
+    path = tmp_path / gate
+    path.touch()
+    return path, q.submit({"i": i, "gate": str(path)})
