@@ -45,7 +45,7 @@ from mtq.broker.keys import QueueKeys
 
 def _cluster_tools() -> Any:
     sys.path.insert(0, str(ROOT))
-    from tests import clusters
+    from tests.support import clusters
 
     return clusters
 

@@ -1,32 +1,18 @@
 """Fixtures: a real redis-server on a free port for the session, a fresh queue per test.
 
-The helpers the tests import live in ``tests/support/``; this module holds fixtures and
-the session's redis-server launcher (:class:`RedisServer`)."""
+The helpers the tests import live in ``tests/support/``; this module holds fixtures only."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
-from benchmarks.harness.server import RedisServer as _HarnessRedisServer
-from mtq.broker.embedded import find_redis_server
 from tests.support.paths import ROOT
-from tests.support.processes import free_port
-from tests.support.waits import wait_for
-
-
-class RedisServer(_HarnessRedisServer):
-    """A redis-server process on a free loopback port: the benchmarks' launcher
-    (benchmarks/harness/server.py), with the binary mtq's embedded server uses."""
-
-    def __init__(self, tmp: Path, appendonly: bool = False) -> None:
-        super().__init__(tmp, appendonly=appendonly, binary=find_redis_server())
+from tests.support.servers import RedisServer
 
 
 @pytest.fixture(scope="session")

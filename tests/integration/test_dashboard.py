@@ -20,8 +20,8 @@ import mtq
 from mtq.admin import snapshot
 from mtq.dashboard.app import run
 from mtq.dashboard.view import DASH, queue_columns
-from tests.conftest import RedisServer
 from tests.support.paths import PY, ROOT
+from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")

@@ -34,10 +34,10 @@ import pytest
 import redis
 
 from mtq.workers.registry import list_workers
-from tests.conftest import RedisServer
 from tests.support.cli_parse import parse_mtq
 from tests.support.doc_commands import Command, commands, pages, tag_problem
 from tests.support.paths import ROOT
+from tests.support.servers import RedisServer
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,7 +18,7 @@ import redis
 import mtq
 from mtq.workers.model import FunctionModel
 from mtq.workers.worker import Worker
-from tests.conftest import RedisServer
+from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 
 

@@ -17,7 +17,7 @@ import mtq
 from mtq import replies
 from mtq.broker.consumer import Chunk
 from mtq.settings import QueueSettings
-from tests.conftest import RedisServer
+from tests.support.servers import RedisServer
 from tests.support.waits import Reader, wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ import redis
 
 import mtq
 from mtq import replies
-from tests.conftest import RedisServer
+from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 
 

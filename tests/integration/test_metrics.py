@@ -21,9 +21,9 @@ import mtq.workers.registry
 from mtq.broker import catalogue
 from mtq.broker.consumer import Consumer
 from mtq.broker.keys import QueueKeys
-from tests.conftest import RedisServer
 from tests.support.paths import PY
 from tests.support.processes import free_port
+from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,8 +14,8 @@ import pytest
 
 import mtq
 from mtq.broker.connection import connect, reach
-from tests.conftest import RedisServer
 from tests.support.processes import free_port
+from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 
 PY = sys.executable

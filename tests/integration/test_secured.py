@@ -17,7 +17,7 @@ import pytest
 import redis
 
 import mtq
-from tests.conftest import RedisServer
+from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 from tests.support.workers import serve_one
 

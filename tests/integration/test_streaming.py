@@ -26,7 +26,7 @@ from mtq import replies, serialization
 from mtq.broker.codes import Code
 from mtq.broker.consumer import Chunk
 from mtq.settings import QueueSettings
-from tests.conftest import RedisServer
+from tests.support.servers import RedisServer
 from tests.support.waits import Reader, wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,9 +19,8 @@ import pytest
 import redis
 
 import mtq
-from tests.conftest import RedisServer
 from tests.support.processes import free_port
-from tests.support.servers import find_redis7
+from tests.support.servers import RedisServer, find_redis7
 from tests.support.waits import wait_for
 from tests.support.workers import serve_one
 

@@ -30,8 +30,8 @@ from mtq.broker.keys import QueueKeys
 from mtq.settings import QueueSettings
 from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
-from tests.conftest import RedisServer
 from tests.models import Counter
+from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 from tests.support.web import SSE, Stream, WebServer, events, read
 from tests.support.workers import serving

@@ -4,20 +4,14 @@ gated handler's worker (``tests.handlers:gated``) and its tasks."""
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness.server import free_port as free_port
 from tests.support.paths import PY
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def worker_process(args: list[str], env: dict[str, str], log: Any) -> subprocess.Popen[bytes]:

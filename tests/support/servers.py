@@ -1,12 +1,16 @@
-"""redis-server binaries beyond the session's (the session's server is started by
-``tests/conftest.py``)."""
+"""redis-server for the tests: the launcher the session's fixture uses, and binaries
+beyond the embedded one."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
+
+from benchmarks.harness.server import RedisServer as _HarnessRedisServer
+from mtq.broker.embedded import find_redis_server
 
 
 def find_redis7() -> str:
@@ -27,3 +31,11 @@ def find_redis7() -> str:
             return path
     pytest.fail(f"no redis-server 7 found (only {seen}): run scripts/install-system-deps "
                 "(the README's test command does)")
+
+
+class RedisServer(_HarnessRedisServer):
+    """A redis-server process on a free loopback port: the benchmarks' launcher
+    (benchmarks/harness/server.py), with the binary mtq's embedded server uses."""
+
+    def __init__(self, tmp: Path, appendonly: bool = False) -> None:
+        super().__init__(tmp, appendonly=appendonly, binary=find_redis_server())
