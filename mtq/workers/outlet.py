@@ -1,9 +1,9 @@
 """The outlet: a worker's publisher in a process of its own.
 
 A generator streams every decode step: with the publisher as a thread of the
-worker process, each Redis trip (encode the call, send, parse the reply; about
-0.1 ms of Python) takes the GIL from the model thread and hands it back, and on a
-small host that costs the model 10-15 % of its decode rate. So, as vLLM moved
+worker process, each Redis trip (encode the call, send, parse the reply) takes the
+GIL from the model thread and hands it back, which slows its decode rate on a
+small host (docs/streaming.md says how much). So, as vLLM moved
 output processing out of its engine process, a worker serving a
 :class:`~mtq.workers.generator.Generator` hands its tokens and outcomes through a
 pipe to ``python -m mtq.workers.outlet``, which streams, acknowledges and retries
