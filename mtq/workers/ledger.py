@@ -93,8 +93,9 @@ class Tally:
 class Ledger:
     """The tasks a worker process holds, and their leases.
 
-    Every field is read and written under :attr:`lock`, except where a docstring
-    says otherwise (a set's truth is read without it on the model thread's hot path).
+    :attr:`lock` guards ``held``, ``cancel``, ``lost``, ``busy``, ``current`` and
+    ``unsettled`` (the engine reads a set's truth without it, on its hot path); the
+    other fields are written by one side at a time, as noted on each.
     """
 
     def __init__(self, monitor: Monitor) -> None:
@@ -107,10 +108,12 @@ class Ledger:
         #: running tasks whose lease was lost: a generator stops generating them
         self.lost: set[str] = set()
         #: task id -> when it was submitted, on this process's monotonic clock (its
-        #: age at claim, server clock, taken from the time of the claim)
+        #: age at claim, server clock, taken from the time of the claim); added by the
+        #: side that takes tasks in, removed by forget()
         self.submitted: dict[str, float] = {}
         #: (id, token) of suspects handed to the supervisor: they still run under this
-        #: worker's id in Redis, in the quarantine process (see Fetcher.release_unknown)
+        #: worker's id in Redis, in the quarantine process (see Fetcher.release_unknown);
+        #: the fetcher's (or the model thread's, waiting in its place)
         self.handed: set[Lease] = set()
         #: the model thread runs a batch now, of this many tasks
         self.busy = False
