@@ -9,13 +9,15 @@ timeout; a hung kernel cannot be interrupted from a thread).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -31,6 +33,47 @@ EXIT_SETUP = 4    # setup() raised: restart with backoff, give up after a few in
 STARTED, LO, HI = 0, 1, 2
 
 log = logging.getLogger("mtq.workers.child")
+
+
+@dataclass(frozen=True)
+class ChildConfig:
+    """What a worker process is started with."""
+
+    target: str
+    queue: str
+    url: str | None
+    #: the queue's settings as this supervisor was given them (mtq.broker.config.to_wire)
+    settings: Any
+    #: the device as the child sees it (after its pinning), and the environment that pins it
+    device: str
+    env: Mapping[str, str]
+    #: max_batch_size, max_wait_ms, timeout_s given on the command line
+    overrides: Mapping[str, Any]
+    supervisor: str
+    #: its slot's index, or "standby" / "quarantine" (for its log lines)
+    slot: int | str
+    log_level: int
+    #: a quarantine process: it claims nothing and runs the suspects it is handed
+    quarantine: bool = False
+    #: offer the suspects it claims to the supervisor's quarantine process
+    hand_off: bool = True
+    #: the state a replacement starts in, before it claims
+    paused: bool = False
+    draining: bool = False
+    #: a warm standby: set up, claiming nothing, until promoted ("go")
+    standby: bool = False
+    #: times its slot's process was replaced (reported by the worker)
+    restarts: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plain form that crosses the process boundary."""
+        out = dataclasses.asdict(self)
+        out["env"], out["overrides"] = dict(self.env), dict(self.overrides)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ChildConfig:
+        return cls(**data)
 
 
 class PipeMonitor(Monitor):
@@ -92,12 +135,13 @@ def _await_promotion(conn: Connection) -> dict[str, Any] | None:
             return None
 
 
-def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
-    """Run one worker process. ``config``: target, queue, url, settings (dict), device,
-    overrides (max_batch_size, max_wait_ms, timeout_s), supervisor id, slot, env."""
-    os.environ.update(config.get("env") or {})  # already in the spawn environment
-    logging.basicConfig(level=config.get("log_level", logging.INFO),
-                        format=f"%(asctime)s [worker {config['slot']}] %(levelname)s %(message)s")
+def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
+    """Run one worker process. ``wire``: its :class:`ChildConfig`, as a plain dict
+    (:meth:`ChildConfig.to_dict`)."""
+    config = ChildConfig.from_dict(wire)
+    os.environ.update(config.env)  # already in the spawn environment
+    logging.basicConfig(level=config.log_level,
+                        format=f"%(asctime)s [worker {config.slot}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which leads
     monitor = PipeMonitor(conn, shared)
 
@@ -112,13 +156,13 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
         # this process can still run, and sweeps what it held (Consumer.give_back_all)
         worker_id = default_worker_id()
         os.environ["MTQ_WORKER_ID"] = worker_id  # for the model's own logs
-        consumer = Consumer(config["queue"], settings=from_wire(config.get("settings")),
+        consumer = Consumer(config.queue, settings=from_wire(config.settings),
                             worker_id=worker_id,
-            client=connect(config.get("url"), name=connection_name(worker_id)))
-        worker = Worker(config["target"], config["queue"], device=config["device"],
-                        monitor=monitor, supervisor=config.get("supervisor", ""), consumer=consumer,
-                        quarantine=bool(config.get("quarantine")),
-                        hand_off=bool(config.get("hand_off", True)), **config.get("overrides", {}))
+                            client=connect(config.url, name=connection_name(worker_id)))
+        worker = Worker(config.target, config.queue, device=config.device,
+                        monitor=monitor, supervisor=config.supervisor, consumer=consumer,
+                        quarantine=config.quarantine, hand_off=config.hand_off,
+                        **config.overrides)
     except TargetError as exc:
         monitor.send("fatal", str(exc))
         sys.exit(EXIT_TARGET)
@@ -137,14 +181,14 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
                            "model": "/".join(worker.model.describe())})
 
     on_stop_signals(worker.stop, signals=(signal.SIGTERM,), exit_code=None)
-    if config.get("standby"):
+    if config.standby:
         # a warm spare: set up, claiming nothing, until the supervisor promotes it in
         # place of a process that died (or stops it)
         go = _await_promotion(conn)
         if go is None:
             monitor.send("bye", worker.totals)
             sys.exit(EXIT_OK)
-        config = {**config, **go}
+        config = dataclasses.replace(config, **go)
 
     def read_commands() -> None:
         while True:
@@ -156,10 +200,10 @@ def main(config: dict[str, Any], conn: Connection, shared: Any) -> None:
                 return
             worker.command(msg)
 
-    worker.restarts = int(config.get("restarts") or 0)  # for the registry (and exporter)
-    if config.get("draining"):
+    worker.restarts = config.restarts  # for the registry (and exporter)
+    if config.draining:
         worker.command({"cmd": "drain"})
-    elif config.get("paused"):
+    elif config.paused:
         worker.slot.set_paused(True)
     threading.Thread(target=read_commands, name="mtq-control", daemon=True).start()
     worker.freeze_startup()

@@ -30,11 +30,10 @@ from mtq.broker.consumer import Chunk, Outcome
 from mtq.broker.protocol import Claimed
 from mtq.errors import PayloadError, PermanentError
 from mtq.workers.batching import BatchShapeError
-from mtq.workers.generator import _UNSET, Generation, Generator
-from mtq.workers.worker import REVALIDATE_BELOW
+from mtq.workers.generator import Generation, Generator
 
 if TYPE_CHECKING:
-    from mtq.workers.worker import Worker
+    from mtq.workers.protocols import EngineHost
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +55,13 @@ def _error(exc: BaseException) -> str:
 
 
 class GenerationEngine:
-    """Runs a worker's Generator until the worker stops (or asks for a reload)."""
+    """Runs a worker's Generator until the worker stops (or asks for a reload).
 
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
-        self.model: Generator = worker.model  # type: ignore[assignment]
+    ``host`` is the worker, seen through :class:`~mtq.workers.protocols.EngineHost`."""
+
+    def __init__(self, host: EngineHost) -> None:
+        self.w = host
+        self.model: Generator = host.model  # type: ignore[assignment]
         self.running: list[_Request] = []
         #: claimed and admitted, waiting for room in the budgets
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -75,7 +76,7 @@ class GenerationEngine:
 
     def _send(self, chunks: list[Chunk], outcomes: list[Outcome]) -> None:
         if chunks or outcomes:
-            self.w._publish([*chunks, *outcomes])
+            self.w.publish([*chunks, *outcomes])
 
     def _release(self, reqs: list[_Request]) -> None:
         if not reqs:
@@ -88,8 +89,8 @@ class GenerationEngine:
     def _fail(self, r: _Request, exc: BaseException) -> Outcome:
         o = Outcome(r.task, ok=False, error=_error(exc),
                     retryable=not isinstance(exc, (PermanentError, PayloadError)),
-                    traceback=self.w._traceback(exc, r.task))
-        self.w._observe_outcome(o, r.began)
+                    traceback=self.w.traceback(exc, r.task))
+        self.w.observe_outcome(o, r.began)
         return o
 
     def _monitor(self) -> None:
@@ -102,7 +103,7 @@ class GenerationEngine:
         try:
             return fn([r.gen for r in reqs])
         finally:
-            w.timing["predict_s"] += time.perf_counter() - t0
+            w.tally.timing["predict_s"] += time.perf_counter() - t0
             w.monitor.idle()
 
     # -- the loop ------------------------------------------------------------------
@@ -110,12 +111,14 @@ class GenerationEngine:
         """Serve until the worker stops (False) or a reload is due and the running
         batch has finished (True: the caller reloads and dispatches again)."""
         w = self.w
+        life = w.life
+        tally = w.tally
         closed = False
         while True:
             self._drop_aborted()
-            reload_due = w._reload
+            reload_due = life.reload
             if (closed or reload_due) and self.waiting:  # admitted, never started
-                w._give_back([r.task for r in self.waiting])
+                w.give_back([r.task for r in self.waiting])
                 self.waiting.clear()
             if not closed and not reload_due:
                 idle = not self.running and not self.waiting
@@ -132,12 +135,12 @@ class GenerationEngine:
                 self._set_busy(False)
                 if closed:
                     return False
-                if w._reload:
+                if life.reload:
                     return True
                 continue
             self._set_busy(True)
             start = time.perf_counter()
-            predict_before = w.timing["predict_s"]
+            predict_before = tally.timing["predict_s"]
             admitting = not closed and not reload_due and (self.model.continuous
                                                            or not self.running)
             new = self._admit() if admitting else []
@@ -155,10 +158,10 @@ class GenerationEngine:
                 self._decode(chunks, outcomes)
             self._send(chunks, outcomes)
             self.steps += 1
-            w.totals["batches"] += 1
-            w.hist[len(self.running)] += 1
-            w.timing["overhead_s"] += (time.perf_counter() - start
-                                       - (w.timing["predict_s"] - predict_before))
+            tally.totals["batches"] += 1
+            tally.hist[len(self.running)] += 1
+            tally.timing["overhead_s"] += (time.perf_counter() - start
+                                           - (tally.timing["predict_s"] - predict_before))
 
     def _set_busy(self, busy: bool) -> None:
         w = self.w
@@ -170,18 +173,16 @@ class GenerationEngine:
         if state == self._state:  # most steps: nothing to tell (no lock taken)
             return
         self._state = state
-        with w._lock:
-            w._busy = busy
-            w._current = current
+        w.ledger.set_busy(busy, current)
         w.slot.reserve(reserve)
 
     def _check_leases(self, reqs: list[_Request]) -> list[_Request]:
         """Keep the requests whose lease this process can show to be live (see
-        ``Worker._live``); the others were reclaimed while it was stopped or starved:
+        ``EngineHost.live``); the others were reclaimed while it was stopped or starved:
         running ones are dropped before the next step, admitted ones are never
         prefilled. Returns the live ones of ``reqs``."""
         w = self.w
-        live = w._live([r.task for r in reqs])
+        live = w.live([r.task for r in reqs])
         if len(live) < len(reqs):
             kept = {id(t) for t in live}
             gone = {id(r) for r in reqs if id(r.task) not in kept}
@@ -192,19 +193,16 @@ class GenerationEngine:
                 self._monitor()
             reqs = [r for r in reqs if id(r) not in gone]
         # the next check is due when the earliest of these leases is no longer known live
-        floor = w.consumer.lease_s() * REVALIDATE_BELOW
+        floor = w.live_floor()
         self._check_at = min((r.task.live_until for r in (*self.running, *reqs)),
                              default=float("inf")) - floor
         return reqs
 
     def _drop_aborted(self) -> None:
-        w = self.w
-        if not w._cancel and not w._lost:  # most steps (a set's truth needs no lock)
+        ledger = self.w.ledger
+        if not ledger.cancel and not ledger.lost:  # most steps (a set's truth needs no lock)
             return
-        with w._lock:
-            cancel = set(w._cancel)
-            lost = set(w._lost)
-            w._lost.clear()
+        cancel, lost = ledger.take_aborted()
         if not cancel and not lost:
             return
         gone = [r for r in self.running if r.task.id in cancel or r.task.id in lost]
@@ -219,12 +217,12 @@ class GenerationEngine:
         cancelled = [Outcome(r.task, ok=False, cancelled=True) for r in gone
                      if r.task.id in cancel and r.task.id not in lost]
         self._send([], cancelled)
-        w._forget([(r.task.id, r.task.token) for r in gone if r.task.id in lost])
+        ledger.forget([(r.task.id, r.task.token) for r in gone if r.task.id in lost])
 
     def _intake(self, tasks: list[Claimed]) -> None:
         """Decode and check newly taken tasks; those that fail leave at once."""
         outcomes = []
-        self.w.totals["tasks"] += len(tasks)
+        self.w.tally.totals["tasks"] += len(tasks)
         for t in tasks:
             try:
                 payload = serialization.loads(t.payload)
@@ -279,7 +277,7 @@ class GenerationEngine:
         chunks.append(Chunk(r.task, r.next_index, token))
         if r.next_index == 0:  # time to first token, from submit
             r.first_at = now = time.monotonic()
-            since = self.w._submitted.get(r.task.id)
+            since = self.w.ledger.submitted.get(r.task.id)
             if since is not None:
                 self.w.stats.observe("ttft", max(0.0, now - since))
         r.next_index += 1
@@ -287,11 +285,11 @@ class GenerationEngine:
     def _finish(self, r: _Request, outcomes: list[Outcome]) -> None:
         g = r.gen
         try:
-            value = self.model.result(g) if g._result is _UNSET else g._result
+            value = g.given_result if g.has_result else self.model.result(g)
             o = Outcome(r.task, ok=True, value=value)
             outcomes.append(o)
             now = time.monotonic()
-            self.w._observe_outcome(o, r.began, now)
+            self.w.observe_outcome(o, r.began, now)
             if r.next_index >= 2 and now > r.first_at:  # the decode rate after the first
                 self.w.stats.observe("tokens_per_s", (r.next_index - 1) / (now - r.first_at))
         except Exception as exc:

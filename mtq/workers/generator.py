@@ -68,6 +68,16 @@ class Generation:
         self.finished = True
         self._result = result
 
+    @property
+    def has_result(self) -> bool:
+        """:meth:`finish` was given the task's result (:attr:`given_result`)."""
+        return self._result is not _UNSET
+
+    @property
+    def given_result(self) -> Any:
+        """The result given to :meth:`finish` (see :attr:`has_result`)."""
+        return self._result
+
     def __repr__(self) -> str:
         return f"<Generation {self.id} tokens={len(self.tokens)}{' finished' if self.finished else ''}>"
 

@@ -1,9 +1,9 @@
 """The outlet: a worker's publisher in a process of its own.
 
 A generator streams every decode step: with the publisher as a thread of the
-worker process, each Redis trip (encode the call, send, parse the reply; about
-0.1 ms of Python) takes the GIL from the model thread and hands it back, and on a
-small host that costs the model 10-15 % of its decode rate. So, as vLLM moved
+worker process, each Redis trip (encode the call, send, parse the reply) takes the
+GIL from the model thread and hands it back, which slows its decode rate on a
+small host (docs/streaming.md says how much). So, as vLLM moved
 output processing out of its engine process, a worker serving a
 :class:`~mtq.workers.generator.Generator` hands its tokens and outcomes through a
 pipe to ``python -m mtq.workers.outlet``, which streams, acknowledges and retries
@@ -76,7 +76,8 @@ from mtq.broker.consumer import (
 from mtq.broker.protocol import Claimed
 
 if TYPE_CHECKING:
-    from mtq.workers.worker import Worker
+    from mtq.workers.ledger import Ledger
+    from mtq.workers.protocols import SettleReports
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +151,15 @@ class _PacedReader:
 
 # -- worker side -----------------------------------------------------------------
 class Outlet:
-    """The worker's handle on its outlet process (see the module docstring)."""
+    """The worker's handle on its outlet process (see the module docstring): an
+    :class:`~mtq.workers.protocols.OutcomeSink` that reports what it settled to
+    ``reports`` and marks in ``ledger`` the tasks whose streams cannot go on."""
 
-    def __init__(self, worker: Worker, url: str, interval_ms: float = 0.0) -> None:
-        self.w = worker
+    def __init__(self, consumer: Consumer, ledger: Ledger, reports: SettleReports, url: str,
+                 interval_ms: float = 0.0) -> None:
+        self.consumer = consumer
+        self.ledger = ledger
+        self.reports = reports
         self.url = url
         self.interval_ms = interval_ms
         self.proc: subprocess.Popen[bytes] | None = None
@@ -179,7 +185,7 @@ class Outlet:
             os.close(to_r)
             os.close(from_w)
         self._out, self._in = to_w, from_r
-        c = self.w.consumer
+        c = self.consumer
         _write_all(self._out, msgpack.packb(["hello", {
             "url": self.url, "queue": c.queue, "worker_id": c.worker_id,
             "settings": to_wire(c.broker.source), "interval_ms": self.interval_ms}]))
@@ -226,9 +232,8 @@ class Outlet:
                                 retryable=False)
             error = x.error if not x.traceback else f"{x.error}\0{x.traceback}"
             outcomes.append(self._row(t, False, None, error, x.retryable, x.cancelled))
-        if bad:
-            with self.w._lock:  # a generator stops generating them
-                self.w._lost.update(i for i in bad if i in self.w._held)
+        if bad:  # a generator stops generating them
+            self.ledger.mark_lost(bad)
         data = msgpack.packb(["settle", chunks, outcomes])
         with self._lock:
             if self.dead:
@@ -249,7 +254,7 @@ class Outlet:
                 retryable, cancelled]
 
     def _read_loop(self) -> None:
-        w = self.w
+        reports = self.reports
         try:
             for msg in _messages(self._in):
                 if msg[0] == "bye":
@@ -259,13 +264,11 @@ class Outlet:
                 report = SettleReport(**{k: body[k] for k in OUTCOME_COUNTERS},
                                       lost=body["lost"], stream_lost=body["stream_lost"],
                                       streamed=body["streamed"])
-                w._record(report)
+                reports.record(report)
                 settled = [(i, token) for i, token in body["settled"]]
                 with self._lock:
                     self._pending.difference_update(settled)
-                w._forget(settled)
-                if w._draining and w._fetcher_sleeping:
-                    w._interrupt_fetcher()  # a stream's next task may be claimable now
+                reports.settled(settled)
         except Exception:
             log.exception("reading the outlet's reports failed")
         finally:
@@ -283,14 +286,11 @@ class Outlet:
         except subprocess.TimeoutExpired:  # it closed its pipe but lives on: end it
             self.proc.kill()  # type: ignore[union-attr]
             code = self.proc.wait(5)  # type: ignore[union-attr]
-        w = self.w
-        with w._lock:
-            running = set(w._held)
-            w._lost.update(running)
+        self.ledger.lose_all()
         log.error("the outlet process died (exit code %s): %d unsettled outcome(s) and the "
                   "running generations run again once their leases expire; settling in "
                   "the worker process from now on", code, len(pending))
-        w._forget(pending)
+        self.ledger.forget(pending)
 
     def close(self, timeout: float = 30.0) -> None:
         """Send everything left, wait for the outlet to settle it and exit."""

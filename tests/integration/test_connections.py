@@ -188,9 +188,9 @@ def test_a_worker_gives_back_a_claim_whose_reply_it_lost(qname: str, redis_url: 
     q.submit_many([mtq.Request({"i": i}, stream=f"s{i}") for i in range(3)])
     w = Worker(FunctionModel(lambda p: p), qname, url=redis_url)
     (kept,) = w.consumer.claim(1)      # held: the fetcher recorded it
-    w._held[kept.id] = kept
+    w.ledger.held[kept.id] = kept
     lost = w.consumer.claim(2)         # ran in Redis, but the reply never arrived
-    w._release_unknown()
+    w.fetcher.release_unknown()
     assert q.task(kept.id).status() == "running"
     assert [q.task(t.id).info().status for t in lost] == ["queued", "queued"]
     assert [q.task(t.id).info().deliveries for t in lost] == [0, 0], "given back uncounted"
@@ -247,7 +247,7 @@ def test_a_failed_claims_sweep_leaves_the_suspects_handed_to_quarantine(
     assert again.suspect
     # what the fetcher does with a claimed suspect under a supervisor
     monitor.quarantine(again)
-    w._handed.add((again.id, again.token))
-    w._release_unknown()
+    w.ledger.handed.add((again.id, again.token))
+    w.fetcher.release_unknown()
     assert q.task(suspect.id).status() == "running", "the handed-off suspect was given back"
     assert monitor.handed == [suspect.id]

@@ -339,7 +339,7 @@ def _killed_asleep(r: redis.Redis, qname: str, env: dict[str, str], log: Path,
     """Start a worker process, wait until it sleeps registered, SIGKILL it; its id.
     ``warm``: it first runs that many tasks, one at a time (a handler as quick as
     tests.handlers:double: from the second, its model thread makes the wait, see
-    Worker._wait)."""
+    Fetcher.wait)."""
     proc = _worker_process(qname, env, log)
     try:
         wait_for(lambda: r.hlen(QueueKeys(qname).idle) == 1, 30,

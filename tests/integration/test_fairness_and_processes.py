@@ -168,12 +168,12 @@ def starter(env: dict[str, str], procs: list[subprocess.Popen[bytes]]
 #: ``mtq worker run tests.models:Probe`` (batches of 4) with every batch counted as fast
 #: (FAST_BATCH_S raised, however slow this machine is at the moment) and no more than two
 #: batches fitting in AHEAD_WORK_S of its work: on a deep queue it keeps two batches
-#: claimed ahead of the one it runs (Worker._claim_ahead)
+#: claimed ahead of the one it runs (Fetcher.claim_ahead)
 FAST_WORKER = r"""
 import sys
-from mtq.workers import worker
-worker.FAST_BATCH_S = 60.0
-worker.AHEAD_WORK_S = 0.0
+from mtq.workers import fetcher
+fetcher.FAST_BATCH_S = 60.0
+fetcher.AHEAD_WORK_S = 0.0
 from mtq.cli.main import cli
 cli(["worker", "run", "tests.models:Probe", "--queue", sys.argv[1], "--lease-ms", sys.argv[2]],
     prog_name="mtq")
@@ -230,12 +230,12 @@ def test_kill_9_of_a_worker_holding_two_batches_ahead_loses_nothing_and_keeps_or
 
 #: ``mtq worker run tests.models:Probe --batch-size 1`` with every batch counted as fast
 #: and AHEAD_MOST tasks of its work fitting in AHEAD_WORK_S: on a deep queue it keeps
-#: AHEAD_MOST batches of one claimed ahead, claimed many at a time (Worker._claim_ahead)
+#: AHEAD_MOST batches of one claimed ahead, claimed many at a time (Fetcher.claim_ahead)
 DEEP_WORKER = r"""
 import sys
-from mtq.workers import worker
-worker.FAST_BATCH_S = 60.0
-worker.AHEAD_WORK_S = 60.0
+from mtq.workers import fetcher
+fetcher.FAST_BATCH_S = 60.0
+fetcher.AHEAD_WORK_S = 60.0
 from mtq.cli.main import cli
 cli(["worker", "run", "tests.models:Probe", "--batch-size", "1", "--queue", sys.argv[1],
      "--lease-ms", sys.argv[2]], prog_name="mtq")
@@ -322,7 +322,7 @@ def test_a_worker_holding_many_batches_of_one_ahead_that_dies_or_freezes_loses_n
 def test_kill_9_of_an_idle_worker_with_its_model_threads_ack_in_flight_ends_the_task_once(
         qname: str, redis_url: str, r: redis.Redis, subprocess_env: dict[str, str],
         tmp_path: Path) -> None:
-    """An idle worker's model thread sends a task's ack itself (Worker._settle_here).
+    """An idle worker's model thread sends a task's ack itself (Publisher.settle_here).
     Killed with that ack held in Redis (CLIENT PAUSE WRITE holds every script call),
     the task still ends once: the ack ran, or it was dropped with the connection and
     another worker runs the task again when its lease runs out. Never both."""

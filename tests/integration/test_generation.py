@@ -488,7 +488,7 @@ def test_a_generator_publishes_through_its_outlet_process(
     with serving(w) as run:
         t = q.submit({"n": 30, "start": 5})
         assert list(t.tokens(timeout=10)) == list(range(5, 35))
-        outlet = w._outlet
+        outlet = w.outlet
         assert outlet is not None and outlet.proc is not None and not outlet.dead
         assert outlet.proc.poll() is None
         totals = run.stop()
@@ -509,8 +509,8 @@ def test_outlet_killed_mid_generation_the_stream_restarts_and_the_worker_goes_on
         for ev in t.events(timeout=30):
             events.append(ev)
             if ev.kind == "token" and ev.index == 9 and killed is None:
-                assert w._outlet is not None and w._outlet.proc is not None
-                killed = w._outlet.proc.pid
+                assert w.outlet is not None and w.outlet.proc is not None
+                killed = w.outlet.proc.pid
                 os.kill(killed, signal.SIGKILL)
         kinds = [e.kind for e in events]
         assert kinds[-1] == "succeeded", kinds
@@ -518,7 +518,7 @@ def test_outlet_killed_mid_generation_the_stream_restarts_and_the_worker_goes_on
         assert tokens_of(events) == list(range(60))  # each index once, in order
         assert t.result(timeout=5)["tokens"] == list(range(60))
         assert t.info().deliveries == 2
-        assert w._outlet.dead
+        assert w.outlet.dead
         # the worker settles through its publisher thread from now on
         later = q.submit({"n": 5, "start": 100})
         assert list(later.tokens(timeout=10)) == [100, 101, 102, 103, 104]
@@ -549,7 +549,7 @@ def test_bad_token_through_the_outlet_fails_its_task_alone(
         assert tokens_of(list(bad.events(timeout=5))) == [0, 1, 2]  # before the bad one
         run.stop()
     assert bad.info().status == "failed"
-    assert w._outlet is not None and not w._outlet.dead
+    assert w.outlet is not None and not w.outlet.dead
 
 
 def test_token_values_of_every_kind_cross_the_outlet_unchanged(
@@ -573,7 +573,7 @@ def test_token_values_of_every_kind_cross_the_outlet_unchanged(
     with serving(w) as run:
         got = list(t.tokens(timeout=10))
         run.stop()
-    assert w._outlet is not None and not w._outlet.dead  # they went through the outlet
+    assert w.outlet is not None and not w.outlet.dead  # they went through the outlet
     assert got[0] == 0  # prefill's token; the rest come from decode
     for want, have in zip(values[1:], got[1:]):
         if isinstance(want, torch.Tensor):

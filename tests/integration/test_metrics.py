@@ -290,7 +290,7 @@ def test_a_failed_flush_loses_nothing_and_doubles_nothing(
     client = redis.Redis.from_url(server.url)
     # the heartbeat writes at start, then not again during this test (a beat every
     # 200 s): the test drives the writes itself, around an outage
-    monkeypatch.setattr("mtq.workers.worker.BEAT_S", 3600.0)
+    monkeypatch.setattr("mtq.workers.heartbeat.BEAT_S", 3600.0)
     settings = QueueSettings(lease_ms=600_000, retry_backoff_ms=0)
     n = 9
     running: Running | None = None
@@ -316,13 +316,13 @@ def test_a_failed_flush_loses_nothing_and_doubles_nothing(
         assert pending() > 0, "written before the outage: nothing left to test"
         count_before_outage = count("latency")
         server.stop()
-        w._flush_stats()  # fails: Redis is away
+        w.heartbeat.flush_stats()  # fails: Redis is away
         assert count_before_outage + pending() == n, "a failed write dropped its counts"
         server.start()  # the same port, the same data (append-only file)
-        wait_for(lambda: (w._flush_stats(), count("latency"))[1] == n, 10,
+        wait_for(lambda: (w.heartbeat.flush_stats(), count("latency"))[1] == n, 10,
                  "the histograms were not written once Redis came back")
         assert not any(sum(c) for c in w.stats.pending().values())
-        w._flush_stats()  # nothing pending: nothing written twice
+        w.heartbeat.flush_stats()  # nothing pending: nothing written twice
         running.stop()  # the last write on the way out adds nothing either
         running = None
         assert count("latency") == n and count("queue_wait") == n and count("run") == n

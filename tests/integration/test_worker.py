@@ -22,7 +22,7 @@ from mtq.broker.keys import QueueKeys
 from mtq.broker.protocol import TERMINAL, NewTask
 from mtq.settings import QueueSettings
 from mtq.workers import control, registry
-from mtq.workers import worker as worker_module
+from mtq.workers import fetcher as fetcher_module
 from mtq.workers.model import FunctionModel, Model
 from mtq.workers.worker import Worker
 from tests.support.waits import wait_for
@@ -99,13 +99,13 @@ class SlotPeak:
 def test_batches_claimed_ahead_two_for_a_fast_model_on_a_deep_queue(
         qname: str, redis_url: str, monkeypatch: pytest.MonkeyPatch,
         fast_batch_s: float, ahead: int) -> None:
-    """Worker._claim_ahead: while its claims come back full and its batches run in
+    """Fetcher.claim_ahead: while its claims come back full and its batches run in
     under FAST_BATCH_S (set here so that every batch is fast, or none, however slow
     this machine is), the fetcher keeps two batches claimed ahead of the running one,
     never more (when no more fit in AHEAD_WORK_S of its work: none here); one for a
     slow model, and one again once the queue is empty."""
-    monkeypatch.setattr(worker_module, "FAST_BATCH_S", fast_batch_s)
-    monkeypatch.setattr(worker_module, "AHEAD_WORK_S", 0.0)  # no more than two (below)
+    monkeypatch.setattr(fetcher_module, "FAST_BATCH_S", fast_batch_s)
+    monkeypatch.setattr(fetcher_module, "AHEAD_WORK_S", 0.0)  # no more than two (below)
     q = mtq.Queue(qname, redis_url, settings=FAST)
     tasks = q.submit_many([{"i": i} for i in range(40)])
     model = HoldsACall(hold=3)
@@ -129,7 +129,7 @@ def test_batches_claimed_ahead_two_for_a_fast_model_on_a_deep_queue(
 
 def test_a_fast_model_with_batches_of_one_claims_many_at_a_time(
         qname: str, redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Worker._claim_ahead: a model given batches of one that runs in microseconds (every
+    """Fetcher.claim_ahead: a model given batches of one that runs in microseconds (every
     batch counted fast, and AHEAD_MOST tasks of its work fitting in AHEAD_WORK_S, however
     slow this machine is) keeps up to AHEAD_MOST tasks claimed ahead on a deep queue,
     claiming once half of them are taken: 300 tasks in a few claims instead of 300, each
@@ -137,8 +137,8 @@ def test_a_fast_model_with_batches_of_one_claims_many_at_a_time(
     registered the worker idle with the room of one batch, not the 63 or so it left (a
     submit hands it one task at most, the rest queue for any worker), and a burst
     submitted then runs."""
-    monkeypatch.setattr(worker_module, "FAST_BATCH_S", 60.0)
-    monkeypatch.setattr(worker_module, "AHEAD_WORK_S", 60.0)
+    monkeypatch.setattr(fetcher_module, "FAST_BATCH_S", 60.0)
+    monkeypatch.setattr(fetcher_module, "AHEAD_WORK_S", 60.0)
     q = mtq.Queue(qname, redis_url, settings=FAST)
     tasks = q.submit_many([{"i": i} for i in range(300)])
     ran: list[int] = []
@@ -175,9 +175,9 @@ def test_a_fast_model_with_batches_of_one_claims_many_at_a_time(
         run.stop()
     assert ran == list(range(304))
     assert [t.info().deliveries for t in tasks] == [1] * 300
-    assert peak.most <= worker_module.AHEAD_MOST
+    assert peak.most <= fetcher_module.AHEAD_MOST
     deep = [c for c in claims if c[0] > 1]
-    assert deep and max(got for _, got in deep) >= worker_module.AHEAD_MOST // 2, claims
+    assert deep and max(got for _, got in deep) >= fetcher_module.AHEAD_MOST // 2, claims
     assert len(claims) < 40, f"{len(claims)} claims for 300 tasks: {claims}"
 
 
@@ -214,7 +214,7 @@ class SettleLog:
 
 def test_an_idle_worker_settles_in_the_model_thread_a_busy_one_in_the_publisher(
         qname: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Worker._settle_here: a batch that ends with the next batch claimed ahead is left
+    """Publisher.settle_here: a batch that ends with the next batch claimed ahead is left
     to the publisher, and the model runs on; one that ends with nothing waiting in the
     slot is settled by the model thread itself (no hand-off to the publisher), which
     yields its CPU once as the ack's reply comes in (and the publisher never does)."""
@@ -277,11 +277,11 @@ class WaitLog:
 def test_an_idle_fast_worker_waits_for_work_in_its_model_thread(
         qname: str, redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch,
         fast_batch_s: float, waiter: str) -> None:
-    """Worker._wait: once its model has shown itself fast (a batch in under
+    """Fetcher.wait: once its model has shown itself fast (a batch in under
     FAST_BATCH_S, set here so that every batch is fast, or none), an idle worker's
     wait for work (BLPOP) is made by the model thread, which runs what a submit hands
     it with no hand-off from the fetcher; a slow model's fetcher waits itself."""
-    monkeypatch.setattr(worker_module, "FAST_BATCH_S", fast_batch_s)
+    monkeypatch.setattr(fetcher_module, "FAST_BATCH_S", fast_batch_s)
     q = mtq.Queue(qname, redis_url, settings=FAST)
     model = Recorder(lambda p: p * 2, max_batch_size=4, max_wait_ms=0)
     w = make_worker(model, qname, redis_url)
@@ -312,7 +312,7 @@ def test_a_pause_takes_the_wait_back_from_the_model_thread(
     delivery registration (a paused worker is handed nothing): a task submitted then
     stays queued, and runs once it resumes. Stopped while the model thread waits, it
     stops."""
-    monkeypatch.setattr(worker_module, "FAST_BATCH_S", 60.0)
+    monkeypatch.setattr(fetcher_module, "FAST_BATCH_S", 60.0)
     keys = QueueKeys(qname)
     q = mtq.Queue(qname, redis_url, settings=FAST)
     model = Recorder(lambda p: p * 2, max_batch_size=4, max_wait_ms=0)
@@ -361,7 +361,7 @@ def test_an_outcome_waits_for_its_chunks_in_the_publishers_hands(qname: str,
     with serving(w, log.release) as run:
         t = q.submit("x")
         assert log.holding.wait(10), "the publisher never sent the chunks"
-        wait_for(lambda: w.totals["batches"] == 1 and not w._busy, 10,
+        wait_for(lambda: w.totals["batches"] == 1 and not w.ledger.busy, 10,
                  "the model did not finish its batch")
         assert t.status() == "running"  # its outcome waits behind its chunks
         log.release.set()
@@ -388,7 +388,7 @@ def test_a_settle_that_fails_in_the_model_thread_is_taken_over_by_the_publisher(
         wait_for(lambda: len(log.threads(t.id)) == 2, 10, "the publisher did not settle it")
         # its settle is done (the log has it from its start): the model thread settles
         # only when the publisher has nothing in hand
-        wait_for(lambda: w._unsettled == 0, 10, "the publisher did not finish settling it")
+        wait_for(lambda: w.ledger.unsettled == 0, 10, "the publisher did not finish settling it")
         later = q.submit(1)
         assert later.result(timeout=10) == 2
         run.stop()

@@ -195,8 +195,8 @@ def test_doubtful_leases_are_checked_with_redis_and_lost_ones_dropped(
     w = Worker(FunctionModel(lambda p: p), qname, url=redis_url, settings=settings)
     held = w.consumer.claim(3)  # as the fetcher claims, and records what it holds
     assert len(held) == 3
-    w._held.update((t.id, t) for t in held)
-    assert w._live(held) == held, "fresh leases are kept without asking Redis"
+    w.ledger.held.update((t.id, t) for t in held)
+    assert w.leases.live(held) == held, "fresh leases are kept without asking Redis"
     assert w.totals["revoked"] == 0
 
     leases = QueueKeys(qname).leases
@@ -208,14 +208,14 @@ def test_doubtful_leases_are_checked_with_redis_and_lost_ones_dropped(
     for t in held:  # what the local clock reads after a freeze of a few leases
         t.live_until = time.monotonic() - 3.0
 
-    kept = w._live(held)
+    kept = w.leases.live(held)
     assert [t.id for t in kept] == [held[1].id, held[2].id]
     now_ms = time.time() * 1000
     assert r.zscore(leases, held[1].id) > now_ms + 500, "the unreaped lease was not extended"
     assert min(t.live_until for t in kept) > time.monotonic() + 0.5
     assert held[0].live_until == LOST
     assert w.totals["revoked"] == 1
-    assert w._live(held) == kept, "a lost task is known lost: not asked about again"
+    assert w.leases.live(held) == kept, "a lost task is known lost: not asked about again"
     assert w.totals["revoked"] == 1
     # the new owner's result stands; this worker's ack of the old lease would be refused
     assert other.settle([mtq.Outcome(taken, ok=True, value="b")]).succeeded == 1
@@ -234,16 +234,16 @@ def test_a_retry_claimed_again_before_its_first_delivery_is_forgotten_stays_held
     task = q.submit({"i": 1})
     w = Worker(FunctionModel(lambda p: p), qname, url=redis_url, settings=settings)
     (first,) = w.consumer.claim(1)
-    w._held[first.id] = first
-    w._submitted[first.id] = time.monotonic()
+    w.ledger.held[first.id] = first
+    w.ledger.submitted[first.id] = time.monotonic()
     report = w.consumer.settle([mtq.Outcome(first, ok=False, error="boom", retryable=True)])
     assert report.retried == 1, report
     (again,) = w.consumer.claim(1)  # the fetcher, between the settle and the forget
     assert again.id == first.id and again.token != first.token
-    w._held[again.id] = again
-    w._submitted[again.id] = time.monotonic()
-    w._forget([(first.id, first.token)])
-    assert w._held.get(task.id) is again, "the new delivery was forgotten with the old"
-    assert task.id in w._submitted
-    w._forget([(again.id, again.token)])
-    assert task.id not in w._held and task.id not in w._submitted
+    w.ledger.held[again.id] = again
+    w.ledger.submitted[again.id] = time.monotonic()
+    w.ledger.forget([(first.id, first.token)])
+    assert w.ledger.held.get(task.id) is again, "the new delivery was forgotten with the old"
+    assert task.id in w.ledger.submitted
+    w.ledger.forget([(again.id, again.token)])
+    assert task.id not in w.ledger.held and task.id not in w.ledger.submitted

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mtq.workers.supervisor import _drop
+from mtq.workers.children import drop as _drop
 
 
 def test_a_settle_read_after_the_task_was_held_again_leaves_the_new_lease() -> None:

@@ -1,0 +1,200 @@
+"""The dynamic-batch loop: the model thread's loop for a batch model (not a
+:class:`~mtq.workers.generator.Generator`, which the continuous-batching engine runs).
+
+It takes a due batch from the :class:`~mtq.workers.batching.BatchSlot`, decodes it,
+checks its leases, runs ``predict`` (bisecting a batch that raises, or once per
+item for a per-item model) and hands the outcomes to the publisher. It never
+waits on Redis for a healthy batch: the publisher settles while the next one runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mtq import serialization
+from mtq.broker.consumer import Chunk, Outcome
+from mtq.broker.protocol import Claimed
+from mtq.errors import LeaseLost, PayloadError
+from mtq.workers.batching import OFFERED, BatchShapeError, BatchSlot, run_isolated, run_one
+from mtq.workers.batchlog import BatchLog
+from mtq.workers.fetcher import Fetcher
+from mtq.workers.generator import Generator
+from mtq.workers.leases import Leases
+from mtq.workers.ledger import Ledger, Lifecycle, Monitor, Tally
+from mtq.workers.model import Progress, is_per_item
+from mtq.workers.outcomes import Outcomes
+from mtq.workers.publisher import Publisher
+from mtq.workers.target import Target
+
+
+class DynamicBatcher:
+    """Runs a worker's batch model until it stops, or a reload changes its kind."""
+
+    def __init__(self, *, slot: BatchSlot, ledger: Ledger, life: Lifecycle, tally: Tally,
+                 monitor: Monitor, batchlog: BatchLog, fetcher: Fetcher, publisher: Publisher,
+                 leases: Leases, outcomes: Outcomes, model: Callable[[], Target],
+                 reload: Callable[[], None]) -> None:
+        self.slot = slot
+        self.ledger = ledger
+        self.life = life
+        self.tally = tally
+        self.monitor = monitor
+        self.batchlog = batchlog
+        self.fetcher = fetcher
+        self.publisher = publisher
+        self.leases = leases
+        self.outcomes = outcomes
+        #: the worker's model now (a reload swaps it), and the reload itself
+        self.current_model = model
+        self.reload = reload
+
+    def run(self) -> bool:
+        """Dynamic batching until stopped (False) or the model changed kind on a
+        reload (True)."""
+        model = self.current_model()
+        per_item = is_per_item(model)
+        slot, ledger, life = self.slot, self.ledger, self.life
+        while True:
+            batch = slot.take()
+            if batch is None:
+                return False
+            if batch is OFFERED:
+                self.fetcher.wait_here()
+                continue
+            if life.reload:
+                self.fetcher.give_back(batch)  # taken just as the reload came in: not started
+                self.reload()
+                model = self.current_model()
+                if isinstance(model, Generator):
+                    return True
+                per_item = is_per_item(model)
+                continue
+            batch = self.leases.live(batch)
+            if not batch:
+                continue
+            ledger.set_busy(True, len(batch))
+            self.monitor.batch([(t.id, t.token) for t in batch])
+            t0 = time.perf_counter()
+            self.run_batch(model, batch, per_item)
+            ledger.batch_s, ledger.batch_n = time.perf_counter() - t0, len(batch)
+            ledger.set_busy(False, 0)
+            if life.draining:  # the publisher lets the fetcher check if the queue is empty
+                self.publisher.put([])
+
+    def run_batch(self, model: Target, batch: list[Claimed], per_item: bool) -> None:
+        tally = self.tally
+        tally.hist[len(batch)] += 1
+        tally.totals["batches"] += 1
+        tally.totals["tasks"] += len(batch)
+        self.batchlog.start(batch)
+        outcomes: list[Outcome | None] = [None] * len(batch)
+        payloads: list[Any] = []
+        index: list[int] = []
+        for i, t in enumerate(batch):
+            try:
+                payloads.append(serialization.loads(t.payload))
+                index.append(i)
+            except PayloadError as exc:
+                outcomes[i] = Outcome(t, ok=False, error=f"PayloadError: {exc}", retryable=False)
+        monitor = self.monitor
+        leases = self.leases
+        publish = self.publisher.publish
+        book = self.outcomes
+
+        start = time.perf_counter()
+        start_mono = time.monotonic()
+        in_predict = 0.0
+        floor = leases.floor()  # once a batch: a settings read
+
+        def call(lo: int, hi: int) -> Any:
+            nonlocal in_predict
+            # never call the model on a lease this process cannot show to be live: a
+            # freeze may have fallen between two calls (per item, or bisection)
+            tasks = [batch[index[j]] for j in range(lo, hi)]
+            live = leases.live(tasks, floor)
+            if len(live) < len(tasks):
+                return self.call_live(call, lo, tasks, live)
+            monitor.call(index[lo], index[hi - 1] + 1)
+            t0 = time.perf_counter()
+            try:
+                out = model.predict(payloads[lo:hi])  # type: ignore[union-attr]
+                if inspect.isgenerator(out):
+                    out = self.stream(out, tasks)
+                return out
+            finally:
+                in_predict += time.perf_counter() - t0
+                monitor.idle()
+
+        if per_item:  # one call per payload; each outcome leaves as soon as it exists
+            done: list[Outcome | Chunk] = [o for o in outcomes if o is not None]
+            for bad in outcomes:  # payloads that could not be decoded
+                if bad is not None:
+                    book.observe_outcome(bad, start_mono)
+            if done:
+                publish(done)
+            ran: list[tuple[Outcome, float, float | None]] = []
+            submitted = self.ledger.submitted
+            for j, i in enumerate(index):
+                o = book.outcome(batch[i], run_one(call, j))
+                if o is not None:
+                    # its submit time, before the publisher settles it and forgets it
+                    ran.append((o, time.monotonic(), submitted.get(o.task.id)))
+                    publish([o], last=j == len(index) - 1)
+            book.observe_items(ran, start_mono)
+        else:
+            results = run_isolated(call, len(payloads))
+            for i, r in zip(index, results):
+                outcomes[i] = book.outcome(batch[i], r)
+            self.batchlog.end()
+            book.observe_batch(outcomes, start_mono)
+            publish([o for o in outcomes if o is not None], last=True)
+        self.batchlog.end()  # (per item: after the last one)
+        tally.timing["predict_s"] += in_predict
+        tally.timing["overhead_s"] += time.perf_counter() - start - in_predict
+
+    def stream(self, gen: Any, tasks: list[Claimed]) -> list[Any]:
+        """Run a streaming predict: hand each ``(i, chunk)`` it yields to the publisher
+        (chunk indices restart at 0 on every call: a re-run after bisection or a
+        redelivery is deduplicated by index in Redis). Returns its results."""
+        counters = [0] * len(tasks)
+        chunks: list[list[Any]] = [[] for _ in tasks]
+        publish = self.publisher.publish
+        while True:
+            try:
+                item = next(gen)
+            except StopIteration as stop:
+                return chunks if stop.value is None else stop.value
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], int)
+                    and 0 <= item[0] < len(tasks)):
+                raise BatchShapeError(f"a streaming predict must yield (item index, chunk) "
+                                      f"with an index in 0..{len(tasks) - 1}, got {item!r:.80}")
+            i, value = item
+            if isinstance(value, Progress):
+                publish([Chunk(tasks[i], -1, value.value)])
+                continue
+            chunks[i].append(value)
+            publish([Chunk(tasks[i], counters[i], value)])
+            counters[i] += 1
+
+    @staticmethod
+    def call_live(call: Callable[[int, int], Any], lo: int, tasks: list[Claimed],
+                  live: list[Claimed]) -> list[Any]:
+        """A call on items lo.. of which only ``live`` still belong to this worker: the
+        model runs on those alone (through ``call``, item by item, so each is checked
+        again), and each lost one gets a LeaseLost in its place (never settled)."""
+        alive = {id(t) for t in live}
+        out: list[Any] = []
+        for k, t in enumerate(tasks):
+            if id(t) not in alive:
+                out.append(LeaseLost([t.id]))
+                continue
+            res = call(lo + k, lo + k + 1)
+            if isinstance(res, (str, bytes, dict)) or not hasattr(res, "__len__") \
+                    or len(res) != 1:
+                raise BatchShapeError(f"predict must return a list of 1 result for 1 payload, "
+                                      f"got {res!r:.80}")
+            out.append(next(iter(res)))
+        return out
