@@ -252,7 +252,7 @@ def run(url: str, *, users: int = 24, chats_per_user: int = 3, embeds_per_user: 
 def _wait_for_workers(url: str, sups: _Supervisors, want: dict[str, int],
                       timeout: float) -> None:
     from mtq.broker.connection import connect
-    from mtq.workers.registry import list_workers
+    from mtq.broker.registry import list_workers
 
     client = connect(url)
     deadline = time.monotonic() + timeout

@@ -1,7 +1,7 @@
 """The Prometheus exporter; it lives in :mod:`mtq.observe.prometheus`.
 
 This path is kept for code that imports it. Its :class:`MtqCollector` reads the
-worker registry (:func:`mtq.workers.registry.list_workers`) unless given another
+worker registry (:func:`mtq.broker.registry.list_workers`) unless given another
 reader, as the collector of this path always did.
 """
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import redis
 
+from mtq.broker.registry import list_workers
 from mtq.observe import prometheus as _prometheus
 from mtq.observe.prometheus import (
     BATCH_BOUNDS,
@@ -27,7 +28,6 @@ from mtq.observe.prometheus import (
     make_exporter,
     registry_of,
 )
-from mtq.workers.registry import list_workers
 
 
 class MtqCollector(_prometheus.MtqCollector):

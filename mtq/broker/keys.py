@@ -108,7 +108,7 @@ class QueueKeys:
         #: deterministic, loaded); the cache's keys carry its version
         self.model = self.base + "model"
         #: histogram buckets the workers aggregate (hash: "<metric>:<bucket>" -> count,
-        #: "<metric>:sum" -> seconds; see mtq.metrics)
+        #: "<metric>:sum" -> seconds; see mtq.observe.prometheus)
         self.hist = self.base + "hist"
         #: recent batches, newest first (list: one record per batch a worker ran; what
         #: `mtq trace` reads)

@@ -32,7 +32,7 @@ drops the rest:
   once as the replies of its next exchange come in, before its caller does anything
   with them
   (the worker's model thread, when Redis tells a client the outcome of a task in the
-  same moment as it answers the worker's ack: see mtq.workers.worker.Worker._settle_here);
+  same moment as it answers the worker's ack: see mtq.workers.publisher.Publisher.settle_here);
 * **the socket**: on a connected connection read by hiredis (redis-py's own parser
   when ``redis[hiredis]`` is installed, as mtq requires) a call writes to the
   connection's socket and feeds the connection's hiredis reader itself, without

@@ -60,7 +60,7 @@ class Claimed:
     #: the claim (or the last extend) was *sent* plus the lease, so never later than
     #: Redis's own deadline; :data:`LOST` once Redis said another worker owns it.
     #: A process that was frozen or starved finds it past and asks Redis again
-    #: before it runs the task (see ``Worker._live``).
+    #: before it runs the task (see ``mtq.workers.leases.Leases.live``).
     live_until: float = 0.0
     #: the W3C traceparent its producer submitted it under ('' = none; see mtq.tracing)
     traceparent: str = ""

@@ -3,7 +3,7 @@
 Per queue, seven O(1)-sized reads: the stats hash, ZCARD of the leases and the
 delayed set, LLEN of the dead letters, SCARD of the busy streams (as
 :func:`mtq.broker.protocol.stats_many`), the ``hist`` hash the workers aggregate
-(a bounded number of fields: :mod:`mtq.workers.stats`), and ZCARD of the result
+(a bounded number of fields: :mod:`mtq.observe.histograms`), and ZCARD of the result
 cache's index.
 
 At 1 000 queues that is 7 000 commands a scrape, and a redis-py pipeline spends

@@ -47,8 +47,8 @@ def serve(port: int, host: str, queues: tuple[str, ...], url: str | None) -> Non
     import redis
 
     from mtq.broker.connection import safe_url
+    from mtq.broker.registry import list_workers
     from mtq.validation import check_queue_name
-    from mtq.workers.registry import list_workers
 
     try:
         for q in queues:

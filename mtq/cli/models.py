@@ -29,7 +29,7 @@ def catalogue(client: Any, queue: str | None, history_n: int) -> dict[str, Any]:
     worker has a row with 0 replicas."""
     from mtq.admin import queue_names
     from mtq.broker import catalogue as cat
-    from mtq.workers.registry import list_workers
+    from mtq.broker.registry import list_workers
 
     workers = list_workers(client, queue)
     names = sorted(set(queue_names(client)) | {str(w["queue"]) for w in workers if w.get("queue")})

@@ -140,7 +140,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
 
 def _hint_if_unserved(q: Any) -> None:
     """Say so when no worker serves the queue: waiting would wait for nothing."""
-    from mtq.workers.registry import list_workers
+    from mtq.broker.registry import list_workers
 
     try:
         if not list_workers(q.redis, q.name):

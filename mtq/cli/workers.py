@@ -212,7 +212,7 @@ def workers_start(target: str, queue: str, url: str | None, devices_spec: str, r
 def workers_list(queue: str | None, url: str | None, as_json: bool) -> None:
     """Live workers from the registry (host, device, model, state, batch sizes, rate)."""
     from mtq.broker.connection import connect
-    from mtq.workers.registry import list_workers
+    from mtq.broker.registry import list_workers
 
     url = running_server(url)
     try:

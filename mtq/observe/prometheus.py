@@ -44,7 +44,7 @@ Observability).
 No torch import here: the exporter runs beside the workers, not in them. Nothing
 here imports the worker side: the worker registry is read through the function
 the collector is given (``mtq metrics serve`` passes
-:func:`mtq.workers.registry.list_workers`).
+:func:`mtq.broker.registry.list_workers`).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class MtqCollector(Collector):
     ``queues``: the queues to export, in this order; None: every known queue, read
     anew at each scrape (a queue created later appears, a deleted one goes).
     ``workers``: reads the worker registry for the per-worker families (e.g.
-    :func:`mtq.workers.registry.list_workers`); None: those families stay empty."""
+    :func:`mtq.broker.registry.list_workers`); None: those families stay empty."""
 
     def __init__(self, client: redis.Redis, queues: Sequence[str] | None = None,
                  workers: WorkerReader | None = None) -> None:

@@ -28,10 +28,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
-from mtq import tracing
 from mtq.broker.connection import redis_errors
 from mtq.broker.consumer import Outcome
 from mtq.broker.protocol import Claimed
+from mtq.observe import otel as tracing
 
 #: compact JSON (one encoder, not one made per json.dumps call with separators)
 _compact = json.JSONEncoder(separators=(",", ":")).encode

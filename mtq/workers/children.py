@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mtq.broker import registry
 from mtq.broker.consumer import Consumer, connection_name
 from mtq.errors import BrokerError
-from mtq.workers import child, registry
+from mtq.workers import child
 from mtq.workers.child import ChildConfig
 
 log = logging.getLogger("mtq.workers.supervisor")  # the supervisor's log, as its users read it

@@ -19,9 +19,9 @@ from mtq.broker.connection import Backoff
 from mtq.broker.consumer import Consumer
 from mtq.broker.protocol import Claimed
 from mtq.errors import BrokerError, RedisUnavailable
+from mtq.observe.histograms import Histograms
 from mtq.workers.batching import NOT_TAKEN, BatchSlot
 from mtq.workers.ledger import Ledger, Lifecycle, Monitor
-from mtq.workers.stats import Histograms
 
 log = logging.getLogger("mtq.workers.worker")  # the worker's log, as its users read it
 

@@ -10,18 +10,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mtq.broker import registry
 from mtq.broker.cluster import shared
 from mtq.broker.connection import redis_errors
 from mtq.broker.consumer import Consumer, Outcome
 from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.errors import BrokerError, ConfigError
+from mtq.observe.histograms import Histograms
 from mtq.settings import QueueSettings
-from mtq.workers import registry
 from mtq.workers.batching import BatchSlot
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.ledger import Ledger, Tally
 from mtq.workers.outcomes import Outcomes
-from mtq.workers.stats import Histograms
 
 log = logging.getLogger("mtq.workers.worker")  # the worker's log, as its users read it
 
@@ -110,7 +110,7 @@ class Heartbeat:
             ledger.forget([(t.id, t.token) for t in self.slot.remove(set(lost), tokens)])
             ledger.mark_lost(lost)  # a generator stops generating the ones it runs
 
-    # -- histograms (mtq.workers.stats) ------------------------------------------------
+    # -- histograms (mtq.observe.histograms) ------------------------------------------------
     def read_settings(self) -> None:
         """Follow the queue's ``metrics`` and ``max_retries`` settings."""
         try:

@@ -12,13 +12,14 @@ import time
 import traceback as traceback_mod
 from collections.abc import Sequence
 
+from mtq.broker import outcomes
 from mtq.broker.consumer import Outcome, format_traceback
 from mtq.broker.protocol import Claimed
 from mtq.errors import LeaseLost, PayloadError, PermanentError
+from mtq.observe.histograms import Histograms
 from mtq.settings import QueueSettings
 from mtq.workers.batching import ItemResult
 from mtq.workers.ledger import Ledger
-from mtq.workers.stats import Histograms
 
 log = logging.getLogger("mtq.workers.worker")
 
@@ -61,17 +62,12 @@ class Outcomes:
                         task.attempts, self._last_traceback)
         return self._last_traceback
 
-    # -- histograms (mtq.workers.stats) ------------------------------------------------
     def ends(self, o: Outcome) -> bool:
         """The outcome ends its task (succeeded, failed, dead): not a retry, not a
-        cancel (as Consumer._plan decides, from the settings last read)."""
-        if o.ok:
-            return True
-        if o.cancelled:
-            return False
-        allowed = self.max_retries if o.task.retries is None else o.task.retries
-        return not (o.retryable and o.task.attempts < allowed)
+        cancel (:func:`mtq.broker.outcomes.ends`, from the settings last read)."""
+        return outcomes.ends(o, self.max_retries)
 
+    # -- histograms (mtq.observe.histograms) ---------------------------------------------
     def observe_outcome(self, o: Outcome, started: float | None,
                         now: float | None = None) -> None:
         """Count a task's run (from ``started``, monotonic; None: it never ran) and,

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from mtq.broker.consumer import Chunk, Outcome, SettleReport
     from mtq.broker.protocol import Claimed
+    from mtq.observe.histograms import Histograms
     from mtq.workers.batching import BatchSlot
     from mtq.workers.batchlog import BatchLog
     from mtq.workers.ledger import Lease, Ledger, Lifecycle, Monitor, Tally
-    from mtq.workers.stats import Histograms
     from mtq.workers.target import BatchPolicy, Target
 
 

@@ -33,12 +33,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from mtq.broker import catalogue as broker_catalogue
+from mtq.broker import registry
 from mtq.broker.config import SettingsSpec
 from mtq.broker.connection import client_url
 from mtq.broker.consumer import Chunk, Consumer, Outcome
 from mtq.broker.protocol import Claimed
 from mtq.errors import BrokerError, TargetError
-from mtq.workers import catalogue, devices, registry
+from mtq.observe.histograms import Histograms
+from mtq.workers import catalogue, devices
 from mtq.workers.batching import BatchSlot
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.dynamic import DynamicBatcher
@@ -52,7 +54,6 @@ from mtq.workers.model import FunctionModel
 from mtq.workers.outcomes import Outcomes
 from mtq.workers.outlet import Outlet
 from mtq.workers.publisher import Publisher
-from mtq.workers.stats import Histograms
 from mtq.workers.target import BatchPolicy, Target, load_model
 
 __all__ = ["AHEAD_MOST", "AHEAD_WORK_S", "BEAT_S", "FAST_BATCH_S", "REVALIDATE_BELOW", "Lease",
@@ -107,7 +108,7 @@ class Worker:
             self.tally.timing
         #: the batches it ran, for `mtq trace`, and its traced tasks' spans
         self.batchlog = BatchLog(self.consumer.broker.keys.batches, self.worker_id, self.queue)
-        #: histograms for the exporter (mtq.workers.stats), written once per beat
+        #: histograms for the exporter (mtq.observe.histograms), written once per beat
         self.stats = Histograms()
         # the parts
         self.outcomes = Outcomes(self.ledger, self.stats)
