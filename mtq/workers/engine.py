@@ -154,6 +154,10 @@ class GenerationEngine:
                 w.batchlog.start([r.task for r in new])  # an admission group: a batch record
                 self._prefill(new, chunks, outcomes)
                 w.batchlog.end("prefill")
+                if self.running and time.monotonic() >= self._check_at:
+                    # the prefill outlived a lease (a freeze, a long prompt): no decode
+                    # on a request another worker may have taken over meanwhile
+                    self._check_leases(self.running)
             if self.running:
                 self._decode(chunks, outcomes)
             self._send(chunks, outcomes)
