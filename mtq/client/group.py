@@ -5,7 +5,7 @@ polling dispatcher::
 
     with q.group() as g:
         g.on_success(lambda task, result: print(task.id, result))
-        g.onfailure(lambda task, error: print(task.id, error))
+        g.on_error(lambda task, error: print(task.id, error))
         g.on_done(lambda group: print("all done", group.counts()))
         g.submit_many(payloads)
     g.wait(60)
@@ -90,7 +90,7 @@ class Group:
             fn(t, e.data)
         return self
 
-    def onfailure(self, fn: Callable[[Task, TaskFailed], None]) -> Group:
+    def on_error(self, fn: Callable[[Task, TaskFailed], None]) -> Group:
         """Call ``fn(task, error)`` for each task that ends failed, dead, expired or
         cancelled (``error`` is the TaskFailed that ``result()`` would raise)."""
         with self._lock:

@@ -143,7 +143,7 @@ def send(q: Target, tasks: list[NewTask], reply: str, epoch: int,
 def _submit_chunk(q: Target, chunk: list[NewTask], reply: str) -> tuple[list[Submitted], int]:
     """One submit call, retried while Redis cannot be reached. The call is sent once
     per try, never repeated by the connection; after a retry, the tasks a lost try
-    already wrote are recognised (see :func:`_written`), so a reset yields neither a
+    already wrote are recognised (see :func:`written`), so a reset yields neither a
     ghost nor a duplicate. Returns the answer and, for a durable queue, how many
     replicas confirmed it (-1 otherwise). Raises RedisUnavailable after
     SUBMIT_RETRY_S."""
@@ -180,11 +180,11 @@ def _submit_chunk(q: Target, chunk: list[NewTask], reply: str) -> tuple[list[Sub
             retried = True
             time.sleep(backoff.next())
     if retried:
-        answer = _written(q, chunk, answer, reply)
+        answer = written(q, chunk, answer, reply)
     return answer, acks
 
 
-def _written(q: Target, chunk: list[NewTask], answer: list[Submitted], reply: str
+def written(q: Target, chunk: list[NewTask], answer: list[Submitted], reply: str
              ) -> list[Submitted]:
     """Correct the answer of a retried submit for what the lost try wrote: a task it
     created comes back as a duplicate (or, if it filled the queue, the whole chunk
