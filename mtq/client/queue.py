@@ -4,6 +4,7 @@ delete, dead letters). The submit protocol itself is :mod:`mtq.client.submit`.""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import partial
 from typing import Any
 
 import redis
@@ -100,8 +101,7 @@ class Queue:
             self._registered = True
         reply = self.reply_channel()
         epoch = self.hub.epoch(self.name)  # before the submit: see Task._open_own
-        return send(self, tasks, reply, epoch,
-                           lambda tid, cached, ep: Task(self, tid, cached, ep))
+        return send(self, tasks, reply, epoch, partial(Task, self))
 
     def submit(self, payload: Any, *, stream: str | None = None, key: str | None = None,
                ttl: float | None = None, retries: int | None = None,

@@ -312,7 +312,7 @@ class Task:
         Waits for the completion event on this client's reply subscription (no
         polling). A task this client submitted costs no round trip at all: its
         outcome is taken from the client's inbox of outcomes nobody waited for if it
-        already came (a loop collecting many results; mtq.replies.Hub.take), else
+        already came (a loop collecting many results; Hub.take), else
         awaited, as long as the subscription was never lost since the submit. Any
         other task's stored state is read first (one round trip), so a completion
         that happened before the call is not missed. Raises TaskFailed (failed, dead,
