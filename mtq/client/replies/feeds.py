@@ -137,6 +137,8 @@ class AsyncFeed(Feed):
 
 
 def put_all(items: list[tuple[asyncio.Queue[Event | str], Event | str]]) -> None:
+    """Put each item on its asyncio queue: the hub's one call through an event loop
+    for all that loop's feeds of a message."""
     for q, item in items:
         q.put_nowait(item)
 
