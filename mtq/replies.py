@@ -47,7 +47,7 @@ from mtq.client.replies.inbox import (
 )
 from mtq.client.replies.wire import IDLE_PING_S, PING_ANSWER_S, POLL_S
 from mtq.client.replies.wire import Wire as _Wire
-from mtq.client.waiting import RESYNC_S, Pacer
+from mtq.client.waiting import RESYNC_S
 
 log = logging.getLogger("mtq.replies")
 
@@ -75,6 +75,6 @@ __all__ = [
     "ENDED", "FETCH", "IDLE_PING_S", "INBOX_KINDS", "INBOX_MAX", "INBOX_MAX_BYTES",
     "INBOX_TTL_S", "LOST", "PARK_S", "PING_ANSWER_S", "POLL_S", "RESYNC", "RESYNC_S",
     "RETRY_READ_S", "_EPOCHS", "AsyncFeed", "AsyncOneShot", "CallbackFeed", "Event", "Feed",
-    "Hub", "OneShot", "Pacer", "StreamState", "SyncFeed", "Watched", "_Fetch", "_Wire",
+    "Hub", "OneShot", "StreamState", "SyncFeed", "Watched", "_Fetch", "_Wire",
     "_hubs", "_hubs_lock", "_put_all", "decode_message", "hub_of", "log", "msgpack",
 ]

@@ -16,7 +16,7 @@ from mtq.client.records import TaskInfo, TraceEntry
 from mtq.client.replies.events import Event, StreamState
 from mtq.client.replies.feeds import AsyncFeed, AsyncOneShot, CallbackFeed, Feed, OneShot, SyncFeed
 from mtq.client.replies.hub import Hub
-from mtq.client.waiting import READ_RETRY_S, Need, Waiter, own_outcome, own_wait
+from mtq.client.waiting import DONE, READ, READ_RETRY_S, TIMEOUT, Waiter, own_outcome, own_wait
 from mtq.errors import (
     ConfigError,
     MtqError,
@@ -249,11 +249,11 @@ class Task:
         try:
             while True:
                 need = w.need()
-                if need is Need.DONE:
+                if need is DONE:
                     return
-                if need is Need.TIMEOUT:
+                if need is TIMEOUT:
                     raise self._timeout(timeout)
-                if need is Need.READ:
+                if need is READ:
                     yield from w.read(self._snapshot(w.state, fail_fast))
                 else:
                     yield from w.fed(feed.get(need))
@@ -273,11 +273,11 @@ class Task:
         try:
             while True:
                 need = w.need()
-                if need is Need.DONE:
+                if need is DONE:
                     return
-                if need is Need.TIMEOUT:
+                if need is TIMEOUT:
                     raise await asyncio.to_thread(self._timeout, timeout)
-                if need is Need.READ:
+                if need is READ:
                     out = w.read(await asyncio.to_thread(self._snapshot, w.state, fail_fast))
                 else:
                     out = w.fed(await feed.get(need))
