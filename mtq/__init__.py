@@ -6,7 +6,11 @@ leases with fencing tokens, and nothing lost when a worker dies.
 
 from mtq.broker.consumer import Consumer, Outcome
 from mtq.broker.protocol import Claimed
-from mtq.client import Queue, Request, Task, TaskInfo
+from mtq.client.group import Group
+from mtq.client.queue import Queue
+from mtq.client.records import Request, TaskInfo
+from mtq.client.replies.events import Event
+from mtq.client.task import Task
 from mtq.errors import (
     BrokerError,
     ConfigError,
@@ -31,8 +35,6 @@ from mtq.errors import (
     TaskFailed,
     TaskNotFound,
 )
-from mtq.group import Group
-from mtq.replies import Event
 from mtq.settings import QueueSettings, RedisSettings
 from mtq.workers.generator import Generation, Generator
 from mtq.workers.model import Model, Progress

@@ -146,6 +146,8 @@ def test_a_retried_submit_recognises_what_its_lost_try_wrote(qname: str,
     already there. Those this client wrote count as submitted (ids it generated, or
     given ids whose stored reply channel is its own); a task another client wrote
     under a given id stays a duplicate."""
+    from mtq.client.submit import written
+
     q = mtq.Queue(qname, redis_url)
     reply = q.reply_channel()
     other = mtq.Queue(qname, redis_url, client=redis.Redis.from_url(redis_url))
@@ -157,27 +159,29 @@ def test_a_retried_submit_recognises_what_its_lost_try_wrote(qname: str,
     assert first[3] == mtq.broker.protocol.Code.DUPLICATE_ID
     retry = q.broker.submit(chunk, reply)          # the retry sees duplicates
     assert retry[:2] == [mtq.broker.protocol.Code.DUPLICATE_ID] * 2
-    assert q._written(chunk, retry, reply) == [chunk[0].id, "given-1", chunk[2].id,
+    assert written(q, chunk, retry, reply) == [chunk[0].id, "given-1", chunk[2].id,
                                                mtq.broker.protocol.Code.DUPLICATE_ID]
     assert q.stats()["submitted"] == 4  # three of this client's, one of the other's
     # the same given id again, from this client, with another payload: a real duplicate
     again = q.prepare([mtq.Request({"x": 99}, id="given-1")])
     answer = q.broker.submit(again, reply)
-    assert q._written(again, answer, reply) == [mtq.broker.protocol.Code.DUPLICATE_ID]
+    assert written(q, again, answer, reply) == [mtq.broker.protocol.Code.DUPLICATE_ID]
 
 
 def test_a_retried_submit_that_finds_the_queue_full_of_itself_succeeds(
         qname: str, redis_url: str) -> None:
+    from mtq.client.submit import written
+
     q = mtq.Queue(qname, redis_url, max_length=2)
     reply = q.reply_channel()
     chunk = q.prepare([{"x": 1}, {"x": 2}])
     assert q.broker.submit(chunk, reply) == [chunk[0].id, chunk[1].id]  # the lost try
     retry = q.broker.submit(chunk, reply)
     assert retry[0] == mtq.broker.protocol.Code.QUEUE_FULL
-    assert q._written(chunk, retry, reply) == [chunk[0].id, chunk[1].id]
+    assert written(q, chunk, retry, reply) == [chunk[0].id, chunk[1].id]
     fresh = q.prepare([{"x": 3}])
     really_full = q.broker.submit(fresh, reply)
-    assert q._written(fresh, really_full, reply) == really_full, "really full stays full"
+    assert written(q, fresh, really_full, reply) == really_full, "really full stays full"
 
 
 def test_a_worker_gives_back_a_claim_whose_reply_it_lost(qname: str, redis_url: str) -> None:

@@ -1,0 +1,219 @@
+"""A named queue: :class:`Queue` (settings, submit, submit_many, look-ups, purge,
+delete, dead letters). The submit protocol itself is :mod:`mtq.client.submit`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from functools import partial
+from typing import Any
+
+import redis
+
+from mtq import tracing
+from mtq.broker.cluster import for_queue
+from mtq.broker.config import SettingsSource, SettingsSpec
+from mtq.broker.connection import connect
+from mtq.broker.protocol import Broker, NewTask
+from mtq.client.group import Group
+from mtq.client.records import Request
+from mtq.client.replies.hub import Hub, hub_of
+from mtq.client.submit import new_task, send
+from mtq.client.task import Task
+from mtq.errors import QueueInUse
+from mtq.settings import QueueSettings
+from mtq.validation import check_queue_name, check_task_id
+
+#: most tasks one purge / dead-letter script call handles
+PURGE_CHUNK = 1000
+
+
+class Queue:
+    """A named queue: submit tasks, look them up, read its counters.
+
+    ``url`` defaults to ``MTQ_REDIS_URL``, else the embedded server. Its settings are
+    the queue's, stored in Redis (``mtq queue config``, :meth:`configure`) and read
+    again every few seconds; keyword overrides (``Queue("embed", max_length=10_000)``)
+    change some for this object only, and a :class:`QueueSettings` given as
+    ``settings`` fixes them all (nothing is read). Unknown names raise ConfigError.
+    """
+
+    def __init__(self, name: str, url: str | None = None, *,
+                 settings: QueueSettings | None = None, client: redis.Redis | None = None,
+                 **overrides: Any) -> None:
+        self.name = check_queue_name(name)
+        spec: SettingsSpec = overrides or None
+        if settings is not None:
+            spec = settings.replace(**overrides) if overrides else settings
+        # a cluster's client for the queue's slot (mtq.broker.cluster); else the client
+        self.redis = for_queue(client if client is not None else connect(url), self.name)
+        self.broker = Broker(self.redis, self.name, SettingsSource.shared(self.redis, self.name,
+                                                                   spec))
+        self._registered = False
+        self._hub: Hub | None = None
+        self._reply: str | None = None
+
+    @property
+    def settings(self) -> QueueSettings:
+        """The queue's settings as this object uses them now."""
+        return self.broker.settings
+
+    def configure(self, **changes: Any) -> QueueSettings:
+        """Store settings of the queue in Redis, for every producer and worker (they
+        read them within REFRESH_S seconds); returns the queue's stored settings.
+        Raises ConfigError, storing nothing, for an unknown key or a bad value.
+        ``mtq queue config Q KEY VALUE`` does the same."""
+        from mtq.broker import config
+
+        stored = config.store(self.redis, self.name, changes)
+        self.broker.source.refresh()
+        return stored
+
+    @property
+    def hub(self) -> Hub:
+        """The reply listener this queue's client shares with every queue on it."""
+        hub = self._hub
+        if hub is None or hub.closed:  # (a closed hub is replaced by hub_of)
+            hub = self._hub = hub_of(self.redis)
+        return hub
+
+    def reply_channel(self) -> str:
+        """This client's reply channel on the queue, subscribed (once per process)."""
+        if self._reply is None:
+            self._reply = self.hub.channel(self.name)
+        return self._reply
+
+    def __repr__(self) -> str:
+        return f"<Queue {self.name}>"
+
+    def _new(self, payload: Any, stream: str | None, key: str | None, ttl: float | None,
+             retries: int | None, task_id: str | None, cache: bool = True) -> NewTask:
+        return new_task(self.settings, payload, stream, key, ttl, retries, task_id,
+                               cache)
+
+    def _send(self, tasks: list[NewTask]) -> list[Task]:
+        if tracing.api() is not None:  # cached: one check without OpenTelemetry
+            return tracing.traced_submit(self.name, tasks, self._send_tasks)
+        return self._send_tasks(tasks)
+
+    def _send_tasks(self, tasks: list[NewTask]) -> list[Task]:
+        if not self._registered:
+            self.broker.register()
+            self._registered = True
+        reply = self.reply_channel()
+        epoch = self.hub.epoch(self.name)  # before the submit: see Task._open_own
+        return send(self, tasks, reply, epoch, partial(Task, self))
+
+    def submit(self, payload: Any, *, stream: str | None = None, key: str | None = None,
+               ttl: float | None = None, retries: int | None = None,
+               id: str | None = None, cache: bool = True) -> Task:
+        """Submit one task (one round trip) and return its handle.
+
+        ``stream``: tasks of one stream run one at a time in submit order.
+        ``key``: idempotency key; within the window, the same key returns the same task.
+        ``ttl``: seconds after which the task, if not started, ends expired unrun.
+        ``retries``: retries after a handler error (default: the queue's max_retries).
+        ``cache=False``: bypass the queue's result cache (when ``cache_ttl_s`` > 0, an
+        identical earlier request's result, or an identical task still running,
+        otherwise answers it; see docs/operations.md).
+        Raises InvalidName, PayloadTooLarge, EncodeError, QueueFull, DuplicateTask,
+        BrokerError.
+        """
+        return self._send([self._new(payload, stream, key, ttl, retries, id, cache)])[0]
+
+    def submit_many(self, items: Iterable[Any], *, stream: str | None = None,
+                    ttl: float | None = None, retries: int | None = None,
+                    cache: bool = True) -> list[Task]:
+        """Submit many tasks, up to 1 000 per round trip, and return their handles.
+
+        Items are payloads, or :class:`Request` objects for per-task options
+        (their fields override the keyword defaults). Every item is validated and
+        encoded before anything is sent; with max_length set, each chunk of up to
+        1 000 is admitted whole or refused whole (QueueFull). ``cache=False`` (or a
+        Request's ``cache=False``) bypasses the result cache.
+        """
+        tasks = self.prepare(items, stream=stream, ttl=ttl, retries=retries, cache=cache)
+        return self.send(tasks) if tasks else []
+
+    def prepare(self, items: Iterable[Any], *, stream: str | None = None,
+                ttl: float | None = None, retries: int | None = None,
+                cache: bool = True) -> list[NewTask]:
+        """Validate and encode items for :meth:`send` (ids are chosen here)."""
+        tasks = []
+        for item in items:
+            if isinstance(item, Request):
+                tasks.append(self._new(
+                    item.payload, item.stream if item.stream is not None else stream, item.key,
+                    item.ttl if item.ttl is not None else ttl,
+                    item.retries if item.retries is not None else retries, item.id,
+                    cache and item.cache))
+            else:
+                tasks.append(self._new(item, stream, None, ttl, retries, None, cache))
+        return tasks
+
+    def send(self, tasks: list[NewTask]) -> list[Task]:
+        """Submit prepared tasks (see :meth:`submit_many`)."""
+        return self._send(tasks)
+
+    def group(self) -> Group:
+        """A new :class:`~mtq.client.group.Group` on this queue: callbacks over many tasks."""
+        return Group(self)
+
+    def task(self, task_id: str) -> Task:
+        """A handle on an existing task by id (not checked until used)."""
+        return Task(self, check_task_id(task_id))
+
+    def stats(self) -> dict[str, int]:
+        """O(1) counters: waiting, running, delayed, dead, streams, totals."""
+        return self.broker.stats()
+
+    # -- maintenance -----------------------------------------------------------------
+    def delete(self, *, force: bool = False) -> int:
+        """Delete the queue: every task (waiting, running, finished, dead), its
+        streams, counters, settings and timelines, and its name in the list of queues
+        (``mtq status``). Raises QueueInUse while live workers serve it, unless
+        ``force``. A submit made while it runs may be lost with the rest: stop the
+        queue's producers first. A later submit creates the queue anew. Deletes in
+        chunks (SCAN and UNLINK), so Redis is never blocked for long. Returns how
+        many keys were deleted."""
+        from mtq.workers.registry import list_workers
+
+        serving = [w["id"] for w in list_workers(self.redis, self.name)]
+        if serving and not force:
+            raise QueueInUse(self.name, serving)
+        return self.broker.delete_queue()
+
+    def purge(self) -> int:
+        """Drop every waiting task (each ends cancelled with the error 'purged'; a
+        client waiting on one is told). Running tasks, retries waiting for their
+        delay and dead letters stay. Works in chunks of 1000, so Redis is never
+        blocked for long. Returns how many were dropped."""
+        total, more = 0, True
+        while more:
+            n, more = self.broker.purge(PURGE_CHUNK)
+            total += n
+        return total
+
+    def dead_letters(self, start: int = 0, count: int = 20) -> list[dict[str, Any]]:
+        """Dead letters, newest first: id, stream, error, attempts, deliveries,
+        created and finished (ms since the epoch), and traceback (or None)."""
+        return self.broker.dead_letters(start, count)
+
+    def retry_dead(self, ids: Iterable[str] | None = None) -> int:
+        """Queue dead letters again (``ids``, or all of them): each goes to the tail
+        of its stream with its attempts reset. Returns how many were queued."""
+        return self._dlq("retry", ids)
+
+    def purge_dead(self, ids: Iterable[str] | None = None) -> int:
+        """Delete dead letters (``ids``, or all of them). Returns how many."""
+        return self._dlq("purge", ids)
+
+    def _dlq(self, action: str, ids: Iterable[str] | None) -> int:
+        if ids is not None:
+            chosen = [check_task_id(i) for i in ids]
+            return sum(self.broker.dlq(action, chosen[k:k + PURGE_CHUNK])[0]
+                       for k in range(0, len(chosen), PURGE_CHUNK))
+        total, more = 0, True
+        while more:
+            n, more = self.broker.dlq(action, (), PURGE_CHUNK)
+            total += n
+        return total

@@ -1,0 +1,60 @@
+"""The producer side's records: a task id, a submit item with options of its own, a
+snapshot of a task's stored state, one step of its trace."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+
+def new_task_id() -> str:
+    """A random id of 16 URL-safe characters (about 96 bits) that does not start with
+    ``-``: on a command line, ``mtq cancel -Mx...`` would read as an option."""
+    while True:
+        task_id = secrets.token_urlsafe(12)
+        if task_id[0] != "-":  # 1 in 64 draws
+            return task_id
+
+
+@dataclass(frozen=True, slots=True)
+class TraceEntry:
+    """One step of a task's life (:meth:`Task.trace`)."""
+
+    ts: float    # Redis server time, seconds since the epoch
+    kind: str    # queued, started, retry, restarted, released, cancel requested, <status>
+    detail: str  # delivery and worker, the error, the reason
+
+
+@dataclass(frozen=True)
+class Request:
+    """One item for :meth:`Queue.submit_many` with options of its own."""
+
+    payload: Any
+    stream: str | None = None
+    key: str | None = None
+    ttl: float | None = None
+    retries: int | None = None
+    id: str | None = None
+    #: False: never answered from the result cache, nor attached to an identical task
+    cache: bool = True
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    """A snapshot of a task's stored state. Times are Redis server ms since the epoch."""
+
+    id: str
+    status: str
+    stream: str | None
+    attempts: int
+    deliveries: int
+    created: int | None
+    started: int | None
+    finished: int | None
+    deadline: int | None
+    worker: str | None
+    error: str | None
+    cancel_requested: bool
+    #: the traceback of the last exception the task's handler raised (bounded)
+    traceback: str | None = None

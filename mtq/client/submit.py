@@ -1,0 +1,225 @@
+"""The submit protocol: validate and encode tasks, send them in chunks, retry while
+Redis cannot be reached, and recognise after a retry what a lost try already wrote
+(so a reset yields neither a ghost nor a duplicate).
+
+:class:`~mtq.client.queue.Queue` calls it; it builds no handle itself (``make``
+does), so it needs nothing of the queue but :class:`Target`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from mtq import serialization
+from mtq.broker import lane
+from mtq.broker.codes import Code
+from mtq.broker.connection import Backoff, redis_errors
+from mtq.broker.protocol import Answer, Broker, NewTask, Submitted
+from mtq.client.records import new_task_id
+from mtq.errors import (
+    ConfigError,
+    DuplicateTask,
+    NotDurable,
+    PayloadTooLarge,
+    QueueFull,
+    RedisUnavailable,
+)
+from mtq.settings import MAX_RETRIES, QueueSettings
+from mtq.validation import check_stream_name, check_task_id
+
+#: longest accepted ttl (about 31 years); keeps deadlines exact integers in Lua
+MAX_TTL_S = 1e9
+
+#: most tasks sent in one submit script call (keeps each call's Redis time short)
+SUBMIT_CHUNK = 1000
+#: how long submit keeps trying to reach Redis (the first retry at once, then up to
+#: 1 s apart) before it raises RedisUnavailable, and how long a reader does
+SUBMIT_RETRY_S = 10.0
+#: the same on a Redis Cluster or behind Sentinel: a failover takes Redis's node timeout
+#: (15 s by default) and an election (see docs/scaling.md)
+SUBMIT_RETRY_HA_S = 30.0
+
+T = TypeVar("T")
+
+
+class Target(Protocol):
+    """What the submit protocol needs of the queue it submits to."""
+
+    name: str
+    redis: Any
+    broker: Broker
+
+    @property
+    def settings(self) -> QueueSettings: ...
+
+
+def cache_digest(payload: Any, data: bytes) -> str:
+    """The result cache's digest of a payload (``data``: its encoding): ``c`` or ``u``
+    (``u``: it gives no integer ``seed``, so a generator samples it from its task id and
+    only a deterministic one may answer it from the cache), then the hex BLAKE2b of the
+    bytes. Computed here, not in Redis, whose CPU is the scarce one."""
+    seed = payload.get("seed") if isinstance(payload, dict) else None
+    seeded = isinstance(seed, int) and not isinstance(seed, bool)
+    return ("c" if seeded else "u") + hashlib.blake2b(data, digest_size=20).hexdigest()
+
+
+def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str | None,
+             ttl: float | None, retries: int | None, task_id: str | None,
+             cache: bool = True) -> NewTask:
+    """One task validated and encoded for :func:`send` (its id chosen here unless
+    given). Raises InvalidName, PayloadTooLarge, EncodeError, ConfigError."""
+    data = serialization.dumps(payload)
+    if len(data) > settings.max_payload_bytes:
+        raise PayloadTooLarge(
+            f"payload is {len(data)} bytes encoded, over this queue's max_payload_bytes "
+            f"({settings.max_payload_bytes}); send a reference (a URL or a key) "
+            "instead, or raise max_payload_bytes"
+        )
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
+                            or not 0 < ttl <= MAX_TTL_S):
+        raise ConfigError(f"ttl must be a number of seconds in (0, {MAX_TTL_S:.0e}], "
+                          f"got {ttl!r}")
+    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int)
+                                or not 0 <= retries <= MAX_RETRIES):
+        raise ConfigError(f"retries must be an integer in [0, {MAX_RETRIES}], got "
+                          f"{retries!r}")
+    return NewTask(
+        id=check_task_id(task_id) if task_id is not None else new_task_id(),
+        own_id=task_id is None,
+        payload=data,
+        stream=check_stream_name(stream) if stream is not None else "",
+        key=check_stream_name(key, "idempotency key") if key is not None else "",
+        ttl_ms=max(1, int(ttl * 1000)) if ttl is not None else 0,
+        retries=retries,
+        digest=cache_digest(payload, data) if cache and settings.cache_ttl_s > 0 else "",
+    )
+
+
+def send(q: Target, tasks: list[NewTask], reply: str, epoch: int,
+         make: Callable[[str, bytes | None, int | None], T]) -> list[T]:
+    """Submit ``tasks`` to ``q`` in chunks of SUBMIT_CHUNK, answering each on the reply
+    channel ``reply``; ``make(task id, cached result or None, epoch or None)`` builds
+    each handle (``epoch``: the reply subscription's, read before the submit, for a
+    task created with its own id). Raises QueueFull, NotDurable, DuplicateTask (each
+    with ``.created``: the handles of the tasks that went in), RedisUnavailable."""
+    out: list[T] = []
+    duplicates: list[str] = []
+    unconfirmed = -1  # the fewest replicas that confirmed a chunk, when too few
+    for start in range(0, len(tasks), SUBMIT_CHUNK):
+        chunk = tasks[start:start + SUBMIT_CHUNK]
+        answer, acks = _submit_chunk(q, chunk, reply)
+        if answer and answer[0] == Code.QUEUE_FULL:  # only ever [QUEUE_FULL, waiting]
+            waiting = answer[1] if isinstance(answer[1], int) else 0
+            full = QueueFull(q.name, waiting, q.settings.max_length, len(chunk))
+            full.created = out  # earlier chunks went in
+            raise full
+        for item, value in zip(chunk, answer):
+            if value == Code.DUPLICATE_ID:
+                duplicates.append(item.id)
+            elif isinstance(value, tuple):  # a result cache hit
+                out.append(make(value[0], value[1], None))
+            else:  # its own id: a new task (not one an idempotency key names)
+                tid = str(value)
+                out.append(make(tid, None, epoch if tid == item.id else None))
+        if 0 <= acks < q.settings.durable_replicas:
+            unconfirmed = acks if unconfirmed < 0 else min(unconfirmed, acks)
+    if unconfirmed >= 0:
+        s = q.settings
+        nd = NotDurable(q.name, unconfirmed, s.durable_replicas, s.durable_timeout_ms)
+        nd.created = out
+        raise nd
+    if duplicates:
+        dup = DuplicateTask(f"task id(s) {', '.join(map(repr, duplicates[:5]))} already "
+                            f"exist in queue {q.name!r}; the other tasks were submitted "
+                            "(see .created); use new ids or Queue.task(id)")
+        dup.created, dup.duplicates = out, duplicates
+        raise dup
+    return out
+
+
+def _submit_chunk(q: Target, chunk: list[NewTask], reply: str) -> tuple[list[Submitted], int]:
+    """One submit call, retried while Redis cannot be reached. The call is sent once
+    per try, never repeated by the connection; after a retry, the tasks a lost try
+    already wrote are recognised (see :func:`written`), so a reset yields neither a
+    ghost nor a duplicate. Returns the answer and, for a durable queue, how many
+    replicas confirmed it (-1 otherwise). Raises RedisUnavailable after
+    SUBMIT_RETRY_S."""
+    backoff = Backoff()
+    start = time.monotonic()
+    retried = False
+    acks = -1
+    answer: list[Submitted]
+    while True:
+        try:
+            sent: Answer
+            if q.settings.durable_replicas:
+                sent, acks = q.broker.submit_durable(chunk, reply)
+            else:
+                sent = q.broker.submit(chunk, reply)
+            answer = sent
+            if sent.handed:
+                # Redis woke a sleeping worker with these tasks as it answered: if it
+                # shares this CPU, it runs them before this thread's bookkeeping
+                # (docs/architecture.md, "Direct delivery")
+                lane.sched_yield()
+            break
+        except RedisUnavailable as exc:
+            # a cluster's or a sentinel's client: long enough for a failover
+            limit = SUBMIT_RETRY_HA_S if getattr(q.redis, "mtq_url", None) \
+                else SUBMIT_RETRY_S
+            if time.monotonic() - start > limit:
+                err = RedisUnavailable(
+                    f"{exc}; the {len(chunk)} task(s) of this submit may or may not be "
+                    "queued: their ids are in .task_ids, and submitting them again "
+                    "with the same ids (Request(id=...)) is safe")
+                err.task_ids = [t.id for t in chunk]  # type: ignore[attr-defined]
+                raise err from exc
+            retried = True
+            time.sleep(backoff.next())
+    if retried:
+        answer = written(q, chunk, answer, reply)
+    return answer, acks
+
+
+def written(q: Target, chunk: list[NewTask], answer: list[Submitted], reply: str
+             ) -> list[Submitted]:
+    """Correct the answer of a retried submit for what the lost try wrote: a task it
+    created comes back as a duplicate (or, if it filled the queue, the whole chunk
+    as queue-full). A duplicate is this call's own if its id was generated here
+    (96 random bits), or if the stored task names this client's reply channel and
+    holds the very same payload (a task this client merely watched, or submitted
+    before with another payload, stays a duplicate)."""
+    full = bool(answer) and answer[0] == Code.QUEUE_FULL
+    doubtful = range(len(chunk)) if full else \
+        [i for i, v in enumerate(answer) if v == Code.DUPLICATE_ID]
+    if not doubtful:
+        return answer
+    keys = q.broker.keys
+    with redis_errors("while checking a retried submit"):
+        pipe = q.redis.pipeline(transaction=False)
+        for i in doubtful:
+            pipe.hmget(keys.task(chunk[i].id), "reply", "payload")
+            if chunk[i].key:
+                pipe.get(keys.idem(chunk[i].key))
+        rows = iter(pipe.execute())
+    mine: dict[int, str] = {}
+    for i in doubtful:
+        stored, payload = next(rows)
+        idem = next(rows) if chunk[i].key else None
+        if stored is not None and (chunk[i].own_id or (
+                reply in stored.decode().split() and payload == chunk[i].payload)):
+            mine[i] = chunk[i].id
+        elif chunk[i].key and idem is not None:
+            mine[i] = idem.decode()
+    if full:
+        if not any(v == chunk[i].id for i, v in mine.items()):
+            return answer  # the queue really is full: nothing of this chunk was written
+        return [mine.get(i, Code.DUPLICATE_ID) for i in range(len(chunk))]
+    out = list(answer)
+    for i, task_id in mine.items():
+        if task_id == chunk[i].id:
+            out[i] = task_id
+    return out
