@@ -87,7 +87,7 @@ def snapshot(client: redis.Redis, queues: list[str] | None = None) -> Snapshot:
     """Read every queue's counters, recent latencies and failures, and the live
     workers, in four round trips (see the module docstring)."""
     from mtq.broker import catalogue
-    from mtq.workers.registry import list_workers
+    from mtq.broker.registry import list_workers
 
     names = queue_names(client) if queues is None else [check_queue_name(q) for q in queues]
     settings = QueueSettings()

@@ -175,7 +175,7 @@ class Queue:
         queue's producers first. A later submit creates the queue anew. Deletes in
         chunks (SCAN and UNLINK), so Redis is never blocked for long. Returns how
         many keys were deleted."""
-        from mtq.workers.registry import list_workers
+        from mtq.broker.registry import list_workers
 
         serving = [w["id"] for w in list_workers(self.redis, self.name)]
         if serving and not force:
