@@ -14,17 +14,15 @@ from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from mtq import serialization
-from mtq.broker import lane
+from mtq.broker import codes, lane
 from mtq.broker.codes import Code
 from mtq.broker.connection import Backoff, redis_errors
 from mtq.broker.protocol import Answer, Broker, NewTask, Submitted
 from mtq.client.records import new_task_id
 from mtq.errors import (
     ConfigError,
-    DuplicateTask,
     NotDurable,
     PayloadTooLarge,
-    QueueFull,
     RedisUnavailable,
 )
 from mtq.settings import MAX_RETRIES, QueueSettings
@@ -113,7 +111,8 @@ def send(q: Target, tasks: list[NewTask], reply: str, epoch: int,
         answer, acks = _submit_chunk(q, chunk, reply)
         if answer and answer[0] == Code.QUEUE_FULL:  # only ever [QUEUE_FULL, waiting]
             waiting = answer[1] if isinstance(answer[1], int) else 0
-            full = QueueFull(q.name, waiting, q.settings.max_length, len(chunk))
+            full = codes.error(Code.QUEUE_FULL, queue=q.name, waiting=waiting,
+                               max_length=q.settings.max_length, adding=len(chunk))
             full.created = out  # earlier chunks went in
             raise full
         for item, value in zip(chunk, answer):
@@ -132,10 +131,8 @@ def send(q: Target, tasks: list[NewTask], reply: str, epoch: int,
         nd.created = out
         raise nd
     if duplicates:
-        dup = DuplicateTask(f"task id(s) {', '.join(map(repr, duplicates[:5]))} already "
-                            f"exist in queue {q.name!r}; the other tasks were submitted "
-                            "(see .created); use new ids or Queue.task(id)")
-        dup.created, dup.duplicates = out, duplicates
+        dup = codes.error(Code.DUPLICATE_ID, queue=q.name, task_ids=duplicates)
+        dup.created = out
         raise dup
     return out
 

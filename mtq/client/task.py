@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, Protocol
 
 from mtq import serialization
+from mtq.broker import codes
 from mtq.broker.codes import Code
 from mtq.broker.connection import Backoff, redis_errors
 from mtq.broker.protocol import Broker
@@ -89,8 +90,7 @@ class Task:
             return list(self.queue.redis.hmget(self.queue.broker.keys.task(self.id), names))
 
     def _not_found(self) -> TaskNotFound:
-        return TaskNotFound(f"no task {self.id} in queue {self.queue.name!r} "
-                            "(wrong id or queue, or its retention time ran out)")
+        return codes.error(Code.NOT_FOUND, queue=self.queue.name, task_id=self.id)
 
     def status(self) -> str:
         """The task's state: queued, running, delayed, succeeded, failed, dead,
