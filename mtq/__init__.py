@@ -42,7 +42,7 @@ from mtq.workers.model import Model, Progress
 __version__ = "0.1.0"
 
 _MORE_ERRORS = frozenset({"BatchArityError", "BatchShapeError", "InvalidArgument", "JobRefused",
-                          "ResultNotStorable", "TaskFinished"})
+                          "ResultNotStorable", "TaskFinished", "UsageError"})
 
 
 def __getattr__(name: str) -> object:

@@ -29,10 +29,11 @@
     ├── BatchShapeError             a model returned the wrong number of results
     ├── BatchArityError             an RQ job of a batched function has other than one argument
     ├── JobRefused                  a job the RQ worker will not run (a pickled job)
-    └── ResultNotStorable           an RQ job's return value its serializer cannot write
+    ├── ResultNotStorable           an RQ job's return value its serializer cannot write
+    └── UsageError                  a call its object's state does not allow (a closed group)
 
 InvalidArgument and BatchShapeError are also ValueErrors; BatchArityError and
-ResultNotStorable TypeErrors. ``mtq.broker.codes.error`` is the one place that turns
+ResultNotStorable TypeErrors; UsageError a RuntimeError. ``mtq.broker.codes.error`` is the one place that turns
 the codes the Lua scripts return into these exceptions.
 
 Every message says what was wrong and what to do about it.
@@ -43,6 +44,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "UsageError",
     "BatchArityError",
     "BatchShapeError",
     "BrokerError",
@@ -263,3 +265,8 @@ class JobRefused(MtqError):
 
 class ResultNotStorable(MtqError, TypeError):
     """A job's return value cannot be written with the job's serializer."""
+
+
+class UsageError(MtqError, RuntimeError):
+    """A call its object's state does not allow: adding to a closed group, a Flask
+    helper on an app ``MTQ(app)`` has not set up. The message says what to call first."""

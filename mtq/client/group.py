@@ -26,7 +26,7 @@ from mtq.client.replies.events import Event
 from mtq.client.replies.feeds import CallbackFeed
 from mtq.client.replies.hub import Hub
 from mtq.client.task import Task, adopt, failure
-from mtq.errors import ResultTimeout, TaskFailed
+from mtq.errors import ResultTimeout, TaskFailed, UsageError
 
 log = logging.getLogger("mtq.group")
 
@@ -119,13 +119,13 @@ class Group:
     def _track(self, task: Task, known: bool) -> None:
         with self._lock:
             if self._closed:
-                raise RuntimeError("this group is closed; add tasks before close() or wait()")
+                raise UsageError("this group is closed; add tasks before close() or wait()")
             self._tasks.append(task)
         task.add_done_callback(self._finished, _known=known)
 
     def _queue(self) -> GroupQueue:
         if self.queue is None:
-            raise RuntimeError("this group has no queue: create it with Queue.group(), "
+            raise UsageError("this group has no queue: create it with Queue.group(), "
                                "or submit on a queue and add() the tasks")
         return self.queue
 

@@ -51,7 +51,7 @@ from mtq.contrib.sse import (
     stream_name,
     to_json,
 )
-from mtq.errors import MtqError
+from mtq.errors import MtqError, UsageError
 from mtq.validation import check_task_id
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class MTQ:
             state: _State = current_app.extensions[EXTENSION]
             return state
         except KeyError:
-            raise RuntimeError("mtq is not set up on this app: call MTQ(app) or "
+            raise UsageError("mtq is not set up on this app: call MTQ(app) or "
                                "MTQ().init_app(app) first") from None
 
     def queue(self, name: str | None = None) -> Queue:

@@ -56,6 +56,8 @@ import redis
 from mtq.client import Task
 from mtq.errors import (
     BrokerError,
+    ConfigError,
+    EncodeError,
     InvalidName,
     MtqError,
     PayloadTooLarge,
@@ -138,14 +140,14 @@ def parse_last_event_id(header: str | None, query: str | None = None) -> int:
 
 def json_default(value: Any) -> Any:
     """JSON for what ``json`` cannot encode: bytes as base64 text, arrays and tensors
-    (anything with ``tolist()``) as lists. Raises TypeError otherwise."""
+    (anything with ``tolist()``) as lists. Raises EncodeError (a TypeError) otherwise."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return base64.b64encode(bytes(value)).decode("ascii")
     tolist = getattr(value, "tolist", None)
     if callable(tolist):
         return tolist()
-    raise TypeError(f"{type(value).__name__} is not JSON-encodable; pass encode= to "
-                    "turn it into something that is")
+    raise EncodeError(f"{type(value).__name__} is not JSON-encodable; pass encode= to "
+                      "turn it into something that is")
 
 
 Encoder = Callable[[Any], str]
@@ -271,7 +273,7 @@ class EventStream:
                  cancel_on_disconnect: bool = False, cancel_grace_s: float = 0.0,
                  encode: Encoder = to_json) -> None:
         if cancel_grace_s < 0:
-            raise ValueError(f"cancel_grace_s must be >= 0, got {cancel_grace_s!r}")
+            raise ConfigError(f"cancel_grace_s must be >= 0, got {cancel_grace_s!r}")
         self.task = task
         self.start = start
         self.keepalive_s = keepalive_s

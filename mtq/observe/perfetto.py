@@ -28,6 +28,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from mtq.errors import ConfigError
+
 #: ``--since`` units, in seconds
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 _SINCE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
@@ -45,7 +47,7 @@ def parse_since(text: str) -> float:
     Raises ValueError naming what is accepted."""
     m = _SINCE.match(text)
     if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"bad --since {text!r}: give a positive duration such as 500ms, "
+        raise ConfigError(f"bad --since {text!r}: give a positive duration such as 500ms, "
                          "90s, 5m, 2h, or a number of seconds")
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 

@@ -24,7 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mtq.errors import BatchArityError  # defined there; imported from here too
+# BatchArityError is defined in mtq.errors and imported from here too
+from mtq.errors import BatchArityError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -73,9 +74,9 @@ def _wrap(func: Callable[[list[Any]], Any], max_batch_size: int, max_wait_ms: fl
     if not callable(func):
         raise TypeError(f"@batched needs a function, got {type(func).__name__}")
     if int(max_batch_size) < 1:
-        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        raise ConfigError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if not 0 <= float(max_wait_ms) <= 60_000:
-        raise ValueError(f"max_wait_ms must be between 0 and 60000, got {max_wait_ms}")
+        raise ConfigError(f"max_wait_ms must be between 0 and 60000, got {max_wait_ms}")
     spec = Batched(func, int(max_batch_size), float(max_wait_ms))
 
     # a plain function, not a callable object: RQ enqueues a function by its import

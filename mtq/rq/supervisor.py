@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
+from mtq.errors import ConfigError
 from mtq.rq.faults import (
     SHARED_SLOTS,
     STARTED,
@@ -136,14 +137,14 @@ class RQSupervisor:
         self.max_jobs = max_jobs
         self.with_scheduler = with_scheduler
         if dequeue_strategy not in ("default", "round_robin", "random"):
-            raise ValueError(f"dequeue strategy {dequeue_strategy!r} is not allowed: use "
+            raise ConfigError(f"dequeue strategy {dequeue_strategy!r} is not allowed: use "
                              "default, round_robin or random")
         self.max_idle_time = max_idle_time
         self.dequeue_strategy = dequeue_strategy
         self.log_level = log_level
         self.worker = worker or {}
         if max_deliveries < 1:
-            raise ValueError(f"max_deliveries must be >= 1, got {max_deliveries}")
+            raise ConfigError(f"max_deliveries must be >= 1, got {max_deliveries}")
         self.max_deliveries = max_deliveries
         self.hang_grace_s = float(hang_grace_s)
         self.on_event = on_event or (lambda m: log.info("%s", m))

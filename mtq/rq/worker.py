@@ -47,6 +47,7 @@ from rq.serializers import JSONSerializer
 from rq.utils import now
 from rq.worker import DequeueStrategy, SimpleWorker
 
+from mtq.errors import ConfigError
 from mtq.rq import leases
 from mtq.rq.claiming import Claiming
 from mtq.rq.claims import Claims, Prepared
@@ -122,7 +123,7 @@ class BatchWorker(Claiming, Heartbeat, Running, SimpleWorker):
         queues in order), ``round_robin`` (one job from each in turn) or ``random``, as
         RQ's worker. Returns whether any job ran."""
         if dequeue_strategy not in ("default", "random", "round_robin"):
-            raise ValueError(f"dequeue strategy {dequeue_strategy!r} is not allowed: use "
+            raise ConfigError(f"dequeue strategy {dequeue_strategy!r} is not allowed: use "
                              "default, random or round_robin")
         self._dequeue_strategy = DequeueStrategy(dequeue_strategy)
         self._beat_stop.clear()  # work() may be called again on the same worker (RQ's may)
