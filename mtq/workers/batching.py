@@ -63,7 +63,7 @@ class BatchSlot:
         #: places taken by tasks already out of the slot (a generator's running batch)
         self._reserved = 0
         #: batches the fetcher keeps claimed ahead (the worker raises it for a fast model
-        #: on a deep queue: see Worker._claim_ahead and :meth:`claim_ahead`)
+        #: on a deep queue: see mtq.workers.fetcher.Fetcher.claim_ahead and :meth:`claim_ahead`)
         self.ahead = 1
         #: 0: the fetcher claims as soon as the slot has room, at most a batch a claim;
         #: n > 0: it waits until the slot has room for n tasks, then claims all the room
