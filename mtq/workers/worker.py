@@ -192,6 +192,12 @@ class Worker:
             return "paused"
         return "draining" if self.life.draining else "idle"
 
+    @property
+    def threads(self) -> tuple[threading.Thread, ...]:
+        """The threads :meth:`run` started (fetcher, publisher, heartbeat, ...): all of
+        them have ended once it returns."""
+        return tuple(self._threads)
+
     def command(self, msg: dict[str, Any]) -> None:
         """Apply a control command: pause, resume, drain, stop, reload (thread-safe)."""
         cmd = msg.get("cmd")

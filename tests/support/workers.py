@@ -49,7 +49,7 @@ class Running:
         assert not self.thread.is_alive(), "Worker.run() did not return"
         if self.error is not None:
             raise self.error
-        alive = [t.name for t in self.worker._threads if t.is_alive()]
+        alive = [t.name for t in self.worker.threads if t.is_alive()]
         assert not alive, f"worker threads still running after run() returned: {alive}"
         assert self.totals is not None
         return self.totals
