@@ -1,4 +1,4 @@
-"""The reply subscription now lives in :mod:`mtq.client.replies` (events, feeds, the
+"""The reply subscription lives in :mod:`mtq.client.replies` (events, feeds, the
 wire reader, the inbox, the callbacks thread, the hub), and the readers' clocks in
 :mod:`mtq.client.waiting`. This module re-exports their names under the path the
 docs and older code use (``mtq.replies.INBOX_MAX``, ``mtq.replies.hub_of``); setting
