@@ -16,10 +16,9 @@ it keeps everything redis-py does that matters here and drops the rest:
   each back to the pool after every call (client CPU spent on every call); more
   concurrent callers (a web server's threads) take theirs from the pool and give them
   back to it, so a client holds at most :data:`KEEP` connections more than it would
-  without the lane.
-  Kept ones count as in use in the pool, and ``pool.disconnect()`` still closes them
-  (the next call connects again). A forked child starts with none (it never touches
-  its parent's sockets);
+  without the lane. Kept ones count as in use in the pool, and ``pool.disconnect()``
+  still closes them (the next call connects again). A forked child starts with none
+  (it never touches its parent's sockets);
 * the **retry** is the connection's own (:func:`mtq.broker.connection.retry_policy`): a
   dropped connection is disconnected and the commands sent again, or not at all inside
   :func:`~mtq.broker.connection.single_attempt`;

@@ -48,8 +48,8 @@ def memoize_serializer_resolution() -> None:
     RQ resolves the serializer every time it builds a Job or a Result (twice a job
     here), and each time checks it against a runtime-checkable Protocol, which Python
     3.11 does by listing the protocol's members anew: a noticeable share of the
-    worker's time on short jobs. The answer depends on the argument alone (a class, an alias or a
-    dotted path), so it is kept per argument. Installed by the worker process only,
+    worker's time on short jobs. The answer depends on the argument alone (a class,
+    an alias or a dotted path), so it is kept per argument. Installed by the worker process only,
     in the modules of RQ that call it."""
     import rq.job
     import rq.registry
@@ -80,8 +80,8 @@ class BatchJob(Job):
 
     RQ builds a new registry object at each access of ``started_job_registry`` (and
     the finished and failed ones), and each build resolves the serializer through a
-    runtime-checkable Protocol check: three per job, about a sixth of the worker's
-    time on no-op jobs. The registries hold nothing but their queue's name, the
+    runtime-checkable Protocol check: three per job, a noticeable share of the
+    worker's time on short jobs. The registries hold nothing but their queue's name, the
     connection and the serializer, so one per (queue, connection, serializer) is
     the same thing."""
 

@@ -95,8 +95,8 @@ their leases bring them back). The sleeping
 worker's BLPOP returns that reply: one hop instead of a wake-up, a claim and its reply;
 and it goes back to sleep on its inbox without a claim, for as many hand-offs as come
 while it comes back for each. Everything else (retries,
-releases, reclaims) is queued and woken for as before. A worker that stops or pauses
-takes its registration back.
+releases, reclaims) is queued, and a sleeper woken for it with a wake marker. A worker
+that stops or pauses takes its registration back.
 
 Ring invariant (what makes ordering hold): a stream whose list is non-empty and
 which is not in busy is in the ring. The ring may also hold stale or duplicate
