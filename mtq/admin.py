@@ -1,5 +1,5 @@
-"""What operators read (the queues, one snapshot of everything, a task found by id)
-now lives in :mod:`mtq.client.admin`; this module re-exports it under the path the
+"""What operators read (the queues, one snapshot of everything, a task found by id);
+it lives in :mod:`mtq.client.admin`, and this module re-exports it under the path the
 docs name (``mtq.admin.snapshot``)."""
 
 from mtq.client.admin import (

@@ -1,5 +1,5 @@
-"""Groups now live in :mod:`mtq.client.group`; this module re-exports them under the
-old path."""
+"""Groups live in :mod:`mtq.client.group`; this module re-exports them for code that
+imports ``mtq.group``."""
 
 from mtq.client.group import Group, GroupQueue
 

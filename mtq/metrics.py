@@ -2,7 +2,7 @@
 
 This path is kept for code that imports it. Its :class:`MtqCollector` reads the
 worker registry (:func:`mtq.broker.registry.list_workers`) unless given another
-reader, as the collector of this path always did.
+reader (the one in :mod:`mtq.observe.prometheus` reads none by default).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The reply subscription now lives in :mod:`mtq.client.replies` (events, feeds, the
+"""The reply subscription lives in :mod:`mtq.client.replies` (events, feeds, the
 wire reader, the inbox, the callbacks thread, the hub), and the readers' clocks in
 :mod:`mtq.client.waiting`. This module re-exports their names under the path the
-docs and older code use (``mtq.replies.INBOX_MAX``, ``mtq.replies.hub_of``); setting
-one of the tunables here (a test's monkeypatch) sets it in the module that reads it.
+docs use, for code that imports it (``mtq.replies.INBOX_MAX``, ``mtq.replies.hub_of``);
+setting one of the tunables here (a test's monkeypatch) sets it in the module that reads it.
 """
 
 import logging

@@ -6,8 +6,8 @@ do. Every operation is one round trip for the whole batch, and
 :meth:`Consumer.settle_and_claim` settles one batch and claims the next in a
 single round trip, which is what the workers' hot loop uses. What to ack, retry,
 dead-letter or fail is decided in :mod:`mtq.broker.outcomes` (which also holds
-:class:`Outcome`, :class:`Chunk` and :class:`SettleReport`, imported here as they
-always were); giving tasks back, in :mod:`mtq.broker.recovery`.
+:class:`Outcome`, :class:`Chunk` and :class:`SettleReport`, which can be imported
+from here too); giving tasks back, in :mod:`mtq.broker.recovery`.
 """
 
 from __future__ import annotations

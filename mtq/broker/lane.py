@@ -1,25 +1,24 @@
 """The hot path's own way to Redis: commands packed once, sent on a connection this
 module keeps, replies read back raw.
 
-A call through redis-py's ``Redis.execute_command`` costs about 64 us of client CPU on
-this project's 2-core machine, round trip included (packing through its encoder, taking
-and giving back a pool connection with their observability hooks, response callbacks);
-the same call through :func:`exchange` costs about 25 us (``python -m
-benchmarks.hotpath``, its last row). mtq's hot commands (the scripts' calls, the
-worker's BLPOP) go through it: it keeps everything redis-py does that matters here and
-drops the rest:
+A call through redis-py's ``Redis.execute_command`` spends most of its client CPU in
+layers these commands do not need (packing through its encoder, taking and giving back
+a pool connection with their observability hooks, response callbacks); a call through
+:func:`exchange` skips them (the figures: docs/architecture.md, The hot path's own way
+to Redis). mtq's hot commands (the scripts' calls, the worker's BLPOP) go through it:
+it keeps everything redis-py does that matters here and drops the rest:
 
 * the **connection** is one of redis-py's own, from the client's pool, so its class
   (TLS, a cluster slot's connection that follows the slot, a Sentinel-watched
   primary), its handshake (AUTH, SELECT, CLIENT SETNAME), its socket timeouts and its
   idle health check are unchanged. The lane keeps up to :data:`KEEP` connections
   between calls (a worker's fetcher and publisher each find one) instead of giving
-  each back to the pool after every call (about 18 us); more concurrent callers (a
-  web server's threads) take theirs from the pool and give them back to it, so a
-  client holds at most :data:`KEEP` connections more than it would without the lane.
-  Kept ones count as in use in the pool, and ``pool.disconnect()`` still closes them
-  (the next call connects again). A forked child starts with none (it never touches
-  its parent's sockets);
+  each back to the pool after every call (client CPU spent on every call); more
+  concurrent callers (a web server's threads) take theirs from the pool and give them
+  back to it, so a client holds at most :data:`KEEP` connections more than it would
+  without the lane. Kept ones count as in use in the pool, and ``pool.disconnect()``
+  still closes them (the next call connects again). A forked child starts with none
+  (it never touches its parent's sockets);
 * the **retry** is the connection's own (:func:`mtq.broker.connection.retry_policy`): a
   dropped connection is disconnected and the commands sent again, or not at all inside
   :func:`~mtq.broker.connection.single_attempt`;
@@ -36,8 +35,8 @@ drops the rest:
 * **the socket**: on a connected connection read by hiredis (redis-py's own parser
   when ``redis[hiredis]`` is installed, as mtq requires) a call writes to the
   connection's socket and feeds the connection's hiredis reader itself, without
-  ``send_packed_command`` / ``read_response`` (2-5 us of client CPU less a call here;
-  see :func:`_talk` for what it keeps, RESP3 push messages included). Anything
+  ``send_packed_command`` / ``read_response`` and the client CPU their layers take on
+  every call (see :func:`_talk` for what it keeps, RESP3 push messages included). Anything
   else (another parser, a connection class that overrides those methods, such as
   Sentinel's, a connection to open, a health check due) goes through those methods.
 
@@ -188,8 +187,9 @@ def _direct(conn: Any) -> Any:
 
 def _talk(conn: Any, parser: Any, packed: list[bytes], n: int) -> list[Any]:
     """Send ``packed`` and read ``n`` replies on the socket and hiredis reader that
-    redis-py's connection set up, without its per-call layers (2-5 us of client CPU a call
-    here). What those layers do that matters is done here: one write (one syscall for a pipeline too), an
+    redis-py's connection set up, without its per-call layers (their client CPU on every
+    call: docs/architecture.md, The hot path's own way to Redis). What those layers do
+    that matters is done here: one write (one syscall for a pipeline too), an
     error reply returned in its place, a dropped or timed-out socket disconnected and
     raised as redis-py's ConnectionError or TimeoutError (its retry then reconnects),
     and the idle health check moved on."""

@@ -72,7 +72,8 @@ class Outcome:
 class Chunk:
     """A token (or chunk) of a running task, streamed to its client; index -1 is a
     progress report. (Not frozen: a generator makes one per token, and a frozen
-    dataclass's ``__init__`` costs three times as much.)"""
+    dataclass's ``__init__`` sets each field through ``object.__setattr__``, which
+    takes more Python per object.)"""
 
     task: Claimed
     index: int

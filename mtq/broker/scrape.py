@@ -7,11 +7,12 @@ delayed set, LLEN of the dead letters, SCARD of the busy streams (as
 cache's index.
 
 At 1 000 queues that is 7 000 commands a scrape, and a redis-py pipeline spends
-about 7 µs of Python on each (building the command, its response callback): 50 ms
-of a 100 ms budget. So the commands of each queue are encoded once, in RESP,
+Python on each (building the command, its response callback): at that count, most of
+what a scrape may take. So the commands of each queue are encoded once, in RESP,
 and kept (queues come and go rarely); a scrape joins them, writes them on one
 connection of the client's pool and reads the raw replies back (hiredis when
-installed): about 15 ms for the same 7 000 commands. A connection that fails is
+installed), which leaves little Python per command (the scrape's time:
+docs/benchmarks.md, Observability). A connection that fails is
 dropped, and the read is tried once more on a fresh one (a restarted Redis), as
 the exporter's client would with its own retry.
 """
@@ -117,8 +118,8 @@ class ScrapeReader:
         try:
             conn.send_packed_command([data], check_health=True)
             # hiredis' parser straight (an error reply comes back as a value, checked
-            # below): redis-py's Connection.read_response around it costs ~7 us a
-            # reply in health checks and error mapping, 7 000 times a scrape
+            # below): redis-py's Connection.read_response around it adds health checks
+            # and error mapping to every reply, 7 000 of them a scrape of 1 000 queues
             parser: Any = getattr(conn, "_parser", None)
             read = parser.read_response if getattr(parser, "_reader", None) is not None \
                 else conn.read_response

@@ -105,8 +105,8 @@ def _shaken(name: str, uses: set[str]) -> str:
     """The statements of the shared file ``name`` that define what ``uses`` names,
     and, in turn, what those use: in the file's order, so that Lua's scoping of
     locals is the file's. A script pays each call for every function and table its
-    prelude creates (the closures alone were a third of a claim's fixed cost), so it
-    gets only those it can reach."""
+    prelude creates (closures included, a fixed cost on every claim), so it gets only
+    those it can reach."""
     statements = _library(name)
     wanted: set[str] = set()
     todo = set(uses)

@@ -164,7 +164,7 @@ class Group:
             raise
         for t in tasks:
             self._adopt(t, feeds.get(t.id))
-        returned = {t.id for t in tasks}  # once: a set per feed was O(n^2)
+        returned = {t.id for t in tasks}  # built once, not per feed (that would be O(n^2))
         for tid, feed in feeds.items():  # an idempotency hit returned another task
             if tid not in returned:
                 hub.close(feed)

@@ -37,9 +37,8 @@ Metrics (see docs/operations.md for the table):
 
 The HTTP server renders the text format itself (:meth:`MtqCollector.render`, the
 same families as :meth:`MtqCollector.collect` yields, which prometheus_client's
-registries use): prometheus_client's generic writer costs a few microseconds a
-sample, too much for a thousand queues with histograms (docs/benchmarks.md,
-Observability).
+registries use): prometheus_client's generic writer spends Python on every sample,
+too much for a thousand queues with histograms (docs/benchmarks.md, Observability).
 
 No torch import here: the exporter runs beside the workers, not in them. Nothing
 here imports the worker side: the worker registry is read through the function

@@ -129,9 +129,10 @@ class CachedDecoder:
         attending over the cache only: logits [B, vocab].
 
         Attention reads the slots [lo, hi) spanning the batch as a view of the pool
-        (a gather would copy, and allocate, B x span keys per layer: most of a step
-        at B=32); slots of that range outside the batch get a zero query whose
-        output is dropped. Slots are kept compact, so the engine's batch has none.
+        (a gather would copy, and allocate, B x span keys per layer on every step,
+        a cost that grows with the batch); slots of that range outside the batch get
+        a zero query whose output is dropped. Slots are kept compact, so the engine's
+        batch has none.
         """
         import torch
 

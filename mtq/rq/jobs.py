@@ -47,9 +47,9 @@ def memoize_serializer_resolution() -> None:
 
     RQ resolves the serializer every time it builds a Job or a Result (twice a job
     here), and each time checks it against a runtime-checkable Protocol, which Python
-    3.11 does by listing the protocol's members anew: about 8 % of the worker's time
-    on no-op jobs. The answer depends on the argument alone (a class, an alias or a
-    dotted path), so it is kept per argument. Installed by the worker process only,
+    3.11 does by listing the protocol's members anew: a noticeable share of the
+    worker's time on short jobs. The answer depends on the argument alone (a class,
+    an alias or a dotted path), so it is kept per argument. Installed by the worker process only,
     in the modules of RQ that call it."""
     import rq.job
     import rq.registry
@@ -80,8 +80,8 @@ class BatchJob(Job):
 
     RQ builds a new registry object at each access of ``started_job_registry`` (and
     the finished and failed ones), and each build resolves the serializer through a
-    runtime-checkable Protocol check: three per job, about a sixth of the worker's
-    time on no-op jobs. The registries hold nothing but their queue's name, the
+    runtime-checkable Protocol check: three per job, a noticeable share of the
+    worker's time on short jobs. The registries hold nothing but their queue's name, the
     connection and the serializer, so one per (queue, connection, serializer) is
     the same thing."""
 
@@ -261,8 +261,9 @@ _SCALARS = frozenset((str, int, float, bool, type(None)))
 
 def _plain_json(value: Any, depth: int = 0) -> bool:
     """Whether ``value`` is made of JSON's own types only (then json.dumps takes it):
-    a walk of the types, far cheaper than encoding (an embedding of 384 floats:
-    ~10 µs instead of ~180 µs). False means "not sure": the caller encodes to know."""
+    a walk of the types, far cheaper than encoding (it builds no text, and most values
+    are small lists of floats or strings). False means "not sure": the caller encodes to
+    know."""
     t = type(value)
     if t in _SCALARS:
         return True

@@ -74,7 +74,8 @@ def context() -> Any:
     """How worker processes start: forked from a fork server that imported torch and
     mtq once (never CUDA: nothing there touches a device), so a start or restart costs
     a fork and the model's own ``setup``, not a new interpreter importing torch (see
-    docs/benchmarks.md). Where there is no fork server, spawned."""
+    docs/workers.md, Failure isolation; docs/benchmarks.md, Faults). Where there is no
+    fork server, spawned."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")

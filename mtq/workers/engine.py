@@ -1,6 +1,6 @@
 """The continuous-batching engine: the model thread's loop for a :class:`Generator`.
 
-As in an LLM scheduler (the pymllm seed), each turn of the loop:
+As in an LLM serving scheduler, each turn of the loop:
 
 1. drops the requests that were cancelled or whose lease was lost (cooperative
    abort: at most one step after the worker heard of it);

@@ -177,7 +177,7 @@ class Fetcher:
         is offered to the model thread, which takes it when it has nothing to run: a
         submit then wakes the thread that runs the task, and the hand-off from the
         fetcher (a wake-up, a switch of the GIL) is saved on every round trip (see
-        docs/benchmarks.md). The fetcher sleeps until the wait comes back with
+        docs/benchmarks.md, Hot path). The fetcher sleeps until the wait comes back with
         anything but a task to run now. Only for a model whose tasks run as soon as
         they come (``max_wait_ms`` 0): a batch that waits to fill needs the fetcher
         collecting hand-offs meanwhile."""
@@ -223,10 +223,10 @@ class Fetcher:
         fetcher makes when the model takes a batch goes out only when that batch ends:
         with one batch ahead, a fast model then waits for that claim's round trip after
         every batch (Redis and the worker take turns instead of overlapping; see
-        docs/benchmarks.md). A slow model hides the claim behind its batch and keeps
-        one, so that on a queue shared by several workers the last batches spread over
-        them; a generator keeps one (its running batch holds places in the slot; only
-        dynamic batches set Ledger.batch_s).
+        docs/workers.md, Dynamic batching). A slow model hides the claim behind its
+        batch and keeps one, so that on a queue shared by several workers the last
+        batches spread over them; a generator keeps one (its running batch holds places
+        in the slot; only dynamic batches set Ledger.batch_s).
 
         Small batches of a fast model (``--batch-size 1`` of a function that returns
         in microseconds) would otherwise cost a claim, with its fixed cost in Redis and

@@ -127,7 +127,7 @@ class Generator:
     continuous: ClassVar[bool] = True
     #: the publisher sends tokens at most this often (ms): the tokens of the steps
     #: in between go in one Redis trip (fewer trips, fewer wake-ups on a busy host);
-    #: a GPU step (10-30 ms) is longer than this anyway. 0: a trip per step.
+    #: a real model's GPU step is usually longer than this anyway. 0: a trip per step.
     stream_interval_ms: ClassVar[float] = 2.0
     #: publish from a process of its own (mtq.workers.outlet), so that Redis trips
     #: never take the GIL from the model thread; False: from a thread of the worker

@@ -3,8 +3,8 @@
 A generator streams every decode step: with the publisher as a thread of the
 worker process, each Redis trip (encode the call, send, parse the reply) takes the
 GIL from the model thread and hands it back, which slows its decode rate on a
-small host (docs/streaming.md says how much). So, as vLLM moved
-output processing out of its engine process, a worker serving a
+small host (docs/streaming.md says how much). So, as vLLM does its output
+processing outside its engine process, a worker serving a
 :class:`~mtq.workers.generator.Generator` hands its tokens and outcomes through a
 pipe to ``python -m mtq.workers.outlet``, which streams, acknowledges and retries
 them exactly as the publisher thread would (the same :meth:`Consumer.settle

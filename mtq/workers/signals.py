@@ -6,7 +6,7 @@ main thread sleeps in an untimed wait while it is idle, and wakes for a signal o
 when the signal is delivered to it. Libraries loaded by a model's ``setup`` can make
 that fail: a native library that blocks SIGTERM in the thread that loads it (the
 main thread) has the kernel give the signal to another thread, and the idle worker
-then never stops (an idle all-MiniLM-L6-v2 worker on an H200 ignored SIGTERM so).
+then never stops.
 
 So the process's C-level handler, which runs on whichever thread got the signal,
 writes the signal's number to a socket (``signal.set_wakeup_fd``), and a thread of

@@ -365,7 +365,7 @@ class Worker:
             model = load_model(self.spec, reload=True)
             policy = BatchPolicy.of(model, **self.overrides)
             if isinstance(self.device, str) and _uses_device(model):
-                self.device = devices.torch_device(self.device_name)  # was a function's
+                self.device = devices.torch_device(self.device_name)  # replaced a function
             model.setup(self.device)
         except Exception as exc:
             self.last_error = f"reload failed, kept the old model: {type(exc).__name__}: {exc}"

@@ -95,8 +95,8 @@ their leases bring them back). The sleeping
 worker's BLPOP returns that reply: one hop instead of a wake-up, a claim and its reply;
 and it goes back to sleep on its inbox without a claim, for as many hand-offs as come
 while it comes back for each. Everything else (retries,
-releases, reclaims) is queued and woken for as before. A worker that stops or pauses
-takes its registration back.
+releases, reclaims) is queued, and a sleeper woken for it with a wake marker. A worker
+that stops or pauses takes its registration back.
 
 Ring invariant (what makes ordering hold): a stream whose list is non-empty and
 which is not in busy is in the ring. The ring may also hold stale or duplicate
@@ -122,10 +122,10 @@ local PUBLISH = 'PUBLISH'
 -- scored +inf, and longer than Redis's zset-max-listpack-value (64 by default): it keeps
 -- the set a skiplist, where adding or removing a lease is O(log n), not a scan of the
 -- whole listpack (Redis's encoding for sets of up to 128 small members, which a worker
--- claiming a batch ahead fills: that scan was 13 % of a drained task's Redis
--- instructions). claim adds it with each batch's leases; it is never reaped (+inf),
--- and every reader leaves it out (next_timer, orphans.lua; "running" is ZCOUNT of the
--- finite scores: mtq/broker/protocol.py, mtq/broker/scrape.py, mtq/trace.py).
+-- claiming a batch ahead fills, a scan on every ZADD and ZREM of a lease; its cost:
+-- docs/architecture.md, Redis keys). claim adds it with each batch's leases; it is never
+-- reaped (+inf), and every reader leaves it out (next_timer, orphans.lua; "running" is
+-- ZCOUNT of the finite scores: mtq/broker/protocol.py, mtq/broker/scrape.py, mtq/trace.py).
 local LEASE_MARK = '~ the lease index: keeps this set a skiplist (see _lib.lua), not a task'
 LEASE_MARK = LEASE_MARK .. string.rep('.', 80 - #LEASE_MARK)
 

@@ -18,8 +18,9 @@ class Wire:
     """The pushes of one pub/sub connection, read straight off its socket with a
     hiredis reader of their own: ``[kind, channel, data]`` lists as Redis sends them.
 
-    redis-py's ``PubSub.get_message`` costs about 40 us of Python per message (its
-    retry wrapper, readiness checks, push handlers, a dict per message); a task's round
+    redis-py's ``PubSub.get_message`` spends Python on every message (its retry
+    wrapper, readiness checks, push handlers, a dict per message; the figure:
+    docs/architecture.md, The hot path's own way to Redis); a task's round
     trip brings two (started, done) to a client that is sharing its CPU with the
     worker. redis-py still connects (AUTH, TLS, a cluster slot's owner) and sends the
     (S)SUBSCRIBE commands; every read is this class's, so no bytes are left in
