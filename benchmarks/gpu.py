@@ -37,7 +37,8 @@ import redis
 from rich.console import Console
 
 import mtq
-from benchmarks.batching import drain, sentences
+from benchmarks.batching import sentences
+from benchmarks.harness.drain import drain
 from benchmarks.harness.meters import median, pct
 from benchmarks.harness.procs import Proc, wait_for, worker_env
 from benchmarks.harness.server import Server, uniq

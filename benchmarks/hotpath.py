@@ -57,8 +57,6 @@ def worker_env(server: Server, **extra: str) -> dict[str, str]:
     return procs.worker_env(server.url, **extra)
 
 
-_stop = stop  # (benchmarks.threads' child imports it from every tree)
-
 
 def spawn_worker(server: Server, queue: str, target: str, cpu: int | None,
                  env: dict[str, str], *extra: str) -> subprocess.Popen[bytes]:
@@ -119,7 +117,7 @@ def drain(server: Server, n: int, cpu: int | None, *extra: str) -> dict[str, flo
             c2, cpu2 = _snap(r)
             u2 = commandstats(r, "usec")
         finally:
-            _stop(proc)
+            stop(proc)
             mtq.replies.hub_of(r).close_all()
             r.close()
     spent = {k: v - u1.get(k, 0) for k, v in u2.items() if k != "info"}
@@ -201,7 +199,7 @@ def roundtrips(server: Server, count: int, cpu: int | None, load: float = 0.0
             echo.wait(30)
         except subprocess.TimeoutExpired:
             echo.kill()
-        _stop(proc)
+        stop(proc)
         mtq.replies.hub_of(r).close_all()
         r.close()
     def ms(v: list[float], q: float) -> float:
