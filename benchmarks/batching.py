@@ -105,10 +105,6 @@ def sentences(n: int, seed: int = 7) -> list[str]:
 # -- helpers ---------------------------------------------------------------------
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def server_ms(r: redis.Redis) -> int:
     sec, usec = r.time()
     return int(sec) * 1000 + int(usec) // 1000

@@ -18,7 +18,6 @@ import random
 import shutil
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,12 +39,12 @@ from benchmarks.harness.meters import (
     pct,
     torch_info,
 )
-from benchmarks.harness.procs import Proc, wait_for, worker_env
+from benchmarks.harness.procs import Proc, worker_env
 from benchmarks.harness.report import Results, cli_args, write_block
 from benchmarks.harness.server import Counting, Server, compile_tree, uniq
+from benchmarks.harness.streams import read_requests, wait_ready, worker_entry
 from mtq import serialization
 from mtq.replies import decode_message
-from mtq.workers.registry import list_workers
 
 PROMPT = "Hello, world"                   # decode_rate's default prompt
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -72,26 +71,6 @@ QUICK = Sizes(max_tokens=300, start=20, reps8=2, reps32=1, mixed_n=96, mixed_rep
 # -- helpers -----------------------------------------------------------------------
 def start_worker(server: Server, target: str, queue: str, env: dict[str, str]) -> Proc:
     return Proc(["worker", "run", target, "--queue", queue, "--redis", server.url], env)
-
-
-def wait_ready(r: redis.Redis, procs: Sequence[tuple[Proc, str]]) -> None:
-    for p, q in procs:
-        wait_for(f"a worker on {q}", lambda q=q: bool(list_workers(r, q)), 120,  # type: ignore[misc]
-                 [p])
-
-
-def worker_entry(r: redis.Redis, queue: str, proc: Proc) -> dict[str, Any]:
-    """The worker's registry entry, from a heartbeat written after this call."""
-    after, got = time.time(), {}
-
-    def fresh() -> bool:
-        ws = list_workers(r, queue)
-        if ws and float(ws[0].get("beat", 0)) > after:
-            got.update(ws[0])
-        return bool(got)
-
-    wait_for("a fresh worker heartbeat", fresh, 10, [proc], every=0.1)
-    return got
 
 
 def runs_of(values: Sequence[float]) -> str:
@@ -126,36 +105,13 @@ def stream_run(r: redis.Redis, q: mtq.Queue, b: int, max_tokens: int, start: int
     hub._dispatch = tap  # type: ignore[method-assign]
     r.config_resetstat()
     sent = Counting.sent
-    tasks = q.submit_many([{"prompt": PROMPT, "max_tokens": m, "stop_at_eos": False, "seed": i}
-                           for i, m in enumerate(sizes)])
-    recs: list[list[tuple[int, float, float]]] = [[] for _ in tasks]
-    errors: list[str] = []
-
-    def read(t: mtq.Task, out: list[tuple[int, float, float]]) -> None:
-        try:
-            for ev in t.events(timeout=120):
-                now = time.time()
-                if ev.kind == "token":
-                    out.append((int(ev.index or 0), ev.ts, now))
-                elif ev.terminal and ev.kind != "succeeded":
-                    errors.append(f"{t.id} ended {ev.kind}: {ev.data}")
-        except Exception as exc:  # reported below, with the worker's log
-            errors.append(f"{t.id}: {exc!r}")
-
-    threads = [threading.Thread(target=read, args=x, daemon=True) for x in zip(tasks, recs)]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + 150
+    payloads = [{"prompt": PROMPT, "max_tokens": m, "stop_at_eos": False, "seed": i}
+                for i, m in enumerate(sizes)]
     try:
-        for th in threads:
-            th.join(max(0.1, deadline - time.monotonic()))
-            if th.is_alive():
-                raise proc.fail("a reader thread still waits for its task after 150 s")
+        recs = [x.tokens for x in read_requests(q, payloads, proc)]
     finally:
         del hub._dispatch
     client_rts, cmds = Counting.sent - sent, commandstats(r)
-    if errors or any(len(x) != m for x, m in zip(recs, sizes)):
-        raise proc.fail(f"stream run failed: {errors[:3]}; tokens {[len(x) for x in recs]}")
     toks = [(i, ts, now) for x in recs for i, ts, now in x if i < max_tokens]
     t0, p0 = (min(x[k] for x in toks if x[0] == start) for k in (2, 1))
     t1, p1 = (min(x[k] for x in toks if x[0] == max_tokens - 1) for k in (2, 1))

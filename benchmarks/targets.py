@@ -27,7 +27,6 @@ HOTPATH = {
 CEILING = 0.90                 # worker throughput / the model called directly, batch 32
 GAIN = 5.0                     # batch 32 / batch 1, through the queue
 OVERHEAD_MS = 1.0              # the queue's own cost per batch
-RECOVERY_LEASES = 2            # a killed worker's batch runs again within 2 leases
 
 # -- streaming (benchmarks/streaming.py) ---------------------------------------------------
 TOKEN_LATENCY_MS = (0.5, 2.0)  # token latency p50, p99
