@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import statistics
@@ -31,7 +30,7 @@ from benchmarks.children.noop import handle
 from benchmarks.harness.drain import drain
 from benchmarks.harness.meters import machine_info, pct
 from benchmarks.harness.procs import worker_env
-from benchmarks.harness.report import write_block
+from benchmarks.harness.report import cli_parser, docs_of, write_block
 from benchmarks.harness.server import ROOT, CallgrindServer, Server
 from mtq.broker import catalogue
 from mtq.broker.consumer import Consumer
@@ -179,13 +178,13 @@ def redis_instructions(n: int, passes: int, batch: int = 64) -> dict[str, list[f
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap = cli_parser(__doc__, "~1 minute")
     ap.add_argument("--samples", type=int, default=None)
     ap.add_argument("--no-pin", dest="pin", action="store_false",
                     help="leave CPU placement to the OS (default: redis-server on the first "
                     "CPU, this process and the workers it starts on the second)")
     args = ap.parse_args(argv)
+    docs = docs_of(args)
     samples = args.samples or (500 if args.quick else 2000)
     n, passes = (5000, 3) if args.quick else (20000, 11)
     cpus = sorted(os.sched_getaffinity(0))
@@ -230,9 +229,10 @@ def main(argv: list[str] | None = None) -> None:
         + ", ".join(f"{v:,.0f}" for v in dr["on_all"]) + " | |",
     ]
     print("\n".join(lines))
-    if not args.quick:
+    if docs is not None:
         write_block("cache", lines, "python -m benchmarks.cache", machine_info(
-            None, f"redis-server {server_version}", "pinned" if pinned else "not pinned"))
+            None, f"redis-server {server_version}", "pinned" if pinned else "not pinned"),
+            path=docs)
 
 
 if __name__ == "__main__":

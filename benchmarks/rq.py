@@ -42,7 +42,7 @@ from benchmarks import targets
 from benchmarks.batching import sentences
 from benchmarks.harness.meters import CpuMeter, machine_info, median, spread
 from benchmarks.harness.procs import Proc, worker_env
-from benchmarks.harness.report import DOCS, Results, write_block
+from benchmarks.harness.report import Results, cli_parser, docs_of, write_block
 from benchmarks.harness.server import Server, compile_tree
 
 BATCH = 32                    # benchmarks.children.rq_jobs.embed's max_batch_size
@@ -348,12 +348,7 @@ def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: R
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="smaller sizes, one repetition; prints only unless --docs is given")
-    ap.add_argument("--docs", type=Path, default=None,
-                    help="markdown file to update (default: docs/benchmarks.md on a full run)")
-    ap.add_argument("--no-docs", action="store_true", help="only print the table")
+    ap = cli_parser(__doc__, "~1 minute")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="redis-server on CPU 0, this script and the workers on CPU 1 "
                          "(default; --no-pin lets Linux place them)")
@@ -365,7 +360,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
-    docs = None if a.no_docs else (a.docs or (None if a.quick else DOCS))
+    docs = docs_of(a)
     s = QUICK if a.quick else FULL
     if a.pin and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("--pin needs 2 CPUs; use --no-pin")
