@@ -102,18 +102,6 @@ def sentences(n: int, seed: int = 7) -> list[str]:
     return out
 
 
-# -- helpers ---------------------------------------------------------------------
-
-
-def server_ms(r: redis.Redis) -> int:
-    sec, usec = r.time()
-    return int(sec) * 1000 + int(usec) // 1000
-
-
-def live_workers(r: redis.Redis, queue: str) -> list[dict[str, Any]]:
-    return list_workers(r, queue)
-
-
 # -- a./b./c. throughput -------------------------------------------------------------
 @dataclass
 class Ceiling:
@@ -187,7 +175,7 @@ def paired(server: Server, r: redis.Redis, texts: list[str], batch: int,
                  "--redis", server.url, "--batch-size", str(batch)],
                 worker_env(server.url, MTQ_BENCH_TIMINGS=timings.name))
     try:
-        wait_for("the worker to load the model", lambda: len(live_workers(r, qname)) >= 1,
+        wait_for("the worker to load the model", lambda: len(list_workers(r, qname)) >= 1,
                  120, [proc])
         warm = q.submit_many(texts[:max(2 * batch, 8)])
         wait_for("the warm-up", lambda: q.stats()["succeeded"] >= len(warm), 60, [proc])
@@ -306,7 +294,7 @@ def start_supervisor(server: Server, r: redis.Redis, qname: str, replicas: int,
     p = Proc(["workers", "start", target, "--queue", qname, "--redis", server.url,
               "--devices", "cpu", "--replicas", str(replicas), *extra],
              env or worker_env(server.url))
-    wait_for(f"{replicas} worker(s) ready", lambda: len(live_workers(r, qname)) >= replicas,
+    wait_for(f"{replicas} worker(s) ready", lambda: len(list_workers(r, qname)) >= replicas,
              120, [p])
     return p
 
