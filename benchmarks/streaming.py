@@ -44,7 +44,6 @@ from benchmarks.harness.report import Results, cli_args, write_block
 from benchmarks.harness.server import Counting, Server, compile_tree, uniq
 from benchmarks.harness.streams import read_requests, wait_ready, worker_entry
 from mtq import serialization
-from mtq.replies import decode_message
 
 PROMPT = "Hello, world"                   # decode_rate's default prompt
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -86,31 +85,17 @@ class Run:
     tokens: int
     cmds: dict[str, int]    # INFO commandstats calls over the run
     client_rts: int         # round trips sent from here (a submit, a watch per reader)
-    hub_ms: list[float]     # publish -> the reply listener thread has the message
-    hop_ms: list[float]     # listener thread has it -> the reader thread yields the token
 
 
 def stream_run(r: redis.Redis, q: mtq.Queue, b: int, max_tokens: int, start: int,
                proc: Proc) -> Run:
     """Submit ``b`` requests at once and read each in its own thread (Task.events)."""
     sizes = [max_tokens] * b
-    taps: list[tuple[float, bytes]] = []  # time.time() in the listener thread, message
-    hub = q.hub
-    dispatch = hub._dispatch
-
-    def tap(channel: bytes, data: bytes) -> None:  # instrumentation: one time.time() more
-        taps.append((time.time(), data))
-        dispatch(channel, data)
-
-    hub._dispatch = tap  # type: ignore[method-assign]
     r.config_resetstat()
     sent = Counting.sent
     payloads = [{"prompt": PROMPT, "max_tokens": m, "stop_at_eos": False, "seed": i}
                 for i, m in enumerate(sizes)]
-    try:
-        recs = [x.tokens for x in read_requests(q, payloads, proc)]
-    finally:
-        del hub._dispatch
+    recs = [x.tokens for x in read_requests(q, payloads, proc)]
     client_rts, cmds = Counting.sent - sent, commandstats(r)
     toks = [(i, ts, now) for x in recs for i, ts, now in x if i < max_tokens]
     t0, p0 = (min(x[k] for x in toks if x[0] == start) for k in (2, 1))
@@ -118,11 +103,8 @@ def stream_run(r: redis.Redis, q: mtq.Queue, b: int, max_tokens: int, start: int
     n = sum(1 for _, _, now in toks if t0 < now <= t1)
     n_pub = sum(1 for _, ts, _ in toks if p0 < ts <= p1)
     live = [(ts, now) for x in recs for _, ts, now in x if ts > 0]
-    arrivals = {ts: now for now, (kind, ts, _) in ((n, decode_message(d)) for n, d in taps)
-                if kind == "token"}
     return Run([(now - ts) * 1000 for ts, now in live], n / (t1 - t0), n_pub / (p1 - p0),
-               sum(sizes), cmds, client_rts, [(a - ts) * 1000 for ts, a in arrivals.items()],
-               [(now - arrivals[ts]) * 1000 for ts, now in live if ts in arrivals])
+               sum(sizes), cmds, client_rts)
 
 
 def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
@@ -181,12 +163,6 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
                                       f"{pct(busy, q_):.3f} ms)")
         name = f"mtq tokens, 8 requests x {len(runs[8])} runs, {label}"
         res.add(name if q_ == 50 else f"  {label}", v, "ms", note)
-    hub8, hop8 = ([v for x in runs[8] for v in getattr(x, f)] for f in ("hub_ms", "hop_ms"))
-    res.add("  of which publish -> the client's listener thread reads it, p99", pct(hub8, 99),
-            "ms", f"{ms_stats(hub8)} messages (one per publisher trip; timed by wrapping "
-            "Hub._dispatch)")
-    res.add("  of which listener thread -> reader thread yields the token, p99", pct(hop8, 99),
-            "ms", f"{ms_stats(hop8)} tokens (decode, hand to 8 feeds, wake the readers)")
     res.add(f"mtq tokens, 32 requests x {len(runs[32])} runs, p50", pct(lat32, 50), "ms",
             f"informational; {ms_stats(lat32)}")
 
