@@ -6,15 +6,13 @@
 
 In one run: raw LPUSH / LPOP (the baseline); ``Queue.submit`` and ``submit_many``;
 claim+ack with ``Consumer.settle_and_claim`` at batch 1, 16 and 64, with and without
-streams, and their round trips (counted on the client's socket writes); one
-``mtq worker run --burst`` drain; Redis memory per waiting task; claim+ack with 10
-against 100,000 streams. A quick run judges only the targets its sizes do not change
+streams, and their round trips (counted on the client's socket writes); Redis memory
+per waiting task; claim+ack with 10 against 100,000 streams. A quick run judges only the targets its sizes do not change
 (round trips, memory per task). Writes the ``broker`` block of docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -27,17 +25,12 @@ import redis
 import mtq
 from benchmarks import targets
 from benchmarks.harness.meters import machine_info, median, rate, spread
-from benchmarks.harness.procs import worker_env
 from benchmarks.harness.report import Results, cli_args, write_block
 from benchmarks.harness.server import ROOT, Counting, Server, compile_tree, uniq
 from mtq import serialization
 from mtq.broker import scripts
 
 __all__ = ["ROOT", "Server", "compile_tree", "main"]  # Server: benchmarks.against's child
-
-#: RQ's SimpleWorker on this machine, quoted for scale (not measured here)
-RQ_SIMPLEWORKER_PER_S = 300
-
 
 # -- sizes -----------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -49,7 +42,6 @@ class Sizes:
     submit_streams: int      # streams submit_many spreads over
     claim: dict[int, int]    # batch size -> tasks drained
     claim_streams: int       # streams of the many-streams claim variant
-    worker_tasks: int        # end-to-end drain
     memory_tasks: int        # memory per waiting task
     memory_streams: int
     scale_batches: int       # claim+ack calls per timed round (5 rounds per stream count)
@@ -62,13 +54,13 @@ class Sizes:
 FULL = Sizes(raw_single=20_000, raw_pipelined=100_000, submit_single=5_000,
              submit_many=100_000, submit_streams=1_000,
              claim={1: 4_000, 16: 20_000, 64: 40_000}, claim_streams=1_000,
-             worker_tasks=20_000, memory_tasks=100_000, memory_streams=1_000,
+             memory_tasks=100_000, memory_streams=1_000,
              scale_batches=60, scale_big_streams=100_000, scale_per_stream=3,
              reps=3, raw_reps=5)
 QUICK = Sizes(raw_single=3_000, raw_pipelined=20_000, submit_single=1_000,
               submit_many=20_000, submit_streams=1_000,
               claim={1: 1_000, 16: 5_000, 64: 10_000}, claim_streams=1_000,
-              worker_tasks=20_000, memory_tasks=20_000, memory_streams=1_000,
+              memory_tasks=20_000, memory_streams=1_000,
               scale_batches=20, scale_big_streams=20_000, scale_per_stream=2,
               reps=1, raw_reps=2)
 
@@ -301,79 +293,16 @@ def bench_claim(r: redis.Redis, s: Sizes, res: Results, base: dict[str, float]) 
     r.flushdb()
 
 
-# -- 5. end-to-end worker --------------------------------------------------------
-def run_worker(server: Server, r: redis.Redis, n: int) -> tuple[float, float, float, int]:
-    """Pre-submit n no-op tasks, drain them with one ``mtq worker run --burst`` process.
-
-    Returns (drain s by server timestamps, wall s from process start to
-    succeeded == n, wall s to process exit, distinct worker ids).
-    """
-    qname = uniq("worker")
-    q = mtq.Queue(qname, client=r)
-    tasks = presubmit(q, n)
-    env = worker_env(server.url)
-    cmd = [sys.executable, "-m", "mtq", "worker", "run", "benchmarks.children.noop:handle",
-           "--queue", qname, "--batch-size", "64", "--burst"]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    deadline = t0 + 120
-    while q.stats()["succeeded"] < n:
-        if proc.poll() is not None and q.stats()["succeeded"] < n:
-            out = proc.stdout.read().decode() if proc.stdout else ""
-            raise SystemExit(f"worker exited early ({proc.returncode}):\n{out}")
-        if time.perf_counter() > deadline:
-            proc.kill()
-            raise SystemExit("worker did not drain the queue in 120 s")
-        time.sleep(0.01)
-    wall = time.perf_counter() - t0
-    output, _ = proc.communicate(timeout=30)
-    exited = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"worker failed ({proc.returncode}):\n{output.decode()}")
-    pipe = r.pipeline(transaction=False)
-    for t in tasks:
-        pipe.hmget(q.broker.keys.task(t.id), "started", "finished", "worker")
-    rows = pipe.execute()
-    started = min(int(a) for a, _, _ in rows)
-    finished = max(int(b) for _, b, _ in rows)
-    r.flushdb()
-    return (finished - started) / 1000, wall, exited, len({w for _, _, w in rows})
-
-
-def bench_worker(server: Server, r: redis.Redis, s: Sizes, res: Results) -> None:
-    res.section = "5. end-to-end worker"
-    n = s.worker_tasks
-    runs = [run_worker(server, r, n) for _ in range(s.reps)]
-    rates = [rate(n, d) for d, _, _, _ in runs]
-    per_s = median(rates)
-    drain_s = median([d for d, _, _, _ in runs])
-    wall = median([w for _, w, _, _ in runs])
-    exited = median([e for _, _, e, _ in runs])
-    res.add(f"worker drain, 1 process, batch 64 ({s.reps} x {n:,} no-op tasks)", per_s,
-            "tasks/s",
-            f"{per_s / RQ_SIMPLEWORKER_PER_S:.0f}x RQ SimpleWorker (~{RQ_SIMPLEWORKER_PER_S}/s, "
-            "quoted); "
-            + res.target(f">= {targets.WORKER_DRAIN:,} tasks/s (worker drain)",
-                         per_s >= targets.WORKER_DRAIN,
-                         f"{per_s:,.0f} tasks/s from first 'started' to last 'finished'")
-            + spread(rates))
-    res.add("  wall time, process start -> succeeded == n", wall * 1000, "ms",
-            f"{rate(n, wall):,.0f} tasks/s incl. interpreter start-up and imports "
-            f"(~{(wall - drain_s) * 1000:,.0f} ms); process exited at {exited * 1000:,.0f} ms")
-
-
-# -- 6. memory -------------------------------------------------------------------
+# -- 5. memory -------------------------------------------------------------------
 def bench_memory(r: redis.Redis, s: Sizes, res: Results) -> str:
-    res.section = "6. Redis memory per waiting task"
+    res.section = "5. Redis memory per waiting task"
     allocator = str(r.info("memory").get("mem_allocator", "?"))
     n = s.memory_tasks
     for streams in (s.memory_streams, 0):
         r.flushdb()
         qname = uniq("mem")
         q = mtq.Queue(qname, client=r)
-        q.broker.register()
-        q._registered = True
+        q.submit_many([{"i": -1}])  # the queue's one-time set-up, before the measurement
         if streams:
             items: list[Any] = [mtq.Request({"i": i}, stream=f"s{i % streams}") for i in range(n)]
         else:
@@ -399,9 +328,9 @@ def bench_memory(r: redis.Redis, s: Sizes, res: Results) -> str:
     return allocator
 
 
-# -- 7. claim stays O(batch) -----------------------------------------------------
+# -- 6. claim stays O(batch) -----------------------------------------------------
 def bench_scale(r: redis.Redis, s: Sizes, res: Results) -> None:
-    res.section = "7. claim+ack vs number of streams (batch 64)"
+    res.section = "6. claim+ack vs number of streams (batch 64)"
     batch = 64
     rounds = 5
     tasks_needed = batch * (s.scale_batches * rounds + 4)
@@ -476,7 +405,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             ("baseline", lambda: base.update(bench_baseline(r, sizes, res))),
             ("submit", lambda: bench_submit(r, sizes, res, base)),
             ("claim+ack", lambda: bench_claim(r, sizes, res, base)),
-            ("worker", lambda: bench_worker(server, r, sizes, res)),
             ("memory", lambda: bench_memory(r, sizes, res)),
             ("streams scale", lambda: bench_scale(r, sizes, res)),
         ]

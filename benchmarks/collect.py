@@ -11,7 +11,6 @@ the modes alternate; medians.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ import redis
 
 import mtq
 from benchmarks.harness.meters import machine_info, median
-from benchmarks.harness.report import write_block
+from benchmarks.harness.report import cli_args, write_block
 from benchmarks.harness.server import Server, compile_tree
 from benchmarks.hotpath import spawn_worker, wait_worker, worker_env
 from mtq import replies
@@ -82,10 +81,8 @@ MODES = ("loop", "loop, inbox off", "group")
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
-    n, passes = (5000, 1) if args.quick else (20000, 3)
+    quick, docs = cli_args(argv, __doc__, "~30 s")
+    n, passes = (5000, 1) if quick else (20000, 3)
     compile_tree()
     server = Server()
     server.start()
@@ -114,9 +111,9 @@ def main(argv: list[str] | None = None) -> None:
                      f"{med(mode, 'rate') / base:.2f}x | {med(mode, 'drain'):,.0f} | "
                      f"{med(mode, 'cmds'):.2f} |")
     print("\n".join(lines))
-    if not args.quick:
+    if docs is not None:
         write_block("collect", lines, "python -m benchmarks.collect",
-                    machine_info(None, f"redis-server {version}", "not pinned"))
+                    machine_info(None, f"redis-server {version}", "not pinned"), path=docs)
 
 
 if __name__ == "__main__":

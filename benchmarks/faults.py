@@ -18,7 +18,6 @@ The test suite imports :func:`kill_workers`, :func:`recovery_times` and :func:`p
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import signal
@@ -36,7 +35,7 @@ import mtq
 from benchmarks import targets
 from benchmarks.harness.meters import machine_info, median, pct
 from benchmarks.harness.procs import alive, kill_group, spawn, wait_for, worker_env
-from benchmarks.harness.report import write_block
+from benchmarks.harness.report import cli_parser, docs_of, write_block
 from benchmarks.harness.server import Server
 from mtq.broker.protocol import read_traces
 from mtq.settings import QueueSettings
@@ -247,11 +246,10 @@ def _row(name: str, times: Sequence[float], target: float, extra: str) -> list[s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a smaller run; prints only")
-    ap.add_argument("--docs", action="store_true", help="write docs even with --quick")
+    ap = cli_parser(__doc__, "~1 minute")
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args(argv)
+    docs = docs_of(args)
     # items of 6 ms in the full run: the load outlasts 50 kills and their restarts
     tasks, kills, rounds, item_s = (4000, 10, 2, 0.001) if args.quick else \
         (20_000, 50, 8, 0.006)
@@ -294,9 +292,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = "\n".join(lines)
     print(table)
     print("supervised stats:", sup["stats"])
-    if not args.quick or args.docs:
+    if docs is not None:
         write_block("faults", lines, "python -m benchmarks.faults" + (" --quick" if args.quick
-                                                                      else ""), machine_info())
+                                                                      else ""), machine_info(),
+                    path=docs)
     return 0
 
 

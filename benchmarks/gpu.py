@@ -25,7 +25,6 @@ import os
 import platform
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -37,11 +36,13 @@ import redis
 from rich.console import Console
 
 import mtq
-from benchmarks.batching import drain, sentences
+from benchmarks.batching import sentences
+from benchmarks.harness.drain import drain
 from benchmarks.harness.meters import median, pct
 from benchmarks.harness.procs import Proc, wait_for, worker_env
 from benchmarks.harness.server import Server, uniq
-from benchmarks.streaming import mixed_payloads, wait_ready, worker_entry
+from benchmarks.harness.streams import Stream, read_requests, wait_ready, worker_entry
+from benchmarks.streaming import mixed_payloads
 from mtq.workers import control
 
 console = Console(width=None if sys.stdout.isatty() else 170)
@@ -231,52 +232,6 @@ def bench_batching(server: Server, r: redis.Redis, device: str, s: Sizes, rep: R
 
 
 # -- 2. generation -----------------------------------------------------------------
-@dataclass
-class Stream:
-    """What a reader thread saw of one request."""
-
-    submitted: float                                   # time.time() at submit
-    tokens: list[tuple[int, float, float]] = field(default_factory=list)  # index, ts, now
-    ended: float = 0.0
-    error: str = ""
-
-
-def run_requests(q: mtq.Queue, payloads: list[dict[str, Any]], proc: Proc,
-                 timeout: float = 120) -> list[Stream]:
-    """Submit ``payloads`` at once and read each request's events in a thread."""
-    t0 = time.time()
-    tasks = q.submit_many(payloads)
-    streams = [Stream(t0) for _ in tasks]
-
-    def read(t: mtq.Task, out: Stream) -> None:
-        try:
-            for ev in t.events(timeout=timeout):
-                now = time.time()
-                if ev.kind == "token":
-                    out.tokens.append((int(ev.index or 0), ev.ts, now))
-                elif ev.terminal:
-                    out.ended = now
-                    if ev.kind != "succeeded":
-                        out.error = f"{t.id} ended {ev.kind}: {ev.data}"
-        except Exception as exc:  # reported below with the worker's log
-            out.error = f"{t.id}: {exc!r}"
-
-    threads = [threading.Thread(target=read, args=x, daemon=True) for x in zip(tasks, streams)]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + timeout + 10
-    for th in threads:
-        th.join(max(0.1, deadline - time.monotonic()))
-        if th.is_alive():
-            raise proc.fail(f"a reader still waits for its request after {timeout:.0f} s")
-    bad = [x.error for x in streams if x.error]
-    short = [(len(x.tokens), p["max_tokens"]) for x, p in zip(streams, payloads)
-             if len(x.tokens) != p["max_tokens"]]
-    if bad or short:
-        raise proc.fail(f"requests failed: {bad[:3]}; (tokens, asked) {short[:3]}")
-    return streams
-
-
 def steady_rate(streams: list[Stream], start: int, last: int) -> float:
     """Tokens/s received between the first reader's token ``start`` and the first
     reader's token ``last`` (every request runs through that window)."""
@@ -346,13 +301,13 @@ def bench_generation(server: Server, r: redis.Redis, device: str, s: Sizes, rep:
         steps = s.tokens - 1 - s.start
         raw_prompt = PROMPT + "." * (s.start - 1)  # its timed steps cover the window's positions
         wait_ready(r, [(procs[k], queues[k]) for k in queues])
-        run_requests(qs["c"], gpt_payloads(8, s.start + 4), procs["c"])  # warm-up
+        read_requests(qs["c"], gpt_payloads(8, s.start + 4), procs["c"])  # warm-up
         for b in (8, 32):
             limit.check(f"the B={b} runs")
             raws, served, runs = [], [], []
             for _ in range(s.stream_reps):  # in turns: a drift of the machine hits both
                 raw0 = decode_rate(model, b, steps, raw_prompt)
-                streams = run_requests(qs["c"], gpt_payloads(b, s.tokens), procs["c"])
+                streams = read_requests(qs["c"], gpt_payloads(b, s.tokens), procs["c"])
                 raws.append((raw0 + decode_rate(model, b, steps, raw_prompt)) / 2)
                 served.append(steady_rate(streams, s.start, s.tokens - 1))
                 runs.append(streams)
@@ -374,12 +329,12 @@ def bench_generation(server: Server, r: redis.Redis, device: str, s: Sizes, rep:
         payloads = mixed_payloads(s.mixed_n)
         n_long = sum(1 for p in payloads if p["max_tokens"] > 8)
         for k in qs:
-            run_requests(qs[k], mixed_payloads(16, seed=3), procs[k])  # warm-up
+            read_requests(qs[k], mixed_payloads(16, seed=3), procs[k])  # warm-up
         out: dict[str, list[dict[str, float]]] = {"c": [], "s": []}
         alone: dict[str, list[float]] = {"c": [], "s": []}
         for _ in range(s.mixed_reps):
             for k in qs:
-                out[k].append(mixed_stats(run_requests(qs[k], payloads, procs[k]), payloads))
+                out[k].append(mixed_stats(read_requests(qs[k], payloads, procs[k]), payloads))
             for k in qs:
                 alone[k].append(schedule_rate(model, payloads, k == "c"))
         workload = (f"{s.mixed_n} requests ({s.mixed_n - n_long} x 8 tokens, {n_long} x 128), "
@@ -427,7 +382,7 @@ def bench_memory(r: redis.Redis, q: mtq.Queue, proc: Proc, device: str, rep: Rep
     wait_for("the reload", lambda: " reloaded " in proc.output(), 120, [proc], every=0.1)
     after = worker_entry(r, q.name, proc)
     driver1 = process_memory(pid)
-    run_requests(q, gpt_payloads(1, 4), proc)  # the new model allocates its cache again
+    read_requests(q, gpt_payloads(1, 4), proc)  # the new model allocates its cache again
     again = worker_entry(r, q.name, proc)
     mem = [e.get("memory") for e in (before, after, again)]
     if not all(mem):

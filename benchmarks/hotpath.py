@@ -23,7 +23,6 @@ redis-server is pinned to one CPU, this driver and the worker to the other.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ from benchmarks import targets
 from benchmarks.harness import procs
 from benchmarks.harness.meters import commandstats, machine_info, pct, threads_cpu
 from benchmarks.harness.procs import stop
-from benchmarks.harness.report import write_block
+from benchmarks.harness.report import cli_parser, docs_of, write_block
 from benchmarks.harness.server import ROOT, Server, compile_tree
 from mtq.workers import registry
 
@@ -56,8 +55,6 @@ def _snap(r: redis.Redis) -> tuple[int, float]:
 def worker_env(server: Server, **extra: str) -> dict[str, str]:
     return procs.worker_env(server.url, **extra)
 
-
-_stop = stop  # (benchmarks.threads' child imports it from every tree)
 
 
 def spawn_worker(server: Server, queue: str, target: str, cpu: int | None,
@@ -119,7 +116,7 @@ def drain(server: Server, n: int, cpu: int | None, *extra: str) -> dict[str, flo
             c2, cpu2 = _snap(r)
             u2 = commandstats(r, "usec")
         finally:
-            _stop(proc)
+            stop(proc)
             mtq.replies.hub_of(r).close_all()
             r.close()
     spent = {k: v - u1.get(k, 0) for k, v in u2.items() if k != "info"}
@@ -201,7 +198,7 @@ def roundtrips(server: Server, count: int, cpu: int | None, load: float = 0.0
             echo.wait(30)
         except subprocess.TimeoutExpired:
             echo.kill()
-        _stop(proc)
+        stop(proc)
         mtq.replies.hub_of(r).close_all()
         r.close()
     def ms(v: list[float], q: float) -> float:
@@ -341,10 +338,10 @@ def server_build(url: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+    ap = cli_parser(__doc__, "~1 minute")
     ap.add_argument("--no-pin", action="store_true", help="leave CPU placement to Linux")
     args = ap.parse_args(argv)
+    docs = docs_of(args)
     n, passes, count = (5000, 1, 200) if args.quick else (5000, 5, 300)
     compile_tree()  # as installed: the workers it spawns do not compile mtq first
     cpus = sorted(os.sched_getaffinity(0))
@@ -445,10 +442,10 @@ def main(argv: list[str] | None = None) -> None:
     table = "\n".join(["| figure | median of passes | target | notes |", "|---|---:|---|---|",
                        *(f"| {a} | {b} | {c} | {d} |" for a, b, c, d in rows)])
     print(table)
-    if not args.quick:
+    if docs is not None:
         write_block("hotpath", table.splitlines(), "python -m benchmarks.hotpath",
                     machine_info(None, f"redis-server {build}", "pinned" if pin else "not pinned"),
-                    time.time() - t_run)
+                    time.time() - t_run, docs)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ from collections.abc import Sequence
 import httpx
 import redis
 
-import mtq
 from benchmarks import targets
-from benchmarks.batching import task_fields
+from benchmarks.harness.drain import drain
 from benchmarks.harness.meters import CpuMeter, cpu_mark, machine_info, median, pct
-from benchmarks.harness.procs import Proc, worker_env
+from benchmarks.harness.procs import worker_env
 from benchmarks.harness.report import cli_args, write_block
-from benchmarks.harness.server import Server, compile_tree, free_port, uniq
+from benchmarks.harness.server import Server, compile_tree, free_port
 from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.workers import registry
 from mtq.workers.stats import Histograms
@@ -38,30 +37,11 @@ BATCH = 32
 
 def drain_rate(server: Server, r: redis.Redis, n: int, metrics: bool) -> float:
     """Tasks/s of one ``mtq worker run --burst`` draining ``n`` pre-submitted no-op
-    tasks, from the first completion to the last (server clock)."""
-    qname = uniq("obs")
-    q = mtq.Queue(qname, client=r)
-    q.configure(metrics=metrics)
-    tasks = q.submit_many([{"i": i} for i in range(n)])
-    p = Proc(["worker", "run", "benchmarks.children.noop:NoopModel", "--queue", qname, "--redis",
-              server.url, "--batch-size", str(BATCH), "--burst"], worker_env(server.url))
-    try:
-        code = p.wait(300)
-        if code != 0:
-            raise p.fail(f"worker exited with {code}")
-        if q.stats()["succeeded"] != n:
-            raise p.fail(f"worker drained {q.stats()['succeeded']} of {n} tasks")
-    finally:
-        p.close()
-    wrote = bool(r.exists(QueueKeys(qname).hist))
-    if wrote != metrics:
-        raise SystemExit(f"metrics={metrics} but histograms written: {wrote}")
-    finished = sorted(f for _, f in task_fields(r, q, tasks, "started", "finished")
-                      if f is not None)
-    first, last = finished[0], finished[-1]
-    n_first = sum(1 for f in finished if f == first)
-    r.flushdb()
-    return (len(finished) - n_first) / ((last - first) / 1000)
+    tasks at batch 32 with the queue's ``metrics`` setting on or off, from the first
+    completion to the last (server clock)."""
+    return drain(server, r, "benchmarks.children.noop:NoopModel",
+                 [{"i": i} for i in range(n)], BATCH, burst=True,
+                 prepare=lambda q: q.configure(metrics=metrics)).rate
 
 
 def fill_queues(r: redis.Redis, queues: int, workers: int) -> None:

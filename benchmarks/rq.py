@@ -10,7 +10,7 @@ Run it as a module: as a file, its name would hide the ``rq`` package. Jobs are
 enqueued by RQ itself (``enqueue_many`` on pipelines, RQ's JSON serializer, default
 ``result_ttl``); redis-server is pinned to CPU 0, this script and the workers to CPU 1.
 (1) no-op jobs drained by ``rq worker --burst`` (SimpleWorker) and ``mtq rq worker
---burst``: jobs/s, Redis commands and CPU per job, every job finished; (2) MiniLM on
+--burst``, results kept: jobs/s, Redis commands and CPU per job, every job finished; (2) MiniLM on
 single-sentence jobs (``benchmarks.children.rq_jobs.embed``) against the model's own
 batch-32 rate in this process, in turns.
 """
@@ -21,9 +21,7 @@ import argparse
 import math
 import os
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -43,9 +41,9 @@ from rq.utils import utcparse
 from benchmarks import targets
 from benchmarks.batching import sentences
 from benchmarks.harness.meters import CpuMeter, machine_info, median, spread
-from benchmarks.harness.procs import worker_env
-from benchmarks.harness.report import DOCS, Results, write_block
-from benchmarks.harness.server import ROOT, Server, compile_tree
+from benchmarks.harness.procs import Proc, worker_env
+from benchmarks.harness.report import Results, cli_parser, docs_of, write_block
+from benchmarks.harness.server import Server, compile_tree
 
 BATCH = 32                    # benchmarks.children.rq_jobs.embed's max_batch_size
 NOOP = "benchmarks.children.rq_jobs.noop"
@@ -72,65 +70,17 @@ QUICK = Sizes(noop_rq=1_000, noop_mtq=10_000, noop_reps=1, corpus=320, mini_rq=1
 
 
 # -- processes -----------------------------------------------------------------------
-class Worker:
-    """``rq worker`` or ``mtq rq worker`` in its own session, output to a temp file."""
-
-    def __init__(self, side: str, queue: str, url: str, env: dict[str, str], burst: bool,
-                 extra: Sequence[str] = ()) -> None:
-        if side == "rq":
-            rq_bin = Path(sys.executable).parent / "rq"
-            argv = [str(rq_bin), "worker", "--url", url, "--worker-class",
-                    "rq.worker.SimpleWorker", "--serializer", "rq.serializers.JSONSerializer",
-                    "--logging_level", "WARNING"]
-        else:
-            argv = [sys.executable, "-m", "mtq", "rq", "worker", "--url", url,
-                    "--serializer", "json", *extra]
-        self.argv = argv + (["--burst"] if burst else []) + [queue]
-        self.log = tempfile.NamedTemporaryFile(prefix="mtq-bench-rq-", suffix=".log",
-                                               delete=False)
-        self.t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
-
-    def fail(self, why: str) -> SystemExit:
-        self.kill()
-        self.log.flush()
-        tail = "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-30:])
-        return SystemExit(f"{why}\n$ {' '.join(self.argv)}\n{tail}")
-
-    def wait(self, timeout: float) -> float:
-        """Wait for a burst worker to exit 0; returns its wall seconds since the spawn."""
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise self.fail(f"worker still running after {timeout:.0f} s") from None
-        wall = time.perf_counter() - self.t0
-        if code != 0:
-            raise self.fail(f"worker exited with {code}")
-        return wall
-
-    def stop(self, timeout: float = 30) -> None:
-        """SIGTERM (both stop gracefully on it), then SIGKILL to its own group."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        self.kill()
-
-    def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # this worker's own session only
-        except (ProcessLookupError, PermissionError):
-            pass
-        self.proc.wait(10)
-
-    def close(self) -> None:
-        self.kill()
-        self.log.close()
-        os.unlink(self.log.name)
+def rq_worker(side: str, queue: str, url: str, env: dict[str, str], burst: bool,
+              extra: Sequence[str] = ()) -> Proc:
+    """``rq worker`` (SimpleWorker) or ``mtq rq worker`` on ``queue``, RQ's JSON serializer."""
+    if side == "rq":
+        program = [str(Path(sys.executable).parent / "rq"), "worker", "--url", url,
+                   "--worker-class", "rq.worker.SimpleWorker", "--serializer",
+                   "rq.serializers.JSONSerializer", "--logging_level", "WARNING"]
+    else:
+        program = [sys.executable, "-m", "mtq", "rq", "worker", "--url", url, "--serializer",
+                   "json", *extra]
+    return Proc([*(["--burst"] if burst else []), queue], env, program)
 
 
 # -- RQ jobs -------------------------------------------------------------------------
@@ -138,14 +88,14 @@ def rq_queue(r: redis.Redis, name: str) -> rq.Queue:
     return rq.Queue(name, connection=r, serializer=JSONSerializer)
 
 
-def enqueue(q: rq.Queue, func: str, args: Sequence[tuple[Any, ...]],
-            result_ttl: int | None = None) -> tuple[list[str], float]:
-    """RQ's bulk path, ``CHUNK`` jobs per pipeline: (job ids in order, seconds).
-    ``result_ttl`` None is RQ's default (500 s)."""
+def enqueue(q: rq.Queue, func: str, args: Sequence[tuple[Any, ...]]
+            ) -> tuple[list[str], float]:
+    """RQ's bulk path, ``CHUNK`` jobs per pipeline, RQ's default ``result_ttl``: (job ids
+    in order, seconds)."""
     ids: list[str] = []
     t0 = time.perf_counter()
     for i in range(0, len(args), CHUNK):
-        datas = [rq.Queue.prepare_data(func, args=a, result_ttl=result_ttl) for a in args[i:i + CHUNK]]
+        datas = [rq.Queue.prepare_data(func, args=a) for a in args[i:i + CHUNK]]
         with q.connection.pipeline() as pipe:
             ids += [j.id for j in q.enqueue_many(datas, pipeline=pipe)]
             pipe.execute()
@@ -183,7 +133,7 @@ def read_jobs(r: redis.Redis, queue: str, ids: Sequence[str]) -> Jobs:
     return Jobs(len(ids), statuses.get("finished", 0), failed, statuses, started, ended)
 
 
-def wait_finished(r: redis.Redis, w: Worker, ids: Sequence[str], timeout: float) -> None:
+def wait_finished(r: redis.Redis, w: Proc, ids: Sequence[str], timeout: float) -> None:
     """Until the last job (FIFO: the last to run on both sides) and then all are done."""
     deadline = time.monotonic() + timeout
     last = f"rq:job:{ids[-1]}"
@@ -212,10 +162,7 @@ def redis_usage(r: redis.Redis) -> tuple[dict[str, int], float]:
 @dataclass
 class Drain:
     n: int
-    result_ttl: int | None
-    rate: float            # jobs/s (see noop_drain); NaN: no ended_at to read
-    wall_rate: float       # n / (process wall - empty-queue wall)
-    wall_s: float          # spawn -> exit
+    rate: float            # jobs/s, the warm-up job's end -> the last job's end (ended_at)
     enqueue_rate: float
     cmds: float            # Redis commands per job (over the worker's whole life)
     cpu_us: float          # redis-server CPU per job
@@ -224,53 +171,35 @@ class Drain:
     left: int              # jobs still in the queue after the burst worker exited
 
     def ok(self) -> bool:
-        """Every job done: finished (kept results) or deleted on success (result_ttl=0,
-        RQ's meaning of it), none failed, none left in the queue."""
-        done = self.jobs.statuses.get("missing" if self.result_ttl == 0 else "finished", 0)
-        return done == self.n and self.jobs.failed == 0 and self.left == 0
+        """Every job finished, none failed, none left in the queue."""
+        return self.jobs.finished == self.n and self.jobs.failed == 0 and self.left == 0
 
 
-def startup(url: str, env: dict[str, str], side: str) -> float:
-    """The burst worker's wall time on an empty queue: start-up and shutdown."""
-    w = Worker(side, "empty", url, env, burst=True)
-    try:
-        return w.wait(120)
-    finally:
-        w.close()
-
-
-def noop_drain(r: redis.Redis, url: str, env: dict[str, str], side: str, n: int,
-               result_ttl: int | None, startup_s: float) -> Drain:
+def noop_drain(r: redis.Redis, url: str, env: dict[str, str], side: str, n: int) -> Drain:
     """Enqueue one warm-up job then ``n`` no-op jobs, run one burst worker until it
-    exits. Kept results: jobs/s from the warm-up job's end to the last job's end (the
-    jobs' ``ended_at``). ``result_ttl=0`` (RQ deletes the job on success, timestamps
-    included): n / (process wall - ``startup_s``)."""
+    exits: jobs/s from the warm-up job's end to the last job's end (``ended_at``)."""
     r.flushall()
     q = rq_queue(r, "noop")
-    (warm,), _ = enqueue(q, NOOP, [()], result_ttl)
-    ids, enq_s = enqueue(q, NOOP, [()] * n, result_ttl)
+    (warm,), _ = enqueue(q, NOOP, [()])
+    ids, enq_s = enqueue(q, NOOP, [()] * n)
     r.config_resetstat()
     _, cpu0 = redis_usage(r)
-    w = Worker(side, "noop", url, env, burst=True)
+    w = rq_worker(side, "noop", url, env, burst=True)
     try:
-        wall = w.wait(60 + n / 20)
+        if w.wait(60 + n / 20) != 0:
+            raise w.fail(f"worker exited with {w.proc.returncode}")
     finally:
         w.close()
     calls, cpu1 = redis_usage(r)
-    calls.pop("info", None)
-    calls.pop("config", None)
-    calls.pop("config|resetstat", None)
+    for k in ("info", "config", "config|resetstat"):
+        calls.pop(k, None)
     jobs = read_jobs(r, "noop", ids)
-    wall_rate = n / max(wall - startup_s, 1e-9)
-    if result_ttl == 0:
-        rate = wall_rate
-    else:
-        (t0,) = read_jobs(r, "", [warm]).ended or [math.nan]
-        rate = n / (max(jobs.ended) - t0) if len(jobs.ended) == n else math.nan
+    (t0,) = read_jobs(r, "", [warm]).ended or [math.nan]
+    rate = n / (max(jobs.ended) - t0) if len(jobs.ended) == n else math.nan
     top = dict(sorted(((k, v / (n + 1)) for k, v in calls.items()), key=lambda kv: -kv[1])[:6])
     left = len(q)
     r.flushall()
-    return Drain(n, result_ttl, rate, wall_rate, wall, n / enq_s, sum(calls.values()) / (n + 1),
+    return Drain(n, rate, n / enq_s, sum(calls.values()) / (n + 1),
                  1e6 * (cpu1 - cpu0) / (n + 1), top, jobs, left)
 
 
@@ -281,57 +210,32 @@ def bench_noop(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: Res
                ) -> None:
     res.section = "1. no-op jobs enqueued by RQ, one worker process (burst)"
     sides = {"rq": s.noop_rq, "mtq": s.noop_mtq}
-    variants: dict[str, int | None] = {"kept": None, "ttl0": 0}
-    runs: dict[tuple[str, str], list[Drain]] = {(k, v): [] for k in sides for v in variants}
-    starts: dict[str, list[float]] = {k: [] for k in sides}
+    runs: dict[str, list[Drain]] = {k: [] for k in sides}
     for _ in range(s.noop_reps):  # interleaved: a change in the machine hits both
         for side, n in sides.items():
-            starts[side].append(up := startup(url, env, side))
-            for v, ttl in variants.items():
-                runs[side, v].append(noop_drain(r, url, env, side, n, ttl, up))
-    kept = [d for (_, v), ds in runs.items() if v == "kept" for d in ds]
-    by_ts = all(not math.isnan(d.rate) for d in kept)
-    if not by_ts:  # a side wrote no ended_at: the same wall-time method for both sides
-        for d in kept:
-            d.rate = d.wall_rate
-    rates: dict[tuple[str, str], float] = {}
-    for (side, v), drains in runs.items():
-        d0 = drains[0]
-        rates[side, v] = rate = median([d.rate for d in drains])
-        vs = f"{rate / rates['rq', v]:.1f}x rq" if side == "mtq" else "rq = 1.00x"
-        if v == "kept":
-            res.add(f"{LABELS[side]}, results kept ({len(drains)} x {d0.n:,} jobs)", rate,
-                    "jobs/s", vs + ("; warm-up job's end -> last job's end (ended_at)"
-                                    if by_ts else "; by wall time (see notes)")
-                    + spread([d.rate for d in drains]) + "; n / (process wall "
-                    f"{median([d.wall_s for d in drains]):.2f} s - empty-queue run "
-                    f"{median(starts[side]):.2f} s) gives "
-                    f"{median([d.wall_rate for d in drains]):,.0f}")
-        else:
-            res.add(f"{LABELS[side]}, result_ttl=0 ({len(drains)} x {d0.n:,} jobs)", rate,
-                    "jobs/s", vs + f"; n / (process wall {median([d.wall_s for d in drains]):.2f}"
-                    f" s - empty-queue run {median(starts[side]):.2f} s)"
-                    + spread([d.rate for d in drains]))
+            runs[side].append(noop_drain(r, url, env, side, n))
+    rates: dict[str, float] = {}
+    for side, drains in runs.items():
+        rates[side] = rate = median([d.rate for d in drains])
+        vs = f"{rate / rates['rq']:.1f}x rq" if side == "mtq" else "rq = 1.00x"
+        res.add(f"{LABELS[side]}, results kept ({len(drains)} x {drains[0].n:,} jobs)", rate,
+                "jobs/s", vs + "; warm-up job's end -> last job's end (ended_at)"
+                + spread([d.rate for d in drains]))
         res.add("  Redis commands / CPU per job", median([d.cmds for d in drains]), "cmds/job",
                 f"{median([d.cpu_us for d in drains]):,.0f} us of Redis CPU per job; most "
-                "commands: " + ", ".join(f"{k} {x:.1f}" for k, x in d0.top.items()))
+                "commands: " + ", ".join(f"{k} {x:.1f}" for k, x in drains[0].top.items()))
         bad = [d for d in drains if not d.ok()]
-        res.target(f"every job done, none failed ({LABELS[side]}, no-op, "
-                   f"{'results kept' if v == 'kept' else 'result_ttl=0'})", not bad,
+        res.target(f"every job done, none failed ({LABELS[side]}, no-op)", not bad,
                    f"{sum(d.n for d in drains):,} jobs; " + ("; ".join(
                        f"statuses {d.jobs.statuses}, {d.jobs.failed} failed, {d.left} left "
-                       "in the queue" for d in bad) or "all "
-                       + ("finished" if v == "kept" else "deleted on success")),
-                   comparable=True)
+                       "in the queue" for d in bad) or "all finished"), comparable=True)
     res.add("RQ enqueue_many (JSON serializer, pipelines of 1,000)",
-            median([d.enqueue_rate for d in runs["rq", "kept"]]), "jobs/s",
+            median([d.enqueue_rate for d in runs["rq"]]), "jobs/s",
             "the producer side, the same for both workers")
     what = f">= {targets.RQ_NOOP_RATIO:.0f}x rq SimpleWorker's no-op throughput (results kept)"
-    ratio = rates["mtq", "kept"] / rates["rq", "kept"]
+    ratio = rates["mtq"] / rates["rq"]
     res.target(what, ratio >= targets.RQ_NOOP_RATIO,
-               f"{rates['mtq', 'kept']:,.0f} vs {rates['rq', 'kept']:,.0f} jobs/s: "
-               f"{ratio:.1f}x; with result_ttl=0 "
-               f"{rates['mtq', 'ttl0'] / rates['rq', 'ttl0']:.1f}x")
+               f"{rates['mtq']:,.0f} vs {rates['rq']:,.0f} jobs/s: {ratio:.1f}x")
 
 
 # -- 2. MiniLM -----------------------------------------------------------------------
@@ -345,7 +249,7 @@ def direct_pass(texts: Sequence[str]) -> float:
     return len(texts) / (time.perf_counter() - t0)
 
 
-def chunk(r: redis.Redis, w: Worker, queue: str, texts: Sequence[str]
+def chunk(r: redis.Redis, w: Proc, queue: str, texts: Sequence[str]
           ) -> tuple[float, float, Jobs]:
     """Enqueue ``texts`` as single-sentence jobs at once to a warm, idle worker:
     (sentences/s from the jobs' first ``started_at`` to their last ``ended_at``, NaN if
@@ -363,7 +267,7 @@ def chunk(r: redis.Redis, w: Worker, queue: str, texts: Sequence[str]
     return ts, seen, jobs
 
 
-def check_results(r: redis.Redis, ids: Sequence[str], texts: Sequence[str], w: Worker) -> None:
+def check_results(r: redis.Redis, ids: Sequence[str], texts: Sequence[str], w: Proc) -> None:
     """A few results, read through RQ's API, match the model called here."""
     from benchmarks.children.rq_jobs import encode
 
@@ -384,7 +288,7 @@ def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: R
                    "single-sentence RQ jobs")
     corpus = sentences(s.corpus)
     direct_pass(corpus[:2 * BATCH])  # load + warm-up in this process
-    workers: dict[str, Worker] = {}
+    workers: dict[str, Proc] = {}
     runs: dict[str, list[float]] = {"direct": [], "rq": [], "mtq": []}
     seen: dict[str, list[float]] = {"rq": [], "mtq": []}
     jobs: dict[str, list[Jobs]] = {"rq": [], "mtq": []}
@@ -392,8 +296,8 @@ def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: R
     r.flushall()
     try:
         for side in sizes:
-            workers[side] = Worker(side, f"mini-{side}", url, env, burst=False,
-                                   extra=("--devices", "cpu"))
+            workers[side] = rq_worker(side, f"mini-{side}", url, env, burst=False,
+                                      extra=("--devices", "cpu"))
         for side, w in workers.items():  # model load + warm-up, not timed
             chunk(r, w, f"mini-{side}", corpus[:2 * BATCH])
         for _ in range(s.mini_reps):  # in turns: a change in the machine hits all three
@@ -444,12 +348,7 @@ def bench_minilm(r: redis.Redis, url: str, env: dict[str, str], s: Sizes, res: R
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="smaller sizes, one repetition; prints only unless --docs is given")
-    ap.add_argument("--docs", type=Path, default=None,
-                    help="markdown file to update (default: docs/benchmarks.md on a full run)")
-    ap.add_argument("--no-docs", action="store_true", help="only print the table")
+    ap = cli_parser(__doc__, "~1 minute")
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                     help="redis-server on CPU 0, this script and the workers on CPU 1 "
                          "(default; --no-pin lets Linux place them)")
@@ -461,7 +360,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse(argv)
-    docs = None if a.no_docs else (a.docs or (None if a.quick else DOCS))
+    docs = docs_of(a)
     s = QUICK if a.quick else FULL
     if a.pin and len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("--pin needs 2 CPUs; use --no-pin")

@@ -17,7 +17,6 @@ Needs Redis 7 (``scripts/install-system-deps``) and valgrind for the first part.
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -38,7 +37,7 @@ import mtq
 from benchmarks import targets
 from benchmarks.harness.meters import machine_info, redis_cpu
 from benchmarks.harness.procs import wait_for, worker_env
-from benchmarks.harness.report import write_block
+from benchmarks.harness.report import cli_args, write_block
 from benchmarks.harness.server import ROOT, CallgrindServer
 from mtq.broker.keys import QueueKeys
 
@@ -226,12 +225,10 @@ def _completions(log: Path, since: float) -> list[float]:
 # -- main --------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args(argv)
+    quick, docs = cli_args(argv, __doc__, "~1 minute")
     clusters = _cluster_tools()
     binary = clusters.find_redis7()
-    n, per_queue, rounds, passes = (1600, 2000, 2, 1) if args.quick else (3200, 5000, 5, 3)
+    n, per_queue, rounds, passes = (1600, 2000, 2, 1) if quick else (3200, 5000, 5, 3)
     started = time.monotonic()
     rows: list[str] = []
     cg = shutil.which("valgrind") is not None
@@ -275,10 +272,9 @@ def main(argv: list[str] | None = None) -> None:
     took = time.monotonic() - started
     table = "\n".join(["| figure | measured | notes |", "|---|---:|---|", *rows])
     print(table)
-    if args.quick:
-        return
-    write_block("scaling", table.splitlines(), "python -m benchmarks.scaling",
-                machine_info(None, f"Redis 7 ({binary})"), took)
+    if docs is not None:
+        write_block("scaling", table.splitlines(), "python -m benchmarks.scaling",
+                    machine_info(None, f"Redis 7 ({binary})"), took, docs)
 
 
 if __name__ == "__main__":

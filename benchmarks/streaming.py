@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Streaming: token streams, continuous batching, the no-op round trip.
+"""Streaming: token streams and continuous batching.
 
     python -m benchmarks.streaming            # ~2 minutes on 2 cores, writes the streaming block
     python -m benchmarks.streaming --quick    # ~35 s, prints only
@@ -8,18 +8,16 @@ Each against a baseline from the same run: (1) token latency, publish to
 ``Task.events()`` in a reader thread, 8 requests on ``mtq.reference.gpt:TinyGPT``,
 against raw PUBLISH -> SUBSCRIBE; (2) tokens/s delivered with 8 and 32 requests against
 ``decode_rate`` over the same cache positions and threads; (3) continuous against
-static batching on a mixed workload, beside the same schedule without a queue; (4) the
-submit -> result() round trip of a no-op task against a hand-rolled LPUSH / BLPOP queue.
+static batching on a mixed workload, beside the same schedule without a queue. The
+no-op round trip and its floor are benchmarks/hotpath.py's.
 """
 
 from __future__ import annotations
 
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,12 +39,11 @@ from benchmarks.harness.meters import (
     pct,
     torch_info,
 )
-from benchmarks.harness.procs import Proc, wait_for, worker_env
+from benchmarks.harness.procs import Proc, worker_env
 from benchmarks.harness.report import Results, cli_args, write_block
-from benchmarks.harness.server import ROOT, Counting, Server, compile_tree, uniq
+from benchmarks.harness.server import Counting, Server, compile_tree, uniq
+from benchmarks.harness.streams import read_requests, wait_ready, worker_entry
 from mtq import serialization
-from mtq.replies import decode_message
-from mtq.workers.registry import list_workers
 
 PROMPT = "Hello, world"                   # decode_rate's default prompt
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -60,41 +57,19 @@ class Sizes:
     reps32: int       # ... at B = 32
     mixed_n: int      # requests of the mixed workload
     mixed_reps: int   # (continuous, static) turns
-    noop_n: int       # timed no-op round trips (and as many hand-rolled ones)
-    noop_warm: int
     pub_msgs: int     # raw PUBLISH baseline messages
     quiet_s: float    # longest wait for a quiet machine before each step
 
 
 FULL = Sizes(max_tokens=300, start=20, reps8=10, reps32=4, mixed_n=96, mixed_reps=4,
-             noop_n=2000, noop_warm=100, pub_msgs=3000, quiet_s=15)
+             pub_msgs=3000, quiet_s=15)
 QUICK = Sizes(max_tokens=300, start=20, reps8=2, reps32=1, mixed_n=96, mixed_reps=1,
-              noop_n=300, noop_warm=100, pub_msgs=800, quiet_s=2)
+              pub_msgs=800, quiet_s=2)
 
 
 # -- helpers -----------------------------------------------------------------------
 def start_worker(server: Server, target: str, queue: str, env: dict[str, str]) -> Proc:
     return Proc(["worker", "run", target, "--queue", queue, "--redis", server.url], env)
-
-
-def wait_ready(r: redis.Redis, procs: Sequence[tuple[Proc, str]]) -> None:
-    for p, q in procs:
-        wait_for(f"a worker on {q}", lambda q=q: bool(list_workers(r, q)), 120,  # type: ignore[misc]
-                 [p])
-
-
-def worker_entry(r: redis.Redis, queue: str, proc: Proc) -> dict[str, Any]:
-    """The worker's registry entry, from a heartbeat written after this call."""
-    after, got = time.time(), {}
-
-    def fresh() -> bool:
-        ws = list_workers(r, queue)
-        if ws and float(ws[0].get("beat", 0)) > after:
-            got.update(ws[0])
-        return bool(got)
-
-    wait_for("a fresh worker heartbeat", fresh, 10, [proc], every=0.1)
-    return got
 
 
 def runs_of(values: Sequence[float]) -> str:
@@ -110,66 +85,26 @@ class Run:
     tokens: int
     cmds: dict[str, int]    # INFO commandstats calls over the run
     client_rts: int         # round trips sent from here (a submit, a watch per reader)
-    hub_ms: list[float]     # publish -> the reply listener thread has the message
-    hop_ms: list[float]     # listener thread has it -> the reader thread yields the token
 
 
 def stream_run(r: redis.Redis, q: mtq.Queue, b: int, max_tokens: int, start: int,
                proc: Proc) -> Run:
     """Submit ``b`` requests at once and read each in its own thread (Task.events)."""
     sizes = [max_tokens] * b
-    taps: list[tuple[float, bytes]] = []  # time.time() in the listener thread, message
-    hub = q.hub
-    dispatch = hub._dispatch
-
-    def tap(channel: bytes, data: bytes) -> None:  # instrumentation: one time.time() more
-        taps.append((time.time(), data))
-        dispatch(channel, data)
-
-    hub._dispatch = tap  # type: ignore[method-assign]
     r.config_resetstat()
     sent = Counting.sent
-    tasks = q.submit_many([{"prompt": PROMPT, "max_tokens": m, "stop_at_eos": False, "seed": i}
-                           for i, m in enumerate(sizes)])
-    recs: list[list[tuple[int, float, float]]] = [[] for _ in tasks]
-    errors: list[str] = []
-
-    def read(t: mtq.Task, out: list[tuple[int, float, float]]) -> None:
-        try:
-            for ev in t.events(timeout=120):
-                now = time.time()
-                if ev.kind == "token":
-                    out.append((int(ev.index or 0), ev.ts, now))
-                elif ev.terminal and ev.kind != "succeeded":
-                    errors.append(f"{t.id} ended {ev.kind}: {ev.data}")
-        except Exception as exc:  # reported below, with the worker's log
-            errors.append(f"{t.id}: {exc!r}")
-
-    threads = [threading.Thread(target=read, args=x, daemon=True) for x in zip(tasks, recs)]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + 150
-    try:
-        for th in threads:
-            th.join(max(0.1, deadline - time.monotonic()))
-            if th.is_alive():
-                raise proc.fail("a reader thread still waits for its task after 150 s")
-    finally:
-        del hub._dispatch
+    payloads = [{"prompt": PROMPT, "max_tokens": m, "stop_at_eos": False, "seed": i}
+                for i, m in enumerate(sizes)]
+    recs = [x.tokens for x in read_requests(q, payloads, proc)]
     client_rts, cmds = Counting.sent - sent, commandstats(r)
-    if errors or any(len(x) != m for x, m in zip(recs, sizes)):
-        raise proc.fail(f"stream run failed: {errors[:3]}; tokens {[len(x) for x in recs]}")
     toks = [(i, ts, now) for x in recs for i, ts, now in x if i < max_tokens]
     t0, p0 = (min(x[k] for x in toks if x[0] == start) for k in (2, 1))
     t1, p1 = (min(x[k] for x in toks if x[0] == max_tokens - 1) for k in (2, 1))
     n = sum(1 for _, _, now in toks if t0 < now <= t1)
     n_pub = sum(1 for _, ts, _ in toks if p0 < ts <= p1)
     live = [(ts, now) for x in recs for _, ts, now in x if ts > 0]
-    arrivals = {ts: now for now, (kind, ts, _) in ((n, decode_message(d)) for n, d in taps)
-                if kind == "token"}
     return Run([(now - ts) * 1000 for ts, now in live], n / (t1 - t0), n_pub / (p1 - p0),
-               sum(sizes), cmds, client_rts, [(a - ts) * 1000 for ts, a in arrivals.items()],
-               [(now - arrivals[ts]) * 1000 for ts, now in live if ts in arrivals])
+               sum(sizes), cmds, client_rts)
 
 
 def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
@@ -228,12 +163,6 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
                                       f"{pct(busy, q_):.3f} ms)")
         name = f"mtq tokens, 8 requests x {len(runs[8])} runs, {label}"
         res.add(name if q_ == 50 else f"  {label}", v, "ms", note)
-    hub8, hop8 = ([v for x in runs[8] for v in getattr(x, f)] for f in ("hub_ms", "hop_ms"))
-    res.add("  of which publish -> the client's listener thread reads it, p99", pct(hub8, 99),
-            "ms", f"{ms_stats(hub8)} messages (one per publisher trip; timed by wrapping "
-            "Hub._dispatch)")
-    res.add("  of which listener thread -> reader thread yields the token, p99", pct(hop8, 99),
-            "ms", f"{ms_stats(hop8)} tokens (decode, hand to 8 feeds, wake the readers)")
     res.add(f"mtq tokens, 32 requests x {len(runs[32])} runs, p50", pct(lat32, 50), "ms",
             f"informational; {ms_stats(lat32)}")
 
@@ -360,86 +289,6 @@ def bench_mixed(server: Server, r: redis.Redis, s: Sizes, res: Results,
             "attention over the longest request's span)")
 
 
-# -- 4. no-op round trip -----------------------------------------------------------
-def bench_noop(server: Server, r: redis.Redis, s: Sizes, res: Results) -> None:
-    q = mtq.Queue(uniq("noop"), client=r)
-    proc = start_worker(server, "benchmarks.children.noop:handle", q.name, worker_env(server.url))
-    echo = subprocess.Popen([sys.executable, "-m", "benchmarks.children.gen", "echo",
-                             str(server.port)], cwd=ROOT)
-    payload = {"i": 1}
-    data = serialization.dumps(payload)
-    mt: list[tuple[float, float]] = []  # (submit returned, result returned), ms
-    hand: list[float] = []
-    cmds: dict[str, int] = {}
-    rts = 0
-
-    def mtq_block(n: int, keep: bool) -> None:
-        nonlocal rts
-        r.config_resetstat()
-        sent = Counting.sent
-        for _ in range(n):
-            t0 = time.perf_counter()
-            t = q.submit(payload)
-            t1 = time.perf_counter()
-            t.result(timeout=10)
-            mt.append(((t1 - t0) * 1000, (time.perf_counter() - t0) * 1000))
-        if not keep:
-            del mt[-n:]
-            return
-        rts += Counting.sent - sent
-        for k, v in commandstats(r).items():
-            cmds[k] = cmds.get(k, 0) + v
-
-    def raw_block(n: int, keep: bool) -> None:
-        for _ in range(n):
-            t0 = time.perf_counter()
-            r.lpush("bench:req", data)
-            if r.blpop(["bench:rep"], timeout=10) is None:
-                raise SystemExit("the hand-rolled echo worker did not answer in 10 s")
-            if keep:
-                hand.append((time.perf_counter() - t0) * 1000)
-
-    try:
-        wait_ready(r, [(proc, q.name)])
-        mtq_block(s.noop_warm, False)
-        raw_block(s.noop_warm, False)
-        for start in range(0, s.noop_n, 100):  # blocks in turns, so load changes hit both
-            mtq_block(min(100, s.noop_n - start), True)
-            raw_block(min(100, s.noop_n - start), True)
-        r.lpush("bench:req", b"stop")
-        echo.wait(10)
-        proc.stop()
-    finally:
-        if echo.poll() is None:
-            echo.kill()
-            echo.wait(10)
-        proc.close()
-        r.flushdb()
-    n, total = len(mt), [b for _, b in mt]
-    res.section = "4. submit -> result() round trip, no-op task, warm worker, one at a time"
-    res.add(f"hand-rolled LPUSH -> BLPOP/LPUSH -> BLPOP, p50 ({len(hand):,})", pct(hand, 50),
-            "ms", f"baseline; {ms_stats(hand)}; echo worker: a redis-py loop in another process")
-    for label, q_, target in (("p50", 50, targets.ROUND_TRIP_MS[0]),
-                              ("p99", 99, targets.ROUND_TRIP_MS[1])):
-        v = pct(total, q_)
-        note = f"{v / pct(hand, q_):.2f}x hand-rolled"
-        if target is not None:
-            note += "; " + res.target(f"no-op round trip {label} <= {target} ms", v <= target,
-                                      f"{v:.3f} ms, max {max(total):.2f} ms (hand-rolled "
-                                      f"{pct(hand, q_):.3f} ms)")
-        res.add(f"mtq submit + result(), {label} ({n:,})" if q_ == 50 else f"  {label}", v, "ms",
-                note)
-    res.add("  of which submit() returning, p50", median([a for a, _ in mt]), "ms",
-            "the rest is result(): one watch round trip, then the completion event")
-    shown = sorted(((k, v / n) for k, v in cmds.items() if v / n >= 0.05 and k != "config"),
-                   key=lambda kv: -kv[1])
-    worker = cmds.get("evalsha", 0) + cmds.get("blpop", 0) - rts
-    res.add("  Redis commands per task (client + worker)", sum(v for _, v in shown), "calls",
-            ", ".join(f"{k} {v:.2f}" for k, v in shown) + f"; round trips: client {rts / n:.2f}"
-            f", worker EVALSHA + BLPOP {worker / n:.2f} per task (the commands the Lua "
-            "scripts run count too)")
-
-
 # -- output --------------------------------------------------------------------------
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -463,7 +312,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps: list[tuple[str, Callable[[], Any]]] = [
             ("token streams", lambda: bench_stream(server, r, s, res, env, raw)),
             ("mixed workload", lambda: bench_mixed(server, r, s, res, env, raw)),
-            ("no-op round trip", lambda: bench_noop(server, r, s, res)),
         ]
         meter = CpuMeter()
         meter.run(steps, s.quiet_s)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 # -- broker (benchmarks/broker.py) ---------------------------------------------------------
 SUBMIT_MANY = 50_000           # tasks/s, submit_many
-WORKER_DRAIN = 20_000          # tasks/s, one worker at batch 64
 MEMORY_BEYOND = 300            # bytes per waiting task beyond its encoded payload
 SCALE_RATIO = 1.25             # claim cost, 100,000 streams against 10 or 100: within 1.25x
 
@@ -28,13 +27,11 @@ HOTPATH = {
 CEILING = 0.90                 # worker throughput / the model called directly, batch 32
 GAIN = 5.0                     # batch 32 / batch 1, through the queue
 OVERHEAD_MS = 1.0              # the queue's own cost per batch
-RECOVERY_LEASES = 2            # a killed worker's batch runs again within 2 leases
 
 # -- streaming (benchmarks/streaming.py) ---------------------------------------------------
 TOKEN_LATENCY_MS = (0.5, 2.0)  # token latency p50, p99
 DELIVERED = 0.95               # delivered / raw decode rate
 CONTINUOUS = 1.5               # continuous / static tokens/s
-ROUND_TRIP_MS = (1.0, 3.0)     # no-op round trip p50, p99
 
 # -- web (benchmarks/web.py) ---------------------------------------------------------------
 SSE_ADDED_MS = (1.0, 5.0)      # SSE arrival - in-process arrival, p50 and p99

@@ -16,8 +16,6 @@ of pre-made events read by the same client.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +33,7 @@ import redis
 
 import mtq
 from benchmarks import targets
-from benchmarks.harness.meters import CpuMeter, commandstats, machine_info, pct
+from benchmarks.harness.meters import CpuMeter, commandstats, machine_info, ms_stats, pct
 from benchmarks.harness.procs import Proc, wait_for, worker_env
 from benchmarks.harness.report import Results, cli_args, write_block
 from benchmarks.harness.server import ROOT, Server, free_port, uniq
@@ -75,31 +73,22 @@ class Uvicorn:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.name = "mtqbench-web-" + uuid.uuid4().hex[:8]
-        self.log = tempfile.NamedTemporaryFile(prefix="mtq-bench-uvicorn-", suffix=".log",
-                                               delete=False)
-        env = dict(env, MTQ_BENCH_CLIENT_NAME=self.name)
-        command = [sys.executable, "-m", "uvicorn", "benchmarks.children.web_app:app", "--host",
-                   "127.0.0.1", "--port", str(self.port), "--log-level", "warning",
-                   "--no-access-log", "--timeout-graceful-shutdown", "2"]
-        self.proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        self.app = Proc(["benchmarks.children.web_app:app", "--host", "127.0.0.1", "--port",
+                         str(self.port), "--log-level", "warning", "--no-access-log",
+                         "--timeout-graceful-shutdown", "2"],
+                        dict(env, MTQ_BENCH_CLIENT_NAME=self.name),
+                        program=(sys.executable, "-m", "uvicorn"))
         self.pid = 0
 
         def up() -> bool:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"uvicorn exited:\n{self.output()}")
             try:
                 self.pid = int(httpx.get(self.base + "/healthz", timeout=2).json()["pid"])
             except httpx.TransportError:
                 return False
             return True
 
-        wait_for("uvicorn to answer", up, 30)
+        wait_for("uvicorn to answer", up, 30, [self.app])
         self.ps = psutil.Process(self.pid)
-
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text(errors="replace")[-4000:]
 
     def conns(self, r: redis.Redis) -> tuple[int, int]:
         """(all, pub/sub) Redis connections this process holds (CLIENT LIST by name)."""
@@ -125,15 +114,8 @@ class Uvicorn:
         return main, other
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.log.close()
-        os.unlink(self.log.name)
+        self.app.stop(10)
+        self.app.close()
 
 
 class Sampler:
@@ -280,11 +262,6 @@ def stamp_lat(recs: list[dict[str, Any]]) -> list[float]:
     return [(arr - json.loads(d)[1]) * 1000 for rec in recs for _, arr, d, *_ in rec["tokens"]]
 
 
-def stats(v: Sequence[float]) -> str:
-    return (f"p50 {pct(v, 50):.3f}, p90 {pct(v, 90):.3f}, p99 {pct(v, 99):.3f}, max "
-            f"{max(v):.2f} ms over {len(v):,}")
-
-
 # -- 1. added latency ---------------------------------------------------------------
 def bench_added(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: Sizes,
                 res: Results, tmp: Path, env: dict[str, str], workers: Sequence[Proc]) -> None:
@@ -316,9 +293,9 @@ def bench_added(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: S
                    f"every {s.lat_step_ms:g} ms, x {s.lat_runs} runs, each token read by both "
                    "readers at once")
     res.add("in-process Task.aevents(), publish -> arrival, p50", pct(inproc, 50), "ms",
-            f"baseline; {stats(inproc)}")
+            f"baseline; {ms_stats(inproc)}")
     res.add("SSE via uvicorn, publish -> arrival, p50", pct(sse, 50), "ms",
-            f"{stats(sse)}; {pct(sse, 50) / pct(inproc, 50):.2f}x in-process")
+            f"{ms_stats(sse)}; {pct(sse, 50) / pct(inproc, 50):.2f}x in-process")
     for label, q_, target in (("p50", 50, targets.SSE_ADDED_MS[0]),
                               ("p99", 99, targets.SSE_ADDED_MS[1])):
         v = pct(added, q_)
@@ -326,9 +303,10 @@ def bench_added(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: S
                           f"{v:.3f} ms over {len(added):,} tokens (in-process "
                           f"{pct(inproc, q_):.3f} ms, SSE {pct(sse, q_):.3f} ms)")
         res.add(f"added by SSE: SSE arrival - in-process arrival, {label}" if q_ == 50
-                else f"  {label}", v, "ms", (stats(added) + "; " if q_ == 50 else "") + note)
+                else f"  {label}", v, "ms",
+                (ms_stats(added) + "; " if q_ == 50 else "") + note)
     res.add("SSE, worker stamp -> arrival, p99", pct(sse_stamp, 99), "ms",
-            f"{stats(sse_stamp)}; the stamp is taken when the step's tokens leave the "
+            f"{ms_stats(sse_stamp)}; the stamp is taken when the step's tokens leave the "
             "handler: it adds the engine and the outlet (a trip at most every 2 ms)")
 
 
@@ -361,12 +339,12 @@ def bench_many(r: redis.Redis, web: Uvicorn, q: mtq.Queue, server: Server, s: Si
                                        comparable=True))
     res.add("in-process Task.aevents() x 500 in one process, stamp -> arrival, p50",
             pct(b_lat, 50), "ms", f"baseline (the same tasks and pace, another run); "
-            f"{stats(b_lat)}; of which stamp -> publish (the worker's engine and outlet, "
+            f"{ms_stats(b_lat)}; of which stamp -> publish (the worker's engine and outlet, "
             f"Redis TIME) p50 {pct(b_out, 50):.1f}, p99 {pct(b_out, 99):.1f} ms and publish -> "
             f"arrival p50 {pct(b_pub, 50):.1f}, p99 {pct(b_pub, 99):.1f} ms; {b_exact} of "
             f"{s.many} exact")
     res.add("SSE clients (one process), worker stamp -> arrival, p50", pct(lat, 50), "ms",
-            f"{stats(lat)}; p50 {pct(lat, 50) / pct(b_lat, 50):.2f}x, p99 "
+            f"{ms_stats(lat)}; p50 {pct(lat, 50) / pct(b_lat, 50):.2f}x, p99 "
             f"{pct(lat, 99) / pct(b_lat, 99):.2f}x in-process")
     rate = tokens / run.wall_s
     res.add("tokens delivered / s", rate, "tokens/s",
@@ -412,7 +390,7 @@ def bench_floor(web: Uvicorn, s: Sizes, res: Results, tmp: Path, env: dict[str, 
                    "no mtq), same uvicorn process, same client")
     for k, n, step, lat in rows:
         res.add(f"{k} streams x {n} events, one every {step:g} ms, made -> arrival, p50",
-                pct(lat, 50), "ms", stats(lat))
+                pct(lat, 50), "ms", ms_stats(lat))
 
 
 # -- main ------------------------------------------------------------------------------

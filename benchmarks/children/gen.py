@@ -10,10 +10,9 @@
   with the worker's thread settings); a line ``{"mixed": [payload, ...], "continuous":
   bool}`` runs those payloads through :func:`schedule_rate` instead (the mixed
   workload's ceiling, without a queue);
-* ``python -m benchmarks.children.gen publish PORT N SIZE GAP`` and ``... echo PORT``:
-  the baselines' other process: raw PUBLISH of N messages of SIZE bytes carrying the
-  publish time, one every GAP s (:func:`publish`); a hand-rolled queue worker,
-  BLPOP request -> LPUSH reply (:func:`echo`).
+* ``python -m benchmarks.children.gen publish PORT N SIZE GAP``: the token latency
+  baseline's other process: raw PUBLISH of N messages of SIZE bytes carrying the
+  publish time, one every GAP s (:func:`publish`).
 """
 
 from __future__ import annotations
@@ -189,20 +188,9 @@ def pubsub_latencies(port: int, n: int, size: int, gap: float) -> list[float]:
     return out
 
 
-def echo(port: int) -> None:
-    import redis
-
-    r = redis.Redis(port=port)
-    while (v := r.blpop(["bench:req"])[1]) != b"stop":  # type: ignore[index]
-        r.lpush("bench:rep", v)
-
-
 def main() -> int:
     if sys.argv[1:2] == ["publish"]:
         publish(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
-        return 0
-    if sys.argv[1:2] == ["echo"]:
-        echo(int(sys.argv[2]))
         return 0
     model = TinyGPT()
     model.setup("cpu")

@@ -1,8 +1,10 @@
 """No-op worker targets: the benchmarks measure the queue, not the handler.
 
-* :func:`handle`, a plain function (one payload per call), for benchmarks/broker.py;
-* :class:`NoopModel`, a batched :class:`mtq.Model` that returns ``None`` per item,
-  for benchmarks/batching.py (the queue's own cost per batch).
+* :func:`handle`, a plain function (one payload per call): the round trips and drains
+  of hotpath, cache, collect and scaling;
+* :class:`NoopModel`, a batched :class:`mtq.Model` that returns ``None`` per item: the
+  queue's own cost per batch (batching, observability);
+* :func:`marked`, :func:`handle` that stamps the first and last task (hotpath's drain).
 """
 
 from __future__ import annotations

@@ -70,14 +70,20 @@ def alive(pid: int) -> bool:
         return False
 
 
-class Proc:
-    """``python -m mtq ARGS`` whose output goes to a temporary file, shown when it fails."""
+#: what :class:`Proc` runs by default: ``python -m mtq``
+MTQ = (sys.executable, "-m", "mtq")
 
-    def __init__(self, args: Sequence[str], env: dict[str, str]) -> None:
+
+class Proc:
+    """``python -m mtq ARGS`` (or ``program ARGS``) whose output goes to a temporary file,
+    shown when it fails."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str],
+                 program: Sequence[str] = MTQ) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="mtq-bench-", suffix=".log", delete=False)
-        self.args = list(args)
-        self.proc = subprocess.Popen([sys.executable, "-m", "mtq", *args], env=env, cwd=ROOT,
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.argv = [*program, *args]
+        self.proc = subprocess.Popen(self.argv, env=env, cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def output(self) -> str:
         self.log.flush()
@@ -86,7 +92,7 @@ class Proc:
     def fail(self, why: str) -> SystemExit:
         self.kill()
         tail = "\n".join(self.output().splitlines()[-40:])
-        return SystemExit(f"{why}\n$ mtq {' '.join(self.args)}\n{tail}")
+        return SystemExit(f"{why}\n$ {' '.join(self.argv)}\n{tail}")
 
     def wait(self, timeout: float) -> int:
         try:

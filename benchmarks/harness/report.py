@@ -124,16 +124,30 @@ def write_block(area: str, lines: Sequence[str], command: str, machine: str,
     print(f"wrote the {area} block of {path}")
 
 
-def cli_args(argv: Sequence[str] | None, doc: str | None, quick_time: str
-             ) -> tuple[bool, Path | None]:
-    """The options most benchmarks take: (quick?, markdown file to update or None). A
-    full run writes its block; ``--quick`` only prints unless ``--docs`` is given."""
+def cli_parser(doc: str | None, quick_time: str) -> argparse.ArgumentParser:
+    """A parser with the options every benchmark takes (``--quick``, ``--docs PATH``,
+    ``--no-docs``); a benchmark adds its own, then reads the docs file with
+    :func:`docs_of`."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
     ap.add_argument("--quick", action="store_true",
                     help=f"smaller sizes ({quick_time}); does not write docs unless --docs")
     ap.add_argument("--docs", type=Path, default=None,
                     help="markdown file to update (default: docs/benchmarks.md on a full run)")
     ap.add_argument("--no-docs", action="store_true", help="only print the table")
-    args = ap.parse_args(argv)
-    docs = args.docs or (None if args.quick else DOCS)
-    return args.quick, None if args.no_docs else docs
+    return ap
+
+
+def docs_of(args: argparse.Namespace) -> Path | None:
+    """The markdown file a run writes its block to: none with ``--no-docs``, and none
+    for a ``--quick`` run unless ``--docs`` names one."""
+    if args.no_docs:
+        return None
+    return args.docs or (None if args.quick else DOCS)
+
+
+def cli_args(argv: Sequence[str] | None, doc: str | None, quick_time: str
+             ) -> tuple[bool, Path | None]:
+    """(quick?, markdown file to update or None) for a benchmark with no options of its
+    own."""
+    args = cli_parser(doc, quick_time).parse_args(argv)
+    return args.quick, docs_of(args)

@@ -156,9 +156,6 @@ class CallgrindServer(RedisServer):
         self.prefix = ("valgrind", "--tool=callgrind", "--instr-atstart=no",
                        f"--callgrind-out-file={self.dump}")
 
-    def start(self, timeout: float = 120) -> None:
-        super().start(timeout)
-
     def instrument(self, on: bool) -> None:
         assert self.proc is not None
         subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(self.proc.pid)],
