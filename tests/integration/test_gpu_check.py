@@ -167,7 +167,7 @@ def test_a_step_over_its_limit_is_killed_with_its_children_and_the_check_goes_on
 def test_the_gpu_targets_count_their_parameters_and_cache_right(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
-    from benchmarks import gpu_targets as gt
+    from benchmarks.children import gpt as gt
     from mtq.reference.gpt import GPTConfig, TinyGPT
 
     monkeypatch.setenv("MTQ_REFERENCE_WEIGHTS", str(tmp_path / "w.pt"))

@@ -117,7 +117,7 @@ def test_twenty_kills_of_supervised_workers_give_everything_back_within_a_second
     held is claimed again within a second of the kill (p99 and max; one process is always
     left to claim them while the other restarts), none is lost, none succeeds twice, and
     each stream finishes in submit order."""
-    sup = supervise("benchmarks.faults_targets:Busy", qname, "--replicas", "2")
+    sup = supervise("benchmarks.children.busy:Busy", qname, "--replicas", "2")
     wait_workers(r, qname, 2, sup, timeout=60)
     q = mtq.Queue(qname, redis_url)
     streams, n = 200, 12_000
