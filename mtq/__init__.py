@@ -46,12 +46,14 @@ _MORE_ERRORS = frozenset({"BatchArityError", "BatchShapeError", "InvalidArgument
 
 
 def __getattr__(name: str) -> object:
-    """``mtq.rq`` (``@mtq.rq.batched`` for RQ job modules) without an explicit import;
-    loaded on first use, and it imports no part of the rq package itself."""
-    if name == "rq":
+    """``mtq.rq`` (``@mtq.rq.batched`` for RQ job modules) without an explicit import,
+    loaded on first use (it imports no part of the rq package itself); likewise
+    ``mtq.replies`` and ``mtq.group``, which ``import mtq`` alone has always made
+    reachable (``mtq.replies.INBOX_MAX = ...``)."""
+    if name in ("rq", "replies", "group"):
         import importlib
 
-        return importlib.import_module("mtq.rq")
+        return importlib.import_module(f"mtq.{name}")
     if name in _MORE_ERRORS:  # in mtq.errors' tree, not in __all__
         from mtq import errors
 

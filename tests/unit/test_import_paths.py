@@ -12,6 +12,8 @@ import ast
 import importlib
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,3 +168,13 @@ def test_the_dotted_paths_the_docs_name_resolve() -> None:
                 line = text.count("\n", 0, m.start()) + 1
                 wrong.append(f"{md.relative_to(ROOT)}:{line}: {dotted}")
     assert not wrong, "paths named in the docs that do not resolve:\n" + "\n".join(wrong)
+
+
+def test_import_mtq_alone_reaches_the_modules_it_always_reached() -> None:
+    """``import mtq`` then ``mtq.replies.INBOX_MAX`` / ``mtq.group.Group`` / ``mtq.rq``,
+    with no import of those modules: in a fresh interpreter, as a user's script does."""
+    code = ("import mtq; assert mtq.replies.INBOX_MAX > 0; assert mtq.group.Group; "
+            "assert mtq.rq.batched; print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "ok", out.stderr
