@@ -50,10 +50,14 @@ def __getattr__(name: str) -> object:
     loaded on first use (it imports no part of the rq package itself); likewise
     ``mtq.replies`` and ``mtq.group``, which ``import mtq`` alone has always made
     reachable (``mtq.replies.INBOX_MAX = ...``)."""
-    if name in ("rq", "replies", "group"):
-        import importlib
+    import importlib
 
-        return importlib.import_module(f"mtq.{name}")
+    if name == "rq":
+        return importlib.import_module("mtq.rq")
+    if name == "replies":
+        return importlib.import_module("mtq.replies")
+    if name == "group":
+        return importlib.import_module("mtq.group")
     if name in _MORE_ERRORS:  # in mtq.errors' tree, not in __all__
         from mtq import errors
 

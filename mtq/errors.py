@@ -32,9 +32,10 @@
     ├── ResultNotStorable           an RQ job's return value its serializer cannot write
     └── UsageError                  a call its object's state does not allow (a closed group)
 
-InvalidArgument and BatchShapeError are also ValueErrors; BatchArityError and
-ResultNotStorable TypeErrors; UsageError a RuntimeError. ``mtq.broker.codes.error`` is the one place that turns
-the codes the Lua scripts return into these exceptions.
+InvalidArgument and BatchShapeError are also ValueErrors; BatchShapeError,
+BatchArityError and ResultNotStorable TypeErrors; UsageError a RuntimeError.
+``mtq.broker.codes.error`` is the one place that turns the codes the Lua scripts return
+into these exceptions.
 
 Every message says what was wrong and what to do about it.
 """
@@ -250,7 +251,7 @@ class TaskFinished(MtqError):
         super().__init__(f"task {task_id} already ended {status}; nothing was changed")
 
 
-class BatchShapeError(MtqError, ValueError):
+class BatchShapeError(MtqError, ValueError, TypeError):
     """A model's predict (or a generator's prefill or decode) returned the wrong number
     of results for its batch, or not a list: the batch's tasks fail with it."""
 

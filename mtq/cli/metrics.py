@@ -47,7 +47,6 @@ def serve(port: int, host: str, queues: tuple[str, ...], url: str | None) -> Non
     import redis
 
     from mtq.broker.connection import safe_url
-    from mtq.broker.registry import list_workers
     from mtq.validation import check_queue_name
 
     try:
@@ -70,7 +69,7 @@ def serve(port: int, host: str, queues: tuple[str, ...], url: str | None) -> Non
                      f"{safe_url(resolved)} (known: {', '.join(sorted(known)) or 'none'}); "
                      "check the name, or submit to the queue first", NOT_FOUND)
     try:
-        server = make_exporter(MtqCollector(client, list(queues) or None, list_workers), host, port)
+        server = make_exporter(MtqCollector(client, list(queues) or None), host, port)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port} ({exc.strerror or exc}); is another exporter "
              "running there? choose another --port", USAGE)

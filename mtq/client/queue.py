@@ -9,7 +9,6 @@ from typing import Any
 
 import redis
 
-from mtq import tracing
 from mtq.broker.cluster import for_queue
 from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import connect
@@ -20,6 +19,7 @@ from mtq.client.replies.hub import Hub, hub_of
 from mtq.client.submit import new_task, send
 from mtq.client.task import Task
 from mtq.errors import QueueInUse
+from mtq.observe import otel as tracing
 from mtq.settings import QueueSettings
 from mtq.validation import check_queue_name, check_task_id
 

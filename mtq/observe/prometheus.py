@@ -28,7 +28,7 @@ Metrics (see docs/operations.md for the table):
   ``mtq_cache_misses_total``, ``mtq_cache_joined_total``, gauges
   ``mtq_cache_entries`` (0 when there is no cache);
 - per live worker process (labels ``queue``, ``worker``, ``host``, ``device``,
-  ``model``; read by the ``workers`` function the collector is given): histogram ``mtq_worker_batch_size``, counters
+  ``model``; read from the worker registry): histogram ``mtq_worker_batch_size``, counters
   ``mtq_worker_busy_seconds_total`` (busy fraction: its rate),
   ``mtq_worker_restarts_total``, ``mtq_worker_tasks_total``, gauge
   ``mtq_worker_device_memory_bytes{kind=allocated|reserved|total}`` (CUDA only);
@@ -40,10 +40,8 @@ same families as :meth:`MtqCollector.collect` yields, which prometheus_client's
 registries use): prometheus_client's generic writer spends Python on every sample,
 too much for a thousand queues with histograms (docs/benchmarks.md, Observability).
 
-No torch import here: the exporter runs beside the workers, not in them. Nothing
-here imports the worker side: the worker registry is read through the function
-the collector is given (``mtq metrics serve`` passes
-:func:`mtq.broker.registry.list_workers`).
+No torch import here: the exporter runs beside the workers, not in them, and reads
+the worker registry (:mod:`mtq.broker.registry`) without importing the worker side.
 """
 
 from __future__ import annotations
@@ -70,6 +68,7 @@ from prometheus_client.utils import floatToGoString
 
 from mtq.broker.cluster import shared
 from mtq.broker.keys import QUEUES
+from mtq.broker.registry import list_workers
 from mtq.broker.scrape import ScrapeReader
 from mtq.errors import BrokerError
 from mtq.observe.histograms import BOUNDS
@@ -200,11 +199,11 @@ class MtqCollector(Collector):
 
     ``queues``: the queues to export, in this order; None: every known queue, read
     anew at each scrape (a queue created later appears, a deleted one goes).
-    ``workers``: reads the worker registry for the per-worker families (e.g.
+    ``workers``: reads the worker registry for the per-worker families (default
     :func:`mtq.broker.registry.list_workers`); None: those families stay empty."""
 
     def __init__(self, client: redis.Redis, queues: Sequence[str] | None = None,
-                 workers: WorkerReader | None = None) -> None:
+                 workers: WorkerReader | None = list_workers) -> None:
         self.client = client
         self.queues = list(queues) if queues is not None else None
         self._workers = workers

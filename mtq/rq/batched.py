@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # BatchArityError is defined in mtq.errors and imported from here too
-from mtq.errors import BatchArityError, ConfigError
+from mtq.errors import BatchArityError, BatchShapeError, ConfigError
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,13 @@ class Batched:
 
     def call_batch(self, payloads: list[Any]) -> list[Any]:
         """Run the function on ``payloads``; one result per payload, in order.
-        Raises TypeError when the function returns anything else."""
+        Raises BatchShapeError (also a TypeError) when the function returns anything else."""
         results = self.func(list(payloads))
         if not isinstance(results, (list, tuple)) or len(results) != len(payloads):
             got = (f"{len(results)} results" if isinstance(results, (list, tuple))
                    else f"a {type(results).__name__}")
             name = getattr(self.func, "__qualname__", "?")
-            raise TypeError(f"batched function {name} returned {got} for "
+            raise BatchShapeError(f"batched function {name} returned {got} for "
                             f"{len(payloads)} payloads; it must return a list with one "
                             "result per payload, in order")
         return list(results)
@@ -72,7 +72,7 @@ def check_arity(target: object, args: tuple[Any, ...] | list[Any], kwargs: dict[
 def _wrap(func: Callable[[list[Any]], Any], max_batch_size: int, max_wait_ms: float
           ) -> Callable[..., Any]:
     if not callable(func):
-        raise TypeError(f"@batched needs a function, got {type(func).__name__}")
+        raise ConfigError(f"@batched needs a function, got {type(func).__name__}")
     if int(max_batch_size) < 1:
         raise ConfigError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if not 0 <= float(max_wait_ms) <= 60_000:

@@ -51,7 +51,7 @@ class SettleReports(Protocol):
 
 class EngineHost(Protocol):
     """What the continuous-batching engine uses of its worker: the shared state,
-    the slot it takes tasks from, and five calls."""
+    the slot it takes tasks from, and six calls."""
 
     @property
     def model(self) -> Target: ...

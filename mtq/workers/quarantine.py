@@ -20,9 +20,9 @@ from typing import Any
 from mtq.broker.consumer import Consumer
 from mtq.broker.protocol import Claimed
 from mtq.errors import BrokerError
-from mtq.workers import children
+from mtq.workers import children, restarts
 from mtq.workers.children import Child
-from mtq.workers.restarts import MAX_SETUP_FAILURES, backoff
+from mtq.workers.restarts import backoff
 
 log = logging.getLogger("mtq.workers.supervisor")  # the supervisor's log, as its users read it
 
@@ -160,7 +160,7 @@ class Quarantine:
         children.give_back(self.consumer, c, self.elsewhere())
         children.unregister(self.consumer, c, code)
         if c.fatal and not stopping:  # cannot load the target: no use trying again
-            self._failures = MAX_SETUP_FAILURES - 1
+            self._failures = restarts.MAX_SETUP_FAILURES - 1
             self._setup_failed(c, code)
         elif not c.ready and not stopping:
             self._setup_failed(c, code)
@@ -175,7 +175,7 @@ class Quarantine:
         serving processes run their suspects alone themselves."""
         self._failures += 1
         why = c.error or f"exit code {code}"
-        if self._failures < MAX_SETUP_FAILURES:
+        if self._failures < restarts.MAX_SETUP_FAILURES:
             self._due = time.monotonic() + backoff(self._failures)
             return
         self.on_event(f"the quarantine process failed during setup "

@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 
+from mtq.workers import restarts
 from mtq.workers.children import Child
-from mtq.workers.restarts import MAX_SETUP_FAILURES, backoff
+from mtq.workers.restarts import backoff
 
 
 class Standby:
@@ -35,7 +36,7 @@ class Standby:
         out = []
         for d in self.devices:
             want = self.want if self.want is not None else int(d == "cpu")
-            if want and d in used and self._failures.get(d, 0) < MAX_SETUP_FAILURES:
+            if want and d in used and self._failures.get(d, 0) < restarts.MAX_SETUP_FAILURES:
                 out.append(d)
         return out
 
@@ -79,13 +80,13 @@ class Standby:
             return
         if c.fatal:  # the target cannot be loaded any more (a broken reload): the
             # serving processes keep the old model; a new standby waits for the next reload
-            self._failures[c.device] = MAX_SETUP_FAILURES
+            self._failures[c.device] = restarts.MAX_SETUP_FAILURES
             self.on_event(f"the standby on {c.device} cannot load the target ({c.error}); "
                           "running without one until the next reload")
             return
         failures = self._failures.get(c.device, 0) + 1
         self._failures[c.device] = failures
-        if failures >= MAX_SETUP_FAILURES:
+        if failures >= restarts.MAX_SETUP_FAILURES:
             self.on_event(f"the standby on {c.device} failed {failures} times in a row "
                           f"({c.error or f'exit code {code}'}); running without one")
             return

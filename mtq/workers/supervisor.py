@@ -47,12 +47,13 @@ from mtq.errors import ConfigError
 from mtq.workers import children, control, devices
 from mtq.workers.child import ChildConfig
 from mtq.workers.children import Child, drop
-from mtq.workers.quarantine import QUARANTINE_IDLE_S, Quarantine
-from mtq.workers.restarts import MAX_SETUP_FAILURES, RESTART_BASE_S, RESTART_MAX_S, Slot, Slots
+from mtq.workers.quarantine import Quarantine
+from mtq.workers.restarts import Slot, Slots
 from mtq.workers.standby import Standby
 
-__all__ = ["EXIT_BAD_TARGET", "EXIT_SETUP_FAILED", "MAX_SETUP_FAILURES", "QUARANTINE_IDLE_S",
-           "RESTART_BASE_S", "RESTART_MAX_S", "Supervisor"]
+# the tunables live in the part that reads them (restarts.RESTART_BASE_S,
+# quarantine.QUARANTINE_IDLE_S ...): set them there
+__all__ = ["EXIT_BAD_TARGET", "EXIT_SETUP_FAILED", "Supervisor"]
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,10 @@
 * **model thread** (the caller of :meth:`Worker.run`): the dynamic-batch loop
   (:mod:`mtq.workers.dynamic`), or for a :class:`~mtq.workers.generator.Generator`
   the continuous-batching engine (:mod:`mtq.workers.engine`). It checks leases
-  before every call (:mod:`mtq.workers.leases`) and never talks to Redis otherwise,
-  so a slow network never stalls the device.
+  before every call (:mod:`mtq.workers.leases`). It talks to Redis only when it
+  would otherwise sleep: it settles a batch that ends with nothing waiting, and an
+  idle fast model takes over the fetcher's wait (docs/workers.md), so a slow network
+  never stalls the device while there is work.
 * **fetcher** (:mod:`mtq.workers.fetcher`): claims tasks into the
   :class:`~mtq.workers.batching.BatchSlot`, claims ahead, sleeps on the wake list
   when there is nothing to claim, gives back what will not run here.
@@ -45,10 +47,10 @@ from mtq.workers.batching import BatchSlot
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.dynamic import DynamicBatcher
 from mtq.workers.engine import GenerationEngine
-from mtq.workers.fetcher import AHEAD_MOST, AHEAD_WORK_S, FAST_BATCH_S, Fetcher
+from mtq.workers.fetcher import Fetcher
 from mtq.workers.generator import Generator
-from mtq.workers.heartbeat import BEAT_S, Heartbeat
-from mtq.workers.leases import REVALIDATE_BELOW, Leases
+from mtq.workers.heartbeat import Heartbeat
+from mtq.workers.leases import Leases
 from mtq.workers.ledger import Lease, Ledger, Lifecycle, Monitor, Tally
 from mtq.workers.model import FunctionModel
 from mtq.workers.outcomes import Outcomes
@@ -56,8 +58,9 @@ from mtq.workers.outlet import Outlet
 from mtq.workers.publisher import Publisher
 from mtq.workers.target import BatchPolicy, Target, load_model
 
-__all__ = ["AHEAD_MOST", "AHEAD_WORK_S", "BEAT_S", "FAST_BATCH_S", "REVALIDATE_BELOW", "Lease",
-           "Monitor", "Worker"]
+# the tunables live in the part that reads them (fetcher.FAST_BATCH_S, heartbeat.BEAT_S,
+# leases.REVALIDATE_BELOW ...): set them there
+__all__ = ["Lease", "Monitor", "Worker"]
 
 log = logging.getLogger(__name__)
 

@@ -254,7 +254,7 @@ def test_a_worker_holding_many_batches_of_one_ahead_that_dies_or_freezes_loses_n
     others once. Frozen, then resumed once the other worker is done and gone, it
     starts none of the tasks it held (its call in the 11th runs on to its end, its
     result refused), and runs the next task submitted, which it found behind them."""
-    from mtq.workers.worker import AHEAD_MOST
+    from mtq.workers.fetcher import AHEAD_MOST
 
     lease_ms = 1500
     q = mtq.Queue(qname, redis_url, lease_ms=lease_ms)

@@ -25,7 +25,7 @@ import redis
 import mtq
 from mtq.workers import control, devices, registry
 from mtq.workers.registry import list_workers
-from mtq.workers.supervisor import MAX_SETUP_FAILURES
+from mtq.workers.restarts import MAX_SETUP_FAILURES
 from tests.support.supervisors import (
     Call,
     StartFn,

@@ -80,7 +80,7 @@ def test_internal_ones_are_private() -> None:
 
 
 @pytest.mark.parametrize("name, bases", [
-    ("BatchShapeError", (ValueError,)),
+    ("BatchShapeError", (ValueError, TypeError)),
     ("BatchArityError", (TypeError,)),
     ("JobRefused", ()),
     ("ResultNotStorable", (TypeError,)),

@@ -38,6 +38,8 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "mtq.workers.model": ("Model", "Progress"),
     "mtq.workers.generator": ("Generator", "Generation"),
     "mtq.workers.registry": ("list_workers",),
+    "mtq.broker.registry": ("list_workers",),
+    "mtq.workers.fetcher": ("AHEAD_WORK_S", "AHEAD_MOST"),
     "mtq.workers.outlet": (),
     "mtq.broker.embedded": ("EmbeddedServer",),
     "mtq.broker.lane": (),
