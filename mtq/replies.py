@@ -5,11 +5,8 @@ docs use, for code that imports it (``mtq.replies.INBOX_MAX``, ``mtq.replies.hub
 setting one of the tunables here (a test's monkeypatch) sets it in the module that reads it.
 """
 
-import logging
 import sys
 import types
-
-import msgpack
 
 import mtq.client.replies.callbacks as _callbacks
 import mtq.client.replies.hub as _hub
@@ -23,7 +20,6 @@ from mtq.client.replies.events import (
     RESYNC,
     Event,
     StreamState,
-    _Fetch,
     decode_message,
 )
 from mtq.client.replies.feeds import (
@@ -35,10 +31,8 @@ from mtq.client.replies.feeds import (
     SyncFeed,
     Watched,
 )
-from mtq.client.replies.feeds import put_all as _put_all
-from mtq.client.replies.hub import PARK_S, Hub, _hubs, _hubs_lock, hub_of
+from mtq.client.replies.hub import PARK_S, Hub, hub_of
 from mtq.client.replies.inbox import (
-    _EPOCHS,
     ENDED,
     INBOX_KINDS,
     INBOX_MAX,
@@ -46,10 +40,7 @@ from mtq.client.replies.inbox import (
     INBOX_TTL_S,
 )
 from mtq.client.replies.wire import IDLE_PING_S, PING_ANSWER_S, POLL_S
-from mtq.client.replies.wire import Wire as _Wire
 from mtq.client.waiting import RESYNC_S
-
-log = logging.getLogger("mtq.replies")
 
 #: the tunables, and the module whose code reads each
 _HOMES: dict[str, types.ModuleType] = {
@@ -74,7 +65,6 @@ sys.modules[__name__].__class__ = _Forwarding
 __all__ = [
     "ENDED", "FETCH", "IDLE_PING_S", "INBOX_KINDS", "INBOX_MAX", "INBOX_MAX_BYTES",
     "INBOX_TTL_S", "LOST", "PARK_S", "PING_ANSWER_S", "POLL_S", "RESYNC", "RESYNC_S",
-    "RETRY_READ_S", "_EPOCHS", "AsyncFeed", "AsyncOneShot", "CallbackFeed", "Event", "Feed",
-    "Hub", "OneShot", "StreamState", "SyncFeed", "Watched", "_Fetch", "_Wire",
-    "_hubs", "_hubs_lock", "_put_all", "decode_message", "hub_of", "log", "msgpack",
+    "RETRY_READ_S", "AsyncFeed", "AsyncOneShot", "CallbackFeed", "Event", "Feed", "Hub",
+    "OneShot", "StreamState", "SyncFeed", "Watched", "decode_message", "hub_of",
 ]

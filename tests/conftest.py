@@ -39,7 +39,7 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 def client(redis_url: str) -> Iterator[redis.Redis]:
     """A Redis client of this test's own, so a reply hub of its own (the process-wide
     client of ``connect(url)`` is shared by every test); its hub is stopped after."""
-    from mtq import replies
+    from mtq.client.replies import hub as replies
 
     c = redis.Redis.from_url(redis_url, client_name="mtqtest-" + uuid.uuid4().hex[:10])
     yield c

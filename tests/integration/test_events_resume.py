@@ -14,8 +14,8 @@ import pytest
 import redis
 
 import mtq
-from mtq import replies
 from mtq.broker.consumer import Chunk
+from mtq.client.replies import hub as hub_module
 from mtq.settings import QueueSettings
 from tests.support.servers import RedisServer
 from tests.support.waits import Reader, wait_for
@@ -114,7 +114,7 @@ def test_fail_fast_ends_when_redis_goes_away_and_the_default_waits(
         consumer.settle([mtq.Outcome(c, ok=True, value="done")])
         assert patient.join(30)[-1].kind == "succeeded"
     finally:
-        hub = replies._hubs.get(own)
+        hub = hub_module._hubs.get(own)
         if hub is not None:
             hub.close_all()
         own.close()

@@ -1,4 +1,4 @@
-"""The reply hub reads its pub/sub connection itself (``mtq.replies._Wire``): a silent
+"""The reply hub reads its pub/sub connection itself (``mtq.client.replies.wire.Wire``): a silent
 connection is sent a PING, and one that stops answering (a frozen redis-server: no
 reset, no closed socket, only silence) is dropped, its feeds told, and a new one
 subscribes again once Redis answers."""
@@ -10,6 +10,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import redis
 
@@ -61,7 +62,7 @@ def test_a_silent_reply_connection_is_pinged_and_one_that_stops_answering_is_mad
                  "the hub did not subscribe again once Redis answered")
         assert admin.pubsub_numsub(channel) == [(channel.encode(), 1)]
         # the new connection carries replies: an outcome reaches the feed
-        admin.publish(channel, replies.msgpack.packb(["done", 0, ["some-task", "cancelled", ""]]))
+        admin.publish(channel, msgpack.packb(["done", 0, ["some-task", "cancelled", ""]]))
         item = feed.get(timeout=10)
         while item == replies.RESYNC:  # the resubscription's own marker comes first
             item = feed.get(timeout=10)

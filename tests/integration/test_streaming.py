@@ -25,6 +25,7 @@ import mtq
 from mtq import replies, serialization
 from mtq.broker.codes import Code
 from mtq.broker.consumer import Chunk
+from mtq.client.replies import hub as hub_module
 from mtq.settings import QueueSettings
 from tests.support.servers import RedisServer
 from tests.support.waits import Reader, wait_for
@@ -56,7 +57,7 @@ def pubsub_conns(admin: redis.Redis, name: str) -> list[dict[str, Any]]:
 def close_hub(client: redis.Redis, admin: redis.Redis) -> None:
     """Stop the reply hub of ``client`` (a hub otherwise lives as long as the process):
     a test that made a client of its own stops the hub's threads so they do not outlive it."""
-    hub = replies._hubs.get(client)
+    hub = hub_module._hubs.get(client)
     if hub is not None:
         hub.close_all()
     client.close()
