@@ -245,9 +245,12 @@ class SentinelSet:
             node.start()
         for r in self.replicas:
             replica = r.client()
+
+            def synced(c: redis.Redis = replica) -> bool:
+                return bool(c.info("replication").get("master_link_status") == "up")
+
             try:
-                wait_for(lambda c=replica: c.info("replication").get("master_link_status")
-                         == "up", 20, "a replica did not sync with the primary")
+                wait_for(synced, 20, "a replica did not sync with the primary")
             finally:
                 replica.close()
 
