@@ -36,6 +36,7 @@ from mtq.errors import (
     TaskNotFound,
 )
 from mtq.settings import QueueSettings, RedisSettings
+from mtq.workers.batching import Costed
 from mtq.workers.generator import Generation, Generator
 from mtq.workers.model import Model, Progress
 
@@ -69,6 +70,7 @@ __all__ = [
     "Claimed",
     "ConfigError",
     "Consumer",
+    "Costed",
     "DuplicateTask",
     "EncodeError",
     "Event",

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
-from mtq.errors import ConfigError
+from mtq.errors import ConfigError, InvalidArgument
+from mtq.validation import check_cost, check_tenant
 
 T = TypeVar("T")
 
@@ -61,6 +62,7 @@ _MAXIMUMS = {
     "retry_backoff_max_ms": _YEARS_30_S * 1000, "durable_timeout_ms": _YEARS_30_S * 1000,
     "retention_s": _YEARS_30_S, "dead_retention_s": _YEARS_30_S,
     "idempotency_window_s": _YEARS_30_S, "cache_ttl_s": _YEARS_30_S, "max_retries": MAX_RETRIES, "durable_replicas": 100,
+    "band_min_share": 99,
 }
 
 
@@ -113,8 +115,30 @@ class QueueSettings:
     cache_ttl_s: int = 0
     #: most results the cache keeps (the soonest to expire go first)
     cache_max_entries: int = 10_000
+    #: scheduling (docs/scheduling.md): each tenant's weight in the fair share of the
+    #: served cost, "tenant=weight,..." (a mapping is taken too); a tenant not named has 1
+    tenant_weights: str = ""
+    #: the cost of a task that gives none (and whose payload says no max_tokens)
+    default_cost: float = 1.0
+    #: percent of the claimed cost a lower priority band with waiting work is owed while
+    #: higher bands have work too (0: strict priority, a lower band may starve)
+    band_min_share: int = 5
 
     def __post_init__(self) -> None:
+        if isinstance(self.tenant_weights, Mapping):
+            object.__setattr__(self, "tenant_weights", format_weights(self.tenant_weights))
+        if isinstance(self.default_cost, int) and not isinstance(self.default_cost, bool):
+            object.__setattr__(self, "default_cost", float(self.default_cost))
+        if not isinstance(self.tenant_weights, str):
+            raise ConfigError(f"tenant_weights takes 'tenant=weight,...' or a mapping, got "
+                              f"{self.tenant_weights!r}")
+        parse_weights(self.tenant_weights)
+        if not isinstance(self.default_cost, float):
+            raise ConfigError(f"default_cost must be a number, got {self.default_cost!r}")
+        try:
+            check_cost(self.default_cost, "default_cost")
+        except InvalidArgument as exc:
+            raise ConfigError(str(exc)) from None
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type in ("int", int) and (not isinstance(value, int) or isinstance(value, bool)):
@@ -127,13 +151,18 @@ class QueueSettings:
             "retention_s": 1, "dead_retention_s": 1, "dead_max": 1,
             "idempotency_window_s": 1, "wake_cap": 1, "reap_limit": 1,
             "durable_replicas": 0, "durable_timeout_ms": 1, "cache_ttl_s": 0,
-            "cache_max_entries": 1,
+            "cache_max_entries": 1, "band_min_share": 0,
         }
         for name, low in minimums.items():
             high = _MAXIMUMS.get(name, _MAX_COUNT)
             if not low <= getattr(self, name) <= high:
                 raise ConfigError(f"{name} must be in [{low}, {high}], got "
                                   f"{getattr(self, name)}")
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """``tenant_weights`` as a mapping."""
+        return parse_weights(self.tenant_weights)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> QueueSettings:
@@ -144,6 +173,33 @@ class QueueSettings:
         """A copy with some settings changed; unknown keys raise ConfigError."""
         _build(QueueSettings, changes) if changes else None
         return dataclasses.replace(self, **changes)
+
+
+def parse_weights(text: str) -> dict[str, float]:
+    """Tenant weights from their text, ``"acme=3,beta=0.5"`` ('' : none). Raises
+    ConfigError naming what is wrong: a tenant name, or a weight that is not a finite
+    number above 0."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        tenant, sep, value = part.partition("=")
+        try:
+            if not sep:
+                raise InvalidArgument(f"{part!r} is not tenant=weight")
+            check_tenant(tenant.strip())
+            out[tenant.strip()] = check_cost(float(value), f"the weight of {tenant.strip()}",
+                                             zero=False)
+        except ValueError as exc:  # InvalidName, InvalidArgument, float()
+            raise ConfigError(f"tenant_weights: {exc}; write it as "
+                              "'acme=3,beta=0.5' (weights above 0)") from None
+    return out
+
+
+def format_weights(weights: Mapping[str, Any]) -> str:
+    """The text of a mapping of tenant weights (checked as :func:`parse_weights` does)."""
+    text = ",".join(f"{t}={w!r}" if isinstance(w, float) else f"{t}={w}"
+                    for t, w in sorted(weights.items()))
+    parse_weights(text)
+    return text
 
 
 #: every queue setting: (unit, what it does), for ``mtq queue config`` and docs/cli.md
@@ -175,4 +231,9 @@ QUEUE_SETTING_DOCS: dict[str, tuple[str, str]] = {
     "cache_ttl_s": ("s", "result cache: how long a result answers identical requests "
                          "(0: no cache)"),
     "cache_max_entries": ("results", "most results the cache keeps"),
+    "tenant_weights": ("tenant=weight,...", "each tenant's weight in the fair share of the "
+                                            "served cost; a tenant not named has 1"),
+    "default_cost": ("cost", "the cost of a task that gives none (nor max_tokens)"),
+    "band_min_share": ("percent", "share of the claimed cost a lower priority band with "
+                                  "waiting work is owed (0: strict priority)"),
 }

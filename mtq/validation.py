@@ -1,10 +1,12 @@
-"""Validation of names that end up inside Redis keys and channels."""
+"""Validation of names that end up inside Redis keys and channels, and of the
+scheduling fields of a task (priority, tenant, cost)."""
 
 from __future__ import annotations
 
+import math
 import re
 
-from mtq.errors import InvalidName
+from mtq.errors import InvalidArgument, InvalidName
 
 _QUEUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,99}")
 _ID = re.compile(r"[A-Za-z0-9_\-]{1,64}")
@@ -58,3 +60,46 @@ def check_task_id(task_id: object) -> str:
             f"invalid task id {task_id!r}: use 1-64 letters, digits, '_' or '-'"
         )
     return task_id
+
+
+#: the priority bands, most urgent first, and the letter a task's hash stores
+BANDS = {"interactive": "i", "standard": "s", "batch": "b"}
+BAND_NAMES = {v: k for k, v in BANDS.items()}
+_TENANT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@+\-]{0,63}")
+#: the largest cost or weight a task or setting may give (exact sums in a double)
+MAX_COST = 1e12
+
+
+def check_priority(priority: object) -> str:
+    """The band letter of a priority name (``interactive``, ``standard``, ``batch``);
+    None is ``standard``. Raises InvalidArgument for anything else."""
+    if priority is None:
+        return "s"
+    if isinstance(priority, str) and priority in BANDS:
+        return BANDS[priority]
+    raise InvalidArgument(f"unknown priority {priority!r}: use one of "
+                          f"{', '.join(BANDS)} (the default is standard)")
+
+
+def check_tenant(tenant: object) -> str:
+    """Return ``tenant`` if it is a valid tenant name, else raise InvalidName. Tenant
+    names go inside Redis keys: 1-64 letters, digits, ``_ . @ + -``, starting with a
+    letter or digit (hash a longer or freer name, e.g. with sha1)."""
+    if not isinstance(tenant, str) or not _TENANT.fullmatch(tenant):
+        raise InvalidName(
+            f"invalid tenant {tenant!r}: use 1-64 letters, digits, '_', '.', '@', '+' or "
+            "'-', starting with a letter or digit (e.g. 'acme', 'team-7'); hash a longer "
+            "name first")
+    return tenant
+
+
+def check_cost(cost: object, what: str = "cost", *, zero: bool = True) -> float:
+    """Return ``cost`` as a float if it is a finite number in [0, MAX_COST] (``zero``
+    False: above 0), else raise InvalidArgument."""
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) \
+            or not math.isfinite(cost) or not (0 <= cost if zero else 0 < cost) \
+            or cost > MAX_COST:
+        low = "0 or more" if zero else "above 0"
+        raise InvalidArgument(f"{what} must be a finite number {low}, at most "
+                              f"{MAX_COST:.0e}, got {cost!r}")
+    return float(cost)

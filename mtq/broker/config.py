@@ -61,6 +61,13 @@ def parse(name: str, text: str | bytes) -> Any:
         if low in _FALSE:
             return False
         raise ConfigError(f"{name} takes true or false, got {value!r}")
+    if kind in ("str", str):
+        return value
+    if kind in ("float", float):
+        try:
+            return float(value.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{name} takes a number, got {value!r}") from None
     try:
         return int(value.replace("_", ""))
     except ValueError:

@@ -252,13 +252,14 @@ class Consumer:
             outcomes = [o for o in outcomes if o.task.id not in bad] + failed
         acks, nacks = plan(outcomes, self.settings, self._rng) if outcomes else ([], [])
         lease_ms = self.settings.lease_ms if lease_ms is None else lease_ms
+        costs = {o.task.id: o.cost for o in outcomes if o.cost is not None}
         calls = []
         if items:
             calls.append(self.broker.emit_call(items))
         if acks:
-            calls.append(self.broker.ack_call(acks))
+            calls.append(self.broker.ack_call(acks, costs))
         if nacks:
-            calls.append(self.broker.nack_call(nacks))
+            calls.append(self.broker.nack_call(nacks, costs))
         if batch_size > 0:
             calls.append(self.broker.claim_call(self.worker_id, batch_size, lease_ms))
         if not calls:

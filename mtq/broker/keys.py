@@ -68,6 +68,7 @@ class QueueKeys:
         "out_prefix",
         "queue",
         "ready",
+        "sched",
         "script_keys",
         "seq",
         "stats",
@@ -116,11 +117,14 @@ class QueueKeys:
         #: workers asleep with room for a batch (hash: worker id -> "expiry ms|lease
         #: ms|room"): a submit hands new tasks to one of them directly (see submit.lua)
         self.idle = self.base + "idle"
+        #: scheduling's keys (lanes, tenants' virtual times, served cost: see _lib.lua
+        #: and docs/scheduling.md) are this prefix and a suffix
+        self.sched = self.base + "sched:"
         self.script_keys = [
             self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
             self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,
             self.seq, self.out_prefix, self.trace_prefix, self.latency, self.failures,
-            self.cache_prefix, self.cache_index, self.model, self.idle,
+            self.cache_prefix, self.cache_index, self.model, self.idle, self.sched,
         ]
         #: ARGV[1] and ARGV[2] of every script
         self.channels = [self.events, self.control]

@@ -66,6 +66,7 @@ class Outcome:
     retryable: bool = True     # False: fail at once (e.g. an undecodable payload)
     cancelled: bool = False    # the handler stopped on a cancel request
     traceback: str | None = None  # where it was raised (bounded: see format_traceback)
+    cost: float | None = None  # the cost it really had (scheduling), None: as charged
 
 
 @dataclass(slots=True)

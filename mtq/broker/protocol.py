@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -123,8 +123,10 @@ class Broker:
         args: list[Any] = [s.max_length, s.wake_cap, s.idempotency_window_s, reply, len(tasks)]
         for t in tasks:
             args += [t.id, t.payload, t.stream, t.key, t.ttl_ms,
-                     "" if t.retries is None else t.retries, t.digest, t.traceparent]
-        args += [s.retention_s, s.cache_ttl_s, s.cache_max_entries, RUN_TTL_S]
+                     "" if t.retries is None else t.retries, t.digest, t.traceparent,
+                     t.band, t.tenant, "" if t.cost is None else repr(t.cost)]
+        args += [s.retention_s, s.cache_ttl_s, s.cache_max_entries, RUN_TTL_S,
+                 s.tenant_weights]
         return self._call("submit", args, parse_submit)
 
     def submit(self, tasks: Sequence[NewTask], reply: str = "") -> Answer:
@@ -192,7 +194,8 @@ class Broker:
         s = self.settings
         args = [worker, batch, s.lease_ms if lease_ms is None else lease_ms, s.max_deliveries,
                 s.reap_limit, s.retention_s, s.dead_retention_s, s.dead_max, window_ms,
-                "1" if registered else "0", batch if room is None else room]
+                "1" if registered else "0", batch if room is None else room,
+                s.tenant_weights, s.band_min_share]
         return self._call("claim", args, parse_claim)
 
     def claim(self, worker: str, batch: int, lease_ms: int | None = None,
@@ -206,28 +209,37 @@ class Broker:
         return self.run_durable(self.claim_call(worker, batch, lease_ms, window_ms,
                                                 registered, room))[0]
 
-    def ack_call(self, results: Sequence[tuple[str, str, bytes]]) -> scripts.Call:
+    def ack_call(self, results: Sequence[tuple[str, str, bytes]],
+                 costs: Mapping[str, float] | None = None) -> scripts.Call:
         s = self.settings
         args: list[Any] = [s.retention_s, len(results)]
         for task_id, token, result in results:
             args += [task_id, token, result]
-        args += [s.cache_ttl_s, self.model_version]
+        args += [s.cache_ttl_s, self.model_version,
+                 _costs([r[0] for r in results], costs) if costs else ""]
         return self._call("ack", args, parse_codes)
 
-    def ack(self, results: Sequence[tuple[str, str, bytes]]) -> list[int]:
-        """Record (id, token, encoded result) triples; one code per task."""
-        return self.run(self.ack_call(results))[0]
+    def ack(self, results: Sequence[tuple[str, str, bytes]],
+            costs: Mapping[str, float] | None = None) -> list[int]:
+        """Record (id, token, encoded result) triples; one code per task. ``costs``:
+        task id -> the cost it really had (scheduling: settled against the cost its
+        claim charged; a task not in it keeps that charge)."""
+        return self.run(self.ack_call(results, costs))[0]
 
-    def nack_call(self, items: Sequence[tuple[str, str, str, str]]) -> scripts.Call:
+    def nack_call(self, items: Sequence[tuple[str, str, str, str]],
+                  costs: Mapping[str, float] | None = None) -> scripts.Call:
         s = self.settings
         args: list[Any] = [s.retention_s, s.dead_retention_s, s.dead_max, len(items)]
         for item in items:
             args += item
+        args.append(_costs([i[0] for i in items], costs) if costs else "")
         return self._call("nack", args, parse_codes)
 
-    def nack(self, items: Sequence[tuple[str, str, str, str]]) -> list[int]:
-        """Settle (id, token, action, argument) tuples; see nack.lua."""
-        return self.run(self.nack_call(items))[0]
+    def nack(self, items: Sequence[tuple[str, str, str, str]],
+             costs: Mapping[str, float] | None = None) -> list[int]:
+        """Settle (id, token, action, argument) tuples; see nack.lua. ``costs`` as for
+        :meth:`ack`."""
+        return self.run(self.nack_call(items, costs))[0]
 
     def emit_call(self, items: Sequence[tuple[str, str, int, bytes]]) -> scripts.Call:
         # raw strings: the cmsgpack of Redis 6.2 predates the bin types
@@ -442,3 +454,8 @@ __all__ = [
     "Submitted",
     "stats_many",
 ]
+
+
+def _costs(ids: Sequence[str], costs: Mapping[str, float]) -> str:
+    """The costs ack.lua and nack.lua take: "index=cost,..." (index from 1)."""
+    return ",".join(f"{i}={costs[t]!r}" for i, t in enumerate(ids, 1) if t in costs)

@@ -113,4 +113,8 @@ def config(queue: str, pairs: tuple[str, ...], reset: tuple[str, ...], url: str 
 
 
 def _shown(value: Any) -> str:
-    return ("true" if value else "false") if isinstance(value, bool) else f"{value:,}"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return value or "(none)"
+    return f"{value:,g}" if isinstance(value, float) else f"{value:,}"

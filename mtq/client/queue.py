@@ -86,9 +86,11 @@ class Queue:
         return f"<Queue {self.name}>"
 
     def _new(self, payload: Any, stream: str | None, key: str | None, ttl: float | None,
-             retries: int | None, task_id: str | None, cache: bool = True) -> NewTask:
+             retries: int | None, task_id: str | None, cache: bool = True,
+             priority: str | None = None, tenant: str | None = None,
+             cost: float | None = None) -> NewTask:
         return new_task(self.settings, payload, stream, key, ttl, retries, task_id,
-                               cache)
+                        cache, priority=priority, tenant=tenant, cost=cost)
 
     def _send(self, tasks: list[NewTask]) -> list[Task]:
         if tracing.api() is not None:  # cached: one check without OpenTelemetry
@@ -105,7 +107,8 @@ class Queue:
 
     def submit(self, payload: Any, *, stream: str | None = None, key: str | None = None,
                ttl: float | None = None, retries: int | None = None,
-               id: str | None = None, cache: bool = True) -> Task:
+               id: str | None = None, cache: bool = True, priority: str | None = None,
+               tenant: str | None = None, cost: float | None = None) -> Task:
         """Submit one task (one round trip) and return its handle.
 
         ``stream``: tasks of one stream run one at a time in submit order.
@@ -115,14 +118,20 @@ class Queue:
         ``cache=False``: bypass the queue's result cache (when ``cache_ttl_s`` > 0, an
         identical earlier request's result, or an identical task still running,
         otherwise answers it; see docs/operations.md).
-        Raises InvalidName, PayloadTooLarge, EncodeError, QueueFull, DuplicateTask,
-        BrokerError.
+        ``priority``: ``interactive``, ``standard`` (the default) or ``batch``;
+        ``tenant``: whose fair share of the workers it counts against; ``cost``: what
+        it costs them (tokens, say; default: the payload's prompt plus ``max_tokens``
+        where it says them, else the queue's ``default_cost``). See docs/scheduling.md.
+        Raises InvalidName, InvalidArgument, PayloadTooLarge, EncodeError, QueueFull,
+        DuplicateTask, BrokerError.
         """
-        return self._send([self._new(payload, stream, key, ttl, retries, id, cache)])[0]
+        return self._send([self._new(payload, stream, key, ttl, retries, id, cache,
+                                     priority, tenant, cost)])[0]
 
     def submit_many(self, items: Iterable[Any], *, stream: str | None = None,
                     ttl: float | None = None, retries: int | None = None,
-                    cache: bool = True) -> list[Task]:
+                    cache: bool = True, priority: str | None = None,
+                    tenant: str | None = None, cost: float | None = None) -> list[Task]:
         """Submit many tasks, up to 1 000 per round trip, and return their handles.
 
         Items are payloads, or :class:`Request` objects for per-task options
@@ -131,12 +140,14 @@ class Queue:
         1 000 is admitted whole or refused whole (QueueFull). ``cache=False`` (or a
         Request's ``cache=False``) bypasses the result cache.
         """
-        tasks = self.prepare(items, stream=stream, ttl=ttl, retries=retries, cache=cache)
+        tasks = self.prepare(items, stream=stream, ttl=ttl, retries=retries, cache=cache,
+                             priority=priority, tenant=tenant, cost=cost)
         return self.send(tasks) if tasks else []
 
     def prepare(self, items: Iterable[Any], *, stream: str | None = None,
                 ttl: float | None = None, retries: int | None = None,
-                cache: bool = True) -> list[NewTask]:
+                cache: bool = True, priority: str | None = None,
+                tenant: str | None = None, cost: float | None = None) -> list[NewTask]:
         """Validate and encode items for :meth:`send` (ids are chosen here)."""
         tasks = []
         for item in items:
@@ -145,9 +156,13 @@ class Queue:
                     item.payload, item.stream if item.stream is not None else stream, item.key,
                     item.ttl if item.ttl is not None else ttl,
                     item.retries if item.retries is not None else retries, item.id,
-                    cache and item.cache))
+                    cache and item.cache,
+                    item.priority if item.priority is not None else priority,
+                    item.tenant if item.tenant is not None else tenant,
+                    item.cost if item.cost is not None else cost))
             else:
-                tasks.append(self._new(item, stream, None, ttl, retries, None, cache))
+                tasks.append(self._new(item, stream, None, ttl, retries, None, cache,
+                                       priority, tenant, cost))
         return tasks
 
     def send(self, tasks: list[NewTask]) -> list[Task]:

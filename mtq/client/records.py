@@ -38,6 +38,11 @@ class Request:
     id: str | None = None
     #: False: never answered from the result cache, nor attached to an identical task
     cache: bool = True
+    #: scheduling (docs/scheduling.md): ``interactive``, ``standard`` or ``batch``; the
+    #: tenant whose fair share it counts against; its cost (tokens, say)
+    priority: str | None = None
+    tenant: str | None = None
+    cost: float | None = None
 
 
 @dataclass(frozen=True)

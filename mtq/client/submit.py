@@ -26,7 +26,13 @@ from mtq.errors import (
     RedisUnavailable,
 )
 from mtq.settings import MAX_RETRIES, QueueSettings
-from mtq.validation import check_stream_name, check_task_id
+from mtq.validation import (
+    check_cost,
+    check_priority,
+    check_stream_name,
+    check_task_id,
+    check_tenant,
+)
 
 #: longest accepted ttl (about 31 years); keeps deadlines exact integers in Lua
 MAX_TTL_S = 1e9
@@ -64,11 +70,47 @@ def cache_digest(payload: Any, data: bytes) -> str:
     return ("c" if seeded else "u") + hashlib.blake2b(data, digest_size=20).hexdigest()
 
 
+def estimate_cost(payload: Any) -> float | None:
+    """A generation request's cost when it gives none: its prompt's tokens plus its
+    ``max_tokens``, if the payload is a mapping with an integer ``max_tokens``. The
+    prompt (``prompt``, else ``messages``' contents) counts one token per list item or
+    per UTF-8 byte of text, as the reference byte tokenizer counts it (more than a
+    subword tokenizer's; the worker's report settles the difference). None: not such
+    a request."""
+    if not isinstance(payload, dict):
+        return None
+    most = payload.get("max_tokens")
+    if isinstance(most, bool) or not isinstance(most, int) or most < 0:
+        return None
+    return float(most + _tokens(payload.get("prompt", payload.get("messages"))))
+
+
+def _tokens(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "replace"))
+    if isinstance(prompt, (list, tuple)):
+        if all(isinstance(m, dict) for m in prompt):  # chat messages
+            return sum(_tokens(m.get("content", "")) for m in prompt)
+        return len(prompt)
+    return 0
+
+
 def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str | None,
              ttl: float | None, retries: int | None, task_id: str | None,
-             cache: bool = True) -> NewTask:
+             cache: bool = True, *, priority: str | None = None, tenant: str | None = None,
+             cost: float | None = None) -> NewTask:
     """One task validated and encoded for :func:`send` (its id chosen here unless
-    given). Raises InvalidName, PayloadTooLarge, EncodeError, ConfigError."""
+    given). ``priority``, ``tenant``, ``cost``: see docs/scheduling.md (cost: the
+    given one, else the payload's estimate, else the queue's ``default_cost``).
+    Raises InvalidName, InvalidArgument, PayloadTooLarge, EncodeError, ConfigError."""
+    band = check_priority(priority)
+    tenant = check_tenant(tenant) if tenant is not None else ""
+    if cost is not None:
+        cost = check_cost(cost)
+    else:
+        cost = estimate_cost(payload)
+        if cost is None and settings.default_cost != 1.0:
+            cost = settings.default_cost
     data = serialization.dumps(payload)
     if len(data) > settings.max_payload_bytes:
         raise PayloadTooLarge(
@@ -93,6 +135,7 @@ def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str
         ttl_ms=max(1, int(ttl * 1000)) if ttl is not None else 0,
         retries=retries,
         digest=cache_digest(payload, data) if cache and settings.cache_ttl_s > 0 else "",
+        band=band, tenant=tenant, cost=cost,
     )
 
 

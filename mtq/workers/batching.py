@@ -299,6 +299,17 @@ class BatchSlot:
             return out
 
 
+@dataclass(frozen=True, slots=True)
+class Costed:
+    """A result with the cost its item really had, returned by ``predict`` in the
+    item's place: ``mtq.Costed(vector, cost=n_tokens)``. The queue's fair share of
+    tenants (docs/scheduling.md) charges the task's estimate when it is claimed and
+    settles the difference with this when it ends; the client gets ``value``."""
+
+    value: Any
+    cost: float
+
+
 @dataclass(slots=True)
 class ItemResult:
     """What happened to one payload of a batch."""

@@ -50,6 +50,12 @@ class _Request:
         self.first_at = 0.0
 
 
+def _cost(g: Generation) -> float:
+    """The cost a generation really had (scheduling: settled against the estimate its
+    claim charged): the tokens it processed, its prompt's and those it generated."""
+    return float(g.prompt_tokens + len(g.tokens))
+
+
 def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
@@ -89,7 +95,7 @@ class GenerationEngine:
     def _fail(self, r: _Request, exc: BaseException) -> Outcome:
         o = Outcome(r.task, ok=False, error=_error(exc),
                     retryable=not isinstance(exc, (PermanentError, PayloadError)),
-                    traceback=self.w.traceback(exc, r.task))
+                    traceback=self.w.traceback(exc, r.task), cost=_cost(r.gen))
         self.w.observe_outcome(o, r.began)
         return o
 
@@ -218,7 +224,7 @@ class GenerationEngine:
         self.waiting = collections.deque(r for r in self.waiting if r.task.id not in ids)
         self._release(gone)
         self._monitor()
-        cancelled = [Outcome(r.task, ok=False, cancelled=True) for r in gone
+        cancelled = [Outcome(r.task, ok=False, cancelled=True, cost=_cost(r.gen)) for r in gone
                      if r.task.id in cancel and r.task.id not in lost]
         self._send([], cancelled)
         ledger.forget([(r.task.id, r.task.token) for r in gone if r.task.id in lost])
@@ -290,7 +296,7 @@ class GenerationEngine:
         g = r.gen
         try:
             value = g.given_result if g.has_result else self.model.result(g)
-            o = Outcome(r.task, ok=True, value=value)
+            o = Outcome(r.task, ok=True, value=value, cost=_cost(g))
             outcomes.append(o)
             now = time.monotonic()
             self.w.observe_outcome(o, r.began, now)

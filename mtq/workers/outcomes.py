@@ -15,10 +15,11 @@ from collections.abc import Sequence
 from mtq.broker import outcomes
 from mtq.broker.consumer import Outcome, format_traceback
 from mtq.broker.protocol import Claimed
-from mtq.errors import LeaseLost, PayloadError, PermanentError
+from mtq.errors import InvalidArgument, LeaseLost, PayloadError, PermanentError
 from mtq.observe.histograms import Histograms
 from mtq.settings import QueueSettings
-from mtq.workers.batching import ItemResult
+from mtq.validation import check_cost
+from mtq.workers.batching import Costed, ItemResult
 from mtq.workers.ledger import Ledger
 
 log = logging.getLogger("mtq.workers.worker")
@@ -38,6 +39,8 @@ class Outcomes:
 
     def outcome(self, task: Claimed, r: ItemResult) -> Outcome | None:
         if r.ok:
+            if isinstance(r.value, Costed):
+                return Outcome(task, ok=True, value=r.value.value, cost=_cost(r.value.cost))
             return Outcome(task, ok=True, value=r.value)
         exc = r.error
         if isinstance(exc, LeaseLost):  # not ours any more: nothing to settle
@@ -110,3 +113,13 @@ class Outcomes:
         submitted = self.ledger.submitted
         self.observe_items([(o, now, submitted.get(o.task.id)) for o in outcomes
                             if o is not None], started)
+
+
+def _cost(cost: object) -> float | None:
+    """A reported cost, or None (the estimate stands) if it is not a finite number of 0
+    or more: a model's bad report must not fail the task it computed."""
+    try:
+        return check_cost(cost)
+    except InvalidArgument:
+        log.warning("a model reported the cost %r; the task keeps its estimate", cost)
+        return None

@@ -225,13 +225,14 @@ class Outlet:
             assert isinstance(x, Outcome)  # not a Chunk (above): one check per task
             if x.ok:
                 try:
-                    outcomes.append(self._row(t, True, encode(x.value), None, True, False))
+                    outcomes.append(self._row(t, True, encode(x.value), None, True, False,
+                                              x.cost))
                     continue
                 except Exception as exc:  # PayloadError, or anything a tensor's .cpu() raises
                     x = Outcome(t, ok=False, error=f"{type(exc).__name__}: {exc}",
                                 retryable=False)
             error = x.error if not x.traceback else f"{x.error}\0{x.traceback}"
-            outcomes.append(self._row(t, False, None, error, x.retryable, x.cancelled))
+            outcomes.append(self._row(t, False, None, error, x.retryable, x.cancelled, x.cost))
         if bad:  # a generator stops generating them
             self.ledger.mark_lost(bad)
         data = msgpack.packb(["settle", chunks, outcomes])
@@ -249,9 +250,9 @@ class Outlet:
 
     @staticmethod
     def _row(t: Claimed, ok: bool, data: bytes | None, error: str | None, retryable: bool,
-             cancelled: bool) -> list[Any]:
+             cancelled: bool, cost: float | None = None) -> list[Any]:
         return [t.id, t.token, t.attempts, t.deliveries, t.retries, ok, data, error,
-                retryable, cancelled]
+                retryable, cancelled, cost]
 
     def _read_loop(self) -> None:
         reports = self.reports
@@ -322,10 +323,10 @@ def _outcome(o: list[Any]) -> Outcome:
     """An outcome row from the worker (see ``_row``); an error row may carry the
     traceback after a NUL."""
     if o[5]:
-        return Outcome(_claimed(o), ok=True, value=Encoded(o[6]))
+        return Outcome(_claimed(o), ok=True, value=Encoded(o[6]), cost=o[10])
     error, _, tb = (o[7] or "").partition("\0")
     return Outcome(_claimed(o), ok=False, error=error, retryable=o[8], cancelled=o[9],
-                   traceback=tb or None)
+                   traceback=tb or None, cost=o[10])
 
 
 def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int) -> None:

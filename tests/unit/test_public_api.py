@@ -13,6 +13,7 @@ EXPECTED_ALL = [
     "Claimed",
     "ConfigError",
     "Consumer",
+    "Costed",
     "DuplicateTask",
     "EncodeError",
     "Event",

@@ -18,5 +18,6 @@ def test_every_queue_setting_is_documented_with_its_default_and_unit() -> None:
     defaults = dataclasses.asdict(QueueSettings())
     assert set(rows) == set(defaults) == set(QUEUE_SETTING_DOCS), set(rows) ^ set(defaults)
     for name, value in defaults.items():
-        shown = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        shown = ("true" if value else "false") if isinstance(value, bool) else \
+            f"{value:g}" if isinstance(value, float) else str(value) or "(none)"
         assert rows[name] == (shown, QUEUE_SETTING_DOCS[name][0]), (name, rows[name])

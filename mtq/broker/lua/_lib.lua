@@ -38,6 +38,7 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
                               the most one submit hands it);
                               K_IDLE .. ':' .. worker id is its inbox, a list of claim
                               replies a submit handed to it (see "Direct delivery")
+  KEYS[21] scheduling prefix  mtq:{q}:sched:     (+ the keys of "Scheduling" below)
 ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
 the rest is per script.
 
@@ -98,6 +99,35 @@ while it comes back for each. Everything else (retries,
 releases, reclaims) is queued, and a sleeper woken for it with a wake marker. A worker
 that stops or pauses takes its registration back.
 
+Scheduling (docs/scheduling.md): a task may carry a band ('band': 'i' interactive or
+'b' batch; absent: 's', standard), a tenant ('tenant'; absent: '', the tenant of
+tasks that name none) and a cost ('cost'; absent: 1). A queue's first such task turns
+its scheduling on (K_STATS 'sched' = '1', for good); until then every script runs
+exactly as without it. With it on, waiting work is kept in lanes, one per (band,
+tenant): each a ring of streams and a free list, as K_READY and K_FREE are for the
+lane ('s', ''), which keeps those two keys (an older worker serves that lane alone).
+A stream is in the ring of the lane of its head task: it competes in its head's band,
+for its head's tenant (claim.lua moves a stream it finds in another lane's ring). Keys,
+after K_SCHED:
+  ready:<b>:<t>   list: the lane's ring (streams, and FREE when its free list is not empty)
+  free:<b>:<t>    list: the lane's waiting stream-less ids
+  band:<b>        zset: tenant -> its virtual time, for the tenants with work in band b
+                  (may hold a tenant whose lane turned out empty: claim drops it)
+  vt              hash: tenant -> virtual time: the cost served to it divided by its
+                  weight, summed; '~V' -> the virtual clock, the least virtual time a
+                  claim picked (a tenant that comes back after an idle time starts there:
+                  it banks no credit for the time it was away)
+                  '~s', '~b' -> the credit of bands s and b against starvation (claim.lua)
+  served          hash: '<b>:<t>' -> the cost served to the lane (charged at claim,
+                  settled at the end with the cost the worker reports)
+  lanes           set: '<b>:<t>' of every lane that had work (purge and status read it)
+  marked          hash: '<b>:<t>' -> '1' while FREE is in the lane's ring (FREE of the
+                  lane ('s', '') is K_STATS 'free_marked', as before)
+A claim charges each task it takes its cost over its tenant's weight (stored in the
+task: 'weight'); the task's worker may report the cost it really had when it settles
+the task (ack, nack), and the difference is charged then. A task killed before it
+settles keeps the charge of its claim.
+
 Ring invariant (what makes ordering hold): a stream whose list is non-empty and
 which is not in busy is in the ring. The ring may also hold stale or duplicate
 entries; claim checks each popped stream (busy? list empty?) and drops those.
@@ -109,6 +139,7 @@ local K_LEASES, K_DELAYED, K_DEAD, K_WAKE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
 local K_CACHE, K_CACHEX, K_MODEL, K_IDLE = KEYS[17], KEYS[18], KEYS[19], KEYS[20]
+local K_SCHED = KEYS[21]
 local LATENCY_KEEP, LATENCY_SLACK, FAILURES_KEEP = 1000, 200, 100
 local EVENTS, CONTROL = ARGV[1], ARGV[2]
 local FREE = ''
@@ -262,6 +293,81 @@ local function event(name, now, extra)
   redis.call(PUBLISH, EVENTS, cjson.encode(extra))
 end
 
+-- Scheduling (see the header). Is it on for this queue? Read once per script call.
+local SCHED_ON = nil
+local function sched_on()
+  if SCHED_ON == nil then SCHED_ON = redis.call('HGET', K_STATS, 'sched') == '1' end
+  return SCHED_ON
+end
+local BANDS = {'i', 's', 'b'}
+
+-- The ring and the free list of lane (b, t).
+local function lane_ring(b, t)
+  if b == 's' and t == '' then return K_READY end
+  return K_SCHED .. 'ready:' .. b .. ':' .. t
+end
+local function lane_free(b, t)
+  if b == 's' and t == '' then return K_FREE end
+  return K_SCHED .. 'free:' .. b .. ':' .. t
+end
+
+-- Tenant t has work in band b: make it a candidate of the band's claims. A tenant that
+-- was in no band comes back at the virtual clock if it is behind it (no banked credit).
+local function activate(b, t)
+  local bk = K_SCHED .. 'band:' .. b
+  if redis.call('ZSCORE', bk, t) then return end
+  local v = redis.call('HMGET', K_SCHED .. 'vt', t, '~V')
+  local own, clock = tonumber(v[1] or '0'), tonumber(v[2] or '0')
+  if own < clock then
+    own = clock
+    redis.call('HSET', K_SCHED .. 'vt', t, num(own))
+    for _, o in ipairs(BANDS) do
+      if o ~= b then redis.call('ZADD', K_SCHED .. 'band:' .. o, 'XX', num(own), t) end
+    end
+  end
+  redis.call('ZADD', bk, num(own), t)
+  redis.call('SADD', K_SCHED .. 'lanes', b .. ':' .. t)
+end
+
+-- The lane of a task, from its 'band' and 'tenant' fields.
+local function lane_of(band, tenant)
+  return band or 's', tenant or ''
+end
+
+-- Weights of tenants, from a setting's text "tenant=weight,..." (unknown tenants: 1).
+local function weights_of(text)
+  local w = {}
+  for t, v in string.gmatch(text or '', '([^,=]+)=([^,]+)') do w[t] = tonumber(v) end
+  return w
+end
+
+-- Costs a worker reports, from "index=cost,..." (index: the task's place in the call,
+-- from 1); a task without one keeps the cost its claim charged.
+local function costs_of(text)
+  local c = {}
+  for i, v in string.gmatch(text or '', '(%d+)=([^,]+)') do c[tonumber(i)] = tonumber(v) end
+  return c
+end
+
+-- Settlement (ack, nack): what the tasks' reported costs change, summed per tenant
+-- (virtual time) and lane (served cost) and written once per call by flush_settled().
+local SETTLED_VT, SETTLED_COST = {}, {}
+local function settle_cost(band, tenant, cost, weight, actual)
+  if not weight or not actual then return end  -- not charged (scheduling off), or no report
+  local d = actual - tonumber(cost or '1')
+  if d == 0 then return end
+  local b, t = lane_of(band, tenant)
+  SETTLED_VT[t] = (SETTLED_VT[t] or 0) + d / tonumber(weight)
+  SETTLED_COST[b .. ':' .. t] = (SETTLED_COST[b .. ':' .. t] or 0) + d
+end
+local function flush_settled()
+  for t, dv in pairs(SETTLED_VT) do
+    local v = redis.call('HINCRBYFLOAT', K_SCHED .. 'vt', t, dv)
+    for _, b in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. b, 'XX', v, t) end
+  end
+  for l, d in pairs(SETTLED_COST) do redis.call('HINCRBYFLOAT', K_SCHED .. 'served', l, d) end
+end
+
 -- Make sure the stream-less marker is in the ring (at most one live marker).
 local function free_mark()
   if redis.call('HGET', K_STATS, 'free_marked') ~= '1' then
@@ -270,6 +376,40 @@ local function free_mark()
     return 1
   end
   return 0
+end
+
+-- The free list of lane (b, t) has work: its marker in its ring, the tenant a candidate
+-- of the band (scheduling on). Returns 1 if the marker was not there (wake a worker).
+local function lane_mark(b, t)
+  if b == 's' and t == '' then
+    local m = free_mark()
+    if sched_on() then activate(b, t) end
+    return m
+  end
+  local m = 0
+  if redis.call('HSETNX', K_SCHED .. 'marked', b .. ':' .. t, '1') == 1 then
+    redis.call('RPUSH', lane_ring(b, t), FREE)
+    m = 1
+  end
+  activate(b, t)
+  return m
+end
+
+-- Stream s (not busy, not empty) becomes claimable: into the ring of its head's lane
+-- (scheduling on; b, t: that lane if the caller knows it, else read here), or K_READY.
+-- at_head: it goes first (a requeued task).
+local function ring_push(s, at_head, b, t)
+  if not sched_on() then
+    redis.call(at_head and 'LPUSH' or 'RPUSH', K_READY, s)
+    return
+  end
+  if not b then
+    local head = redis.call('LINDEX', K_STREAM .. s, 0)
+    local f = redis.call('HMGET', K_TASK .. head, 'band', 'tenant')
+    b, t = lane_of(f[1], f[2])
+  end
+  redis.call(at_head and 'LPUSH' or 'RPUSH', lane_ring(b, t), s)
+  activate(b, t)
 end
 
 -- Wake up to n sleeping workers, keeping the marker list at most cap long.
@@ -290,7 +430,7 @@ end
 local function release_stream(s)
   redis.call('SREM', K_BUSY, s)
   if redis.call('LLEN', K_STREAM .. s) > 0 then
-    redis.call('RPUSH', K_READY, s)
+    ring_push(s, false)
     return 1
   end
   return 0
@@ -299,18 +439,20 @@ end
 -- Queue a task at the tail of its stream (s: a name, or false / '' for none) or of
 -- the free list. Returns two counts (0 or 1): the stream or the free list became
 -- claimable (wake a worker), and the stream list was empty before (stats 'streams').
-local function push_tail(id, s)
+-- b, t: the task's lane (nil: the lane ('s', '')).
+local function push_tail(id, s, b, t)
+  b, t = b or 's', t or ''
   if s and s ~= '' then
     if redis.call('RPUSH', K_STREAM .. s, id) == 1 then
       if redis.call('SISMEMBER', K_BUSY, s) == 0 then
-        redis.call('RPUSH', K_READY, s)
+        ring_push(s, false, b, t)
         return 1, 1
       end
       return 0, 1
     end
     return 0, 0
-  elseif redis.call('RPUSH', K_FREE, id) == 1 then
-    return free_mark(), 0
+  elseif redis.call('RPUSH', lane_free(b, t), id) == 1 then
+    return lane_mark(b, t), 0
   end
   return 0, 0
 end
@@ -318,15 +460,20 @@ end
 -- Put a task back at the head of its stream (or of the free list), claimable at once.
 local function requeue_head(id, s)
   redis.call('HSET', K_TASK .. id, 'status', 'queued')
+  local b, t = 's', ''
+  if sched_on() then
+    local f = redis.call('HMGET', K_TASK .. id, 'band', 'tenant')
+    b, t = lane_of(f[1], f[2])
+  end
   if s then
     if redis.call('LPUSH', K_STREAM .. s, id) == 1 then
       redis.call('HINCRBY', K_STATS, 'streams', 1)
     end
     redis.call('SREM', K_BUSY, s)
-    redis.call('LPUSH', K_READY, s)
+    ring_push(s, true, b, t)
   else
-    redis.call('LPUSH', K_FREE, id)
-    free_mark()
+    redis.call('LPUSH', lane_free(b, t), id)
+    lane_mark(b, t)
   end
   redis.call('HINCRBY', K_STATS, 'waiting', 1)
 end

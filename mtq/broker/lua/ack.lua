@@ -1,10 +1,12 @@
 --[[ ack.lua -- record the results of a batch, fenced by lease token.
-KEYS: the standard twenty (see _lib.lua).
+KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] n, then n groups of 3: id, lease token, result (msgpack)
 ARGV[5 + 3n] result cache TTL s (0 = off)
 ARGV[6 + 3n] the model version the acking worker serves ('' = not known here, as in a
   generator's outlet process: only the queue's model record is checked)
+ARGV[7 + 3n] the costs the tasks really had, "index=cost,..." (index from 1; absent or
+  '': none reported): settled against what their claim charged (see _lib.lua)
 Returns: one code per task: 1 = recorded; E_LEASE_LOST = the task is not running
   under this token any more (its lease expired and it was reclaimed, or it was
   already finished): nothing is changed, the result of the current owner stands.
@@ -19,6 +21,7 @@ answers inline, in one round trip), is its entry deleted (finish() does it).
 --@include _lib.lua
 local ttl, n = tonumber(ARGV[3]), tonumber(ARGV[4])
 local cache_ttl, version = tonumber(ARGV[5 + 3 * n]), ARGV[6 + 3 * n]
+local costs = costs_of(ARGV[7 + 3 * n])
 local now = now_ms()
 local codes, done, woken = {}, {}, 0
 -- A succeeded task's entry may answer identical requests (see the header) if this is
@@ -46,6 +49,10 @@ for i = 0, n - 1 do
       own = false  -- its entry answers from now on: finish() leaves it
       keep = math.max(ttl, cache_ttl)
     end
+    if costs[i + 1] then
+      local c = redis.call('HMGET', K_TASK .. id, 'band', 'tenant', 'cost', 'weight')
+      settle_cost(c[1], c[2], c[3], c[4], costs[i + 1])
+    end
     finish(id, 'succeeded', now, keep, 'result', result, own, f)
     if f[7] then woken = woken + release_stream(f[7]) end
     codes[i + 1] = 1
@@ -60,5 +67,6 @@ if #done > 0 then
   event('succeeded', now, {ids = done})
 end
 if woken > 0 then nudge() end
+flush_settled()
 flush_replies()
 return codes

@@ -1,5 +1,5 @@
 --[[ claim.lua -- reap, promote due retries, then claim up to B tasks.
-KEYS: the standard twenty (see _lib.lua).
+KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
 ARGV[6] max deliveries   ARGV[7] reap/promote limit per call
@@ -14,6 +14,9 @@ ARGV[12] '1' if the worker may be registered still (a claim registered it, and n
 ARGV[13] the most one submit may hand the worker if this claim registers it (its room is
   the lesser of this and what it left of B; absent, as from an older worker: B): a
   worker that claims many small batches at once registers with the room of one
+ARGV[14] the tenants' weights, "tenant=weight,..." (scheduling; unknown tenants: 1)
+ARGV[15] the share of claimed cost a lower band with waiting work is owed, percent
+  (0: strict priority)
 Returns: {next_timer_ms, reaped, inbox, then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
   age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
@@ -26,6 +29,13 @@ Order: streams are taken round robin from the ring, one task each (the head of
 the stream, which becomes busy); the stream-less marker gives one task per turn;
 capacity left after the ring is empty is filled from the stream-less list.
 A task whose deadline has passed is marked expired and skipped, never run.
+With scheduling on (see _lib.lua), each task is taken from a lane: the highest band
+with work, unless a lower band with work has a credit above 0 (it gains the
+share's part of every cost the bands above it are served while it waits, and pays its
+own tasks' costs); in that band, the tenant of least virtual time (among the band's
+first PICK_K by it, read once, then kept here as this claim charges them); in that
+tenant's lane, its ring in turn, as above. Each task taken charges its tenant its cost
+over its weight.
 ]]
 --@include _lib.lua
 local worker, B, lease = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -33,6 +43,7 @@ local max_deliveries, limit = tonumber(ARGV[6]), tonumber(ARGV[7])
 local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
 local window, registered = tonumber(ARGV[11]), ARGV[12] == '1'
 local most = tonumber(ARGV[13] or '') or B
+local share = tonumber(ARGV[15] or '0') or 0
 local now = now_ms()
 -- handed to it since it last came back to its inbox: those are its batch (nothing more
 -- is claimed now; its registration is dropped below)
@@ -69,11 +80,18 @@ local leases, nl = {'+inf', LEASE_MARK}, 2
 -- what the ring and the free list were left as (each known empty saves a read at the end)
 local ring_empty, free_empty = false, false
 
--- Claim one popped id. Returns true if it now runs; false for a tombstone or an expired task.
-local function take(id, s)
+local FIELDS = {'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries', 'created',
+  'reply', 'traceparent', 'trace'}
+local SCHED_FIELDS = {'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries', 'created',
+  'reply', 'traceparent', 'trace', 'band', 'tenant', 'cost'}
+local weights = nil  -- scheduling: tenant -> weight (weights_of)
+
+-- Claim one popped id. Returns true if it now runs (with scheduling on: its cost);
+-- false for a tombstone, an expired task, or (lb, lt: the lane it was popped from,
+-- scheduling on) the head of a stream of another lane, which moves the stream there.
+local function take(id, s, lb, lt)
   local tk = K_TASK .. id
-  local f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries',
-    'created', 'reply', 'traceparent', 'trace')
+  local f = redis.call('HMGET', tk, unpack(lb and SCHED_FIELDS or FIELDS))
   if f[1] ~= 'queued' then
     -- a cancelled tombstone: its retention starts now that it left the list
     if f[1] == 'cancelled' then
@@ -81,6 +99,19 @@ local function take(id, s)
       if f[10] ~= '0' then redis.call('EXPIRE', K_TRACE .. id, ttl) end
     end
     return false
+  end
+  local cost, weight = true, nil
+  if lb then
+    local tb, tt = lane_of(f[11], f[12])
+    if s and (tb ~= lb or tt ~= lt) then
+      -- its stream is in the ring of another lane (a task of an older producer or
+      -- worker put it in K_READY, or a tombstone was its head): move it to its own
+      redis.call('LPUSH', K_STREAM .. s, id)
+      ring_push(s, false, tb, tt)
+      return false
+    end
+    cost = tonumber(f[13] or '1')
+    weight = weights[tt] or 1
   end
   taken = taken + 1
   if f[3] and tonumber(f[3]) < now then
@@ -92,8 +123,13 @@ local function take(id, s)
   if not base then base = redis.call('INCRBY', K_SEQ, B) - B end  -- B tokens, for this call
   local token = tostring(base + n)
   local deliveries = tonumber(f[4] or '0') + 1
-  redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
-    'started', num(now), 'deliveries', f[4] and num(deliveries) or '1')
+  if weight then
+    redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
+      'started', num(now), 'deliveries', f[4] and num(deliveries) or '1', 'weight', num(weight))
+  else
+    redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
+      'started', num(now), 'deliveries', f[4] and num(deliveries) or '1')
+  end
   leases[nl + 1] = num(until_ms)
   leases[nl + 2] = id
   nl = nl + 2
@@ -107,10 +143,151 @@ local function take(id, s)
   out[o + 9] = f[9] or ''
   claimed[n] = id
   reply('started', f[8], id, deliveries)
-  return true
+  return cost
 end
 
-while n < B do
+local sched = sched_on()
+-- Scheduling on: claim from the lanes (see the header and _lib.lua).
+local PICK_K = 16
+local VT, DIRTY, SERVED, PICK = {}, {}, {}, {}
+local function flush_vt()
+  for t in pairs(DIRTY) do
+    redis.call('HSET', K_SCHED .. 'vt', t, VT[t])
+    for _, b in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. b, 'XX', VT[t], t) end
+  end
+  DIRTY = {}
+end
+-- the band's first PICK_K tenants by virtual time, and the time of the next (the bound
+-- under which the least of those is the band's least)
+local function load(b)
+  flush_vt()
+  local r = redis.call('ZRANGE', K_SCHED .. 'band:' .. b, 0, PICK_K, 'WITHSCORES')
+  local list = {}
+  for j = 1, math.min(#r, 2 * PICK_K), 2 do
+    if VT[r[j]] == nil then VT[r[j]] = tonumber(r[j + 1]) end
+    list[#list + 1] = r[j]
+  end
+  PICK[b] = {list, #r > 2 * PICK_K and tonumber(r[2 * PICK_K + 2]) or math.huge}
+  return PICK[b]
+end
+-- the tenant of band b with the least virtual time, and its place in the list; nil: none
+local function pick(b)
+  local p = PICK[b] or load(b)
+  while true do
+    local best, at = nil, 0
+    for i, t in ipairs(p[1]) do
+      if not best or VT[t] < VT[best] then best, at = t, i end
+    end
+    if best and VT[best] <= p[2] then return best, at end
+    if not best and p[2] == math.huge then return nil end
+    p = load(b)
+  end
+end
+-- one task of lane (b, t): its cost, or nil when the lane has nothing claimable
+local function take_lane(b, t)
+  local ring = lane_ring(b, t)
+  while true do
+    local s = redis.call('LPOP', ring)
+    if not s then return nil end
+    if s == FREE then
+      local fl, c = lane_free(b, t), false
+      while not c do
+        local id = redis.call('LPOP', fl)
+        if not id then break end
+        c = take(id, false, b, t)
+      end
+      if redis.call('LLEN', fl) > 0 then
+        redis.call('RPUSH', ring, FREE)  -- one task per turn of the ring, as streams
+      elseif b == 's' and t == '' then
+        redis.call('HSET', K_STATS, 'free_marked', '0')
+      else
+        redis.call('HDEL', K_SCHED .. 'marked', b .. ':' .. t)
+      end
+      if c then return c end
+    elseif redis.call('SISMEMBER', K_BUSY, s) == 0 then
+      local sk, popped, c = K_STREAM .. s, false, false
+      while not c do
+        local id = redis.call('LPOP', sk)
+        if not id then break end
+        popped = true
+        c = take(id, s, b, t)
+        if c == false and redis.call('LINDEX', sk, 0) == id then break end  -- moved
+      end
+      if popped and redis.call('LLEN', sk) == 0 then redis.call('HINCRBY', K_STATS, 'streams', -1) end
+      if c then
+        redis.call('SADD', K_BUSY, s)
+        return c
+      end
+    end
+  end
+end
+
+if sched then
+  weights = weights_of(ARGV[14])
+  -- an older producer's or worker's tasks reach K_READY alone: that lane is a candidate
+  if redis.call('LLEN', K_READY) > 0 then activate('s', '') end
+  local st = redis.call('HMGET', K_SCHED .. 'vt', '~V', '~s', '~b')
+  local clock, credit = tonumber(st[1] or '0'), {s = tonumber(st[2] or '0'), b = tonumber(st[3] or '0')}
+  local ratio = (share > 0 and share < 100) and share / (100 - share) or 0
+  local first_clock = clock
+  while n < B do
+    local top = nil
+    for _, b in ipairs(BANDS) do
+      if pick(b) then top = b; break end
+    end
+    if not top then ring_empty = true; free_empty = true; break end
+    local band = top
+    if ratio > 0 then
+      -- a lower band with work and a credit above 0 goes first (highest first)
+      for _, b in ipairs(BANDS) do
+        if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') and credit[b] > 0 and pick(b) then
+          band = b
+          break
+        end
+      end
+    end
+    local t, at = pick(band)
+    local c = take_lane(band, t)
+    if c then
+      if VT[t] > clock then clock = VT[t] end
+      VT[t] = VT[t] + c / (weights[t] or 1)
+      DIRTY[t] = true
+      local l = band .. ':' .. t
+      SERVED[l] = (SERVED[l] or 0) + c
+      if band ~= top then
+        credit[band] = credit[band] - c
+      elseif ratio > 0 then
+        for _, b in ipairs(BANDS) do
+          if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') then
+            if not pick(b) then
+              credit[b] = 0  -- no work: it starts afresh when work comes
+            else
+              -- a band that starts waiting owes a task of this cost first, so that
+              -- it is served once in every 1 + 1 / ratio tasks of like cost
+              if credit[b] == 0 then credit[b] = -c end
+              credit[b] = credit[b] + c * ratio
+            end
+          end
+        end
+      end
+    else
+      -- its lane has nothing claimable: not a candidate until work comes back
+      redis.call('ZREM', K_SCHED .. 'band:' .. band, t)
+      table.remove(PICK[band][1], at)
+    end
+  end
+  flush_vt()
+  for l, c in pairs(SERVED) do redis.call('HINCRBYFLOAT', K_SCHED .. 'served', l, c) end
+  if n > 0 or clock ~= first_clock then
+    redis.call('HSET', K_SCHED .. 'vt', '~V', clock, '~s', credit.s, '~b', credit.b)
+  end
+  if n >= B then
+    ring_empty = not (pick('i') or pick('s') or pick('b'))
+    free_empty = true
+  end
+end
+
+while not sched and n < B do
   local s = redis.call('LPOP', K_READY)
   if not s then ring_empty = true; break end
   if s == FREE then
@@ -134,7 +311,7 @@ while n < B do
   end
 end
 -- Tombstones (cancelled, expired) do not count: keep popping until full or empty.
-while n < B do
+while not sched and n < B do
   local ids = redis.call('LPOP', K_FREE, B - n)
   if not ids then free_empty = true; break end
   for _, id in ipairs(ids) do take(id, false) end
@@ -158,7 +335,7 @@ elseif registered then
 end
 -- Work left over: wake one more worker to help (it will chain on if still more).
 -- No work left: drop stale markers so sleepers do not wake for nothing.
-if marked == 1 or (not ring_empty and redis.call('LLEN', K_READY) > 0) then
+if marked == 1 or (not ring_empty and (sched or redis.call('LLEN', K_READY) > 0)) then
   nudge()
 else
   redis.call('DEL', K_WAKE)

@@ -1,5 +1,5 @@
 --[[ dlq.lua -- retry or purge dead letters.
-KEYS: the standard twenty (see _lib.lua).
+KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] action: 'retry' | 'purge'   ARGV[4] limit   ARGV[5] wake cap
 ARGV[6] n, then n ids (n = 0: the oldest `limit` dead letters)
@@ -36,7 +36,8 @@ for _, id in ipairs(ids) do
       redis.call('PERSIST', K_TRACE .. id)
       redis.call('DEL', K_OUT .. id)
       note(id, now, 'queued', 'retried from the dead letters')
-      local claimable, new_stream = push_tail(id, redis.call('HGET', tk, 'stream'))
+      local sf = redis.call('HMGET', tk, 'stream', 'band', 'tenant')
+      local claimable, new_stream = push_tail(id, sf[1], sf[2], sf[3])
       newly, new_streams = newly + claimable, new_streams + new_stream
       reply('queued', redis.call('HGET', tk, 'reply'), id)
       requeued[#requeued + 1] = id

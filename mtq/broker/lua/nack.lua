@@ -1,5 +1,5 @@
 --[[ nack.lua -- settle tasks that did not succeed, fenced by lease token.
-KEYS: the standard twenty (see _lib.lua).
+KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] dead-letter retention s   ARGV[5] dead-letter max length
 ARGV[6] n, then n groups of 4: id, lease token, action, delay ms / error
@@ -17,12 +17,14 @@ ARGV[6] n, then n groups of 4: id, lease token, action, delay ms / error
                      The 4th field is "<max deliveries>|<reason>".
   A task with a pending cancel request ends cancelled whatever the action (the
   user's intent wins; it does not land in the dead-letter list).
+ARGV[7 + 4n] the costs the tasks really had, "index=cost,..." (as in ack.lua)
 Returns: one code per task: 1 = done; E_LEASE_LOST (not running under this token,
   nothing changed); E_BAD_ARGUMENT (unknown action, nothing changed).
 ]]
 --@include _lib.lua
 local ttl, dead_ttl, dead_max, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local now = now_ms()
+local costs = costs_of(ARGV[7 + 4 * n])
 local codes, woken = {}, 0
 local by = {retried = {}, failed = {}, dead = {}, cancelled = {}, released = {}}
 by.reclaimed = {requeued = {}, dead = {}, cancelled = {}}
@@ -48,6 +50,12 @@ for i = 0, n - 1 do
     codes[i + 1] = 1
   else
     redis.call('ZREM', K_LEASES, id)
+    -- a task given back unrun costs nothing: its next claim charges it again
+    local actual = action == 'release' and 0 or costs[i + 1]
+    if actual and (action ~= 'release' or sched_on()) then
+      local c = redis.call('HMGET', tk, 'band', 'tenant', 'cost', 'weight')
+      settle_cost(c[1], c[2], c[3], c[4], actual)
+    end
     if f[4] then action = 'cancel' end  -- a pending cancel request wins over any outcome but success
     local nul = string.find(arg, '\0', 1, true)
     if nul and (action == 'retry' or action == 'fail' or action == 'dead') then
@@ -105,5 +113,6 @@ for name, ids in pairs(by) do
 end
 -- A retry becomes due later: wake a sleeper so it re-reads the timers.
 if woken > 0 or #by.retried > 0 then nudge() end
+flush_settled()
 flush_replies()
 return codes

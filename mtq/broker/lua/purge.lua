@@ -1,5 +1,5 @@
 --[[ purge.lua -- drop up to `limit` waiting (queued) tasks of the queue.
-KEYS: the standard twenty (see _lib.lua).
+KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] limit   ARGV[4] retention s
 Each purged task ends 'cancelled' with the error 'purged' (its waiting client is
@@ -27,13 +27,25 @@ local function drop(id)
   end
 end
 
--- stream-less tasks
-while purged < limit do
-  local id = redis.call('LPOP', K_FREE)
-  if not id then break end
-  drop(id)
+-- the lanes: ('s', '') (K_READY, K_FREE), and with scheduling on every other lane that
+-- had work (see _lib.lua)
+local lanes = {{'s', ''}}
+if sched_on() then
+  for _, l in ipairs(redis.call('SMEMBERS', K_SCHED .. 'lanes')) do
+    local b, t = string.sub(l, 1, 1), string.sub(l, 3)
+    if b ~= 's' or t ~= '' then lanes[#lanes + 1] = {b, t} end
+  end
 end
--- streams: those in the ring (claimable) and those busy (a task running, more waiting)
+-- stream-less tasks
+for _, l in ipairs(lanes) do
+  local fl = lane_free(l[1], l[2])
+  while purged < limit do
+    local id = redis.call('LPOP', fl)
+    if not id then break end
+    drop(id)
+  end
+end
+-- streams: those in the rings (claimable) and those busy (a task running, more waiting)
 local function empty_stream(s)
   local sk = K_STREAM .. s
   while purged < limit do
@@ -48,12 +60,15 @@ local function empty_stream(s)
   return false
 end
 local visited = {}
-for _, s in ipairs(redis.call('LRANGE', K_READY, 0, -1)) do
-  if purged >= limit then break end
-  if s ~= FREE and not visited[s] then
-    visited[s] = true
-    if redis.call('EXISTS', K_STREAM .. s) == 1 and empty_stream(s) then
-      redis.call('LREM', K_READY, 0, s)
+for _, l in ipairs(lanes) do
+  local ring = lane_ring(l[1], l[2])
+  for _, s in ipairs(redis.call('LRANGE', ring, 0, -1)) do
+    if purged >= limit then break end
+    if s ~= FREE and not visited[s] then
+      visited[s] = true
+      if redis.call('EXISTS', K_STREAM .. s) == 1 and empty_stream(s) then
+        redis.call('LREM', ring, 0, s)
+      end
     end
   end
 end
@@ -64,9 +79,15 @@ for _, s in ipairs(redis.call('SMEMBERS', K_BUSY)) do
     empty_stream(s)
   end
 end
-if redis.call('LLEN', K_FREE) == 0 then
-  redis.call('LREM', K_READY, 0, FREE)
-  redis.call('HSET', K_STATS, 'free_marked', '0')
+for _, l in ipairs(lanes) do
+  if redis.call('LLEN', lane_free(l[1], l[2])) == 0 then
+    redis.call('LREM', lane_ring(l[1], l[2]), 0, FREE)
+    if l[1] == 's' and l[2] == '' then
+      redis.call('HSET', K_STATS, 'free_marked', '0')
+    else
+      redis.call('HDEL', K_SCHED .. 'marked', l[1] .. ':' .. l[2])
+    end
+  end
 end
 if purged > 0 then
   redis.call('HINCRBY', K_STATS, 'waiting', -purged)

@@ -1,15 +1,18 @@
 --[[ submit.lua -- enqueue one or many tasks in one call.
-KEYS: the standard twenty (see _lib.lua).
+KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
 ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
-ARGV[7] n, then n groups of 8: id, payload, stream ('' = none), key ('' = none),
+ARGV[7] n, then n groups of 11: id, payload, stream ('' = none), key ('' = none),
         ttl_ms (0 = no deadline), retries ('' = the worker's default),
         digest (the result cache's digest of the payload, '' = do not cache),
-        traceparent (W3C trace context of the submitting request, '' = none)
-ARGV[8 + 8n] retention s (of a task answered from the result cache)
-ARGV[9 + 8n] result cache TTL s   ARGV[10 + 8n] most cache entries
-ARGV[11 + 8n] how long an entry may point at a task still queued or running (s)
+        traceparent (W3C trace context of the submitting request, '' = none),
+        band ('i', 's' or 'b'), tenant ('' = none), cost ('' = 1)
+ARGV[8 + 11n] retention s (of a task answered from the result cache)
+ARGV[9 + 11n] result cache TTL s   ARGV[10 + 11n] most cache entries
+ARGV[11 + 11n] how long an entry may point at a task still queued or running (s)
+ARGV[12 + 11n] the tenants' weights, "tenant=weight,..." (a task handed to a sleeping
+  worker is charged as a claim would charge it)
 Returns {handed, answer}: how many of the tasks went to a sleeping worker (direct
   delivery, below; the client then yields its CPU once, so that a worker it shares
   the CPU with runs the task before the client's own bookkeeping), and the answer: a
@@ -47,9 +50,24 @@ entry whose task ends otherwise than succeeded.
 --@include _lib.lua
 local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[7])
 local reply_to = ARGV[6]
-local retention, cache_ttl = tonumber(ARGV[8 + n * 8]), tonumber(ARGV[9 + n * 8])
-local cache_max, run_ttl = tonumber(ARGV[10 + n * 8]), tonumber(ARGV[11 + n * 8])
+local G = 11  -- ARGV per task
+local retention, cache_ttl = tonumber(ARGV[8 + n * G]), tonumber(ARGV[9 + n * G])
+local cache_max, run_ttl = tonumber(ARGV[10 + n * G]), tonumber(ARGV[11 + n * G])
+local weights = nil  -- tenant -> weight, read at the first hand-off with scheduling on
 local now = now_ms()
+-- The first task with a band or a tenant turns scheduling on (see _lib.lua): the lane
+-- ('s', '') becomes a candidate of its band if it has work.
+for i = 0, n - 1 do
+  local b = 8 + i * G
+  if ARGV[b + 8] ~= 's' or ARGV[b + 9] ~= '' then
+    if not sched_on() then
+      redis.call('HSET', K_STATS, 'sched', '1')
+      SCHED_ON = true
+      if redis.call('LLEN', K_READY) > 0 then activate('s', '') end
+    end
+    break
+  end
+end
 if max_length > 0 then
   local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
   if waiting + n > max_length then return {0, {E_QUEUE_FULL, waiting}} end
@@ -87,17 +105,28 @@ local function idle_worker()
   return idle[at]
 end
 
--- Would a task of stream s (or stream-less: '') be claimable at once?
-local function deliverable(s)
+-- Would a task of stream s (or stream-less: '') of lane (b, t) be claimable at once?
+local function deliverable(s, b, t)
   if s ~= '' then
     return redis.call('LLEN', K_STREAM .. s) == 0 and redis.call('SISMEMBER', K_BUSY, s) == 0
   end
+  if b ~= 's' or t ~= '' then return redis.call('LLEN', lane_free(b, t)) == 0 end
   if free_empty == nil then free_empty = redis.call('LLEN', K_FREE) == 0 end
   return free_empty
 end
 
+-- A task handed to a worker is charged as a claim charges it (scheduling on).
+local function charge(b, t, cost)
+  if not weights then weights = weights_of(ARGV[12 + n * G]) end
+  local w = weights[t] or 1
+  local v = redis.call('HINCRBYFLOAT', K_SCHED .. 'vt', t, cost / w)
+  for _, o in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. o, 'XX', v, t) end
+  redis.call('HINCRBYFLOAT', K_SCHED .. 'served', b .. ':' .. t, cost)
+  return w
+end
+
 -- Write task id (fields f) running under worker w, as a claim of it would leave it.
-local function hand(w, id, s, f, payload, retries, traceparent)
+local function hand(w, id, s, f, payload, retries, traceparent, lb, lt, cost)
   if not base then base = redis.call('INCRBY', K_SEQ, n) - n end  -- n tokens, for this call
   handed = handed + 1
   local token = tostring(base + handed)
@@ -106,6 +135,10 @@ local function hand(w, id, s, f, payload, retries, traceparent)
   f[#f + 1] = 'token'; f[#f + 1] = token
   f[#f + 1] = 'started'; f[#f + 1] = num(now)
   f[#f + 1] = 'deliveries'; f[#f + 1] = '1'
+  if sched_on() then
+    f[#f + 1] = 'weight'
+    f[#f + 1] = num(charge(lb, lt, cost))
+  end
   redis.call('HSET', K_TASK .. id, unpack(f))
   if s ~= '' then redis.call('SADD', K_BUSY, s) end
   leases[#leases + 1] = num(now + w[2])
@@ -151,9 +184,10 @@ local function cache_get(suffix)
 end
 
 for i = 0, n - 1 do
-  local b = 8 + i * 8
+  local b = 8 + i * G
   local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
   local digest, traceparent = ARGV[b + 6], ARGV[b + 7]
+  local band, tenant, cost = ARGV[b + 8], ARGV[b + 9], ARGV[b + 10]
   local tk = K_TASK .. id
   local existing = false
   if key ~= '' then existing = redis.call('GET', K_IDEM .. key) end
@@ -203,6 +237,9 @@ for i = 0, n - 1 do
     if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
     if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
     if traceparent ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = traceparent end
+    if band ~= 's' then f[#f + 1] = 'band'; f[#f + 1] = band end
+    if tenant ~= '' then f[#f + 1] = 'tenant'; f[#f + 1] = tenant end
+    if cost ~= '' then f[#f + 1] = 'cost'; f[#f + 1] = cost end
     if suffix then
       -- last: the fields read on the hot path are found before it (a small hash is a
       -- listpack, searched from its head)
@@ -213,15 +250,15 @@ for i = 0, n - 1 do
       misses = misses + 1
     end
     local w = (idle == nil or idle[at]) and idle_worker()
-    if w and deliverable(s) then
-      hand(w, id, s, f, payload, retries, traceparent)
+    if w and deliverable(s, band, tenant) then
+      hand(w, id, s, f, payload, retries, traceparent, band, tenant, tonumber(cost) or 1)
     else
       redis.call('HSET', tk, unpack(f))
-      if s == '' then
+      if s == '' and band == 's' and tenant == '' then
         free_ids[#free_ids + 1] = id  -- pushed all at once, after the loop
         free_empty = false
       else
-        local claimable, new_stream = push_tail(id, s)
+        local claimable, new_stream = push_tail(id, s, band, tenant)
         newly, new_streams = newly + claimable, new_streams + new_stream
       end
     end
@@ -238,7 +275,7 @@ if #free_ids > 0 then
     local len = redis.call('RPUSH', K_FREE, unpack(free_ids, j, last))
     if not was then was = len - (last - j + 1) end
   end
-  if was == 0 then newly = newly + free_mark() end  -- it became claimable
+  if was == 0 then newly = newly + lane_mark('s', '') end  -- it became claimable
 end
 if hits > 0 then
   redis.call('HINCRBY', K_STATS, 'submitted', hits)
