@@ -36,6 +36,7 @@ from mtq.cli.common import (
 )
 from mtq.client import MAX_TTL_S
 from mtq.errors import MtqError, ResultTimeout, TaskCancelled, TaskFailed
+from mtq.validation import BANDS
 
 #: requests sent per round trip by ``mtq submit --file``
 FILE_CHUNK = 500
@@ -69,11 +70,21 @@ FILE_CHUNK = 500
 @click.option("--no-cache", "no_cache", is_flag=True,
               help="Bypass the queue's result cache: run it even if an identical request "
                    "was answered or is running.")
+@click.option("--priority", "-p", type=click.Choice(list(BANDS)), default=None,
+              help="Its band: claims serve interactive first, then standard (the "
+                   "default), then batch.")
+@click.option("--tenant", default=None,
+              help="Whose fair share of the workers it counts against (a customer, a "
+                   "team).")
+@click.option("--cost", type=float, default=None,
+              help="What it costs the workers (tokens, say); default: the payload's "
+                   "prompt plus max_tokens, else the queue's default_cost.")
 @redis_option
 @json_option
 def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | None,
            stream_from: str | None, key: str | None, ttl: float | None, wait: bool,
-           follow: bool, timeout: float | None, raw: bool, no_cache: bool, url: str | None,
+           follow: bool, timeout: float | None, raw: bool, no_cache: bool,
+           priority: str | None, tenant: str | None, cost: float | None, url: str | None,
            as_json: bool) -> None:
     """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
 
@@ -93,7 +104,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
             fail("--follow and --key take one task; drop them with --file", USAGE)
         _submit_file(queue, file, stream, stream_from, ttl,
                      (math.inf if timeout is None else timeout) if wait else None, url,
-                     as_json, not no_cache)
+                     as_json, not no_cache, priority=priority, tenant=tenant, cost=cost)
         return
     if stream_from:
         fail("--stream-from goes with --file", USAGE)
@@ -108,7 +119,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     value = parse_json(text, "PAYLOAD")
     q = open_queue(queue, url)
     try:
-        task = q.submit(value, stream=stream, key=key, ttl=ttl, cache=not no_cache)
+        task = q.submit(value, stream=stream, key=key, ttl=ttl, cache=not no_cache,
+                        priority=priority, tenant=tenant, cost=cost)
     except MtqError as exc:
         fail_on(exc)
     if not wait:
@@ -212,7 +224,8 @@ def _follow(task: Any, timeout: float | None, as_json: bool, raw: bool = False) 
 
 def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str | None,
                  ttl: float | None, wait: float | None, url: str | None, as_json: bool,
-                 cache: bool = True) -> None:
+                 cache: bool = True, *, priority: str | None = None,
+                 tenant: str | None = None, cost: float | None = None) -> None:
     from mtq.client import Request
 
     items: list[Request] = []
@@ -251,7 +264,8 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
         fail(f"{file.name} has no requests (one JSON payload per line)", USAGE)
     q = open_queue(queue, url)
     try:
-        tasks = q.prepare(items, cache=cache)  # validates and encodes every request first
+        # validates and encodes every request first
+        tasks = q.prepare(items, cache=cache, priority=priority, tenant=tenant, cost=cost)
     except MtqError as exc:
         fail_on(exc)
     sent: list[Any] = []
