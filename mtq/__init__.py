@@ -25,6 +25,7 @@ from mtq.errors import (
     PermanentError,
     QueueFull,
     QueueInUse,
+    RateLimited,
     RedisAuthError,
     RedisTLSError,
     RedisUnavailable,
@@ -34,6 +35,7 @@ from mtq.errors import (
     TaskCancelled,
     TaskFailed,
     TaskNotFound,
+    WouldMissDeadline,
 )
 from mtq.settings import QueueSettings, RedisSettings
 from mtq.workers.batching import Costed
@@ -90,6 +92,7 @@ __all__ = [
     "Queue",
     "QueueFull",
     "QueueInUse",
+    "RateLimited",
     "RedisAuthError",
     "RedisTLSError",
     "RedisUnavailable",
@@ -104,5 +107,6 @@ __all__ = [
     "TaskFailed",
     "TaskInfo",
     "TaskNotFound",
+    "WouldMissDeadline",
     "__version__",
 ]

@@ -14,6 +14,8 @@
     │   ├── PayloadTooLarge         bigger than the queue's max_payload_bytes
     │   └── EncodeError             not msgpack-encodable (and never pickled)
     ├── QueueFull                   the queue holds max_length waiting tasks
+    ├── RateLimited                 a tenant is over its rate limit (reject mode); retry_after
+    ├── WouldMissDeadline           a task would start after its deadline; retry_after
     ├── QueueInUse                  workers serve the queue that was to be deleted
     ├── NotDurable                  queued, but not confirmed by the replicas asked for
     ├── DuplicateTask               a task with this id already exists
@@ -24,7 +26,7 @@
     ├── LeaseLost                   a worker's lease on a task expired; another owns it
     ├── TargetError                 a worker target (``module:attr``) cannot be loaded
     ├── PermanentError              raised or returned by a model: fail at once, no retry
-    ├── InvalidArgument             a script refused an argument; nothing was changed
+    ├── InvalidArgument             an argument that is not allowed (a script's, a priority, a cost)
     ├── TaskFinished                the task had already ended: nothing was changed
     ├── BatchShapeError             a model returned the wrong number of results
     ├── BatchArityError             an RQ job of a batched function has other than one argument
@@ -63,6 +65,7 @@ __all__ = [
     "PermanentError",
     "QueueFull",
     "QueueInUse",
+    "RateLimited",
     "RedisAuthError",
     "RedisTLSError",
     "RedisUnavailable",
@@ -74,6 +77,7 @@ __all__ = [
     "TaskFailed",
     "TaskFinished",
     "TaskNotFound",
+    "WouldMissDeadline",
 ]
 
 
@@ -138,6 +142,36 @@ class QueueFull(MtqError):
             f"queue {queue!r} is full: {waiting} tasks wait and max_length is {max_length}, "
             f"so {adding} more do not fit; retry later, add workers, or raise max_length"
         )
+
+
+class RateLimited(MtqError):
+    """A tenant's tasks were refused: they are over its rate limit (requests or cost per
+    minute, ``rate_limit_mode`` reject). Nothing of the call was queued; retry after
+    ``retry_after`` seconds. The web helpers answer 429 with ``Retry-After``."""
+
+    def __init__(self, queue: str, tenant: str, retry_after: float) -> None:
+        self.queue, self.tenant, self.retry_after = queue, tenant, retry_after
+        #: tasks of the same submit_many call that went in before the refused chunk
+        self.created: list[Any] = []
+        super().__init__(
+            f"tenant {tenant!r} is over its rate limit on queue {queue!r}: nothing of this "
+            f"submit was queued; retry in {retry_after:.3f} s, or raise its limit "
+            "(tenant_rpm, tenant_tpm)")
+
+
+class WouldMissDeadline(MtqError):
+    """A task submitted with a ``deadline`` would start after it (the cost waiting ahead
+    of it at the queue's measured service rate), so it was refused at once. Nothing of
+    the call was queued; ``retry_after`` seconds is when the backlog ahead should let it
+    start in time. The web helpers answer 503 with ``Retry-After``."""
+
+    def __init__(self, queue: str, task_id: str, retry_after: float) -> None:
+        self.queue, self.task_id, self.retry_after = queue, task_id, retry_after
+        self.created: list[Any] = []
+        super().__init__(
+            f"task {task_id} would start about {retry_after:.3f} s after its deadline on "
+            f"queue {queue!r} (the work ahead of it at the rate the workers serve), so it was "
+            "not queued; retry later with a later deadline, or add workers")
 
 
 class QueueInUse(MtqError):

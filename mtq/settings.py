@@ -123,6 +123,14 @@ class QueueSettings:
     #: percent of the claimed cost a lower priority band with waiting work is owed while
     #: higher bands have work too (0: strict priority, a lower band may starve)
     band_min_share: int = 5
+    #: rate limits per tenant, requests and cost per minute, "tenant=N,...": "*=N" is
+    #: every tenant not named (tasks without a tenant have none); global across every
+    #: producer and worker
+    tenant_rpm: str = ""
+    tenant_tpm: str = ""
+    #: what a submit over a limit gets: "reject" (RateLimited, HTTP 429) or "hold" (it
+    #: is queued, and claims pass its tenant over until its limit allows)
+    rate_limit_mode: str = "reject"
 
     def __post_init__(self) -> None:
         if isinstance(self.tenant_weights, Mapping):
@@ -133,6 +141,16 @@ class QueueSettings:
             raise ConfigError(f"tenant_weights takes 'tenant=weight,...' or a mapping, got "
                               f"{self.tenant_weights!r}")
         parse_weights(self.tenant_weights)
+        for name in ("tenant_rpm", "tenant_tpm"):
+            value = getattr(self, name)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, name, format_limits(value, name))
+            elif not isinstance(value, str):
+                raise ConfigError(f"{name} takes 'tenant=N,...,*=N' or a mapping, got {value!r}")
+            parse_limits(getattr(self, name), name)
+        if self.rate_limit_mode not in ("reject", "hold"):
+            raise ConfigError(f"rate_limit_mode takes reject or hold, got "
+                              f"{self.rate_limit_mode!r}")
         if not isinstance(self.default_cost, float):
             raise ConfigError(f"default_cost must be a number, got {self.default_cost!r}")
         try:
@@ -194,6 +212,34 @@ def parse_weights(text: str) -> dict[str, float]:
     return out
 
 
+def parse_limits(text: str, name: str = "tenant_rpm") -> dict[str, float]:
+    """Rate limits per minute from their text, ``"acme=600,*=60"`` ('*': every tenant not
+    named). Raises ConfigError for a bad tenant name or a limit that is not a finite
+    number above 0 (a limit of 0 would refuse everything: remove the tenant instead)."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        tenant, sep, value = part.partition("=")
+        tenant = tenant.strip()
+        try:
+            if not sep:
+                raise InvalidArgument(f"{part!r} is not tenant=limit")
+            if tenant != "*":
+                check_tenant(tenant)
+            out[tenant] = check_cost(float(value), f"the limit of {tenant}", zero=False)
+        except ValueError as exc:
+            raise ConfigError(f"{name}: {exc}; write it as 'acme=600,*=60' (per minute, "
+                              "above 0)") from None
+    return out
+
+
+def format_limits(limits: Mapping[str, Any], name: str = "tenant_rpm") -> str:
+    """The text of a mapping of rate limits (checked as :func:`parse_limits` does)."""
+    text = ",".join(f"{t}={v!r}" if isinstance(v, float) else f"{t}={v}"
+                    for t, v in sorted(limits.items()))
+    parse_limits(text, name)
+    return text
+
+
 def format_weights(weights: Mapping[str, Any]) -> str:
     """The text of a mapping of tenant weights (checked as :func:`parse_weights` does)."""
     text = ",".join(f"{t}={w!r}" if isinstance(w, float) else f"{t}={w}"
@@ -236,4 +282,9 @@ QUEUE_SETTING_DOCS: dict[str, tuple[str, str]] = {
     "default_cost": ("cost", "the cost of a task that gives none (nor max_tokens)"),
     "band_min_share": ("percent", "share of the claimed cost a lower priority band with "
                                   "waiting work is owed (0: strict priority)"),
+    "tenant_rpm": ("tenant=N,...", "requests per minute each tenant may start ('*': every "
+                                   "tenant not named)"),
+    "tenant_tpm": ("tenant=N,...", "cost (tokens) per minute each tenant may start"),
+    "rate_limit_mode": ("reject/hold", "a submit over a limit is refused (RateLimited, "
+                                       "429) or held until its limit allows"),
 }

@@ -17,8 +17,10 @@ from mtq.errors import (
     LeaseLost,
     MtqError,
     QueueFull,
+    RateLimited,
     TaskFinished,
     TaskNotFound,
+    WouldMissDeadline,
 )
 
 
@@ -31,6 +33,8 @@ class Code(enum.IntEnum):
     NOT_FOUND = -4
     FINISHED = -5
     BAD_ARGUMENT = -6
+    RATE_LIMITED = -7
+    WOULD_MISS = -8
 
 
 def is_error(value: object) -> bool:
@@ -41,36 +45,53 @@ def is_error(value: object) -> bool:
 @overload
 def error(code: Literal[Code.QUEUE_FULL], *, queue: str = ..., task_id: str = ...,
           task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
-          max_length: int = ..., adding: int = ..., detail: str = ...) -> QueueFull: ...
+          max_length: int = ..., adding: int = ..., detail: str = ...,
+          tenant: str = ..., retry_after: float = ...) -> QueueFull: ...
 @overload
 def error(code: Literal[Code.DUPLICATE_ID], *, queue: str = ..., task_id: str = ...,
           task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
-          max_length: int = ..., adding: int = ..., detail: str = ...) -> DuplicateTask: ...
+          max_length: int = ..., adding: int = ..., detail: str = ...,
+          tenant: str = ..., retry_after: float = ...) -> DuplicateTask: ...
 @overload
 def error(code: Literal[Code.LEASE_LOST], *, queue: str = ..., task_id: str = ...,
           task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
-          max_length: int = ..., adding: int = ..., detail: str = ...) -> LeaseLost: ...
+          max_length: int = ..., adding: int = ..., detail: str = ...,
+          tenant: str = ..., retry_after: float = ...) -> LeaseLost: ...
 @overload
 def error(code: Literal[Code.NOT_FOUND], *, queue: str = ..., task_id: str = ...,
           task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
-          max_length: int = ..., adding: int = ..., detail: str = ...) -> TaskNotFound: ...
+          max_length: int = ..., adding: int = ..., detail: str = ...,
+          tenant: str = ..., retry_after: float = ...) -> TaskNotFound: ...
 @overload
 def error(code: Literal[Code.FINISHED], *, queue: str = ..., task_id: str = ...,
           task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
-          max_length: int = ..., adding: int = ..., detail: str = ...) -> TaskFinished: ...
+          max_length: int = ..., adding: int = ..., detail: str = ...,
+          tenant: str = ..., retry_after: float = ...) -> TaskFinished: ...
 @overload
 def error(code: Literal[Code.BAD_ARGUMENT], *, queue: str = ..., task_id: str = ...,
           task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
-          max_length: int = ..., adding: int = ..., detail: str = ...) -> InvalidArgument: ...
+          max_length: int = ..., adding: int = ..., detail: str = ...,
+          tenant: str = ..., retry_after: float = ...) -> InvalidArgument: ...
+@overload
+def error(code: Literal[Code.RATE_LIMITED], *, queue: str = ..., task_id: str = ...,
+          task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
+          max_length: int = ..., adding: int = ..., detail: str = ...,
+          tenant: str = ..., retry_after: float = ...) -> RateLimited: ...
+@overload
+def error(code: Literal[Code.WOULD_MISS], *, queue: str = ..., task_id: str = ...,
+          task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
+          max_length: int = ..., adding: int = ..., detail: str = ...,
+          tenant: str = ..., retry_after: float = ...) -> WouldMissDeadline: ...
 @overload
 def error(code: int, *, queue: str = ..., task_id: str = ...,
           task_ids: Sequence[str] = ..., status: str = ..., waiting: int = ...,
-          max_length: int = ..., adding: int = ..., detail: str = ...) -> MtqError: ...
+          max_length: int = ..., adding: int = ..., detail: str = ...,
+          tenant: str = ..., retry_after: float = ...) -> MtqError: ...
 
 
 def error(code: int, *, queue: str = "", task_id: str = "", task_ids: Sequence[str] = (),
           status: str = "", waiting: int = 0, max_length: int = 0, adding: int = 1,
-          detail: str = "") -> MtqError:
+          detail: str = "", tenant: str = "", retry_after: float = 0.0) -> MtqError:
     """The exception that script code ``code`` stands for, to raise.
 
     The context each code's message uses (the rest is ignored):
@@ -85,6 +106,9 @@ def error(code: int, *, queue: str = "", task_id: str = "", task_ids: Sequence[s
     FINISHED        :class:`TaskFinished`: ``task_id``, ``status`` (the task's)
     BAD_ARGUMENT    :class:`InvalidArgument`: ``detail`` (what was refused and what
                     is accepted), ``queue``
+    RATE_LIMITED    :class:`RateLimited`: ``queue``, ``tenant``, ``retry_after`` (s)
+    WOULD_MISS      :class:`WouldMissDeadline`: ``queue``, ``task_id``,
+                    ``retry_after`` (s)
     ==============  ==============================================================
 
     Raises BrokerError for a code that is not a :class:`Code` (a script and this
@@ -116,4 +140,8 @@ def error(code: int, *, queue: str = "", task_id: str = "", task_ids: Sequence[s
     if known is Code.BAD_ARGUMENT:
         return InvalidArgument(detail or f"a script of queue {queue!r} refused its arguments "
                                "(an unknown action, or a token index past the next one)")
+    if known is Code.RATE_LIMITED:
+        return RateLimited(queue, tenant, retry_after)
+    if known is Code.WOULD_MISS:
+        return WouldMissDeadline(queue, task_id, retry_after)
     raise AssertionError(f"mtq.broker.codes.error has no exception for {known!r}")

@@ -124,9 +124,10 @@ class Broker:
         for t in tasks:
             args += [t.id, t.payload, t.stream, t.key, t.ttl_ms,
                      "" if t.retries is None else t.retries, t.digest, t.traceparent,
-                     t.band, t.tenant, "" if t.cost is None else repr(t.cost)]
+                     t.band, t.tenant, "" if t.cost is None else repr(t.cost),
+                     "1" if t.admit else ""]
         args += [s.retention_s, s.cache_ttl_s, s.cache_max_entries, RUN_TTL_S,
-                 s.tenant_weights]
+                 s.tenant_weights, s.tenant_rpm, s.tenant_tpm, s.rate_limit_mode]
         return self._call("submit", args, parse_submit)
 
     def submit(self, tasks: Sequence[NewTask], reply: str = "") -> Answer:
@@ -195,7 +196,8 @@ class Broker:
         args = [worker, batch, s.lease_ms if lease_ms is None else lease_ms, s.max_deliveries,
                 s.reap_limit, s.retention_s, s.dead_retention_s, s.dead_max, window_ms,
                 "1" if registered else "0", batch if room is None else room,
-                s.tenant_weights, s.band_min_share]
+                s.tenant_weights, s.band_min_share, s.tenant_rpm, s.tenant_tpm,
+                s.rate_limit_mode]
         return self._call("claim", args, parse_claim)
 
     def claim(self, worker: str, batch: int, lease_ms: int | None = None,

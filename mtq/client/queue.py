@@ -4,6 +4,7 @@ delete, dead letters). The submit protocol itself is :mod:`mtq.client.submit`.""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -88,9 +89,10 @@ class Queue:
     def _new(self, payload: Any, stream: str | None, key: str | None, ttl: float | None,
              retries: int | None, task_id: str | None, cache: bool = True,
              priority: str | None = None, tenant: str | None = None,
-             cost: float | None = None) -> NewTask:
+             cost: float | None = None, deadline: Any = None) -> NewTask:
         return new_task(self.settings, payload, stream, key, ttl, retries, task_id,
-                        cache, priority=priority, tenant=tenant, cost=cost)
+                        cache, priority=priority, tenant=tenant, cost=cost,
+                        deadline=deadline)
 
     def _send(self, tasks: list[NewTask]) -> list[Task]:
         if tracing.api() is not None:  # cached: one check without OpenTelemetry
@@ -108,7 +110,8 @@ class Queue:
     def submit(self, payload: Any, *, stream: str | None = None, key: str | None = None,
                ttl: float | None = None, retries: int | None = None,
                id: str | None = None, cache: bool = True, priority: str | None = None,
-               tenant: str | None = None, cost: float | None = None) -> Task:
+               tenant: str | None = None, cost: float | None = None,
+               deadline: float | datetime | None = None) -> Task:
         """Submit one task (one round trip) and return its handle.
 
         ``stream``: tasks of one stream run one at a time in submit order.
@@ -121,12 +124,15 @@ class Queue:
         ``priority``: ``interactive``, ``standard`` (the default) or ``batch``;
         ``tenant``: whose fair share of the workers it counts against; ``cost``: what
         it costs them (tokens, say; default: the payload's prompt plus ``max_tokens``
-        where it says them, else the queue's ``default_cost``). See docs/scheduling.md.
+        where it says them, else the queue's ``default_cost``); ``deadline``: seconds
+        from now or an aware datetime by which it must start: a ttl that is checked at
+        once, refused with WouldMissDeadline if the work ahead would make it late. See
+        docs/scheduling.md.
         Raises InvalidName, InvalidArgument, PayloadTooLarge, EncodeError, QueueFull,
-        DuplicateTask, BrokerError.
+        RateLimited, WouldMissDeadline, DuplicateTask, BrokerError.
         """
         return self._send([self._new(payload, stream, key, ttl, retries, id, cache,
-                                     priority, tenant, cost)])[0]
+                                     priority, tenant, cost, deadline)])[0]
 
     def submit_many(self, items: Iterable[Any], *, stream: str | None = None,
                     ttl: float | None = None, retries: int | None = None,
@@ -159,7 +165,7 @@ class Queue:
                     cache and item.cache,
                     item.priority if item.priority is not None else priority,
                     item.tenant if item.tenant is not None else tenant,
-                    item.cost if item.cost is not None else cost))
+                    item.cost if item.cost is not None else cost, item.deadline))
             else:
                 tasks.append(self._new(item, stream, None, ttl, retries, None, cache,
                                        priority, tenant, cost))

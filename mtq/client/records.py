@@ -43,6 +43,9 @@ class Request:
     priority: str | None = None
     tenant: str | None = None
     cost: float | None = None
+    #: seconds from now, or an aware datetime, by which it must start (see
+    #: Queue.submit): refused at once if the work ahead would make it late
+    deadline: Any = None
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ does), so it needs nothing of the queue but :class:`Target`.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Callable
+from datetime import datetime, timezone
 from typing import Any, Protocol, TypeVar
 
 from mtq import serialization
@@ -21,9 +23,12 @@ from mtq.broker.protocol import Answer, Broker, NewTask, Submitted
 from mtq.client.records import new_task_id
 from mtq.errors import (
     ConfigError,
+    InvalidArgument,
     NotDurable,
     PayloadTooLarge,
+    RateLimited,
     RedisUnavailable,
+    WouldMissDeadline,
 )
 from mtq.settings import MAX_RETRIES, QueueSettings
 from mtq.validation import (
@@ -98,12 +103,20 @@ def _tokens(prompt: Any) -> int:
 def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str | None,
              ttl: float | None, retries: int | None, task_id: str | None,
              cache: bool = True, *, priority: str | None = None, tenant: str | None = None,
-             cost: float | None = None) -> NewTask:
+             cost: float | None = None, deadline: float | datetime | None = None) -> NewTask:
     """One task validated and encoded for :func:`send` (its id chosen here unless
-    given). ``priority``, ``tenant``, ``cost``: see docs/scheduling.md (cost: the
-    given one, else the payload's estimate, else the queue's ``default_cost``).
+    given). ``priority``, ``tenant``, ``cost``, ``deadline``: see docs/scheduling.md
+    (cost: the given one, else the payload's estimate, else the queue's
+    ``default_cost``; deadline: seconds from now or an aware datetime, a ttl that is
+    checked at once: refused with WouldMissDeadline if it would be missed).
     Raises InvalidName, InvalidArgument, PayloadTooLarge, EncodeError, ConfigError."""
     band = check_priority(priority)
+    admit = deadline is not None
+    if admit:
+        if ttl is not None:
+            raise InvalidArgument("give ttl or deadline, not both (a deadline is a ttl "
+                                  "that is checked at submit)")
+        ttl = _seconds_until(deadline)
     tenant = check_tenant(tenant) if tenant is not None else ""
     if cost is not None:
         cost = check_cost(cost)
@@ -135,8 +148,27 @@ def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str
         ttl_ms=max(1, int(ttl * 1000)) if ttl is not None else 0,
         retries=retries,
         digest=cache_digest(payload, data) if cache and settings.cache_ttl_s > 0 else "",
-        band=band, tenant=tenant, cost=cost,
+        band=band, tenant=tenant, cost=cost, admit=admit,
     )
+
+
+def _seconds_until(deadline: object) -> float:
+    """A deadline (seconds from now, or an aware datetime) as seconds from now; raises
+    InvalidArgument for one that is not in the future."""
+    if isinstance(deadline, datetime):
+        if deadline.tzinfo is None:
+            raise InvalidArgument("deadline is a naive datetime: give it a time zone "
+                                  "(datetime.now(timezone.utc) + timedelta(seconds=5))")
+        left = (deadline - datetime.now(timezone.utc)).total_seconds()
+    elif isinstance(deadline, (int, float)) and not isinstance(deadline, bool) \
+            and math.isfinite(deadline):
+        left = float(deadline)
+    else:
+        raise InvalidArgument(f"deadline takes seconds from now or an aware datetime, got "
+                              f"{deadline!r}")
+    if left <= 0:
+        raise InvalidArgument(f"deadline is {-left:.3f} s in the past: nothing can meet it")
+    return min(left, MAX_TTL_S)
 
 
 def send(q: Target, tasks: list[NewTask], reply: str, epoch: int,
@@ -158,6 +190,14 @@ def send(q: Target, tasks: list[NewTask], reply: str, epoch: int,
                                max_length=q.settings.max_length, adding=len(chunk))
             full.created = out  # earlier chunks went in
             raise full
+        if answer and answer[0] in (Code.RATE_LIMITED, Code.WOULD_MISS):
+            # [code, retry after ms, tenant or task id]: nothing of the chunk went in
+            what, after = str(answer[2]), answer[1]
+            refused = codes.error(Code(answer[0]), queue=q.name, tenant=what, task_id=what,
+                                  retry_after=(after if isinstance(after, int) else 0) / 1000)
+            assert isinstance(refused, (RateLimited, WouldMissDeadline))
+            refused.created = out
+            raise refused
         for item, value in zip(chunk, answer):
             if value == Code.DUPLICATE_ID:
                 duplicates.append(item.id)

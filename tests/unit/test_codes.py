@@ -16,8 +16,10 @@ from mtq.errors import (
     LeaseLost,
     MtqError,
     QueueFull,
+    RateLimited,
     TaskFinished,
     TaskNotFound,
+    WouldMissDeadline,
 )
 
 
@@ -38,6 +40,8 @@ def test_each_code_maps_to_its_class() -> None:
         Code.NOT_FOUND: TaskNotFound,
         Code.FINISHED: TaskFinished,
         Code.BAD_ARGUMENT: InvalidArgument,
+        Code.RATE_LIMITED: RateLimited,
+        Code.WOULD_MISS: WouldMissDeadline,
     }
     assert set(expected) == set(Code)
     for code, cls in expected.items():
@@ -73,10 +77,10 @@ def test_messages_carry_the_context() -> None:
     assert "refused" in str(codes.error(Code.BAD_ARGUMENT, queue="q"))
 
 
-@pytest.mark.parametrize("code", [-7, -100, 0, 1, 2, 99])
+@pytest.mark.parametrize("code", [-9, -100, 0, 1, 2, 99])
 def test_an_unknown_code_raises_a_clear_error(code: int) -> None:
     with pytest.raises(BrokerError, match=rf"answered {code}, which is not one of mtq's codes "
-                       r"\(QUEUE_FULL -1, .*BAD_ARGUMENT -6\)"):
+                       r"\(QUEUE_FULL -1, .*WOULD_MISS -8\)"):
         codes.error(code, queue="q")
 
 

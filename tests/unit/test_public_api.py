@@ -33,6 +33,7 @@ EXPECTED_ALL = [
     "Queue",
     "QueueFull",
     "QueueInUse",
+    "RateLimited",
     "RedisAuthError",
     "RedisTLSError",
     "RedisUnavailable",
@@ -47,6 +48,7 @@ EXPECTED_ALL = [
     "TaskFailed",
     "TaskInfo",
     "TaskNotFound",
+    "WouldMissDeadline",
     "__version__",
 ]
 

@@ -117,12 +117,33 @@ after K_SCHED:
                   weight, summed; '~V' -> the virtual clock, the least virtual time a
                   claim picked (a tenant that comes back after an idle time starts there:
                   it banks no credit for the time it was away)
-                  '~s', '~b' -> the credit of bands s and b against starvation (claim.lua)
+                  '~s', '~b' -> the credit of bands s and b against starvation (claim.lua);
+                  '~rate' -> the queue's measured service rate (cost per second, over
+                  windows of METER_MS in which work was left waiting), '~m0', '~mc',
+                  '~mb' -> the window being measured: its start, its claimed cost, whether
+                  a claim in it left work waiting
+  rate            hash: '<t>|r', '<t>|c' -> the tenant's rate limits' state (GCRA: the
+                  theoretical arrival time, ms, of its next request and of its next cost)
+  deadlines       zset: id of a waiting task that has a deadline -> the deadline (ms);
+                  kept for every queue (K_STATS 'dl' = '1' once one was added): a claim
+                  ends those due expired where they wait
   served          hash: '<b>:<t>' -> the cost served to the lane (charged at claim,
                   settled at the end with the cost the worker reports)
+  count           hash: '<b>:<t>|w' -> waiting tasks of the lane, '|c' -> their cost,
+                  '|r' -> its running tasks, '|h' -> how often a claim passed it over for
+                  its rate limit (hold), '|x' -> tasks refused at submit (rate limit,
+                  deadline); kept by every script that moves a task, with scheduling on
+                  (at its turn on, the lane ('s', '') starts from the queue's counters)
   lanes           set: '<b>:<t>' of every lane that had work (purge and status read it)
   marked          hash: '<b>:<t>' -> '1' while FREE is in the lane's ring (FREE of the
                   lane ('s', '') is K_STATS 'free_marked', as before)
+Rate limits (per tenant, requests and cost per minute, from the queue's settings): in
+'reject' mode a submit over a limit is refused whole (E_RATE_LIMITED); in 'hold' mode
+it is queued and a claim passes its tenant over until its limit allows (the claim's
+timer says when). Deadline admission: a task submitted with a deadline to keep is
+refused whole (E_WOULD_MISS) if the cost waiting ahead of it (higher bands, then its
+band as the fair share would serve it) at the measured service rate would start it
+after its deadline.
 A claim charges each task it takes its cost over its tenant's weight (stored in the
 task: 'weight'); the task's worker may report the cost it really had when it settles
 the task (ack, nack), and the difference is charged then. A task killed before it
@@ -169,8 +190,8 @@ local function add_leases(leases)
 end
 
 -- error codes (mtq/broker/codes.py mirrors them)
-local E_QUEUE_FULL, E_DUPLICATE_ID, E_LEASE_LOST, E_NOT_FOUND, E_FINISHED, E_BAD_ARGUMENT =
-  -1, -2, -3, -4, -5, -6
+local E_QUEUE_FULL, E_DUPLICATE_ID, E_LEASE_LOST, E_NOT_FOUND, E_FINISHED, E_BAD_ARGUMENT,
+  E_RATE_LIMITED, E_WOULD_MISS = -1, -2, -3, -4, -5, -6, -7, -8
 
 local NOW_US = 0
 
@@ -256,12 +277,41 @@ local function note(id, now, kind, detail)
   redis.call('RPUSH', K_TRACE .. id, trace_line(now, kind, detail))
 end
 
+-- Per-lane counts (scheduling on; see 'count' in the header), summed here and written
+-- once per script call by flush_counts() (flush_replies() calls it).
+local LANE_COUNTS = {}
+local function lane_count(band, tenant, waiting, cost, running)
+  local l = (band or 's') .. ':' .. (tenant or '')
+  local e = LANE_COUNTS[l]
+  if not e then
+    e = {0, 0, 0}
+    LANE_COUNTS[l] = e
+  end
+  e[1], e[2], e[3] = e[1] + waiting, e[2] + cost, e[3] + running
+end
+local function flush_counts()
+  local ck, bands = K_SCHED .. 'count', {}
+  for l, e in pairs(LANE_COUNTS) do
+    if e[1] ~= 0 then redis.call('HINCRBY', ck, l .. '|w', e[1]) end
+    if e[2] ~= 0 then
+      redis.call('HINCRBYFLOAT', ck, l .. '|c', e[2])
+      local b = string.sub(l, 1, 1)
+      bands[b] = (bands[b] or 0) + e[2]
+    end
+    if e[3] ~= 0 then redis.call('HINCRBY', ck, l .. '|r', e[3]) end
+  end
+  -- each band's waiting cost, for deadline admission
+  for b, c in pairs(bands) do redis.call('HINCRBYFLOAT', ck, b .. '|c', c) end
+  LANE_COUNTS = {}
+end
+
 -- Finished tasks' latencies and failures, written once per script by flush_replies().
 local LATENCIES, FAILURES = {}, {}
 
 -- Publish what reply() queued, in life-cycle order (tokens before done), and
 -- record the latencies and failures finish() gathered.
 local function flush_replies()
+  if next(LANE_COUNTS) then flush_counts() end
   if #LATENCIES > 0 then
     -- trimmed back to LATENCY_KEEP once it is LATENCY_SLACK longer (readers read the
     -- first LATENCY_KEEP): one command per call, not two
@@ -347,6 +397,48 @@ local function costs_of(text)
   local c = {}
   for i, v in string.gmatch(text or '', '(%d+)=([^,]+)') do c[tonumber(i)] = tonumber(v) end
   return c
+end
+
+-- Rate limits (see the header): tenant -> limit per minute, from a setting's text
+-- "tenant=N,...,*=N" ('*': every tenant not named; tasks without a tenant have none).
+local function limits_of(text)
+  local l = {}
+  for t, v in string.gmatch(text or '', '([^,=]+)=([^,]+)') do l[t] = tonumber(v) end
+  return l
+end
+-- Milliseconds until tenant t may start n more requests (and, in cost, be no more than
+-- a second of its budget ahead); 0: now. rpm, tpm: limits_of() tables.
+local function rate_wait(t, n, now, rpm, tpm)
+  if t == '' then return 0 end
+  local R, C = rpm[t] or rpm['*'], tpm[t] or tpm['*']
+  if not R and not C then return 0 end
+  local v = redis.call('HMGET', K_SCHED .. 'rate', t .. '|r', t .. '|c')
+  local wait = 0
+  if R then
+    -- GCRA with a burst of one second's worth (at least one request)
+    local T = 60000 / R
+    local tau = T * (math.max(1, math.ceil(R / 60)) - 1)
+    wait = math.max(tonumber(v[1] or '0'), now) + (n - 1) * T - tau - now
+  end
+  if C then wait = math.max(wait, math.max(tonumber(v[2] or '0'), now) - 1000 - now) end
+  return math.max(0, math.ceil(wait))
+end
+-- Tenant t started n requests of total cost c: advance its limits' state.
+local function rate_charge(t, n, c, now, rpm, tpm)
+  if t == '' then return end
+  local R, C = rpm[t] or rpm['*'], tpm[t] or tpm['*']
+  if not R and not C then return end
+  local v = redis.call('HMGET', K_SCHED .. 'rate', t .. '|r', t .. '|c')
+  local f = {}
+  if R then
+    f[#f + 1] = t .. '|r'
+    f[#f + 1] = math.max(tonumber(v[1] or '0'), now) + n * 60000 / R
+  end
+  if C and c > 0 then
+    f[#f + 1] = t .. '|c'
+    f[#f + 1] = math.max(tonumber(v[2] or '0'), now) + c * 60000 / C
+  end
+  if #f > 0 then redis.call('HSET', K_SCHED .. 'rate', unpack(f)) end
 end
 
 -- Settlement (ack, nack): what the tasks' reported costs change, summed per tenant
@@ -462,8 +554,9 @@ local function requeue_head(id, s)
   redis.call('HSET', K_TASK .. id, 'status', 'queued')
   local b, t = 's', ''
   if sched_on() then
-    local f = redis.call('HMGET', K_TASK .. id, 'band', 'tenant')
+    local f = redis.call('HMGET', K_TASK .. id, 'band', 'tenant', 'cost')
     b, t = lane_of(f[1], f[2])
+    lane_count(b, t, 1, tonumber(f[3] or '1'), 0)
   end
   if s then
     if redis.call('LPUSH', K_STREAM .. s, id) == 1 then
@@ -548,6 +641,10 @@ end
 local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
   local s = f[2]
   local what = 'requeued'
+  if sched_on() then
+    local l = redis.call('HMGET', K_TASK .. id, 'band', 'tenant')
+    lane_count(l[1], l[2], 0, 0, -1)
+  end
   if f[4] then
     finish(id, 'cancelled', now, ttl)
     redis.call('HINCRBY', K_STATS, 'cancelled', 1)
@@ -625,4 +722,29 @@ local function next_timer(now, known)
     if d >= 0 and (nxt < 0 or d < nxt) then nxt = d end
   end
   return nxt
+end
+
+-- Deadlines (see the header): queued tasks whose deadline passed end expired where they
+-- wait; the id stays in its list as a tombstone, its hash kept until claim pops it (as
+-- a cancelled one's), so that the id cannot be reused while the list names it.
+local function expire_due(now, limit)
+  local dk = K_SCHED .. 'deadlines'
+  local ids = redis.call('ZRANGEBYSCORE', dk, '-inf', now, 'LIMIT', 0, limit)
+  if #ids == 0 then return 0 end
+  redis.call('ZREM', dk, unpack(ids))
+  local gone = {}
+  for _, id in ipairs(ids) do
+    local f = redis.call('HMGET', K_TASK .. id, 'status', 'band', 'tenant', 'cost')
+    if f[1] == 'queued' then
+      finish(id, 'expired', now, 0)
+      if sched_on() then lane_count(f[2], f[3], -1, -tonumber(f[4] or '1'), 0) end
+      gone[#gone + 1] = id
+    end
+  end
+  if #gone > 0 then
+    redis.call('HINCRBY', K_STATS, 'waiting', -#gone)
+    redis.call('HINCRBY', K_STATS, 'expired', #gone)
+    event('expired', now, {ids = gone})
+  end
+  return #ids
 end

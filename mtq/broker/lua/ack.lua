@@ -34,12 +34,17 @@ if cache_ttl > 0 then
   prefix = model_version .. ':'
 end
 
+-- with scheduling on, the task's lane too (its running count)
+local FIELDS = {'reply', 'created', 'trace', 'out', 'status', 'token', 'stream', 'cache'}
+if sched_on() then
+  FIELDS[9] = 'band'
+  FIELDS[10] = 'tenant'
+end
 for i = 0, n - 1 do
   local b = 5 + i * 3
   local id, token = ARGV[b], ARGV[b + 1]
   -- reply, created, trace, out first: finish() takes them as they are (no table a task)
-  local f = redis.call('HMGET', K_TASK .. id, 'reply', 'created', 'trace', 'out', 'status', 'token',
-    'stream', 'cache')
+  local f = redis.call('HMGET', K_TASK .. id, unpack(FIELDS))
   if f[5] ~= 'running' or f[6] ~= token then
     codes[i + 1] = E_LEASE_LOST
   else
@@ -53,6 +58,7 @@ for i = 0, n - 1 do
       local c = redis.call('HMGET', K_TASK .. id, 'band', 'tenant', 'cost', 'weight')
       settle_cost(c[1], c[2], c[3], c[4], costs[i + 1])
     end
+    if SCHED_ON then lane_count(f[9], f[10], 0, 0, -1) end
     finish(id, 'succeeded', now, keep, 'result', result, own, f)
     if f[7] then woken = woken + release_stream(f[7]) end
     codes[i + 1] = 1

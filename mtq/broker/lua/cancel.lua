@@ -21,6 +21,10 @@ local status, s = f[1], f[2]
 if not status then return {E_NOT_FOUND, ''} end
 if status == 'queued' then
   redis.call('HINCRBY', K_STATS, 'waiting', -1)
+  if sched_on() then
+    local l = redis.call('HMGET', K_TASK .. id, 'band', 'tenant', 'cost')
+    lane_count(l[1], l[2], -1, -tonumber(l[3] or '1'), 0)
+  end
 elseif status == 'delayed' then
   redis.call('ZREM', K_DELAYED, id)
   if s and release_stream(s) == 1 then nudge() end

@@ -17,18 +17,23 @@ ARGV[13] the most one submit may hand the worker if this claim registers it (its
 ARGV[14] the tenants' weights, "tenant=weight,..." (scheduling; unknown tenants: 1)
 ARGV[15] the share of claimed cost a lower band with waiting work is owed, percent
   (0: strict priority)
+ARGV[16], ARGV[17] the tenants' rate limits, requests and cost per minute,
+  "tenant=N,...,*=N" (see _lib.lua)   ARGV[18] 'hold' to hold tasks over a limit
 Returns: {next_timer_ms, reaped, inbox, then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
   age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
   traceparent (W3C trace context stored by submit, '' = none; see mtq.tracing)}
   inbox is the list of claim replies handed to the worker (see submit.lua), each a
   msgpack array of 9 entries per task as above; empty unless ARGV[12] is '1'.
-  next_timer_ms is the time until the earliest lease deadline or due retry (-1: none);
+  next_timer_ms is the time until the earliest lease deadline, due retry, deadline of
+  a waiting task, or (rate limits held) the time a held tenant may go on (-1: none);
   a worker that claimed nothing blocks on the wake list for at most that long.
 Order: streams are taken round robin from the ring, one task each (the head of
 the stream, which becomes busy); the stream-less marker gives one task per turn;
 capacity left after the ring is empty is filled from the stream-less list.
-A task whose deadline has passed is marked expired and skipped, never run.
+A task whose deadline has passed is marked expired and skipped, never run; one that
+waits behind others is found by its deadline (K_SCHED .. 'deadlines') and ends expired
+where it waits.
 With scheduling on (see _lib.lua), each task is taken from a lane: the highest band
 with work, unless a lower band with work has a credit above 0 (it gains the
 share's part of every cost the bands above it are served while it waits, and pays its
@@ -44,7 +49,12 @@ local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(A
 local window, registered = tonumber(ARGV[11]), ARGV[12] == '1'
 local most = tonumber(ARGV[13] or '') or B
 local share = tonumber(ARGV[15] or '0') or 0
+local hold = ARGV[18] == 'hold'
 local now = now_ms()
+-- scheduling on? waiting tasks with deadlines? (one read)
+local st0 = redis.call('HMGET', K_STATS, 'sched', 'dl')
+SCHED_ON = st0[1] == '1'
+local dl = st0[2] == '1'
 -- handed to it since it last came back to its inbox: those are its batch (nothing more
 -- is claimed now; its registration is dropped below)
 local inbox = {}
@@ -70,6 +80,16 @@ if due_in(first_retry, now) == 0 then
   promote_due(now, limit)
   first_retry = false
 end
+local first_deadline = nil
+if dl then
+  first_deadline = redis.call('ZRANGE', K_SCHED .. 'deadlines', 0, 0, 'WITHSCORES')
+  if due_in(first_deadline, now) == 0 then
+    expire_due(now, limit)
+    first_deadline = redis.call('ZRANGE', K_SCHED .. 'deadlines', 0, 0, 'WITHSCORES')
+  end
+  if not first_deadline[1] then redis.call('HSET', K_STATS, 'dl', '0') end
+end
+local dl_done = {}  -- ids taken here that had a deadline: out of K_SCHED .. 'deadlines'
 
 local out = {0, reaped, inbox}
 local n, taken, base = 0, 0, false
@@ -93,16 +113,16 @@ local function take(id, s, lb, lt)
   local tk = K_TASK .. id
   local f = redis.call('HMGET', tk, unpack(lb and SCHED_FIELDS or FIELDS))
   if f[1] ~= 'queued' then
-    -- a cancelled tombstone: its retention starts now that it left the list
-    if f[1] == 'cancelled' then
+    -- a cancelled or expired tombstone: its retention starts now that it left the list
+    if f[1] == 'cancelled' or f[1] == 'expired' then
       redis.call('EXPIRE', tk, ttl)
       if f[10] ~= '0' then redis.call('EXPIRE', K_TRACE .. id, ttl) end
     end
     return false
   end
-  local cost, weight = true, nil
+  local cost, weight, tb, tt = true, nil, nil, nil
   if lb then
-    local tb, tt = lane_of(f[11], f[12])
+    tb, tt = lane_of(f[11], f[12])
     if s and (tb ~= lb or tt ~= lt) then
       -- its stream is in the ring of another lane (a task of an older producer or
       -- worker put it in K_READY, or a tombstone was its head): move it to its own
@@ -114,11 +134,14 @@ local function take(id, s, lb, lt)
     weight = weights[tt] or 1
   end
   taken = taken + 1
+  if f[3] and dl then dl_done[#dl_done + 1] = id end
   if f[3] and tonumber(f[3]) < now then
     finish(id, 'expired', now, ttl)
     expired[#expired + 1] = id
+    if lb then lane_count(tb, tt, -1, -cost, 0) end
     return false
   end
+  if lb then lane_count(tb, tt, -1, -cost, 1) end
   n = n + 1
   if not base then base = redis.call('INCRBY', K_SEQ, B) - B end  -- B tokens, for this call
   local token = tostring(base + n)
@@ -159,15 +182,22 @@ local function flush_vt()
 end
 -- the band's first PICK_K tenants by virtual time, and the time of the next (the bound
 -- under which the least of those is the band's least)
+local HELD, nheld = {}, 0  -- tenants this claim passes over for their rate limits
 local function load(b)
   flush_vt()
-  local r = redis.call('ZRANGE', K_SCHED .. 'band:' .. b, 0, PICK_K, 'WITHSCORES')
-  local list = {}
-  for j = 1, math.min(#r, 2 * PICK_K), 2 do
-    if VT[r[j]] == nil then VT[r[j]] = tonumber(r[j + 1]) end
-    list[#list + 1] = r[j]
+  local r = redis.call('ZRANGE', K_SCHED .. 'band:' .. b, 0, PICK_K + nheld, 'WITHSCORES')
+  local list, bound = {}, math.huge
+  for j = 1, #r, 2 do
+    if not HELD[r[j]] then
+      if #list == PICK_K then
+        bound = tonumber(r[j + 1])
+        break
+      end
+      if VT[r[j]] == nil then VT[r[j]] = tonumber(r[j + 1]) end
+      list[#list + 1] = r[j]
+    end
   end
-  PICK[b] = {list, #r > 2 * PICK_K and tonumber(r[2 * PICK_K + 2]) or math.huge}
+  PICK[b] = {list, bound}
   return PICK[b]
 end
 -- the tenant of band b with the least virtual time, and its place in the list; nil: none
@@ -222,14 +252,17 @@ local function take_lane(b, t)
   end
 end
 
+local held_for = -1  -- ms until the first held tenant may go on (-1: none held)
 if sched then
   weights = weights_of(ARGV[14])
+  local rpm, tpm = limits_of(ARGV[16]), limits_of(ARGV[17])
+  hold = hold and (next(rpm) ~= nil or next(tpm) ~= nil)
   -- an older producer's or worker's tasks reach K_READY alone: that lane is a candidate
   if redis.call('LLEN', K_READY) > 0 then activate('s', '') end
-  local st = redis.call('HMGET', K_SCHED .. 'vt', '~V', '~s', '~b')
+  local st = redis.call('HMGET', K_SCHED .. 'vt', '~V', '~s', '~b', '~m0', '~mc', '~mb', '~rate')
   local clock, credit = tonumber(st[1] or '0'), {s = tonumber(st[2] or '0'), b = tonumber(st[3] or '0')}
   local ratio = (share > 0 and share < 100) and share / (100 - share) or 0
-  local first_clock = clock
+  local claimed_cost = 0
   while n < B do
     local top = nil
     for _, b in ipairs(BANDS) do
@@ -247,8 +280,33 @@ if sched then
       end
     end
     local t, at = pick(band)
-    local c = take_lane(band, t)
+    local wait = hold and rate_wait(t, 1, now, rpm, tpm) or 0
+    local c = nil
+    if wait > 0 then
+      -- over its rate limit: passed over until it may go on (the timer says when)
+      HELD[t] = true
+      nheld = nheld + 1
+      if held_for < 0 or wait < held_for then held_for = wait end
+      redis.call('HINCRBY', K_SCHED .. 'count', band .. ':' .. t .. '|h', 1)
+      for _, b in ipairs(BANDS) do
+        local p = PICK[b]
+        if p then
+          for i, x in ipairs(p[1]) do
+            if x == t then table.remove(p[1], i); break end
+          end
+        end
+      end
+    else
+      c = take_lane(band, t)
+      if c == nil then
+        -- its lane has nothing claimable: not a candidate until work comes back
+        redis.call('ZREM', K_SCHED .. 'band:' .. band, t)
+        table.remove(PICK[band][1], at)
+      end
+    end
     if c then
+      if hold then rate_charge(t, 1, c, now, rpm, tpm) end
+      claimed_cost = claimed_cost + c
       if VT[t] > clock then clock = VT[t] end
       VT[t] = VT[t] + c / (weights[t] or 1)
       DIRTY[t] = true
@@ -270,21 +328,29 @@ if sched then
           end
         end
       end
-    else
-      -- its lane has nothing claimable: not a candidate until work comes back
-      redis.call('ZREM', K_SCHED .. 'band:' .. band, t)
-      table.remove(PICK[band][1], at)
     end
   end
   flush_vt()
   for l, c in pairs(SERVED) do redis.call('HINCRBYFLOAT', K_SCHED .. 'served', l, c) end
-  if n > 0 or clock ~= first_clock then
-    redis.call('HSET', K_SCHED .. 'vt', '~V', clock, '~s', credit.s, '~b', credit.b)
-  end
   if n >= B then
     ring_empty = not (pick('i') or pick('s') or pick('b'))
     free_empty = true
   end
+  -- the service rate (cost per second), measured over windows of METER_MS in which a
+  -- claim left work waiting (an idle queue's rate says nothing of what it can serve)
+  local m0, mc, mb, rate = tonumber(st[4] or '0'), tonumber(st[5] or '0'), st[6] == '1', tonumber(st[7] or '0')
+  local METER_MS = 2000
+  mc = mc + claimed_cost
+  mb = mb or not ring_empty
+  if now - m0 >= METER_MS then
+    if mb and m0 > 0 then
+      local r = mc * 1000 / (now - m0)
+      rate = rate > 0 and 0.5 * rate + 0.5 * r or r
+    end
+    m0, mc, mb = now, 0, false
+  end
+  redis.call('HSET', K_SCHED .. 'vt', '~V', clock, '~s', credit.s, '~b', credit.b,
+    '~m0', m0, '~mc', mc, '~mb', mb and '1' or '0', '~rate', rate)
 end
 
 while not sched and n < B do
@@ -342,8 +408,12 @@ else
 end
 -- from the reads above (a list the reaper or the promoter changed is read again); a
 -- lease taken here ends at until_ms
+if #dl_done > 0 then redis.call('ZREM', K_SCHED .. 'deadlines', unpack(dl_done)) end
 local nxt = next_timer(now, {[K_LEASES] = first_lease, [K_DELAYED] = first_retry})
 if n > 0 and (nxt < 0 or lease < nxt) then nxt = lease end
+for _, d in ipairs({first_deadline and due_in(first_deadline, now) or -1, held_for}) do
+  if d >= 0 and (nxt < 0 or d < nxt) then nxt = d end
+end
 out[1] = nxt
 flush_replies()
 return out

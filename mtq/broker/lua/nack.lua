@@ -50,6 +50,10 @@ for i = 0, n - 1 do
     codes[i + 1] = 1
   else
     redis.call('ZREM', K_LEASES, id)
+    if sched_on() then
+      local l = redis.call('HMGET', tk, 'band', 'tenant')
+      lane_count(l[1], l[2], 0, 0, -1)
+    end
     -- a task given back unrun costs nothing: its next claim charges it again
     local actual = action == 'release' and 0 or costs[i + 1]
     if actual and (action ~= 'release' or sched_on()) then

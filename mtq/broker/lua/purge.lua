@@ -16,8 +16,9 @@ local purged, streams_emptied = 0, 0
 local ids = {}
 
 local function drop(id)
-  local f = redis.call('HMGET', K_TASK .. id, 'status', 'trace')
+  local f = redis.call('HMGET', K_TASK .. id, 'status', 'trace', 'band', 'tenant', 'cost')
   if f[1] == 'queued' then
+    if sched_on() then lane_count(f[3], f[4], -1, -tonumber(f[5] or '1'), 0) end
     finish(id, 'cancelled', now, ttl, 'error', 'purged')
     purged = purged + 1
     ids[#ids + 1] = id

@@ -3,16 +3,19 @@ KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
 ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
-ARGV[7] n, then n groups of 11: id, payload, stream ('' = none), key ('' = none),
+ARGV[7] n, then n groups of 12: id, payload, stream ('' = none), key ('' = none),
         ttl_ms (0 = no deadline), retries ('' = the worker's default),
         digest (the result cache's digest of the payload, '' = do not cache),
         traceparent (W3C trace context of the submitting request, '' = none),
-        band ('i', 's' or 'b'), tenant ('' = none), cost ('' = 1)
-ARGV[8 + 11n] retention s (of a task answered from the result cache)
-ARGV[9 + 11n] result cache TTL s   ARGV[10 + 11n] most cache entries
-ARGV[11 + 11n] how long an entry may point at a task still queued or running (s)
-ARGV[12 + 11n] the tenants' weights, "tenant=weight,..." (a task handed to a sleeping
+        band ('i', 's' or 'b'), tenant ('' = none), cost ('' = 1),
+        admit ('1': its deadline is one to keep: refuse it if it would be missed)
+ARGV[8 + 12n] retention s (of a task answered from the result cache)
+ARGV[9 + 12n] result cache TTL s   ARGV[10 + 12n] most cache entries
+ARGV[11 + 12n] how long an entry may point at a task still queued or running (s)
+ARGV[12 + 12n] the tenants' weights, "tenant=weight,..." (a task handed to a sleeping
   worker is charged as a claim would charge it)
+ARGV[13 + 12n], ARGV[14 + 12n] the tenants' rate limits, requests and cost per minute
+  ("tenant=N,...,*=N", see _lib.lua)   ARGV[15 + 12n] 'reject' or 'hold'
 Returns {handed, answer}: how many of the tasks went to a sleeping worker (direct
   delivery, below; the client then yields its CPU once, so that a worker it shares
   the CPU with runs the task before the client's own bookkeeping), and the answer: a
@@ -21,7 +24,10 @@ Returns {handed, answer}: how many of the tasks went to a sleeping worker (direc
   identical task queued or running) or E_DUPLICATE_ID when the id exists, or
   {id, result} for a result-cache hit: the task was created succeeded, its result
   inline (and no done message is published: the submitter has it here). Or
-  {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is written).
+  {E_QUEUE_FULL, waiting} when the n tasks would not fit, {E_RATE_LIMITED, retry after
+  ms, tenant} when a tenant's tasks are over its rate limit (reject mode), or
+  {E_WOULD_MISS, retry after ms, id} when a task with a deadline to keep would start
+  after it (see _lib.lua); nothing is written then but the refusals' count.
 
 Direct delivery (see _lib.lua): a task that would be claimable at once (stream-less
 while the free list is empty, or the head of an empty stream that is not busy) goes to
@@ -50,20 +56,33 @@ entry whose task ends otherwise than succeeded.
 --@include _lib.lua
 local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[7])
 local reply_to = ARGV[6]
-local G = 11  -- ARGV per task
+local G = 12  -- ARGV per task
 local retention, cache_ttl = tonumber(ARGV[8 + n * G]), tonumber(ARGV[9 + n * G])
 local cache_max, run_ttl = tonumber(ARGV[10 + n * G]), tonumber(ARGV[11 + n * G])
 local weights = nil  -- tenant -> weight, read at the first hand-off with scheduling on
 local now = now_ms()
 -- The first task with a band or a tenant turns scheduling on (see _lib.lua): the lane
 -- ('s', '') becomes a candidate of its band if it has work.
+local rpm, tpm = limits_of(ARGV[13 + n * G]), limits_of(ARGV[14 + n * G])
+local hold = ARGV[15 + n * G] == 'hold'
+local limited = next(rpm) ~= nil or next(tpm) ~= nil
+local admitting, timed = false, false  -- a task with a deadline to keep; with any deadline
 for i = 0, n - 1 do
   local b = 8 + i * G
-  if ARGV[b + 8] ~= 's' or ARGV[b + 9] ~= '' then
+  if ARGV[b + 11] == '1' then admitting = true end
+  if ARGV[b + 4] ~= '0' then timed = true end
+end
+for i = 0, n - 1 do
+  local b = 8 + i * G
+  if ARGV[b + 8] ~= 's' or ARGV[b + 9] ~= '' or ARGV[b + 11] == '1' then
     if not sched_on() then
       redis.call('HSET', K_STATS, 'sched', '1')
       SCHED_ON = true
       if redis.call('LLEN', K_READY) > 0 then activate('s', '') end
+      -- the lane ('s', '') holds every task so far: its counts start from the queue's
+      -- (each task's cost taken as 1)
+      local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
+      lane_count('s', '', waiting, waiting, redis.call('ZCOUNT', K_LEASES, '-inf', '(+inf'))
     end
     break
   end
@@ -72,6 +91,96 @@ if max_length > 0 then
   local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
   if waiting + n > max_length then return {0, {E_QUEUE_FULL, waiting}} end
 end
+
+-- Refused whole, with the refusals counted per lane: ids are the task groups' indexes.
+local function refuse(code, after, what, idx)
+  if sched_on() then
+    local ck = K_SCHED .. 'count'
+    for _, i in ipairs(idx) do
+      local b = 8 + i * G
+      redis.call('HINCRBY', ck, ARGV[b + 8] .. ':' .. ARGV[b + 9] .. '|x', 1)
+    end
+  end
+  return {0, {code, after, what}}
+end
+
+-- Rate limits, reject mode: the call's tasks of each limited tenant, all or none.
+if limited and not hold then
+  local per, order = {}, {}
+  for i = 0, n - 1 do
+    local b = 8 + i * G
+    local t = ARGV[b + 9]
+    if t ~= '' then
+      if not per[t] then
+        per[t] = {0, 0, {}}
+        order[#order + 1] = t
+      end
+      local e = per[t]
+      e[1], e[2] = e[1] + 1, e[2] + (tonumber(ARGV[b + 10]) or 1)
+      e[3][#e[3] + 1] = i
+    end
+  end
+  for _, t in ipairs(order) do
+    local wait = rate_wait(t, per[t][1], now, rpm, tpm)
+    if wait > 0 then
+      local all = {}
+      for i = 0, n - 1 do all[#all + 1] = i end
+      return refuse(E_RATE_LIMITED, wait, t, all)
+    end
+  end
+  for _, t in ipairs(order) do rate_charge(t, per[t][1], per[t][2], now, rpm, tpm) end
+end
+
+-- Deadline admission (see _lib.lua): the cost waiting ahead of each such task, at the
+-- measured service rate, must let it start before its deadline.
+if admitting then
+  local meter = redis.call('HGET', K_SCHED .. 'vt', '~rate')
+  local rate = tonumber(meter or '0')  -- cost per second; 0: not measured yet (admit)
+  if rate > 0 then
+    local w8 = weights_of(ARGV[12 + n * G])
+    local ck = K_SCHED .. 'count'
+    local added = {}  -- cost this call adds ahead, per lane
+    for i = 0, n - 1 do
+      local b = 8 + i * G
+      local band, t, cost = ARGV[b + 8], ARGV[b + 9], tonumber(ARGV[b + 10]) or 1
+      local lk = band .. ':' .. t
+      if ARGV[b + 11] == '1' then
+        -- higher bands go first; in its band, each other tenant o is served about
+        -- min(its waiting cost, ours * w_o / w_t) before our tenant's work is done
+        local ahead = 0
+        for _, hb in ipairs(BANDS) do
+          if hb == band then break end
+          ahead = ahead + tonumber(redis.call('HGET', ck, hb .. '|c') or '0')
+        end
+        local own = tonumber(redis.call('HGET', ck, lk .. '|c') or '0') + (added[lk] or 0)
+        local wt = w8[t] or 1
+        local others = redis.call('ZRANGE', K_SCHED .. 'band:' .. band, 0, 99)
+        local fields = {}
+        for _, o in ipairs(others) do
+          if o ~= t then fields[#fields + 1] = band .. ':' .. o .. '|c' end
+        end
+        if #fields > 0 then
+          local costs = redis.call('HMGET', ck, unpack(fields))
+          for j, c in ipairs(costs) do
+            local o = string.sub(fields[j], 3, -3)
+            ahead = ahead + math.min(tonumber(c or '0'), own * (w8[o] or 1) / wt)
+          end
+        end
+        ahead = ahead + own
+        local start_in = ahead * 1000 / rate
+        local ttl_ms = tonumber(ARGV[b + 4])
+        if start_in > ttl_ms then
+          local all = {}
+          for j = 0, n - 1 do all[#all + 1] = j end
+          return refuse(E_WOULD_MISS, math.ceil(start_in - ttl_ms), ARGV[b], all)
+        end
+      end
+      added[lk] = (added[lk] or 0) + cost
+    end
+  end
+end
+if timed and redis.call('HGET', K_STATS, 'dl') ~= '1' then redis.call('HSET', K_STATS, 'dl', '1') end
+local deadlines = {}  -- score, member pairs for K_SCHED .. 'deadlines'
 local out, added, newly, new_streams = {}, 0, 0, 0
 local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
 local indexed = {}  -- score, member pairs: the entries this call points at new tasks
@@ -188,6 +297,8 @@ for i = 0, n - 1 do
   local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
   local digest, traceparent = ARGV[b + 6], ARGV[b + 7]
   local band, tenant, cost = ARGV[b + 8], ARGV[b + 9], ARGV[b + 10]
+  -- rate limits held: a task of a tenant over its limit waits for a claim to allow it
+  local held = hold and limited and tenant ~= '' and rate_wait(tenant, 1, now, rpm, tpm) > 0
   local tk = K_TASK .. id
   local existing = false
   if key ~= '' then existing = redis.call('GET', K_IDEM .. key) end
@@ -249,10 +360,20 @@ for i = 0, n - 1 do
       indexed[#indexed + 1] = suffix
       misses = misses + 1
     end
-    local w = (idle == nil or idle[at]) and idle_worker()
-    if w and deliverable(s, band, tenant) then
+    local w = not held and (idle == nil or idle[at]) and idle_worker()
+    local handing = w and deliverable(s, band, tenant)
+    if sched_on() then
+      if handing then lane_count(band, tenant, 0, 0, 1)
+      else lane_count(band, tenant, 1, tonumber(cost) or 1, 0) end
+    end
+    if handing then
       hand(w, id, s, f, payload, retries, traceparent, band, tenant, tonumber(cost) or 1)
+      if hold and limited then rate_charge(tenant, 1, tonumber(cost) or 1, now, rpm, tpm) end
     else
+      if ttl ~= '0' then
+        deadlines[#deadlines + 1] = now + tonumber(ttl)
+        deadlines[#deadlines + 1] = id
+      end
       redis.call('HSET', tk, unpack(f))
       if s == '' and band == 's' and tenant == '' then
         free_ids[#free_ids + 1] = id  -- pushed all at once, after the loop
@@ -276,6 +397,9 @@ if #free_ids > 0 then
     if not was then was = len - (last - j + 1) end
   end
   if was == 0 then newly = newly + lane_mark('s', '') end  -- it became claimable
+end
+for j = 1, #deadlines, 4000 do
+  redis.call('ZADD', K_SCHED .. 'deadlines', unpack(deadlines, j, math.min(j + 3999, #deadlines)))
 end
 if hits > 0 then
   redis.call('HINCRBY', K_STATS, 'submitted', hits)
