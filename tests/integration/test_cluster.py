@@ -196,6 +196,43 @@ def test_order_per_stream_holds_with_two_workers(the_cluster: Cluster, url: str,
     assert len({c.pid for c in calls}) == 2, "both workers took part"
 
 
+def test_a_tenant_fair_queue_on_each_shard(the_cluster: Cluster, url: str,
+                                          workers: Workers) -> None:
+    """Scheduling's keys (lanes, virtual times, counts) live in the queue's slot: claims
+    share the served cost between tenants by weight, and a worker drains it."""
+    for name in queue_on_each_shard(the_cluster):
+        q = mtq.Queue(name, url, tenant_weights="a=3")
+        try:
+            c = mtq.Consumer(name, url, settings=q.settings, worker_id="w-" + name)
+            for i in range(40):
+                q.submit({"x": i}, stream=f"a{i % 8}", tenant="a", cost=10)
+                q.submit({"x": i}, stream=f"b{i % 2}", tenant="b", cost=10)
+            q.submit({"x": -1}, priority="interactive", tenant="b", cost=10)
+            first = c.claim(1)
+            assert first[0].stream is None, "the interactive task goes first"
+            c.settle([mtq.Outcome(first[0], ok=True, value=0)])
+            taken = []
+            for _ in range(20):
+                (t,) = c.claim(1)
+                taken.append(t.stream[0])
+                c.settle([mtq.Outcome(t, ok=True, value=0)])
+            # weight 3 to 1: a takes three tasks of like cost for each of b's
+            assert taken.count("a") == 15, taken
+            served = {k.decode(): float(v) for k, v in
+                      q.redis.hgetall(q.broker.keys.sched + "served").items()}
+            assert served == {"i:b": 10.0, "s:a": 150.0, "s:b": 50.0}, served
+            workers.start("tests.handlers:double", name)
+            wait_for(lambda: q.stats()["succeeded"] == 81, 60,
+                     f"the worker did not drain {name}\n{workers.output()}")
+            counts = {k.decode(): float(v) for k, v in
+                      q.redis.hgetall(q.broker.keys.sched + "count").items()}
+            assert counts.get("s:a|w") == counts.get("s:b|w") == 0, counts
+        finally:
+            workers.stop()
+            workers.procs.clear()
+            q.delete()
+
+
 def test_tokens_stream_over_sharded_pubsub(the_cluster: Cluster, url: str,
                                            workers: Workers) -> None:
     name = queue_on_each_shard(the_cluster, 1)[0]

@@ -38,8 +38,9 @@ With scheduling on (see _lib.lua), each task is taken from a lane: the highest b
 with work, unless a lower band with work has a credit above 0 (it gains the
 share's part of every cost the bands above it are served while it waits, and pays its
 own tasks' costs); in that band, the tenant of least virtual time (among the band's
-first PICK_K by it, read once, then kept here as this claim charges them); in that
-tenant's lane, its ring in turn, as above. Each task taken charges its tenant its cost
+first PICK_K by it, read once, then kept here as this claim charges them), or, when
+waiting tasks have deadlines, the one whose next task has the earliest deadline among
+those within one task's cost of it; in that tenant's lane, its ring in turn, as above. Each task taken charges its tenant its cost
 over its weight.
 ]]
 --@include _lib.lua
@@ -213,6 +214,33 @@ local function pick(b)
     p = load(b)
   end
 end
+-- the deadline (math.huge: none) and cost of the task lane (b, t) would run next, as far
+-- as its ring's head says (nil: nothing in the ring)
+local function peek(b, t)
+  local s = redis.call('LINDEX', lane_ring(b, t), 0)
+  if not s then return nil end
+  local id = redis.call('LINDEX', s == FREE and lane_free(b, t) or K_STREAM .. s, 0)
+  if not id then return math.huge, 1 end
+  local f = redis.call('HMGET', K_TASK .. id, 'deadline', 'cost')
+  return tonumber(f[1] or '') or math.huge, tonumber(f[2] or '1')
+end
+-- Earlier deadlines first where the fair share allows: among the band's tenants whose
+-- virtual time is within the cost (over its weight) of the next task of the least one,
+-- the one whose next task has the earliest deadline (at most EDF_K looked at).
+local EDF_K = 4
+local function earliest(b, t, at)
+  local d0, c0 = peek(b, t)
+  if not d0 then return t, at end
+  local within, best, looked = VT[t] + c0 / (weights[t] or 1), d0, 0
+  for i, x in ipairs(PICK[b][1]) do
+    if x ~= t and VT[x] <= within and looked < EDF_K then
+      looked = looked + 1
+      local d = peek(b, x)
+      if d and d < best then best, t, at = d, x, i end
+    end
+  end
+  return t, at
+end
 -- one task of lane (b, t): its cost, or nil when the lane has nothing claimable
 local function take_lane(b, t)
   local ring = lane_ring(b, t)
@@ -280,6 +308,7 @@ if sched then
       end
     end
     local t, at = pick(band)
+    if dl then t, at = earliest(band, t, at) end
     local wait = hold and rate_wait(t, 1, now, rpm, tpm) or 0
     local c = nil
     if wait > 0 then
