@@ -120,14 +120,18 @@ class Broker:
     # -- producers -------------------------------------------------------------
     def submit_call(self, tasks: Sequence[NewTask], reply: str = "") -> scripts.Call:
         s = self.settings
-        args: list[Any] = [s.max_length, s.wake_cap, s.idempotency_window_s, reply, len(tasks)]
+        # the scheduling fields only when a task of the call has one (see submit.lua)
+        sched = any(t.band != "s" or t.tenant or t.cost is not None or t.admit for t in tasks)
+        args: list[Any] = [s.max_length, s.wake_cap, s.idempotency_window_s, reply, len(tasks),
+                           12 if sched else 8, s.retention_s, s.cache_ttl_s,
+                           s.cache_max_entries, RUN_TTL_S, s.tenant_weights, s.tenant_rpm,
+                           s.tenant_tpm, s.rate_limit_mode]
         for t in tasks:
             args += [t.id, t.payload, t.stream, t.key, t.ttl_ms,
-                     "" if t.retries is None else t.retries, t.digest, t.traceparent,
-                     t.band, t.tenant, "" if t.cost is None else repr(t.cost),
-                     "1" if t.admit else ""]
-        args += [s.retention_s, s.cache_ttl_s, s.cache_max_entries, RUN_TTL_S,
-                 s.tenant_weights, s.tenant_rpm, s.tenant_tpm, s.rate_limit_mode]
+                     "" if t.retries is None else t.retries, t.digest, t.traceparent]
+            if sched:
+                args += [t.band, t.tenant, "" if t.cost is None else repr(t.cost),
+                         "1" if t.admit else ""]
         return self._call("submit", args, parse_submit)
 
     def submit(self, tasks: Sequence[NewTask], reply: str = "") -> Answer:

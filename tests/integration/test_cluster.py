@@ -222,7 +222,7 @@ def test_a_tenant_fair_queue_on_each_shard(the_cluster: Cluster, url: str,
                       q.redis.hgetall(q.broker.keys.sched + "served").items()}
             assert served == {"i:b": 10.0, "s:a": 150.0, "s:b": 50.0}, served
             workers.start("tests.handlers:double", name)
-            wait_for(lambda: q.stats()["succeeded"] == 81, 60,
+            wait_for(lambda q=q: q.stats()["succeeded"] == 81, 60,
                      f"the worker did not drain {name}\n{workers.output()}")
             counts = {k.decode(): float(v) for k, v in
                       q.redis.hgetall(q.broker.keys.sched + "count").items()}

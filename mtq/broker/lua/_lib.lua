@@ -33,7 +33,7 @@ hash tag {queue}, so every script touches one Redis Cluster slot):
   KEYS[18] cache index        zset: cache entry key -> expiry (ms), bounds the entries
   KEYS[19] model              hash: the model the queue's workers serve (target, version,
                               deterministic, loaded)
-  KEYS[20] idle               hash: worker id -> "expiry ms|lease ms|room" of each worker
+  KEYS[20] idle               hash: worker id -> "expiry ms|lease ms|room[|s]" of each worker
                               asleep with room for tasks (claim.lua registers it; room:
                               the most one submit hands it);
                               K_IDLE .. ':' .. worker id is its inbox, a list of claim
@@ -277,32 +277,20 @@ local function note(id, now, kind, detail)
   redis.call('RPUSH', K_TRACE .. id, trace_line(now, kind, detail))
 end
 
--- Per-lane counts (scheduling on; see 'count' in the header), summed here and written
--- once per script call by flush_counts() (flush_replies() calls it).
-local LANE_COUNTS = {}
-local function lane_count(band, tenant, waiting, cost, running)
-  local l = (band or 's') .. ':' .. (tenant or '')
-  local e = LANE_COUNTS[l]
-  if not e then
-    e = {0, 0, 0}
-    LANE_COUNTS[l] = e
-  end
-  e[1], e[2], e[3] = e[1] + waiting, e[2] + cost, e[3] + running
+-- Scheduling (see the header). Is it on for this queue? Read once per script call.
+local SCHED_ON = nil
+local function sched_on()
+  if SCHED_ON == nil then SCHED_ON = redis.call('HGET', K_STATS, 'sched') == '1' end
+  return SCHED_ON
 end
-local function flush_counts()
-  local ck, bands = K_SCHED .. 'count', {}
-  for l, e in pairs(LANE_COUNTS) do
-    if e[1] ~= 0 then redis.call('HINCRBY', ck, l .. '|w', e[1]) end
-    if e[2] ~= 0 then
-      redis.call('HINCRBYFLOAT', ck, l .. '|c', e[2])
-      local b = string.sub(l, 1, 1)
-      bands[b] = (bands[b] or 0) + e[2]
-    end
-    if e[3] ~= 0 then redis.call('HINCRBY', ck, l .. '|r', e[3]) end
-  end
-  -- each band's waiting cost, for deadline admission
-  for b, c in pairs(bands) do redis.call('HINCRBYFLOAT', ck, b .. '|c', c) end
-  LANE_COUNTS = {}
+-- Scheduling's functions and state, made by sched_lib() (the end of this file) at a
+-- call's first use: a closure costs every call that makes it, and a queue without
+-- scheduling never needs these.
+local SCH = nil
+local sched_lib  -- (defined last: it closes over nothing)
+local function sch()
+  if not SCH then SCH = sched_lib() end
+  return SCH
 end
 
 -- Finished tasks' latencies and failures, written once per script by flush_replies().
@@ -311,7 +299,7 @@ local LATENCIES, FAILURES = {}, {}
 -- Publish what reply() queued, in life-cycle order (tokens before done), and
 -- record the latencies and failures finish() gathered.
 local function flush_replies()
-  if next(LANE_COUNTS) then flush_counts() end
+  if SCH then SCH.flush() end
   if #LATENCIES > 0 then
     -- trimmed back to LATENCY_KEEP once it is LATENCY_SLACK longer (readers read the
     -- first LATENCY_KEEP): one command per call, not two
@@ -343,123 +331,6 @@ local function event(name, now, extra)
   redis.call(PUBLISH, EVENTS, cjson.encode(extra))
 end
 
--- Scheduling (see the header). Is it on for this queue? Read once per script call.
-local SCHED_ON = nil
-local function sched_on()
-  if SCHED_ON == nil then SCHED_ON = redis.call('HGET', K_STATS, 'sched') == '1' end
-  return SCHED_ON
-end
-local BANDS = {'i', 's', 'b'}
-
--- The ring and the free list of lane (b, t).
-local function lane_ring(b, t)
-  if b == 's' and t == '' then return K_READY end
-  return K_SCHED .. 'ready:' .. b .. ':' .. t
-end
-local function lane_free(b, t)
-  if b == 's' and t == '' then return K_FREE end
-  return K_SCHED .. 'free:' .. b .. ':' .. t
-end
-
--- Tenant t has work in band b: make it a candidate of the band's claims. A tenant that
--- was in no band comes back at the virtual clock if it is behind it (no banked credit).
-local function activate(b, t)
-  local bk = K_SCHED .. 'band:' .. b
-  if redis.call('ZSCORE', bk, t) then return end
-  local v = redis.call('HMGET', K_SCHED .. 'vt', t, '~V')
-  local own, clock = tonumber(v[1] or '0'), tonumber(v[2] or '0')
-  if own < clock then
-    own = clock
-    redis.call('HSET', K_SCHED .. 'vt', t, num(own))
-    for _, o in ipairs(BANDS) do
-      if o ~= b then redis.call('ZADD', K_SCHED .. 'band:' .. o, 'XX', num(own), t) end
-    end
-  end
-  redis.call('ZADD', bk, num(own), t)
-  redis.call('SADD', K_SCHED .. 'lanes', b .. ':' .. t)
-end
-
--- The lane of a task, from its 'band' and 'tenant' fields.
-local function lane_of(band, tenant)
-  return band or 's', tenant or ''
-end
-
--- Weights of tenants, from a setting's text "tenant=weight,..." (unknown tenants: 1).
-local function weights_of(text)
-  local w = {}
-  for t, v in string.gmatch(text or '', '([^,=]+)=([^,]+)') do w[t] = tonumber(v) end
-  return w
-end
-
--- Costs a worker reports, from "index=cost,..." (index: the task's place in the call,
--- from 1); a task without one keeps the cost its claim charged.
-local function costs_of(text)
-  local c = {}
-  for i, v in string.gmatch(text or '', '(%d+)=([^,]+)') do c[tonumber(i)] = tonumber(v) end
-  return c
-end
-
--- Rate limits (see the header): tenant -> limit per minute, from a setting's text
--- "tenant=N,...,*=N" ('*': every tenant not named; tasks without a tenant have none).
-local function limits_of(text)
-  local l = {}
-  for t, v in string.gmatch(text or '', '([^,=]+)=([^,]+)') do l[t] = tonumber(v) end
-  return l
-end
--- Milliseconds until tenant t may start n more requests (and, in cost, be no more than
--- a second of its budget ahead); 0: now. rpm, tpm: limits_of() tables.
-local function rate_wait(t, n, now, rpm, tpm)
-  if t == '' then return 0 end
-  local R, C = rpm[t] or rpm['*'], tpm[t] or tpm['*']
-  if not R and not C then return 0 end
-  local v = redis.call('HMGET', K_SCHED .. 'rate', t .. '|r', t .. '|c')
-  local wait = 0
-  if R then
-    -- GCRA with a burst of one second's worth (at least one request)
-    local T = 60000 / R
-    local tau = T * (math.max(1, math.ceil(R / 60)) - 1)
-    wait = math.max(tonumber(v[1] or '0'), now) + (n - 1) * T - tau - now
-  end
-  if C then wait = math.max(wait, math.max(tonumber(v[2] or '0'), now) - 1000 - now) end
-  return math.max(0, math.ceil(wait))
-end
--- Tenant t started n requests of total cost c: advance its limits' state.
-local function rate_charge(t, n, c, now, rpm, tpm)
-  if t == '' then return end
-  local R, C = rpm[t] or rpm['*'], tpm[t] or tpm['*']
-  if not R and not C then return end
-  local v = redis.call('HMGET', K_SCHED .. 'rate', t .. '|r', t .. '|c')
-  local f = {}
-  if R then
-    f[#f + 1] = t .. '|r'
-    f[#f + 1] = math.max(tonumber(v[1] or '0'), now) + n * 60000 / R
-  end
-  if C and c > 0 then
-    f[#f + 1] = t .. '|c'
-    f[#f + 1] = math.max(tonumber(v[2] or '0'), now) + c * 60000 / C
-  end
-  if #f > 0 then redis.call('HSET', K_SCHED .. 'rate', unpack(f)) end
-end
-
--- Settlement (ack, nack): what the tasks' reported costs change, summed per tenant
--- (virtual time) and lane (served cost) and written once per call by flush_settled().
-local SETTLED_VT, SETTLED_COST = {}, {}
-local function settle_cost(band, tenant, cost, weight, actual)
-  if not weight or not actual then return end  -- not charged (scheduling off), or no report
-  local d = actual - tonumber(cost or '1')
-  if d == 0 then return end
-  local b, t = lane_of(band, tenant)
-  SETTLED_VT[t] = (SETTLED_VT[t] or 0) + d / tonumber(weight)
-  SETTLED_COST[b .. ':' .. t] = (SETTLED_COST[b .. ':' .. t] or 0) + d
-end
-local function flush_settled()
-  for t, dv in pairs(SETTLED_VT) do
-    local v = redis.call('HINCRBYFLOAT', K_SCHED .. 'vt', t, dv)
-    for _, b in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. b, 'XX', v, t) end
-  end
-  for l, d in pairs(SETTLED_COST) do redis.call('HINCRBYFLOAT', K_SCHED .. 'served', l, d) end
-end
-
 -- Make sure the stream-less marker is in the ring (at most one live marker).
 local function free_mark()
   if redis.call('HGET', K_STATS, 'free_marked') ~= '1' then
@@ -475,33 +346,18 @@ end
 local function lane_mark(b, t)
   if b == 's' and t == '' then
     local m = free_mark()
-    if sched_on() then activate(b, t) end
+    if sched_on() then sch().activate(b, t) end
     return m
   end
-  local m = 0
-  if redis.call('HSETNX', K_SCHED .. 'marked', b .. ':' .. t, '1') == 1 then
-    redis.call('RPUSH', lane_ring(b, t), FREE)
-    m = 1
-  end
-  activate(b, t)
-  return m
+  return sch().mark(b, t)
 end
 
 -- Stream s (not busy, not empty) becomes claimable: into the ring of its head's lane
 -- (scheduling on; b, t: that lane if the caller knows it, else read here), or K_READY.
 -- at_head: it goes first (a requeued task).
 local function ring_push(s, at_head, b, t)
-  if not sched_on() then
-    redis.call(at_head and 'LPUSH' or 'RPUSH', K_READY, s)
-    return
-  end
-  if not b then
-    local head = redis.call('LINDEX', K_STREAM .. s, 0)
-    local f = redis.call('HMGET', K_TASK .. head, 'band', 'tenant')
-    b, t = lane_of(f[1], f[2])
-  end
-  redis.call(at_head and 'LPUSH' or 'RPUSH', lane_ring(b, t), s)
-  activate(b, t)
+  if sched_on() then return sch().ring_push(s, at_head, b, t) end
+  redis.call(at_head and 'LPUSH' or 'RPUSH', K_READY, s)
 end
 
 -- Wake up to n sleeping workers, keeping the marker list at most cap long.
@@ -543,7 +399,7 @@ local function push_tail(id, s, b, t)
       return 0, 1
     end
     return 0, 0
-  elseif redis.call('RPUSH', lane_free(b, t), id) == 1 then
+  elseif redis.call('RPUSH', (b == 's' and t == '') and K_FREE or sch().lane_free(b, t), id) == 1 then
     return lane_mark(b, t), 0
   end
   return 0, 0
@@ -555,8 +411,8 @@ local function requeue_head(id, s)
   local b, t = 's', ''
   if sched_on() then
     local f = redis.call('HMGET', K_TASK .. id, 'band', 'tenant', 'cost')
-    b, t = lane_of(f[1], f[2])
-    lane_count(b, t, 1, tonumber(f[3] or '1'), 0)
+    b, t = f[1] or 's', f[2] or ''
+    sch().lane_count(b, t, 1, tonumber(f[3] or '1'), 0)
   end
   if s then
     if redis.call('LPUSH', K_STREAM .. s, id) == 1 then
@@ -565,7 +421,7 @@ local function requeue_head(id, s)
     redis.call('SREM', K_BUSY, s)
     ring_push(s, true, b, t)
   else
-    redis.call('LPUSH', lane_free(b, t), id)
+    redis.call('LPUSH', (b == 's' and t == '') and K_FREE or sch().lane_free(b, t), id)
     lane_mark(b, t)
   end
   redis.call('HINCRBY', K_STATS, 'waiting', 1)
@@ -641,10 +497,8 @@ end
 local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
   local s = f[2]
   local what = 'requeued'
-  if sched_on() then
-    local l = redis.call('HMGET', K_TASK .. id, 'band', 'tenant')
-    lane_count(l[1], l[2], 0, 0, -1)
-  end
+  local l = redis.call('HMGET', K_TASK .. id, 'weight', 'band', 'tenant')
+  if l[1] then sch().lane_count(l[2], l[3], 0, 0, -1) end  -- charged at its claim: running
   if f[4] then
     finish(id, 'cancelled', now, ttl)
     redis.call('HINCRBY', K_STATS, 'cancelled', 1)
@@ -724,27 +578,208 @@ local function next_timer(now, known)
   return nxt
 end
 
--- Deadlines (see the header): queued tasks whose deadline passed end expired where they
--- wait; the id stays in its list as a tombstone, its hash kept until claim pops it (as
--- a cancelled one's), so that the id cannot be reused while the list names it.
-local function expire_due(now, limit)
-  local dk = K_SCHED .. 'deadlines'
-  local ids = redis.call('ZRANGEBYSCORE', dk, '-inf', now, 'LIMIT', 0, limit)
-  if #ids == 0 then return 0 end
-  redis.call('ZREM', dk, unpack(ids))
-  local gone = {}
-  for _, id in ipairs(ids) do
-    local f = redis.call('HMGET', K_TASK .. id, 'status', 'band', 'tenant', 'cost')
-    if f[1] == 'queued' then
-      finish(id, 'expired', now, 0)
-      if sched_on() then lane_count(f[2], f[3], -1, -tonumber(f[4] or '1'), 0) end
-      gone[#gone + 1] = id
+-- Scheduling's functions (see sch() above): made once per call that needs them. It
+-- reads what it needs of the script (KEYS) itself: an upvalue costs every call that
+-- makes the closure (Lua 5.1 walks the open upvalues for each), and this one is made
+-- by every script that may need it.
+function sched_lib()
+  local K_TASK, K_STREAM, K_READY, K_STATS = KEYS[1], KEYS[2], KEYS[3], KEYS[9]
+  local K_FREE, K_SCHED, FREE = KEYS[10], KEYS[21], ''
+  local num = tostring
+  -- Per-lane counts (scheduling on; see 'count' in the header), summed here and written
+  -- once per script call by flush_counts() (flush_replies() calls it).
+  local LANE_COUNTS = {}
+  local function lane_count(band, tenant, waiting, cost, running)
+    local l = (band or 's') .. ':' .. (tenant or '')
+    local e = LANE_COUNTS[l]
+    if not e then
+      e = {0, 0, 0}
+      LANE_COUNTS[l] = e
     end
+    e[1], e[2], e[3] = e[1] + waiting, e[2] + cost, e[3] + running
   end
-  if #gone > 0 then
-    redis.call('HINCRBY', K_STATS, 'waiting', -#gone)
-    redis.call('HINCRBY', K_STATS, 'expired', #gone)
-    event('expired', now, {ids = gone})
+  local function flush_counts()
+    local ck, bands = K_SCHED .. 'count', {}
+    for l, e in pairs(LANE_COUNTS) do
+      if e[1] ~= 0 then redis.call('HINCRBY', ck, l .. '|w', e[1]) end
+      if e[2] ~= 0 then
+        redis.call('HINCRBYFLOAT', ck, l .. '|c', e[2])
+        local b = string.sub(l, 1, 1)
+        bands[b] = (bands[b] or 0) + e[2]
+      end
+      if e[3] ~= 0 then redis.call('HINCRBY', ck, l .. '|r', e[3]) end
+    end
+    -- each band's waiting cost, for deadline admission
+    for b, c in pairs(bands) do redis.call('HINCRBYFLOAT', ck, b .. '|c', c) end
+    LANE_COUNTS = {}
   end
-  return #ids
+
+
+  local BANDS = {'i', 's', 'b'}
+
+  -- The ring and the free list of lane (b, t).
+  local function lane_ring(b, t)
+    if b == 's' and t == '' then return K_READY end
+    return K_SCHED .. 'ready:' .. b .. ':' .. t
+  end
+  local function lane_free(b, t)
+    if b == 's' and t == '' then return K_FREE end
+    return K_SCHED .. 'free:' .. b .. ':' .. t
+  end
+
+  -- Tenant t has work in band b: make it a candidate of the band's claims. A tenant that
+  -- was in no band comes back at the virtual clock if it is behind it (no banked credit).
+  local function activate(b, t)
+    local bk = K_SCHED .. 'band:' .. b
+    if redis.call('ZSCORE', bk, t) then return end
+    local v = redis.call('HMGET', K_SCHED .. 'vt', t, '~V')
+    local own, clock = tonumber(v[1] or '0'), tonumber(v[2] or '0')
+    if own < clock then
+      own = clock
+      redis.call('HSET', K_SCHED .. 'vt', t, num(own))
+      for _, o in ipairs(BANDS) do
+        if o ~= b then redis.call('ZADD', K_SCHED .. 'band:' .. o, 'XX', num(own), t) end
+      end
+    end
+    redis.call('ZADD', bk, num(own), t)
+    redis.call('SADD', K_SCHED .. 'lanes', b .. ':' .. t)
+  end
+
+  -- The lane of a task, from its 'band' and 'tenant' fields.
+  local function lane_of(band, tenant)
+    return band or 's', tenant or ''
+  end
+
+  -- Weights of tenants, from a setting's text "tenant=weight,..." (unknown tenants: 1).
+  local function weights_of(text)
+    local w = {}
+    for t, v in string.gmatch(text or '', '([^,=]+)=([^,]+)') do w[t] = tonumber(v) end
+    return w
+  end
+
+  -- Costs a worker reports, from "index=cost,..." (index: the task's place in the call,
+  -- from 1); a task without one keeps the cost its claim charged.
+  local function costs_of(text)
+    local c = {}
+    for i, v in string.gmatch(text or '', '(%d+)=([^,]+)') do c[tonumber(i)] = tonumber(v) end
+    return c
+  end
+
+  -- Rate limits (see the header): tenant -> limit per minute, from a setting's text
+  -- "tenant=N,...,*=N" ('*': every tenant not named; tasks without a tenant have none).
+  local function limits_of(text)
+    local l = {}
+    for t, v in string.gmatch(text or '', '([^,=]+)=([^,]+)') do l[t] = tonumber(v) end
+    return l
+  end
+  -- Milliseconds until tenant t may start n more requests (and, in cost, be no more than
+  -- a second of its budget ahead); 0: now. rpm, tpm: limits_of() tables.
+  local function rate_wait(t, n, now, rpm, tpm)
+    if t == '' then return 0 end
+    local R, C = rpm[t] or rpm['*'], tpm[t] or tpm['*']
+    if not R and not C then return 0 end
+    local v = redis.call('HMGET', K_SCHED .. 'rate', t .. '|r', t .. '|c')
+    local wait = 0
+    if R then
+      -- GCRA with a burst of one second's worth (at least one request)
+      local T = 60000 / R
+      local tau = T * (math.max(1, math.ceil(R / 60)) - 1)
+      wait = math.max(tonumber(v[1] or '0'), now) + (n - 1) * T - tau - now
+    end
+    if C then wait = math.max(wait, math.max(tonumber(v[2] or '0'), now) - 1000 - now) end
+    return math.max(0, math.ceil(wait))
+  end
+  -- Tenant t started n requests of total cost c: advance its limits' state.
+  local function rate_charge(t, n, c, now, rpm, tpm)
+    if t == '' then return end
+    local R, C = rpm[t] or rpm['*'], tpm[t] or tpm['*']
+    if not R and not C then return end
+    local v = redis.call('HMGET', K_SCHED .. 'rate', t .. '|r', t .. '|c')
+    local f = {}
+    if R then
+      f[#f + 1] = t .. '|r'
+      f[#f + 1] = math.max(tonumber(v[1] or '0'), now) + n * 60000 / R
+    end
+    if C and c > 0 then
+      f[#f + 1] = t .. '|c'
+      f[#f + 1] = math.max(tonumber(v[2] or '0'), now) + c * 60000 / C
+    end
+    if #f > 0 then redis.call('HSET', K_SCHED .. 'rate', unpack(f)) end
+  end
+
+  -- Settlement (ack, nack): what the tasks' reported costs change, summed per tenant
+  -- (virtual time) and lane (served cost) and written once per call by flush_settled().
+  local SETTLED_VT, SETTLED_COST = {}, {}
+  local function settle_cost(band, tenant, cost, weight, actual)
+    if not weight or not actual then return end  -- not charged (scheduling off), or no report
+    local d = actual - tonumber(cost or '1')
+    if d == 0 then return end
+    local b, t = lane_of(band, tenant)
+    SETTLED_VT[t] = (SETTLED_VT[t] or 0) + d / tonumber(weight)
+    SETTLED_COST[b .. ':' .. t] = (SETTLED_COST[b .. ':' .. t] or 0) + d
+  end
+  local function flush_settled()
+    for t, dv in pairs(SETTLED_VT) do
+      local v = redis.call('HINCRBYFLOAT', K_SCHED .. 'vt', t, dv)
+      for _, b in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. b, 'XX', v, t) end
+    end
+    for l, d in pairs(SETTLED_COST) do redis.call('HINCRBYFLOAT', K_SCHED .. 'served', l, d) end
+    SETTLED_VT, SETTLED_COST = {}, {}
+  end
+
+
+  -- Deadlines (see the header): queued tasks whose deadline passed end expired where they
+  -- wait; the id stays in its list as a tombstone, its hash kept until claim pops it (as
+  -- a cancelled one's), so that the id cannot be reused while the list names it.
+  local function expire_due(now, limit, finish, event)
+    local dk = K_SCHED .. 'deadlines'
+    local ids = redis.call('ZRANGEBYSCORE', dk, '-inf', now, 'LIMIT', 0, limit)
+    if #ids == 0 then return 0 end
+    redis.call('ZREM', dk, unpack(ids))
+    local gone = {}
+    for _, id in ipairs(ids) do
+      local f = redis.call('HMGET', K_TASK .. id, 'status', 'band', 'tenant', 'cost')
+      if f[1] == 'queued' then
+        finish(id, 'expired', now, 0)
+        lane_count(f[2], f[3], -1, -tonumber(f[4] or '1'), 0)
+        gone[#gone + 1] = id
+      end
+    end
+    if #gone > 0 then
+      redis.call('HINCRBY', K_STATS, 'waiting', -#gone)
+      redis.call('HINCRBY', K_STATS, 'expired', #gone)
+      event('expired', now, {ids = gone})
+    end
+    return #ids
+  end
+
+  -- the lane's free list has work (not the lane ('s', ''): lane_mark() above)
+  local function mark(b, t)
+    local m = 0
+    if redis.call('HSETNX', K_SCHED .. 'marked', b .. ':' .. t, '1') == 1 then
+      redis.call('RPUSH', lane_ring(b, t), FREE)
+      m = 1
+    end
+    activate(b, t)
+    return m
+  end
+  -- ring_push() above, scheduling on
+  local function push_ring(s, at_head, b, t)
+    if not b then
+      local head = redis.call('LINDEX', K_STREAM .. s, 0)
+      local f = redis.call('HMGET', K_TASK .. head, 'band', 'tenant')
+      b, t = lane_of(f[1], f[2])
+    end
+    redis.call(at_head and 'LPUSH' or 'RPUSH', lane_ring(b, t), s)
+    activate(b, t)
+  end
+  local function flush()
+    if next(LANE_COUNTS) then flush_counts() end
+    if next(SETTLED_VT) or next(SETTLED_COST) then flush_settled() end
+  end
+  return {BANDS = BANDS, lane_ring = lane_ring, lane_free = lane_free, activate = activate,
+          lane_of = lane_of, lane_count = lane_count, weights_of = weights_of,
+          costs_of = costs_of, limits_of = limits_of, rate_wait = rate_wait,
+          rate_charge = rate_charge, settle_cost = settle_cost, mark = mark,
+          ring_push = push_ring, expire_due = expire_due, flush = flush}
 end

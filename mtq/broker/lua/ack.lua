@@ -21,7 +21,8 @@ answers inline, in one round trip), is its entry deleted (finish() does it).
 --@include _lib.lua
 local ttl, n = tonumber(ARGV[3]), tonumber(ARGV[4])
 local cache_ttl, version = tonumber(ARGV[5 + 3 * n]), ARGV[6 + 3 * n]
-local costs = costs_of(ARGV[7 + 3 * n])
+local reported = ARGV[7 + 3 * n]
+local costs = (reported and reported ~= '') and sch().costs_of(reported) or false
 local now = now_ms()
 local codes, done, woken = {}, {}, 0
 -- A succeeded task's entry may answer identical requests (see the header) if this is
@@ -34,17 +35,13 @@ if cache_ttl > 0 then
   prefix = model_version .. ':'
 end
 
--- with scheduling on, the task's lane too (its running count)
-local FIELDS = {'reply', 'created', 'trace', 'out', 'status', 'token', 'stream', 'cache'}
-if sched_on() then
-  FIELDS[9] = 'band'
-  FIELDS[10] = 'tenant'
-end
 for i = 0, n - 1 do
   local b = 5 + i * 3
   local id, token = ARGV[b], ARGV[b + 1]
-  -- reply, created, trace, out first: finish() takes them as they are (no table a task)
-  local f = redis.call('HMGET', K_TASK .. id, unpack(FIELDS))
+  -- reply, created, trace, out first: finish() takes them as they are (no table a task);
+  -- 'weight': a claim with scheduling on charged it (its lane counts it running)
+  local f = redis.call('HMGET', K_TASK .. id, 'reply', 'created', 'trace', 'out', 'status', 'token',
+    'stream', 'cache', 'weight')
   if f[5] ~= 'running' or f[6] ~= token then
     codes[i + 1] = E_LEASE_LOST
   else
@@ -54,11 +51,14 @@ for i = 0, n - 1 do
       own = false  -- its entry answers from now on: finish() leaves it
       keep = math.max(ttl, cache_ttl)
     end
-    if costs[i + 1] then
+    if costs and costs[i + 1] then
       local c = redis.call('HMGET', K_TASK .. id, 'band', 'tenant', 'cost', 'weight')
-      settle_cost(c[1], c[2], c[3], c[4], costs[i + 1])
+      sch().settle_cost(c[1], c[2], c[3], c[4], costs[i + 1])
     end
-    if SCHED_ON then lane_count(f[9], f[10], 0, 0, -1) end
+    if f[9] then
+      local l = redis.call('HMGET', K_TASK .. id, 'band', 'tenant')
+      sch().lane_count(l[1], l[2], 0, 0, -1)
+    end
     finish(id, 'succeeded', now, keep, 'result', result, own, f)
     if f[7] then woken = woken + release_stream(f[7]) end
     codes[i + 1] = 1
@@ -73,6 +73,5 @@ if #done > 0 then
   event('succeeded', now, {ids = done})
 end
 if woken > 0 then nudge() end
-flush_settled()
 flush_replies()
 return codes

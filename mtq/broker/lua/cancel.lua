@@ -23,7 +23,7 @@ if status == 'queued' then
   redis.call('HINCRBY', K_STATS, 'waiting', -1)
   if sched_on() then
     local l = redis.call('HMGET', K_TASK .. id, 'band', 'tenant', 'cost')
-    lane_count(l[1], l[2], -1, -tonumber(l[3] or '1'), 0)
+    sch().lane_count(l[1], l[2], -1, -tonumber(l[3] or '1'), 0)
   end
 elseif status == 'delayed' then
   redis.call('ZREM', K_DELAYED, id)

@@ -85,12 +85,12 @@ local first_deadline = nil
 if dl then
   first_deadline = redis.call('ZRANGE', K_SCHED .. 'deadlines', 0, 0, 'WITHSCORES')
   if due_in(first_deadline, now) == 0 then
-    expire_due(now, limit)
+    sch().expire_due(now, limit, finish, event)
     first_deadline = redis.call('ZRANGE', K_SCHED .. 'deadlines', 0, 0, 'WITHSCORES')
   end
   if not first_deadline[1] then redis.call('HSET', K_STATS, 'dl', '0') end
 end
-local dl_done = {}  -- ids taken here that had a deadline: out of K_SCHED .. 'deadlines'
+local dl_done = nil  -- ids taken here that had a deadline: out of K_SCHED .. 'deadlines'
 
 local out = {0, reaped, inbox}
 local n, taken, base = 0, 0, false
@@ -101,10 +101,6 @@ local leases, nl = {'+inf', LEASE_MARK}, 2
 -- what the ring and the free list were left as (each known empty saves a read at the end)
 local ring_empty, free_empty = false, false
 
-local FIELDS = {'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries', 'created',
-  'reply', 'traceparent', 'trace'}
-local SCHED_FIELDS = {'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries', 'created',
-  'reply', 'traceparent', 'trace', 'band', 'tenant', 'cost'}
 local weights = nil  -- scheduling: tenant -> weight (weights_of)
 
 -- Claim one popped id. Returns true if it now runs (with scheduling on: its cost);
@@ -112,7 +108,14 @@ local weights = nil  -- scheduling: tenant -> weight (weights_of)
 -- scheduling on) the head of a stream of another lane, which moves the stream there.
 local function take(id, s, lb, lt)
   local tk = K_TASK .. id
-  local f = redis.call('HMGET', tk, unpack(lb and SCHED_FIELDS or FIELDS))
+  local f
+  if lb then
+    f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries',
+      'created', 'reply', 'traceparent', 'trace', 'band', 'tenant', 'cost')
+  else
+    f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries',
+      'created', 'reply', 'traceparent', 'trace')
+  end
   if f[1] ~= 'queued' then
     -- a cancelled or expired tombstone: its retention starts now that it left the list
     if f[1] == 'cancelled' or f[1] == 'expired' then
@@ -123,7 +126,7 @@ local function take(id, s, lb, lt)
   end
   local cost, weight, tb, tt = true, nil, nil, nil
   if lb then
-    tb, tt = lane_of(f[11], f[12])
+    tb, tt = f[11] or 's', f[12] or ''
     if s and (tb ~= lb or tt ~= lt) then
       -- its stream is in the ring of another lane (a task of an older producer or
       -- worker put it in K_READY, or a tombstone was its head): move it to its own
@@ -135,14 +138,17 @@ local function take(id, s, lb, lt)
     weight = weights[tt] or 1
   end
   taken = taken + 1
-  if f[3] and dl then dl_done[#dl_done + 1] = id end
+  if f[3] and dl then
+    dl_done = dl_done or {}
+    dl_done[#dl_done + 1] = id
+  end
   if f[3] and tonumber(f[3]) < now then
     finish(id, 'expired', now, ttl)
     expired[#expired + 1] = id
-    if lb then lane_count(tb, tt, -1, -cost, 0) end
+    if lb then SCH.lane_count(tb, tt, -1, -cost, 0) end
     return false
   end
-  if lb then lane_count(tb, tt, -1, -cost, 1) end
+  if lb then SCH.lane_count(tb, tt, -1, -cost, 1) end
   n = n + 1
   if not base then base = redis.call('INCRBY', K_SEQ, B) - B end  -- B tokens, for this call
   local token = tostring(base + n)
@@ -171,119 +177,122 @@ local function take(id, s, lb, lt)
 end
 
 local sched = sched_on()
--- Scheduling on: claim from the lanes (see the header and _lib.lua).
-local PICK_K = 16
-local VT, DIRTY, SERVED, PICK = {}, {}, {}, {}
-local function flush_vt()
-  for t in pairs(DIRTY) do
-    redis.call('HSET', K_SCHED .. 'vt', t, VT[t])
-    for _, b in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. b, 'XX', VT[t], t) end
-  end
-  DIRTY = {}
-end
--- the band's first PICK_K tenants by virtual time, and the time of the next (the bound
--- under which the least of those is the band's least)
-local HELD, nheld = {}, 0  -- tenants this claim passes over for their rate limits
-local function load(b)
-  flush_vt()
-  local r = redis.call('ZRANGE', K_SCHED .. 'band:' .. b, 0, PICK_K + nheld, 'WITHSCORES')
-  local list, bound = {}, math.huge
-  for j = 1, #r, 2 do
-    if not HELD[r[j]] then
-      if #list == PICK_K then
-        bound = tonumber(r[j + 1])
-        break
-      end
-      if VT[r[j]] == nil then VT[r[j]] = tonumber(r[j + 1]) end
-      list[#list + 1] = r[j]
-    end
-  end
-  PICK[b] = {list, bound}
-  return PICK[b]
-end
--- the tenant of band b with the least virtual time, and its place in the list; nil: none
-local function pick(b)
-  local p = PICK[b] or load(b)
-  while true do
-    local best, at = nil, 0
-    for i, t in ipairs(p[1]) do
-      if not best or VT[t] < VT[best] then best, at = t, i end
-    end
-    if best and VT[best] <= p[2] then return best, at end
-    if not best and p[2] == math.huge then return nil end
-    p = load(b)
-  end
-end
--- the deadline (math.huge: none) and cost of the task lane (b, t) would run next, as far
--- as its ring's head says (nil: nothing in the ring)
-local function peek(b, t)
-  local s = redis.call('LINDEX', lane_ring(b, t), 0)
-  if not s then return nil end
-  local id = redis.call('LINDEX', s == FREE and lane_free(b, t) or K_STREAM .. s, 0)
-  if not id then return math.huge, 1 end
-  local f = redis.call('HMGET', K_TASK .. id, 'deadline', 'cost')
-  return tonumber(f[1] or '') or math.huge, tonumber(f[2] or '1')
-end
--- Earlier deadlines first where the fair share allows: among the band's tenants whose
--- virtual time is within the cost (over its weight) of the next task of the least one,
--- the one whose next task has the earliest deadline (at most EDF_K looked at).
-local EDF_K = 4
-local function earliest(b, t, at)
-  local d0, c0 = peek(b, t)
-  if not d0 then return t, at end
-  local within, best, looked = VT[t] + c0 / (weights[t] or 1), d0, 0
-  for i, x in ipairs(PICK[b][1]) do
-    if x ~= t and VT[x] <= within and looked < EDF_K then
-      looked = looked + 1
-      local d = peek(b, x)
-      if d and d < best then best, t, at = d, x, i end
-    end
-  end
-  return t, at
-end
--- one task of lane (b, t): its cost, or nil when the lane has nothing claimable
-local function take_lane(b, t)
-  local ring = lane_ring(b, t)
-  while true do
-    local s = redis.call('LPOP', ring)
-    if not s then return nil end
-    if s == FREE then
-      local fl, c = lane_free(b, t), false
-      while not c do
-        local id = redis.call('LPOP', fl)
-        if not id then break end
-        c = take(id, false, b, t)
-      end
-      if redis.call('LLEN', fl) > 0 then
-        redis.call('RPUSH', ring, FREE)  -- one task per turn of the ring, as streams
-      elseif b == 's' and t == '' then
-        redis.call('HSET', K_STATS, 'free_marked', '0')
-      else
-        redis.call('HDEL', K_SCHED .. 'marked', b .. ':' .. t)
-      end
-      if c then return c end
-    elseif redis.call('SISMEMBER', K_BUSY, s) == 0 then
-      local sk, popped, c = K_STREAM .. s, false, false
-      while not c do
-        local id = redis.call('LPOP', sk)
-        if not id then break end
-        popped = true
-        c = take(id, s, b, t)
-        if c == false and redis.call('LINDEX', sk, 0) == id then break end  -- moved
-      end
-      if popped and redis.call('LLEN', sk) == 0 then redis.call('HINCRBY', K_STATS, 'streams', -1) end
-      if c then
-        redis.call('SADD', K_BUSY, s)
-        return c
-      end
-    end
-  end
-end
-
 local held_for = -1  -- ms until the first held tenant may go on (-1: none held)
 if sched then
-  weights = weights_of(ARGV[14])
-  local rpm, tpm = limits_of(ARGV[16]), limits_of(ARGV[17])
+  -- Scheduling on: claim from the lanes (see the header and _lib.lua).
+  local S = sch()
+  local BANDS, lane_ring, lane_free, activate = S.BANDS, S.lane_ring, S.lane_free, S.activate
+  local rate_wait, rate_charge = S.rate_wait, S.rate_charge
+  local PICK_K = 16
+  local VT, DIRTY, SERVED, PICK = {}, {}, {}, {}
+  local function flush_vt()
+    for t in pairs(DIRTY) do
+      redis.call('HSET', K_SCHED .. 'vt', t, VT[t])
+      for _, b in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. b, 'XX', VT[t], t) end
+    end
+    DIRTY = {}
+  end
+  -- the band's first PICK_K tenants by virtual time, and the time of the next (the bound
+  -- under which the least of those is the band's least)
+  local HELD, nheld = {}, 0  -- tenants this claim passes over for their rate limits
+  local function load(b)
+    flush_vt()
+    local r = redis.call('ZRANGE', K_SCHED .. 'band:' .. b, 0, PICK_K + nheld, 'WITHSCORES')
+    local list, bound = {}, math.huge
+    for j = 1, #r, 2 do
+      if not HELD[r[j]] then
+        if #list == PICK_K then
+          bound = tonumber(r[j + 1])
+          break
+        end
+        if VT[r[j]] == nil then VT[r[j]] = tonumber(r[j + 1]) end
+        list[#list + 1] = r[j]
+      end
+    end
+    PICK[b] = {list, bound}
+    return PICK[b]
+  end
+  -- the tenant of band b with the least virtual time, and its place in the list; nil: none
+  local function pick(b)
+    local p = PICK[b] or load(b)
+    while true do
+      local best, at = nil, 0
+      for i, t in ipairs(p[1]) do
+        if not best or VT[t] < VT[best] then best, at = t, i end
+      end
+      if best and VT[best] <= p[2] then return best, at end
+      if not best and p[2] == math.huge then return nil end
+      p = load(b)
+    end
+  end
+  -- the deadline (math.huge: none) and cost of the task lane (b, t) would run next, as far
+  -- as its ring's head says (nil: nothing in the ring)
+  local function peek(b, t)
+    local s = redis.call('LINDEX', lane_ring(b, t), 0)
+    if not s then return nil end
+    local id = redis.call('LINDEX', s == FREE and lane_free(b, t) or K_STREAM .. s, 0)
+    if not id then return math.huge, 1 end
+    local f = redis.call('HMGET', K_TASK .. id, 'deadline', 'cost')
+    return tonumber(f[1] or '') or math.huge, tonumber(f[2] or '1')
+  end
+  -- Earlier deadlines first where the fair share allows: among the band's tenants whose
+  -- virtual time is within the cost (over its weight) of the next task of the least one,
+  -- the one whose next task has the earliest deadline (at most EDF_K looked at).
+  local EDF_K = 4
+  local function earliest(b, t, at)
+    local d0, c0 = peek(b, t)
+    if not d0 then return t, at end
+    local within, best, looked = VT[t] + c0 / (weights[t] or 1), d0, 0
+    for i, x in ipairs(PICK[b][1]) do
+      if x ~= t and VT[x] <= within and looked < EDF_K then
+        looked = looked + 1
+        local d = peek(b, x)
+        if d and d < best then best, t, at = d, x, i end
+      end
+    end
+    return t, at
+  end
+  -- one task of lane (b, t): its cost, or nil when the lane has nothing claimable
+  local function take_lane(b, t)
+    local ring = lane_ring(b, t)
+    while true do
+      local s = redis.call('LPOP', ring)
+      if not s then return nil end
+      if s == FREE then
+        local fl, c = lane_free(b, t), false
+        while not c do
+          local id = redis.call('LPOP', fl)
+          if not id then break end
+          c = take(id, false, b, t)
+        end
+        if redis.call('LLEN', fl) > 0 then
+          redis.call('RPUSH', ring, FREE)  -- one task per turn of the ring, as streams
+        elseif b == 's' and t == '' then
+          redis.call('HSET', K_STATS, 'free_marked', '0')
+        else
+          redis.call('HDEL', K_SCHED .. 'marked', b .. ':' .. t)
+        end
+        if c then return c end
+      elseif redis.call('SISMEMBER', K_BUSY, s) == 0 then
+        local sk, popped, c = K_STREAM .. s, false, false
+        while not c do
+          local id = redis.call('LPOP', sk)
+          if not id then break end
+          popped = true
+          c = take(id, s, b, t)
+          if c == false and redis.call('LINDEX', sk, 0) == id then break end  -- moved
+        end
+        if popped and redis.call('LLEN', sk) == 0 then redis.call('HINCRBY', K_STATS, 'streams', -1) end
+        if c then
+          redis.call('SADD', K_BUSY, s)
+          return c
+        end
+      end
+    end
+  end
+
+  weights = S.weights_of(ARGV[14])
+  local rpm, tpm = S.limits_of(ARGV[16]), S.limits_of(ARGV[17])
   hold = hold and (next(rpm) ~= nil or next(tpm) ~= nil)
   -- an older producer's or worker's tasks reach K_READY alone: that lane is a candidate
   if redis.call('LLEN', K_READY) > 0 then activate('s', '') end
@@ -424,7 +433,9 @@ if n > 0 then event('started', now, {ids = claimed, worker = worker}) end
 -- _lib.lua; a worker that was busy when the queue emptied becomes one to hand to here)
 local room = math.min(B - n, most)
 if room > 0 and window > 0 then
-  redis.call('HSET', K_IDLE, worker, num(now + window) .. '|' .. num(lease) .. '|' .. num(room))
+  -- '|s': the queue schedules (a submit that hands it a task charges it, see submit.lua)
+  redis.call('HSET', K_IDLE, worker, num(now + window) .. '|' .. num(lease) .. '|' .. num(room)
+    .. (sched and '|s' or ''))
 elseif registered then
   redis.call('HDEL', K_IDLE, worker)
 end
@@ -437,7 +448,7 @@ else
 end
 -- from the reads above (a list the reaper or the promoter changed is read again); a
 -- lease taken here ends at until_ms
-if #dl_done > 0 then redis.call('ZREM', K_SCHED .. 'deadlines', unpack(dl_done)) end
+if dl_done then redis.call('ZREM', K_SCHED .. 'deadlines', unpack(dl_done)) end
 local nxt = next_timer(now, {[K_LEASES] = first_lease, [K_DELAYED] = first_retry})
 if n > 0 and (nxt < 0 or lease < nxt) then nxt = lease end
 for _, d in ipairs({first_deadline and due_in(first_deadline, now) or -1, held_for}) do

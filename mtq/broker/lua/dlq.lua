@@ -38,7 +38,7 @@ for _, id in ipairs(ids) do
       note(id, now, 'queued', 'retried from the dead letters')
       local sf = redis.call('HMGET', tk, 'stream', 'band', 'tenant', 'cost')
       local claimable, new_stream = push_tail(id, sf[1], sf[2], sf[3])
-      if sched_on() then lane_count(sf[2], sf[3], 1, tonumber(sf[4] or '1'), 0) end
+      if sched_on() then sch().lane_count(sf[2], sf[3], 1, tonumber(sf[4] or '1'), 0) end
       newly, new_streams = newly + claimable, new_streams + new_stream
       reply('queued', redis.call('HGET', tk, 'reply'), id)
       requeued[#requeued + 1] = id

@@ -24,7 +24,8 @@ Returns: one code per task: 1 = done; E_LEASE_LOST (not running under this token
 --@include _lib.lua
 local ttl, dead_ttl, dead_max, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local now = now_ms()
-local costs = costs_of(ARGV[7 + 4 * n])
+local reported = ARGV[7 + 4 * n]
+local costs = (reported and reported ~= '') and sch().costs_of(reported) or false
 local codes, woken = {}, 0
 local by = {retried = {}, failed = {}, dead = {}, cancelled = {}, released = {}}
 by.reclaimed = {requeued = {}, dead = {}, cancelled = {}}
@@ -32,7 +33,8 @@ for i = 0, n - 1 do
   local b = 7 + i * 4
   local id, token, action, arg = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3]
   local tk = K_TASK .. id
-  local f = redis.call('HMGET', tk, 'status', 'token', 'stream', 'cancel', 'deliveries', 'reply', 'out')
+  local f = redis.call('HMGET', tk, 'status', 'token', 'stream', 'cancel', 'deliveries', 'reply', 'out',
+    'weight')
   local s = f[3]
   if f[1] ~= 'running' or f[2] ~= token then
     codes[i + 1] = E_LEASE_LOST
@@ -50,15 +52,15 @@ for i = 0, n - 1 do
     codes[i + 1] = 1
   else
     redis.call('ZREM', K_LEASES, id)
-    if sched_on() then
+    if f[8] then  -- charged at its claim: counted running
       local l = redis.call('HMGET', tk, 'band', 'tenant')
-      lane_count(l[1], l[2], 0, 0, -1)
+      sch().lane_count(l[1], l[2], 0, 0, -1)
     end
     -- a task given back unrun costs nothing: its next claim charges it again
-    local actual = action == 'release' and 0 or costs[i + 1]
-    if actual and (action ~= 'release' or sched_on()) then
+    local actual = action == 'release' and 0 or (costs and costs[i + 1])
+    if actual and f[8] then
       local c = redis.call('HMGET', tk, 'band', 'tenant', 'cost', 'weight')
-      settle_cost(c[1], c[2], c[3], c[4], actual)
+      sch().settle_cost(c[1], c[2], c[3], c[4], actual)
     end
     if f[4] then action = 'cancel' end  -- a pending cancel request wins over any outcome but success
     local nul = string.find(arg, '\0', 1, true)
@@ -117,6 +119,5 @@ for name, ids in pairs(by) do
 end
 -- A retry becomes due later: wake a sleeper so it re-reads the timers.
 if woken > 0 or #by.retried > 0 then nudge() end
-flush_settled()
 flush_replies()
 return codes

@@ -18,7 +18,7 @@ local ids = {}
 local function drop(id)
   local f = redis.call('HMGET', K_TASK .. id, 'status', 'trace', 'band', 'tenant', 'cost')
   if f[1] == 'queued' then
-    if sched_on() then lane_count(f[3], f[4], -1, -tonumber(f[5] or '1'), 0) end
+    if sched_on() then sch().lane_count(f[3], f[4], -1, -tonumber(f[5] or '1'), 0) end
     finish(id, 'cancelled', now, ttl, 'error', 'purged')
     purged = purged + 1
     ids[#ids + 1] = id
@@ -37,9 +37,12 @@ if sched_on() then
     if b ~= 's' or t ~= '' then lanes[#lanes + 1] = {b, t} end
   end
 end
+-- the lane's lists (the lane ('s', '') keeps K_READY and K_FREE)
+local function ring_of(b, t) return (b == 's' and t == '') and K_READY or sch().lane_ring(b, t) end
+local function free_of(b, t) return (b == 's' and t == '') and K_FREE or sch().lane_free(b, t) end
 -- stream-less tasks
 for _, l in ipairs(lanes) do
-  local fl = lane_free(l[1], l[2])
+  local fl = free_of(l[1], l[2])
   while purged < limit do
     local id = redis.call('LPOP', fl)
     if not id then break end
@@ -62,7 +65,7 @@ local function empty_stream(s)
 end
 local visited = {}
 for _, l in ipairs(lanes) do
-  local ring = lane_ring(l[1], l[2])
+  local ring = ring_of(l[1], l[2])
   for _, s in ipairs(redis.call('LRANGE', ring, 0, -1)) do
     if purged >= limit then break end
     if s ~= FREE and not visited[s] then
@@ -81,8 +84,8 @@ for _, s in ipairs(redis.call('SMEMBERS', K_BUSY)) do
   end
 end
 for _, l in ipairs(lanes) do
-  if redis.call('LLEN', lane_free(l[1], l[2])) == 0 then
-    redis.call('LREM', lane_ring(l[1], l[2]), 0, FREE)
+  if redis.call('LLEN', free_of(l[1], l[2])) == 0 then
+    redis.call('LREM', ring_of(l[1], l[2]), 0, FREE)
     if l[1] == 's' and l[2] == '' then
       redis.call('HSET', K_STATS, 'free_marked', '0')
     else

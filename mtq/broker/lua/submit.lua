@@ -3,19 +3,21 @@ KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
 ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
-ARGV[7] n, then n groups of 12: id, payload, stream ('' = none), key ('' = none),
+ARGV[7] n   ARGV[8] G, the ARGV per task: 8, or 12 with the scheduling fields
+ARGV[9] retention s (of a task answered from the result cache)
+ARGV[10] result cache TTL s   ARGV[11] most cache entries
+ARGV[12] how long an entry may point at a task still queued or running (s)
+ARGV[13] the tenants' weights, "tenant=weight,..." (a task handed to a sleeping
+  worker is charged as a claim would charge it)
+ARGV[14], ARGV[15] the tenants' rate limits, requests and cost per minute
+  ("tenant=N,...,*=N", see _lib.lua)   ARGV[16] 'reject' or 'hold'
+ARGV[17...] n groups of G: id, payload, stream ('' = none), key ('' = none),
         ttl_ms (0 = no deadline), retries ('' = the worker's default),
         digest (the result cache's digest of the payload, '' = do not cache),
-        traceparent (W3C trace context of the submitting request, '' = none),
-        band ('i', 's' or 'b'), tenant ('' = none), cost ('' = 1),
+        traceparent (W3C trace context of the submitting request, '' = none);
+        with G = 12, then: band ('i', 's' or 'b'), tenant ('' = none), cost ('' = 1),
         admit ('1': its deadline is one to keep: refuse it if it would be missed)
-ARGV[8 + 12n] retention s (of a task answered from the result cache)
-ARGV[9 + 12n] result cache TTL s   ARGV[10 + 12n] most cache entries
-ARGV[11 + 12n] how long an entry may point at a task still queued or running (s)
-ARGV[12 + 12n] the tenants' weights, "tenant=weight,..." (a task handed to a sleeping
-  worker is charged as a claim would charge it)
-ARGV[13 + 12n], ARGV[14 + 12n] the tenants' rate limits, requests and cost per minute
-  ("tenant=N,...,*=N", see _lib.lua)   ARGV[15 + 12n] 'reject' or 'hold'
+        (G = 8: band 's', no tenant, cost 1, no deadline to keep)
 Returns {handed, answer}: how many of the tasks went to a sleeping worker (direct
   delivery, below; the client then yields its CPU once, so that a worker it shares
   the CPU with runs the task before the client's own bookkeeping), and the answer: a
@@ -56,33 +58,37 @@ entry whose task ends otherwise than succeeded.
 --@include _lib.lua
 local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[7])
 local reply_to = ARGV[6]
-local G = 12  -- ARGV per task
-local retention, cache_ttl = tonumber(ARGV[8 + n * G]), tonumber(ARGV[9 + n * G])
-local cache_max, run_ttl = tonumber(ARGV[10 + n * G]), tonumber(ARGV[11 + n * G])
+local G = tonumber(ARGV[8])  -- ARGV per task
+local retention, cache_ttl = tonumber(ARGV[9]), tonumber(ARGV[10])
+local cache_max, run_ttl = tonumber(ARGV[11]), tonumber(ARGV[12])
+local A = 17  -- the first task's ARGV
 local weights = nil  -- tenant -> weight, read at the first hand-off with scheduling on
 local now = now_ms()
 -- The first task with a band or a tenant turns scheduling on (see _lib.lua): the lane
 -- ('s', '') becomes a candidate of its band if it has work.
-local rpm, tpm = limits_of(ARGV[13 + n * G]), limits_of(ARGV[14 + n * G])
-local hold = ARGV[15 + n * G] == 'hold'
-local limited = next(rpm) ~= nil or next(tpm) ~= nil
-local admitting, timed = false, false  -- a task with a deadline to keep; with any deadline
-for i = 0, n - 1 do
-  local b = 8 + i * G
-  if ARGV[b + 11] == '1' then admitting = true end
-  if ARGV[b + 4] ~= '0' then timed = true end
+local sched_args = G == 12
+local rpm, tpm, hold, limited = nil, nil, false, false
+if sched_args then
+  rpm, tpm = sch().limits_of(ARGV[14]), SCH.limits_of(ARGV[15])
+  hold = ARGV[16] == 'hold'
+  limited = next(rpm) ~= nil or next(tpm) ~= nil
 end
-for i = 0, n - 1 do
-  local b = 8 + i * G
+local admitting = false  -- a task with a deadline to keep
+for i = 0, sched_args and n - 1 or -1 do
+  local b = A + i * G
+  if ARGV[b + 11] == '1' then admitting = true end
+end
+for i = 0, sched_args and n - 1 or -1 do
+  local b = A + i * G
   if ARGV[b + 8] ~= 's' or ARGV[b + 9] ~= '' or ARGV[b + 11] == '1' then
     if not sched_on() then
       redis.call('HSET', K_STATS, 'sched', '1')
       SCHED_ON = true
-      if redis.call('LLEN', K_READY) > 0 then activate('s', '') end
+      if redis.call('LLEN', K_READY) > 0 then sch().activate('s', '') end
       -- the lane ('s', '') holds every task so far: its counts start from the queue's
       -- (each task's cost taken as 1)
       local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
-      lane_count('s', '', waiting, waiting, redis.call('ZCOUNT', K_LEASES, '-inf', '(+inf'))
+      sch().lane_count('s', '', waiting, waiting, redis.call('ZCOUNT', K_LEASES, '-inf', '(+inf'))
     end
     break
   end
@@ -97,7 +103,7 @@ local function refuse(code, after, what, idx)
   if sched_on() then
     local ck = K_SCHED .. 'count'
     for _, i in ipairs(idx) do
-      local b = 8 + i * G
+      local b = A + i * G
       redis.call('HINCRBY', ck, ARGV[b + 8] .. ':' .. ARGV[b + 9] .. '|x', 1)
     end
   end
@@ -108,7 +114,7 @@ end
 if limited and not hold then
   local per, order = {}, {}
   for i = 0, n - 1 do
-    local b = 8 + i * G
+    local b = A + i * G
     local t = ARGV[b + 9]
     if t ~= '' then
       if not per[t] then
@@ -121,14 +127,14 @@ if limited and not hold then
     end
   end
   for _, t in ipairs(order) do
-    local wait = rate_wait(t, per[t][1], now, rpm, tpm)
+    local wait = SCH.rate_wait(t, per[t][1], now, rpm, tpm)
     if wait > 0 then
       local all = {}
       for i = 0, n - 1 do all[#all + 1] = i end
       return refuse(E_RATE_LIMITED, wait, t, all)
     end
   end
-  for _, t in ipairs(order) do rate_charge(t, per[t][1], per[t][2], now, rpm, tpm) end
+  for _, t in ipairs(order) do SCH.rate_charge(t, per[t][1], per[t][2], now, rpm, tpm) end
 end
 
 -- Deadline admission (see _lib.lua): the cost waiting ahead of each such task, at the
@@ -137,18 +143,18 @@ if admitting then
   local meter = redis.call('HGET', K_SCHED .. 'vt', '~rate')
   local rate = tonumber(meter or '0')  -- cost per second; 0: not measured yet (admit)
   if rate > 0 then
-    local w8 = weights_of(ARGV[12 + n * G])
+    local w8 = sch().weights_of(ARGV[13])
     local ck = K_SCHED .. 'count'
     local added = {}  -- cost this call adds ahead, per lane
     for i = 0, n - 1 do
-      local b = 8 + i * G
+      local b = A + i * G
       local band, t, cost = ARGV[b + 8], ARGV[b + 9], tonumber(ARGV[b + 10]) or 1
       local lk = band .. ':' .. t
       if ARGV[b + 11] == '1' then
         -- higher bands go first; in its band, each other tenant o is served about
         -- min(its waiting cost, ours * w_o / w_t) before our tenant's work is done
         local ahead = 0
-        for _, hb in ipairs(BANDS) do
+        for _, hb in ipairs(SCH.BANDS) do
           if hb == band then break end
           ahead = ahead + tonumber(redis.call('HGET', ck, hb .. '|c') or '0')
         end
@@ -179,15 +185,14 @@ if admitting then
     end
   end
 end
-if timed and redis.call('HGET', K_STATS, 'dl') ~= '1' then redis.call('HSET', K_STATS, 'dl', '1') end
-local deadlines = {}  -- score, member pairs for K_SCHED .. 'deadlines'
+local deadlines = false  -- score, member pairs for K_SCHED .. 'deadlines'
 local out, added, newly, new_streams = {}, 0, 0, 0
 local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
 local indexed = {}  -- score, member pairs: the entries this call points at new tasks
 
 -- Direct delivery (see the header): the live registrations, read at the first task that
 -- could go to one (nil: not read yet); each {worker, lease ms, room left in this call,
--- claim reply, ids}
+-- claim reply, ids, the queue schedules (its registration ends "|s")}
 local idle, at, handed = nil, 1, 0
 local free_empty = nil  -- the free list is known empty (nil: not read yet)
 local base = false      -- lease tokens, taken once for the whole call
@@ -201,9 +206,9 @@ local function idle_worker()
     idle = {}
     local all, stale = redis.call('HGETALL', K_IDLE), {}
     for j = 1, #all, 2 do
-      local expiry, lease, room = string.match(all[j + 1], '^(%d+)|(%d+)|(%d+)$')
+      local expiry, lease, room, sched = string.match(all[j + 1], '^(%d+)|(%d+)|(%d+)(.*)$')
       if expiry and tonumber(expiry) > now then
-        idle[#idle + 1] = {all[j], tonumber(lease), tonumber(room), {}, {}}
+        idle[#idle + 1] = {all[j], tonumber(lease), tonumber(room), {}, {}, sched == '|s'}
       else
         stale[#stale + 1] = all[j]  -- its worker did not come back: stopped, or died
       end
@@ -219,17 +224,17 @@ local function deliverable(s, b, t)
   if s ~= '' then
     return redis.call('LLEN', K_STREAM .. s) == 0 and redis.call('SISMEMBER', K_BUSY, s) == 0
   end
-  if b ~= 's' or t ~= '' then return redis.call('LLEN', lane_free(b, t)) == 0 end
+  if b ~= 's' or t ~= '' then return redis.call('LLEN', sch().lane_free(b, t)) == 0 end
   if free_empty == nil then free_empty = redis.call('LLEN', K_FREE) == 0 end
   return free_empty
 end
 
 -- A task handed to a worker is charged as a claim charges it (scheduling on).
 local function charge(b, t, cost)
-  if not weights then weights = weights_of(ARGV[12 + n * G]) end
+  if not weights then weights = sch().weights_of(ARGV[13]) end
   local w = weights[t] or 1
   local v = redis.call('HINCRBYFLOAT', K_SCHED .. 'vt', t, cost / w)
-  for _, o in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. o, 'XX', v, t) end
+  for _, o in ipairs(SCH.BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. o, 'XX', v, t) end
   redis.call('HINCRBYFLOAT', K_SCHED .. 'served', b .. ':' .. t, cost)
   return w
 end
@@ -244,7 +249,7 @@ local function hand(w, id, s, f, payload, retries, traceparent, lb, lt, cost)
   f[#f + 1] = 'token'; f[#f + 1] = token
   f[#f + 1] = 'started'; f[#f + 1] = num(now)
   f[#f + 1] = 'deliveries'; f[#f + 1] = '1'
-  if sched_on() then
+  if w[6] or SCHED_ON then  -- (see the call)
     f[#f + 1] = 'weight'
     f[#f + 1] = num(charge(lb, lt, cost))
   end
@@ -293,12 +298,13 @@ local function cache_get(suffix)
 end
 
 for i = 0, n - 1 do
-  local b = 8 + i * G
+  local b = A + i * G
   local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
   local digest, traceparent = ARGV[b + 6], ARGV[b + 7]
-  local band, tenant, cost = ARGV[b + 8], ARGV[b + 9], ARGV[b + 10]
+  local band, tenant, cost = 's', '', ''
+  if sched_args then band, tenant, cost = ARGV[b + 8], ARGV[b + 9], ARGV[b + 10] end
   -- rate limits held: a task of a tenant over its limit waits for a claim to allow it
-  local held = hold and limited and tenant ~= '' and rate_wait(tenant, 1, now, rpm, tpm) > 0
+  local held = hold and limited and tenant ~= '' and SCH.rate_wait(tenant, 1, now, rpm, tpm) > 0
   local tk = K_TASK .. id
   local existing = false
   if key ~= '' then existing = redis.call('GET', K_IDEM .. key) end
@@ -362,15 +368,20 @@ for i = 0, n - 1 do
     end
     local w = not held and (idle == nil or idle[at]) and idle_worker()
     local handing = w and deliverable(s, band, tenant)
-    if sched_on() then
-      if handing then lane_count(band, tenant, 0, 0, 1)
-      else lane_count(band, tenant, 1, tonumber(cost) or 1, 0) end
+    if handing then
+      -- a task handed to a worker is charged and counted running if the queue schedules:
+      -- as its registration says (the claim that made it read it; no read here), or as
+      -- this call found
+      if w[6] or SCHED_ON then sch().lane_count(band, tenant, 0, 0, 1) end
+    elseif sched_on() then
+      sch().lane_count(band, tenant, 1, tonumber(cost) or 1, 0)
     end
     if handing then
       hand(w, id, s, f, payload, retries, traceparent, band, tenant, tonumber(cost) or 1)
-      if hold and limited then rate_charge(tenant, 1, tonumber(cost) or 1, now, rpm, tpm) end
+      if hold and limited then SCH.rate_charge(tenant, 1, tonumber(cost) or 1, now, rpm, tpm) end
     else
       if ttl ~= '0' then
+        deadlines = deadlines or {}
         deadlines[#deadlines + 1] = now + tonumber(ttl)
         deadlines[#deadlines + 1] = id
       end
@@ -398,8 +409,11 @@ if #free_ids > 0 then
   end
   if was == 0 then newly = newly + lane_mark('s', '') end  -- it became claimable
 end
-for j = 1, #deadlines, 4000 do
-  redis.call('ZADD', K_SCHED .. 'deadlines', unpack(deadlines, j, math.min(j + 3999, #deadlines)))
+if deadlines then
+  if redis.call('HGET', K_STATS, 'dl') ~= '1' then redis.call('HSET', K_STATS, 'dl', '1') end
+  for j = 1, #deadlines, 4000 do
+    redis.call('ZADD', K_SCHED .. 'deadlines', unpack(deadlines, j, math.min(j + 3999, #deadlines)))
+  end
 end
 if hits > 0 then
   redis.call('HINCRBY', K_STATS, 'submitted', hits)
