@@ -11,12 +11,16 @@ Routes, for any queue (each test uses a queue of its own):
 * ``GET /q/<queue>/tasks/<id>/events``: the event stream.
 * ``GET /qc/<queue>/tasks/<id>/events``: the same, cancelled on disconnect.
 * ``GET /healthz``: ``{"pid"}``.
+
+A request with an ``X-User`` header is that user's, logged in (``g.user``, the Flask
+tutorial's convention), so a submit's tenant is the default one, the user's.
 """
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
-from flask import Flask, request
+from flask import Flask, g, request
 
 from mtq.contrib.flask import MTQ, user_stream
 
@@ -30,6 +34,11 @@ def create_app() -> Flask:
                       MTQ_QUEUE=os.environ.get("MTQ_QUEUE", "default"))
     mtq_ext.init_app(app)
     keepalive = float(os.environ.get("MTQ_WEB_KEEPALIVE", "15"))
+
+    @app.before_request
+    def login() -> None:
+        name = request.headers.get("X-User")
+        g.user = SimpleNamespace(id=name) if name else None
 
     @app.post("/q/<queue>/tasks")
     def submit(queue: str) -> tuple[dict[str, Any], int]:

@@ -10,6 +10,8 @@ Routes, for any queue (each test uses a queue of its own):
 
 * ``/q/{queue}/tasks...``: :class:`mtq.contrib.asgi.TaskRoutes` mounted as a
   Starlette sub-application; the stream of a submit is the ``X-User`` header's.
+  ``X-User`` also authenticates the request as that user (AuthenticationMiddleware),
+  so a submit's tenant is the default one, the user's.
 * ``/qc/{queue}/tasks...``: the same with cancel-on-disconnect.
 * ``/s/{queue}/tasks...``: the default stream of a request (its session).
 * ``/chat`` (POST) and ``/chat/{task_id}/events``: FastAPI endpoints on the queue
@@ -22,8 +24,15 @@ import os
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI
+from starlette.authentication import (
+    AuthCredentials,
+    AuthenticationBackend,
+    BaseUser,
+    SimpleUser,
+)
+from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.middleware.sessions import SessionMiddleware
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.types import Receive, Scope, Send
 
 import mtq
@@ -53,6 +62,15 @@ def header_user(request: Request) -> str | None:
     return request.headers.get("x-user")
 
 
+class HeaderAuth(AuthenticationBackend):
+    """A user named by the ``X-User`` header (tests only)."""
+
+    async def authenticate(self, conn: HTTPConnection
+                           ) -> tuple[AuthCredentials, BaseUser] | None:
+        name = conn.headers.get("x-user")
+        return (AuthCredentials(["authenticated"]), SimpleUser(name)) if name else None
+
+
 class PerQueue:
     """TaskRoutes for the queue named in the mount's path, made on first use."""
 
@@ -70,6 +88,7 @@ class PerQueue:
 
 app = FastAPI()
 app.add_middleware(SessionMiddleware, secret_key="web-tests-only")
+app.add_middleware(AuthenticationMiddleware, backend=HeaderAuth())
 add_error_handlers(app)
 app.mount("/q/{queue}", PerQueue(stream_of=header_user))
 app.mount("/qc/{queue}", PerQueue(stream_of=header_user, cancel_on_disconnect=True))

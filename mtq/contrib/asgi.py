@@ -5,12 +5,15 @@
   keep-alives and, if asked, the task cancelled when the client goes away. Return it
   from a Starlette or FastAPI endpoint.
 * :func:`submit` / :func:`submitter`: submit from a request into the user's own
-  stream (FIFO per user), without blocking the event loop; :func:`submitter` is a
-  FastAPI dependency.
+  stream (FIFO per user), as the user's tenant (:func:`user_tenant`), at the request's
+  priority (:func:`request_priority`: ``interactive`` unless ``X-Mtq-Priority`` says
+  otherwise), without blocking the event loop; :func:`submitter` is a FastAPI
+  dependency.
 * :class:`TaskRoutes`: submit, result, events and cancel endpoints for one queue,
   as Starlette routes or a sub-application to mount.
-* :func:`add_error_handlers`: mtq's errors as JSON answers (404, 400, 413, and 503
-  with Retry-After for a full queue or an unreachable Redis).
+* :func:`add_error_handlers`: mtq's errors as JSON answers (404, 400, 413, 429 with
+  Retry-After for a tenant over its rate limit, and 503 with Retry-After for a full
+  queue, a deadline that would be missed or an unreachable Redis).
 
 Every stream of the process shares the process's one reply subscription (the
 :class:`~mtq.replies.Hub` of the queue's Redis client): a stream is an in-memory
@@ -51,6 +54,15 @@ from mtq.contrib.sse import (
     stream_name,
     to_json,
 )
+from mtq.contrib.web import (
+    DEADLINE_HEADER,
+    PRIORITY_HEADER,
+    PriorityOf,
+    TenantOf,
+    fill_options,
+    priority_from,
+    tenant_name,
+)
 from mtq.errors import (
     InvalidName,
     MtqError,
@@ -66,10 +78,12 @@ __all__ = [
     "TaskRoutes",
     "add_error_handlers",
     "error_response",
+    "request_priority",
     "serve_event_stream",
     "submit",
     "submitter",
     "user_stream",
+    "user_tenant",
 ]
 
 #: the session key that holds an anonymous user's stream id (SessionMiddleware)
@@ -98,7 +112,8 @@ async def _send_error(err: HttpError, send: Send) -> None:
 def add_error_handlers(app: Any, retry_after_s: int = RETRY_AFTER_S) -> None:
     """Answer mtq's errors raised in ``app``'s endpoints as JSON (see
     :func:`mtq.contrib.sse.http_error`): a full queue is a 503 with Retry-After, not
-    a 500 or a hung request. ``app``: a Starlette or FastAPI application."""
+    a 500 or a hung request; a tenant over its rate limit a 429 with Retry-After.
+    ``app``: a Starlette or FastAPI application."""
 
     async def handle(request: Request, exc: Exception) -> Response:
         err = http_error(exc, retry_after_s)
@@ -232,19 +247,48 @@ def user_stream(request: Request) -> str | None:
     return None
 
 
+def user_tenant(request: Request) -> str | None:
+    """The default tenant of a request: its user authenticated by Starlette's
+    AuthenticationMiddleware (its ``identity``, else its ``display_name``), as a tenant
+    name (:func:`mtq.contrib.web.tenant_name`: a name that is not a valid tenant name
+    becomes ``sha1-<hex>``), else None (no tenant). Each user then gets a fair share of
+    the workers' cost; pass ``tenant_of=`` to share per organisation or API key."""
+    user = request.scope.get("user")
+    if user is not None and getattr(user, "is_authenticated", False):
+        return tenant_name(getattr(user, "identity", None)
+                           or getattr(user, "display_name", None))
+    return None
+
+
+def request_priority(request: Request) -> str | None:
+    """The default priority of a request's submits: its ``X-Mtq-Priority`` header
+    (``interactive``, ``standard`` or ``batch``; another value raises BadHeader, a
+    400), else ``interactive``."""
+    return priority_from(request.headers.get(PRIORITY_HEADER))
+
+
 StreamOf = Callable[[Request], "str | None"]
 
 
 async def submit(queue: Queue, payload: Any, *, request: Request | None = None,
                  stream: str | None = None, stream_of: StreamOf = user_stream,
+                 tenant_of: TenantOf[Request] = user_tenant,
+                 priority_of: PriorityOf[Request] = request_priority,
                  **options: Any) -> Task:
     """Submit ``payload`` without blocking the event loop (the submit runs in a
     thread) into ``stream``, or else the stream ``stream_of(request)`` gives (the
-    user's, by default). ``options``: ``key``, ``ttl``, ``retries``, ``id`` of
-    :meth:`mtq.Queue.submit`. Raises what it raises (QueueFull: see
-    :func:`add_error_handlers`)."""
-    if stream is None and request is not None:
-        stream = stream_of(request)
+    user's, by default). With a ``request``, a ``tenant`` or ``priority`` not given
+    is ``tenant_of(request)`` / ``priority_of(request)``, and a ``deadline`` not given
+    is the ``X-Mtq-Deadline`` header's (seconds; see
+    :func:`mtq.contrib.web.fill_options`). ``options``: ``key``, ``ttl``, ``retries``,
+    ``id``, ``priority``, ``tenant``, ``cost``, ``deadline`` of
+    :meth:`mtq.Queue.submit`. Raises what it raises (QueueFull, RateLimited,
+    WouldMissDeadline: see :func:`add_error_handlers`) and BadHeader."""
+    if request is not None:
+        if stream is None:
+            stream = stream_of(request)
+        options = fill_options(options, request, tenant_of, priority_of,
+                               request.headers.get(DEADLINE_HEADER))
     return await asyncio.to_thread(functools.partial(queue.submit, payload, stream=stream,
                                                      **options))
 
@@ -252,17 +296,22 @@ async def submit(queue: Queue, payload: Any, *, request: Request | None = None,
 Submit = Callable[..., Awaitable[Task]]
 
 
-def submitter(queue: Queue, stream_of: StreamOf = user_stream
+def submitter(queue: Queue, stream_of: StreamOf = user_stream, *,
+              tenant_of: TenantOf[Request] = user_tenant,
+              priority_of: PriorityOf[Request] = request_priority
               ) -> Callable[[Request], Submit]:
     """A FastAPI dependency: ``submit = Depends(submitter(q))`` gives the endpoint an
     ``await submit(payload, **options)`` that submits into the requesting user's
-    stream (see :func:`user_stream`)."""
+    stream (see :func:`user_stream`), as its tenant, at its priority (see
+    :func:`submit`; an option given wins)."""
 
     def dependency(request: Request) -> Submit:
         stream = stream_of(request)
 
         async def bound(payload: Any, **options: Any) -> Task:
             options.setdefault("stream", stream)
+            options = fill_options(options, request, tenant_of, priority_of,
+                                   request.headers.get(DEADLINE_HEADER))
             return await submit(queue, payload, **options)
 
         return bound
@@ -275,8 +324,12 @@ class TaskRoutes:
     """Endpoints for one queue, under ``prefix`` (``/tasks``):
 
     * ``POST /tasks``: the JSON body is the payload, submitted into the user's
-      stream (``stream_of``); 202 with ``{"id", "stream", "events", "result"}``.
-      Full queue: 503 with Retry-After. Body not JSON: 400.
+      stream (``stream_of``), as the user's tenant (``tenant_of``), at the request's
+      priority (``priority_of``: ``interactive`` unless ``X-Mtq-Priority`` says
+      otherwise), with the ``X-Mtq-Deadline`` header's deadline if any; 202 with
+      ``{"id", "stream", "events", "result"}``. Full queue, or a deadline that would
+      be missed: 503 with Retry-After. Tenant over its rate limit: 429 with
+      Retry-After. Body not JSON, bad ``X-Mtq-Priority`` or ``X-Mtq-Deadline``: 400.
     * ``GET /tasks/{id}``: ``{"id", "status"}`` plus ``result`` or ``error`` once it
       ended; ``?wait=S`` waits up to S seconds (at most ``max_wait_s``) for the end.
     * ``GET /tasks/{id}/events``: the event stream (:class:`EventStreamResponse`).
@@ -290,7 +343,10 @@ class TaskRoutes:
     """
 
     def __init__(self, queue: Queue, *, prefix: str = "/tasks",
-                 stream_of: StreamOf = user_stream, cancel_on_disconnect: bool = False,
+                 stream_of: StreamOf = user_stream,
+                 tenant_of: TenantOf[Request] = user_tenant,
+                 priority_of: PriorityOf[Request] = request_priority,
+                 cancel_on_disconnect: bool = False,
                  keepalive_s: float = KEEPALIVE_S, retry_ms: int = RETRY_MS,
                  stream_timeout: float | None = None, retry_after_s: int = RETRY_AFTER_S,
                  max_wait_s: float = 60.0, ttl: float | None = None,
@@ -298,6 +354,8 @@ class TaskRoutes:
         self.queue = queue
         self.prefix = prefix.rstrip("/")
         self.stream_of = stream_of
+        self.tenant_of = tenant_of
+        self.priority_of = priority_of
         self.cancel_on_disconnect = cancel_on_disconnect
         self.keepalive_s = keepalive_s
         self.retry_ms = retry_ms
@@ -345,7 +403,9 @@ class TaskRoutes:
         except ValueError as exc:
             return error_response(HttpError(400, "bad_json", f"the body must be JSON: {exc}"))
         stream = self.stream_of(request)
-        task = await submit(self.queue, payload, stream=stream, ttl=self.ttl)
+        task = await submit(self.queue, payload, request=request, stream=stream,
+                            tenant_of=self.tenant_of, priority_of=self.priority_of,
+                            ttl=self.ttl)
         base = f"{request.scope.get('root_path', '')}{self.prefix}/{task.id}"
         info = {"id": task.id, "stream": stream, "status": "queued",
                 "result": base, "events": f"{base}/events"}

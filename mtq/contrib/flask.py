@@ -4,9 +4,12 @@
   ``MTQ_QUEUE`` (the default queue) from ``app.config``; ``mtq_ext.queue(name)`` is
   the app's :class:`mtq.Queue` of that name (one per app and name, sharing the app's
   one Redis client); ``mtq_ext.submit(payload)`` in a view submits into the
-  requesting user's own stream (FIFO per user, see :func:`user_stream`). It answers
-  mtq's errors as JSON (:func:`register_error_handlers`: a full queue is a 503 with
-  Retry-After) and adds ``flask mtq status`` and ``flask mtq workers TARGET``.
+  requesting user's own stream (FIFO per user, see :func:`user_stream`), as the
+  user's tenant (:func:`user_tenant`), at the request's priority
+  (:func:`request_priority`: ``interactive`` unless ``X-Mtq-Priority`` says
+  otherwise). It answers mtq's errors as JSON (:func:`register_error_handlers`: a
+  full queue is a 503 with Retry-After, a tenant over its rate limit a 429) and adds
+  ``flask mtq status`` and ``flask mtq workers TARGET``.
 * :func:`event_stream_response`: a task's events as ``text/event-stream``
   (:class:`mtq.contrib.sse.EventStream`, format there), resuming from
   ``Last-Event-ID``; its body is the EventStream itself, so the WSGI server's
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import click
-from flask import Flask, Request, Response, current_app, request, session
+from flask import Flask, Request, Response, current_app, g, request, session
 from flask.cli import AppGroup
 
 from mtq.broker.connection import connect
@@ -50,6 +53,15 @@ from mtq.contrib.sse import (
     parse_last_event_id,
     stream_name,
     to_json,
+)
+from mtq.contrib.web import (
+    DEADLINE_HEADER,
+    PRIORITY_HEADER,
+    PriorityOf,
+    TenantOf,
+    fill_options,
+    priority_from,
+    tenant_name,
 )
 from mtq.errors import MtqError, UsageError
 from mtq.validation import check_task_id
@@ -78,6 +90,39 @@ def user_stream(req: Request) -> str | None:
     return stream_name("session", sid)
 
 
+def user_tenant(req: Request) -> str | None:
+    """The default tenant of a request: its logged-in user, as a tenant name
+    (:func:`mtq.contrib.web.tenant_name`: a name that is not a valid tenant name
+    becomes ``sha1-<hex>``), else None (no tenant). The user is Flask-Login's
+    ``current_user`` (its ``get_id()``) in an app that uses Flask-Login, else
+    ``g.user`` (the Flask tutorial's convention: an object with an ``id``, a row or
+    mapping with ``"id"``, or the id itself). Pass ``tenant_of=`` to share per
+    organisation or API key."""
+    if getattr(current_app, "login_manager", None) is not None:
+        from flask_login import current_user  # an app with a login_manager has it
+
+        if getattr(current_user, "is_authenticated", False):
+            return tenant_name(current_user.get_id())
+        return None
+    user = g.get("user")
+    if user is None or isinstance(user, (str, int)):
+        return tenant_name(user)
+    ident = getattr(user, "id", None)
+    if ident is None:
+        try:
+            ident = user["id"]
+        except (TypeError, KeyError, IndexError, ValueError):
+            return None
+    return tenant_name(ident)
+
+
+def request_priority(req: Request) -> str | None:
+    """The default priority of a request's submits: its ``X-Mtq-Priority`` header
+    (``interactive``, ``standard`` or ``batch``; another value raises BadHeader, a
+    400), else ``interactive``."""
+    return priority_from(req.headers.get(PRIORITY_HEADER))
+
+
 def json_response(body: Any, status: int = 200,
                   extra: list[tuple[str, str]] | None = None) -> Response:
     """A JSON response encoded as the event stream encodes data (bytes as base64)."""
@@ -92,8 +137,9 @@ def error_response(err: HttpError) -> Response:
 def register_error_handlers(app: Flask, retry_after_s: int = RETRY_AFTER_S) -> None:
     """Answer mtq's errors raised in ``app``'s views as JSON (see
     :func:`mtq.contrib.sse.http_error`): a full queue is a 503 with Retry-After (not
-    a 500 or a hung request), an unknown task a 404, a bad name a 400, a payload over
-    the limit a 413. ``MTQ(app)`` calls it."""
+    a 500 or a hung request), a tenant over its rate limit a 429 and a deadline that
+    would be missed a 503 (both with Retry-After), an unknown task a 404, a bad name
+    or header a 400, a payload over the limit a 413. ``MTQ(app)`` calls it."""
 
     def handle(exc: MtqError) -> Response:
         err = http_error(exc, retry_after_s)
@@ -155,14 +201,19 @@ class MTQ:
     Config: ``MTQ_REDIS_URL`` (default: None, which is the ``MTQ_REDIS_URL``
     environment variable, else mtq's embedded server), ``MTQ_QUEUE`` (the default
     queue, ``"default"``), ``MTQ_RETRY_AFTER_S`` (the Retry-After of a 503, 2).
-    ``stream_of``: the stream a request's submits go to (:func:`user_stream`).
-    ``error_handlers``: register :func:`register_error_handlers`. ``cli``: add the
+    ``stream_of``: the stream a request's submits go to (:func:`user_stream`);
+    ``tenant_of``: their tenant (:func:`user_tenant`); ``priority_of``: their
+    priority (:func:`request_priority`). ``error_handlers``: register :func:`register_error_handlers`. ``cli``: add the
     ``flask mtq`` commands.
     """
 
     def __init__(self, app: Flask | None = None, *, stream_of: StreamOf = user_stream,
+                 tenant_of: TenantOf[Request] = user_tenant,
+                 priority_of: PriorityOf[Request] = request_priority,
                  error_handlers: bool = True, cli: bool = True) -> None:
         self.stream_of = stream_of
+        self.tenant_of = tenant_of
+        self.priority_of = priority_of
         self.error_handlers = error_handlers
         self.cli = cli
         if app is not None:
@@ -206,11 +257,18 @@ class MTQ:
     def submit(self, payload: Any, *, queue: str | None = None, stream: str | None = None,
                **options: Any) -> Task:
         """Submit ``payload`` to ``queue`` (default ``MTQ_QUEUE``) from a view, into
-        ``stream`` or else the requesting user's (``stream_of(request)``).
-        ``options``: ``key``, ``ttl``, ``retries``, ``id`` of :meth:`mtq.Queue.submit`.
-        Raises what it raises (QueueFull: a 503 with the error handlers)."""
+        ``stream`` or else the requesting user's (``stream_of(request)``). A
+        ``tenant`` or ``priority`` not given is ``tenant_of(request)`` /
+        ``priority_of(request)``, a ``deadline`` not given the ``X-Mtq-Deadline``
+        header's (seconds; see :func:`mtq.contrib.web.fill_options`). ``options``:
+        ``key``, ``ttl``, ``retries``, ``id``, ``priority``, ``tenant``, ``cost``,
+        ``deadline`` of :meth:`mtq.Queue.submit`. Raises what it raises (QueueFull,
+        RateLimited, WouldMissDeadline: a 503, 429, 503 with the error handlers) and
+        BadHeader (400)."""
         if stream is None:
             stream = self.stream_of(request)
+        options = fill_options(options, request, self.tenant_of, self.priority_of,
+                               request.headers.get(DEADLINE_HEADER))
         return self.queue(queue).submit(payload, stream=stream, **options)
 
     def event_stream(self, task_id: str, queue: str | None = None,

@@ -54,6 +54,7 @@ from typing import Any, cast
 import redis
 
 from mtq.client import Task
+from mtq.contrib.web import BadHeader, retry_after
 from mtq.errors import (
     BrokerError,
     ConfigError,
@@ -62,8 +63,10 @@ from mtq.errors import (
     MtqError,
     PayloadTooLarge,
     QueueFull,
+    RateLimited,
     ResultTimeout,
     TaskNotFound,
+    WouldMissDeadline,
 )
 from mtq.replies import Event
 from mtq.validation import check_stream_name
@@ -225,8 +228,17 @@ def http_error(exc: BaseException, retry_after_s: int = RETRY_AFTER_S) -> HttpEr
       too much, while a full queue is the service's capacity, shared by everyone, and
       every client should back off (RFC 9110: 503 for a temporary overload).
     * RedisUnavailable (and other broker errors): 503 with Retry-After.
+    * BadHeader (``X-Mtq-Priority``, ``X-Mtq-Deadline``): 400. RateLimited: 429 (this
+      tenant sends too much), WouldMissDeadline: 503; both with the Retry-After the
+      refusal gives (whole seconds, rounded up, at least 1).
     """
     retry = [("Retry-After", str(retry_after_s))]
+    if isinstance(exc, BadHeader):
+        return HttpError(400, exc.code, str(exc))
+    if isinstance(exc, (RateLimited, WouldMissDeadline)):
+        status, code = ((429, "rate_limited") if isinstance(exc, RateLimited)
+                        else (503, "would_miss_deadline"))
+        return HttpError(status, code, str(exc), [("Retry-After", retry_after(exc.retry_after))])
     if isinstance(exc, TaskNotFound):
         return HttpError(404, "not_found", str(exc))
     if isinstance(exc, BadLastEventId):

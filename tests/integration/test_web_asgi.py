@@ -144,6 +144,27 @@ def test_fastapi_endpoints_and_fifo_per_user(web: WebServer, http: httpx.Client,
         q.task(t["id"]).cancel()
 
 
+def test_the_submitter_dependency_gives_the_user_s_tenant_and_the_request_s_priority(
+        web: WebServer, http: httpx.Client, redis_url: str) -> None:
+    """FastAPI's ``Depends(submitter(q))``: the authenticated user (X-User, through
+    AuthenticationMiddleware) is the tenant, the priority interactive unless the
+    X-Mtq-Priority header says otherwise; a bad header is a JSON 400."""
+    q = mtq.Queue(web.env["MTQ_WEB_CHAT_QUEUE"], redis_url)
+    plain = http.post("/chat", json={"n": 1}, headers={"x-user": "ann"}).json()["id"]
+    batch = http.post("/chat", json={"n": 1},
+                      headers={"x-user": "ann", "x-mtq-priority": "batch"}).json()["id"]
+    try:
+        for task_id, band in ((plain, b"i"), (batch, b"b")):
+            assert q.redis.hmget(q.broker.keys.task(task_id), ["tenant", "band"]) == [
+                b"ann", band]
+        bad = http.post("/chat", json={"n": 1},
+                        headers={"x-user": "ann", "x-mtq-priority": "now"})
+        assert (bad.status_code, bad.json()["error"]) == (400, "bad_priority"), bad.text
+    finally:
+        for task_id in (plain, batch):
+            q.task(task_id).cancel()
+
+
 def test_many_streams_share_the_process_s_one_reply_subscription(
         qname: str, redis_url: str, web: WebServer, r: redis.Redis) -> None:
     """60 concurrent SSE clients on one uvicorn process: one pub/sub connection for all,

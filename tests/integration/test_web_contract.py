@@ -10,13 +10,17 @@ The contract: tokens arrive progressively and the stream ends with the task's re
 a reconnect with ``Last-Event-ID`` (or ``?last_event_id=``) resumes without gap or
 repeat; an unknown task is a JSON 404 and a malformed ``Last-Event-ID`` a JSON 400; a
 full queue answers 503 with ``Retry-After`` at once; a client that goes away cancels
-its task on the cancelling route, and only there. Where the integrations differ, the
-:class:`Framework` row of each says so. What only one framework offers is tested in
-its own file (test_web_asgi.py, test_web_flask.py, test_web_django.py).
+its task on the cancelling route, and only there; a submit is its user's tenant, at
+``interactive`` priority unless ``X-Mtq-Priority`` says otherwise (a bad value: 400),
+with ``X-Mtq-Deadline``'s deadline; a tenant over its rate limit gets 429 and a
+deadline that cannot be met 503, both with ``Retry-After``. Where the integrations
+differ, the :class:`Framework` row of each says so. What only one framework offers is
+tested in its own file (test_web_asgi.py, test_web_flask.py, test_web_django.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Iterator
@@ -25,6 +29,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
 import mtq
 from mtq.workers.worker import Worker
@@ -109,11 +114,15 @@ class Site:
         """The events URL of the same task, cancelled on disconnect."""
         return f"/{self.fw.prefix}c" + events_path.removeprefix(f"/{self.fw.prefix}")
 
-    def submit(self, qname: str, payload: Any) -> httpx.Response:
-        return self.http.post(self.tasks(qname), json=payload, headers=self.fw.submit_headers)
+    def submit(self, qname: str, payload: Any,
+               headers: dict[str, str] | None = None) -> httpx.Response:
+        """POST a task; ``headers``: these instead of the framework's own."""
+        return self.http.post(self.tasks(qname), json=payload,
+                              headers=self.fw.submit_headers if headers is None else headers)
 
-    def post(self, qname: str, payload: Any) -> dict[str, Any]:
-        r = self.submit(qname, payload)
+    def post(self, qname: str, payload: Any,
+             headers: dict[str, str] | None = None) -> dict[str, Any]:
+        r = self.submit(qname, payload, headers)
         assert r.status_code == 202, r.text
         return dict(r.json())
 
@@ -261,3 +270,83 @@ def test_without_cancel_on_disconnect_the_task_runs_on(
         t = mtq.Queue(qname, redis_url).task(task["id"])
         assert t.result(timeout=10)["tokens"] == list(range(20))
         run.stop()
+
+
+# -- tenants, priorities, deadlines ------------------------------------------------------
+# Every test app logs a request with an ``X-User`` header in as that user (FastAPI:
+# AuthenticationMiddleware; Flask: g.user; Django: request.user), so these read the
+# default mappings: the tenant is the user, the priority interactive.
+def stored(q: mtq.Queue, task_id: str, *fields: str) -> list[str | None]:
+    """Fields of a task's hash (None: absent)."""
+    raw = q.redis.hmget(q.broker.keys.task(task_id), fields)
+    return [v.decode() if isinstance(v, bytes) else v for v in raw]
+
+
+def refusal(resp: httpx.Response, status: int, code: str) -> int:
+    """Check a JSON refusal; its Retry-After, whole seconds."""
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"] == "application/json"
+    assert resp.json()["error"] == code, resp.text
+    after = resp.headers["retry-after"]
+    assert after.isdigit(), after
+    return int(after)
+
+
+def test_a_submit_is_its_users_tenant_at_interactive_priority_unless_the_header_says(
+        qname: str, redis_url: str, site: Site) -> None:
+    q = mtq.Queue(qname, redis_url)
+    ann = site.post(qname, {"n": 1}, {"X-User": "ann"})
+    assert stored(q, ann["id"], "tenant", "band") == ["ann", "i"]
+    batch = site.post(qname, {"n": 1}, {"X-User": "ann", "X-Mtq-Priority": "batch"})
+    assert stored(q, batch["id"], "tenant", "band") == ["ann", "b"]
+    std = site.post(qname, {"n": 1}, {"X-User": "bob", "X-Mtq-Priority": "Standard"})
+    assert stored(q, std["id"], "tenant", "band") == ["bob", None]  # standard: no field
+    anon = site.post(qname, {"n": 1}, {})
+    assert stored(q, anon["id"], "tenant", "band") == [None, "i"]
+    # a user name that is no valid tenant name is hashed, not refused
+    long = "u" * 80
+    hashed = site.post(qname, {"n": 1}, {"X-User": long})
+    digest = hashlib.sha1(long.encode(), usedforsecurity=False).hexdigest()
+    assert stored(q, hashed["id"], "tenant") == [f"sha1-{digest}"]
+
+
+def test_a_bad_priority_or_deadline_header_is_a_400_and_queues_nothing(
+        qname: str, redis_url: str, site: Site) -> None:
+    for header, value, code in [("X-Mtq-Priority", "urgent", "bad_priority"),
+                                ("X-Mtq-Deadline", "soon", "bad_deadline"),
+                                ("X-Mtq-Deadline", "0", "bad_deadline")]:
+        resp = site.submit(qname, {"n": 1}, {"X-User": "ann", header: value})
+        assert resp.status_code == 400, resp.text
+        assert resp.headers["content-type"] == "application/json"
+        assert resp.json()["error"] == code, resp.text
+        if code == "bad_priority":
+            assert "interactive, standard, batch" in resp.json()["detail"], resp.text
+    assert mtq.Queue(qname, redis_url).stats()["waiting"] == 0
+
+
+def test_a_tenant_over_its_rate_limit_gets_429_with_retry_after(
+        qname: str, redis_url: str, site: Site) -> None:
+    q = mtq.Queue(qname, redis_url)
+    q.configure(tenant_rpm="ann=1")  # before the server's first submit to the queue
+    site.post(qname, {"n": 1}, {"X-User": "ann"})
+    after = refusal(site.submit(qname, {"n": 1}, {"X-User": "ann"}), 429, "rate_limited")
+    assert 1 <= after <= 60, after
+    site.post(qname, {"n": 1}, {"X-User": "bob"})  # another tenant: not limited
+    assert q.stats()["waiting"] == 2
+
+
+def test_a_deadline_header_is_kept_and_one_that_cannot_be_met_is_503_with_retry_after(
+        qname: str, redis_url: str, r: redis.Redis, site: Site) -> None:
+    q = mtq.Queue(qname, redis_url)
+    task = site.post(qname, {"n": 1}, {"X-User": "ann", "X-Mtq-Deadline": "30"})
+    created, deadline = stored(q, task["id"], "created", "deadline")
+    assert int(deadline or 0) - int(created or 0) == 30_000
+    # the workers serve 1 unit of cost per second, and ann has 10^6 waiting: a task of
+    # hers would start in 10^6 s, 999 970 s after a 30 s deadline
+    sched = q.broker.keys.sched
+    r.hset(sched + "vt", "~rate", 1)
+    r.hset(sched + "count", "i:ann|c", 1_000_000)
+    late = site.submit(qname, {"n": 1}, {"X-User": "ann", "X-Mtq-Deadline": "30"})
+    assert abs(refusal(late, 503, "would_miss_deadline") - 999_970) <= 1
+    site.post(qname, {"n": 1}, {"X-User": "ann"})  # no deadline: accepted
+    assert q.stats()["waiting"] == 2

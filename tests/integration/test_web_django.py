@@ -179,6 +179,17 @@ def test_submit_on_commit_submits_after_the_commit_and_never_on_rollback(
         run.stop()
 
 
+def test_submit_on_commit_takes_the_request_s_tenant_and_priority(
+        qname: str, redis_url: str, wsgi: WebServer) -> None:
+    q = mtq.Queue(qname, redis_url)
+    with httpx.Client(base_url=wsgi.base, timeout=10) as http:
+        default = post(http, f"/q/{qname}/orders", {"item": "tea"}, **{"X-User": "ann"})
+        batch = post(http, f"/q/{qname}/orders", {"item": "tea"},
+                     **{"X-User": "bob", "X-Mtq-Priority": "batch"})
+    for task, fields in ((default, [b"ann", b"i"]), (batch, [b"bob", b"b"])):
+        assert q.redis.hmget(q.broker.keys.task(task["id"]), ["tenant", "band"]) == fields
+
+
 # -- manage.py ------------------------------------------------------------------------------
 def test_manage_py_check_reports_unreachable_redis_and_missing_target(
         redis_url: str) -> None:

@@ -21,10 +21,13 @@ def test_defaults_and_a_full_setting() -> None:
     s = MtqSettings.from_dict({"REDIS_URL": "redis://h:1/0", "QUEUE": "chat",
                                "WORKERS": "pkg.mod:Model", "RETRY_AFTER_S": 5,
                                "KEEPALIVE_S": 2, "CHECK_TIMEOUT_S": 0.5,
-                               "STREAM_OF": "mtq.contrib.django.user_stream"})
+                               "STREAM_OF": "mtq.contrib.django.user_stream",
+                               "TENANT_OF": "mtq.contrib.django.user_tenant",
+                               "PRIORITY_OF": mtqd.request_priority})
     assert (s.redis_url, s.queue, s.workers, s.retry_after_s) == (
         "redis://h:1/0", "chat", "pkg.mod:Model", 5)
     assert (s.keepalive_s, s.check_timeout_s, s.stream_of) == (2.0, 0.5, mtqd.user_stream)
+    assert (s.tenant_of, s.priority_of) == (mtqd.user_tenant, mtqd.request_priority)
 
 
 @pytest.mark.parametrize(("raw", "says"), [
@@ -39,6 +42,9 @@ def test_defaults_and_a_full_setting() -> None:
     ({"CHECK_TIMEOUT_S": "1"}, "CHECK_TIMEOUT_S"),
     ({"STREAM_OF": "no.such.module.fn"}, "cannot be imported"),
     ({"STREAM_OF": 3}, "must be a callable"),
+    ({"TENANT_OF": "no.such.module.fn"}, "MTQ['TENANT_OF'] cannot be imported"),
+    ({"PRIORITY_OF": "batch"}, "MTQ['PRIORITY_OF'] cannot be imported"),
+    ({"PRIORITY_OF": 3}, "MTQ['PRIORITY_OF'] must be a callable"),
 ])
 def test_a_bad_setting_is_a_named_error(raw: object, says: str) -> None:
     with pytest.raises(MtqSettingsError) as err:
@@ -71,6 +77,7 @@ def test_django_options_are_left_to_manage_py() -> None:
 def test_public_names() -> None:
     assert sorted(mtqd.__all__) == [
         "MtqSettings", "MtqSettingsError", "aevent_stream", "asubmit", "error_response",
-        "event_stream", "get_settings", "json_response", "queue", "stream_of", "submit",
-        "submit_on_commit", "user_stream"]
+        "event_stream", "get_settings", "json_response", "priority_of", "queue",
+        "request_priority", "stream_of", "submit", "submit_on_commit", "tenant_of",
+        "user_stream", "user_tenant"]
     assert all(hasattr(mtqd, n) for n in mtqd.__all__)

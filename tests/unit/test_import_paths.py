@@ -48,10 +48,12 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "mtq.rq": ("batched",),
     "mtq.contrib.sse": ("EventStream", "headers", "http_error", "parse_last_event_id",
                         "stream_name"),
-    "mtq.contrib.asgi": ("EventStreamResponse", "Submit", "add_error_handlers", "submitter",
-                         "user_stream"),
-    "mtq.contrib.flask": ("MTQ", "user_stream"),
-    "mtq.contrib.django": ("MtqSettingsError", "event_stream"),
+    "mtq.contrib.web": ("BadHeader", "DEADLINE_HEADER", "PRIORITY_HEADER", "tenant_name"),
+    "mtq.contrib.asgi": ("EventStreamResponse", "Submit", "TaskRoutes", "add_error_handlers",
+                         "submitter", "user_stream", "user_tenant", "request_priority"),
+    "mtq.contrib.flask": ("MTQ", "user_stream", "user_tenant", "request_priority"),
+    "mtq.contrib.django": ("MtqSettingsError", "event_stream", "user_tenant",
+                           "request_priority"),
     "mtq.contrib.django.middleware": ("MtqErrorMiddleware",),
 }
 

@@ -9,6 +9,7 @@ import pytest
 
 import mtq
 from mtq.contrib import sse
+from mtq.contrib.web import BadHeader
 from mtq.replies import Event
 
 
@@ -59,6 +60,14 @@ def test_mtq_errors_become_http_answers() -> None:
     assert answer(mtq.PayloadTooLarge("big")) == (413, "payload_too_large", {})
     assert answer(mtq.QueueFull("q", 10, 10)) == (503, "queue_full", {"Retry-After": "5"})
     assert answer(mtq.RedisUnavailable("down")) == (503, "unavailable", {"Retry-After": "5"})
+    # refusals that say when to retry: their own Retry-After, whole seconds rounded up
+    assert answer(mtq.RateLimited("q", "ann", 59.2)) == (
+        429, "rate_limited", {"Retry-After": "60"})
+    assert answer(mtq.RateLimited("q", "ann", 0.0)) == (
+        429, "rate_limited", {"Retry-After": "1"})
+    assert answer(mtq.WouldMissDeadline("q", "T1", 7.0)) == (
+        503, "would_miss_deadline", {"Retry-After": "7"})
+    assert answer(BadHeader("bad_priority", "no")) == (400, "bad_priority", {})
     assert sse.http_error(ValueError("a bug")) is None
 
 

@@ -9,6 +9,8 @@
         "RETRY_AFTER_S": 2,                       # Retry-After of a 503 (full queue)
         "KEEPALIVE_S": 15.0,                      # seconds between keep-alive comments
         "STREAM_OF": "myapp.streams.stream_of",   # request -> stream name (or a callable)
+        "TENANT_OF": "myapp.streams.tenant_of",   # request -> tenant name (or a callable)
+        "PRIORITY_OF": "myapp.streams.priority_of",  # request -> priority (or a callable)
         "CHECK_TIMEOUT_S": 1.0,                   # how long mtq.E001 waits for Redis
     }
 
@@ -40,7 +42,8 @@ SETTING = "MTQ"
 
 class MtqSettingsError(ConfigError, ImproperlyConfigured):
     """The ``MTQ`` setting is wrong: an unknown key, a value of the wrong type, a
-    ``STREAM_OF`` that cannot be imported. The message names the key."""
+    ``STREAM_OF`` (``TENANT_OF``, ``PRIORITY_OF``) that cannot be imported. The
+    message names the key."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class MtqSettings:
     keepalive_s: float = KEEPALIVE_S
     stream_of: Callable[[Any], str | None] | None = None
     check_timeout_s: float = 1.0
+    tenant_of: Callable[[Any], str | None] | None = None
+    priority_of: Callable[[Any], str | None] | None = None
 
     @classmethod
     def from_dict(cls, raw: Any) -> MtqSettings:
@@ -63,7 +68,7 @@ class MtqSettings:
         if not isinstance(raw, Mapping):
             raise MtqSettingsError(f"settings.MTQ must be a dict, got {type(raw).__name__}")
         known = {"REDIS_URL", "QUEUE", "WORKERS", "RETRY_AFTER_S", "KEEPALIVE_S",
-                 "STREAM_OF", "CHECK_TIMEOUT_S"}
+                 "STREAM_OF", "TENANT_OF", "PRIORITY_OF", "CHECK_TIMEOUT_S"}
         unknown = sorted(str(k) for k in raw if k not in known)
         if unknown:
             raise MtqSettingsError(f"unknown key(s) in settings.MTQ: {', '.join(unknown)} "
@@ -97,21 +102,26 @@ class MtqSettings:
         if retry_after != int(retry_after):
             raise MtqSettingsError(f"settings.MTQ['RETRY_AFTER_S'] must be whole seconds, "
                                    f"got {retry_after!r}")
-        stream_of = raw.get("STREAM_OF")
-        if isinstance(stream_of, str):
-            try:
-                stream_of = import_string(stream_of)
-            except ImportError as exc:
-                raise MtqSettingsError(f"settings.MTQ['STREAM_OF'] cannot be imported: "
-                                       f"{exc}") from None
-        if stream_of is not None and not callable(stream_of):
-            raise MtqSettingsError(f"settings.MTQ['STREAM_OF'] must be a callable taking the "
-                                   f"request (or its dotted path), got {stream_of!r}")
+        def request_map(key: str) -> Callable[[Any], str | None] | None:
+            fn = raw.get(key)
+            if isinstance(fn, str):
+                try:
+                    fn = import_string(fn)
+                except ImportError as exc:
+                    raise MtqSettingsError(f"settings.MTQ[{key!r}] cannot be imported: "
+                                           f"{exc}") from None
+            if fn is not None and not callable(fn):
+                raise MtqSettingsError(f"settings.MTQ[{key!r}] must be a callable taking the "
+                                       f"request (or its dotted path), got {fn!r}")
+            return fn
+
         return cls(redis_url=text("REDIS_URL", None), queue=queue, workers=workers,
                    retry_after_s=int(retry_after),
                    keepalive_s=number("KEEPALIVE_S", KEEPALIVE_S, 0.01, 3600),
-                   stream_of=stream_of,
-                   check_timeout_s=number("CHECK_TIMEOUT_S", 1.0, 0.01, 60))
+                   stream_of=request_map("STREAM_OF"),
+                   check_timeout_s=number("CHECK_TIMEOUT_S", 1.0, 0.01, 60),
+                   tenant_of=request_map("TENANT_OF"),
+                   priority_of=request_map("PRIORITY_OF"))
 
 
 @functools.lru_cache(maxsize=1)

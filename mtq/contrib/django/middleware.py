@@ -3,7 +3,8 @@
 Add ``"mtq.contrib.django.middleware.MtqErrorMiddleware"`` to ``MIDDLEWARE``: an
 :class:`~mtq.errors.MtqError` a view raises (``submit`` on a full queue, an unknown
 task) becomes :func:`~mtq.contrib.django.responses.error_response`, e.g. a 503 with
-``Retry-After`` for ``QueueFull`` rather than a 500 page. Sync and async views both.
+``Retry-After`` for ``QueueFull`` rather than a 500 page, a 429 with ``Retry-After``
+for ``RateLimited``. Sync and async views both.
 Other exceptions are left to Django.
 """
 

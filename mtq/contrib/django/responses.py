@@ -8,8 +8,8 @@
   iterator; Django's ASGI handler cancels it when the client disconnects, which
   cancels the task (``cancel_on_disconnect``).
 * :func:`error_response` / :func:`json_response`: JSON answers, the way
-  :func:`mtq.contrib.sse.http_error` maps mtq's errors (404, 400, 413, 503 with
-  Retry-After). :class:`~mtq.contrib.django.middleware.MtqErrorMiddleware` applies
+  :func:`mtq.contrib.sse.http_error` maps mtq's errors (404, 400, 413, 429 and 503
+  with Retry-After). :class:`~mtq.contrib.django.middleware.MtqErrorMiddleware` applies
   it to errors a view raises.
 
 Both streams resume after the request's ``Last-Event-ID`` (or ``?last_event_id=``;
@@ -60,9 +60,10 @@ def error_response(exc: BaseException | HttpError,
                    retry_after_s: int | None = None) -> HttpResponse:
     """The JSON answer of an mtq error (or of an :class:`~mtq.contrib.sse.HttpError`):
     ``{"error": code, "detail": message}`` with its status (TaskNotFound 404,
-    BadLastEventId and a bad stream name 400, PayloadTooLarge 413, QueueFull and an
-    unreachable Redis 503 with ``Retry-After``: ``MTQ["RETRY_AFTER_S"]``). An error
-    :func:`~mtq.contrib.sse.http_error` does not know is a 500 ``internal``."""
+    BadLastEventId, BadHeader and a bad stream name 400, PayloadTooLarge 413, QueueFull
+    and an unreachable Redis 503 with ``Retry-After``: ``MTQ["RETRY_AFTER_S"]``;
+    RateLimited 429 and WouldMissDeadline 503 with the ``Retry-After`` they give). An
+    error :func:`~mtq.contrib.sse.http_error` does not know is a 500 ``internal``."""
     if isinstance(exc, HttpError):
         err = exc
     else:
