@@ -129,6 +129,17 @@ class QueueKeys:
         #: ARGV[1] and ARGV[2] of every script
         self.channels = [self.events, self.control]
 
+    @property
+    def sched_count(self) -> str:
+        """Scheduling's per-lane counts (hash: '<b>:<t>|w', '|c', '|r', '|h', '|x';
+        see _lib.lua, "Scheduling")."""
+        return self.sched + "count"
+
+    @property
+    def sched_served(self) -> str:
+        """Scheduling's cost served per lane (hash: '<b>:<t>' -> cost)."""
+        return self.sched + "served"
+
     def task(self, task_id: str) -> str:
         """The hash of one task."""
         return self.task_prefix + task_id

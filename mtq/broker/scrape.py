@@ -1,12 +1,14 @@
 """What one exporter scrape reads of many queues, in ONE round trip.
 
-Per queue, seven O(1)-sized reads: the stats hash, ZCARD of the leases and the
+Per queue, nine reads: the stats hash, ZCARD of the leases and the
 delayed set, LLEN of the dead letters, SCARD of the busy streams (as
 :func:`mtq.broker.protocol.stats_many`), the ``hist`` hash the workers aggregate
-(a bounded number of fields: :mod:`mtq.observe.histograms`), and ZCARD of the result
-cache's index.
+(a bounded number of fields: :mod:`mtq.observe.histograms`), ZCARD of the result
+cache's index, and scheduling's two hashes per tenant and band (``sched:count``,
+``sched:served``: empty without scheduling, else a few fields per lane that ever had
+work; :mod:`mtq.broker.tenants`).
 
-At 1 000 queues that is 7 000 commands a scrape, and a redis-py pipeline spends
+At 1 000 queues that is 9 000 commands a scrape, and a redis-py pipeline spends
 Python on each (building the command, its response callback): at that count, most of
 what a scrape may take. So the commands of each queue are encoded once, in RESP,
 and kept (queues come and go rarely); a scrape joins them, writes them on one
@@ -28,7 +30,8 @@ from mtq.broker.cluster import for_queue, is_cluster
 from mtq.broker.keys import QueueKeys
 
 #: replies per queue, in this order
-READS = ("stats", "running", "delayed", "dead", "busy_streams", "hist", "cache_entries")
+READS = ("stats", "running", "delayed", "dead", "busy_streams", "hist", "cache_entries",
+         "sched_count", "sched_served")
 
 
 def _resp(*args: str) -> bytes:
@@ -43,7 +46,8 @@ def _commands(queue: str) -> bytes:
     k = QueueKeys(queue)
     return b"".join((_resp("HGETALL", k.stats), _resp("ZCOUNT", k.leases, "-inf", "(+inf"),
                      _resp("ZCARD", k.delayed), _resp("LLEN", k.dead), _resp("SCARD", k.busy),
-                     _resp("HGETALL", k.hist), _resp("ZCARD", k.cache_index)))
+                     _resp("HGETALL", k.hist), _resp("ZCARD", k.cache_index),
+                     _resp("HGETALL", k.sched_count), _resp("HGETALL", k.sched_served)))
 
 
 def _hash(reply: Any) -> dict[bytes, bytes]:
@@ -75,7 +79,8 @@ class ScrapeReader:
         return b"".join(out)
 
     def read(self, queues: Sequence[str]) -> list[tuple[dict[bytes, bytes], int, int, int, int,
-                                                        dict[bytes, bytes], int]]:
+                                                        dict[bytes, bytes], int,
+                                                        dict[bytes, bytes], dict[bytes, bytes]]]:
         """One tuple per queue, in :data:`READS` order. Raises redis-py's errors."""
         if not queues:
             return []
@@ -101,7 +106,8 @@ class ScrapeReader:
         out = []
         for i in range(0, len(raw), len(READS)):
             out.append((_hash(raw[i]), int(raw[i + 1]), int(raw[i + 2]), int(raw[i + 3]),
-                        int(raw[i + 4]), _hash(raw[i + 5]), int(raw[i + 6])))
+                        int(raw[i + 4]), _hash(raw[i + 5]), int(raw[i + 6]),
+                        _hash(raw[i + 7]), _hash(raw[i + 8])))
         return out
 
     def _read_on(self, client: Any, queues: Sequence[str]) -> list[Any]:
@@ -119,7 +125,7 @@ class ScrapeReader:
             conn.send_packed_command([data], check_health=True)
             # hiredis' parser straight (an error reply comes back as a value, checked
             # below): redis-py's Connection.read_response around it adds health checks
-            # and error mapping to every reply, 7 000 of them a scrape of 1 000 queues
+            # and error mapping to every reply, 9 000 of them a scrape of 1 000 queues
             parser: Any = getattr(conn, "_parser", None)
             read = parser.read_response if getattr(parser, "_reader", None) is not None \
                 else conn.read_response

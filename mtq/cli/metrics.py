@@ -25,8 +25,12 @@ def metrics_group() -> None:
 @click.option("-q", "--queue", "queues", multiple=True,
               help="Export only this queue (repeat for more; default: every known queue, "
                    "re-read at each scrape).")
+@click.option("--tenant-top", default=20, show_default=True, type=click.IntRange(0, 1000),
+              help="Per queue, the tenants (by cost served) exported under their own "
+                   "label in mtq_tenant_*; the rest are summed as tenant=\"other\".")
 @redis_option
-def serve(port: int, host: str, queues: tuple[str, ...], url: str | None) -> None:
+def serve(port: int, host: str, queues: tuple[str, ...], tenant_top: int,
+          url: str | None) -> None:
     """Serve Prometheus metrics over HTTP (any path) until SIGTERM or Ctrl-C.
 
     Each scrape reads every exported queue's O(1) counters in one pipelined
@@ -69,7 +73,8 @@ def serve(port: int, host: str, queues: tuple[str, ...], url: str | None) -> Non
                      f"{safe_url(resolved)} (known: {', '.join(sorted(known)) or 'none'}); "
                      "check the name, or submit to the queue first", NOT_FOUND)
     try:
-        server = make_exporter(MtqCollector(client, list(queues) or None), host, port)
+        collector = MtqCollector(client, list(queues) or None, tenant_top=tenant_top)
+        server = make_exporter(collector, host, port)
     except OSError as exc:
         fail(f"cannot listen on {host}:{port} ({exc.strerror or exc}); is another exporter "
              "running there? choose another --port", USAGE)

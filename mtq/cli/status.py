@@ -10,6 +10,7 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
+from mtq.broker.tenants import DEFAULT_TOP, shown_tenant, top_rows
 from mtq.cli.common import (
     console,
     echo_json,
@@ -29,9 +30,15 @@ from mtq.errors import MtqError
 
 @click.command()
 @click.argument("queue", required=False)
+@click.option("--tenants", "by_tenant", is_flag=True,
+              help="Scheduling per tenant and band instead: a table per queue.")
+@click.option("--top", "top", type=click.IntRange(min=1), default=DEFAULT_TOP,
+              show_default=True, help="With --tenants: rows shown per queue (busiest "
+              "first), the rest summed in an 'other' row.")
 @redis_option
 @json_option
-def status(queue: str | None, url: str | None, as_json: bool) -> None:
+def status(queue: str | None, by_tenant: bool, top: int, url: str | None,
+           as_json: bool) -> None:
     """The queues, from one cheap snapshot (its cost does not grow with the number
     of tasks).
 
@@ -46,6 +53,15 @@ def status(queue: str | None, url: str | None, as_json: bool) -> None:
       p50, p99  submit-to-finish latency in ms, of the last 1000 tasks
       wkrs      live worker processes
     Counts from 10,000 up are rounded: 12.3k, 4.6M; --json gives exact figures.
+
+    \b
+    --tenants: per queue with scheduling on, a row per tenant and band, busiest
+    (waiting + running, then cost served) first, the --top N and an 'other' row:
+      wait, wcost  tasks waiting, their estimated cost
+      run          tasks running
+      served       cost served (charged at claim, settled with the reported cost)
+      held         times a claim passed the tenant over for its rate limit (hold)
+      refused      tasks refused at submit (rate limit, deadline)
     """
     from dataclasses import asdict
 
@@ -61,6 +77,9 @@ def status(queue: str | None, url: str | None, as_json: bool) -> None:
         snap = snapshot(client, [queue] if queue else None)
     except MtqError as exc:
         fail_on(exc)
+    if by_tenant:
+        tenants_out(snap, top, as_json)
+        return
     if as_json:
         echo_json({"ts": snap.ts, "queues": [asdict(q) for q in snap.queues]})
         return
@@ -109,6 +128,51 @@ def status_table(queues: list[Any]) -> Table:
         table.add_row(escape(v.name), n(v.waiting), n(v.streams), n(v.running), n(v.delayed),
                       n(v.dead), n(v.succeeded), n(v.failed), millis(v.p50_ms),
                       millis(v.p99_ms), n(v.workers))
+    return table
+
+
+def tenants_out(snap: Any, top: int, as_json: bool) -> None:
+    """``mtq status --tenants``: each queue's top rows and 'other' (see its help)."""
+    from dataclasses import asdict
+
+    if as_json:
+        echo_json({"ts": snap.ts, "queues": [
+            {"queue": q.name, "scheduling": bool(q.tenants), "top": top,
+             "tenants": [asdict(r) for r in top_rows(q.tenants, top)]}
+            for q in snap.queues]})
+        return
+    if not snap.queues:
+        console.print("no queues yet: submit a task ('mtq submit QUEUE PAYLOAD')")
+        return
+    for q in snap.queues:
+        if not q.tenants:
+            console.print(f"{escape(q.name)}: no scheduling (no task with a priority or a "
+                          "tenant yet)", style="dim", highlight=False)
+            continue
+        console.print(tenants_table(q.name, top_rows(q.tenants, top), len(q.tenants)))
+    console.print(TENANTS_LEGEND, style="dim", highlight=False)
+
+
+TENANTS_COLUMNS = ("band", "wait", "wcost", "run", "served", "held", "refused")
+TENANTS_LEGEND = ("wait, run: tasks waiting, running · wcost: their cost · served: cost "
+                  "served · held: passed over for a rate limit · refused: at submit")
+
+
+def tenants_table(queue: str, rows: list[Any], lanes: int) -> Table:
+    """One queue's tenant rows (tenant '' shown as (none), 'other (N)' summing N rows)."""
+    from rich import box
+
+    table = Table(title=f"{queue}: {lanes} tenant/band row{'s' if lanes != 1 else ''}",
+                  title_justify="left", box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, padding=(0, 0, 0, 1))
+    table.add_column("tenant", overflow="fold")
+    for col in TENANTS_COLUMNS:
+        table.add_column(col, justify="left" if col == "band" else "right", no_wrap=True)
+    n = compact_count
+    for r in rows:
+        table.add_row(escape(shown_tenant(r)), r.band or "all", n(r.waiting),
+                      n(round(r.waiting_cost)), n(r.running), n(round(r.served_cost)),
+                      n(r.held), n(r.refused))
     return table
 
 

@@ -3,9 +3,10 @@ by id alone. The CLI (``mtq status``, ``mtq task``) and the dashboard are thin
 layers over these calls.
 
 A :func:`snapshot` costs two round trips (the queue names, then one pipeline,
-which reads the model records too) plus the worker registry's two, whatever the number of tasks or streams: per
+which reads the model records and the scheduling counts per tenant too) plus the worker registry's two, whatever the number of tasks or streams: per
 queue it reads O(1) counters, the last 1000 latencies and the last 10 failures
-(both capped lists the scripts keep); no KEYS, no SCAN.
+(both capped lists the scripts keep), and the two scheduling hashes (one field set per
+lane, tenant and band, that ever had work: :mod:`mtq.broker.tenants`); no KEYS, no SCAN.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mtq.broker.cluster import shared
 from mtq.broker.connection import redis_errors
 from mtq.broker.keys import QUEUES
 from mtq.broker.protocol import Broker
+from mtq.broker.tenants import TenantRow, parse_rows, read_into
 from mtq.client.queue import Queue
 from mtq.client.task import Task
 from mtq.errors import TaskNotFound
@@ -67,6 +69,8 @@ class QueueView:
     failures: list[dict[str, Any]] = field(default_factory=list)
     dead_total: int = 0
     workers: int = 0
+    #: scheduling per tenant and band (:func:`tenants`; [] without scheduling)
+    tenants: list[TenantRow] = field(default_factory=list)
 
 
 @dataclass
@@ -95,7 +99,7 @@ def snapshot(client: redis.Redis, queues: list[str] | None = None) -> Snapshot:
     with redis_errors("while reading the queues"):
         # on a cluster, one pipeline per node, sent together (redis-py's cluster pipeline)
         pipe = shared(client).pipeline(transaction=False)
-        sizes = [b.snapshot_into(pipe) for b in brokers]
+        sizes = [b.snapshot_into(pipe) + read_into(pipe, b.keys) for b in brokers]
         for b in brokers:  # the model records, in the same round trip
             pipe.hgetall(b.keys.model)
         replies = pipe.execute() if brokers else []
@@ -103,11 +107,12 @@ def snapshot(client: redis.Redis, queues: list[str] | None = None) -> Snapshot:
     views = []
     k = 0
     for b, size in zip(brokers, sizes):
-        raw = Broker.parse_snapshot(replies[k:k + size])
-        k += size
+        raw = Broker.parse_snapshot(replies[k:k + size - 2])
         lat = raw.pop("latency_ms")
         v = QueueView(name=b.queue, failures=raw.pop("failures"),
-                      p50_ms=_pct(lat, 50), p99_ms=_pct(lat, 99))
+                      p50_ms=_pct(lat, 50), p99_ms=_pct(lat, 99),
+                      tenants=parse_rows(*replies[k + size - 2:k + size]))
+        k += size
         for key, value in raw.items():
             if hasattr(v, key):
                 setattr(v, key, value)
@@ -116,6 +121,25 @@ def snapshot(client: redis.Redis, queues: list[str] | None = None) -> Snapshot:
     for v in views:
         v.workers = sum(1 for w in workers if w.get("queue") == v.name)
     return Snapshot(time.time(), views, workers, catalogue.served(workers, records))
+
+
+def tenants(client_or_queue: redis.Redis | Queue, queue: str | None = None
+            ) -> list[TenantRow]:
+    """Scheduling per tenant and band of ``queue`` (or of the :class:`Queue` given):
+    one row per lane that ever had work, sorted by tenant then band; [] for a queue
+    without scheduling. One round trip of two HGETALLs, whose size grows with the
+    number of lanes, not of tasks. Top N and "other": :func:`mtq.broker.tenants.top_rows`."""
+    if isinstance(client_or_queue, Queue):
+        client, name = client_or_queue.redis, client_or_queue.name
+    elif queue is None:
+        raise TypeError("tenants(client, queue): name the queue")
+    else:
+        client, name = client_or_queue, check_queue_name(queue)
+    with redis_errors("while reading the tenants"):
+        pipe = shared(client).pipeline(transaction=False)
+        read_into(pipe, Broker(client, name, QueueSettings()).keys)
+        count, served = pipe.execute()
+    return parse_rows(count, served)
 
 
 def find_task(client: redis.Redis, task_id: str, queue: str | None = None) -> Task:

@@ -7,8 +7,9 @@ A :class:`Frame` lays itself out when rich renders it, for the size it is given:
 * a header line (Redis URL without its password, time, refresh interval), then a
   red banner while Redis is unreachable;
 * the **queues** table, the **throughput** sparkline (tasks succeeded per second
-  over every queue, one bar per refresh), the **workers** table and the **recent
-  failures and dead letters**;
+  over every queue, one bar per refresh), the **workers** table, the **tenants**
+  panel of the queues with scheduling on (:mod:`mtq.dashboard.tenants`) and the
+  **recent failures and dead letters**;
 * below :data:`COMPACT_ROWS` rows only the queues table and a one-line summary;
 * tables that are too wide lose their least important columns first, tables that
   are too long end with an "… N more" row, and sections that do not fit at all
@@ -29,7 +30,6 @@ from rich.console import (
     Console,
     ConsoleOptions,
     Group,
-    JustifyMethod,
     RenderableType,
     RenderResult,
 )
@@ -39,6 +39,8 @@ from rich.text import Text
 
 from mtq.admin import QueueView, Snapshot
 from mtq.broker.connection import safe_url
+from mtq.dashboard.cells import Column, _cell
+from mtq.dashboard.tenants import tenant_columns, tenant_rows
 
 #: eighths of a bar, lowest first
 BARS = "▁▂▃▄▅▆▇█"
@@ -106,11 +108,6 @@ def sparkline(values: Sequence[float], width: int | None = None) -> str:
 
 
 # -- cells -------------------------------------------------------------------------
-def _cell(value: Any, style: str = "") -> Text:
-    """One line, cut with an ellipsis where the column is too narrow."""
-    return Text(str(value), style=style, no_wrap=True, overflow="ellipsis")
-
-
 def _rate(value: float | None) -> str:
     if value is None:
         return DASH
@@ -148,19 +145,6 @@ _STATUS_STYLE = {"dead": "bold red", "failed": "red", "expired": "yellow"}
 
 
 # -- tables ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Column:
-    """A column of a dashboard table. Columns with the highest ``drop`` go first
-    when the table is too wide; ``squeeze`` columns give up width first (names,
-    errors) before rich narrows the others."""
-
-    header: str
-    cell: Callable[[Any], Text]
-    drop: int = 0
-    justify: JustifyMethod = "right"
-    squeeze: bool = False
-
-
 def _table(columns: Sequence[Column], items: Sequence[Any], *, width: int, rows: int,
            console: Console, options: ConsoleOptions) -> Table:
     """A borderless table of ``items`` at most ``width`` wide and ``rows`` rows long
@@ -422,13 +406,20 @@ class Frame:
         workers = sorted(snap.workers, key=lambda w: (str(w.get("queue")), _who(w)))
         failures = recent_failures(snap.queues)
         # the workers leave room for the failures' title, column names, rule and a row,
-        # and for the models' title, column names, rule and up to three rows
+        # for the models' title, column names, rule and up to three rows, and for the
+        # tenants' and up to four rows
         after = 4 if failures else 1
         models = 3 + min(len(snap.models), 3) if snap.models else 0
-        room = left - after - models
+        tenants = tenant_rows(snap.queues)  # queues with scheduling on only
+        trows = 3 + min(len(tenants), 4) if tenants else 0
+        room = left - after - models - trows
         left -= section("workers", worker_columns(), workers, room if room >= 4 else left)
         if snap.models and left - after >= 4:
-            left -= section("models", model_columns(), snap.models, left - after)
+            room = left - after - trows
+            left -= section("models", model_columns(), snap.models,
+                            room if room >= 4 else left - after)
+        if tenants and left - after >= 4:
+            left -= section("tenants (busiest first)", tenant_columns(), tenants, left - after)
         section("recent failures and dead letters", failure_columns(), failures, left)
         yield Group(*out)
 

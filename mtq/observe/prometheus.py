@@ -24,6 +24,11 @@ Metrics (see docs/operations.md for the table):
   (submit to the outcome that ends the task), ``mtq_generation_ttft_seconds``
   (submit to the first token), ``mtq_generation_tokens_per_second`` (decode rate
   after the first token);
+- per queue, tenant and band (scheduling on; the busiest 20 tenants by cost served,
+  the rest summed as tenant="other": :mod:`mtq.observe.tenants`): gauges
+  ``mtq_tenant_waiting``, ``mtq_tenant_waiting_cost``, ``mtq_tenant_running``,
+  counters ``mtq_tenant_served_cost_total``, ``mtq_tenant_held_total``,
+  ``mtq_tenant_refused_total``;
 - the result cache, per queue: counters ``mtq_cache_hits_total``,
   ``mtq_cache_misses_total``, ``mtq_cache_joined_total``, gauges
   ``mtq_cache_entries`` (0 when there is no cache);
@@ -70,8 +75,10 @@ from mtq.broker.cluster import shared
 from mtq.broker.keys import QUEUES
 from mtq.broker.registry import list_workers
 from mtq.broker.scrape import ScrapeReader
+from mtq.broker.tenants import DEFAULT_TOP, TenantRow, parse_rows, top_tenants
 from mtq.errors import BrokerError
 from mtq.observe.histograms import BOUNDS
+from mtq.observe.tenants import tenant_families
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +181,9 @@ class Reading:
     hists: dict[str, dict[str, tuple[list[int], float]]] = field(default_factory=dict)
     #: live workers of the exported queues (registry entries)
     workers: list[dict[str, Any]] = field(default_factory=list)
+    #: queue -> its scheduling rows exported (only queues with scheduling on): the
+    #: tenant_top tenants by cost served, the rest summed per band (top_tenants)
+    tenants: dict[str, list[TenantRow]] = field(default_factory=dict)
 
 
 def _num(v: float) -> str:
@@ -200,17 +210,23 @@ class MtqCollector(Collector):
     ``queues``: the queues to export, in this order; None: every known queue, read
     anew at each scrape (a queue created later appears, a deleted one goes).
     ``workers``: reads the worker registry for the per-worker families (default
-    :func:`mtq.broker.registry.list_workers`); None: those families stay empty."""
+    :func:`mtq.broker.registry.list_workers`); None: those families stay empty.
+    ``tenant_top``: per queue, the tenants (by cost served) exported under their own
+    label; the rest are summed under tenant="other" (:mod:`mtq.observe.tenants`)."""
 
     def __init__(self, client: redis.Redis, queues: Sequence[str] | None = None,
-                 workers: WorkerReader | None = list_workers) -> None:
+                 workers: WorkerReader | None = list_workers,
+                 tenant_top: int = DEFAULT_TOP) -> None:
         self.client = client
+        self.tenant_top = tenant_top
         self.queues = list(queues) if queues is not None else None
         self._workers = workers
         self._reader = ScrapeReader(client)
         #: queue -> (its last "hist" reply, what it parsed to): most queues' histograms
         #: do not change between scrapes, and parsing them is most of a read's Python
         self._parsed: dict[str, tuple[tuple[Any, ...], dict[str, tuple[list[int], float]]]] = {}
+        #: queue -> (its last two scheduling replies, the rows exported of them)
+        self._tenants: dict[str, tuple[tuple[Any, ...], list[TenantRow]]] = {}
         #: (family, label text) -> (the histogram tuple it was written from, its text)
         self._written: dict[tuple[str, str], tuple[Any, str]] = {}
 
@@ -222,8 +238,16 @@ class MtqCollector(Collector):
         stats, hists = out.stats, out.hists
         parsed = self._parsed
         fresh: dict[str, tuple[tuple[Any, ...], dict[str, tuple[list[int], float]]]] = {}
-        for name, (counters, running, delayed, dead, busy, hist, cached) in zip(
-                names, self._reader.read(names)):
+        tenants_kept: dict[str, tuple[tuple[Any, ...], list[TenantRow]]] = {}
+        for name, (counters, running, delayed, dead, busy, hist, cached, count,
+                   served) in zip(names, self._reader.read(names)):
+            if count or served:  # scheduling on; parsed again only when it changed
+                raw_t = (tuple(count.items()), tuple(served.items()))
+                prev_t = self._tenants.get(name)
+                if prev_t is None or prev_t[0] != raw_t:
+                    prev_t = (raw_t, top_tenants(parse_rows(count, served), self.tenant_top))
+                out.tenants[name] = prev_t[1]
+                tenants_kept[name] = prev_t
             st: dict[str, int | float] = {**zero, **{
                 keys[k]: int(v) for k, v in counters.items() if k in keys}}
             st.update(running=running, delayed=delayed, dead=dead, busy_streams=busy,
@@ -249,6 +273,7 @@ class MtqCollector(Collector):
                 hists[name] = got
                 fresh[name] = (raw, got)
         self._parsed = fresh
+        self._tenants = tenants_kept
         if self._workers is None:
             return out
         wanted = set(names)
@@ -277,6 +302,7 @@ class MtqCollector(Collector):
                 if got is not None:
                     rows.append(((queue,), got, le))
             yield name, "histogram", doc, q, rows
+        yield from tenant_families(reading.tenants)
         yield from _worker_families(reading.workers)
 
     def _timed_read(self) -> tuple[Reading | None, float]:
