@@ -178,7 +178,7 @@ end
 
 local sched = sched_on()
 local held_for = -1  -- ms until the first held tenant may go on (-1: none held)
-if sched then
+if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the batch)
   -- Scheduling on: claim from the lanes (see the header and _lib.lua).
   local S = sch()
   local BANDS, lane_ring, lane_free, activate = S.BANDS, S.lane_ring, S.lane_free, S.activate
@@ -441,7 +441,7 @@ elseif registered then
 end
 -- Work left over: wake one more worker to help (it will chain on if still more).
 -- No work left: drop stale markers so sleepers do not wake for nothing.
-if marked == 1 or (not ring_empty and (sched or redis.call('LLEN', K_READY) > 0)) then
+if marked == 1 or (not ring_empty and ((sched and B > 0) or redis.call('LLEN', K_READY) > 0)) then
   nudge()
 else
   redis.call('DEL', K_WAKE)
