@@ -102,6 +102,7 @@ local leases, nl = {'+inf', LEASE_MARK}, 2
 local ring_empty, free_empty = false, false
 
 local weights = nil  -- scheduling: tenant -> weight (weights_of)
+local PICK = nil     -- scheduling: band -> what this call read of its tenants (see load)
 
 -- Claim one popped id. Returns true if it now runs (with scheduling on: its cost);
 -- false for a tombstone, an expired task, or (lb, lt: the lane it was popped from,
@@ -132,6 +133,7 @@ local function take(id, s, lb, lt)
       -- worker put it in K_READY, or a tombstone was its head): move it to its own
       redis.call('LPUSH', K_STREAM .. s, id)
       ring_push(s, false, tb, tt)
+      PICK[tb] = nil  -- its tenant may be new to the band: read it again
       return false
     end
     cost = tonumber(f[13] or '1')
@@ -184,7 +186,8 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
   local BANDS, lane_ring, lane_free, activate = S.BANDS, S.lane_ring, S.lane_free, S.activate
   local rate_wait, rate_charge = S.rate_wait, S.rate_charge
   local PICK_K = 16
-  local VT, DIRTY, SERVED, PICK = {}, {}, {}, {}
+  local VT, DIRTY, SERVED = {}, {}, {}
+  PICK = {}
   local function flush_vt()
     for t in pairs(DIRTY) do
       redis.call('HSET', K_SCHED .. 'vt', t, VT[t])
@@ -339,7 +342,7 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
       if c == nil then
         -- its lane has nothing claimable: not a candidate until work comes back
         redis.call('ZREM', K_SCHED .. 'band:' .. band, t)
-        table.remove(PICK[band][1], at)
+        if PICK[band] then table.remove(PICK[band][1], at) end  -- (nil: read again)
       end
     end
     if c then

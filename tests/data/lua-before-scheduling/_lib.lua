@@ -1,0 +1,481 @@
+--[[ _lib.lua -- shared by every mtq script (pasted in by the loader at "--@include _lib.lua").
+
+KEYS, identical for every script (mtq/broker/keys.py builds them; all carry the
+hash tag {queue}, so every script touches one Redis Cluster slot):
+  KEYS[1]  task key prefix    mtq:{q}:task:      (+ id  -> hash)
+  KEYS[2]  stream key prefix  mtq:{q}:stream:    (+ name -> list of waiting ids, FIFO)
+  KEYS[3]  ready              list: the round-robin ring of claimable streams ('' = stream-less tasks)
+  KEYS[4]  busy               set: streams with a task running or waiting to be retried
+  KEYS[5]  leases             zset: running id -> lease deadline (ms, server time), and
+                              LEASE_MARK -> +inf (see below)
+  KEYS[6]  delayed            zset: id waiting for a retry -> due time (ms)
+  KEYS[7]  dead               list: dead-letter ids, newest first
+  KEYS[8]  wake               list: markers sleeping workers BLPOP on
+  KEYS[9]  stats              hash: O(1) counters
+  KEYS[10] free               list: waiting stream-less ids, FIFO
+  KEYS[11] idempotency prefix mtq:{q}:idem:      (+ key -> task id, expires)
+  KEYS[12] seq                string: lease token counter
+  KEYS[13] output prefix      mtq:{q}:out:       (+ id  -> list of streamed tokens, by index)
+  KEYS[14] trace prefix       mtq:{q}:trace:     (+ id  -> list of "ms|kind|detail", the
+                                                  task's life: queued, started, retry,
+                                                  restarted, released, cancel requested, <terminal
+                                                  status>; expires with the task. Written only
+                                                  for a task that left the happy path: see
+                                                  "Trace" below)
+  KEYS[15] latency            list: submit-to-finish ms of the last LATENCY_KEEP finished
+                              tasks, newest first (dashboards: p50/p99 in O(1) of the queue;
+                              up to LATENCY_SLACK older ones may follow: read the first
+                              LATENCY_KEEP)
+  KEYS[16] failures           list: JSON {id, status, ts, error} of the last FAILURES_KEEP
+                              tasks that ended failed, dead or expired, newest first
+  KEYS[17] cache prefix       mtq:{q}:cache:     (+ model version .. ':' .. payload digest
+                                                  -> a cached result; see submit.lua)
+  KEYS[18] cache index        zset: cache entry key -> expiry (ms), bounds the entries
+  KEYS[19] model              hash: the model the queue's workers serve (target, version,
+                              deterministic, loaded)
+  KEYS[20] idle               hash: worker id -> "expiry ms|lease ms|room" of each worker
+                              asleep with room for tasks (claim.lua registers it; room:
+                              the most one submit hands it);
+                              K_IDLE .. ':' .. worker id is its inbox, a list of claim
+                              replies a submit handed to it (see "Direct delivery")
+ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
+the rest is per script.
+
+Reply channels: a task's hash names the channel of the client that submitted it
+('reply'; clients that wait on a task they did not submit add theirs, space
+separated, see watch.lua). Scripts queue what they tell clients with reply() and publish it with
+flush_replies() at the end, one message per (kind, channel) however many tasks it
+concerns, so a claim of 64 tasks of one client costs one PUBLISH. A message is
+msgpack: {kind, server time in us, items}, items flat per task:
+  queued    id                              (a release or a dead letter retried: back in the queue unrun;
+                                             a submit sends none)
+  started   id, delivery                    (claim)
+  token     id, index, data                 (emit; data is the msgpack-encoded token)
+  progress  id, data                        (emit)
+  restarted id, delivery, reason            (its worker died, or a retry was scheduled:
+                                             the stream goes on where it stopped)
+  done      id, status, value               (finish: the result when succeeded and at most
+                                             REPLY_INLINE bytes, false when larger (read
+                                             the task); the error otherwise)
+The result is written to the task before the message is queued, so a client that
+missed the message reads it from the task.
+
+Prefix keys are the one place where Lua appends to a key name: ids are only
+known inside the script (claim pops them). The hash tag sits in the prefix, so
+the result always hashes to the queue's slot.
+
+Trace: a task on the happy path (queued, started once, ended) has no trace list: its
+lines are read from its own fields (created, started, deliveries, worker, finished,
+status, error; trace_lines() below), which costs no command per task. Its 'trace'
+field is '0' (set by submit). The first time anything else happens to it (a retry, a
+restart, a release, a cancel request, a retry from the dead letters), materialize()
+writes the lines so far into the list and sets 'trace' to '1'; from then on every
+line is stored (claim and finish() add theirs). A task without the field was made
+by an older mtq and has a complete list. trace.lua reads either kind.
+Likewise 'out' = '1' marks a task that streamed tokens (emit.lua), so that finish()
+expires its token list only if there is one.
+
+Fencing: ack, nack and extend act only on a task whose status is 'running' AND
+whose token matches, so a token left in the hash after the task moves on is inert
+(retry and release leave it for the next claim to overwrite).
+
+Direct delivery: a worker whose claim took all there was and left it room is registered
+in K_IDLE (with its lease and that room, or less: the most it names, one batch of a
+claim of many) until it claims again, for at most a window it names (under half a
+lease). A submit that finds one hands it the new tasks that would
+have been claimable at once (a stream-less task while the free list is empty, or the
+head of an empty stream that is not busy): it writes them as claim.lua would have left
+them (running, leased, under a token), up to the worker's room (the most one submit hands
+it: a burst spreads over the sleeping workers), and pushes one claim reply to the
+worker's inbox. The registration stays as it is until its window ends, until a submit
+hands the worker its whole room, until the worker takes it back (its batch slot is full),
+or until a push finds the reply before it still unread (the worker died, or is frozen or busy: so a
+worker killed while it slept takes at most two submits' tasks into its grave, and
+their leases bring them back). The sleeping
+worker's BLPOP returns that reply: one hop instead of a wake-up, a claim and its reply;
+and it goes back to sleep on its inbox without a claim, for as many hand-offs as come
+while it comes back for each. Everything else (retries,
+releases, reclaims) is queued, and a sleeper woken for it with a wake marker. A worker
+that stops or pauses takes its registration back.
+
+Ring invariant (what makes ordering hold): a stream whose list is non-empty and
+which is not in busy is in the ring. The ring may also hold stale or duplicate
+entries; claim checks each popped stream (busy? list empty?) and drops those.
+Cancelled and expired ids may remain in lists as tombstones; claim skips any id
+whose status is not 'queued'.
+]]
+local K_TASK, K_STREAM, K_READY, K_BUSY = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_LEASES, K_DELAYED, K_DEAD, K_WAKE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
+local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
+local K_CACHE, K_CACHEX, K_MODEL, K_IDLE = KEYS[17], KEYS[18], KEYS[19], KEYS[20]
+local LATENCY_KEEP, LATENCY_SLACK, FAILURES_KEEP = 1000, 200, 100
+local EVENTS, CONTROL = ARGV[1], ARGV[2]
+local FREE = ''
+-- results up to this size ride in the done message; larger ones are read from the task
+local REPLY_INLINE = 65536
+-- 'SPUBLISH' in the variant of the scripts for a sharded cluster (mtq/broker/scripts.py):
+-- every channel a script publishes to carries the queue's hash tag, so it is the shard's
+local PUBLISH = 'PUBLISH'
+
+-- A member of the leases set that is no task (ids are at most 64 of [A-Za-z0-9_-]),
+-- scored +inf, and longer than Redis's zset-max-listpack-value (64 by default): it keeps
+-- the set a skiplist, where adding or removing a lease is O(log n), not a scan of the
+-- whole listpack (Redis's encoding for sets of up to 128 small members, which a worker
+-- claiming a batch ahead fills, a scan on every ZADD and ZREM of a lease; its cost:
+-- docs/architecture.md, Redis keys). claim adds it with each batch's leases; it is never
+-- reaped (+inf), and every reader leaves it out (next_timer, orphans.lua; "running" is
+-- ZCOUNT of the finite scores: mtq/broker/protocol.py, mtq/broker/scrape.py, mtq/trace.py).
+local LEASE_MARK = '~ the lease index: keeps this set a skiplist (see _lib.lua), not a task'
+LEASE_MARK = LEASE_MARK .. string.rep('.', 80 - #LEASE_MARK)
+
+-- Add leases: leases = {'+inf', LEASE_MARK, deadline, id, deadline, id, ...}, the mark first
+-- (the set is a skiplist before the leases go in), in one ZADD per 2,000 (Lua's unpack).
+local function add_leases(leases)
+  for i = 1, #leases, 4000 do
+    redis.call('ZADD', K_LEASES, unpack(leases, i, math.min(i + 3999, #leases)))
+  end
+end
+
+-- error codes (mtq/broker/codes.py mirrors them)
+local E_QUEUE_FULL, E_DUPLICATE_ID, E_LEASE_LOST, E_NOT_FOUND, E_FINISHED, E_BAD_ARGUMENT =
+  -1, -2, -3, -4, -5, -6
+
+local NOW_US = 0
+
+-- A number as a command argument or in a string: formatted (sprintf "%.14g", costly
+-- next to a command) once per script for each value. A script formats the same few
+-- values (now, a deadline, a retention) for every task it touches.
+local NUMSTR = {}
+local function num(n)
+  local s = NUMSTR[n]
+  if not s then
+    s = tostring(n)
+    NUMSTR[n] = s
+  end
+  return s
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  NOW_US = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- What this script tells clients, by kind then reply channel (see the header).
+local REPLY_KINDS = {'queued', 'started', 'token', 'progress', 'restarted', 'done'}
+local REPLIES = {}
+local reply
+function reply(kind, channel, a, b, c)
+  if not channel or channel == '' then return end
+  if string.find(channel, ' ', 1, true) then  -- watched by more than one client
+    for ch in string.gmatch(channel, '%S+') do reply(kind, ch, a, b, c) end
+    return
+  end
+  local by = REPLIES[kind]
+  if not by then by = {}; REPLIES[kind] = by end
+  local items = by[channel]
+  if not items then items = {}; by[channel] = items end
+  local n = #items
+  items[n + 1] = a
+  if b ~= nil then items[n + 2] = b end
+  if c ~= nil then items[n + 3] = c end
+end
+
+-- One line of a task's trace (see KEYS[14]).
+local function trace_line(now, kind, detail)
+  return (type(now) == 'number' and num(now) or now) .. '|' .. kind .. '|' .. (detail or '')
+end
+
+-- The hash fields trace_lines() reads (see "Trace" in the header), 'trace' first.
+local TRACE_FIELDS = {'trace', 'created', 'stream', 'started', 'deliveries', 'worker',
+                      'finished', 'status', 'error', 'cached'}
+local TERMINAL = {succeeded = true, failed = true, dead = true, cancelled = true, expired = true}
+
+-- The trace of a task that has no list ('trace' = '0'), from f = HMGET TRACE_FIELDS.
+local function trace_lines(f)
+  if f[10] then  -- answered from the result cache at submit
+    return {trace_line(f[2], 'cached', 'answered from the result cache'),
+            trace_line(f[7], 'succeeded')}
+  end
+  local lines = {}
+  if f[2] then lines[1] = trace_line(f[2], 'queued', f[3] and ('stream ' .. f[3]) or nil) end
+  if f[4] then
+    lines[#lines + 1] = trace_line(f[4], 'started', 'delivery ' .. (f[5] or '1') .. ' on ' .. (f[6] or ''))
+  end
+  if f[7] and TERMINAL[f[8]] then
+    lines[#lines + 1] = trace_line(f[7], f[8], f[8] ~= 'succeeded' and string.sub(f[9] or '', 1, 300) or nil)
+  end
+  return lines
+end
+
+-- The task leaves the happy path: write out its trace so far, once (see the header).
+-- Call it before changing the fields trace_lines() reads.
+local function materialize(id)
+  local tk = K_TASK .. id
+  local f = redis.call('HMGET', tk, unpack(TRACE_FIELDS))
+  if f[1] ~= '0' then return end  -- stored already (or a task of an older mtq)
+  local lines = trace_lines(f)
+  if #lines > 0 then redis.call('RPUSH', K_TRACE .. id, unpack(lines)) end
+  redis.call('HSET', tk, 'trace', '1')
+end
+
+-- A line off the happy path: the trace is stored from now on.
+local function note(id, now, kind, detail)
+  materialize(id)
+  redis.call('RPUSH', K_TRACE .. id, trace_line(now, kind, detail))
+end
+
+-- Finished tasks' latencies and failures, written once per script by flush_replies().
+local LATENCIES, FAILURES = {}, {}
+
+-- Publish what reply() queued, in life-cycle order (tokens before done), and
+-- record the latencies and failures finish() gathered.
+local function flush_replies()
+  if #LATENCIES > 0 then
+    -- trimmed back to LATENCY_KEEP once it is LATENCY_SLACK longer (readers read the
+    -- first LATENCY_KEEP): one command per call, not two
+    if redis.call('LPUSH', K_LATENCY, unpack(LATENCIES)) > LATENCY_KEEP + LATENCY_SLACK then
+      redis.call('LTRIM', K_LATENCY, 0, LATENCY_KEEP - 1)
+    end
+    LATENCIES = {}
+  end
+  if #FAILURES > 0 then
+    redis.call('LPUSH', K_FAILURES, unpack(FAILURES))
+    redis.call('LTRIM', K_FAILURES, 0, FAILURES_KEEP - 1)
+    FAILURES = {}
+  end
+  for _, kind in ipairs(REPLY_KINDS) do
+    local by = REPLIES[kind]
+    if by then
+      for channel, items in pairs(by) do
+        redis.call(PUBLISH, channel, cmsgpack.pack({kind, NOW_US, items}))
+      end
+    end
+  end
+  REPLIES = {}
+end
+
+local function event(name, now, extra)
+  extra = extra or {}
+  extra['event'] = name
+  extra['ts'] = now
+  redis.call(PUBLISH, EVENTS, cjson.encode(extra))
+end
+
+-- Make sure the stream-less marker is in the ring (at most one live marker).
+local function free_mark()
+  if redis.call('HGET', K_STATS, 'free_marked') ~= '1' then
+    redis.call('HSET', K_STATS, 'free_marked', '1')
+    redis.call('RPUSH', K_READY, FREE)
+    return 1
+  end
+  return 0
+end
+
+-- Wake up to n sleeping workers, keeping the marker list at most cap long.
+local function wake(n, cap)
+  if n <= 0 or cap <= 0 then return end
+  local m = {}
+  for i = 1, math.min(n, cap) do m[i] = '1' end
+  -- one command when under the cap (the usual case), a trim back to it when over
+  if redis.call('RPUSH', K_WAKE, unpack(m)) > cap then redis.call('LTRIM', K_WAKE, 0, cap - 1) end
+end
+
+-- Wake one sleeper unless a marker is already waiting.
+local function nudge()
+  if redis.call('LLEN', K_WAKE) == 0 then redis.call('RPUSH', K_WAKE, '1') end
+end
+
+-- The stream has no running task any more: make it claimable if it has work.
+local function release_stream(s)
+  redis.call('SREM', K_BUSY, s)
+  if redis.call('LLEN', K_STREAM .. s) > 0 then
+    redis.call('RPUSH', K_READY, s)
+    return 1
+  end
+  return 0
+end
+
+-- Queue a task at the tail of its stream (s: a name, or false / '' for none) or of
+-- the free list. Returns two counts (0 or 1): the stream or the free list became
+-- claimable (wake a worker), and the stream list was empty before (stats 'streams').
+local function push_tail(id, s)
+  if s and s ~= '' then
+    if redis.call('RPUSH', K_STREAM .. s, id) == 1 then
+      if redis.call('SISMEMBER', K_BUSY, s) == 0 then
+        redis.call('RPUSH', K_READY, s)
+        return 1, 1
+      end
+      return 0, 1
+    end
+    return 0, 0
+  elseif redis.call('RPUSH', K_FREE, id) == 1 then
+    return free_mark(), 0
+  end
+  return 0, 0
+end
+
+-- Put a task back at the head of its stream (or of the free list), claimable at once.
+local function requeue_head(id, s)
+  redis.call('HSET', K_TASK .. id, 'status', 'queued')
+  if s then
+    if redis.call('LPUSH', K_STREAM .. s, id) == 1 then
+      redis.call('HINCRBY', K_STATS, 'streams', 1)
+    end
+    redis.call('SREM', K_BUSY, s)
+    redis.call('LPUSH', K_READY, s)
+  else
+    redis.call('LPUSH', K_FREE, id)
+    free_mark()
+  end
+  redis.call('HINCRBY', K_STATS, 'waiting', 1)
+end
+
+-- Record a terminal state: status, time, retention, and the done message to its client.
+-- own: the result cache entry suffix the task owns and that must be freed, false for
+-- none (or one that answers from now on: ack.lua), nil: not known, read it here.
+-- h: {reply, created, trace, out, ...} as the caller read them (what follows the fourth
+-- is not looked at), or nil: read them here.
+local function finish(id, status, now, ttl, field, value, own, h)
+  local tk = K_TASK .. id
+  if field then
+    redis.call('HSET', tk, 'status', status, 'finished', num(now), field, value)
+  else
+    redis.call('HSET', tk, 'status', status, 'finished', num(now))
+  end
+  if not h then
+    h = redis.call('HMGET', tk, 'reply', 'created', 'trace', 'out', 'cache')
+    if own == nil then own = h[5] end
+  end
+  local v = value or ''
+  local stored = h[3] ~= '0'  -- the trace is a list (see the header)
+  if stored then
+    redis.call('RPUSH', K_TRACE .. id, trace_line(now, status, status ~= 'succeeded' and string.sub(v, 1, 300) or nil))
+  end
+  if ttl > 0 then
+    local ttl_s = num(ttl)
+    redis.call('EXPIRE', tk, ttl_s)
+    -- a task of an older mtq ('trace' not set) may have tokens without 'out'
+    if h[4] or not h[3] then redis.call('EXPIRE', K_OUT .. id, ttl_s) end
+    if stored then redis.call('EXPIRE', K_TRACE .. id, ttl_s) end
+  end
+  if own then
+    -- it owns a result cache entry that must not answer (it failed, was cancelled,
+    -- expired, or its result may not be cached): free it
+    local ek = K_CACHE .. own
+    if redis.call('GET', ek) == id then
+      redis.call('DEL', ek)
+      redis.call('ZREM', K_CACHEX, own)  -- mtq_cache_entries counts what is held
+    end
+  end
+  if status ~= 'cancelled' and status ~= 'expired' and h[2] then
+    LATENCIES[#LATENCIES + 1] = num(now - tonumber(h[2]))  -- (a batch shares a few values)
+  end
+  if status == 'failed' or status == 'dead' or status == 'expired' then
+    FAILURES[#FAILURES + 1] = cjson.encode({id = id, status = status, ts = now,
+      error = string.sub(v, 1, 300)})
+  end
+  if status == 'succeeded' and #v > REPLY_INLINE then v = false end
+  reply('done', h[1], id, status, v)
+end
+
+-- Dead-letter a task; the list keeps at most dead_max ids (the oldest are deleted).
+local function dead_letter(id, now, dead_ttl, dead_max, err)
+  finish(id, 'dead', now, dead_ttl, 'error', err)
+  if redis.call('LPUSH', K_DEAD, id) > dead_max then
+    local old = redis.call('RPOP', K_DEAD)
+    -- the id may have been reused by a live task after the old hash expired
+    if old and old ~= id and redis.call('HGET', K_TASK .. old, 'status') == 'dead' then
+      redis.call('DEL', K_TASK .. old, K_OUT .. old, K_TRACE .. old)
+    end
+  end
+  redis.call('HINCRBY', K_STATS, 'dead_total', 1)
+end
+
+-- Take back one running task whose worker is gone (lease expired, or its
+-- supervisor saw the process die): back to the head of its stream, or dead as
+-- poison after max_deliveries, or cancelled if a cancel was requested while it
+-- ran. f = HMGET of status, stream, deliveries, cancel. The lease is already
+-- removed. Returns 'requeued', 'dead' or 'cancelled', and 1 if that made its
+-- stream claimable (the caller wakes a sleeper).
+local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
+  local s = f[2]
+  local what = 'requeued'
+  if f[4] then
+    finish(id, 'cancelled', now, ttl)
+    redis.call('HINCRBY', K_STATS, 'cancelled', 1)
+    what = 'cancelled'
+  elseif tonumber(f[3] or '0') >= max_deliveries then
+    -- a handler's traceback from an earlier attempt is not this death's
+    redis.call('HDEL', K_TASK .. id, 'traceback')
+    dead_letter(id, now, dead_ttl, dead_max,
+      'PoisonTask: ' .. why .. ' on each of ' .. f[3] .. ' deliveries')
+    what = 'dead'
+  else
+    materialize(id)
+    requeue_head(id, s)
+    note(id, now, 'restarted', why)
+    reply('restarted', redis.call('HGET', K_TASK .. id, 'reply'), id, tonumber(f[3] or '0'), why)
+    return what, 1
+  end
+  if s then return what, release_stream(s) end
+  return what, 0
+end
+
+-- Publish what reclaim() did, grouped: by = {requeued = ids, dead = ids, cancelled = ids}.
+local function reclaim_events(by, now)
+  if #by.requeued > 0 then
+    redis.call('HINCRBY', K_STATS, 'redelivered', #by.requeued)
+    event('restarted', now, {ids = by.requeued})
+  end
+  if #by.dead > 0 then event('dead', now, {ids = by.dead}) end
+  if #by.cancelled > 0 then event('cancelled', now, {ids = by.cancelled}) end
+end
+
+-- Reclaim tasks whose lease expired (their worker died or hung). Returns the
+-- number of expired leases handled.
+local function reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
+  local ids = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, limit)
+  if #ids == 0 then return 0 end
+  local by = {requeued = {}, dead = {}, cancelled = {}}
+  for _, id in ipairs(ids) do
+    redis.call('ZREM', K_LEASES, id)
+    local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream', 'deliveries', 'cancel')
+    if f[1] == 'running' then
+      local what = reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, 'lease expired')
+      by[what][#by[what] + 1] = id
+    end
+  end
+  reclaim_events(by, now)
+  return #ids
+end
+
+-- Move retries that are due back to the head of their stream.
+local function promote_due(now, limit)
+  local ids = redis.call('ZRANGEBYSCORE', K_DELAYED, '-inf', now, 'LIMIT', 0, limit)
+  for _, id in ipairs(ids) do
+    redis.call('ZREM', K_DELAYED, id)
+    local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream')
+    if f[1] == 'delayed' then requeue_head(id, f[2]) end
+  end
+  return #ids
+end
+
+-- Milliseconds until the entry ZRANGE key 0 0 WITHSCORES returned is due (0: due now);
+-- -1 for none (an empty set, or only the leases' LEASE_MARK).
+local function due_in(first, now)
+  if first[2] and first[1] ~= LEASE_MARK then return math.max(0, tonumber(first[2]) - now) end
+  return -1
+end
+
+-- Milliseconds until the earliest lease deadline or retry is due; -1 if none. known:
+-- key -> what the caller's own ZRANGE of it returned, still true (false or nil: read it).
+local function next_timer(now, known)
+  local nxt = -1
+  for _, key in ipairs({K_LEASES, K_DELAYED}) do
+    local first = known and known[key] or redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    local d = due_in(first, now)
+    if d >= 0 and (nxt < 0 or d < nxt) then nxt = d end
+  end
+  return nxt
+end

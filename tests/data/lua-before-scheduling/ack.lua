@@ -1,0 +1,64 @@
+--[[ ack.lua -- record the results of a batch, fenced by lease token.
+KEYS: the standard twenty (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
+ARGV[3] retention s   ARGV[4] n, then n groups of 3: id, lease token, result (msgpack)
+ARGV[5 + 3n] result cache TTL s (0 = off)
+ARGV[6 + 3n] the model version the acking worker serves ('' = not known here, as in a
+  generator's outlet process: only the queue's model record is checked)
+Returns: one code per task: 1 = recorded; E_LEASE_LOST = the task is not running
+  under this token any more (its lease expired and it was reclaimed, or it was
+  already finished): nothing is changed, the result of the current owner stands.
+Result cache (see submit.lua): a task that owns a cache entry ('cache' = version ..
+':' .. digest) answers identical requests from its own hash once it succeeded, so
+filing it costs no command: its retention is raised to the cache TTL if that is
+longer. Only if its version is no longer the queue's model version (K_MODEL) or the
+acking worker's (a fleet half way through a reload must not answer the new model's
+requests with an old model's result), or its result is over REPLY_INLINE bytes (a hit
+answers inline, in one round trip), is its entry deleted (finish() does it).
+]]
+--@include _lib.lua
+local ttl, n = tonumber(ARGV[3]), tonumber(ARGV[4])
+local cache_ttl, version = tonumber(ARGV[5 + 3 * n]), ARGV[6 + 3 * n]
+local now = now_ms()
+local codes, done, woken = {}, {}, 0
+-- A succeeded task's entry may answer identical requests (see the header) if this is
+-- true, its result is small enough, and its entry's version is the queue's model
+-- version (its suffix starts with prefix).
+local keepable, prefix = false, nil
+if cache_ttl > 0 then
+  local model_version = redis.call('HGET', K_MODEL, 'version') or ''
+  keepable = model_version ~= '' and (version == '' or version == model_version)
+  prefix = model_version .. ':'
+end
+
+for i = 0, n - 1 do
+  local b = 5 + i * 3
+  local id, token = ARGV[b], ARGV[b + 1]
+  -- reply, created, trace, out first: finish() takes them as they are (no table a task)
+  local f = redis.call('HMGET', K_TASK .. id, 'reply', 'created', 'trace', 'out', 'status', 'token',
+    'stream', 'cache')
+  if f[5] ~= 'running' or f[6] ~= token then
+    codes[i + 1] = E_LEASE_LOST
+  else
+    local keep, own, result = ttl, f[8] or false, ARGV[b + 2]
+    -- find, plain, not sub: no new string per task
+    if own and keepable and #result <= REPLY_INLINE and string.find(own, prefix, 1, true) == 1 then
+      own = false  -- its entry answers from now on: finish() leaves it
+      keep = math.max(ttl, cache_ttl)
+    end
+    finish(id, 'succeeded', now, keep, 'result', result, own, f)
+    if f[7] then woken = woken + release_stream(f[7]) end
+    codes[i + 1] = 1
+    done[#done + 1] = id
+  end
+end
+if #done > 0 then
+  for i = 1, #done, 4000 do
+    redis.call('ZREM', K_LEASES, unpack(done, i, math.min(i + 3999, #done)))
+  end
+  redis.call('HINCRBY', K_STATS, 'succeeded', #done)
+  event('succeeded', now, {ids = done})
+end
+if woken > 0 then nudge() end
+flush_replies()
+return codes

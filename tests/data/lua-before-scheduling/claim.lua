@@ -1,0 +1,172 @@
+--[[ claim.lua -- reap, promote due retries, then claim up to B tasks.
+KEYS: the standard twenty (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
+ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
+ARGV[6] max deliveries   ARGV[7] reap/promote limit per call
+ARGV[8] retention s   ARGV[9] dead-letter retention s   ARGV[10] dead-letter max length
+ARGV[11] registration window ms: a claim that leaves the worker room (it took all there
+  was, fewer than B) registers it in K_IDLE for this long, with that room, so that a
+  submit may hand it tasks (0 = never; see "Direct delivery" in _lib.lua)
+ARGV[12] '1' if the worker may be registered still (a claim registered it, and no
+  claim since): its inbox is collected first (tasks handed to it meanwhile: nothing
+  more is claimed then), and a claim that fills the batch or finds an inbox drops the
+  registration
+ARGV[13] the most one submit may hand the worker if this claim registers it (its room is
+  the lesser of this and what it left of B; absent, as from an older worker: B): a
+  worker that claims many small batches at once registers with the room of one
+Returns: {next_timer_ms, reaped, inbox, then 9 entries per claimed task:
+  id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
+  age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
+  traceparent (W3C trace context stored by submit, '' = none; see mtq.tracing)}
+  inbox is the list of claim replies handed to the worker (see submit.lua), each a
+  msgpack array of 9 entries per task as above; empty unless ARGV[12] is '1'.
+  next_timer_ms is the time until the earliest lease deadline or due retry (-1: none);
+  a worker that claimed nothing blocks on the wake list for at most that long.
+Order: streams are taken round robin from the ring, one task each (the head of
+the stream, which becomes busy); the stream-less marker gives one task per turn;
+capacity left after the ring is empty is filled from the stream-less list.
+A task whose deadline has passed is marked expired and skipped, never run.
+]]
+--@include _lib.lua
+local worker, B, lease = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local max_deliveries, limit = tonumber(ARGV[6]), tonumber(ARGV[7])
+local ttl, dead_ttl, dead_max = tonumber(ARGV[8]), tonumber(ARGV[9]), tonumber(ARGV[10])
+local window, registered = tonumber(ARGV[11]), ARGV[12] == '1'
+local most = tonumber(ARGV[13] or '') or B
+local now = now_ms()
+-- handed to it since it last came back to its inbox: those are its batch (nothing more
+-- is claimed now; its registration is dropped below)
+local inbox = {}
+if registered then
+  local ik = K_IDLE .. ':' .. worker
+  inbox = redis.call('LRANGE', ik, 0, -1)
+  if #inbox > 0 then
+    redis.call('DEL', ik)
+    B = 0
+  end
+end
+-- The earliest lease deadline and retry, read once: the reaper and the promoter run only
+-- when one is due, and the timer this call returns is worked out from them (a list read
+-- again only if the reaper or the promoter changed it).
+local first_lease = redis.call('ZRANGE', K_LEASES, 0, 0, 'WITHSCORES')
+local first_retry = redis.call('ZRANGE', K_DELAYED, 0, 0, 'WITHSCORES')
+local reaped = 0
+if due_in(first_lease, now) == 0 then
+  reaped = reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
+  first_lease = false
+end
+if due_in(first_retry, now) == 0 then
+  promote_due(now, limit)
+  first_retry = false
+end
+
+local out = {0, reaped, inbox}
+local n, taken, base = 0, 0, false
+local until_ms = now + lease
+local claimed, expired = {}, {}
+-- every task claimed here gets its lease in one command (see add_leases)
+local leases, nl = {'+inf', LEASE_MARK}, 2
+-- what the ring and the free list were left as (each known empty saves a read at the end)
+local ring_empty, free_empty = false, false
+
+-- Claim one popped id. Returns true if it now runs; false for a tombstone or an expired task.
+local function take(id, s)
+  local tk = K_TASK .. id
+  local f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries',
+    'created', 'reply', 'traceparent', 'trace')
+  if f[1] ~= 'queued' then
+    -- a cancelled tombstone: its retention starts now that it left the list
+    if f[1] == 'cancelled' then
+      redis.call('EXPIRE', tk, ttl)
+      if f[10] ~= '0' then redis.call('EXPIRE', K_TRACE .. id, ttl) end
+    end
+    return false
+  end
+  taken = taken + 1
+  if f[3] and tonumber(f[3]) < now then
+    finish(id, 'expired', now, ttl)
+    expired[#expired + 1] = id
+    return false
+  end
+  n = n + 1
+  if not base then base = redis.call('INCRBY', K_SEQ, B) - B end  -- B tokens, for this call
+  local token = tostring(base + n)
+  local deliveries = tonumber(f[4] or '0') + 1
+  redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
+    'started', num(now), 'deliveries', f[4] and num(deliveries) or '1')
+  leases[nl + 1] = num(until_ms)
+  leases[nl + 2] = id
+  nl = nl + 2
+  if f[10] ~= '0' then  -- its trace is stored (see _lib.lua)
+    redis.call('RPUSH', K_TRACE .. id, trace_line(now, 'started', 'delivery ' .. deliveries .. ' on ' .. worker))
+  end
+  local o = 3 + 9 * (n - 1)  -- (#out, without its search)
+  out[o + 1] = id; out[o + 2] = token; out[o + 3] = f[2]; out[o + 4] = s or ''
+  out[o + 5] = f[5] or '0'; out[o + 6] = deliveries; out[o + 7] = f[6] or ''
+  out[o + 8] = math.max(0, now - tonumber(f[7] or now))
+  out[o + 9] = f[9] or ''
+  claimed[n] = id
+  reply('started', f[8], id, deliveries)
+  return true
+end
+
+while n < B do
+  local s = redis.call('LPOP', K_READY)
+  if not s then ring_empty = true; break end
+  if s == FREE then
+    redis.call('HSET', K_STATS, 'free_marked', '0')
+    while true do
+      local id = redis.call('LPOP', K_FREE)
+      if not id or take(id, false) then break end
+    end
+  elseif redis.call('SISMEMBER', K_BUSY, s) == 0 then
+    local sk, popped = K_STREAM .. s, false
+    while true do
+      local id = redis.call('LPOP', sk)
+      if not id then break end
+      popped = true
+      if take(id, s) then
+        redis.call('SADD', K_BUSY, s)
+        break
+      end
+    end
+    if popped and redis.call('LLEN', sk) == 0 then redis.call('HINCRBY', K_STATS, 'streams', -1) end
+  end
+end
+-- Tombstones (cancelled, expired) do not count: keep popping until full or empty.
+while n < B do
+  local ids = redis.call('LPOP', K_FREE, B - n)
+  if not ids then free_empty = true; break end
+  for _, id in ipairs(ids) do take(id, false) end
+end
+if #leases > 2 then add_leases(leases) end
+local marked = 0
+if not free_empty and redis.call('LLEN', K_FREE) > 0 then marked = free_mark() end
+if taken > 0 then redis.call('HINCRBY', K_STATS, 'waiting', -taken) end
+if #expired > 0 then
+  redis.call('HINCRBY', K_STATS, 'expired', #expired)
+  event('expired', now, {ids = expired})
+end
+if n > 0 then event('started', now, {ids = claimed, worker = worker}) end
+-- it took all there was and has room left: a submit may hand it tasks from now on (see
+-- _lib.lua; a worker that was busy when the queue emptied becomes one to hand to here)
+local room = math.min(B - n, most)
+if room > 0 and window > 0 then
+  redis.call('HSET', K_IDLE, worker, num(now + window) .. '|' .. num(lease) .. '|' .. num(room))
+elseif registered then
+  redis.call('HDEL', K_IDLE, worker)
+end
+-- Work left over: wake one more worker to help (it will chain on if still more).
+-- No work left: drop stale markers so sleepers do not wake for nothing.
+if marked == 1 or (not ring_empty and redis.call('LLEN', K_READY) > 0) then
+  nudge()
+else
+  redis.call('DEL', K_WAKE)
+end
+-- from the reads above (a list the reaper or the promoter changed is read again); a
+-- lease taken here ends at until_ms
+local nxt = next_timer(now, {[K_LEASES] = first_lease, [K_DELAYED] = first_retry})
+if n > 0 and (nxt < 0 or lease < nxt) then nxt = lease end
+out[1] = nxt
+flush_replies()
+return out

@@ -1,0 +1,292 @@
+--[[ submit.lua -- enqueue one or many tasks in one call.
+KEYS: the standard twenty (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
+ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
+ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
+ARGV[7] n, then n groups of 8: id, payload, stream ('' = none), key ('' = none),
+        ttl_ms (0 = no deadline), retries ('' = the worker's default),
+        digest (the result cache's digest of the payload, '' = do not cache),
+        traceparent (W3C trace context of the submitting request, '' = none)
+ARGV[8 + 8n] retention s (of a task answered from the result cache)
+ARGV[9 + 8n] result cache TTL s   ARGV[10 + 8n] most cache entries
+ARGV[11 + 8n] how long an entry may point at a task still queued or running (s)
+Returns {handed, answer}: how many of the tasks went to a sleeping worker (direct
+  delivery, below; the client then yields its CPU once, so that a worker it shares
+  the CPU with runs the task before the client's own bookkeeping), and the answer: a
+  list with one entry per task: its id (for an idempotency hit, the id
+  of the task that already holds the key; for a single-flight join, the id of the
+  identical task queued or running) or E_DUPLICATE_ID when the id exists, or
+  {id, result} for a result-cache hit: the task was created succeeded, its result
+  inline (and no done message is published: the submitter has it here). Or
+  {E_QUEUE_FULL, waiting} when the n tasks would not fit (nothing is written).
+
+Direct delivery (see _lib.lua): a task that would be claimable at once (stream-less
+while the free list is empty, or the head of an empty stream that is not busy) goes to
+a worker registered idle in K_IDLE, if one is, up to its room (what its slot could take:
+the most one call hands it; the next task goes to the next registration): written
+running under a lease token of this call, as claim.lua would leave it, and pushed to
+the worker's inbox as one claim reply (an msgpack array of claim.lua's 9 entries per
+task) per worker. Its registration stays as it is until its window ends, a call hands
+it its whole room, or a hand-off finds the one before it still in the inbox (the
+worker did not come back to its BLPOP: it died, or is frozen or busy).
+It is not counted waiting, sends the events channel 'started' ({ids, worker}) but its
+client nothing (see hand()), and costs no wake-up marker.
+
+Result cache (see docs/operations.md): a digest is 'c' or 'u' (the payload has no
+integer seed) then the hex digest of the payload. It is used only if the queue's
+model record (K_MODEL) has a version, and, for a generator, the request is seeded
+('c') or the model deterministic; and never when the model set cacheable 0. The
+entry K_CACHE .. version .. ':' .. hex holds the id of the task that runs (or ran)
+that request; the result stays in that task's hash (no copy). A submit that finds
+it answers from the task if it succeeded within the TTL and names this entry
+('cache' field: anything else is a corrupt entry, a miss), joins it if it is queued,
+running or delayed, and otherwise takes the entry over. So a miss costs a GET and a
+SET here (the index once per call) and nothing in ack.lua; finish() deletes an
+entry whose task ends otherwise than succeeded.
+]]
+--@include _lib.lua
+local max_length, cap, window, n = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[7])
+local reply_to = ARGV[6]
+local retention, cache_ttl = tonumber(ARGV[8 + n * 8]), tonumber(ARGV[9 + n * 8])
+local cache_max, run_ttl = tonumber(ARGV[10 + n * 8]), tonumber(ARGV[11 + n * 8])
+local now = now_ms()
+if max_length > 0 then
+  local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
+  if waiting + n > max_length then return {0, {E_QUEUE_FULL, waiting}} end
+end
+local out, added, newly, new_streams = {}, 0, 0, 0
+local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
+local indexed = {}  -- score, member pairs: the entries this call points at new tasks
+
+-- Direct delivery (see the header): the live registrations, read at the first task that
+-- could go to one (nil: not read yet); each {worker, lease ms, room left in this call,
+-- claim reply, ids}
+local idle, at, handed = nil, 1, 0
+local free_empty = nil  -- the free list is known empty (nil: not read yet)
+local base = false      -- lease tokens, taken once for the whole call
+local leases = {'+inf', LEASE_MARK}  -- the handed tasks' leases (see add_leases)
+-- the stream-less tasks queued, in order: one RPUSH to the free list for all of them
+local free_ids = {}
+
+-- The registered worker that takes the next task, or nil.
+local function idle_worker()
+  if not idle then
+    idle = {}
+    local all, stale = redis.call('HGETALL', K_IDLE), {}
+    for j = 1, #all, 2 do
+      local expiry, lease, room = string.match(all[j + 1], '^(%d+)|(%d+)|(%d+)$')
+      if expiry and tonumber(expiry) > now then
+        idle[#idle + 1] = {all[j], tonumber(lease), tonumber(room), {}, {}}
+      else
+        stale[#stale + 1] = all[j]  -- its worker did not come back: stopped, or died
+      end
+    end
+    if #stale > 0 then redis.call('HDEL', K_IDLE, unpack(stale)) end
+  end
+  while idle[at] and idle[at][3] == 0 do at = at + 1 end
+  return idle[at]
+end
+
+-- Would a task of stream s (or stream-less: '') be claimable at once?
+local function deliverable(s)
+  if s ~= '' then
+    return redis.call('LLEN', K_STREAM .. s) == 0 and redis.call('SISMEMBER', K_BUSY, s) == 0
+  end
+  if free_empty == nil then free_empty = redis.call('LLEN', K_FREE) == 0 end
+  return free_empty
+end
+
+-- Write task id (fields f) running under worker w, as a claim of it would leave it.
+local function hand(w, id, s, f, payload, retries, traceparent)
+  if not base then base = redis.call('INCRBY', K_SEQ, n) - n end  -- n tokens, for this call
+  handed = handed + 1
+  local token = tostring(base + handed)
+  f[4] = 'running'
+  f[#f + 1] = 'worker'; f[#f + 1] = w[1]
+  f[#f + 1] = 'token'; f[#f + 1] = token
+  f[#f + 1] = 'started'; f[#f + 1] = num(now)
+  f[#f + 1] = 'deliveries'; f[#f + 1] = '1'
+  redis.call('HSET', K_TASK .. id, unpack(f))
+  if s ~= '' then redis.call('SADD', K_BUSY, s) end
+  leases[#leases + 1] = num(now + w[2])
+  leases[#leases + 1] = id
+  local r = w[4]
+  local o = #r
+  r[o + 1] = id; r[o + 2] = token; r[o + 3] = payload; r[o + 4] = s
+  r[o + 5] = '0'; r[o + 6] = 1; r[o + 7] = retries; r[o + 8] = 0; r[o + 9] = traceparent
+  w[5][#w[5] + 1] = id
+  w[3] = w[3] - 1
+  -- no 'started' message: its one reply channel is the submitter's, which has no feed of
+  -- the task open before this call returns (a client's hub drops a non-terminal event
+  -- nobody waits for), and no other client knows the id yet
+end
+
+-- The cache entry suffix of a digest (version .. ':' .. hex), or nil: not cacheable.
+local function cache_suffix(digest)
+  if not model then
+    model = redis.call('HMGET', K_MODEL, 'version', 'kind', 'deterministic', 'cacheable')
+  end
+  local version = model[1]
+  if not version or version == '' or model[4] == '0' then return nil end
+  if string.sub(digest, 1, 1) == 'u' and model[2] == 'generator' and model[3] ~= '1' then
+    return nil
+  end
+  return version .. ':' .. string.sub(digest, 2)
+end
+
+-- What the cache holds for a suffix: the result of the task it names (succeeded
+-- within the TTL), or the id of that task still queued, running or delayed; nil, nil
+-- for nothing usable (the caller's own task takes the entry over).
+local function cache_get(suffix)
+  local owner = redis.call('GET', K_CACHE .. suffix)
+  if not owner then return nil, nil end
+  local f = redis.call('HMGET', K_TASK .. owner, 'status', 'result', 'finished', 'cache')
+  if f[4] ~= suffix then return nil, nil end  -- gone, or not this entry's: corrupt
+  if f[1] == 'succeeded' then
+    if f[2] and f[3] and now - tonumber(f[3]) <= cache_ttl * 1000 then return f[2], nil end
+    return nil, nil
+  end
+  if f[1] == 'queued' or f[1] == 'running' or f[1] == 'delayed' then return nil, owner end
+  return nil, nil
+end
+
+for i = 0, n - 1 do
+  local b = 8 + i * 8
+  local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
+  local digest, traceparent = ARGV[b + 6], ARGV[b + 7]
+  local tk = K_TASK .. id
+  local existing = false
+  if key ~= '' then existing = redis.call('GET', K_IDEM .. key) end
+  if existing then
+    out[i + 1] = existing
+  elseif redis.call('EXISTS', tk) == 1 then
+    out[i + 1] = E_DUPLICATE_ID
+  else
+    local suffix, hit, running = nil, nil, nil
+    if digest ~= '' then
+      suffix = cache_suffix(digest)
+      if suffix then hit, running = cache_get(suffix) end
+    end
+    if hit then
+      -- the task as finish() would leave it, in one HSET (a hit is the cache's hot
+      -- path): succeeded, its result, its retention, a latency of 0; its trace is read
+      -- from these fields ('cached'). No
+      -- done message: the submitter has the result in this reply, and nobody else
+      -- knows the new id yet (the reply channel is stored for a retried submit)
+      local f = {'payload', payload, 'status', 'succeeded', 'created', num(now),
+                 'finished', num(now), 'result', hit, 'cached', suffix, 'trace', '0'}
+      if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
+      if key ~= '' then
+        f[#f + 1] = 'key'; f[#f + 1] = key
+        redis.call('SET', K_IDEM .. key, id, 'EX', window)
+      end
+      if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
+      redis.call('HSET', tk, unpack(f))
+      if retention > 0 then redis.call('EXPIRE', tk, retention) end
+      LATENCIES[#LATENCIES + 1] = 0
+      hits = hits + 1
+      cached_ids[hits] = id
+      out[i + 1] = {id, hit}
+    elseif running then
+      if key ~= '' then redis.call('SET', K_IDEM .. key, running, 'EX', window) end
+      joined = joined + 1
+      out[i + 1] = running
+    else
+    -- 'trace' '0': its trace is read from its fields until it leaves the happy path
+    local f = {'payload', payload, 'status', 'queued', 'created', num(now), 'trace', '0'}
+    if s ~= '' then f[#f + 1] = 'stream'; f[#f + 1] = s end
+    if key ~= '' then
+      f[#f + 1] = 'key'; f[#f + 1] = key
+      redis.call('SET', K_IDEM .. key, id, 'EX', window)
+    end
+    if ttl ~= '0' then f[#f + 1] = 'deadline'; f[#f + 1] = now + tonumber(ttl) end
+    if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
+    if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
+    if traceparent ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = traceparent end
+    if suffix then
+      -- last: the fields read on the hot path are found before it (a small hash is a
+      -- listpack, searched from its head)
+      f[#f + 1] = 'cache'; f[#f + 1] = suffix
+      redis.call('SET', K_CACHE .. suffix, id, 'EX', cache_ttl + run_ttl)
+      indexed[#indexed + 1] = now + (cache_ttl + run_ttl) * 1000
+      indexed[#indexed + 1] = suffix
+      misses = misses + 1
+    end
+    local w = (idle == nil or idle[at]) and idle_worker()
+    if w and deliverable(s) then
+      hand(w, id, s, f, payload, retries, traceparent)
+    else
+      redis.call('HSET', tk, unpack(f))
+      if s == '' then
+        free_ids[#free_ids + 1] = id  -- pushed all at once, after the loop
+        free_empty = false
+      else
+        local claimable, new_stream = push_tail(id, s)
+        newly, new_streams = newly + claimable, new_streams + new_stream
+      end
+    end
+    added = added + 1
+    out[i + 1] = id
+    -- no 'queued' message: the submitter has this reply, and nobody else knows the id
+    end
+  end
+end
+if #free_ids > 0 then
+  local was = nil  -- the free list's length before the first push
+  for j = 1, #free_ids, 4000 do
+    local last = math.min(j + 3999, #free_ids)
+    local len = redis.call('RPUSH', K_FREE, unpack(free_ids, j, last))
+    if not was then was = len - (last - j + 1) end
+  end
+  if was == 0 then newly = newly + free_mark() end  -- it became claimable
+end
+if hits > 0 then
+  redis.call('HINCRBY', K_STATS, 'submitted', hits)
+  redis.call('HINCRBY', K_STATS, 'succeeded', hits)
+  redis.call('HINCRBY', K_STATS, 'cache_hits', hits)
+  event('succeeded', now, {ids = cached_ids, cached = true})
+end
+if misses > 0 then
+  redis.call('HINCRBY', K_STATS, 'cache_misses', misses)
+  -- the index bounds the entries: expired ones leave it, the soonest to expire go past
+  -- the most (their tasks keep their results for their own retention)
+  redis.call('ZREMRANGEBYSCORE', K_CACHEX, '-inf', now)
+  redis.call('ZADD', K_CACHEX, unpack(indexed))
+  local over = redis.call('ZCARD', K_CACHEX) - cache_max
+  if over > 0 then
+    local popped = redis.call('ZPOPMIN', K_CACHEX, over)
+    local gone = {}
+    for j = 1, #popped, 2 do
+      gone[#gone + 1] = K_CACHE .. popped[j]
+      if #gone == 1000 then redis.call('DEL', unpack(gone)); gone = {} end
+    end
+    if #gone > 0 then redis.call('DEL', unpack(gone)) end
+  end
+end
+if joined > 0 then redis.call('HINCRBY', K_STATS, 'cache_joined', joined) end
+if handed > 0 then
+  add_leases(leases)
+  local ended = {}
+  for _, w in ipairs(idle) do
+    if #w[5] > 0 then
+      -- its claim reply, as claim.lua's tasks part (its lease is the one it registered).
+      -- The registration stays as it is while the worker comes back for every reply
+      -- and no call hands it its whole room (what its slot could take); a reply it has
+      -- not popped yet (it did not come back to its BLPOP: it died, or is frozen or
+      -- busy) ends it: no more for it until it claims again
+      local unread = redis.call('RPUSH', K_IDLE .. ':' .. w[1], cmsgpack.pack(w[4])) > 1
+      if unread or w[3] == 0 then ended[#ended + 1] = w[1] end
+      event('started', now, {ids = w[5], worker = w[1]})
+    end
+  end
+  if #ended > 0 then redis.call('HDEL', K_IDLE, unpack(ended)) end
+end
+if added > 0 then
+  if added > handed then redis.call('HINCRBY', K_STATS, 'waiting', added - handed) end
+  redis.call('HINCRBY', K_STATS, 'submitted', added)
+  if new_streams > 0 then redis.call('HINCRBY', K_STATS, 'streams', new_streams) end
+  wake(newly, cap)
+  event('queued', now, {n = added})
+end
+flush_replies()
+return {handed, out}
