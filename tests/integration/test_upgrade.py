@@ -108,7 +108,7 @@ def test_an_older_worker_releases_a_stream_whose_next_task_has_a_tenant(
     assert old.ack([held]) == [1]
     assert r.lrange(QueueKeys(qname).ready, 0, -1) == [b"s"], "the older ack's ring"
     got = c.claim(2)
-    assert [t.id for t in got][0] == second.id, "moved to the interactive lane, first"
+    assert got[0].id == second.id, "moved to the interactive lane, first"
     c.settle([mtq.Outcome(t, ok=True, value=1) for t in got])
     assert second.result(timeout=10) == 1 and first.result(timeout=10) == "old"
 
@@ -126,6 +126,6 @@ def test_a_stream_moved_within_its_band_does_not_stop_the_claim(qname: str, redi
     (held,) = old.claim(1)
     assert held[0] == first.id and old.ack([held]) == [1]
     got = c.claim(2)
-    assert [t.id for t in got][0] == second.id
+    assert got[0].id == second.id
     c.settle([mtq.Outcome(t, ok=True, value=1) for t in got])
     assert q.stats()["waiting"] == 0 and second.result(timeout=10) == 1
