@@ -75,7 +75,11 @@ def parse(name: str, text: str | bytes) -> Any:
 
 
 def text(value: Any) -> str:
-    """How a value is stored (and shown): booleans as true/false."""
+    """How a value is stored (and shown): booleans as true/false, a mapping (tenant
+    weights, rate limits) as ``key=value,...``."""
+    if isinstance(value, Mapping):
+        return ",".join(f"{k}={v!r}" if isinstance(v, float) else f"{k}={v}"
+                        for k, v in sorted(value.items()))
     return ("true" if value else "false") if isinstance(value, bool) else str(value)
 
 

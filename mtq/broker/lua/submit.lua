@@ -139,6 +139,7 @@ end
 
 -- Deadline admission (see _lib.lua): the cost waiting ahead of each such task, at the
 -- measured service rate, must let it start before its deadline.
+local ADMIT_MARGIN = 1.1
 if admitting then
   local meter = redis.call('HGET', K_SCHED .. 'vt', '~rate')
   local rate = tonumber(meter or '0')  -- cost per second; 0: not measured yet (admit)
@@ -173,7 +174,9 @@ if admitting then
           end
         end
         ahead = ahead + own
-        local start_in = ahead * 1000 / rate
+        -- with a margin of ADMIT_MARGIN for the rate's error (it is an average over
+        -- windows of 2 s: the backlog of an overloaded queue sits at the deadline)
+        local start_in = ahead * 1000 / rate * ADMIT_MARGIN
         local ttl_ms = tonumber(ARGV[b + 4])
         if start_in > ttl_ms then
           local all = {}
