@@ -85,6 +85,9 @@ local FIELDS = {'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retr
 local SCHED_FIELDS = {'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries', 'created',
   'reply', 'traceparent', 'trace', 'band', 'tenant', 'cost'}
 local weights = nil  -- scheduling: tenant -> weight (weights_of)
+-- scheduling: tenants' virtual times as this claim charges them, the lanes' served cost,
+-- and each band's candidates (see load() below)
+local VT, DIRTY, SERVED, PICK = {}, {}, {}, {}
 
 -- Claim one popped id. Returns true if it now runs (with scheduling on: its cost);
 -- false for a tombstone, an expired task, or (lb, lt: the lane it was popped from,
@@ -108,6 +111,7 @@ local function take(id, s, lb, lt)
       -- worker put it in K_READY, or a tombstone was its head): move it to its own
       redis.call('LPUSH', K_STREAM .. s, id)
       ring_push(s, false, tb, tt)
+      PICK[tb] = nil  -- its tenant may be new to that band's candidates: read them again
       return false
     end
     cost = tonumber(f[13] or '1')
@@ -149,7 +153,6 @@ end
 local sched = sched_on()
 -- Scheduling on: claim from the lanes (see the header and _lib.lua).
 local PICK_K = 16
-local VT, DIRTY, SERVED, PICK = {}, {}, {}, {}
 local function flush_vt()
   for t in pairs(DIRTY) do
     redis.call('HSET', K_SCHED .. 'vt', t, VT[t])
@@ -227,7 +230,7 @@ if sched then
   -- an older producer's or worker's tasks reach K_READY alone: that lane is a candidate
   if redis.call('LLEN', K_READY) > 0 then activate('s', '') end
   local st = redis.call('HMGET', K_SCHED .. 'vt', '~V', '~s', '~b')
-  local clock, credit = tonumber(st[1] or '0'), {s = tonumber(st[2] or '0'), b = tonumber(st[3] or '0')}
+  local clock, credit = tonumber(st[1] or '0'), {s = tonumber(st[2] or ''), b = tonumber(st[3] or '')}
   local ratio = (share > 0 and share < 100) and share / (100 - share) or 0
   local first_clock = clock
   while n < B do
@@ -240,13 +243,14 @@ if sched then
     if ratio > 0 then
       -- a lower band with work and a credit above 0 goes first (highest first)
       for _, b in ipairs(BANDS) do
-        if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') and credit[b] > 0 and pick(b) then
+        if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') and (credit[b] or 0) > 0 and pick(b) then
           band = b
           break
         end
       end
     end
     local t, at = pick(band)
+    local p = PICK[band]
     local c = take_lane(band, t)
     if c then
       if VT[t] > clock then clock = VT[t] end
@@ -260,11 +264,11 @@ if sched then
         for _, b in ipairs(BANDS) do
           if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') then
             if not pick(b) then
-              credit[b] = 0  -- no work: it starts afresh when work comes
+              credit[b] = nil  -- no work: it starts afresh when work comes
             else
               -- a band that starts waiting owes a task of this cost first, so that
               -- it is served once in every 1 + 1 / ratio tasks of like cost
-              if credit[b] == 0 then credit[b] = -c end
+              if credit[b] == nil then credit[b] = -c end
               credit[b] = credit[b] + c * ratio
             end
           end
@@ -273,13 +277,13 @@ if sched then
     else
       -- its lane has nothing claimable: not a candidate until work comes back
       redis.call('ZREM', K_SCHED .. 'band:' .. band, t)
-      table.remove(PICK[band][1], at)
+      if PICK[band] == p then table.remove(p[1], at) end
     end
   end
   flush_vt()
   for l, c in pairs(SERVED) do redis.call('HINCRBYFLOAT', K_SCHED .. 'served', l, c) end
   if n > 0 or clock ~= first_clock then
-    redis.call('HSET', K_SCHED .. 'vt', '~V', clock, '~s', credit.s, '~b', credit.b)
+    redis.call('HSET', K_SCHED .. 'vt', '~V', clock, '~s', credit.s or '', '~b', credit.b or '')
   end
   if n >= B then
     ring_empty = not (pick('i') or pick('s') or pick('b'))
