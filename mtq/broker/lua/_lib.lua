@@ -117,7 +117,8 @@ after K_SCHED:
                   weight, summed; '~V' -> the virtual clock, the least virtual time a
                   claim picked (a tenant that comes back after an idle time starts there:
                   it banks no credit for the time it was away)
-                  '~s', '~b' -> the credit of bands s and b against starvation (claim.lua)
+                  '~s', '~b' -> the credit of bands s and b against starvation (claim.lua;
+                  '': the band had no work waiting at the last claim)
   served          hash: '<b>:<t>' -> the cost served to the lane (charged at claim,
                   settled at the end with the cost the worker reports)
   lanes           set: '<b>:<t>' of every lane that had work (purge and status read it)
