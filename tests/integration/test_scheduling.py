@@ -381,6 +381,18 @@ def test_a_tenant_stream_pushed_to_the_plain_ring_is_claimed_and_moved_to_its_la
     assert served(r, q) == {"s:A": 10.0}
 
 
+def test_a_stream_whose_cancelled_head_hid_another_tenant_s_task_is_claimed(
+        qname: str, redis_url: str, r: redis.Redis) -> None:
+    """The claim that finds the tombstone moves the stream to the lane of its new head
+    and takes it (it used to take nothing, as above; found by the state machine)."""
+    q, c = make(qname, redis_url)
+    head, nxt = q.submit_many([mtq.Request({"i": 0}, stream="a"),
+                               mtq.Request({"i": 1}, stream="a", tenant="A", cost=2)])
+    assert head.cancel()
+    assert [t.id for t in c.claim(1)] == [nxt.id]
+    assert served(r, q) == {"s:A": 2.0}
+
+
 def test_purge_empties_every_lane(qname: str, redis_url: str, r: redis.Redis) -> None:
     q, c = make(qname, redis_url)
     q.submit_many([{"i": i} for i in range(3)], tenant="A", priority="batch")
