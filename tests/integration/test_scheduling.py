@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections import Counter as Tally
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,8 @@ from mtq.broker.protocol import read_traces
 from mtq.cli.main import cli
 from mtq.errors import ConfigError, InvalidArgument, InvalidName
 from tests.models import Counter
+from tests.support.processes import kill_process, worker_process
+from tests.support.waits import wait_for
 from tests.support.workers import FAST, Recorder, make_worker, serving
 
 pytestmark = pytest.mark.timeout(60)
@@ -115,6 +118,15 @@ def test_band_min_share_bounds_the_starvation_of_batch(qname: str, redis_url: st
     bands = Tally(claim_one(q, c, r)[1] for _ in range(100))
     assert share - 2 <= bands["b"] <= share + 1, (share, bands)
     assert served(r, q)["b:"] == bands["b"]
+
+
+def test_with_interactive_backlogged_standard_and_batch_each_get_their_share(
+        qname: str, redis_url: str, r: redis.Redis) -> None:
+    q, c = make(qname, redis_url, band_min_share=10)
+    for band in ("interactive", "standard", "batch"):
+        q.submit_many([{"i": i} for i in range(120)], priority=band)
+    bands = Tally(claim_one(q, c, r)[1] for _ in range(100))
+    assert 7 <= bands["s"] <= 11 and 7 <= bands["b"] <= 11, bands
 
 
 def test_band_min_share_0_is_strict_priority(qname: str, redis_url: str,
@@ -326,6 +338,37 @@ def _run_some(c: Consumer, runs: list[mtq.Claimed], cost: dict[str, int],
     c.settle([Outcome(t, ok=True, cost=cost[t.id] / 2) for t in got])
     runs.extend(got)
     return len(got)
+
+
+def test_a_real_worker_killed_mid_task_keeps_its_charge_and_the_rerun_settles(
+        qname: str, redis_url: str, r: redis.Redis, subprocess_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """``mtq worker run`` SIGKILLed while its handler runs a task (claimed, charged, not
+    settled): the charge stands; after the lease the task runs again on another worker,
+    which charges it again and settles its reported cost; it succeeds once."""
+    q = mtq.Queue(qname, redis_url)
+    q.configure(lease_ms=800)
+    gate = tmp_path / "gate"
+    gate.touch()
+    quick = q.submit({"i": 0, "cost": 5}, tenant="B", cost=10)
+    with (tmp_path / "worker.log").open("wb") as log:
+        proc = worker_process(["tests.handlers:gated_costed", "-q", qname], subprocess_env, log)
+        try:
+            assert quick.result(timeout=20)["i"] == 0
+            held = q.submit({"i": 1, "cost": 30, "gate": str(gate)}, tenant="A", cost=100)
+            wait_for(lambda: held.status() == "running", 20, "the gated task never started")
+            assert served(r, q) == {"s:B": 5.0, "s:A": 100.0}
+        finally:
+            kill_process(proc)
+    assert held.status() == "running" and served(r, q)["s:A"] == 100.0
+    gate.unlink()
+    with serving(make_worker("tests.handlers:gated_costed", qname, redis_url)):
+        assert held.result(timeout=20)["i"] == 1
+    assert held.info().deliveries == 2
+    assert served(r, q) == {"s:B": 5.0, "s:A": 100.0 + 100.0 + (30.0 - 100.0)}
+    (trace,) = read_traces(r, qname, [held.id])
+    assert sum(1 for step in trace if b"|succeeded|" in step) == 1
+    assert q.stats()["succeeded"] == 2 and q.stats()["running"] == 0
 
 
 def test_a_dead_worker_given_back_by_its_supervisor_keeps_its_charge(
@@ -542,17 +585,23 @@ def test_the_cli_refuses_bad_scheduling_options_with_exit_2(
     assert queue_keys(r, qname) <= {f"mtq:{{{qname}}}:config".encode()}, queue_keys(r, qname)
 
 
-@pytest.mark.parametrize("value", ["a=0", "a=-1", "a=nan", "a b=1", "a=inf"])
-def test_the_cli_refuses_bad_tenant_weights_with_exit_2(qname: str, redis_url: str,
-                                                        value: str) -> None:
+@pytest.mark.parametrize("key,value", [
+    ("tenant_weights", "a=0"), ("tenant_weights", "a=-1"), ("tenant_weights", "a=nan"),
+    ("tenant_weights", "a b=1"), ("tenant_weights", "a=inf"), ("band_min_share", "100"),
+    ("band_min_share", "-1"), ("default_cost", "nan"), ("default_cost", "-3"),
+])
+def test_the_cli_refuses_bad_scheduling_settings_with_exit_2(qname: str, redis_url: str,
+                                                             r: redis.Redis, key: str,
+                                                             value: str) -> None:
     runner = CliRunner()
     ok = runner.invoke(cli, ["queue", "config", qname, "tenant_weights", "a=2",
                              "--redis", redis_url])
     assert ok.exit_code == 0, ok.output
-    result = runner.invoke(cli, ["queue", "config", qname, "tenant_weights", value,
-                                 "--redis", redis_url])
+    config = r.hgetall(mtq.Queue(qname, redis_url).broker.keys.config)
+    result = runner.invoke(cli, ["queue", "config", qname, key, value, "--redis", redis_url])
     assert result.exit_code == 2, result.output
     assert "Traceback" not in result.output
+    assert r.hgetall(mtq.Queue(qname, redis_url).broker.keys.config) == config
     assert mtq.Queue(qname, redis_url).settings.weights == {"a": 2.0}
 
 
