@@ -244,6 +244,27 @@ def test_a_reported_cost_settles_the_difference_and_a_release_refunds(
     assert served(r, q) == {"b:A": 480.0}, "a lost ack settles nothing"
 
 
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -5.0, 1e300, "7"])
+def test_a_bad_reported_cost_raises_and_settles_nothing(qname: str, redis_url: str,
+                                                       r: redis.Redis, bad: Any) -> None:
+    """Used to fail the script half way (nan, inf: the task succeeded, its client never
+    told, the error raised to the worker) or to be taken (a negative cost, 1e300)."""
+    q, c = make(qname, redis_url)
+    t = q.submit({"x": 1}, tenant="A", cost=10)
+    (got,) = c.claim(1)
+    before = q.stats()
+    with pytest.raises(InvalidArgument):
+        c.settle([Outcome(got, ok=True, cost=bad)])
+    with pytest.raises(InvalidArgument):
+        c.settle([Outcome(got, ok=False, error="E: x", cost=bad)])
+    with pytest.raises(InvalidArgument):
+        c.broker.ack([(got.id, got.token, b"")], costs={got.id: bad})
+    assert t.status() == "running" and q.stats() == before
+    assert served(r, q) == {"s:A": 10.0}
+    c.settle([Outcome(got, ok=True, cost=4)])
+    assert t.result(timeout=5) is None and served(r, q) == {"s:A": 4.0}
+
+
 def test_a_batch_model_reports_costs_with_costed(qname: str, redis_url: str,
                                                 r: redis.Redis) -> None:
     q = mtq.Queue(qname, redis_url, settings=FAST)

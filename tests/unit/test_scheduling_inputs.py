@@ -151,6 +151,9 @@ def test_a_queue_s_overrides_may_give_tenant_weights_as_a_mapping() -> None:
 def test_reported_costs_are_sent_by_their_place_in_the_call() -> None:
     assert _costs(["x", "y", "z"], {"x": 30.0, "z": 2.5}) == "1=30.0,3=2.5"
     assert _costs(["x"], {"other": 1.0}) == ""
+    for bad in (math.nan, -1.0, math.inf, 2e12, "3"):
+        with pytest.raises(InvalidArgument):
+            _costs(["x"], {"x": bad})
 
 
 def test_a_model_s_bad_cost_report_keeps_the_estimate(caplog: pytest.LogCaptureFixture) -> None:
@@ -168,3 +171,5 @@ def test_a_generation_s_cost_is_its_prompt_and_its_generated_tokens() -> None:
         tokens = [1, 2, 3]
 
     assert engine._cost(G()) == 14.0  # type: ignore[arg-type]
+    G.prompt_tokens = -20  # a model's mistake: the estimate stands, the settle goes on
+    assert engine._cost(G()) is None  # type: ignore[arg-type]
