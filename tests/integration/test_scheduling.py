@@ -191,6 +191,19 @@ def test_a_tenant_back_from_idle_starts_at_the_clock_with_no_banked_credit(
     assert after.count("B") in (5, 6) and "BBB" not in after, after
 
 
+def test_one_claim_shares_among_more_tenants_than_it_reads_at_once(
+        qname: str, redis_url: str, r: redis.Redis) -> None:
+    """A claim reads a band's 16 least served tenants at a time: with 33, a claim of 66
+    still gives each exactly 2."""
+    q, c = make(qname, redis_url)
+    for i in range(33):
+        q.submit_many([{"i": j} for j in range(4)], tenant=f"t{i:02d}")
+    got = c.claim(66)
+    tally = Tally(field(r, q, t.id, "tenant") for t in got)
+    assert len(got) == 66 and set(tally.values()) == {2} and len(tally) == 33, tally
+    assert set(served(r, q).values()) == {2.0}
+
+
 def test_a_tenant_s_streams_take_turns(qname: str, redis_url: str, r: redis.Redis) -> None:
     q, c = make(qname, redis_url)
     tasks = {s: q.submit_many([{"s": s, "i": i} for i in range(3)], stream=s, tenant="A")
@@ -563,6 +576,18 @@ def test_a_bad_scheduling_argument_raises_and_writes_nothing(
         q.submit_many([{"ok": 1}, mtq.Request({"x": 1}, **bad)])
     with pytest.raises(error):
         q.submit_many([{"ok": 1}, {"x": 1}], **bad)
+    assert queue_keys(r, qname) == before and q.stats() == stats
+    assert r.hget(q.broker.keys.stats, "sched") is None
+
+
+def test_a_refused_submit_does_not_turn_scheduling_on(qname: str, redis_url: str,
+                                                      r: redis.Redis) -> None:
+    """QueueFull writes nothing (it used to turn scheduling on first)."""
+    q = mtq.Queue(qname, redis_url, max_length=1)
+    q.submit({"x": 0})
+    before, stats = queue_keys(r, qname), q.stats()
+    with pytest.raises(mtq.QueueFull):
+        q.submit({"x": 1}, tenant="A", priority="batch", cost=3)
     assert queue_keys(r, qname) == before and q.stats() == stats
     assert r.hget(q.broker.keys.stats, "sched") is None
 

@@ -55,6 +55,10 @@ local retention, cache_ttl = tonumber(ARGV[8 + n * G]), tonumber(ARGV[9 + n * G]
 local cache_max, run_ttl = tonumber(ARGV[10 + n * G]), tonumber(ARGV[11 + n * G])
 local weights = nil  -- tenant -> weight, read at the first hand-off with scheduling on
 local now = now_ms()
+if max_length > 0 then
+  local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
+  if waiting + n > max_length then return {0, {E_QUEUE_FULL, waiting}} end
+end
 -- The first task with a band or a tenant turns scheduling on (see _lib.lua): the lane
 -- ('s', '') becomes a candidate of its band if it has work.
 for i = 0, n - 1 do
@@ -67,10 +71,6 @@ for i = 0, n - 1 do
     end
     break
   end
-end
-if max_length > 0 then
-  local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
-  if waiting + n > max_length then return {0, {E_QUEUE_FULL, waiting}} end
 end
 local out, added, newly, new_streams = {}, 0, 0, 0
 local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
