@@ -487,6 +487,17 @@ def test_purge_empties_every_lane(qname: str, redis_url: str, r: redis.Redis) ->
     assert c.claim(10) == []
 
 
+def test_deleting_the_queue_deletes_its_scheduling_keys(qname: str, redis_url: str,
+                                                       r: redis.Redis) -> None:
+    q, c = make(qname, redis_url)
+    q.submit_many([{"i": i} for i in range(3)], tenant="A", priority="batch", stream="x")
+    q.submit_many([{"i": i} for i in range(3)], tenant="B")
+    c.settle([Outcome(t, ok=True, cost=2) for t in c.claim(2)])
+    assert any(k.startswith(q.broker.keys.sched.encode()) for k in queue_keys(r, qname))
+    q.delete(force=True)
+    assert queue_keys(r, qname) == set()
+
+
 def test_a_cancelled_lane_task_is_a_tombstone_that_claim_skips(qname: str, redis_url: str,
                                                               r: redis.Redis) -> None:
     q, c = make(qname, redis_url)
