@@ -100,3 +100,10 @@ def gated(payload: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("asked to fail")
     _log("D", [payload])
     return {"i": payload.get("i"), "pid": os.getpid()}
+
+
+def gated_costed(payload: dict[str, Any]) -> Any:
+    """:func:`gated`, its result reporting the cost ``payload["cost"]`` (mtq.Costed)."""
+    import mtq
+
+    return mtq.Costed(gated(payload), cost=payload["cost"])

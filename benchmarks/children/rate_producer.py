@@ -19,7 +19,7 @@ def main() -> None:
     url, queue, tenant = sys.argv[1], sys.argv[2], sys.argv[3]
     threads, seconds, pause = int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6]) / 1000
     q = mtq.Queue(queue, url)
-    q.settings  # read the stored settings (the limit) before the clock starts
+    assert q.settings.tenant_rpm  # the stored limit, read before the clock starts
     accepted, refused = [0], []
     lock = threading.Lock()
     start = time.monotonic()

@@ -166,9 +166,11 @@ class SettingsSource:
         of their own (nothing to share)."""
         if isinstance(spec, QueueSettings):
             return cls(client, queue, spec)
-        if spec:  # refused before use as a key (a value must be a checked int or bool)
-            QueueSettings().replace(**spec)
-        overrides = tuple(sorted((spec or {}).items()))
+        overrides: tuple[tuple[str, Any], ...] = ()
+        if spec:  # refused before use as a key, which holds the checked values (hashable:
+            # tenant_weights given as a mapping is its text there)
+            checked = QueueSettings().replace(**spec)
+            overrides = tuple(sorted((k, getattr(checked, k)) for k in spec))
         with _shared_lock:
             per_client = _shared.setdefault(client, {})
             source = per_client.get((queue, overrides))

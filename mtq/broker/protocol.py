@@ -47,6 +47,7 @@ from mtq.broker.records import (
     text,
 )
 from mtq.settings import QueueSettings
+from mtq.validation import check_cost
 
 log = logging.getLogger(__name__)
 
@@ -463,5 +464,8 @@ __all__ = [
 
 
 def _costs(ids: Sequence[str], costs: Mapping[str, float]) -> str:
-    """The costs ack.lua and nack.lua take: "index=cost,..." (index from 1)."""
-    return ",".join(f"{i}={costs[t]!r}" for i, t in enumerate(ids, 1) if t in costs)
+    """The costs ack.lua and nack.lua take: "index=cost,..." (index from 1). Raises
+    InvalidArgument, before anything is sent, for a cost that is not a finite number
+    in [0, MAX_COST] (Redis would fail the script after it had settled some tasks)."""
+    return ",".join(f"{i}={check_cost(costs[t], f'the cost reported for {t}')!r}"
+                    for i, t in enumerate(ids, 1) if t in costs)

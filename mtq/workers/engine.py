@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 from mtq import serialization
 from mtq.broker.consumer import Chunk, Outcome
 from mtq.broker.protocol import Claimed
-from mtq.errors import PayloadError, PermanentError
+from mtq.errors import InvalidArgument, PayloadError, PermanentError
+from mtq.validation import check_cost
 from mtq.workers.batching import BatchShapeError
 from mtq.workers.generator import Generation, Generator
 
@@ -50,10 +51,17 @@ class _Request:
         self.first_at = 0.0
 
 
-def _cost(g: Generation) -> float:
+def _cost(g: Generation) -> float | None:
     """The cost a generation really had (scheduling: settled against the estimate its
-    claim charged): the tokens it processed, its prompt's and those it generated."""
-    return float(g.prompt_tokens + len(g.tokens))
+    claim charged): the tokens it processed, its prompt's and those it generated. None
+    (the estimate stands) if the model set ``prompt_tokens`` to something that makes
+    no cost (a negative number, say): the settle would refuse it."""
+    try:
+        return check_cost(g.prompt_tokens + len(g.tokens))
+    except (InvalidArgument, TypeError):
+        log.warning("prompt_tokens %r makes no cost; the task keeps its estimate",
+                    g.prompt_tokens)
+        return None
 
 
 def _error(exc: BaseException) -> str:

@@ -12,12 +12,16 @@ test reads Redis and checks:
 * nothing lost: every submitted task has a state; a claim never leaves work
   behind (it returns min(B, claimable) tasks);
 * the waiting counter matches.
+
+:class:`SchedMachine` runs the same rules with scheduling on (random priority, tenant
+and cost per task, costs reported by some settles) and checks the served cost too.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections import deque
+from typing import Any
 
 import pytest
 import redis
@@ -35,11 +39,28 @@ MAX_RETRIES = 2
 class BrokerMachine(RuleBasedStateMachine):
     url: str = ""
 
+    def config(self) -> mtq.QueueSettings:
+        return mtq.QueueSettings(max_deliveries=MAX_DELIVERIES, max_retries=MAX_RETRIES,
+                                 retry_backoff_ms=0, retry_backoff_max_ms=0)
+
+    # what a subclass checks beyond these (SchedMachine: the cost served)
+    def claimed(self, t: mtq.Claimed) -> None:
+        pass
+
+    def settled(self, t: mtq.Claimed, cost: float | None) -> None:
+        pass
+
+    def released(self, t: mtq.Claimed) -> None:
+        pass
+
+    def free_lists(self) -> list[str]:
+        """The lists that hold stream-less waiting ids."""
+        return [self.keys.free]
+
     @initialize()
     def setup(self) -> None:
         self.name = "h-" + uuid.uuid4().hex[:10]
-        cfg = mtq.QueueSettings(max_deliveries=MAX_DELIVERIES, max_retries=MAX_RETRIES,
-                                retry_backoff_ms=0, retry_backoff_max_ms=0)
+        cfg = self.config()
         self.r = redis.Redis.from_url(self.url)
         self.q = mtq.Queue(self.name, self.url, settings=cfg)
         self.c = mtq.Consumer(self.name, self.url, settings=cfg)
@@ -83,10 +104,14 @@ class BrokerMachine(RuleBasedStateMachine):
     # -- rules -------------------------------------------------------------------------
     @rule(stream=st.sampled_from(STREAMS), n=st.integers(1, 3))
     def submit(self, stream: str | None, n: int) -> None:
+        self.submit_requests(stream, [{} for _ in range(n)])
+
+    def submit_requests(self, stream: str | None, options: list[dict[str, Any]]) -> None:
+        """Submit one task per entry of ``options`` (Request's keywords) to ``stream``."""
         reqs = []
-        for _ in range(n):
+        for kw in options:
             self.counter += 1
-            reqs.append(mtq.Request({"n": self.counter}, id=f"t{self.counter:04d}"))
+            reqs.append(mtq.Request({"n": self.counter}, id=f"t{self.counter:04d}", **kw))
         for t in self.q.submit_many(reqs, stream=stream):
             self.stream_of[t.id] = stream
             self.status[t.id] = "queued"
@@ -117,10 +142,15 @@ class BrokerMachine(RuleBasedStateMachine):
             assert t.attempts == self.attempts[t.id]
             self.status[t.id] = "running"
             self.running[t.id] = t
+            self.claimed(t)
 
     def _pick_running(self, data: st.DataObject) -> mtq.Claimed:
         live = sorted(t for t in self.running if t not in self.expired)
         return self.running[data.draw(st.sampled_from(live))]
+
+    def draw_cost(self, data: st.DataObject) -> float | None:
+        """The cost a settle reports (None: none)."""
+        return None
 
     def _has_live(self) -> bool:
         return any(t not in self.expired for t in self.running)
@@ -129,7 +159,9 @@ class BrokerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def ack(self, data: st.DataObject) -> None:
         t = self._pick_running(data)
-        report = self.c.settle([mtq.Outcome(t, ok=True, value=t.id)])
+        cost = self.draw_cost(data)
+        report = self.c.settle([mtq.Outcome(t, ok=True, value=t.id, cost=cost)])
+        self.settled(t, cost)
         del self.running[t.id]
         self.status[t.id] = "succeeded"
         assert report.succeeded == 1
@@ -138,7 +170,9 @@ class BrokerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fail(self, data: st.DataObject) -> None:
         t = self._pick_running(data)
-        self.c.settle([mtq.Outcome(t, ok=False, error="E: x")])
+        cost = self.draw_cost(data)
+        self.c.settle([mtq.Outcome(t, ok=False, error="E: x", cost=cost)])
+        self.settled(t, cost)
         del self.running[t.id]
         self.attempts[t.id] += 1
         if t.id in self.cancel_requested:
@@ -154,6 +188,7 @@ class BrokerMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         t = self._pick_running(data)
         self.c.release([t])
+        self.released(t)
         del self.running[t.id]
         self.deliveries[t.id] -= 1
         if t.id in self.cancel_requested:
@@ -226,8 +261,8 @@ class BrokerMachine(RuleBasedStateMachine):
             assert (task_id in leases) == (stored[task_id] == "running")
             assert (task_id in delayed) == (stored[task_id] == "delayed")
         for stream in STREAMS:
-            key = self.keys.free if stream is None else self.keys.stream(stream)
-            live = [x.decode() for x in self.r.lrange(key, 0, -1)
+            keys = self.free_lists() if stream is None else [self.keys.stream(stream)]
+            live = [x.decode() for key in keys for x in self.r.lrange(key, 0, -1)
                     if stored.get(x.decode()) == "queued"]
             if stream is None:
                 assert sorted(live) == sorted(self.queues[None])
@@ -252,4 +287,101 @@ def test_broker_invariants(redis_url: str) -> None:
     BrokerMachine.url = redis_url
     run_state_machine_as_test(BrokerMachine, settings=settings(
         max_examples=150, stateful_step_count=50, deadline=None,
+        suppress_health_check=list(HealthCheck)))
+
+
+# -- scheduling ------------------------------------------------------------------------------
+TENANTS = [None, "A", "B"]
+WEIGHTS = {"A": 2.0}
+PRIORITIES = [None, "interactive", "batch"]
+BAND = {None: "s", "interactive": "i", "batch": "b"}
+COSTS = [None, 0.0, 0.5, 3.0, 100.0]     # None: the default, 1
+REPORTS = [None, None, 0.0, 2.0, 40.0]   # what a settle reports (None: nothing)
+
+
+class SchedMachine(BrokerMachine):
+    """The same rules and invariants with scheduling on: each task has a random band,
+    tenant and cost, and settles sometimes report a cost. Beyond them: the served cost
+    of each lane is what the model charged (each claim its cost, each report the
+    difference, each release a refund; a lease that expired keeps its charge), a claimed
+    task stores its tenant's weight, and each band's candidates carry their tenants'
+    virtual times."""
+
+    def config(self) -> mtq.QueueSettings:
+        return super().config().replace(tenant_weights=WEIGHTS, band_min_share=10)
+
+    @initialize()
+    def setup(self) -> None:
+        super().setup()
+        self.lane: dict[str, str] = {}
+        self.cost: dict[str, float] = {}
+        self.want: dict[str, float] = {}  # lane -> the served cost the model expects
+        self.on = False  # scheduling is on (from the first task with a band or a tenant)
+        self.charged: set[str] = set()  # tasks a claim charged (scheduling on)
+
+    @rule(stream=st.sampled_from(STREAMS), data=st.data())
+    def submit(self, stream: str | None, data: st.DataObject) -> None:  # type: ignore[override]
+        options = [{"priority": data.draw(st.sampled_from(PRIORITIES)),
+                    "tenant": data.draw(st.sampled_from(TENANTS)),
+                    "cost": data.draw(st.sampled_from(COSTS))}
+                   for _ in range(data.draw(st.integers(1, 3)))]
+        first = self.counter + 1
+        self.submit_requests(stream, options)
+        self.on = self.on or any(kw["priority"] or kw["tenant"] for kw in options)
+        for i, kw in enumerate(options):
+            task_id = f"t{first + i:04d}"
+            self.lane[task_id] = f"{BAND[kw['priority']]}:{kw['tenant'] or ''}"
+            self.cost[task_id] = 1.0 if kw["cost"] is None else kw["cost"]
+
+    def draw_cost(self, data: st.DataObject) -> float | None:
+        return data.draw(st.sampled_from(REPORTS))
+
+    def claimed(self, t: mtq.Claimed) -> None:
+        weight = self.r.hget(self.keys.task(t.id), "weight")
+        if not self.on:  # a claim before scheduling was on charges nothing
+            assert weight is None and t.id not in self.charged
+            return
+        lane = self.lane[t.id]
+        self.want[lane] = self.want.get(lane, 0.0) + self.cost[t.id]
+        self.charged.add(t.id)
+        assert weight is not None and float(weight) == WEIGHTS.get(lane[2:], 1.0), weight
+
+    def settled(self, t: mtq.Claimed, cost: float | None) -> None:
+        if cost is not None and t.id in self.charged:
+            self.want[self.lane[t.id]] += cost - self.cost[t.id]
+
+    def released(self, t: mtq.Claimed) -> None:
+        if t.id in self.charged:
+            self.want[self.lane[t.id]] -= self.cost[t.id]
+
+    def free_lists(self) -> list[str]:
+        return [self.keys.free] + [self.keys.sched + f"free:{b}:{t or ''}"
+                                   for b in "isb" for t in TENANTS if (b, t) != ("s", None)]
+
+    @invariant()
+    def served_cost_is_what_was_charged_and_settled(self) -> None:
+        if not hasattr(self, "want"):
+            return
+        got = {k.decode(): float(v)
+               for k, v in self.r.hgetall(self.keys.sched + "served").items()}
+        for lane in set(got) | set(self.want):
+            assert got.get(lane, 0.0) == pytest.approx(self.want.get(lane, 0.0), abs=1e-6), \
+                (lane, got, self.want)
+        vts = {k.decode(): float(v) for k, v in self.r.hgetall(self.keys.sched + "vt").items()
+               if v != b""}
+        for b in "isb":
+            for tenant, score in self.r.zrange(self.keys.sched + f"band:{b}", 0, -1,
+                                               withscores=True):
+                assert score == pytest.approx(vts.get(tenant.decode(), 0.0), abs=1e-6), \
+                    (b, tenant, score, vts)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_broker_invariants_with_scheduling(redis_url: str) -> None:
+    from hypothesis.stateful import run_state_machine_as_test
+
+    SchedMachine.url = redis_url
+    run_state_machine_as_test(SchedMachine, settings=settings(
+        max_examples=75, stateful_step_count=50, deadline=None,
         suppress_health_check=list(HealthCheck)))

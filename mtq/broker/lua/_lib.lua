@@ -117,7 +117,8 @@ after K_SCHED:
                   weight, summed; '~V' -> the virtual clock, the least virtual time a
                   claim picked (a tenant that comes back after an idle time starts there:
                   it banks no credit for the time it was away)
-                  '~s', '~b' -> the credit of bands s and b against starvation (claim.lua);
+                  '~s', '~b' -> the credit of bands s and b against starvation (claim.lua;
+                  '': the band had no work waiting behind a higher one at the last claim);
                   '~rate' -> the queue's measured service rate (cost per second, over
                   windows of METER_MS in which work was left waiting), '~m0', '~mc',
                   '~mb' -> the window being measured: its start, its claimed cost, whether

@@ -300,7 +300,8 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
   -- an older producer's or worker's tasks reach K_READY alone: that lane is a candidate
   if redis.call('LLEN', K_READY) > 0 then activate('s', '') end
   local st = redis.call('HMGET', K_SCHED .. 'vt', '~V', '~s', '~b', '~m0', '~mc', '~mb', '~rate')
-  local clock, credit = tonumber(st[1] or '0'), {s = tonumber(st[2] or '0'), b = tonumber(st[3] or '0')}
+  -- a band's credit: nil when it had no work waiting behind a higher band ('' stored)
+  local clock, credit = tonumber(st[1] or '0'), {s = tonumber(st[2] or ''), b = tonumber(st[3] or '')}
   local ratio = (share > 0 and share < 100) and share / (100 - share) or 0
   local claimed_cost = 0
   while n < B do
@@ -313,7 +314,7 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
     if ratio > 0 then
       -- a lower band with work and a credit above 0 goes first (highest first)
       for _, b in ipairs(BANDS) do
-        if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') and credit[b] > 0 and pick(b) then
+        if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') and (credit[b] or 0) > 0 and pick(b) then
           band = b
           break
         end
@@ -321,6 +322,7 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
     end
     local t, at = pick(band)
     if dl then t, at = earliest(band, t, at) end
+    local p = PICK[band]
     local wait = hold and rate_wait(t, 1, now, rpm, tpm) or 0
     local c = nil
     if wait > 0 then
@@ -342,7 +344,7 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
       if c == nil then
         -- its lane has nothing claimable: not a candidate until work comes back
         redis.call('ZREM', K_SCHED .. 'band:' .. band, t)
-        if PICK[band] then table.remove(PICK[band][1], at) end  -- (nil: read again)
+        if PICK[band] == p then table.remove(p[1], at) end  -- (else read again)
       end
     end
     if c then
@@ -356,14 +358,15 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
       if band ~= top then
         credit[band] = credit[band] - c
       elseif ratio > 0 then
+        credit[top] = nil  -- served as the top band: it waits behind nobody
         for _, b in ipairs(BANDS) do
           if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') then
             if not pick(b) then
-              credit[b] = 0  -- no work: it starts afresh when work comes
+              credit[b] = nil  -- no work: it starts afresh when work comes
             else
               -- a band that starts waiting owes a task of this cost first, so that
               -- it is served once in every 1 + 1 / ratio tasks of like cost
-              if credit[b] == 0 then credit[b] = -c end
+              if credit[b] == nil then credit[b] = -c end
               credit[b] = credit[b] + c * ratio
             end
           end
@@ -390,7 +393,7 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
     end
     m0, mc, mb = now, 0, false
   end
-  redis.call('HSET', K_SCHED .. 'vt', '~V', clock, '~s', credit.s, '~b', credit.b,
+  redis.call('HSET', K_SCHED .. 'vt', '~V', clock, '~s', credit.s or '', '~b', credit.b or '',
     '~m0', m0, '~mc', mc, '~mb', mb and '1' or '0', '~rate', rate)
 end
 

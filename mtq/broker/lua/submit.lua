@@ -64,8 +64,11 @@ local cache_max, run_ttl = tonumber(ARGV[11]), tonumber(ARGV[12])
 local A = 17  -- the first task's ARGV
 local weights = nil  -- tenant -> weight, read at the first hand-off with scheduling on
 local now = now_ms()
--- The first task with a band or a tenant turns scheduling on (see _lib.lua): the lane
--- ('s', '') becomes a candidate of its band if it has work.
+-- (a refused call writes nothing: checked before scheduling is turned on)
+if max_length > 0 then
+  local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
+  if waiting + n > max_length then return {0, {E_QUEUE_FULL, waiting}} end
+end
 local sched_args = G == 12
 local rpm, tpm, hold, limited = nil, nil, false, false
 if sched_args then
@@ -78,26 +81,6 @@ for i = 0, sched_args and n - 1 or -1 do
   local b = A + i * G
   if ARGV[b + 11] == '1' then admitting = true end
 end
-for i = 0, sched_args and n - 1 or -1 do
-  local b = A + i * G
-  if ARGV[b + 8] ~= 's' or ARGV[b + 9] ~= '' or ARGV[b + 11] == '1' then
-    if not sched_on() then
-      redis.call('HSET', K_STATS, 'sched', '1')
-      SCHED_ON = true
-      if redis.call('LLEN', K_READY) > 0 then sch().activate('s', '') end
-      -- the lane ('s', '') holds every task so far: its counts start from the queue's
-      -- (each task's cost taken as 1)
-      local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
-      sch().lane_count('s', '', waiting, waiting, redis.call('ZCOUNT', K_LEASES, '-inf', '(+inf'))
-    end
-    break
-  end
-end
-if max_length > 0 then
-  local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
-  if waiting + n > max_length then return {0, {E_QUEUE_FULL, waiting}} end
-end
-
 -- Refused whole, with the refusals counted per lane: ids are the task groups' indexes.
 local function refuse(code, after, what, idx)
   if sched_on() then
@@ -188,6 +171,24 @@ if admitting then
     end
   end
 end
+-- The first task with a band, a tenant or a deadline to keep turns scheduling on (see
+-- _lib.lua; after the refusals above: a refused call turns nothing on)
+for i = 0, sched_args and n - 1 or -1 do
+  local b = A + i * G
+  if ARGV[b + 8] ~= 's' or ARGV[b + 9] ~= '' or ARGV[b + 11] == '1' then
+    if not sched_on() then
+      redis.call('HSET', K_STATS, 'sched', '1')
+      SCHED_ON = true
+      if redis.call('LLEN', K_READY) > 0 then sch().activate('s', '') end
+      -- the lane ('s', '') holds every task so far: its counts start from the queue's
+      -- (each task's cost taken as 1)
+      local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
+      sch().lane_count('s', '', waiting, waiting, redis.call('ZCOUNT', K_LEASES, '-inf', '(+inf'))
+    end
+    break
+  end
+end
+
 local deadlines = false  -- score, member pairs for K_SCHED .. 'deadlines'
 local out, added, newly, new_streams = {}, 0, 0, 0
 local model, hits, cached_ids, misses, joined = nil, 0, {}, 0, 0
