@@ -422,14 +422,15 @@ def report_prio(p: Prio, s: Sizes, res: Results) -> None:
             f"of {len(p.ahead)} (most held ahead at once: {max(p.ahead, default=0)}): after "
             "a run under 10 ms (an interactive task's) the fetcher keeps two tasks claimed "
             "ahead, not one (mtq/workers/fetcher.py, claim_ahead), and claims two batch "
-            "tasks; what comes next waits for the running task and both")
+            "tasks: a task claimed behind one of them while the other runs waits two runs "
+            "from its claim")
     res.add("  waited more than one batch time", sum(
         1 for w in p.waits if w > p.batch_max_s), "tasks",
             f"of {len(p.waits)}; batch runs p50 {p.batch_p50_s * 1000:.1f} ms, longest "
             f"{p.batch_max_s * 1000:.1f} ms")
     res.add("  batch tasks claimed while an interactive task waited", p.inversions, "tasks",
-            "the batch band's credit against starvation (band_min_share 5 %) sent a batch "
-            "task first")
+            "sent first by the batch band's credit against starvation (band_min_share 5 %; "
+            "claimed after the interactive task's submit, before its claim)")
     res.add("round robin (the same load, no priority): interactive wait p99",
             pct(p.rr_waits, 99) * 1000, "ms", f"p50 {pct(p.rr_waits, 50) * 1000:,.0f} ms: "
             "behind the batch backlog, first in first out")
