@@ -33,17 +33,24 @@ CASES = (("submitted task (submit_many of 1,000)", "submit", 5000),
          ("round trip to a sleeping worker (one task)", "sleeping", 200))
 
 
+def count(tree: Path, what: str, n: int) -> float:
+    """redis-server instructions per unit of one case of ``children/callgrind_tree.py``
+    (``n`` units), with mtq imported from ``tree``."""
+    with tempfile.TemporaryDirectory(prefix="mtq-cg-") as tmp:
+        dump = Path(tmp) / f"{what}.out"
+        env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+        subprocess.run([sys.executable, "-P", str(CHILD), what, str(dump), str(n)], env=env,
+                       check=True, cwd=tmp, timeout=900)
+        return callgrind_total(dump) / n
+
+
 def measure(tree: Path) -> dict[str, float]:
     """Instructions per unit for each case, with mtq imported from ``tree``."""
-    out: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="mtq-cg-") as tmp:
-        for label, what, n in CASES:
-            dump = Path(tmp) / f"{what}.out"
-            env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
-            subprocess.run([sys.executable, "-P", str(CHILD), what, str(dump), str(n)], env=env,
-                           check=True, cwd=tmp, timeout=900)
-            out[label] = callgrind_total(dump) / n
-    return out
+    return {label: count(tree, what, n) for label, what, n in CASES}
+
+
+def have_valgrind() -> bool:
+    return bool(shutil.which("valgrind") and shutil.which("callgrind_control"))
 
 
 def export(rev: str, into: Path) -> str:
@@ -74,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--docs", action="store_true",
                     help="write the instructions block of docs/benchmarks.md")
     args = ap.parse_args(argv)
-    if not shutil.which("valgrind") or not shutil.which("callgrind_control"):
+    if not have_valgrind():
         raise SystemExit("valgrind is not installed (Debian: apt-get install valgrind)")
     ref, ref_name = None, ""
     if args.against:

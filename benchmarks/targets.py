@@ -57,3 +57,12 @@ SCRAPE_MS = 100.0              # a scrape of 1,000 queues
 # -- scaling (benchmarks/scaling.py) -------------------------------------------------------
 CLUSTER_INSTRUCTIONS = 0.10    # a cluster node's instructions per task against one server
 SHARD_SPREAD = 0.20            # queues over primaries: within 20 % of even
+
+# -- scheduling (benchmarks/scheduling.py) -------------------------------------------------
+FAIR_SHARE = 0.10              # served cost A:B in every window: within 10 % of the weights'
+WEIGHTS_31 = (3.0, 1.0)        # the weighted case: tenant_weights "A=3,B=1"
+INTERACTIVE_RTT = 1            # interactive p99 queue wait <= one batch time + this many
+                               # claim round trips
+BATCH_LOST = 0.05              # batch throughput lost beyond the interactive work itself
+SCHED_INSTRUCTIONS = 1.15      # redis-server instructions per drained task, scheduling on/off
+SCHED_ROUND_TRIP = 1.10        # round trip p50, scheduling on / off

@@ -3,7 +3,12 @@ callgrind, counted only while the loop runs, with mtq from the tree first on
 ``PYTHONPATH``. It uses only what every mtq since the hot-path work has: Queue,
 Consumer, Outcome. Run by file path with ``python -P``.
 
-    python -P callgrind_tree.py CASE DUMP N     # CASE: submit, drain, roundtrip, sleeping
+    python -P callgrind_tree.py CASE DUMP N     # CASE: submit, drain, roundtrip, sleeping,
+                                                #   drain_sched (this tree's scheduling)
+
+``drain_sched`` is ``drain`` of tasks that carry a tenant (one of four) and a priority
+(each band in turn), which turns the queue's scheduling on (benchmarks/scheduling.py);
+only trees with scheduling have it.
 """
 
 from __future__ import annotations
@@ -67,6 +72,12 @@ def main(what: str, dump: str, n: int) -> None:
         drain(c, c.claim(64))  # (not counted) so that every task succeeded, as checked below
     elif what == "drain":
         q.submit_many([None] * n)
+        instrument(True)
+        drain(c, c.claim(64))
+    elif what == "drain_sched":
+        lanes = [(f"t{i}", p) for i in range(4) for p in ("interactive", "standard", "batch")]
+        q.submit_many([mtq.Request(None, tenant=t, priority=p)
+                       for t, p in (lanes[i % len(lanes)] for i in range(n))])
         instrument(True)
         drain(c, c.claim(64))
     elif what == "roundtrip":
