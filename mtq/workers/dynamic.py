@@ -29,6 +29,10 @@ from mtq.workers.outcomes import Outcomes
 from mtq.workers.publisher import Publisher
 from mtq.workers.target import Target
 
+#: how much of the slowest recent batch's time Ledger.batch_s keeps per batch (see
+#: DynamicBatcher.run): a model is taken for fast after a few fast batches in a row
+BATCH_S_DECAY = 0.5
+
 
 class DynamicBatcher:
     """Runs a worker's batch model until it stops, or a reload changes its kind."""
@@ -79,7 +83,13 @@ class DynamicBatcher:
             self.monitor.batch([(t.id, t.token) for t in batch])
             t0 = time.perf_counter()
             self.run_batch(model, batch, per_item)
-            ledger.batch_s, ledger.batch_n = time.perf_counter() - t0, len(batch)
+            took = time.perf_counter() - t0
+            # a decaying maximum: one short batch among slow ones (an interactive task
+            # between batch-band ones) does not make the model look fast to the fetcher,
+            # which would claim two batches ahead and hold the next urgent task behind them
+            last = ledger.batch_s
+            ledger.batch_s = took if last == float("inf") else max(took, last * BATCH_S_DECAY)
+            ledger.batch_n = len(batch)
             ledger.set_busy(False, 0)
             if life.draining:  # the publisher lets the fetcher check if the queue is empty
                 self.publisher.put([])

@@ -122,9 +122,10 @@ class Ledger:
         #: model thread leaves its outcomes to the publisher too, so that a task's
         #: chunks still in hand there reach Redis before its outcome
         self.unsettled = 0
-        #: how long the model thread's last dynamic batch ran (s), and its size; inf
-        #: until one has, after a reload, and always for a generator, whose engine
-        #: never sets it (model thread writes, fetcher reads: no lock)
+        #: how long the model thread's recent dynamic batches ran (s: the last one's time,
+        #: or half the one before if more, as that one's: a decaying maximum), and the last
+        #: one's size; inf until one has, after a reload, and always for a generator, whose
+        #: engine never sets it (model thread writes, fetcher reads: no lock)
         self.batch_s = float("inf")
         self.batch_n = 1
 

@@ -255,45 +255,6 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
     end
     return t, at
   end
-  -- one task of lane (b, t): its cost, or nil when the lane has nothing claimable
-  local function take_lane(b, t)
-    local ring = lane_ring(b, t)
-    while true do
-      local s = redis.call('LPOP', ring)
-      if not s then return nil end
-      if s == FREE then
-        local fl, c = lane_free(b, t), false
-        while not c do
-          local id = redis.call('LPOP', fl)
-          if not id then break end
-          c = take(id, false, b, t)
-        end
-        if redis.call('LLEN', fl) > 0 then
-          redis.call('RPUSH', ring, FREE)  -- one task per turn of the ring, as streams
-        elseif b == 's' and t == '' then
-          redis.call('HSET', K_STATS, 'free_marked', '0')
-        else
-          redis.call('HDEL', K_SCHED .. 'marked', b .. ':' .. t)
-        end
-        if c then return c end
-      elseif redis.call('SISMEMBER', K_BUSY, s) == 0 then
-        local sk, popped, c = K_STREAM .. s, false, false
-        while not c do
-          local id = redis.call('LPOP', sk)
-          if not id then break end
-          popped = true
-          c = take(id, s, b, t)
-          if c == false and redis.call('LINDEX', sk, 0) == id then break end  -- moved
-        end
-        if popped and redis.call('LLEN', sk) == 0 then redis.call('HINCRBY', K_STATS, 'streams', -1) end
-        if c then
-          redis.call('SADD', K_BUSY, s)
-          return c
-        end
-      end
-    end
-  end
-
   weights = S.weights_of(ARGV[14])
   local rpm, tpm = S.limits_of(ARGV[16]), S.limits_of(ARGV[17])
   hold = hold and (next(rpm) ~= nil or next(tpm) ~= nil)
@@ -304,27 +265,130 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
   local clock, credit = tonumber(st[1] or '0'), {s = tonumber(st[2] or ''), b = tonumber(st[3] or '')}
   local ratio = (share > 0 and share < 100) and share / (100 - share) or 0
   local claimed_cost = 0
+
+  -- the lower band with work whose credit is above 0 (the highest such), or nil
+  local function owed(top)
+    if ratio == 0 then return nil end
+    for _, b in ipairs(BANDS) do
+      if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') and (credit[b] or 0) > 0
+          and pick(b) then
+        return b
+      end
+    end
+    return nil
+  end
+
+  -- A run: the tasks one pick of tenant t takes. Charge a task of cost c taken in band
+  -- `band` while `top` was the highest band with work (its lane's served cost: l); say
+  -- whether the run goes on: room left, t's virtual time at most the run's limit, no
+  -- lower band owed, t's rate limit allowing.
+  local run = {limit = 0, base = 0, tasks = 1, first = true}
+  local NCAND = {}  -- band -> its candidates, when more than PICK_K (read once)
+  local function charge(band, top, t, l, c)
+    claimed_cost = claimed_cost + c
+    local w = weights[t] or 1
+    if run.first then
+      -- a run may pass the next tenant's virtual time by its share of the claim's room
+      -- (in tasks of its first's cost), so that a batch is taken in a few runs, not one
+      -- pick per task; it costs the fair share that much more lag (docs/scheduling.md)
+      run.first = false
+      run.limit = run.base + run.tasks * c / w
+    end
+    VT[t] = VT[t] + c / w
+    DIRTY[t] = true
+    SERVED[l] = (SERVED[l] or 0) + c
+    if hold then rate_charge(t, 1, c, now, rpm, tpm) end
+    if band ~= top then
+      credit[band] = credit[band] - c
+      return false  -- a task a lower band was owed: then choose again
+    elseif ratio > 0 then
+      credit[top] = nil  -- served as the top band: it waits behind nobody
+      for _, b in ipairs(BANDS) do
+        if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') then
+          if not pick(b) then
+            credit[b] = nil  -- no work: it starts afresh when work comes
+          else
+            -- a band that starts waiting owes a task of this cost first, so that
+            -- it is served once in every 1 + 1 / ratio tasks of like cost
+            if credit[b] == nil then credit[b] = -c end
+            credit[b] = credit[b] + c * ratio
+            if credit[b] > 0 then return false end
+          end
+        end
+      end
+    end
+    -- (its next task taken to cost what this one did)
+    return n < B and VT[t] + c / w <= run.limit
+      and not (hold and rate_wait(t, 1, now, rpm, tpm) > 0)
+  end
+
+  -- Tenant t's run in its lane (band): its ring in turn, one task of each stream or a
+  -- burst of its stream-less tasks, while charge() says it goes on. Returns whether the
+  -- lane's ring ran out (nothing claimable: the tenant leaves the band's candidates).
+  local function run_lane(band, top, t)
+    local ring, l = lane_ring(band, t), band .. ':' .. t
+    while true do
+      local s = redis.call('LPOP', ring)
+      if not s then return true end
+      local more = true
+      if s == FREE then
+        local fl = lane_free(band, t)
+        local want = math.min(B - n, run.tasks)
+        local ids = redis.call('LPOP', fl, want)
+        local j, left = 1, false
+        if ids then
+          while j <= #ids do
+            local c = take(ids[j], false, band, t)
+            j = j + 1
+            if c then
+              more = charge(band, top, t, l, c)
+              if not more then break end
+            end
+          end
+          if j <= #ids then  -- not taken: back at the head, in their order
+            local back = {}
+            for x = #ids, j, -1 do back[#back + 1] = ids[x] end
+            redis.call('LPUSH', fl, unpack(back))
+            left = true
+          end
+        end
+        if left or (ids and #ids == want and redis.call('LLEN', fl) > 0) then
+          redis.call('RPUSH', ring, FREE)  -- its next burst at its next turn
+        elseif band == 's' and t == '' then
+          redis.call('HSET', K_STATS, 'free_marked', '0')
+        else
+          redis.call('HDEL', K_SCHED .. 'marked', l)
+        end
+      elseif redis.call('SISMEMBER', K_BUSY, s) == 0 then
+        local sk, popped, c = K_STREAM .. s, false, false
+        while not c do
+          local id = redis.call('LPOP', sk)
+          if not id then break end
+          popped = true
+          c = take(id, s, band, t)
+          if c == false and redis.call('LINDEX', sk, 0) == id then break end  -- moved
+        end
+        if popped and redis.call('LLEN', sk) == 0 then redis.call('HINCRBY', K_STATS, 'streams', -1) end
+        if c then
+          redis.call('SADD', K_BUSY, s)
+          more = charge(band, top, t, l, c)
+        end
+      end
+      if not more then return false end
+    end
+  end
+
   while n < B do
     local top = nil
     for _, b in ipairs(BANDS) do
       if pick(b) then top = b; break end
     end
     if not top then ring_empty = true; free_empty = true; break end
-    local band = top
-    if ratio > 0 then
-      -- a lower band with work and a credit above 0 goes first (highest first)
-      for _, b in ipairs(BANDS) do
-        if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') and (credit[b] or 0) > 0 and pick(b) then
-          band = b
-          break
-        end
-      end
-    end
+    local band = owed(top) or top
     local t, at = pick(band)
     if dl then t, at = earliest(band, t, at) end
     local p = PICK[band]
     local wait = hold and rate_wait(t, 1, now, rpm, tpm) or 0
-    local c = nil
     if wait > 0 then
       -- over its rate limit: passed over until it may go on (the timer says when)
       HELD[t] = true
@@ -332,45 +396,32 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
       if held_for < 0 or wait < held_for then held_for = wait end
       redis.call('HINCRBY', K_SCHED .. 'count', band .. ':' .. t .. '|h', 1)
       for _, b in ipairs(BANDS) do
-        local p = PICK[b]
-        if p then
-          for i, x in ipairs(p[1]) do
-            if x == t then table.remove(p[1], i); break end
+        local q = PICK[b]
+        if q then
+          for i, x in ipairs(q[1]) do
+            if x == t then table.remove(q[1], i); break end
           end
         end
       end
     else
-      c = take_lane(band, t)
-      if c == nil then
+      if VT[t] > clock then clock = VT[t] end
+      -- the run's base: the next tenant's virtual time (or the bound of those not read)
+      run.base, run.first = p[2], true
+      for _, x in ipairs(p[1]) do
+        if x ~= t and VT[x] < run.base then run.base = VT[x] end
+      end
+      -- its share of the room: by the band's candidates (all of them, when more than
+      -- were read)
+      local cands = #p[1]
+      if p[2] < math.huge then
+        NCAND[band] = NCAND[band] or redis.call('ZCARD', K_SCHED .. 'band:' .. band) - nheld
+        cands = NCAND[band]
+      end
+      run.tasks = math.ceil((B - n) / math.max(1, cands))
+      if run_lane(band, top, t) then
         -- its lane has nothing claimable: not a candidate until work comes back
         redis.call('ZREM', K_SCHED .. 'band:' .. band, t)
         if PICK[band] == p then table.remove(p[1], at) end  -- (else read again)
-      end
-    end
-    if c then
-      if hold then rate_charge(t, 1, c, now, rpm, tpm) end
-      claimed_cost = claimed_cost + c
-      if VT[t] > clock then clock = VT[t] end
-      VT[t] = VT[t] + c / (weights[t] or 1)
-      DIRTY[t] = true
-      local l = band .. ':' .. t
-      SERVED[l] = (SERVED[l] or 0) + c
-      if band ~= top then
-        credit[band] = credit[band] - c
-      elseif ratio > 0 then
-        credit[top] = nil  -- served as the top band: it waits behind nobody
-        for _, b in ipairs(BANDS) do
-          if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') then
-            if not pick(b) then
-              credit[b] = nil  -- no work: it starts afresh when work comes
-            else
-              -- a band that starts waiting owes a task of this cost first, so that
-              -- it is served once in every 1 + 1 / ratio tasks of like cost
-              if credit[b] == nil then credit[b] = -c end
-              credit[b] = credit[b] + c * ratio
-            end
-          end
-        end
       end
     end
   end
