@@ -171,7 +171,9 @@ def test_weights_3_to_1_and_an_unknown_tenant_weighs_1(qname: str, redis_url: st
     for _ in range(50):
         t, _, tenant = claim_one(q, c, r)
         tenants.append(tenant)
-        assert field(r, q, t.id, "weight") == {"A": "3", "B": "1", "C": "1"}[tenant]
+        # the charge the claim stored: "weight|band|tenant"
+        assert field(r, q, t.id, "weight") == {"A": "3", "B": "1", "C": "1"}[tenant] \
+            + "|s|" + tenant
     got = Tally(tenants)
     assert (got["A"], got["B"], got["C"]) == (30, 10, 10), got
     assert served(r, q) == {"s:A": 300.0, "s:B": 100.0, "s:C": 100.0}
@@ -549,7 +551,7 @@ def test_direct_delivery_to_a_sleeping_worker_charges_its_tenant(
     t = q.submit({"x": 1}, tenant="A", cost=50, priority="interactive")
     assert t.status() == "running", "handed to the sleeper"
     assert served(r, q) == {"i:A": 50.0} and vt(r, q, "A") == 12.5
-    assert field(r, q, t.id, "weight") == "4"
+    assert field(r, q, t.id, "weight") == "4|i|A"
     handed = c.wait(5)
     assert isinstance(handed, list) and [x.id for x in handed] == [t.id]
     c.settle([Outcome(handed[0], ok=True, cost=20)])

@@ -344,7 +344,9 @@ class SchedMachine(BrokerMachine):
         lane = self.lane[t.id]
         self.want[lane] = self.want.get(lane, 0.0) + self.cost[t.id]
         self.charged.add(t.id)
-        assert weight is not None and float(weight) == WEIGHTS.get(lane[2:], 1.0), weight
+        # the charge its claim stored: "weight|band|tenant"
+        assert weight is not None and weight.decode() == \
+            f"{WEIGHTS.get(lane[2:], 1.0):g}|{lane[0]}|{lane[2:]}", weight
 
     def settled(self, t: mtq.Claimed, cost: float | None) -> None:
         if cost is not None and t.id in self.charged:

@@ -146,7 +146,7 @@ refused whole (E_WOULD_MISS) if the cost waiting ahead of it (higher bands, then
 band as the fair share would serve it) at the measured service rate would start it
 after its deadline.
 A claim charges each task it takes its cost over its tenant's weight (stored in the
-task: 'weight'); the task's worker may report the cost it really had when it settles
+task: 'weight' = "weight|band|tenant", what an ack needs to count it out); the task's worker may report the cost it really had when it settles
 the task (ack, nack), and the difference is charged then. A task killed before it
 settles keeps the charge of its claim.
 
@@ -498,8 +498,8 @@ end
 local function reclaim(id, f, now, max_deliveries, ttl, dead_ttl, dead_max, why)
   local s = f[2]
   local what = 'requeued'
-  local l = redis.call('HMGET', K_TASK .. id, 'weight', 'band', 'tenant')
-  if l[1] then sch().lane_count(l[2], l[3], 0, 0, -1) end  -- charged at its claim: running
+  local charged = redis.call('HGET', K_TASK .. id, 'weight')
+  if charged then sch().uncount(charged) end  -- charged at its claim: counted running
   if f[4] then
     finish(id, 'cancelled', now, ttl)
     redis.call('HINCRBY', K_STATS, 'cancelled', 1)
@@ -599,19 +599,37 @@ function sched_lib()
     end
     e[1], e[2], e[3] = e[1] + waiting, e[2] + cost, e[3] + running
   end
-  local function flush_counts()
-    local ck, bands = K_SCHED .. 'count', {}
-    for l, e in pairs(LANE_COUNTS) do
-      if e[1] ~= 0 then redis.call('HINCRBY', ck, l .. '|w', e[1]) end
-      if e[2] ~= 0 then
-        redis.call('HINCRBYFLOAT', ck, l .. '|c', e[2])
-        local b = string.sub(l, 1, 1)
-        bands[b] = (bands[b] or 0) + e[2]
-      end
-      if e[3] ~= 0 then redis.call('HINCRBY', ck, l .. '|r', e[3]) end
+  -- A number as a hash field's value: a whole one as such, else all its digits.
+  local function fmt(v)
+    if v == math.floor(v) and math.abs(v) < 2 ^ 53 then return string.format('%d', v) end
+    return string.format('%.17g', v)
+  end
+  -- Add deltas (field -> number) to the fields of hash key: two commands, however many.
+  local function add_fields(key, deltas)
+    local names = {}
+    for f in pairs(deltas) do names[#names + 1] = f end
+    if #names == 0 then return end
+    local old = redis.call('HMGET', key, unpack(names))
+    local set = {}
+    for i, f in ipairs(names) do
+      set[#set + 1] = f
+      set[#set + 1] = fmt((tonumber(old[i] or '0') or 0) + deltas[f])
     end
-    -- each band's waiting cost, for deadline admission
-    for b, c in pairs(bands) do redis.call('HINCRBYFLOAT', ck, b .. '|c', c) end
+    redis.call('HSET', key, unpack(set))
+  end
+  local function flush_counts()
+    local d = {}
+    for l, e in pairs(LANE_COUNTS) do
+      if e[1] ~= 0 then d[l .. '|w'] = e[1] end
+      if e[2] ~= 0 then
+        d[l .. '|c'] = e[2]
+        -- each band's waiting cost, for deadline admission
+        local b = string.sub(l, 1, 1) .. '|c'
+        d[b] = (d[b] or 0) + e[2]
+      end
+      if e[3] ~= 0 then d[l .. '|r'] = e[3] end
+    end
+    add_fields(K_SCHED .. 'count', d)
     LANE_COUNTS = {}
   end
 
@@ -711,12 +729,24 @@ function sched_lib()
   -- Settlement (ack, nack): what the tasks' reported costs change, summed per tenant
   -- (virtual time) and lane (served cost) and written once per call by flush_settled().
   local SETTLED_VT, SETTLED_COST = {}, {}
-  local function settle_cost(band, tenant, cost, weight, actual)
-    if not weight or not actual then return end  -- not charged (scheduling off), or no report
+  -- A claim's charge, as it stored it in the task's 'weight': "weight|band|tenant".
+  local function charged_of(v)
+    local w, b, t = string.match(v, '^([^|]*)|(.)|(.*)$')
+    return tonumber(w) or 1, b or 's', t or ''
+  end
+  -- n tasks their claims charged (charged: their 'weight') leave the running count
+  local function uncount(charged, n)
+    local _, b, t = charged_of(charged)
+    lane_count(b, t, 0, 0, -(n or 1))
+  end
+  -- the cost a worker reported (actual) for a task its claim charged (charged: its
+  -- 'weight'), against its estimate (cost: its 'cost')
+  local function settle_cost(charged, cost, actual)
+    if not charged or not actual then return end  -- not charged (scheduling off), or no report
     local d = actual - tonumber(cost or '1')
     if d == 0 then return end
-    local b, t = lane_of(band, tenant)
-    SETTLED_VT[t] = (SETTLED_VT[t] or 0) + d / tonumber(weight)
+    local w, b, t = charged_of(charged)
+    SETTLED_VT[t] = (SETTLED_VT[t] or 0) + d / w
     SETTLED_COST[b .. ':' .. t] = (SETTLED_COST[b .. ':' .. t] or 0) + d
   end
   local function flush_settled()
@@ -781,6 +811,7 @@ function sched_lib()
   return {BANDS = BANDS, lane_ring = lane_ring, lane_free = lane_free, activate = activate,
           lane_of = lane_of, lane_count = lane_count, weights_of = weights_of,
           costs_of = costs_of, limits_of = limits_of, rate_wait = rate_wait,
-          rate_charge = rate_charge, settle_cost = settle_cost, mark = mark,
+          rate_charge = rate_charge, settle_cost = settle_cost, uncount = uncount, mark = mark,
+          add_fields = add_fields,
           ring_push = push_ring, expire_due = expire_due, flush = flush}
 end

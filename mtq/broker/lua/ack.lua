@@ -25,6 +25,7 @@ local reported = ARGV[7 + 3 * n]
 local costs = (reported and reported ~= '') and sch().costs_of(reported) or false
 local now = now_ms()
 local codes, done, woken = {}, {}, 0
+local ended = nil  -- the charge ('weight') of each task a scheduling claim charged -> how many
 -- A succeeded task's entry may answer identical requests (see the header) if this is
 -- true, its result is small enough, and its entry's version is the queue's model
 -- version (its suffix starts with prefix).
@@ -52,12 +53,11 @@ for i = 0, n - 1 do
       keep = math.max(ttl, cache_ttl)
     end
     if costs and costs[i + 1] then
-      local c = redis.call('HMGET', K_TASK .. id, 'band', 'tenant', 'cost', 'weight')
-      sch().settle_cost(c[1], c[2], c[3], c[4], costs[i + 1])
+      sch().settle_cost(f[9], redis.call('HGET', K_TASK .. id, 'cost'), costs[i + 1])
     end
-    if f[9] then
-      local l = redis.call('HMGET', K_TASK .. id, 'band', 'tenant')
-      sch().lane_count(l[1], l[2], 0, 0, -1)
+    if f[9] then  -- counted out of its lane's running below, once per lane
+      ended = ended or {}
+      ended[f[9]] = (ended[f[9]] or 0) + 1
     end
     finish(id, 'succeeded', now, keep, 'result', result, own, f)
     if f[7] then woken = woken + release_stream(f[7]) end
@@ -71,6 +71,9 @@ if #done > 0 then
   end
   redis.call('HINCRBY', K_STATS, 'succeeded', #done)
   event('succeeded', now, {ids = done})
+end
+if ended then
+  for charged, k in pairs(ended) do sch().uncount(charged, k) end
 end
 if woken > 0 then nudge() end
 flush_replies()

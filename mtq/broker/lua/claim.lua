@@ -103,6 +103,9 @@ local ring_empty, free_empty = false, false
 
 local weights = nil  -- scheduling: tenant -> weight (weights_of)
 local PICK = nil     -- scheduling: band -> what this call read of its tenants (see load)
+-- scheduling: the run being taken (see run_lane): its lane's counts' changes, and the
+-- charge its tasks store ("weight|band|tenant": see _lib.lua, Scheduling)
+local RUN = nil
 
 -- Claim one popped id. Returns true if it now runs (with scheduling on: its cost);
 -- false for a tombstone, an expired task, or (lb, lt: the lane it was popped from,
@@ -137,7 +140,7 @@ local function take(id, s, lb, lt)
       return false
     end
     cost = tonumber(f[13] or '1')
-    weight = weights[tt] or 1
+    weight = RUN.charge
   end
   taken = taken + 1
   if f[3] and dl then
@@ -147,17 +150,17 @@ local function take(id, s, lb, lt)
   if f[3] and tonumber(f[3]) < now then
     finish(id, 'expired', now, ttl)
     expired[#expired + 1] = id
-    if lb then SCH.lane_count(tb, tt, -1, -cost, 0) end
+    if lb then RUN.w, RUN.c = RUN.w - 1, RUN.c - cost end
     return false
   end
-  if lb then SCH.lane_count(tb, tt, -1, -cost, 1) end
+  if lb then RUN.w, RUN.c, RUN.r = RUN.w - 1, RUN.c - cost, RUN.r + 1 end
   n = n + 1
   if not base then base = redis.call('INCRBY', K_SEQ, B) - B end  -- B tokens, for this call
   local token = tostring(base + n)
   local deliveries = tonumber(f[4] or '0') + 1
   if weight then
     redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
-      'started', num(now), 'deliveries', f[4] and num(deliveries) or '1', 'weight', num(weight))
+      'started', num(now), 'deliveries', f[4] and num(deliveries) or '1', 'weight', weight)
   else
     redis.call('HSET', tk, 'status', 'running', 'worker', worker, 'token', token,
       'started', num(now), 'deliveries', f[4] and num(deliveries) or '1')
@@ -188,19 +191,32 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
   local PICK_K = 16
   local VT, DIRTY, SERVED = {}, {}, {}
   PICK = {}
+  -- the virtual times this call changed, into the hash and the bands' sets (one
+  -- command each, whatever the number of tenants)
   local function flush_vt()
+    local h, z = {}, {}
     for t in pairs(DIRTY) do
-      redis.call('HSET', K_SCHED .. 'vt', t, VT[t])
-      for _, b in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. b, 'XX', VT[t], t) end
+      h[#h + 1] = t
+      h[#h + 1] = VT[t]
+      z[#z + 1] = VT[t]
+      z[#z + 1] = t
     end
+    if #h == 0 then return end
+    redis.call('HSET', K_SCHED .. 'vt', unpack(h))
+    for _, b in ipairs(BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. b, 'XX', unpack(z)) end
     DIRTY = {}
   end
   -- the band's first PICK_K tenants by virtual time, and the time of the next (the bound
   -- under which the least of those is the band's least)
   local HELD, nheld = {}, 0  -- tenants this claim passes over for their rate limits
   local function load(b)
-    flush_vt()
-    local r = redis.call('ZRANGE', K_SCHED .. 'band:' .. b, 0, PICK_K + nheld, 'WITHSCORES')
+    local bk = K_SCHED .. 'band:' .. b
+    local r = redis.call('ZRANGE', bk, 0, PICK_K + nheld, 'WITHSCORES')
+    if #r > 2 * (PICK_K + nheld) and next(DIRTY) then
+      -- more than it reads: which are the least depends on the times this call changed
+      flush_vt()
+      r = redis.call('ZRANGE', bk, 0, PICK_K + nheld, 'WITHSCORES')
+    end
     local list, bound = {}, math.huge
     for j = 1, #r, 2 do
       if not HELD[r[j]] then
@@ -280,60 +296,65 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
 
   -- A run: the tasks one pick of tenant t takes. Charge a task of cost c taken in band
   -- `band` while `top` was the highest band with work (its lane's served cost: l); say
-  -- whether the run goes on: room left, t's virtual time at most the run's limit, no
-  -- lower band owed, t's rate limit allowing.
-  local run = {limit = 0, base = 0, tasks = 1, first = true}
+  -- whether the run goes on: room left, t's virtual time at most the run's limit, t's
+  -- rate limit allowing (a lower band that becomes owed waits for the next pick).
+  local run = {limit = 0, base = 0, tasks = 1, first = true, s = false, b = false}
+  RUN = {w = 0, c = 0, r = 0, charge = ''}
   local NCAND = {}  -- band -> its candidates, when more than PICK_K (read once)
   local function charge(band, top, t, l, c)
-    claimed_cost = claimed_cost + c
-    local w = weights[t] or 1
+    local w = run.w
     if run.first then
       -- a run may pass the next tenant's virtual time by its share of the claim's room
       -- (in tasks of its first's cost), so that a batch is taken in a few runs, not one
       -- pick per task; it costs the fair share that much more lag (docs/scheduling.md)
-      run.first = false
+      run.first, run.c1 = false, c
       run.limit = run.base + run.tasks * c / w
     end
     VT[t] = VT[t] + c / w
+    run.cost = run.cost + c
+    if hold then rate_charge(t, 1, c, now, rpm, tpm) end
+    if band ~= top then return false end  -- a task a lower band was owed: then choose again
+    -- (its next task taken to cost what this one did)
+    return n < B and VT[t] + c / w <= run.limit
+      and not (hold and rate_wait(t, 1, now, rpm, tpm) > 0)
+  end
+  -- what a run cost: the tenant's served cost, and the bands' credits
+  local function charged(band, top, t, l)
+    local c = run.cost
+    if c == 0 and run.first then return end  -- it took nothing
+    claimed_cost = claimed_cost + c
     DIRTY[t] = true
     SERVED[l] = (SERVED[l] or 0) + c
-    if hold then rate_charge(t, 1, c, now, rpm, tpm) end
     if band ~= top then
       credit[band] = credit[band] - c
-      return false  -- a task a lower band was owed: then choose again
     elseif ratio > 0 then
       credit[top] = nil  -- served as the top band: it waits behind nobody
       for _, b in ipairs(BANDS) do
         if b ~= 'i' and b ~= top and (top == 'i' or b == 'b') then
-          if not pick(b) then
+          if not run[b] then  -- (has it work? read at the run's start)
             credit[b] = nil  -- no work: it starts afresh when work comes
           else
-            -- a band that starts waiting owes a task of this cost first, so that
-            -- it is served once in every 1 + 1 / ratio tasks of like cost
-            if credit[b] == nil then credit[b] = -c end
-            credit[b] = credit[b] + c * ratio
-            if credit[b] > 0 then return false end
+            -- a band that starts waiting owes a task of the run's first's cost first, so
+            -- that it is served once in every 1 + 1 / ratio tasks of like cost
+            if credit[b] == nil then credit[b] = -run.c1 end
+            credit[b] = credit[b] + c * ratio  -- (owed from the next pick on)
           end
         end
       end
     end
-    -- (its next task taken to cost what this one did)
-    return n < B and VT[t] + c / w <= run.limit
-      and not (hold and rate_wait(t, 1, now, rpm, tpm) > 0)
   end
 
   -- Tenant t's run in its lane (band): its ring in turn, one task of each stream or a
   -- burst of its stream-less tasks, while charge() says it goes on. Returns whether the
   -- lane's ring ran out (nothing claimable: the tenant leaves the band's candidates).
-  local function run_lane(band, top, t)
-    local ring, l = lane_ring(band, t), band .. ':' .. t
+  local function run_ring(band, top, t, ring, l)
     while true do
       local s = redis.call('LPOP', ring)
       if not s then return true end
       local more = true
       if s == FREE then
         local fl = lane_free(band, t)
-        local want = math.min(B - n, run.tasks)
+        local want = band == top and math.min(B - n, run.tasks) or 1  -- (an owed task: one)
         local ids = redis.call('LPOP', fl, want)
         local j, left = 1, false
         if ids then
@@ -376,6 +397,19 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
       end
       if not more then return false end
     end
+  end
+  -- (the run's lane counts and charge, then run_ring)
+  local function run_lane(band, top, t)
+    local ring, l = lane_ring(band, t), band .. ':' .. t
+    RUN.w, RUN.c, RUN.r = 0, 0, 0
+    run.w = weights[t] or 1
+    RUN.charge = num(run.w) .. '|' .. band .. '|' .. t
+    run.s, run.b = top == 'i' and pick('s') ~= nil, top ~= 'b' and pick('b') ~= nil
+    run.cost = 0
+    local out = run_ring(band, top, t, ring, l)
+    charged(band, top, t, l)
+    S.lane_count(band, t, RUN.w, RUN.c, RUN.r)
+    return out
   end
 
   while n < B do
@@ -426,7 +460,7 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
     end
   end
   flush_vt()
-  for l, c in pairs(SERVED) do redis.call('HINCRBYFLOAT', K_SCHED .. 'served', l, c) end
+  S.add_fields(K_SCHED .. 'served', SERVED)
   if n >= B then
     ring_empty = not (pick('i') or pick('s') or pick('b'))
     free_empty = true

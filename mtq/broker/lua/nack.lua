@@ -52,15 +52,11 @@ for i = 0, n - 1 do
     codes[i + 1] = 1
   else
     redis.call('ZREM', K_LEASES, id)
-    if f[8] then  -- charged at its claim: counted running
-      local l = redis.call('HMGET', tk, 'band', 'tenant')
-      sch().lane_count(l[1], l[2], 0, 0, -1)
-    end
+    if f[8] then sch().uncount(f[8]) end  -- charged at its claim: counted running
     -- a task given back unrun costs nothing: its next claim charges it again
     local actual = action == 'release' and 0 or (costs and costs[i + 1])
     if actual and f[8] then
-      local c = redis.call('HMGET', tk, 'band', 'tenant', 'cost', 'weight')
-      sch().settle_cost(c[1], c[2], c[3], c[4], actual)
+      sch().settle_cost(f[8], redis.call('HGET', tk, 'cost'), actual)
     end
     if f[4] then action = 'cancel' end  -- a pending cancel request wins over any outcome but success
     local nul = string.find(arg, '\0', 1, true)

@@ -255,7 +255,7 @@ local function hand(w, id, s, f, payload, retries, traceparent, lb, lt, cost)
   f[#f + 1] = 'deliveries'; f[#f + 1] = '1'
   if w[6] or SCHED_ON then  -- (see the call)
     f[#f + 1] = 'weight'
-    f[#f + 1] = num(charge(lb, lt, cost))
+    f[#f + 1] = num(charge(lb, lt, cost)) .. '|' .. lb .. '|' .. lt
   end
   redis.call('HSET', K_TASK .. id, unpack(f))
   if s ~= '' then redis.call('SADD', K_BUSY, s) end
