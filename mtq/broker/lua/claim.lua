@@ -299,6 +299,9 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
   -- whether the run goes on: room left, t's virtual time at most the run's limit, t's
   -- rate limit allowing (a lower band that becomes owed waits for the next pick).
   local run = {limit = 0, base = 0, tasks = 1, first = true, s = false, b = false}
+  -- lane -> the stream-less ids this call popped of it ({ids, at: the next, more: the list
+  -- may hold more, fl: the list}); those not taken go back at its head at the end
+  local FREE_BUF = {}
   RUN = {w = 0, c = 0, r = 0, charge = ''}
   local NCAND = {}  -- band -> its candidates, when more than PICK_K (read once)
   local function charge(band, top, t, l, c)
@@ -353,27 +356,27 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
       if not s then return true end
       local more = true
       if s == FREE then
-        local fl = lane_free(band, t)
-        local want = band == top and math.min(B - n, run.tasks) or 1  -- (an owed task: one)
-        local ids = redis.call('LPOP', fl, want)
-        local j, left = 1, false
-        if ids then
-          while j <= #ids do
-            local c = take(ids[j], false, band, t)
-            j = j + 1
-            if c then
-              more = charge(band, top, t, l, c)
-              if not more then break end
-            end
+        -- a burst of its stream-less tasks, from what this call popped of them (as many
+        -- as the run may take, an owed band's one; what is left goes back at the end:
+        -- see FREE_BUF)
+        local buf = FREE_BUF[l]
+        while true do
+          if not buf or (buf.at > #buf.ids and buf.more and n < B) then
+            local fl = lane_free(band, t)
+            local want = band == top and math.min(B - n, run.tasks) or 1
+            local ids = redis.call('LPOP', fl, want) or {}
+            buf = {ids = ids, at = 1, more = #ids == want, fl = fl}
+            FREE_BUF[l] = buf
           end
-          if j <= #ids then  -- not taken: back at the head, in their order
-            local back = {}
-            for x = #ids, j, -1 do back[#back + 1] = ids[x] end
-            redis.call('LPUSH', fl, unpack(back))
-            left = true
+          if buf.at > #buf.ids then break end
+          local c = take(buf.ids[buf.at], false, band, t)
+          buf.at = buf.at + 1
+          if c then
+            more = charge(band, top, t, l, c)
+            if not more then break end
           end
         end
-        if left or (ids and #ids == want and redis.call('LLEN', fl) > 0) then
+        if buf.at <= #buf.ids or buf.more then
           redis.call('RPUSH', ring, FREE)  -- its next burst at its next turn
         elseif band == 's' and t == '' then
           redis.call('HSET', K_STATS, 'free_marked', '0')
@@ -457,6 +460,13 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
         redis.call('ZREM', K_SCHED .. 'band:' .. band, t)
         if PICK[band] == p then table.remove(p[1], at) end  -- (else read again)
       end
+    end
+  end
+  for _, buf in pairs(FREE_BUF) do
+    if buf.at <= #buf.ids then
+      local back = {}
+      for x = #buf.ids, buf.at, -1 do back[#back + 1] = buf.ids[x] end
+      redis.call('LPUSH', buf.fl, unpack(back))
     end
   end
   flush_vt()
