@@ -8,7 +8,8 @@ Consumer, Outcome. Run by file path with ``python -P``.
 
 ``drain_sched`` is ``drain`` of tasks that carry a tenant (one of four) and a priority
 (each band in turn), which turns the queue's scheduling on (benchmarks/scheduling.py);
-only trees with scheduling have it.
+``drain_streams`` and ``drain_sched_streams`` the same two of tasks in 400 streams (each
+stream a tenant's, in one band); only trees with scheduling have the scheduled ones.
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ def main(what: str, dump: str, n: int) -> None:
         lanes = [(f"t{i}", p) for i in range(4) for p in ("interactive", "standard", "batch")]
         q.submit_many([mtq.Request(None, tenant=t, priority=p)
                        for t, p in (lanes[i % len(lanes)] for i in range(n))])
+        instrument(True)
+        drain(c, c.claim(64))
+    elif what == "drain_streams":  # tasks of 400 streams (users)
+        q.submit_many([mtq.Request(None, stream=f"u{i % 400}") for i in range(n)])
+        instrument(True)
+        drain(c, c.claim(64))
+    elif what == "drain_sched_streams":  # the same, each user a tenant's, in a band
+        lanes = [(f"t{i}", p) for i in range(4) for p in ("interactive", "standard", "batch")]
+        q.submit_many([mtq.Request(None, stream=f"u{i % 400}", tenant=lanes[i % 400 % 12][0],
+                                   priority=lanes[i % 400 % 12][1]) for i in range(n)])
         instrument(True)
         drain(c, c.claim(64))
     elif what == "roundtrip":

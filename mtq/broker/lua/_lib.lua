@@ -648,7 +648,11 @@ function sched_lib()
 
   -- Tenant t has work in band b: make it a candidate of the band's claims. A tenant that
   -- was in no band comes back at the virtual clock if it is behind it (no banked credit).
+  local ACTIVE = {}  -- lanes this call made or found candidates (see leave())
   local function activate(b, t)
+    local l = b .. ':' .. t
+    if ACTIVE[l] then return end
+    ACTIVE[l] = true
     local bk = K_SCHED .. 'band:' .. b
     if redis.call('ZSCORE', bk, t) then return end
     local v = redis.call('HMGET', K_SCHED .. 'vt', t, '~V')
@@ -661,7 +665,12 @@ function sched_lib()
       end
     end
     redis.call('ZADD', bk, num(own), t)
-    redis.call('SADD', K_SCHED .. 'lanes', b .. ':' .. t)
+    redis.call('SADD', K_SCHED .. 'lanes', l)
+  end
+  -- tenant t is no candidate of band b any more (its lane has nothing claimable)
+  local function leave(b, t)
+    redis.call('ZREM', K_SCHED .. 'band:' .. b, t)
+    ACTIVE[b .. ':' .. t] = nil
   end
 
   -- The lane of a task, from its 'band' and 'tenant' fields.
@@ -812,6 +821,6 @@ function sched_lib()
           lane_of = lane_of, lane_count = lane_count, weights_of = weights_of,
           costs_of = costs_of, limits_of = limits_of, rate_wait = rate_wait,
           rate_charge = rate_charge, settle_cost = settle_cost, uncount = uncount, mark = mark,
-          add_fields = add_fields,
+          add_fields = add_fields, leave = leave,
           ring_push = push_ring, expire_due = expire_due, flush = flush}
 end

@@ -457,7 +457,7 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
       run.tasks = math.ceil((B - n) / math.max(1, cands))
       if run_lane(band, top, t) then
         -- its lane has nothing claimable: not a candidate until work comes back
-        redis.call('ZREM', K_SCHED .. 'band:' .. band, t)
+        S.leave(band, t)
         if PICK[band] == p then table.remove(p[1], at) end  -- (else read again)
       end
     end
