@@ -18,10 +18,15 @@ worker (their work is a sleep; one core idles meanwhile).
   work, against the batch band alone in the same phase;
 * Redis: redis-server instructions per drained task with tenants and priorities on
   against a plain drain (callgrind, as benchmarks.instructions counts them), and the
-  round trip p50 through an idle worker, the two queues in alternating blocks.
+  round trip p50 through an idle worker, the two queues in alternating blocks (and the
+  same drain of tasks in 400 streams);
 
-    python -m benchmarks.scheduling           # full run (~2 min), writes its block
-    python -m benchmarks.scheduling --quick   # shorter windows (~30 s), prints only
+* rate limit and deadlines (benchmarks/limits.py): a tenant's limit held across 8
+  producers in 2 processes, and the refusals' latency; at twice a worker's rate, the
+  admitted tasks with a deadline that start before it.
+
+    python -m benchmarks.scheduling           # full run (~4 min), writes its block
+    python -m benchmarks.scheduling --quick   # shorter windows (~45 s), prints only
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from typing import Any
 import redis
 
 import mtq
-from benchmarks import instructions, targets
+from benchmarks import instructions, limits, targets
 from benchmarks.children.costed import PER_COST_S
 from benchmarks.harness.drain import task_fields
 from benchmarks.harness.meters import CpuMeter, commandstats, machine_info, pct
@@ -65,10 +70,12 @@ class Sizes:
     rt_blocks: int         # round trips: blocks per queue, in turns
     rt_n: int              # ... round trips per block
     cg_n: int              # drained tasks counted under callgrind
+    rate_s: float          # rate limit: how long the producers try
+    deadline_s: float      # deadlines: the measured span, after a warm-up of 4 s
 
 
-FULL = Sizes(2.0, 10.0, 3, 15.0, 0.05, 4.0, 5, 200, 3200)
-QUICK = Sizes(1.0, 2.0, 2, 3.0, 0.05, 2.0, 2, 100, 320)
+FULL = Sizes(2.0, 10.0, 3, 15.0, 0.05, 4.0, 5, 200, 3200, 60.0, 20.0)
+QUICK = Sizes(1.0, 2.0, 2, 3.0, 0.05, 2.0, 2, 100, 320, 5.0, 4.0)
 
 # the fair-share load (the issue's): (group, streams, cost)
 A, B = ("A", 100, 2000.0), ("B", 5, 50.0)
@@ -411,19 +418,16 @@ def report_prio(p: Prio, s: Sizes, res: Results) -> None:
     res.add("  of which submit -> its claim (the scheduler's part), p99",
             pct(p.to_claim, 99) * 1000, "ms",
             f"p50 {pct(p.to_claim, 50) * 1000:.1f}, max {max(p.to_claim) * 1000:.1f} ms (its "
-            "claim time, server ms): the worker claims only when it takes a task it holds, "
-            "so the next claim is as many runs away as it holds tasks")
+            "claim time, server ms): a slow model's worker on a queue that schedules claims "
+            "as a batch ends, none ahead (mtq/workers/dynamic.py)")
     res.add("  and its claim -> its run (held behind the running task), p99",
             pct(p.held, 99) * 1000, "ms",
             f"p50 {pct(p.held, 50) * 1000:.1f}, max {max(p.held) * 1000:.1f} ms: behind the "
             "running task and those claimed before it")
     behind = sum(1 for a in p.ahead if a >= 1)
     res.add("  interactive tasks claimed behind a batch task claimed ahead", behind, "tasks",
-            f"of {len(p.ahead)} (most held ahead at once: {max(p.ahead, default=0)}): after "
-            "a run under 10 ms (an interactive task's) the fetcher keeps two tasks claimed "
-            "ahead, not one (mtq/workers/fetcher.py, claim_ahead), and claims two batch "
-            "tasks: a task claimed behind one of them while the other runs waits two runs "
-            "from its claim")
+            f"of {len(p.ahead)} (most held ahead at once: {max(p.ahead, default=0)}): a "
+            "task claimed ahead of the running one would hold the next urgent task behind it")
     res.add("  waited more than one batch time", sum(
         1 for w in p.waits if w > p.batch_max_s), "tasks",
             f"of {len(p.waits)}; batch runs p50 {p.batch_p50_s * 1000:.1f} ms, longest "
@@ -516,6 +520,11 @@ def bench_redis(server: Server, r: redis.Redis, s: Sizes, res: Results) -> dict[
                 "scheduling on", sched, "instr", f"plain tasks: {plain:,.0f}; "
                 f"{s.cg_n:,} stream-less tasks, callgrind (benchmarks.instructions)")
         res.add("  on / off", ratio, "x", note)
+        plain_s = instructions.count(ROOT, "drain_streams", s.cg_n)
+        sched_s = instructions.count(ROOT, "drain_sched_streams", s.cg_n)
+        out.update(cg_plain_streams=plain_s, cg_sched_streams=sched_s)
+        res.add("  the same of tasks in 400 streams (each a tenant's, in a band)", sched_s,
+                "instr", f"plain: {plain_s:,.0f}; on / off {sched_s / plain_s:.2f}x")
     else:
         res.add("redis-server instructions per drained task", None, "instr",
                 "valgrind is not installed")
@@ -541,6 +550,40 @@ def bench_redis(server: Server, r: redis.Redis, s: Sizes, res: Results) -> dict[
     return out
 
 
+# -- rate limits and deadlines (benchmarks/limits.py) --------------------------------------------
+def bench_rate(server: Server, s: Sizes, res: Results) -> dict[str, float]:
+    res.section = ("7. Rate limit: one tenant limited to 1,200 requests a minute (reject), 8 "
+                   "producer threads in 2 processes trying every 20 ms each")
+    out = limits.rate_limit(server.url, 1200, s.rate_s)
+    err = abs(out["rate"] / 1200 - 1)
+    note = res.target(f"within {targets.SCHED_RATE:.0%} of the limit", err <= targets.SCHED_RATE,
+                      f"{out['rate']:,.0f} / min ({err:.1%} off)")
+    res.add("observed rate of accepted submits", out["rate"], "/min",
+            f"{out['accepted']:,} accepted over {out['span_s']:.1f} s, less the limit's burst "
+            f"of one second; {note}")
+    note = res.target(f"refusal p99 <= {targets.SCHED_REFUSAL_P99_MS:g} ms",
+                      out["refused_p99_ms"] <= targets.SCHED_REFUSAL_P99_MS,
+                      f"{out['refused_p99_ms']:.2f} ms")
+    res.add("a refused submit (RateLimited), p99", out["refused_p99_ms"], "ms",
+            f"p50 {out['refused_p50_ms']:.2f} ms; {out['refusals']:,} refusals, as the "
+            f"producers timed them; {note}")
+    return out
+
+
+def bench_deadlines(server: Server, s: Sizes, res: Results) -> dict[str, float]:
+    res.section = ("8. Deadlines at 2x overload: one worker slot serving 200 tasks of cost 50 a "
+                   "second, 400 submitted a second, each with deadline=1.0")
+    out = limits.deadlines(server.url, 4.0, s.deadline_s)
+    note = res.target(f"at least {targets.SCHED_ON_TIME:.0%} of admitted tasks start in time",
+                      out["share"] >= targets.SCHED_ON_TIME, f"{out['share']:.2%}")
+    res.add("admitted tasks that started before their deadline", out["share"] * 100, "%",
+            f"{out['on_time']:,} of {out['admitted']:,} admitted ({out['late']} late or "
+            f"expired); {out['refused']:,} refused with WouldMissDeadline; measured rate "
+            f"{out['rate_cost_s']:,.0f} cost/s of a {out['capacity_cost_s']:,.0f} capacity; "
+            f"{note}")
+    return out
+
+
 # -- the run -------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = cli_parser(__doc__, "~30 s")
@@ -561,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
                                                      bench_fair(server, r, s, res)])),
             ("priority", lambda: data.update(prio=asdict(bench_prio(server, r, s, res)))),
             ("redis", lambda: data.update(redis=bench_redis(server, r, s, res))),
+            ("rate limit", lambda: data.update(rate=bench_rate(server, s, res))),
+            ("deadlines", lambda: data.update(deadlines=bench_deadlines(server, s, res))),
         ]
         meter = CpuMeter()
         meter.run(steps)

@@ -66,3 +66,6 @@ INTERACTIVE_RTT = 1            # interactive p99 queue wait <= one batch time + 
 BATCH_LOST = 0.05              # batch throughput lost beyond the interactive work itself
 SCHED_INSTRUCTIONS = 1.15      # redis-server instructions per drained task, scheduling on/off
 SCHED_ROUND_TRIP = 1.10        # round trip p50, scheduling on / off
+SCHED_RATE = 0.05              # a tenant's rate limit: observed rate within 5 % of it
+SCHED_REFUSAL_P99_MS = 2.0     # ... a refused submit answered within this, p99
+SCHED_ON_TIME = 0.99           # 2x overload with deadlines: admitted tasks started in time

@@ -79,6 +79,9 @@ class Consumer:
         self.inbox_key = self.broker.keys.worker_inbox(self.worker_id)
         #: ms until the next lease deadline / due retry, from the last claim (-1: none)
         self.next_timer_ms = -1
+        #: the queue schedules, as the last claim said (a slow model's worker then claims
+        #: no task ahead: see mtq.workers.dynamic)
+        self.scheduling = False
         #: take tasks handed over directly: a claim that takes all there is and leaves
         #: room registers this consumer idle, and :meth:`wait` returns what a submit
         #: hands it (see "Direct delivery" in lua/_lib.lua). Set by a worker whose
@@ -104,6 +107,7 @@ class Consumer:
 
     def _claimed(self, result: ClaimResult, sent: float, lease_ms: int | None) -> list[Claimed]:
         self.next_timer_ms = result.next_timer_ms
+        self.scheduling = result.scheduling
         until = sent + self.lease_s(lease_ms)
         wall = time.time()
         for t in result.tasks:

@@ -93,6 +93,8 @@ class ClaimResult:
     #: tasks a submit handed to the worker while it was registered idle (its inbox, read
     #: by this claim: see "Direct delivery" in lua/_lib.lua); leased since then
     handed: list[Claimed] = field(default_factory=list)
+    #: the queue schedules (priorities, tenants: docs/scheduling.md)
+    scheduling: bool = False
 
 
 def text(value: Any) -> str:
@@ -125,7 +127,7 @@ def parse_handed(entry: bytes) -> list[Claimed]:
 def parse_claim(raw: list[Any]) -> ClaimResult:
     """claim.lua's reply."""
     handed = [t for entry in raw[2] for t in parse_handed(entry)] if raw[2] else []
-    return ClaimResult(parse_tasks(raw, 3), int(raw[0]), int(raw[1]), handed)
+    return ClaimResult(parse_tasks(raw, 4), int(raw[0]), int(raw[1]), handed, raw[3] == 1)
 
 
 @dataclass(frozen=True, slots=True)

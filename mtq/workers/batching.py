@@ -62,6 +62,10 @@ class BatchSlot:
         self._kicked = False
         #: places taken by tasks already out of the slot (a generator's running batch)
         self._reserved = 0
+        #: a batch :meth:`take` returns keeps its places until the model thread ends it
+        #: (:meth:`reserve` 0): the fetcher claims nothing ahead while it runs (a slow
+        #: model on a queue that schedules: see mtq.workers.dynamic)
+        self.hold_running = False
         #: batches the fetcher keeps claimed ahead (the worker raises it for a fast model
         #: on a deep queue: see mtq.workers.fetcher.Fetcher.claim_ahead and :meth:`claim_ahead`)
         self.ahead = 1
@@ -217,18 +221,23 @@ class BatchSlot:
                 if pending and not self.paused:
                     suspect = self._pop_suspect()
                     if suspect is not None:
-                        return [suspect]
+                        return self._running([suspect])
                     b = self.max_batch_size
                     wait = 0.0 if len(pending) >= b else \
                         min(p.ready_at for p in pending) - time.monotonic()
                     if wait <= 0:
-                        return self._pop(b)
+                        return self._running(self._pop(b))
                     self.cond.wait(wait)
                 elif self._waiter is not None and not pending and not self.paused:
                     self._waiter = "taken"
                     return OFFERED
                 else:
                     self.cond.wait()
+
+    def _running(self, batch: list[Claimed]) -> list[Claimed]:
+        if self.hold_running:  # (under the lock: the fetcher sees no room meanwhile)
+            self._reserved = len(batch)
+        return batch
 
     def take_now(self, limit: int, block: bool) -> list[Claimed] | None:
         """Up to ``limit`` tasks at once, without waiting for a batching deadline (the

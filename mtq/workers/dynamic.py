@@ -20,7 +20,7 @@ from mtq.broker.protocol import Claimed
 from mtq.errors import LeaseLost, PayloadError
 from mtq.workers.batching import OFFERED, BatchShapeError, BatchSlot, run_isolated, run_one
 from mtq.workers.batchlog import BatchLog
-from mtq.workers.fetcher import Fetcher
+from mtq.workers.fetcher import FAST_BATCH_S, Fetcher
 from mtq.workers.generator import Generator
 from mtq.workers.leases import Leases
 from mtq.workers.ledger import Ledger, Lifecycle, Monitor, Tally
@@ -61,9 +61,18 @@ class DynamicBatcher:
         model = self.current_model()
         per_item = is_per_item(model)
         slot, ledger, life = self.slot, self.ledger, self.life
+        consumer = self.fetcher.consumer
         while True:
+            # A slow model on a queue that schedules claims nothing ahead while a batch
+            # runs: the next claim, as the batch ends, takes what is most urgent then (an
+            # interactive task waits one batch and a claim's round trip at most, not also
+            # a batch claimed ahead); the round trip costs a slow model little
+            if slot.hold_running:
+                slot.reserve(0)  # (a batch taken and not run: its places are free again)
+            slot.hold_running = consumer.scheduling and ledger.batch_s >= FAST_BATCH_S
             batch = slot.take()
             if batch is None:
+                slot.hold_running = False
                 return False
             if batch is OFFERED:
                 self.fetcher.wait_here()
@@ -73,6 +82,8 @@ class DynamicBatcher:
                 self.reload()
                 model = self.current_model()
                 if isinstance(model, Generator):
+                    slot.hold_running = False
+                    slot.reserve(0)
                     return True
                 per_item = is_per_item(model)
                 continue
@@ -90,6 +101,8 @@ class DynamicBatcher:
             last = ledger.batch_s
             ledger.batch_s = took if last == float("inf") else max(took, last * BATCH_S_DECAY)
             ledger.batch_n = len(batch)
+            if slot.hold_running:
+                slot.reserve(0)
             ledger.set_busy(False, 0)
             if life.draining:  # the publisher lets the fetcher check if the queue is empty
                 self.publisher.put([])

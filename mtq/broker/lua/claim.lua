@@ -19,7 +19,8 @@ ARGV[15] the share of claimed cost a lower band with waiting work is owed, perce
   (0: strict priority)
 ARGV[16], ARGV[17] the tenants' rate limits, requests and cost per minute,
   "tenant=N,...,*=N" (see _lib.lua)   ARGV[18] 'hold' to hold tasks over a limit
-Returns: {next_timer_ms, reaped, inbox, then 9 entries per claimed task:
+Returns: {next_timer_ms, reaped, inbox, scheduling (1: the queue schedules; see
+  _lib.lua), then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
   age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
   traceparent (W3C trace context stored by submit, '' = none; see mtq.tracing)}
@@ -92,7 +93,7 @@ if dl then
 end
 local dl_done = nil  -- ids taken here that had a deadline: out of K_SCHED .. 'deadlines'
 
-local out = {0, reaped, inbox}
+local out = {0, reaped, inbox, 0}
 local n, taken, base = 0, 0, false
 local until_ms = now + lease
 local claimed, expired = {}, {}
@@ -171,7 +172,7 @@ local function take(id, s, lb, lt)
   if f[10] ~= '0' then  -- its trace is stored (see _lib.lua)
     redis.call('RPUSH', K_TRACE .. id, trace_line(now, 'started', 'delivery ' .. deliveries .. ' on ' .. worker))
   end
-  local o = 3 + 9 * (n - 1)  -- (#out, without its search)
+  local o = 4 + 9 * (n - 1)  -- (#out, without its search)
   out[o + 1] = id; out[o + 2] = token; out[o + 3] = f[2]; out[o + 4] = s or ''
   out[o + 5] = f[5] or '0'; out[o + 6] = deliveries; out[o + 7] = f[6] or ''
   out[o + 8] = math.max(0, now - tonumber(f[7] or now))
@@ -556,5 +557,6 @@ for _, d in ipairs({first_deadline and due_in(first_deadline, now) or -1, held_f
   if d >= 0 and (nxt < 0 or d < nxt) then nxt = d end
 end
 out[1] = nxt
+if sched then out[4] = 1 end
 flush_replies()
 return out
