@@ -44,22 +44,31 @@ def work(payload: Any) -> int:
     return 0
 
 
-def rate_limit(url: str, per_minute: int, seconds: float) -> dict[str, float]:
-    """Observed accepted rate (per minute) against the limit, and refusal latencies."""
-    queue = uniq("rate")
-    q = mtq.Queue(queue, url)
-    q.configure(tenant_rpm={"t": per_minute})
+def producers(url: str, queue: str, procs: int, threads: int, seconds: float
+              ) -> list[dict[str, Any]]:
+    """``procs`` processes of ``threads`` producer threads each; their reports."""
     env = worker_env(url)
-    procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.children.rate_producer", url,
-                               queue, "t", "4", str(seconds), "20"], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-             for _ in range(2)]
+    running = [subprocess.Popen([sys.executable, "-m", "benchmarks.children.rate_producer", url,
+                                 queue, "t", str(threads), str(seconds), "20"], env=env,
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+               for _ in range(procs)]
     outs = []
-    for p in procs:
+    for p in running:
         out, _ = p.communicate(timeout=seconds + 60)
         if p.returncode != 0:
             raise SystemExit(f"a producer failed ({p.returncode})")
         outs.append(json.loads(out.decode().strip().splitlines()[-1]))
+    return outs
+
+
+def rate_limit(url: str, per_minute: int, seconds: float) -> dict[str, float]:
+    """Observed accepted rate (per minute) against the limit, and refusal latencies: of
+    the 8 producers, and of one producer thread alone (the floor of a Python client on
+    this machine, without the others' contention for its cores)."""
+    queue = uniq("rate")
+    q = mtq.Queue(queue, url)
+    q.configure(tenant_rpm={"t": per_minute})
+    outs = producers(url, queue, 2, 4, seconds)
     accepted = sum(o["accepted"] for o in outs)
     refused = [ms for o in outs for ms in o["refused_ms"]]
     r = redis.Redis.from_url(url)
@@ -73,7 +82,12 @@ def rate_limit(url: str, per_minute: int, seconds: float) -> dict[str, float]:
     span_s = (created[-1] - created[0]) / 1000 if len(created) > 1 else seconds
     burst = max(1, -(-per_minute // 60))
     q.delete(force=True)
+    alone = uniq("rate-alone")
+    mtq.Queue(alone, url).configure(tenant_rpm={"t": per_minute})
+    floor = producers(url, alone, 1, 1, min(seconds, 10.0))[0]["refused_ms"]
+    mtq.Queue(alone, url).delete(force=True)
     return {"accepted": accepted, "span_s": span_s,
+            "alone_p99_ms": pct(floor, 99) if floor else 0.0,
             "rate": (len(created) - burst) / span_s * 60 if span_s else 0.0,
             "refusals": len(refused), "refused_p50_ms": pct(refused, 50) if refused else 0.0,
             "refused_p99_ms": pct(refused, 99) if refused else 0.0}

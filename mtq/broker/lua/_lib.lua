@@ -114,7 +114,8 @@ after K_SCHED:
   band:<b>        zset: tenant -> its virtual time, for the tenants with work in band b
                   (may hold a tenant whose lane turned out empty: claim drops it)
   vt              hash: tenant -> virtual time: the cost served to it divided by its
-                  weight, summed; '~V' -> the virtual clock, the least virtual time a
+                  weight, summed (what a claim goes by; a band's set holds it as its
+                  order, which a task handed to a sleeping worker leaves behind); '~V' -> the virtual clock, the least virtual time a
                   claim picked (a tenant that comes back after an idle time starts there:
                   it banks no credit for the time it was away)
                   '~s', '~b' -> the credit of bands s and b against starvation (claim.lua;
@@ -609,6 +610,10 @@ function sched_lib()
     local names = {}
     for f in pairs(deltas) do names[#names + 1] = f end
     if #names == 0 then return end
+    if #names == 1 then  -- (one command either way)
+      redis.call('HINCRBYFLOAT', key, names[1], deltas[names[1]])
+      return
+    end
     local old = redis.call('HMGET', key, unpack(names))
     local set = {}
     for i, f in ipairs(names) do

@@ -218,16 +218,22 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
       flush_vt()
       r = redis.call('ZRANGE', bk, 0, PICK_K + nheld, 'WITHSCORES')
     end
-    local list, bound = {}, math.huge
+    local list, bound, unknown = {}, math.huge, {}
     for j = 1, #r, 2 do
       if not HELD[r[j]] then
         if #list == PICK_K then
           bound = tonumber(r[j + 1])
           break
         end
-        if VT[r[j]] == nil then VT[r[j]] = tonumber(r[j + 1]) end
+        if VT[r[j]] == nil then unknown[#unknown + 1] = r[j] end
         list[#list + 1] = r[j]
       end
+    end
+    if #unknown > 0 then
+      -- their times from the hash, which a hand-off to a sleeping worker moved on
+      -- alone (the set's order may lag behind it)
+      local v = redis.call('HMGET', K_SCHED .. 'vt', unpack(unknown))
+      for i, t in ipairs(unknown) do VT[t] = tonumber(v[i] or '0') end
     end
     PICK[b] = {list, bound}
     return PICK[b]

@@ -237,8 +237,8 @@ end
 local function charge(b, t, cost)
   if not weights then weights = sch().weights_of(ARGV[13]) end
   local w = weights[t] or 1
-  local v = redis.call('HINCRBYFLOAT', K_SCHED .. 'vt', t, cost / w)
-  for _, o in ipairs(SCH.BANDS) do redis.call('ZADD', K_SCHED .. 'band:' .. o, 'XX', v, t) end
+  -- (the bands' sets keep its old time as their order: a claim reads the time itself)
+  redis.call('HINCRBYFLOAT', K_SCHED .. 'vt', t, cost / w)
   redis.call('HINCRBYFLOAT', K_SCHED .. 'served', b .. ':' .. t, cost)
   return w
 end
