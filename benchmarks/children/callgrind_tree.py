@@ -9,7 +9,8 @@ Consumer, Outcome. Run by file path with ``python -P``.
 ``drain_sched`` is ``drain`` of tasks that carry a tenant (one of four) and a priority
 (each band in turn), which turns the queue's scheduling on (benchmarks/scheduling.py);
 ``drain_streams`` and ``drain_sched_streams`` the same two of tasks in 400 streams (each
-stream a tenant's, in one band); only trees with scheduling have the scheduled ones.
+stream a tenant's, in one band), ``sleeping_sched`` ``sleeping`` of such tasks; only trees
+with scheduling have the scheduled ones.
 """
 
 from __future__ import annotations
@@ -98,10 +99,16 @@ def main(what: str, dump: str, n: int) -> None:
             c.settle([Outcome(t, True, None) for t in c.claim(1)])
     else:  # a sleeping worker: its claim found nothing, it waits
         c.direct = True  # (an attribute older trees do not read)
+        if what == "sleeping_sched":  # the queue schedules: each task a tenant's, in a band
+            q.submit(None, tenant="t0", priority="batch")
+            drain(c, c.claim(64))
         assert c.claim(64) == []
         instrument(True)
-        for _ in range(n):
-            q.submit(None)
+        for i in range(n):
+            if what == "sleeping_sched":
+                q.submit(None, tenant=f"t{i % 4}", priority=("interactive", "standard")[i % 2])
+            else:
+                q.submit(None)
             woke = c.wait(5)
             held = woke if isinstance(woke, list) else c.claim(64)
             c.settle([Outcome(t, True, None) for t in held])
@@ -109,7 +116,8 @@ def main(what: str, dump: str, n: int) -> None:
                 assert c.claim(64) == []  # asleep again, as its fetcher would be
     instrument(False)
     done = int(r.hget(q.broker.keys.stats, "succeeded") or 0)
-    assert done == n + 64, f"{done} succeeded, expected {n + 64}"
+    warm = 65 if what == "sleeping_sched" else 64
+    assert done == n + warm, f"{done} succeeded, expected {n + warm}"
     try:
         r.shutdown(nosave=True)
     except redis.ConnectionError:

@@ -610,8 +610,10 @@ function sched_lib()
     local names = {}
     for f in pairs(deltas) do names[#names + 1] = f end
     if #names == 0 then return end
-    if #names == 1 then  -- (one command either way)
-      redis.call('HINCRBYFLOAT', key, names[1], deltas[names[1]])
+    if #names == 1 then  -- one command (HINCRBY for a count, '|w' or '|r': no float printed)
+      local f, d = names[1], deltas[names[1]]
+      local suffix = string.sub(f, -2)
+      redis.call((suffix == '|w' or suffix == '|r') and 'HINCRBY' or 'HINCRBYFLOAT', key, f, d)
       return
     end
     local old = redis.call('HMGET', key, unpack(names))
