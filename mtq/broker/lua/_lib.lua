@@ -346,11 +346,8 @@ end
 -- The free list of lane (b, t) has work: its marker in its ring, the tenant a candidate
 -- of the band (scheduling on). Returns 1 if the marker was not there (wake a worker).
 local function lane_mark(b, t)
-  if b == 's' and t == '' then
-    local m = free_mark()
-    if sched_on() then sch().activate(b, t) end
-    return m
-  end
+  -- (the lane ('s', '') is made a candidate by each claim that finds K_READY not empty)
+  if b == 's' and t == '' then return free_mark() end
   return sch().mark(b, t)
 end
 
@@ -358,7 +355,9 @@ end
 -- (scheduling on; b, t: that lane if the caller knows it, else read here), or K_READY.
 -- at_head: it goes first (a requeued task).
 local function ring_push(s, at_head, b, t)
-  if sched_on() then return sch().ring_push(s, at_head, b, t) end
+  -- (the lane ('s', '') keeps K_READY, and each claim that finds it not empty makes it a
+  -- candidate: no need to know whether the queue schedules)
+  if not (b == 's' and t == '') and sched_on() then return sch().ring_push(s, at_head, b, t) end
   redis.call(at_head and 'LPUSH' or 'RPUSH', K_READY, s)
 end
 
