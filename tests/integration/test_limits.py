@@ -188,3 +188,63 @@ def test_the_scheduling_state_survives_a_redis_restart(tmp_path: Path) -> None:
         client.close()
     finally:
         server.stop()
+
+
+# -- what a review found (each failed before its fix) ---------------------------------------
+def test_a_claim_with_a_held_tenant_and_many_in_another_band_ends(qname: str,
+                                                                   redis_url: str) -> None:
+    """A held tenant counted against a band it is not in, with more tenants there than a
+    claim reads at once, made the claim read the band again and again, forever."""
+    q, c = make(qname, redis_url, tenant_rpm="H=60", rate_limit_mode="hold")
+    q.submit(0, tenant="H", priority="interactive")
+    q.submit(1, tenant="H", priority="interactive", stream="h")  # over its burst: held
+    q.submit_many([mtq.Request(i, tenant=f"T{i % 20:02d}", stream=f"s{i}")
+                   for i in range(400)])
+    got = c.claim(64)
+    assert len(got) == 64
+
+
+def test_a_stream_moved_to_the_plain_lane_in_a_claim_is_claimed(qname: str,
+                                                                 redis_url: str) -> None:
+    q, c = make(qname, redis_url)
+    head = q.submit("A", stream="u", priority="interactive")
+    nxt = q.submit("B", stream="u")  # standard, no tenant: the lane of K_READY
+    head.cancel()
+    got = c.claim(4)
+    assert [t.id for t in got] == [nxt.id]
+
+
+def test_the_lane_counts_start_right_when_scheduling_turns_on(qname: str, redis_url: str,
+                                                              r: redis.Redis) -> None:
+    q, c = make(qname, redis_url)
+    q.submit_many([{"prompt": "x" * 10, "max_tokens": 490} for _ in range(10)])
+    running = c.claim(2)  # claimed before: charged nothing
+    q.submit(None, tenant="acme")  # turns it on
+    while got := c.claim(64):
+        c.settle([mtq.Outcome(t, ok=True, value=0) for t in got])
+    c.settle([mtq.Outcome(t, ok=True, value=0) for t in running])
+    counts = {k.decode(): float(v) for k, v in
+              r.hgetall(q.broker.keys.sched + "count").items()}
+    assert all(v == 0 for v in counts.values()), counts
+
+
+def test_a_call_of_more_than_the_burst_goes_in_whole_and_delays_the_next(
+        qname: str, redis_url: str) -> None:
+    q, _ = make(qname, redis_url, tenant_rpm="acme=600")  # burst 10
+    assert len(q.submit_many([mtq.Request(i, tenant="acme") for i in range(30)])) == 30
+    with pytest.raises(mtq.RateLimited) as refused:
+        q.submit(0, tenant="acme")
+    assert 1.5 < refused.value.retry_after < 2.5  # 20 more than the burst, at 10 a second
+
+
+def test_a_deadline_of_a_cancelled_task_does_not_expire_its_id_used_again(
+        qname: str, redis_url: str, r: redis.Redis) -> None:
+    q, c = make(qname, redis_url)
+    t = q.submit("old", id="same-id", ttl=0.05)
+    t.cancel()
+    assert c.claim(1) == []  # its tombstone popped
+    r.delete(q.broker.keys.task("same-id"))  # as its retention would end
+    again = q.submit("new", id="same-id")
+    time.sleep(0.1)  # past the old deadline
+    (got,) = c.claim(1)
+    assert got.id == again.id and again.status() == "running"

@@ -784,8 +784,9 @@ function sched_lib()
     redis.call('ZREM', dk, unpack(ids))
     local gone = {}
     for _, id in ipairs(ids) do
-      local f = redis.call('HMGET', K_TASK .. id, 'status', 'band', 'tenant', 'cost')
-      if f[1] == 'queued' then
+      local f = redis.call('HMGET', K_TASK .. id, 'status', 'band', 'tenant', 'cost', 'deadline')
+      -- (its own deadline: an id cancelled with one and used again has another task)
+      if f[1] == 'queued' and tonumber(f[5] or '') and tonumber(f[5]) <= now then
         finish(id, 'expired', now, 0)
         lane_count(f[2], f[3], -1, -tonumber(f[4] or '1'), 0)
         gone[#gone + 1] = id

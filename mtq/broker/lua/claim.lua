@@ -137,6 +137,8 @@ local function take(id, s, lb, lt)
       -- worker put it in K_READY, or a tombstone was its head): move it to its own
       redis.call('LPUSH', K_STREAM .. s, id)
       ring_push(s, false, tb, tt)
+      -- (ring_push leaves the lane ('s', '') to the start of a claim: this one is past it)
+      if tb == 's' and tt == '' then SCH.activate('s', '') end
       PICK[tb] = nil  -- its tenant may be new to the band: read it again
       return false
     end
@@ -210,24 +212,30 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
   -- the band's first PICK_K tenants by virtual time, and the time of the next (the bound
   -- under which the least of those is the band's least)
   local HELD, nheld = {}, 0  -- tenants this claim passes over for their rate limits
-  local function load(b)
-    local bk = K_SCHED .. 'band:' .. b
-    local r = redis.call('ZRANGE', bk, 0, PICK_K + nheld, 'WITHSCORES')
-    if #r > 2 * (PICK_K + nheld) and next(DIRTY) then
-      -- more than it reads: which are the least depends on the times this call changed
-      flush_vt()
-      r = redis.call('ZRANGE', bk, 0, PICK_K + nheld, 'WITHSCORES')
-    end
-    local list, bound, unknown = {}, math.huge, {}
+  local function read(b)
+    local r = redis.call('ZRANGE', K_SCHED .. 'band:' .. b, 0, PICK_K + nheld, 'WITHSCORES')
+    local list, bound = {}, math.huge
     for j = 1, #r, 2 do
       if not HELD[r[j]] then
         if #list == PICK_K then
           bound = tonumber(r[j + 1])
           break
         end
-        if VT[r[j]] == nil then unknown[#unknown + 1] = r[j] end
         list[#list + 1] = r[j]
       end
+    end
+    return list, bound
+  end
+  local function load(b)
+    local list, bound = read(b)
+    if bound < math.huge and next(DIRTY) then
+      -- more than it reads: which are the least depends on the times this call changed
+      flush_vt()
+      list, bound = read(b)
+    end
+    local unknown = {}
+    for _, t in ipairs(list) do
+      if VT[t] == nil then unknown[#unknown + 1] = t end
     end
     if #unknown > 0 then
       -- their times from the hash, which a hand-off to a sleeping worker moved on
@@ -239,16 +247,18 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
     return PICK[b]
   end
   -- the tenant of band b with the least virtual time, and its place in the list; nil: none
+  -- (read once more at most: a bound the set's order holds below the hash's times, which
+  -- hand-offs move alone, is not read again and again)
   local function pick(b)
-    local p = PICK[b] or load(b)
+    local p, again = PICK[b] or load(b), true
     while true do
       local best, at = nil, 0
       for i, t in ipairs(p[1]) do
         if not best or VT[t] < VT[best] then best, at = t, i end
       end
-      if best and VT[best] <= p[2] then return best, at end
-      if not best and p[2] == math.huge then return nil end
-      p = load(b)
+      if best and (VT[best] <= p[2] or not again) then return best, at end
+      if not best and (p[2] == math.huge or not again) then return nil end
+      p, again = load(b), false
     end
   end
   -- the deadline (math.huge: none) and cost of the task lane (b, t) would run next, as far
@@ -458,7 +468,7 @@ if sched and B > 0 then  -- (B = 0: only reap and promote, or the inbox was the 
       -- were read)
       local cands = #p[1]
       if p[2] < math.huge then
-        NCAND[band] = NCAND[band] or redis.call('ZCARD', K_SCHED .. 'band:' .. band) - nheld
+        NCAND[band] = NCAND[band] or redis.call('ZCARD', K_SCHED .. 'band:' .. band)
         cands = NCAND[band]
       end
       run.tasks = math.ceil((B - n) / math.max(1, cands))

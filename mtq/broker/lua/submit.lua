@@ -110,7 +110,10 @@ if limited and not hold then
     end
   end
   for _, t in ipairs(order) do
-    local wait = SCH.rate_wait(t, per[t][1], now, rpm, tpm)
+    -- the call goes in when its first task may, and counts all of them: a call of more
+    -- than the limit's burst makes the tenant wait that much longer after it (one that
+    -- waited for all of them at once would never go in)
+    local wait = SCH.rate_wait(t, 1, now, rpm, tpm)
     if wait > 0 then
       local all = {}
       for i = 0, n - 1 do all[#all + 1] = i end
@@ -180,10 +183,11 @@ for i = 0, sched_args and n - 1 or -1 do
       redis.call('HSET', K_STATS, 'sched', '1')
       SCHED_ON = true
       if redis.call('LLEN', K_READY) > 0 then sch().activate('s', '') end
-      -- the lane ('s', '') holds every task so far: its counts start from the queue's
-      -- (each task's cost taken as 1)
+      -- the lane ('s', '') holds every task so far: its waiting count starts from the
+      -- queue's, each task's cost 1 (a task stores its cost only once the queue schedules,
+      -- below); those running were not charged, and are not counted running
       local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
-      sch().lane_count('s', '', waiting, waiting, redis.call('ZCOUNT', K_LEASES, '-inf', '(+inf'))
+      sch().lane_count('s', '', waiting, waiting, 0)
     end
     break
   end
@@ -360,7 +364,11 @@ for i = 0, n - 1 do
     if traceparent ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = traceparent end
     if band ~= 's' then f[#f + 1] = 'band'; f[#f + 1] = band end
     if tenant ~= '' then f[#f + 1] = 'tenant'; f[#f + 1] = tenant end
-    if cost ~= '' then f[#f + 1] = 'cost'; f[#f + 1] = cost end
+    -- its cost matters to scheduling alone: stored if it is a lane's or the queue schedules
+    -- (a task queued before it did counts 1 in the lane's cost, as the turn on counted it)
+    if cost ~= '' and (band ~= 's' or tenant ~= '' or sched_on()) then
+      f[#f + 1] = 'cost'; f[#f + 1] = cost
+    end
     if suffix then
       -- last: the fields read on the hot path are found before it (a small hash is a
       -- listpack, searched from its head)
