@@ -10,7 +10,8 @@ deadline admission under overload. Run by ``python -m benchmarks.scheduling`` (i
   accepted tasks over the span of their submit times (a limit of N per minute lets N / 60
   more through at once at the start: its burst), against N; each refused submit's
   latency, as its producer saw it.
-* **Deadlines**: one worker slot whose work takes 0.1 ms per unit of cost (tasks of cost
+* **Deadlines**: one worker slot whose work takes 0.1 ms per unit of cost
+  (``children/costed.py``) (tasks of cost
   50: 200 a second); producers submit at twice that, each task with ``deadline=1.0``. A
   warm-up of 4 s lets the claims measure the service rate; then, for the measured span,
   every admitted task's start (its hash's ``started``) is checked against its deadline;
@@ -28,20 +29,11 @@ from typing import Any
 import redis
 
 import mtq
+from benchmarks.children.costed import PER_COST_S
 from benchmarks.harness.meters import pct
 from benchmarks.harness.procs import wait_for, worker_env
 from benchmarks.harness.server import ROOT, RedisServer, uniq
 from mtq.broker.keys import QueueKeys
-
-#: the time one unit of cost takes the benchmark's worker (0.1 ms per token)
-PER_COST_S = 0.0001
-
-
-def work(payload: Any) -> int:
-    """The benchmark's work: ``payload["cost"]`` x 0.1 ms (a worker target)."""
-    cost = payload.get("cost", 1) if isinstance(payload, dict) else 1
-    time.sleep(cost * PER_COST_S)
-    return 0
 
 
 def producers(url: str, queue: str, procs: int, threads: int, seconds: float
@@ -100,7 +92,8 @@ def deadlines(url: str, warmup_s: float, seconds: float, cost: int = 50,
     r = redis.Redis.from_url(url)
     q = mtq.Queue(queue, url)
     worker = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
-                               "benchmarks.limits:work", "--queue", queue, "--batch-size", "1"],
+                               "benchmarks.children.costed:work", "--queue", queue,
+                               "--batch-size", "1"],
                               env=worker_env(url), cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:
@@ -115,7 +108,7 @@ def deadlines(url: str, warmup_s: float, seconds: float, cost: int = 50,
         while time.monotonic() - start < warmup_s + seconds:
             measured = time.monotonic() - start >= warmup_s
             try:
-                t = q.submit({"cost": cost}, tenant="t", cost=cost, deadline=deadline_s)
+                t = q.submit({"c": cost, "g": "t"}, tenant="t", cost=cost, deadline=deadline_s)
                 if measured:
                     admitted.append(t.id)
             except mtq.WouldMissDeadline:

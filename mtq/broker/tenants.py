@@ -14,6 +14,7 @@ what is left summed into "other" rows).
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,24 +72,18 @@ def parse_rows(count: Mapping[Any, Any], served: Mapping[Any, Any]) -> list[Tena
     or str), sorted by tenant, then band (most urgent first). No lane: []. Fields of
     other shapes (the band totals '<b>|c', kinds this version does not know) are
     skipped."""
-    lanes: dict[str, list[float]] = {}
+    lanes: defaultdict[str, list[float]] = defaultdict(lambda: [0.0] * 6)
     for key, value in count.items():
         lane_field, sep, kind = (key.decode() if isinstance(key, bytes) else str(key)
                                  ).rpartition("|")
         slot = _SLOTS.get(kind) if sep else None
         lane = _lane(lane_field) if slot is not None else None
         if slot is not None and lane is not None:
-            got = lanes.get(lane)
-            if got is None:
-                got = lanes[lane] = [0.0] * 6
-            got[slot] = float(value)
+            lanes[lane][slot] = float(value)
     for key, value in served.items():
         lane = _lane(key)
         if lane is not None:
-            got = lanes.get(lane)
-            if got is None:
-                got = lanes[lane] = [0.0] * 6
-            got[5] = float(value)
+            lanes[lane][5] = float(value)
     rows = [TenantRow(lane[2:], BAND_NAMES[lane[0]], int(max(0.0, w)), max(0.0, c),
                       int(max(0.0, r)), max(0.0, s), int(max(0.0, h)), int(max(0.0, x)))
             for lane, (w, c, r, h, x, s) in lanes.items()]

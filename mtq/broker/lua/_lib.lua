@@ -679,17 +679,15 @@ function sched_lib()
     ACTIVE[b .. ':' .. t] = nil
   end
 
-  -- The lane of a task, from its 'band' and 'tenant' fields.
-  local function lane_of(band, tenant)
-    return band or 's', tenant or ''
-  end
-
-  -- Weights of tenants, from a setting's text "tenant=weight,..." (unknown tenants: 1).
+  -- Tenant -> number, from a setting's text: the weights, "tenant=weight,..." (unknown
+  -- tenants: 1), and the rate limits per minute, "tenant=N,...,*=N" ('*': every tenant
+  -- not named; tasks without a tenant have none: see the header).
   local function weights_of(text)
     local w = {}
     for t, v in string.gmatch(text or '', '([^,=]+)=([^,]+)') do w[t] = tonumber(v) end
     return w
   end
+  local limits_of = weights_of
 
   -- Costs a worker reports, from "index=cost,..." (index: the task's place in the call,
   -- from 1); a task without one keeps the cost its claim charged.
@@ -699,13 +697,6 @@ function sched_lib()
     return c
   end
 
-  -- Rate limits (see the header): tenant -> limit per minute, from a setting's text
-  -- "tenant=N,...,*=N" ('*': every tenant not named; tasks without a tenant have none).
-  local function limits_of(text)
-    local l = {}
-    for t, v in string.gmatch(text or '', '([^,=]+)=([^,]+)') do l[t] = tonumber(v) end
-    return l
-  end
   -- Milliseconds until tenant t may start n more requests (and, in cost, be no more than
   -- a second of its budget ahead); 0: now. rpm, tpm: limits_of() tables.
   local function rate_wait(t, n, now, rpm, tpm)
@@ -815,7 +806,7 @@ function sched_lib()
     if not b then
       local head = redis.call('LINDEX', K_STREAM .. s, 0)
       local f = redis.call('HMGET', K_TASK .. head, 'band', 'tenant')
-      b, t = lane_of(f[1], f[2])
+      b, t = f[1] or 's', f[2] or ''
     end
     redis.call(at_head and 'LPUSH' or 'RPUSH', lane_ring(b, t), s)
     activate(b, t)
@@ -825,7 +816,7 @@ function sched_lib()
     if next(SETTLED_VT) or next(SETTLED_COST) then flush_settled() end
   end
   return {BANDS = BANDS, lane_ring = lane_ring, lane_free = lane_free, activate = activate,
-          lane_of = lane_of, lane_count = lane_count, weights_of = weights_of,
+          lane_count = lane_count, weights_of = weights_of,
           costs_of = costs_of, limits_of = limits_of, rate_wait = rate_wait,
           rate_charge = rate_charge, settle_cost = settle_cost, uncount = uncount, mark = mark,
           add_fields = add_fields, leave = leave,
