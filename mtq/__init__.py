@@ -20,6 +20,7 @@ from mtq.errors import (
     LeaseLost,
     MtqError,
     NotDurable,
+    OptionError,
     PayloadError,
     PayloadTooLarge,
     PermanentError,
@@ -41,6 +42,7 @@ from mtq.settings import QueueSettings, RedisSettings
 from mtq.workers.batching import Costed
 from mtq.workers.generator import Generation, Generator
 from mtq.workers.model import Model, Progress
+from mtq.workers.options import Option
 
 __version__ = "0.1.0"
 
@@ -84,6 +86,8 @@ __all__ = [
     "Model",
     "MtqError",
     "NotDurable",
+    "Option",
+    "OptionError",
     "Outcome",
     "PayloadError",
     "PayloadTooLarge",

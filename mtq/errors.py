@@ -265,6 +265,11 @@ class TargetError(MtqError):
     """A worker target (``package.module:attr``) could not be loaded."""
 
 
+class OptionError(TargetError, ValueError):
+    """A model option (``--set KEY=VALUE``, ``set_options``) the target does not
+    declare, a value it cannot take, or a required one missing (exit 2)."""
+
+
 class PermanentError(MtqError):
     """Raise it from ``predict`` (or put an instance in an item's place) when retrying
     cannot help, e.g. a malformed request: the task fails at once, without retries

@@ -1,7 +1,8 @@
 """The model catalogue: which model (target, version) each queue's workers serve.
 
 Each queue has one model record (``QueueKeys.model``, a hash: target, version, kind,
-deterministic, cacheable, loaded, host, worker), written by a worker when its model
+deterministic, cacheable, loaded, host, worker, options: the
+``--set`` values as a JSON object), written by a worker when its model
 is set up and after each successful reload: the result cache keys on its version
 (see ``lua/submit.lua``). A global list (:data:`~mtq.broker.keys.MODELS_HISTORY`)
 keeps the last :data:`HISTORY_KEEP` events (loaded, reloaded, reload_failed,
@@ -24,7 +25,7 @@ from mtq.broker.keys import MODELS_HISTORY, QueueKeys
 HISTORY_KEEP = 1000
 #: the model record's fields
 FIELDS = ("target", "version", "kind", "deterministic", "cacheable", "loaded", "host",
-          "worker")
+          "worker", "options")
 
 
 def record(client: redis.Redis, queue: str, event: dict[str, Any],
@@ -57,11 +58,20 @@ def decode_records(queues: list[str], rows: list[dict[bytes, bytes]]
             for q, row in zip(queues, rows) if row}
 
 
+def _options(rec: dict[str, str]) -> dict[str, Any]:
+    try:
+        value = json.loads(rec.get("options") or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def served(workers: list[dict[str, Any]], records: dict[str, dict[str, str]]
            ) -> list[dict[str, Any]]:
     """One row per (queue, model, version) that live ``workers`` (registry entries)
     serve: target, kind, replicas, hosts, devices, when loaded, and whether it is the
-    queue's recorded model (``current``; False for a replica left on an old version
+    queue's recorded model (``current``;
+    its ``options`` are the recorded ``--set`` values; False for a replica left on an old version
     half way through a reload). A queue whose record has no live worker gets a row
     with 0 replicas. ``mtq models`` and the dashboard show these rows."""
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
@@ -81,13 +91,14 @@ def served(workers: list[dict[str, Any]], records: dict[str, dict[str, str]]
             "hosts": sorted({str(w.get("host")) for w in ws}),
             "devices": sorted({str(w.get("device")) for w in ws}),
             "loaded": int(rec["loaded"]) if current and rec.get("loaded") else None,
-            "current": current,
+            "current": current, "options": _options(rec) if current else {},
         })
     for q, rec in sorted(records.items()):
         if q not in seen:
             rows.append({"queue": q, "model": None, "version": rec.get("version"),
                          "target": rec.get("target"), "kind": rec.get("kind"), "replicas": 0,
                          "hosts": [rec.get("host", "-")], "devices": [], "current": True,
+                         "options": _options(rec),
                          "loaded": int(rec["loaded"]) if rec.get("loaded") else None})
     return rows
 

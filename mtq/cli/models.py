@@ -69,13 +69,15 @@ def models(queue: str | None, history_n: int, as_json: bool, url: str | None) ->
         echo_json(data)
         return
     table = Table(title="models served")
-    for col in ("queue", "target / model", "version", "kind", "replicas", "hosts", "devices",
-                "loaded"):
+    for col in ("queue", "target / model", "version", "kind", "options", "replicas", "hosts",
+                "devices", "loaded"):
         table.add_column(col)
     for row in data["models"]:
         table.add_row(printable(row["queue"]), printable(str(row["target"] or row["model"])),
                       printable(str(row["version"])) + ("" if row["current"] else " (old)"),
-                      str(row["kind"] or "-"), str(row["replicas"]),
+                      str(row["kind"] or "-"),
+                      printable(" ".join(f"{k}={v}" for k, v in row["options"].items()) or "-"),
+                      str(row["replicas"]),
                       printable(", ".join(map(str, row["hosts"]))),
                       printable(", ".join(row["devices"])), when(row["loaded"]))
     console.print(table)

@@ -37,6 +37,28 @@ _wait_opt = click.option(
          f"after MTQ_REDIS_WAIT_S, {REACH_TIMEOUT_S:.0f} s unless set, and exit 5).")
 
 
+_set_opt = click.option(
+    "--set", "sets", multiple=True, metavar="KEY=VALUE",
+    help="A model option the target declares (mtq.Option), e.g. --set model=/srv/minilm; "
+         "repeat it for each. Checked before any process starts (exit 2).")
+
+
+def _model_options(target: str, sets: tuple[str, ...]) -> dict[str, str]:
+    """The --set pairs as a dict, checked against the options the target declares
+    (importing its module) when there are some, or the target is one mtq ships.
+    Exits 2 on a malformed, unknown or missing one."""
+    from mtq.workers.options import parse_pairs
+    from mtq.workers.target import ALIASES, check_options
+
+    try:
+        options = parse_pairs(sets)
+        if options or target.partition(":")[0] in ALIASES:
+            check_options(target, options)
+    except MtqError as exc:
+        fail(exc, USAGE)
+    return options
+
+
 def _overrides(**given: Any) -> dict[str, Any] | None:
     """The queue settings given on the command line, over the queue's stored ones."""
     return {k: v for k, v in given.items() if v is not None} or None
@@ -103,11 +125,12 @@ def worker() -> None:
               help="Lease of a claimed task, extended every second (default: the queue's "
                    "lease_ms, see 'mtq queue config').")
 @click.option("--burst", is_flag=True, help="Exit when the queue has nothing left to do.")
+@_set_opt
 @_app_dir_opt
 @_wait_opt
 def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
                max_wait_ms: float | None, device: str, lease_ms: int | None, burst: bool,
-               app_dir: str, wait_for_redis: bool) -> None:
+               sets: tuple[str, ...], app_dir: str, wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr': an mtq.Model subclass or a
     plain function). SIGTERM/SIGINT stop it after the running batch; a second
     signal exits at once (its tasks return when their leases expire)."""
@@ -117,14 +140,16 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
     from mtq.workers.worker import Worker
 
     _import_from(app_dir)
+    options = _model_options(target, sets)
     try:  # a target that cannot be loaded is bad input, whatever Redis does
-        load_model(target)
+        load_model(target, options=options)
     except MtqError as exc:
         fail(exc, USAGE)
     url = _reach(url, wait_for_redis)
     try:
         w = Worker(target, queue, url=url, settings=_overrides(lease_ms=lease_ms),
-                   device=device, max_batch_size=batch_size, max_wait_ms=max_wait_ms)
+                   device=device, max_batch_size=batch_size, max_wait_ms=max_wait_ms,
+                   options=options)
     except MtqError as exc:
         fail(exc, USAGE)  # the target cannot be loaded, or an option is out of range
     try:
@@ -174,12 +199,13 @@ def workers() -> None:
               help="A warm spare process per device that takes over at once when a worker "
                    "process dies (default: 1 on the CPU, 0 on a GPU, where it holds a "
                    "second copy of the model in device memory).")
+@_set_opt
 @_app_dir_opt
 @_wait_opt
 def workers_start(target: str, queue: str, url: str | None, devices_spec: str, replicas: int,
                   max_batch_size: int | None, max_wait_ms: float | None,
                   timeout_s: float | None, lease_ms: int | None, standby: int | None,
-                  app_dir: str, wait_for_redis: bool) -> None:
+                  sets: tuple[str, ...], app_dir: str, wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
     device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
     signal forces."""
@@ -191,12 +217,13 @@ def workers_start(target: str, queue: str, url: str | None, devices_spec: str, r
         find_target_module(target)
     except MtqError as exc:
         fail(exc, USAGE)
+    options = _model_options(target, sets)
     url = _reach(url, wait_for_redis)
     try:
         sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,
                          settings=_overrides(lease_ms=lease_ms),
                          max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
-                         timeout_s=timeout_s, standby=standby,
+                         timeout_s=timeout_s, standby=standby, options=options,
                          on_event=say)
     except MtqError as exc:
         fail(exc, 2)

@@ -4,7 +4,9 @@ The version is the target's ``version`` class attribute when it sets one (anythi
 but the default ``"0"``); otherwise a digest computed once after ``setup``: of the
 target's source file and, when torch is already imported (never imported here), of
 the tensors reachable from the model (``nn.Module`` attributes' state_dicts and
-tensor attributes). A reload of changed code or weights so yields a new version,
+tensor attributes), and of the options it was given (``--set``); a declared version
+given options gets their digest appended. A reload of changed code, weights or
+options so yields a new version,
 and the result cache (keyed on it) never answers from the old model.
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 
 from mtq.workers.generator import Generator
 from mtq.workers.model import FunctionModel
+from mtq.workers.options import given, given_json
 
 #: versions computed here start with this (a declared version never needs to)
 COMPUTED = "h-"
@@ -64,11 +67,15 @@ def version_of(model: Any) -> str:
     declared = str(getattr(type(model), "version", "0"))
     if isinstance(model, FunctionModel):
         declared = str(getattr(model.func, "version", "0"))
+    options = given(model)
     if declared != "0":
-        version = declared
+        # the options given change what the same code and weights answer (pooling, say)
+        version = declared if not options else \
+            f"{declared}+{hashlib.blake2b(given_json(model).encode(), digest_size=4).hexdigest()}"
     else:
         h = hashlib.blake2b(digest_size=8)
         h.update(_source(model))
+        h.update(given_json(model).encode())
         _tensors(model, h)
         version = COMPUTED + h.hexdigest()
     model.version = version
@@ -79,4 +86,5 @@ def model_record(model: Any, target: str, version: str, **where: Any) -> dict[st
     """The queue's model record (mtq.broker.catalogue.FIELDS)."""
     return {"target": target, "version": version, "kind": kind(model),
             "deterministic": int(bool(getattr(model, "deterministic", False))),
-            "cacheable": int(bool(getattr(model, "cacheable", True))), **where}
+            "cacheable": int(bool(getattr(model, "cacheable", True))),
+            "options": given_json(model), **where}

@@ -64,11 +64,14 @@ class ChildConfig:
     standby: bool = False
     #: times its slot's process was replaced (reported by the worker)
     restarts: int = 0
+    #: the model's options (``--set KEY=VALUE``, as text)
+    options: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The plain form that crosses the process boundary."""
         out = dataclasses.asdict(self)
         out["env"], out["overrides"] = dict(self.env), dict(self.overrides)
+        out["options"] = dict(self.options)
         return out
 
     @classmethod
@@ -162,7 +165,7 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
         worker = Worker(config.target, config.queue, device=config.device,
                         monitor=monitor, supervisor=config.supervisor, consumer=consumer,
                         quarantine=config.quarantine, hand_off=config.hand_off,
-                        **config.overrides)
+                        options=dict(config.options), **config.overrides)
     except TargetError as exc:
         monitor.send("fatal", str(exc))
         sys.exit(EXIT_TARGET)

@@ -24,6 +24,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, ClassVar
 
+from mtq.workers.options import Configurable
+
 _UNSET: Any = object()
 
 
@@ -82,7 +84,7 @@ class Generation:
         return f"<Generation {self.id} tokens={len(self.tokens)}{' finished' if self.finished else ''}>"
 
 
-class Generator:
+class Generator(Configurable):
     """Base class of a token generator served with continuous batching.
 
     ::

@@ -15,6 +15,8 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from mtq.workers.options import Configurable
+
 
 @dataclass(frozen=True, slots=True)
 class Progress:
@@ -24,7 +26,7 @@ class Progress:
     value: Any
 
 
-class Model:
+class Model(Configurable):
     """Base class of a batched model served by mtq workers.
 
     Override :meth:`setup` and :meth:`predict`; tune the class attributes::

@@ -78,7 +78,7 @@ class Supervisor:
                  settings: SettingsSpec = None, max_batch_size: int | None = None,
                  max_wait_ms: float | None = None, timeout_s: float | None = None,
                  log_level: int = logging.INFO, on_event: Callable[[str], None] | None = None,
-                 standby: int | None = None) -> None:
+                 standby: int | None = None, options: dict[str, str] | None = None) -> None:
         if replicas < 0:
             raise ConfigError(f"--replicas must be >= 0, got {replicas}")
         if standby is not None and not 0 <= standby <= 1:
@@ -93,6 +93,8 @@ class Supervisor:
         self.overrides = {k: v for k, v in (("max_batch_size", max_batch_size),
                                             ("max_wait_ms", max_wait_ms),
                                             ("timeout_s", timeout_s)) if v is not None}
+        #: the model's options (--set KEY=VALUE, as text), for every process
+        self.options = dict(options or {})
         self.log_level = log_level
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
         #: slot index -> its serving process
@@ -228,7 +230,7 @@ class Supervisor:
             # the quarantine process claims nothing: it runs what it is given
             paused=self.paused and not quarantine,
             draining=self.draining and not quarantine, standby=spare,
-            restarts=slot.restarts)
+            restarts=slot.restarts, options=self.options)
         c = children.start(self._ctx, config, slot.index, slot.device, spare=spare,
                            quarantine=quarantine)
         if not spare and not quarantine:

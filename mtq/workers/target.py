@@ -14,11 +14,17 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from mtq.errors import TargetError
+from mtq.errors import OptionError, TargetError
 from mtq.workers.generator import Generator
 from mtq.workers.model import FunctionModel, Model
+from mtq.workers.options import apply as apply_options
+from mtq.workers.options import resolve as resolve_options
 
 Target = Model | Generator
+
+#: short module names of the targets mtq ships: ``hf:CausalLM`` is
+#: ``mtq.backends.hf:CausalLM``
+ALIASES = {"hf": "mtq.backends.hf"}
 
 
 def add_app_dir(path: str | os.PathLike[str] = ".") -> str:
@@ -42,7 +48,7 @@ def _split(spec: str) -> tuple[str, str]:
     if not sep or not module_name or not attr:
         raise TargetError(f"bad target {spec!r}: write it as package.module:attr, "
                           "e.g. myapp.models:Embedder")
-    return module_name, attr
+    return ALIASES.get(module_name, module_name), attr
 
 
 def _not_found_hint() -> str:
@@ -138,14 +144,40 @@ class BatchPolicy:
         return cls(b, float(w), None if t is None else float(t))
 
 
-def load_model(spec: str, *, reload: bool = False) -> Target:
+def load_model(spec: str, *, reload: bool = False,
+               options: dict[str, str] | None = None) -> Target:
     """Import the target and turn it into a :class:`Model` or
-    :class:`~mtq.workers.generator.Generator` instance (not set up yet).
+    :class:`~mtq.workers.generator.Generator` instance (not set up yet), with its
+    ``options`` (``--set`` text values, see :mod:`mtq.workers.options`) set.
 
     ``reload``: re-import the module first (the ``reload`` control command).
     Raises TargetError for anything that is not a Model subclass, a Model instance
-    or a plain callable, or a Model class that cannot be constructed without arguments.
+    or a plain callable, or a Model class that cannot be constructed without
+    arguments; OptionError (a TargetError) for options it does not take.
     """
+    model = _instance(spec, reload)
+    if isinstance(model, FunctionModel):
+        if options:
+            raise OptionError(f"target {spec!r} is a plain function: it declares no options "
+                              f"(--set {next(iter(options))}=...); make it an mtq.Model "
+                              "that declares them with mtq.Option")
+        return model
+    return apply_options(model, options or {}, text=True, name=spec)
+
+
+def check_options(spec: str, options: dict[str, str]) -> None:
+    """Import the target (without constructing it) and check ``options`` against what
+    it declares: OptionError before any process starts."""
+    obj = _resolve(spec)
+    if isinstance(obj, (type, Model, Generator)) and not (
+            isinstance(obj, type) and not issubclass(obj, (Model, Generator))):
+        resolve_options(obj, options, text=True, name=spec)
+    elif options:
+        raise OptionError(f"target {spec!r} is not an mtq.Model or mtq.Generator: it "
+                          f"declares no options (--set {next(iter(options))}=...)")
+
+
+def _instance(spec: str, reload: bool) -> Target:
     obj = _resolve(spec, reload)
     if isinstance(obj, type):
         if not issubclass(obj, (Model, Generator)):

@@ -53,6 +53,7 @@ from mtq.workers.heartbeat import Heartbeat
 from mtq.workers.leases import Leases
 from mtq.workers.ledger import Lease, Ledger, Lifecycle, Monitor, Tally
 from mtq.workers.model import FunctionModel
+from mtq.workers.options import given as given_options
 from mtq.workers.outcomes import Outcomes
 from mtq.workers.outlet import Outlet
 from mtq.workers.publisher import Publisher
@@ -82,9 +83,12 @@ class Worker:
                  timeout_s: float | None = None, worker_id: str | None = None,
                  monitor: Monitor | None = None, supervisor: str = "",
                  consumer: Consumer | None = None, quarantine: bool = False,
-                 hand_off: bool = True) -> None:
+                 hand_off: bool = True, options: dict[str, str] | None = None) -> None:
         self.spec = target if isinstance(target, str) else None
-        self.model: Target = load_model(target) if isinstance(target, str) else target
+        #: the model's options as given (--set KEY=VALUE): set again at each reload
+        self.options = dict(options or {})
+        self.model: Target = load_model(target, options=self.options) \
+            if isinstance(target, str) else target
         self.overrides: dict[str, Any] = {"max_batch_size": max_batch_size,
                                           "max_wait_ms": max_wait_ms, "timeout_s": timeout_s}
         self.policy = BatchPolicy.of(self.model, **self.overrides)
@@ -170,6 +174,8 @@ class Worker:
         event_fields = {"event": event, "target": target, "version": version,
                         "pid": os.getpid(), "device": self.device_name,
                         "supervisor": self.supervisor, "ts": now, **where}
+        if model is not None and given_options(model):
+            event_fields["options"] = given_options(model)
         if error:
             event_fields["error"] = error
         try:
@@ -365,7 +371,7 @@ class Worker:
             if self.spec is None:
                 raise TargetError("this worker was given a model object, not a target name; "
                                   "it cannot re-import it")
-            model = load_model(self.spec, reload=True)
+            model = load_model(self.spec, reload=True, options=self.options)
             policy = BatchPolicy.of(model, **self.overrides)
             if isinstance(self.device, str) and _uses_device(model):
                 self.device = devices.torch_device(self.device_name)  # replaced a function
