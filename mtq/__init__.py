@@ -12,6 +12,7 @@ from mtq.client.records import Request, TaskInfo
 from mtq.client.replies.events import Event
 from mtq.client.task import Task
 from mtq.errors import (
+    BadRequest,
     BrokerError,
     ConfigError,
     DuplicateTask,
@@ -70,6 +71,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'mtq' has no attribute {name!r}")
 
 __all__ = [
+    "BadRequest",
     "BrokerError",
     "Claimed",
     "ConfigError",

@@ -276,6 +276,12 @@ class PermanentError(MtqError):
     and without going to the dead-letter list."""
 
 
+class BadRequest(PermanentError, ValueError):
+    """A payload the model cannot take (a field it does not know, a value out of range,
+    a prompt longer than its context): the task fails at once, alone, without retries;
+    the message says what to change."""
+
+
 class InvalidArgument(MtqError, ValueError):
     """A Lua script refused an argument: an unknown action (a dead-letter action other
     than retry or purge), or a token index past the next one. Nothing was changed."""
