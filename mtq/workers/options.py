@@ -14,9 +14,13 @@ attributes::
 ``mtq workers start app:Embedder -q emb --set model=/srv/minilm --set pooling=cls``
 checks each value against its declaration before any process starts (an unknown
 name, a value that does not parse, a missing required option: :class:`OptionError`,
-exit 2), and each worker process sets the values on its model before ``setup``,
-where they read as plain attributes. In Python: ``Embedder().set_options(model=...)``.
-The values given are recorded in the model catalogue (``mtq models``).
+exit 2; with no ``--set`` at all the supervisor leaves the import, and so a missing
+required option, to its worker processes), and each worker process sets the values
+on its model before ``setup``, where they read as plain attributes. In Python:
+``Embedder().set_options(model=...)``. The values given are recorded in the model
+catalogue (``mtq models``) and are part of the version (:mod:`mtq.workers.catalogue`).
+``mtq rq worker --set CLASS.KEY=VALUE`` does the same for the models it serves
+(:func:`mtq.rq.jobs.model_options`).
 
 This module does not import torch.
 """
