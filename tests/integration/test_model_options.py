@@ -127,6 +127,7 @@ def test_options_reach_setup_are_recorded_and_survive_a_reload(
     expected = {"model": "/srv/a", "pooling": "mean", "normalize": False, "layers": 3,
                 "scale": 0.25, "revision": None}
     assert first["options"] == expected
+    assert f"serving {qname!r} with {TARGET} --set model=/srv/a --set layers=3" in sup.output()
 
     given = {"model": "/srv/a", "layers": 3, "normalize": False, "scale": 0.25,
              "revision": None}
