@@ -3,7 +3,8 @@
     mtq workers start examples.tiny:TinyClassifier --queue tiny --devices cpu
     mtq submit tiny '{"features": [0.1, 0.2, 0.3, 0.4]}' --wait
 
-The weights come from a fixed seed, so every process computes the same answers.
+The weights come from a fixed seed, so every process computes the same answers; its
+options (``--set seed=7 --set hidden=32``) choose another seed and width.
 """
 
 from __future__ import annotations
@@ -21,15 +22,18 @@ class TinyClassifier(mtq.Model):
     name = "tiny-classifier"
     version = "1"
     labels = ("cat", "dog", "bird")
+    seed = mtq.Option(int, 0, help="the seed of the random weights")
+    hidden = mtq.Option(int, 16, min=1, max=4096, help="the width of the hidden layer")
 
     def setup(self, device: Any) -> None:
         import torch
 
-        torch.manual_seed(0)
+        torch.manual_seed(self.seed)
         self.torch = torch
         self.device = device
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, len(self.labels)),
+            torch.nn.Linear(4, self.hidden), torch.nn.ReLU(),
+            torch.nn.Linear(self.hidden, len(self.labels)),
         ).to(device).eval()
 
     def predict(self, batch: list[Any]) -> list[Any]:

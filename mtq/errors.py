@@ -25,7 +25,9 @@
     ├── ResultTimeout               the task did not finish in time (also a TimeoutError)
     ├── LeaseLost                   a worker's lease on a task expired; another owns it
     ├── TargetError                 a worker target (``module:attr``) cannot be loaded
+    │   └── OptionError             a model option (``--set``) it does not declare or take
     ├── PermanentError              raised or returned by a model: fail at once, no retry
+    │   └── BadRequest              a payload the model cannot take (fails alone)
     ├── InvalidArgument             an argument that is not allowed (a script's, a priority, a cost)
     ├── TaskFinished                the task had already ended: nothing was changed
     ├── BatchShapeError             a model returned the wrong number of results
@@ -34,8 +36,9 @@
     ├── ResultNotStorable           an RQ job's return value its serializer cannot write
     └── UsageError                  a call its object's state does not allow (a closed group)
 
-InvalidArgument and BatchShapeError are also ValueErrors; BatchShapeError,
-BatchArityError and ResultNotStorable TypeErrors; UsageError a RuntimeError.
+InvalidArgument, BatchShapeError, OptionError and BadRequest are also ValueErrors;
+BatchShapeError, BatchArityError and ResultNotStorable TypeErrors; UsageError a
+RuntimeError.
 ``mtq.broker.codes.error`` is the one place that turns the codes the Lua scripts return
 into these exceptions.
 
@@ -48,6 +51,7 @@ from typing import Any
 
 __all__ = [
     "UsageError",
+    "BadRequest",
     "BatchArityError",
     "BatchShapeError",
     "BrokerError",
@@ -60,6 +64,7 @@ __all__ = [
     "LeaseLost",
     "MtqError",
     "NotDurable",
+    "OptionError",
     "PayloadError",
     "PayloadTooLarge",
     "PermanentError",

@@ -303,3 +303,34 @@ class SignalBlocker(Probe):
 
         super().setup(device)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+class Configured(mtq.Model):
+    """Declares an option of each kind (``model`` required); each result says which
+    values its ``setup`` saw, when that setup ran, and in which process."""
+
+    max_batch_size = 4
+    max_wait_ms = 5
+    name = "configured"
+    model = mtq.Option(str, help="a path (any text)")
+    pooling = mtq.Option(str, "mean", choices=("mean", "cls"))
+    normalize = mtq.Option(bool, True)
+    layers = mtq.Option(int, 2, min=1, max=8)
+    scale = mtq.Option(float, 1.0, min=0)
+    revision = mtq.Option(str, None)
+
+    def setup(self, device: Any) -> None:
+        self.seen = {k: getattr(self, k) for k in
+                     ("model", "pooling", "normalize", "layers", "scale", "revision")}
+        self.setup_at = time.time()
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return [{"options": self.seen, "setup_at": self.setup_at, "pid": os.getpid()}
+                for _ in batch]
+
+
+class ConfiguredVersioned(Configured):
+    """:class:`Configured` with a declared version."""
+
+    name = "configured-versioned"
+    version = "3"

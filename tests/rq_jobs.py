@@ -103,6 +103,24 @@ class Upper(mtq.Model):
         return [str(x).upper() for x in batch]
 
 
+class Tagged(mtq.Model):
+    """A model with options (``--set tests.rq_jobs.Tagged.prefix=...``): ``prefix``
+    (required) before each item, ``upper`` it, ``repeat`` it."""
+
+    max_batch_size = 8
+    max_wait_ms = 20
+    prefix = mtq.Option(str)
+    upper = mtq.Option(bool, False)
+    repeat = mtq.Option(int, 1, min=1, max=3)
+
+    def setup(self, device):
+        self.seen = (self.prefix, self.upper, self.repeat)
+
+    def predict(self, batch):
+        prefix, upper, repeat = self.seen
+        return [prefix + (str(x).upper() if upper else str(x)) * repeat for x in batch]
+
+
 def die(key: str) -> None:
     """A poison job: counts its runs in ``key``, then kills its own process (as a
     segfault or the out-of-memory killer would)."""

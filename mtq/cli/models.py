@@ -3,6 +3,7 @@ where, since when) and its reload history. Thin over :mod:`mtq.broker.catalogue`
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import click
@@ -37,6 +38,14 @@ def catalogue(client: Any, queue: str | None, history_n: int) -> dict[str, Any]:
         names = [queue]
     rows = cat.served(workers, cat.models(client, names))
     return {"models": rows, "history": cat.history(client, history_n, queue)}
+
+
+def _options(options: dict[str, Any]) -> str:
+    """``key=value ...`` as given with --set (true/false/none for those values)."""
+    def text(v: Any) -> str:
+        return v if isinstance(v, str) else "none" if v is None else json.dumps(v)
+
+    return " ".join(f"{k}={text(v)}" for k, v in options.items()) or "-"
 
 
 @click.command("models")
@@ -76,7 +85,7 @@ def models(queue: str | None, history_n: int, as_json: bool, url: str | None) ->
         table.add_row(printable(row["queue"]), printable(str(row["target"] or row["model"])),
                       printable(str(row["version"])) + ("" if row["current"] else " (old)"),
                       str(row["kind"] or "-"),
-                      printable(" ".join(f"{k}={v}" for k, v in row["options"].items()) or "-"),
+                      printable(_options(row["options"])),
                       str(row["replicas"]),
                       printable(", ".join(map(str, row["hosts"]))),
                       printable(", ".join(row["devices"])), when(row["loaded"]))

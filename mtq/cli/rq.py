@@ -5,8 +5,8 @@ The options follow ``rq worker``'s where they mean the same (``--url/-u``, ``--b
 ``--logging_level/-l``, ``--quiet/-q``, ``--with-scheduler/-s``, ``--max-jobs``,
 ``--max-idle-time``, ``--dequeue-strategy/-ds``, ``--disable-default-exception-handler/-d``,
 ``--serializer``, ``--path/-P``), plus mtq's own (``--devices``, ``--replicas``,
-``--lease-ms``, ``--max-deliveries``, ``--hang-grace``); see docs/rq.md for what is and
-is not supported.
+``--lease-ms``, ``--max-deliveries``, ``--hang-grace``, ``--set``); see docs/rq.md for
+what is and is not supported.
 """
 
 from __future__ import annotations
@@ -75,6 +75,10 @@ def rq_group() -> None:
                    "jobs failed with RQ's timeout message.")
 @click.option("--with-scheduler", "-s", is_flag=True,
               help="Run RQ's scheduler too (enqueue_at / enqueue_in, Retry intervals).")
+@click.option("--set", "sets", multiple=True, metavar="CLASS.KEY=VALUE",
+              help="An option of an mtq.Model enqueued by name, CLASS its dotted path as "
+                   "enqueued (e.g. --set myapp.models.Embedder.model=/srv/minilm); repeat "
+                   "it for each. Checked before any process starts (exit 2).")
 @click.option("--path", "-P", "paths", multiple=True, default=["."], show_default=True,
               help="Put this directory first on the import path (repeatable), as rq's -P.")
 @click.option("--logging_level", "--logging-level", "-l", "logging_level", default="INFO",
@@ -87,7 +91,7 @@ def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spe
               disable_default_exception_handler: bool, serializer: str,
               results_ttl: int | None, worker_ttl: int | None,
               job_monitoring_interval: int | None, lease_ms: int, max_deliveries: int,
-              hang_grace_s: float, with_scheduler: bool,
+              hang_grace_s: float, with_scheduler: bool, sets: tuple[str, ...],
               paths: tuple[str, ...], logging_level: str, quiet: bool, verbose: bool) -> None:
     """Serve the RQ queues QUEUES (in this order of priority) in supervised worker
     processes: plain job functions one job per call, functions marked with
@@ -108,6 +112,12 @@ def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spe
             add_app_dir(p)
         except MtqError as exc:
             fail(exc, USAGE)
+    try:  # the models' options, checked before Redis is reached or a process starts
+        from mtq.rq.jobs import model_options
+
+        options = model_options(sets)
+    except MtqError as exc:
+        fail(exc, USAGE)
     url = url or os.environ.get("RQ_REDIS_URL") or os.environ.get("MTQ_REDIS_URL") or DEFAULT_URL
     level = "DEBUG" if verbose else "WARNING" if quiet else logging_level.upper()
     from mtq.broker.cluster import is_cluster_url, is_sentinel_url
@@ -127,6 +137,8 @@ def rq_worker(queues: tuple[str, ...], url: str | None, burst: bool, devices_spe
     except ValueError as exc:
         fail(f"bad Redis URL {url!r}: {exc}", USAGE)
     worker: dict[str, object] = {"accept_pickle": serializer == "pickle", "lease_ms": lease_ms}
+    if options:
+        worker["model_options"] = options
     if disable_default_exception_handler:
         worker["disable_default_exception_handler"] = True
     if results_ttl is not None:

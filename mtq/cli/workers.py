@@ -227,7 +227,8 @@ def workers_start(target: str, queue: str, url: str | None, devices_spec: str, r
                          on_event=say)
     except MtqError as exc:
         fail(exc, 2)
-    say(f"supervisor {sup.id} serving {queue!r} with {target} on "
+    given = "".join(f" --set {k}={v}" for k, v in options.items())
+    say(f"supervisor {sup.id} serving {queue!r} with {target}{given} on "
         f"{', '.join(sup.devices)} x {replicas}")
     sys.exit(sup.run())
 

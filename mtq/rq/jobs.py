@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import traceback
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, cast
@@ -152,10 +153,14 @@ class Unit:
 
 class Resolver:
     """Job function by name, cached per process (an instance method is resolved each
-    time, as RQ does). An mtq.Model subclass is instantiated and set up once."""
+    time, as RQ does). An mtq.Model subclass is instantiated, given its options
+    (``options``: class path -> ``{key: text}``, see :func:`model_options`) and set up
+    once."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu",
+                 options: dict[str, dict[str, str]] | None = None) -> None:
         self.device = device
+        self.options = options or {}
         self._funcs: dict[str, Any] = {}
         self._models: dict[str, Any] = {}
 
@@ -173,11 +178,62 @@ class Resolver:
         m = self._models.get(name)
         if m is None:
             from mtq.workers.devices import torch_device
+            from mtq.workers.options import apply
 
-            m = cls()
+            m = apply(cls(), self.options.get(class_path(cls), {}), text=True, name=name,
+                      prefix=f"{name}.")
             m.setup(torch_device(self.device))
             self._models[name] = m
         return m
+
+
+def class_path(cls: type) -> str:
+    """``package.module.Class``: the one name of a class however it was enqueued."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def model_options(pairs: Iterable[str]) -> dict[str, dict[str, str]]:
+    """``mtq rq worker --set CLASS.KEY=VALUE`` (CLASS: an mtq.Model's dotted path, as
+    enqueued; its last dot separates the key): each named class imported and the
+    values checked against the options it declares (an unknown name, a value it
+    cannot take, a required option missing: OptionError). Returns class path ->
+    ``{key: text}``, for :class:`Resolver`."""
+    from rq.utils import import_attribute
+
+    from mtq.errors import OptionError
+    from mtq.workers.options import resolve
+
+    by_name: dict[str, dict[str, str]] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        name, dot, opt = key.strip().rpartition(".")
+        if not sep or not dot or not name or not opt:
+            raise OptionError(f"--set takes CLASS.KEY=VALUE, CLASS the model's dotted path as "
+                              f"enqueued (e.g. myapp.models.Embedder.model=/srv/minilm); "
+                              f"got {pair!r}")
+        given = by_name.setdefault(name, {})
+        if opt in given:
+            raise OptionError(f"--set {name}.{opt} is given twice")
+        given[opt] = value
+    out: dict[str, dict[str, str]] = {}
+    named: dict[str, str] = {}  # class path -> the name --set gave it
+    for name, given in by_name.items():
+        try:
+            cls: Any = import_attribute(name)
+        except Exception as exc:  # not found, or the module raised as it was imported
+            raise OptionError(f"--set {name}.{next(iter(given))}=...: cannot import {name!r}: "
+                              f"{type(exc).__name__}: {exc} (mtq rq worker looks in the "
+                              "current directory, on PYTHONPATH and under --path)") from None
+        if not is_model_class(cls):
+            raise OptionError(f"--set {name}.{next(iter(given))}=...: {name!r} is not an "
+                              "mtq.Model class: only a model declares options (mtq.Option)")
+        resolve(cls, given, text=True, name=name, prefix=f"{name}.")
+        path = class_path(cls)
+        if path in named:
+            raise OptionError(f"--set names the class {path} twice, as {named[path]} and "
+                              f"{name}: give its options under one name")
+        named[path], out[path] = name, given
+    return out
 
 
 def is_model_class(f: Any) -> bool:

@@ -74,8 +74,10 @@ class _Interrupted(Exception):
 
 class BatchWorker(Claiming, Heartbeat, Running, SimpleWorker):
     """Serves RQ queues in batches (see the module docstring). Takes SimpleWorker's
-    arguments plus ``accept_pickle``, ``lease_ms``, ``device``, ``target_batch_ms``, and
-    ``link`` (a :class:`mtq.rq.faults.ChildLink` to the supervisor, or None).
+    arguments plus ``accept_pickle``, ``lease_ms``, ``device``, ``target_batch_ms``,
+    ``link`` (a :class:`mtq.rq.faults.ChildLink` to the supervisor, or None) and
+    ``model_options`` (the mtq.Model options of ``--set``, see
+    :func:`mtq.rq.jobs.model_options`).
 
     Its parts: :class:`~mtq.rq.claiming.Claiming` (the next batch),
     :class:`~mtq.rq.running.Running` (running it) with
@@ -87,7 +89,8 @@ class BatchWorker(Claiming, Heartbeat, Running, SimpleWorker):
     def __init__(self, queues: Any, name: str | None = None, *args: Any,
                  accept_pickle: bool = False, lease_ms: int = LEASE_MS, device: str = "cpu",
                  target_batch_ms: float = 20.0, max_claim: int = MAX_CLAIM,
-                 link: ChildLink | None = None, **kwargs: Any) -> None:
+                 link: ChildLink | None = None,
+                 model_options: dict[str, dict[str, str]] | None = None, **kwargs: Any) -> None:
         # RQ's positional arguments too (Worker.find_by_key, Worker.all build workers so)
         if kwargs.get("serializer") is None:
             kwargs["serializer"] = JSONSerializer
@@ -95,7 +98,7 @@ class BatchWorker(Claiming, Heartbeat, Running, SimpleWorker):
         super().__init__(queues, name, *args, **kwargs)
         self.accept_pickle = accept_pickle
         self.lease_ms = int(lease_ms)
-        self.resolver = Resolver(device)
+        self.resolver = Resolver(device, model_options)
         self.target_batch_ms = target_batch_ms
         self.max_claim = max_claim
         self.link = link

@@ -75,7 +75,8 @@ def version_of(model: Any) -> str:
     else:
         h = hashlib.blake2b(digest_size=8)
         h.update(_source(model))
-        h.update(given_json(model).encode())
+        if options:  # (a target given none keeps the version it had before options)
+            h.update(given_json(model).encode())
         _tensors(model, h)
         version = COMPUTED + h.hexdigest()
     model.version = version

@@ -114,6 +114,9 @@ class Generator(Configurable):
     (a redelivered request regenerates its tokens with the same seed, and the
     client's stream carries on where it was). :class:`mtq.PermanentError` fails at
     once, as for models.
+
+    Options (:class:`mtq.Option` class attributes, ``--set KEY=VALUE``,
+    :meth:`set_options`) work as for :class:`~mtq.Model`.
     """
 
     #: most requests in the running batch

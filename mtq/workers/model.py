@@ -48,6 +48,13 @@ class Model(Configurable):
     so one bad request does not fail the others. A failed item is retried with
     backoff, unless its exception is an :class:`mtq.PermanentError` (a malformed
     request, say): then it fails at once.
+
+    Settings of the model itself (which weights, a pooling) are declared as
+    :class:`mtq.Option` class attributes (``model = mtq.Option(str)``): given with
+    ``--set KEY=VALUE`` on the worker commands (checked before anything starts) or
+    :meth:`set_options` in Python, they are set on the instance before ``setup``,
+    recorded in the model catalogue and part of the version (see
+    :mod:`mtq.workers.options`, docs/workers.md "Model options").
     """
 
     #: most payloads per predict call

@@ -14,15 +14,20 @@ attributes::
 ``mtq workers start app:Embedder -q emb --set model=/srv/minilm --set pooling=cls``
 checks each value against its declaration before any process starts (an unknown
 name, a value that does not parse, a missing required option: :class:`OptionError`,
-exit 2), and each worker process sets the values on its model before ``setup``,
-where they read as plain attributes. In Python: ``Embedder().set_options(model=...)``.
-The values given are recorded in the model catalogue (``mtq models``).
+exit 2; with no ``--set`` at all the supervisor leaves the import, and so a missing
+required option, to its worker processes), and each worker process sets the values
+on its model before ``setup``, where they read as plain attributes. In Python:
+``Embedder().set_options(model=...)``. The values given are recorded in the model
+catalogue (``mtq models``) and are part of the version (:mod:`mtq.workers.catalogue`).
+``mtq rq worker --set CLASS.KEY=VALUE`` does the same for the models it serves
+(:func:`mtq.rq.jobs.model_options`).
 
 This module does not import torch.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -37,6 +42,8 @@ _FALSE = ("0", "false", "no", "off")
 _NONE = ("none", "null")
 #: the attribute of a model instance that keeps the option values it was given
 _GIVEN = "_mtq_options"
+#: what each type of option takes, in messages
+_TAKES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 
 
 class Option:
@@ -52,12 +59,24 @@ class Option:
                  max: float | None = None) -> None:
         if type not in (str, int, float, bool):
             raise TypeError(f"Option type must be str, int, float or bool, not {type!r}")
+        if (min is not None or max is not None) and type not in (int, float):
+            raise TypeError(f"Option min/max are for int and float options, not {type.__name__}")
         self.type = type
         self.default = default
         self.help = help
         self.choices = tuple(choices) if choices is not None else None
         self.min, self.max = min, max
         self.name = ""
+        has_default = default is not REQUIRED and default is not None
+        for value in (*(self.choices or ()), *((default,) if has_default else ())):
+            if not self._is(value):
+                raise TypeError(f"Option({type.__name__}): {value!r} (a default or a choice) "
+                                f"is not {_TAKES[type]}")
+        if has_default:
+            try:
+                self.default = self.check(default)  # in its choices and range; 1 -> 1.0
+            except OptionError as exc:
+                raise ValueError(f"Option default {default!r}: {exc}") from None
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -91,22 +110,31 @@ class Option:
             try:
                 value = self.type(t)
             except ValueError:
-                raise OptionError(f"option {self.name!r} takes {'an integer' if self.type is int else 'a number'}"
-                                  f", got {text!r}") from None
+                raise OptionError(f"option {self.name!r} takes {_TAKES[self.type]}, "
+                                  f"got {text!r}") from None
             return self.check(value)
         return self.check(text)
+
+    def _is(self, value: Any) -> bool:
+        """Whether ``value`` is of this option's type (a bool is no number here, an int
+        is a float, NaN is no number)."""
+        if isinstance(value, bool):
+            return self.type is bool
+        if self.type is float:
+            return isinstance(value, (int, float)) and value == value
+        return isinstance(value, self.type)
 
     def check(self, value: Any) -> Any:
         """``value`` if this option may take it (an int for a float option is taken as
         a float); OptionError naming what it may take otherwise."""
         if value is None and self.default is None:
             return None
-        ok = isinstance(value, self.type) and not (self.type is not bool and isinstance(value, bool))
-        if self.type is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise OptionError(f"option {self.name!r} takes a {self.type.__name__}, "
-                              f"got {value!r}")
+        if not self._is(value):
+            raise OptionError(f"option {self.name!r} takes {_TAKES[self.type]}"
+                              + (" (or none)" if self.default is None else "")
+                              + f", got {value!r}")
+        if self.type is float:
+            value = float(value)
         if self.choices is not None and value not in self.choices:
             raise OptionError(f"option {self.name!r} must be one of "
                               f"{', '.join(map(str, self.choices))}; got {value!r}")
@@ -122,6 +150,9 @@ class Option:
         what = self.type.__name__
         if self.choices is not None:
             what = "|".join(map(str, self.choices))
+        elif self.min is not None or self.max is not None:
+            what += f" {'' if self.min is None else f'{self.min:g}'}.." \
+                    f"{'' if self.max is None else f'{self.max:g}'}"
         default = "required" if self.required else f"default {self.default!r}"
         return f"{self.name} ({what}, {default})" + (f": {self.help}" if self.help else "")
 
@@ -162,15 +193,19 @@ def _known(options: Mapping[str, Option]) -> str:
 
 
 def resolve(target: Any, given: Mapping[str, Any], *, text: bool = False,
-            name: str = "") -> dict[str, Any]:
-    """Check ``given`` against the options ``target`` declares and return the values
-    to set (parsed from text when ``text``). OptionError for an unknown name, a bad
-    value or a required option missing."""
+            name: str = "", prefix: str = "") -> dict[str, Any]:
+    """Check ``given`` against the options ``target`` (a class, or an instance whose
+    own attributes count as given) declares and return the values to set (parsed
+    from text when ``text``). OptionError for an unknown name, a bad value or a
+    required option missing; ``name`` names the target in its message, ``prefix``
+    goes before the key in the ``--set`` it suggests."""
     options = declared(target)
     label = name or (target.__name__ if isinstance(target, type) else type(target).__name__)
     unknown = [k for k in given if k not in options]
     if unknown:
-        raise OptionError(f"{label!r} has no option {unknown[0]!r}; {_known(options)}")
+        close = difflib.get_close_matches(unknown[0], list(options), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise OptionError(f"{label!r} has no option {unknown[0]!r}{hint}; {_known(options)}")
     values: dict[str, Any] = {}
     for key, raw in given.items():
         opt = options[key]
@@ -178,18 +213,20 @@ def resolve(target: Any, given: Mapping[str, Any], *, text: bool = False,
             values[key] = opt.parse(raw) if text else opt.check(raw)
         except OptionError as exc:
             raise OptionError(f"{label!r}: {exc}") from None
-    before = {} if isinstance(target, type) else getattr(target, _GIVEN, {})
-    missing = [k for k, o in options.items() if o.required and k not in values and k not in before]
+    # an instance's own attribute (set_options, or set in its __init__) hides the option
+    own = {} if isinstance(target, type) else getattr(target, "__dict__", {})
+    missing = [k for k, o in options.items() if o.required and k not in values and k not in own]
     if missing:
         raise OptionError(f"{label!r}: option {missing[0]!r} is required: give it with "
-                          f"--set {missing[0]}=VALUE; {_known(options)}")
+                          f"--set {prefix}{missing[0]}=VALUE; {_known(options)}")
     return values
 
 
-def apply(model: Any, given: Mapping[str, Any], *, text: bool = False, name: str = "") -> Any:
+def apply(model: Any, given: Mapping[str, Any], *, text: bool = False, name: str = "",
+          prefix: str = "") -> Any:
     """Set the option values ``given`` on ``model`` (checked by :func:`resolve`) and
     remember them for the catalogue; returns the model."""
-    values = resolve(model, given, text=text, name=name)
+    values = resolve(model, given, text=text, name=name, prefix=prefix)
     for key, value in values.items():
         setattr(model, key, value)
     setattr(model, _GIVEN, {**getattr(model, _GIVEN, {}), **values})

@@ -53,6 +53,7 @@ from mtq.workers.heartbeat import Heartbeat
 from mtq.workers.leases import Leases
 from mtq.workers.ledger import Lease, Ledger, Lifecycle, Monitor, Tally
 from mtq.workers.model import FunctionModel
+from mtq.workers.options import apply as apply_options
 from mtq.workers.options import given as given_options
 from mtq.workers.outcomes import Outcomes
 from mtq.workers.outlet import Outlet
@@ -87,8 +88,9 @@ class Worker:
         self.spec = target if isinstance(target, str) else None
         #: the model's options as given (--set KEY=VALUE): set again at each reload
         self.options = dict(options or {})
+        # a model object is checked too (a required option it was not given fails here)
         self.model: Target = load_model(target, options=self.options) \
-            if isinstance(target, str) else target
+            if isinstance(target, str) else apply_options(target, self.options, text=True)
         self.overrides: dict[str, Any] = {"max_batch_size": max_batch_size,
                                           "max_wait_ms": max_wait_ms, "timeout_s": timeout_s}
         self.policy = BatchPolicy.of(self.model, **self.overrides)

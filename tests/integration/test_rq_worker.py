@@ -515,3 +515,50 @@ def test_rq_worker_options_max_idle_time_dequeue_strategy_and_d(
     assert [x.decode().split(":")[0] for x in client.lrange(key, 0, -1)] == ["a", "b", "a", "b"]
     assert fetch(client, bad).get_status() == JobStatus.FAILED
     assert bad.id not in FailedJobRegistry(q.name, connection=client).get_job_ids()
+
+
+# -- model options (--set CLASS.KEY=VALUE) ---------------------------------------------
+@pytest.mark.parametrize("sets,says", [
+    (["tests.rq_jobs.Tagged.prefix"], "--set takes CLASS.KEY=VALUE, CLASS the model's "
+                                      "dotted path as enqueued"),
+    (["prefix=>"], "--set takes CLASS.KEY=VALUE"),
+    (["tests.rq_jobs.Tagged.prefix=>", "tests.rq_jobs.Tagged.prefix=<"],
+     "--set tests.rq_jobs.Tagged.prefix is given twice"),
+    (["tests.rq_jobs.Tagged.prefix=>", "tests.rq_jobs.Tagged.prefx=<"],
+     "'tests.rq_jobs.Tagged' has no option 'prefx' (did you mean 'prefix'?)"),
+    (["tests.rq_jobs.Tagged.prefix=>", "tests.rq_jobs.Tagged.repeat=4"],
+     "option 'repeat' must be >= 1 and <= 3, got 4"),
+    (["tests.rq_jobs.Tagged.upper=yes"],
+     "option 'prefix' is required: give it with --set tests.rq_jobs.Tagged.prefix=VALUE"),
+    (["tests.rq_jobs.add.x=1"], "'tests.rq_jobs.add' is not an mtq.Model class"),
+    (["tests.rq_jobs.NoSuchModel.x=1"], "cannot import 'tests.rq_jobs.NoSuchModel'"),
+], ids=["no-value", "no-class", "twice", "unknown", "range", "required", "function",
+        "missing"])
+def test_a_bad_model_option_exits_2_before_redis_is_reached(env, sets, says):
+    env["MTQ_REDIS_WAIT_S"] = "60"  # exit 2 at once: Redis was not waited for
+    args = [a for s in sets for a in ("--set", s)]
+    p = subprocess.run([sys.executable, "-m", "mtq", "rq", "worker", "x", *args, "-u",
+                        "redis://127.0.0.1:1/0"], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=30)
+    err = " ".join(p.stderr.split())
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert says in err, err
+    assert "cannot reach" not in err and "Traceback" not in err, err
+
+
+def test_model_options_reach_the_model_s_setup(q, client, redis_url, env, procs):
+    by_name = q.enqueue("tests.rq_jobs.Tagged", "hi")
+    other = q.enqueue("tests.rq_jobs.Tagged", "yo")
+    plain = q.enqueue("tests.rq_jobs.Upper", "up")
+    burst(procs, env, redis_url, q.name, "--set", "tests.rq_jobs.Tagged.prefix=>> ",
+          "--set", "tests.rq_jobs.Tagged.upper=yes", "--set", "tests.rq_jobs.Tagged.repeat=2")
+    assert fetch(client, by_name).return_value() == ">> HIHI"
+    assert fetch(client, other).return_value() == ">> YOYO"
+    assert fetch(client, plain).return_value() == "UP"
+    # without its required option the model's jobs fail, saying what to give
+    missing = q.enqueue("tests.rq_jobs.Tagged", "hi")
+    burst(procs, env, redis_url, q.name)
+    job = fetch(client, missing)
+    assert job.get_status() == JobStatus.FAILED
+    assert "option 'prefix' is required: give it with --set " \
+        "tests.rq_jobs.Tagged.prefix=VALUE" in err(job)

@@ -273,3 +273,17 @@ def test_manage_py_mtq_workers_serves_the_queue_and_stops_on_sigterm(
     # without a target in the settings nor on the command line, it says what is missing
     out = manage(project_env(redis_url, MTQ_QUEUE=qname), "mtq_workers")
     assert out.returncode == 2 and "TARGET" in out.stderr, out
+
+
+def test_manage_py_mtq_workers_checks_model_options_before_redis(qname: str) -> None:
+    # --set is the click command's (manage.py's own --settings does not take it), and a
+    # value the target cannot take is exit 2 before the (unreachable) Redis is waited for
+    env = project_env(NOWHERE, MTQ_QUEUE=qname, MTQ_DJANGO_WORKERS="tests.models:Configured",
+                      MTQ_REDIS_WAIT_S="60")
+    out = manage(env, "mtq_workers", "--set", "model=/m", "--settings",
+                 "tests.django_project.settings", "--set", "layers=0", timeout=30)
+    assert out.returncode == 2, out
+    assert "option 'layers' must be >= 1 and <= 8, got 0" in " ".join(out.stderr.split())
+    assert "cannot reach" not in out.stderr, out.stderr
+    out = manage(env, "mtq_workers", "--set", "pooling=cls", timeout=30)
+    assert out.returncode == 2 and "option 'model' is required" in out.stderr, out

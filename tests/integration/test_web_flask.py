@@ -89,3 +89,10 @@ def test_flask_mtq_commands(qname: str, redis_url: str) -> None:
     out = flask("workers", name + ":M")
     assert out.returncode == 2 and name in out.stderr, (out.returncode, out.stderr)
     assert "--queue" not in out.stderr, out.stderr
+    # model options are checked before Redis is waited for (the app's is unreachable)
+    out = flask("workers", "tests.models:Configured", "--set", "model=/m", "--set", "nope=1",
+                extra={"MTQ_FLASK_REDIS_URL": "redis://127.0.0.1:1/0",
+                       "MTQ_REDIS_WAIT_S": "60"})
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert "'tests.models:Configured' has no option 'nope'" in out.stderr, out.stderr
+    assert "cannot reach" not in out.stderr, out.stderr

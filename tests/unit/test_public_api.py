@@ -9,6 +9,7 @@ import mtq
 import mtq.errors as errors
 
 EXPECTED_ALL = [
+    "BadRequest",
     "BrokerError",
     "Claimed",
     "ConfigError",
@@ -25,6 +26,8 @@ EXPECTED_ALL = [
     "Model",
     "MtqError",
     "NotDurable",
+    "Option",
+    "OptionError",
     "Outcome",
     "PayloadError",
     "PayloadTooLarge",
