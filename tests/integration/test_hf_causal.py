@@ -17,6 +17,7 @@ Most tests compute in float64, where a request's tokens do not depend on the bat
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -474,6 +475,75 @@ def test_a_worker_killed_mid_generation_restarts_and_the_client_gets_the_whole_t
         except ProcessLookupError:
             pass
         sup.wait(10)
+
+
+# -- the examples --------------------------------------------------------------------------
+def test_the_fastapi_chat_page_served_by_hf_causal_lm(
+        qname: str, redis_url: str, lm_path: Path, hf: Any, tmp_path: Path) -> None:
+    """examples/web/fastapi_chat.py under uvicorn with MTQ_CHAT_MESSAGES=1: the page's
+    POST /chat goes to hf:CausalLM as a chat message, and its event stream carries the
+    text pieces, then the result whose text they make."""
+    import httpx
+
+    from tests.support.processes import free_port
+    from tests.support.web import Stream, events
+
+    port = free_port()
+    env = {**os.environ, "MTQ_REDIS_URL": redis_url, "MTQ_QUEUE": qname,
+           "MTQ_CHAT_MESSAGES": "1"}
+    log = tmp_path / "uvicorn.log"
+    with open(log, "wb") as out:
+        web = subprocess.Popen([sys.executable, "-m", "uvicorn", "examples.web.fastapi_chat:app",
+                                "--host", "127.0.0.1", "--port", str(port), "--log-level",
+                                "warning"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        assert web.poll() is None, log.read_text(errors="replace")
+        try:
+            return httpx.get(base + "/", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_for(up, 30, "the chat app did not answer")
+        with serving(worker(lm_path, qname, redis_url)) as running, httpx.Client(
+                base_url=base, timeout=30) as http:
+            r = http.post("/chat", json={"prompt": "Say hello.", "max_tokens": 12})
+            assert r.status_code == 202, r.text
+            got = Stream()
+            with http.stream("GET", r.json()["events"]) as resp:
+                for ev in events(resp):
+                    got.events.append(ev)
+                    if ev.event == "done":
+                        break
+            running.stop()
+    finally:
+        web.terminate()
+        web.wait(10)
+    done = got.of("done")[0].json()
+    assert done["status"] == "succeeded", done
+    pieces = [tok for _, tok in got.tokens()]
+    assert len(pieces) == 12 or done["result"]["finish_reason"] == "stop"
+    assert "".join(pieces) == done["result"]["text"]
+    chat = hf[1].apply_chat_template([{"role": "user", "content": "Say hello."}],
+                                     tokenize=False, add_generation_prompt=True)
+    assert done["result"]["usage"]["prompt_tokens"] == len(
+        hf[1](chat, add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.slow  # ~10 s: a supervisor and its worker start
+def test_the_terminal_chat_example(redis_url: str, lm_path: Path,
+                                   subprocess_env: dict[str, str]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "examples.hf_chat", str(lm_path), "--prompt", "Say hello.",
+         "--max-tokens", "9", "--seed", "3", "--redis", redis_url],
+        env={**subprocess_env, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True,
+        timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    # the reply streamed after the prompt, then its end: 9 tokens, or fewer at an EOS
+    assert re.fullmatch(r"model> .*\n\[(length, 9|stop, [1-9]) tokens\]\n", out.stdout,
+                        re.DOTALL), out.stdout
 
 
 # -- on the device -------------------------------------------------------------------------------

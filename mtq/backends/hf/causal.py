@@ -6,7 +6,7 @@ served with continuous batching and streamed as text.
 The engine (mtq.workers.engine) admits, prefills, decodes and releases requests
 step by step; this class keeps the running requests' KV caches as one left-padded
 batch (:mod:`mtq.backends.hf.kvbatch`): each prefill runs the new prompts (those of
-one length together), joins their caches to the batch, and each decode step is one
+about one length together, left-padded), joins their caches to the batch, and each decode step is one
 forward of every running request. Each request samples from its own generator
 seeded with its seed (:func:`mtq.reference.sampling.sample`) and turns its tokens
 into text pieces that never split a character or a stop string
@@ -39,6 +39,20 @@ if TYPE_CHECKING:
 __all__ = ["CausalLM"]
 
 log = logging.getLogger(__name__)
+
+
+def _groups(lengths: list[int]) -> list[list[int]]:
+    """The prompts (their indexes) prefilled together, in one forward each: from the
+    longest down, a prompt joins the group of a longer one when padding it to that
+    length wastes at most 16 tokens or a quarter of the length."""
+    order = sorted(range(len(lengths)), key=lambda j: -lengths[j])
+    groups: list[list[int]] = []
+    for j in order:
+        if groups and lengths[groups[-1][0]] - lengths[j] <= max(16, lengths[groups[-1][0]] // 4):
+            groups[-1].append(j)
+        else:
+            groups.append([j])
+    return groups
 
 
 @dataclasses.dataclass(eq=False)
@@ -117,6 +131,8 @@ class CausalLM(HFOptions, Generator):
             eos.append(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(int(i) for i in eos)
         self.vocab = int(self.lm.get_output_embeddings().weight.shape[0])
+        pad = self.tokenizer.pad_token_id
+        self.pad_id = int(pad if pad is not None else min(self.eos_ids, default=0))
         self.template = self._template()
         self.batch = BatchCache()
         self.rows: list[_State] = []  # the batch's requests, in its rows' order
@@ -193,8 +209,8 @@ class CausalLM(HFOptions, Generator):
         return ids
 
     def prefill(self, requests: list[Generation]) -> list[Any]:
-        """Run the new prompts (one forward per prompt length), join their caches to the
-        running batch and return each request's first text piece. Nothing joins the
+        """Run the new prompts (one forward for those of about one length, left-padded),
+        join their caches to the running batch and return each request's first text piece. Nothing joins the
         batch if it raises (the engine then bisects the requests)."""
         import torch
 
@@ -203,16 +219,21 @@ class CausalLM(HFOptions, Generator):
             if not isinstance(r.state, _State):
                 self.admit(r)
             states.append(r.state)
-        by_len: dict[int, list[int]] = {}
-        for j, s in enumerate(states):
-            by_len.setdefault(len(s.prompt_ids), []).append(j)
         parts, order, logits = [], [], []
         with torch.inference_mode():
-            for length, group in by_len.items():
-                ids = torch.tensor([states[j].prompt_ids for j in group], device=self.device)
-                out = self.lm(input_ids=ids, use_cache=True, **self._keep_arg)
-                parts.append((getattr(out, self._cache_arg, None) or out.past_key_values,
-                              [length] * len(group)))
+            for group in _groups([len(s.prompt_ids) for s in states]):
+                lens = [len(states[j].prompt_ids) for j in group]
+                width = max(lens)
+                ids = torch.tensor([[self.pad_id] * (width - n) + states[j].prompt_ids
+                                    for j, n in zip(group, lens)], device=self.device)
+                kw: dict[str, Any] = {}
+                if min(lens) < width:  # left padding, masked, each row from position 0
+                    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lens],
+                                        device=self.device)
+                    kw = {"attention_mask": mask,
+                          "position_ids": (mask.cumsum(-1) - 1).clamp(min=0)}
+                out = self.lm(input_ids=ids, use_cache=True, **kw, **self._keep_arg)
+                parts.append((getattr(out, self._cache_arg, None) or out.past_key_values, lens))
                 order += group
                 logits.append(out.logits[:, -1])
         rows = [states[j] for j in order]

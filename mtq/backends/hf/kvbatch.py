@@ -75,13 +75,23 @@ class BatchCache:
         return 0 if self.cache is None else int(self.cache.layers[0].keys.shape[-2])
 
     def add(self, parts: Sequence[tuple[Any, Sequence[int]]]) -> None:
-        """Append the rows of each ``(cache, lengths)`` part (a prefill's DynamicCache of
-        prompts of one length, no padding) after the current rows."""
+        """Append the rows of each ``(cache, lengths)`` part after the current rows: a
+        prefill's DynamicCache whose row i holds its prompt in its last ``lengths[i]``
+        positions (left-padded). The padding's keys and values are set to zero: finite
+        whatever the model computed there."""
         import torch
 
         parts = [p for p in parts if len(p[1])]
         if not parts:
             return
+        with torch.inference_mode():  # the forward made them inference tensors
+            for cache, lens in parts:
+                width = int(cache.layers[0].keys.shape[-2])
+                for row, n in enumerate(lens):
+                    if n < width:
+                        for layer in cache.layers:
+                            layer.keys[row, :, :width - n] = 0
+                            layer.values[row, :, :width - n] = 0
         current = [(self.cache, self.lens)] if self.cache is not None else []
         whole = [*current, *parts]
         width = max(int(c.layers[0].keys.shape[-2]) for c, _ in whole)
