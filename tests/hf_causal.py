@@ -9,7 +9,8 @@ with random weights from a fixed seed, saved with ``save_pretrained`` into a fol
 the backend loads with ``from_pretrained`` (the real loading path). Building one
 takes well under a second once transformers is imported.
 
-* :func:`build`: the folder of a model (``--set model=FOLDER``); its context is
+* :func:`build` (``python -m tests.hf_causal FOLDER``): the folder of a model
+  (``--set model=FOLDER``); its context is
   :data:`CONTEXT` tokens unless told otherwise. ``width``/``layers`` make a larger one
   (the benchmark's few-million-parameter model).
 
@@ -86,3 +87,22 @@ def build(root: Path, seed: int = 0, *, width: int = 64, layers: int = 2,
     tok.save_pretrained(path)
     model.save_pretrained(path)
     return path
+
+
+def main(argv: list[str]) -> int:
+    """``python -m tests.hf_causal FOLDER``: build the tiny model in FOLDER (docs/models.md
+    serves it); prints the folder."""
+    import sys
+
+    if len(argv) != 2:
+        print("usage: python -m tests.hf_causal FOLDER", file=sys.stderr)
+        return 2
+    folder = Path(argv[1]).resolve()
+    print(build(folder.parent, name=folder.name))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv))

@@ -414,13 +414,22 @@ def test_the_same_seed_gives_the_same_tokens_alone_and_batched(
                "temperature": 0.8, "ignore_eos": True}
               for k, p in enumerate(PROMPTS + PROMPTS[:3])]
     q = mtq.Queue(qname, redis_url, settings=FAST)
-    with serving(worker(lm_path, qname, redis_url)) as run:
+    w = worker(lm_path, qname, redis_url, cls=_slow_class())
+    model: Any = w.model
+    with serving(w) as run:
         alone = q.submit(probe).result(timeout=30)
-        # the probe joins a running batch of seven (continuous batching), after the others
-        tasks = q.submit_many([*others, probe])
+        # the probe joins a running batch of seven (continuous batching) while they decode
+        tasks = q.submit_many(others)
+        wait_for(lambda: all(q.redis.llen(q.broker.keys.out(t.id)) >= 3 for t in tasks), 30,
+                 "the seven did not start")
+        tasks.append(q.submit(probe))
         batched = [t.result(timeout=60) for t in tasks]
         run.stop()
     assert batched[-1] == alone
+    # it did run with others, joining after they had started
+    ran = [k for k, step in enumerate(model.steps) if tasks[-1].id in step]
+    assert max(len(model.steps[k]) for k in ran) > 1, [model.steps[k] for k in ran]
+    assert ran[0] > next(k for k, step in enumerate(model.steps) if tasks[0].id in step)
     assert alone["usage"]["completion_tokens"] == 40
     assert generate(lm, [probe])[0] == alone  # without a queue: the same
     assert len({x["text"] for x in batched}) == len(batched)
