@@ -42,7 +42,7 @@ from benchmarks.harness.meters import (
 from benchmarks.harness.procs import Proc, worker_env
 from benchmarks.harness.report import Results, cli_args, write_block
 from benchmarks.harness.server import Counting, Server, compile_tree, uniq
-from benchmarks.harness.streams import read_requests, wait_ready, worker_entry
+from benchmarks.harness.streams import Stream, read_requests, wait_ready, worker_entry
 from mtq import serialization
 
 PROMPT = "Hello, world"                   # decode_rate's default prompt
@@ -87,15 +87,25 @@ class Run:
     client_rts: int         # round trips sent from here (a submit, a watch per reader)
 
 
+#: the payload fields that keep TinyGPT from stopping before its max_tokens
+NO_EOS: dict[str, Any] = {"stop_at_eos": False}
+
+
 def stream_run(r: redis.Redis, q: mtq.Queue, b: int, max_tokens: int, start: int,
-               proc: Proc) -> Run:
-    """Submit ``b`` requests at once and read each in its own thread (Task.events)."""
+               proc: Proc, extra: dict[str, Any] = NO_EOS,
+               streams: list[Stream] | None = None) -> Run:
+    """Submit ``b`` requests at once and read each in its own thread (Task.events).
+    ``extra``: the payload fields that keep a request from stopping early (the
+    generator's own); ``streams``: gets what each reader saw (times to first token)."""
     sizes = [max_tokens] * b
     r.config_resetstat()
     sent = Counting.sent
-    payloads = [{"prompt": PROMPT, "max_tokens": m, "stop_at_eos": False, "seed": i}
+    payloads = [{"prompt": PROMPT, "max_tokens": m, **extra, "seed": i}
                 for i, m in enumerate(sizes)]
-    recs = [x.tokens for x in read_requests(q, payloads, proc)]
+    read = read_requests(q, payloads, proc)
+    if streams is not None:
+        streams.extend(read)
+    recs = [x.tokens for x in read]
     client_rts, cmds = Counting.sent - sent, commandstats(r)
     toks = [(i, ts, now) for x in recs for i, ts, now in x if i < max_tokens]
     t0, p0 = (min(x[k] for x in toks if x[0] == start) for k in (2, 1))
@@ -194,21 +204,27 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
 
 
 # -- 3. continuous vs static -------------------------------------------------------
-def mixed_payloads(n: int, seed: int = 11) -> list[dict[str, Any]]:
+def mixed_payloads(n: int, seed: int = 11, extra: dict[str, Any] = NO_EOS
+                   ) -> list[dict[str, Any]]:
+    """``n`` requests, three in four of 8 tokens and one in four of 128, shuffled."""
     sizes = [8] * (n - n // 4) + [128] * (n // 4)
     random.Random(seed).shuffle(sizes)
-    return [{"prompt": f"Request {i}: once upon a time", "max_tokens": m, "stop_at_eos": False,
-             "seed": i} for i, m in enumerate(sizes)]
+    return [{"prompt": f"Request {i}: once upon a time", "max_tokens": m, **extra, "seed": i}
+            for i, m in enumerate(sizes)]
 
 
-def mixed_run(q: mtq.Queue, payloads: list[dict[str, Any]], proc: Proc
-              ) -> tuple[float, float, float]:
-    """(tokens/s, mean latency s, mean latency of the short ones s), submit -> callback."""
+def tinygpt_tokens(result: Any) -> int:
+    return len(result["tokens"])
+
+
+def mixed_run(q: mtq.Queue, payloads: list[dict[str, Any]], proc: Proc,
+              count: Callable[[Any], int] = tinygpt_tokens) -> tuple[float, float, float]:
+    """(tokens/s, mean latency s, mean latency of the short ones s), submit -> callback;
+    ``count``: the tokens a result holds."""
     done: list[tuple[float, int]] = []  # (success callback time, tokens)
     t0 = time.perf_counter()
     with q.group() as g:
-        g.on_success(lambda task, result: done.append((time.perf_counter(),
-                                                       len(result["tokens"]))))
+        g.on_success(lambda task, result: done.append((time.perf_counter(), count(result))))
         g.submit_many(payloads)
     if not g.wait(120) or len(done) != len(payloads):
         raise proc.fail(f"mixed workload: {len(done)} of {len(payloads)} done: {g.counts()}")

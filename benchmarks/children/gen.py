@@ -10,6 +10,11 @@
   with the worker's thread settings); a line ``{"mixed": [payload, ...], "continuous":
   bool}`` runs those payloads through :func:`schedule_rate` instead (the mixed
   workload's ceiling, without a queue);
+* ``python -m benchmarks.children.gen target SPEC OPTIONS EXTRA``: the same for
+  another generator (benchmarks/causal.py's ``hf:CausalLM``): the target ``SPEC`` with
+  the ``--set`` options of the JSON object ``OPTIONS``, serving both kinds of ask, its
+  requests given the payload fields of the JSON object ``EXTRA`` (those that keep
+  them from stopping early);
 * ``python -m benchmarks.children.gen publish PORT N SIZE GAP``: the token latency
   baseline's other process: raw PUBLISH of N messages of SIZE bytes carrying the
   publish time, one every GAP s (:func:`publish`).
@@ -24,11 +29,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from mtq.reference.gpt import TinyGPT, _append, decode_rate
-from mtq.workers.generator import Generation
+from mtq.workers.generator import Generation, Generator
 
 
 class ContinuousTinyGPT(TinyGPT):
@@ -56,7 +62,7 @@ class StaticTinyGPT(TinyGPT):
     name = "tinygpt-static"
 
 
-def schedule_rate(model: TinyGPT, payloads: list[Any], continuous: bool) -> float:
+def schedule_rate(model: Generator, payloads: list[Any], continuous: bool) -> float:
     """Generated tokens/s of ``payloads`` run to completion in this thread, scheduled
     as the engine schedules them but with nothing between the steps: no queue, no
     Redis, no outlet, every request claimed before the first step. Each turn admits
@@ -96,9 +102,10 @@ ROOT = Path(__file__).resolve().parent.parent
 class RawDecoder:
     """Client of ``python -m benchmarks.children.gen`` (every wait has a timeout)."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.children.gen"], env=env,
-                                     cwd=ROOT,
+    def __init__(self, env: dict[str, str], args: Sequence[str] = ()) -> None:
+        """``args``: the child's arguments (``target SPEC OPTIONS EXTRA``; none: TinyGPT)."""
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.children.gen", *args],
+                                     env=env, cwd=ROOT,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         # a thread reads the answers: select() on a buffered pipe misses lines that
         # readline() already pulled into the buffer (several answers after a few asks)
@@ -192,10 +199,18 @@ def main() -> int:
     if sys.argv[1:2] == ["publish"]:
         publish(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
         return 0
-    model = TinyGPT()
+    model: Generator
+    mixed: Generator | None = None  # TinyGPT: loaded on the first mixed ask
+    extra: dict[str, Any] | None = None
+    if sys.argv[1:2] == ["target"]:
+        from mtq.workers.target import load_model
+
+        options, extra = json.loads(sys.argv[3]), json.loads(sys.argv[4])
+        model = mixed = load_model(sys.argv[2], options=options)  # type: ignore[assignment]
+    else:
+        model = TinyGPT()
     model.setup("cpu")
-    decode_rate(model, model.max_running, 20)  # allocate the cache, warm up
-    mixed: ContinuousTinyGPT | None = None  # loaded on the first mixed ask
+    decode_rate(model, model.max_running, 20, extra=extra)  # allocate the cache, warm up
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         if not line.strip():
@@ -210,7 +225,7 @@ def main() -> int:
             print(json.dumps({"rate": rate}), flush=True)
             continue
         b, steps, prompt = int(ask["b"]), int(ask["steps"]), str(ask["prompt"])
-        rate = decode_rate(model, b, steps, prompt=prompt)
+        rate = decode_rate(model, b, steps, prompt=prompt, extra=extra)
         print(json.dumps({"rate": rate}), flush=True)
     return 0
 

@@ -9,8 +9,14 @@ check`` (mtq.E001 when Redis cannot be reached), ``... mtq_status``, ``... mtq_w
 (``mtq workers start`` with this project's ``MTQ["WORKERS"]`` and ``MTQ["QUEUE"]``).
 Under another server: ``uvicorn examples.web.django_chat:application``.
 
+Served by a Hugging Face model instead: ``mtq workers start hf:CausalLM --queue chat
+--set model=Qwen/Qwen2.5-0.5B-Instruct`` (or a local folder), and ``MTQ_CHAT_MESSAGES=1``
+in the app's environment so that each prompt goes as a chat message
+(:func:`examples.web.chat_payload`; docs/models.md).
+
 * ``GET /``: the page.
-* ``POST /chat``: ``{"prompt": str, "max_tokens": int}`` submitted into this browser's
+* ``POST /chat``: ``{"prompt": str, "max_tokens": int}`` submitted (as
+  :func:`examples.web.chat_payload`) into this browser's
   own stream (its session: FIFO per user, users served fairly); 202 with
   ``{"id", "events"}``; 400 for a bad body. A full queue: 503 with Retry-After.
 * ``GET /chat/<id>/events``: the task's server-sent events, resuming after
@@ -37,7 +43,8 @@ import django
 from django.conf import settings
 
 PAGE = Path(__file__).with_name("chat.html")
-#: the most tokens one request may ask for (TinyGPT's context is 512, prompt included)
+#: the most tokens one request may ask for (TinyGPT's context is 512, prompt included;
+#: hf:CausalLM fails a request past its model's context with a BadRequest, shown on the page)
 MAX_TOKENS = 400
 #: a closed tab cancels its task unless a stream of it opens again within this time
 #: (a reloaded page re-attaches and keeps its task)
@@ -63,6 +70,7 @@ from django.urls import path  # noqa: E402
 from django.views.decorators.http import require_GET, require_POST  # noqa: E402
 
 import mtq.contrib.django as mtqd  # noqa: E402
+from examples.web import chat_payload  # noqa: E402
 
 
 @require_GET
@@ -86,7 +94,7 @@ async def ask(request: HttpRequest) -> HttpResponse:
         return mtqd.json_response({"error": "bad_request", "detail": (
             "send JSON {\"prompt\": str (at most 4000 characters), \"max_tokens\": int from "
             f"1 to {MAX_TOKENS}}}")}, 400)
-    task = await mtqd.asubmit(request, {"prompt": prompt, "max_tokens": max_tokens})
+    task = await mtqd.asubmit(request, chat_payload(prompt, max_tokens))
     return mtqd.json_response({"id": task.id, "events": f"/chat/{task.id}/events"}, 202)
 
 

@@ -3,8 +3,14 @@
     mtq workers start mtq.reference.gpt:TinyGPT --queue chat &
     uvicorn examples.web.fastapi_chat:app            # then open http://127.0.0.1:8000
 
+Served by a Hugging Face model instead: ``mtq workers start hf:CausalLM --queue chat
+--set model=Qwen/Qwen2.5-0.5B-Instruct`` (or a local folder), and ``MTQ_CHAT_MESSAGES=1``
+in the app's environment so that each prompt goes as a chat message
+(:func:`examples.web.chat_payload`; docs/models.md).
+
 * ``GET /``: the page.
-* ``POST /chat``: ``{"prompt": str, "max_tokens": int}`` submitted into this browser's
+* ``POST /chat``: ``{"prompt": str, "max_tokens": int}`` submitted (as
+  :func:`examples.web.chat_payload`) into this browser's
   own stream (its session: FIFO per user, users served fairly); 202 with
   ``{"id", "events"}``. A full queue: 503 with Retry-After.
 * ``GET /chat/{id}/events``: the task's server-sent events, resuming after
@@ -29,12 +35,14 @@ from pydantic import BaseModel, Field
 from starlette.middleware.sessions import SessionMiddleware
 
 import mtq
+from examples.web import chat_payload
 from mtq.contrib.asgi import EventStreamResponse, Submit, add_error_handlers, submitter
 
 PAGE = Path(__file__).with_name("chat.html")
 #: seconds a stream's task outlives its client, waiting for the page to come back
 RELOAD_GRACE_S = 2.0
-#: the most tokens one request may ask for (TinyGPT's context is 512, prompt included)
+#: the most tokens one request may ask for (TinyGPT's context is 512, prompt included;
+#: hf:CausalLM fails a request past its model's context with a BadRequest, shown on the page)
 MAX_TOKENS = 400
 
 chat = mtq.Queue(os.environ.get("MTQ_QUEUE") or "chat")  # MTQ_REDIS_URL, else embedded
@@ -58,7 +66,7 @@ def page() -> FileResponse:
 @app.post("/chat", status_code=202)
 async def ask(body: Ask, request: Request,
               submit: Annotated[Submit, Depends(submitter(chat))]) -> dict[str, Any]:
-    task = await submit({"prompt": body.prompt, "max_tokens": body.max_tokens})
+    task = await submit(chat_payload(body.prompt, body.max_tokens))
     return {"id": task.id, "events": request.url_for("events", task_id=task.id).path}
 
 

@@ -5,8 +5,14 @@
 
 (or ``flask --app examples.web.flask_chat run``, Flask's development server).
 
+Served by a Hugging Face model instead: ``mtq workers start hf:CausalLM --queue chat
+--set model=Qwen/Qwen2.5-0.5B-Instruct`` (or a local folder), and ``MTQ_CHAT_MESSAGES=1``
+in the app's environment so that each prompt goes as a chat message
+(:func:`examples.web.chat_payload`; docs/models.md).
+
 * ``GET /``: the page.
-* ``POST /chat``: ``{"prompt": str, "max_tokens": int}`` submitted into this browser's
+* ``POST /chat``: ``{"prompt": str, "max_tokens": int}`` submitted (as
+  :func:`examples.web.chat_payload`) into this browser's
   own stream (its session: FIFO per user, users served fairly); 202 with
   ``{"id", "events"}``; 400 for a bad body. A full queue: 503 with Retry-After.
 * ``GET /chat/<id>/events``: the task's server-sent events, resuming after
@@ -27,12 +33,14 @@ from typing import Any
 
 from flask import Flask, Response, request, send_file, url_for
 
+from examples.web import chat_payload
 from mtq.contrib.flask import MTQ
 
 PAGE = Path(__file__).with_name("chat.html")
 #: seconds a stream's task outlives its client, waiting for the page to come back
 RELOAD_GRACE_S = 2.0
-#: the most tokens one request may ask for (TinyGPT's context is 512, prompt included)
+#: the most tokens one request may ask for (TinyGPT's context is 512, prompt included;
+#: hf:CausalLM fails a request past its model's context with a BadRequest, shown on the page)
 MAX_TOKENS = 400
 
 app = Flask(__name__)
@@ -57,7 +65,7 @@ def ask() -> tuple[dict[str, Any], int]:
             and 1 <= max_tokens <= MAX_TOKENS):
         return {"error": "bad_request", "detail": "send JSON {\"prompt\": str (at most 4000 "
                 f"characters), \"max_tokens\": int from 1 to {MAX_TOKENS}}}"}, 400
-    task = mtq_ext.submit({"prompt": prompt, "max_tokens": max_tokens})  # the session's stream
+    task = mtq_ext.submit(chat_payload(prompt, max_tokens))  # the session's stream
     return {"id": task.id, "events": url_for("events", task_id=task.id)}, 202
 
 

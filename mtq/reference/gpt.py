@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -214,18 +214,19 @@ class TinyGPT(CachedDecoder, mtq.Generator):
                 "finish_reason": s.finish_reason, "prompt_tokens": len(s.prompt_ids)}
 
 
-def _append(model: TinyGPT, requests: list[Generation], tokens: list[Any] | None) -> None:
+def _append(model: mtq.Generator, requests: list[Generation], tokens: list[Any] | None) -> None:
     """Append a step's tokens as the engine does (after the call)."""
     for r, t in zip(requests, tokens or [None] * len(requests)):
         r.tokens.append(t)
 
 
-def generate(model: TinyGPT, payloads: Sequence[Any],
+def generate(model: mtq.Generator, payloads: Sequence[Any],
              seeds: Sequence[int | None] | None = None) -> list[dict[str, Any]]:
     """Run ``payloads`` to completion without a queue: admit, prefill, decode until
-    all finish, release; in static batches of ``max_running``. Sets the model up
-    on CPU if needed. Raises PermanentError for a bad payload."""
-    if not model.ready:
+    all finish, release; in static batches of ``max_running``. Works for any
+    generator (TinyGPT, mtq.backends.hf's CausalLM); one with a false ``ready``
+    attribute is set up on the CPU first. Raises PermanentError for a bad payload."""
+    if not getattr(model, "ready", True):
         model.setup("cpu")
     seeds = list(seeds) if seeds is not None else [None] * len(payloads)
     results: list[dict[str, Any]] = []
@@ -246,15 +247,19 @@ def generate(model: TinyGPT, payloads: Sequence[Any],
     return results
 
 
-def decode_rate(model: TinyGPT, batch_size: int, steps: int, prompt: str = "Hello, world") -> float:
+def decode_rate(model: mtq.Generator, batch_size: int, steps: int, prompt: str = "Hello, world",
+                extra: Mapping[str, Any] | None = None) -> float:
     """Raw decode throughput (tokens/s = batch_size * steps / seconds) of ``steps``
     back-to-back ``decode`` calls on ``batch_size`` prefilled requests that do not
-    stop early; one warm-up step is not timed."""
-    if not model.ready:
+    stop early; one warm-up step is not timed. ``extra``: the payload's other fields,
+    those that keep a request from stopping early (TinyGPT's ``stop_at_eos: false``
+    by default; CausalLM's is ``ignore_eos: true``)."""
+    if not getattr(model, "ready", True):
         model.setup("cpu")
     if not 1 <= batch_size <= model.max_running:
         raise ValueError(f"batch_size must be in [1, {model.max_running}]")
-    payload = {"prompt": prompt, "max_tokens": steps + 2, "stop_at_eos": False}
+    payload = {"prompt": prompt, "max_tokens": steps + 2,
+               **({"stop_at_eos": False} if extra is None else extra)}
     batch = [Generation(f"rate-{i}", payload, i) for i in range(batch_size)]
     try:
         for r in batch:
