@@ -4,8 +4,10 @@ The version is the target's ``version`` class attribute when it sets one (anythi
 but the default ``"0"``); otherwise a digest computed once after ``setup``: of the
 target's source file and, when torch is already imported (never imported here), of
 the tensors reachable from the model (``nn.Module`` attributes' state_dicts and
-tensor attributes), and of the options it was given (``--set``); a declared version
-given options gets their digest appended. A reload of changed code, weights or
+tensor attributes; or what its ``weights_digest()`` returns, when it has one: the
+Hugging Face backends give their hub commit or their folder's files), and of the
+options it was given (``--set``); a declared version given options gets their digest
+appended. A reload of changed code, weights or
 options so yields a new version,
 and the result cache (keyed on it) never answers from the old model.
 """
@@ -77,7 +79,11 @@ def version_of(model: Any) -> str:
         h.update(_source(model))
         if options:  # (a target given none keeps the version it had before options)
             h.update(given_json(model).encode())
-        _tensors(model, h)
+        digest = getattr(model, "weights_digest", None)
+        if callable(digest):  # the model says what identifies its weights
+            h.update(str(digest()).encode())
+        else:
+            _tensors(model, h)
         version = COMPUTED + h.hexdigest()
     model.version = version
     return version

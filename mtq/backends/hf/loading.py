@@ -6,6 +6,7 @@ torch and transformers are imported inside the functions only.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from mtq.errors import ConfigError
@@ -27,6 +28,23 @@ class HFOptions:
                    help="auto: bfloat16 on a GPU that has it, else float16; float32 on the CPU")
     revision = Option(str, None, help="a hub revision (branch, tag or commit)")
     trust_remote_code = Option(bool, False, help="run the model repository's own code")
+
+    #: the hub commit the weights came from (set by load_pretrained; None for a folder)
+    _commit_hash: str | None = None
+
+    def weights_digest(self) -> str:
+        """What identifies the weights, for the served version (mtq.workers.catalogue):
+        the hub commit they came from, or the names, sizes and modification times of
+        the folder's files. Cheap, where hashing every tensor of a multi-GB model is not."""
+        if self._commit_hash:
+            return f"hub:{self.model}@{self._commit_hash}"
+        parts = [os.path.abspath(self.model)]
+        if os.path.isdir(self.model):
+            for entry in sorted(os.scandir(self.model), key=lambda e: e.name):
+                if entry.is_file():
+                    st = entry.stat()
+                    parts.append(f"{entry.name}:{st.st_size}:{st.st_mtime_ns}")
+        return "\n".join(parts)
 
 
 def torch_dtype(name: str, device: Any) -> torch.dtype:
@@ -61,10 +79,14 @@ def load_pretrained(auto_class: Any, opts: HFOptions, device: Any, **kwargs: Any
     """``auto_class.from_pretrained`` of the model option, in the dtype option's dtype,
     on ``device``, in eval mode; a ConfigError naming the model when it cannot be
     loaded."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a worker's log is no terminal
     dtype = torch_dtype(opts.dtype, device)
     try:
         model = auto_class.from_pretrained(opts.model, revision=opts.revision, dtype=dtype,
                                            trust_remote_code=opts.trust_remote_code, **kwargs)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load model {opts.model!r}: {exc}") from exc
+    opts._commit_hash = getattr(model.config, "_commit_hash", None)
     return model.to(device).eval()
