@@ -14,6 +14,7 @@ from mtq.client.task import Task
 from mtq.errors import (
     BrokerError,
     ConfigError,
+    DeviceOutOfMemory,
     DuplicateTask,
     EncodeError,
     InvalidName,
@@ -73,6 +74,7 @@ __all__ = [
     "ConfigError",
     "Consumer",
     "Costed",
+    "DeviceOutOfMemory",
     "DuplicateTask",
     "EncodeError",
     "Event",

@@ -14,6 +14,7 @@ EXPECTED_ALL = [
     "ConfigError",
     "Consumer",
     "Costed",
+    "DeviceOutOfMemory",
     "DuplicateTask",
     "EncodeError",
     "Event",
