@@ -19,14 +19,7 @@ from mtq.broker.consumer import Chunk, Outcome
 from mtq.broker.protocol import Claimed
 from mtq.errors import DeviceOutOfMemory, LeaseLost, PayloadError
 from mtq.workers import memory
-from mtq.workers.batching import (
-    OFFERED,
-    BatchShapeError,
-    BatchSlot,
-    ItemResult,
-    run_isolated,
-    run_one,
-)
+from mtq.workers.batching import OFFERED, BatchShapeError, BatchSlot
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.fetcher import FAST_BATCH_S, Fetcher
 from mtq.workers.generator import Generator
@@ -35,6 +28,7 @@ from mtq.workers.ledger import Ledger, Lifecycle, Monitor, Tally
 from mtq.workers.model import Progress, is_per_item
 from mtq.workers.outcomes import Outcomes
 from mtq.workers.publisher import Publisher
+from mtq.workers.splitting import ItemResult, run_isolated, run_one
 from mtq.workers.target import Target
 
 #: how much of the slowest recent batch's time Ledger.batch_s keeps per batch (see
@@ -250,13 +244,7 @@ class DynamicBatcher:
                  if not r.ok and isinstance(r.error, DeviceOutOfMemory)}
         if alone:
             self.slot.run_alone([tasks[j].id for j in alone])
-        load, ran = memory.load_failures(calls, alone)
-        if load:
-            failed = min(len(c) for c in load)
-            fits = max((len(c) for c in ran if len(c) < failed), default=0)
-            if limit.out_of_memory(failed, fits):
-                self.slot.set_batch_size(limit.value or 1)
-        elif ran and limit.ran(max(len(c) for c in ran)):
+        if memory.learn(limit, calls, alone):
             self.slot.set_batch_size(limit.value or 1)
 
     @staticmethod

@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from mtq import serialization
@@ -34,8 +33,9 @@ from mtq.broker.protocol import Claimed
 from mtq.errors import DeviceOutOfMemory, InvalidArgument, PayloadError, PermanentError
 from mtq.validation import check_cost
 from mtq.workers import memory
-from mtq.workers.batching import BatchShapeError, run_isolated
+from mtq.workers.batching import BatchShapeError
 from mtq.workers.generator import Generation, Generator
+from mtq.workers.splitting import run_isolated
 
 if TYPE_CHECKING:
     from mtq.workers.protocols import EngineHost
@@ -353,9 +353,13 @@ class GenerationEngine:
         calls: list[tuple[list[int], str]] = []
         results = run_isolated(call, len(new), calls=calls)
         failed = [(new[j], res.error) for j, res in enumerate(results) if not res.ok]
-        if len(calls) > 1:
-            self._learn_prefill(calls, new, {j for j, res in enumerate(results)
-                                             if isinstance(res.error, DeviceOutOfMemory)})
+        if len(calls) > 1:  # split: learn the prefill budget from what ran
+            alone = {j for j, res in enumerate(results)
+                     if isinstance(res.error, DeviceOutOfMemory)}
+            if alone:  # these run alone when they come back
+                self.w.slot.run_alone([new[j].task.id for j in alone])
+            memory.learn(self.limits.prefill, calls, alone,
+                         lambda items: sum(new[j].gen.prompt_tokens for j in items))
         elif self.limits.prefill.lowered:
             self.limits.prefill.ran(sum(r.gen.prompt_tokens for r in new))
         for r, res in zip(new, results):
@@ -368,22 +372,6 @@ class GenerationEngine:
             outcomes.extend(self._fail(r, exc or BatchShapeError("no token")) for r, exc in failed)
             self._monitor()
         self._retire(chunks, outcomes, new)
-
-    def _learn_prefill(self, calls: list[tuple[list[int], str]], new: list[_Request],
-                       alone: set[int]) -> None:
-        """A split prefill: one that ran out of memory though none of its requests did
-        alone lowers the prefill token budget to what ran; one that did alone runs
-        alone when it comes back."""
-        if alone:
-            self.w.slot.run_alone([new[j].task.id for j in alone])
-        load, ran = memory.load_failures(calls, alone)
-        if load:
-            def tokens(items: Sequence[int]) -> int:
-                return sum(new[j].gen.prompt_tokens for j in items)
-
-            failed = min(tokens(c) for c in load)
-            self.limits.prefill.out_of_memory(
-                failed, max((tokens(c) for c in ran if tokens(c) < failed), default=0))
 
     def _decode(self, chunks: list[Chunk], outcomes: list[Outcome]) -> None:
         reqs = [r for r in self.running if not r.gen.finished]
@@ -416,10 +404,8 @@ class GenerationEngine:
             self._monitor()
             return
         lim = self.limits
-        if lim.lowered:  # a step that fitted: the limits go up after a run of them
-            if lim.running.ran(len(reqs)):
-                self.w.slot.set_batch_size(lim.running.value or self.w.policy.max_batch_size)
-            lim.tokens.ran(sum(_load(r) for r in reqs))
+        if lim.lowered and lim.ran(len(reqs), sum(_load(r) for r in reqs)):
+            self.w.slot.set_batch_size(lim.running.value or 1)  # (after a run of steps)
         for r, tok in zip(reqs, tokens):
             self._emit(r, tok, chunks)
         self._retire(chunks, outcomes, reqs)
@@ -444,18 +430,10 @@ class GenerationEngine:
         delivery (each starts over later with its seed; its client's stream goes on
         where it was). Returns the requests kept."""
         lim = self.limits
-        lim.running.out_of_memory(len(reqs))
-        lim.tokens.out_of_memory(sum(_load(r) for r in reqs))
+        n = lim.shed([_load(r) for r in reqs])  # the oldest n stay
+        keep, gone = reqs[:n], reqs[n:]
         cap = lim.running.value or 1
         self.w.slot.set_batch_size(cap)
-        keep: list[_Request] = []
-        load = 0
-        for r in reqs:  # in the order they were admitted
-            if keep and (len(keep) >= cap or not lim.tokens.allows(load + _load(r))):
-                break
-            keep.append(r)
-            load += _load(r)
-        gone = reqs[len(keep):]
         out = {id(r) for r in gone}
         self.running = [r for r in self.running if id(r) not in out]
         self._release(gone)

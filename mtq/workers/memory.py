@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from mtq.errors import DeviceOutOfMemory
 
@@ -187,6 +187,20 @@ def load_failures(calls: Sequence[tuple[Sequence[int], str]], failed_alone: set[
     return load, ran
 
 
+def learn(limit: Limit, calls: Sequence[tuple[Sequence[int], str]], failed_alone: set[int],
+          weight: Callable[[Sequence[int]], int] = len) -> bool:
+    """What a split batch's calls say of the load (``weight``: what a call's items
+    weigh; their number by default): if one ran out of memory that no item of it
+    explains (``failed_alone``), ``limit`` goes down to what ran that weighed less;
+    otherwise what ran counts as a success. True if the limit's value changed."""
+    load, ran = load_failures(calls, failed_alone)
+    if load:
+        failed = min(weight(c) for c in load)
+        return limit.out_of_memory(failed, max((w for w in map(weight, ran) if w < failed),
+                                               default=0))
+    return bool(ran) and limit.ran(max(weight(c) for c in ran))
+
+
 class GeneratorLimits:
     """A generator's load in force (:class:`Limit` each): requests running, tokens in
     flight (prompt + max_tokens of the running requests) and prompt tokens per prefill
@@ -202,6 +216,28 @@ class GeneratorLimits:
     @property
     def lowered(self) -> bool:
         return self.running.lowered or self.tokens.lowered
+
+    def shed(self, loads: Sequence[int]) -> int:
+        """A decode step on requests of these loads (prompt + max tokens each, in the
+        order they were admitted) ran out of memory: lower the limits on running
+        requests and tokens in flight, and return how many of the oldest stay within
+        them (at least one; fewer than all)."""
+        self.running.out_of_memory(len(loads))
+        self.tokens.out_of_memory(sum(loads))
+        cap = self.running.value or 1
+        keep = total = 0
+        for w in loads:
+            if keep and (keep >= cap or not self.tokens.allows(total + w)):
+                break
+            keep += 1
+            total += w
+        return keep
+
+    def ran(self, running: int, tokens: int) -> bool:
+        """A decode step of ``running`` requests and ``tokens`` in flight fitted. True
+        if that raised the limit on running requests."""
+        self.tokens.ran(tokens)
+        return self.running.ran(running)
 
     def snapshot(self) -> tuple[tuple[int | None, int, int | None, int], ...]:
         """The running and token limits as they are (see :meth:`restore`)."""

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import mtq
+from mtq.broker.protocol import Claimed
 from mtq.errors import DeviceOutOfMemory
 from mtq.workers import memory
-from mtq.broker.protocol import Claimed
 from mtq.workers.batching import BatchSlot, run_isolated, run_one
 from mtq.workers.memory import Limit, is_oom
 
