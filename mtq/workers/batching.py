@@ -86,8 +86,10 @@ class BatchSlot:
         self._waiter: str | None = None
         self._waited: Any = None  # what the model thread's wait returned
         #: ids of tasks that ran out of memory alone: when they come back (a retry), they
-        #: run alone, as suspects do (the oldest forgotten past ALONE_MAX)
+        #: run alone, in a call of their own (the oldest forgotten past ALONE_MAX)
         self._alone: dict[str, None] = {}
+        #: ids of tasks put back as suspects of running out of memory (see put_back)
+        self._suspected: dict[str, None] = {}
 
     def configure(self, max_batch_size: int, max_wait_ms: float) -> None:
         """New limits (after a reload)."""
@@ -104,16 +106,57 @@ class BatchSlot:
             self.cond.notify_all()
 
     def run_alone(self, ids: Sequence[str]) -> None:
-        """These tasks ran out of memory alone: when they come back, run them alone."""
+        """These tasks ran out of memory alone: when they come back, they run alone (a
+        batch model calls predict on each of them on its own, in the batch it takes them
+        in; a generator runs them with no other request)."""
         with self.cond:
             for i in ids:
                 self._alone[i] = None
             while len(self._alone) > ALONE_MAX:
                 del self._alone[next(iter(self._alone))]
 
+    def alone(self, task: Claimed) -> bool:
+        """``task`` ran out of memory alone before (see :meth:`run_alone`)."""
+        return bool(self._alone) and task.id in self._alone
+
+    def put_back(self, tasks: Sequence[Claimed], suspected: Sequence[str] = ()) -> list[Claimed]:
+        """Tasks a batch took and did not run (see mtq.workers.splitting: ``carry``),
+        first in the next batch, which they do not make due before ``max_wait_ms`` (the
+        slot fills meanwhile); ``suspected``: the ids of those among them that one of
+        them, not known which, runs out of memory. Returns those refused (the slot is
+        paused or closed), which the caller must give back."""
+        with self.cond:
+            if self.closed or self.paused:
+                return list(tasks)
+            due = time.monotonic() + self.max_wait_s
+            self._pending[:0] = [_Pending(t, due) for t in tasks]
+            for i in suspected:
+                self._suspected[i] = None
+            while len(self._suspected) > ALONE_MAX:
+                del self._suspected[next(iter(self._suspected))]
+            self.cond.notify_all()
+            return []
+
+    def suspected_in(self, tasks: Sequence[Claimed]) -> list[int]:
+        """The positions in ``tasks`` of those put back as suspected (see
+        :meth:`put_back`), no longer suspected once asked about."""
+        if not self._suspected:  # nearly always
+            return []
+        with self.cond:
+            out = [j for j, t in enumerate(tasks) if t.id in self._suspected]
+            for j in out:
+                self._suspected.pop(tasks[j].id, None)
+            return out
+
+    def alone_in(self, tasks: Sequence[Claimed]) -> list[int]:
+        """The positions in ``tasks`` of those that ran out of memory alone before."""
+        if not self._alone:  # nearly always
+            return []
+        return [j for j, t in enumerate(tasks) if t.id in self._alone]
+
     def solo(self, task: Claimed) -> bool:
-        """``task`` runs alone: a suspect, or one that ran out of memory alone."""
-        return task.suspect or (bool(self._alone) and task.id in self._alone)
+        """``task`` runs with no other: a suspect, or one that ran out of memory alone."""
+        return task.suspect or self.alone(task)
 
     def __len__(self) -> int:
         with self.cond:
@@ -171,7 +214,7 @@ class BatchSlot:
                 return list(tasks)
             for t in tasks:
                 self._pending.append(_Pending(t, claimed_at - t.age_ms / 1000 + self.max_wait_s))
-                if self.solo(t):
+                if t.suspect:
                     self._suspects = True
             self.cond.notify_all()
             return []
@@ -212,7 +255,7 @@ class BatchSlot:
         if not self._suspects:
             return None
         for i, p in enumerate(self._pending):
-            if self.solo(p.task):
+            if p.task.suspect:
                 del self._pending[i]
                 self.cond.notify_all()  # room for the fetcher
                 return p.task

@@ -61,10 +61,13 @@ class DynamicBatcher:
         #: the batch size in force: lowered when a batch runs out of memory, raised
         #: again after a run of batches that did not (mtq.workers.memory)
         self.limit = memory.Limit("batch size", batch_size(), memory.RECOVER_BATCHES)
+        #: seconds per item of the recent batches that ran in one call (a decaying mean)
+        self.item_s = 0.0
 
     def _new_limit(self) -> None:
         """The model's batch size in force from now on (a new model: the configured one)."""
         self.limit = memory.Limit("batch size", self.batch_size(), memory.RECOVER_BATCHES)
+        self.item_s = 0.0
 
     def run(self) -> bool:
         """Dynamic batching until stopped (False) or the model changed kind on a
@@ -194,10 +197,21 @@ class DynamicBatcher:
             book.observe_items(ran, start_mono)
         else:
             calls: list[tuple[list[int], str]] = []
-            results = run_isolated(call, len(payloads), fits=self.limit.good, calls=calls)
-            self.learn(calls, results, [batch[i] for i in index])
+            fits = self.limit.good
+            decoded = [batch[i] for i in index]
+            carry: list[tuple[int, bool]] = []
+            results = run_isolated(call, len(payloads), fits=fits, fitted_s=self.item_s * fits,
+                                   alone=self.slot.alone_in(decoded),
+                                   suspects=self.slot.suspected_in(decoded), carry=carry,
+                                   calls=calls)
+            self.learn(calls, results, decoded, in_predict)
+            if carry:  # not run: into the next batch, not a small call of their own
+                tally.totals["tasks"] -= len(carry)
+                self.fetcher.give_back(self.slot.put_back(
+                    [decoded[j] for j, _ in carry], [decoded[j].id for j, s in carry if s]))
             for i, r in zip(index, results):
-                outcomes[i] = book.outcome(batch[i], r)
+                if not r.later:
+                    outcomes[i] = book.outcome(batch[i], r)
             self.batchlog.end()
             book.observe_batch(outcomes, start_mono)
             publish([o for o in outcomes if o is not None], last=True)
@@ -230,21 +244,26 @@ class DynamicBatcher:
             counters[i] += 1
 
     def learn(self, calls: list[tuple[list[int], str]], results: list[ItemResult],
-              tasks: list[Claimed]) -> None:
+              tasks: list[Claimed], took: float) -> None:
         """What a batch's calls say of the load the device takes (``tasks``: the batch's
-        decoded ones, as ``results``): a batch that ran out of memory though none of its
-        tasks did alone lowers the batch size to what ran; a run of batches that did
-        not raises it again. A task that ran out of memory alone runs alone next time."""
+        decoded ones, as ``results``; ``took``: seconds in predict): a batch that ran out
+        of memory though none of its tasks did alone lowers the batch size to what ran;
+        a run of batches that did not raises it again. A task that ran out of memory
+        alone runs alone next time."""
         limit = self.limit
         if len(calls) == 1:  # most batches: one call, and it ran
-            if calls[0][1] == "ok" and limit.ran(len(calls[0][0])):
-                self.slot.set_batch_size(limit.value or 1)
+            items, kind = calls[0]
+            if kind == "ok":
+                per_item = took / len(items)
+                self.item_s = per_item if not self.item_s else \
+                    0.8 * self.item_s + 0.2 * per_item
+                if limit.ran(len(items)):
+                    self.slot.set_batch_size(limit.value or 1)
             return
-        alone = {j for j, r in enumerate(results)
-                 if not r.ok and isinstance(r.error, DeviceOutOfMemory)}
+        alone = {j for j, r in enumerate(results) if isinstance(r.error, DeviceOutOfMemory)}
         if alone:
             self.slot.run_alone([tasks[j].id for j in alone])
-        if memory.learn(limit, calls, alone):
+        if memory.learn(limit, calls, lambda j: results[j].ok):
             self.slot.set_batch_size(limit.value or 1)
 
     @staticmethod

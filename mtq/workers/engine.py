@@ -358,7 +358,7 @@ class GenerationEngine:
                      if isinstance(res.error, DeviceOutOfMemory)}
             if alone:  # these run alone when they come back
                 self.w.slot.run_alone([new[j].task.id for j in alone])
-            memory.learn(self.limits.prefill, calls, alone,
+            memory.learn(self.limits.prefill, calls, lambda j: results[j].ok,
                          lambda items: sum(new[j].gen.prompt_tokens for j in items))
         elif self.limits.prefill.lowered:
             self.limits.prefill.ran(sum(r.gen.prompt_tokens for r in new))

@@ -37,10 +37,10 @@ RECOVER_BATCHES = 20
 #: limits (running requests, tokens in flight, prefill tokens) go up a step
 RECOVER_STEPS = 200
 #: once a batch that fitted before runs out of memory (one task's doing, most likely),
-#: the share of the suspects each probe runs, with the tasks known to fit
-#: (:func:`mtq.workers.batching.run_isolated`): over a half, because a probe that runs
-#: out of memory costs little next to one that runs (it stops at its first allocation)
-PROBE_SHARE = 0.6
+#: the share of the suspects each probe runs with the tasks shown to fit
+#: (:func:`mtq.workers.splitting.run_isolated`), between these: the more a probe that
+#: runs out of memory costs next to one that runs, the nearer a half (see probe_share)
+PROBE_SHARE_MIN, PROBE_SHARE_MAX = 0.5, 0.8
 
 #: what torch and others say in a RuntimeError when an allocation fails: CUDA
 #: ("CUDA out of memory", "CUDA error: out of memory"), MPS ("MPS backend out of
@@ -64,6 +64,18 @@ def is_oom(exc: BaseException) -> bool:
         text = str(exc)[:2000].lower()
         return any(m.lower() in text for m in _MESSAGES)
     return False
+
+
+def probe_share(failed_s: float, fitted_s: float) -> float:
+    """The share of the suspects a probe runs, from what the call that ran out of memory
+    took (``failed_s``) next to what a call of that size takes when it runs
+    (``fitted_s``; 0: not known). A failure that costs little (it stops at its first
+    allocation) makes large probes pay: most of them fail, cheaply, and the one that
+    runs finishes most of the batch; one that costs as much as a run makes halves pay."""
+    if fitted_s <= 0:
+        return PROBE_SHARE_MIN
+    lost = min(1.0, failed_s / fitted_s)
+    return max(PROBE_SHARE_MIN, min(PROBE_SHARE_MAX, PROBE_SHARE_MAX - 0.6 * lost))
 
 
 def drop(exc: BaseException) -> None:
@@ -176,24 +188,22 @@ class Limit:
         return True
 
 
-def load_failures(calls: Sequence[tuple[Sequence[int], str]], failed_alone: set[int]
+def load_failures(calls: Sequence[tuple[Sequence[int], str]], ran: Callable[[int], bool]
                   ) -> tuple[list[Sequence[int]], list[Sequence[int]]]:
     """From the calls of a split batch (items, "ok" / "oom" / "error"): (the calls that
-    ran out of memory though none of their items did alone: the load's doing, the
-    calls that ran). ``failed_alone``: the items that ran out of memory alone."""
-    load = [items for items, kind in calls
-            if kind == "oom" and not any(i in failed_alone for i in items)]
-    ran = [items for items, kind in calls if kind == "ok"]
-    return load, ran
+    ran out of memory though each of their items ran in the end (``ran(item)``): the
+    load's doing, the calls that ran)."""
+    load = [items for items, kind in calls if kind == "oom" and all(map(ran, items))]
+    return load, [items for items, kind in calls if kind == "ok"]
 
 
-def learn(limit: Limit, calls: Sequence[tuple[Sequence[int], str]], failed_alone: set[int],
+def learn(limit: Limit, calls: Sequence[tuple[Sequence[int], str]], ok: Callable[[int], bool],
           weight: Callable[[Sequence[int]], int] = len) -> bool:
     """What a split batch's calls say of the load (``weight``: what a call's items
-    weigh; their number by default): if one ran out of memory that no item of it
-    explains (``failed_alone``), ``limit`` goes down to what ran that weighed less;
+    weigh; their number by default): if one ran out of memory though each of its items
+    ran in the end (``ok(item)``), ``limit`` goes down to what ran that weighed less;
     otherwise what ran counts as a success. True if the limit's value changed."""
-    load, ran = load_failures(calls, failed_alone)
+    load, ran = load_failures(calls, ok)
     if load:
         failed = min(weight(c) for c in load)
         return limit.out_of_memory(failed, max((w for w in map(weight, ran) if w < failed),

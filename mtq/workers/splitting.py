@@ -10,7 +10,8 @@ tensors they hold, can be let go before its parts run.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ class ItemResult:
     ok: bool
     value: Any = None
     error: BaseException | None = None
+    #: not run: left for the caller's next batch (see run_isolated's ``carry``)
+    later: bool = False
 
 
 def _rows(results: Any, n: int) -> list[Any]:
@@ -38,6 +41,12 @@ def _rows(results: Any, n: int) -> list[Any]:
 
 #: what run_isolated's ``call`` is given: the indices of the payloads to run, ascending
 Call = Callable[[list[int]], Any]
+#: a search carries suspects (and innocents) over to the next batch (see run_isolated's
+#: ``carry``) when they are this part of ``fits`` or fewer
+CARRY_PART = 4
+#: the most culprit searches in one run_isolated (several tasks that do not fit, each
+#: found by one); its other failures are split in halves
+SEARCHES_MAX = 8
 
 
 def run_one(call: Call, j: int) -> ItemResult:
@@ -67,7 +76,9 @@ def _attempt(call: Call, items: list[int], out: list[ItemResult | None]) -> Base
     return None
 
 
-def run_isolated(call: Call, n: int, *, fits: int = 0,
+def run_isolated(call: Call, n: int, *, fits: int = 0, fitted_s: float = 0.0,
+                 alone: Sequence[int] = (), suspects: Sequence[int] = (),
+                 carry: list[tuple[int, bool]] | None = None,
                  calls: list[tuple[list[int], str]] | None = None) -> list[ItemResult]:
     """Run ``call(items)`` (predict on those payloads) for the whole batch; when it
     raises, split the batch so the items that succeed on their own keep their results
@@ -81,78 +92,142 @@ def run_isolated(call: Call, n: int, *, fits: int = 0,
 
     A batch is split in halves, except one that ran out of memory at ``fits`` items or
     fewer (a size that ran before: one item's doing, most likely). Then the culprit is
-    searched for with probes that run a share (:data:`~mtq.workers.memory.PROBE_SHARE`)
-    of the suspects together with the items shown innocent so far, so that most items
-    finish in the first probe that fits instead of in halves, quarters, eighths...
-    ``calls``, if given, receives each call's items and how it went ("ok", "oom",
-    "error"): what the worker learns its load from."""
-    out: list[ItemResult | None] = [None] * n
-    todo = [list(range(n))] if n else []
-    probing = True  # until a probe search's last suspect runs alone without failing
-    while todo:
-        items = todo.pop()
-        exc = _attempt(call, items, out)
-        if exc is None:
-            if calls is not None:
-                calls.append((items, "ok"))
-            continue
-        oom = memory.is_oom(exc)
-        if calls is not None:
-            calls.append((items, "oom" if oom else "error"))
-        if len(items) == 1:
-            out[items[0]] = ItemResult(False, error=memory.alone(exc) if oom else exc)
-            continue
-        memory.drop(exc)  # its frames hold the call's inputs (on a device, maybe)
-        exc = None
-        if oom:
-            memory.free_memory()
-            if probing and len(items) <= fits:
-                suspect, rest = _probe(call, items, out, calls)
+    searched for with probes that run a share of the suspects together with the items
+    shown innocent so far, so that most items finish in a probe as large as a batch
+    instead of in halves, quarters, eighths... The share
+    (:func:`~mtq.workers.memory.probe_share`) weighs what the failed call took against
+    what it would have taken had it run: ``fitted_s`` is what a call on ``fits`` items
+    takes (0: not known).
+
+    ``carry``, if given, lets a search leave items unrun rather than run them in a
+    small call of their own (a call costs much the same for 3 items as for 30): the
+    few suspects left once every other item has run, and the items shown innocent
+    that are left over. It receives (item, whether it is a suspect); their results say
+    ``later``, and the caller runs them in its next batch, filled with other tasks,
+    passing the suspects back as ``suspects``: if that batch runs out of memory, the
+    search starts from them.
+
+    The items in ``alone`` (they ran out of memory alone before) are called each on its
+    own, first. ``calls``, if given, receives each call's items and how it went ("ok",
+    "oom", "error"): what the worker learns its load from."""
+    return _Split(call, n, fits, fitted_s, carry, calls).run(alone, suspects)
+
+
+class _Split:
+    """The state of one :func:`run_isolated`."""
+
+    def __init__(self, call: Call, n: int, fits: int, fitted_s: float,
+                 carry: list[tuple[int, bool]] | None,
+                 calls: list[tuple[list[int], str]] | None) -> None:
+        self.call = call
+        self.out: list[ItemResult | None] = [None] * n
+        self.fits = fits
+        self.fitted_s = fitted_s
+        self.carry = carry
+        self.calls = calls
+
+    def attempt(self, items: list[int]) -> tuple[BaseException | None, bool]:
+        """Run a call; (what it raised or None, whether that is running out of memory)."""
+        exc = _attempt(self.call, items, self.out)
+        oom = exc is not None and memory.is_oom(exc)
+        if self.calls is not None:
+            self.calls.append((items, "ok" if exc is None else "oom" if oom else "error"))
+        return exc, oom
+
+    def later(self, items: Sequence[int], suspected: bool) -> None:
+        """Leave ``items`` for the caller's next batch (see ``carry``)."""
+        assert self.carry is not None
+        for j in items:
+            self.out[j] = ItemResult(False, later=True)
+            self.carry.append((j, suspected))
+
+    def run(self, alone: Sequence[int], suspected: Sequence[int]) -> list[ItemResult]:
+        n = len(self.out)
+        if alone:
+            lone = set(alone)
+            others = [j for j in range(n) if j not in lone]
+            todo = ([others] if others else []) + [[j] for j in sorted(lone, reverse=True)]
+        else:
+            todo = [list(range(n))] if n else []
+        searches = 0  # culprit searches (see probe); halves past SEARCHES_MAX, or the load
+        while todo:
+            items = todo.pop()
+            t0 = time.perf_counter()
+            exc, oom = self.attempt(items)
+            if exc is None:
+                continue
+            if len(items) == 1:
+                self.out[items[0]] = ItemResult(False, error=memory.alone(exc) if oom else exc)
+                continue
+            memory.drop(exc)  # its frames hold the call's inputs (on a device, maybe)
+            exc = None
+            if oom:
+                memory.free_memory()
+            if oom and searches < SEARCHES_MAX and len(items) <= self.fits:
+                searches += 1
+                share = memory.probe_share(time.perf_counter() - t0,
+                                           self.fitted_s * len(items) / self.fits)
+                inside = set(items)
+                known = [j for j in suspected if j in inside]
+                suspected = ()  # (for the first search only)
+                suspect, rest, ran = self.probe(items, share, known)
                 todo.extend(reversed(rest))
                 if suspect is None:
                     continue
-                exc = _attempt(call, [suspect], out)
-                if calls is not None:
-                    calls.append(([suspect], "ok" if exc is None else
-                                  "oom" if memory.is_oom(exc) else "error"))
-                if exc is None:  # not one item's doing after all: split the rest in halves
-                    probing = False
+                exc, oom = self.attempt([suspect])
+                if exc is None:  # not one item's doing after all (another's: a probe ran;
+                    if not ran:  # none did: the load's): split the rest in halves
+                        searches = SEARCHES_MAX
                 else:
-                    oom = memory.is_oom(exc)
-                    out[suspect] = ItemResult(False, error=memory.alone(exc) if oom else exc)
+                    self.out[suspect] = ItemResult(False, error=memory.alone(exc) if oom
+                                                   else exc)
                     exc = None
                 continue
-        mid = len(items) // 2
-        todo.append(items[mid:])
-        todo.append(items[:mid])
-    return out  # type: ignore[return-value]
+            mid = len(items) // 2
+            todo.append(items[mid:])
+            todo.append(items[:mid])
+        return self.out  # type: ignore[return-value]
 
-
-def _probe(call: Call, items: list[int], out: list[ItemResult | None],
-           calls: list[tuple[list[int], str]] | None) -> tuple[int | None, list[list[int]]]:
-    """Search ``items`` (which ran out of memory together) for the one that does not
-    fit: each probe runs :data:`~mtq.workers.memory.PROBE_SHARE` of the suspects with
-    the items shown innocent so far. A probe that runs clears them all, and the culprit
-    is among the other suspects; one that runs out of memory has it among its suspects.
-    Returns (the last suspect, to run alone; the groups still to run, in order); no
-    suspect if a probe failed otherwise than by running out of memory."""
-    suspects, clean = items, list[int]()
-    while len(suspects) > 1:
-        k = min(len(suspects) - 1, max(1, round(len(suspects) * memory.PROBE_SHARE)))
-        probe = sorted(clean + suspects[:k])
-        exc = _attempt(call, probe, out)
-        if exc is None:
-            if calls is not None:
-                calls.append((probe, "ok"))
-            suspects, clean = suspects[k:], []
-            continue
-        oom = memory.is_oom(exc)
-        memory.drop(exc)
-        exc = None
-        if calls is not None:
-            calls.append((probe, "oom" if oom else "error"))
-        if not oom:  # another failure: its parts are split as any failed batch's
-            return None, [probe, suspects[k:]]
-        memory.free_memory()
-        clean, suspects = clean + suspects[k:], suspects[:k]
-    return suspects[0], [sorted(clean)] if clean else []
+    def probe(self, items: list[int], share: float, known: list[int]
+              ) -> tuple[int | None, list[list[int]], bool]:
+        """Search ``items`` (which ran out of memory together) for the one that does
+        not fit: each probe runs ``share`` of the suspects with the items shown innocent
+        so far (no more than ``fits`` in all). A probe that runs clears them all, and
+        the culprit is among the other suspects; one that runs out of memory has it
+        among its suspects. ``known``: the suspects of an earlier search among them (the
+        others taken for innocent), or none. Returns (the last suspect, to run alone;
+        the groups still to run, in order; whether a probe ran); no suspect if a probe
+        failed otherwise than by running out of memory, or the suspects were carried."""
+        fits = self.fits
+        if known and len(known) < len(items):
+            mark = set(known)
+            suspects, clean = known, [j for j in items if j not in mark]
+        else:
+            suspects, clean = items, []
+        ran = False
+        carry = self.carry is not None
+        while len(suspects) > 1:
+            # (suspects carried over once are searched for to the end: the next batch
+            # might hold nothing else)
+            if carry and not known and not clean and \
+                    len(suspects) <= max(2, fits // CARRY_PART):
+                self.later(suspects, True)  # searched for in the next batch, with others
+                return None, [], ran
+            k = min(len(suspects) - 1, max(1, round(len(suspects) * share)))
+            with_them = clean[:fits - k]  # (no probe larger than what fits)
+            probe = sorted(with_them + suspects[:k])
+            exc, oom = self.attempt(probe)
+            if exc is None:
+                suspects, clean = suspects[k:], clean[len(with_them):]
+                ran = True
+                continue
+            memory.drop(exc)
+            exc = None
+            if not oom:  # another failure: its parts are split as any failed batch's
+                return None, [probe, clean[len(with_them):] + suspects[k:]], ran
+            memory.free_memory()
+            clean, suspects = clean + suspects[k:], suspects[:k]
+        rest = [sorted(clean[i:i + fits]) for i in range(0, len(clean), fits)]
+        if carry and rest and len(rest[-1]) <= fits // CARRY_PART:
+            self.later(rest.pop(), False)  # a small call's worth: into the next batch
+        return suspects[0], rest, ran
