@@ -79,8 +79,11 @@ def turn(url: str, good: int, poisoned: bool, every: int = EVERY) -> dict[str, A
         if poison:  # they end dead after their retries, each run alone
             dead = wait_for("the poison tasks to end", lambda: q.stats()["dead"] >= poison
                             and q.stats()["dead"], 60, [worker])
+        # retries of any task: the poison tasks' own (3 each) and no other's
+        retried = q.stats()["retried"]
         return {"poisoned": poisoned, "good": good, "poison": poison, "seconds": took,
-                "tasks_per_s": good / took, "dead": dead, "worker_cpu_s": cpu,
+                "tasks_per_s": good / took, "dead": dead, "retried": retried,
+                "worker_cpu_s": cpu,
                 "batch_cap": entry.get("batch_cap"), "batches": entry.get("batches"),
                 "predict_s": entry.get("predict_s"),
                 "overhead_ms_per_batch": entry.get("overhead_ms_per_batch")}
@@ -123,8 +126,10 @@ def run(good: int = 8000, turns: int = 3, every: int = EVERY,
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 turns of 3,000 good tasks")
+    ap.add_argument("--turns", type=int, help="turns of each kind (default 3; --quick 2)")
     args = ap.parse_args(argv)
     good, turns = (3000, 2) if args.quick else (8000, 3)
+    turns = args.turns or turns
     out = run(good=good, turns=turns)
     print(machine_info())
     for r in out["turns"]:
@@ -132,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{r['poison']:4} poison  {r['seconds']:.3f} s  {r['tasks_per_s']:8.0f} tasks/s  "
               f"{r['batches']} batches, {r['predict_s']:.3f} s in predict, "
               f"{r['overhead_ms_per_batch']:.3f} ms more a batch, worker CPU "
-              f"{r['worker_cpu_s']:.2f} s  batch cap {r['batch_cap']}  poison dead {r['dead']}")
+              f"{r['worker_cpu_s']:.2f} s  batch cap {r['batch_cap']}  poison dead {r['dead']}, "
+              f"retries {r['retried']}")
     print(f"good-task throughput, one task in {out['every']} out of memory: "
           f"{out['poisoned_per_s']:.0f}/s against {out['clean_per_s']:.0f}/s clean: "
           f"{100 * out['ratio']:.1f} % (target >= {100 * TARGET:.0f} %: "
