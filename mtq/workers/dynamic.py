@@ -246,10 +246,10 @@ class DynamicBatcher:
     def learn(self, calls: list[tuple[list[int], str]], results: list[ItemResult],
               tasks: list[Claimed], took: float) -> None:
         """What a batch's calls say of the load the device takes (``tasks``: the batch's
-        decoded ones, as ``results``; ``took``: seconds in predict): a batch that ran out
-        of memory though none of its tasks did alone lowers the batch size to what ran;
-        a run of batches that did not raises it again. A task that ran out of memory
-        alone runs alone next time."""
+        decoded ones, as ``results``; ``took``: seconds in predict): a call that ran out
+        of memory though each of its tasks ran in smaller ones lowers the batch size to
+        what ran; a run of batches that did not raises it again. A task that ran out of
+        memory alone runs alone next time."""
         limit = self.limit
         if len(calls) == 1:  # most batches: one call, and it ran
             items, kind = calls[0]

@@ -4,14 +4,14 @@ requests and token budgets).
 
 An out-of-memory error is the most common failure on a device, and unlike others it
 says nothing about the tasks: a batch that does not fit may hold no bad task at all.
-So the worker (:func:`mtq.workers.batching.run_isolated`, the generation engine):
+So the worker (:func:`mtq.workers.splitting.run_isolated`, the generation engine):
 
 * frees the failed call's memory before anything else runs: the error's traceback,
   whose frames hold the call's tensors, is dropped outside the ``except`` block, and
   the device's cached blocks go back to the driver (:func:`free_memory`);
-* splits the batch and runs the parts in the same delivery, so the tasks that fit
-  are never charged for it; a task that runs out of memory alone fails with
-  :class:`~mtq.errors.DeviceOutOfMemory`, and is retried alone;
+* splits the batch and runs the parts in the same delivery (or the next batch), so
+  the tasks that fit are never charged for it; a task that runs out of memory alone
+  fails with :class:`~mtq.errors.DeviceOutOfMemory`, and is retried alone;
 * lowers its load to what ran (:class:`Limit`), and raises it again, a step at a
   time, after :data:`RECOVER_BATCHES` batches (a generator: :data:`RECOVER_STEPS`
   decode steps) without running out of memory.

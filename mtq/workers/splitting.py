@@ -1,7 +1,8 @@
 """Running a batch with failure isolation: when ``predict`` raises, the batch is split
 so that the items that succeed on their own keep their results and only the failing
-ones get an error (a batch that ran out of memory is split the same way, after what
-the failed call held is freed: see :mod:`mtq.workers.memory`).
+ones get an error. A batch that ran out of memory is split after what the failed call
+held is freed, and one of a size that ran before is searched for the one task that
+does not fit (see :func:`run_isolated`, and :mod:`mtq.workers.memory`).
 
 Nothing runs again inside an ``except`` block: each call's exception is returned from
 :func:`_attempt` and handled after it, so that a failed call's frames, and the
