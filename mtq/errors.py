@@ -28,6 +28,7 @@
     │   └── OptionError             a model option (``--set``) it does not declare or take
     ├── PermanentError              raised or returned by a model: fail at once, no retry
     │   └── BadRequest              a payload the model cannot take (fails alone)
+    ├── DeviceOutOfMemory           a task ran out of device memory on its own (retried)
     ├── InvalidArgument             an argument that is not allowed (a script's, a priority, a cost)
     ├── TaskFinished                the task had already ended: nothing was changed
     ├── BatchShapeError             a model returned the wrong number of results
@@ -56,6 +57,7 @@ __all__ = [
     "BatchShapeError",
     "BrokerError",
     "ConfigError",
+    "DeviceOutOfMemory",
     "DuplicateTask",
     "EncodeError",
     "InvalidArgument",
@@ -285,6 +287,25 @@ class BadRequest(PermanentError, ValueError):
     """A payload the model cannot take (a field it does not know, a value out of range,
     a prompt longer than its context): the task fails at once, alone, without retries;
     the message says what to change."""
+
+
+class DeviceOutOfMemory(MtqError):
+    """A task ran out of memory on its own, in a call on it alone: the error its worker
+    records for it (``DeviceOutOfMemory: ...``, with the model's own error, a CUDA, MPS or
+    host out-of-memory error, after it). A batch that runs out of memory is split and
+    its halves run, so the tasks that fit are not charged for it; the one that does not
+    fit even alone fails with this, and is retried like any failure (alone) until its
+    retries run out. It asks for more memory than the device has free: ask for less (a
+    shorter input, fewer tokens), lower what the model keeps per request, or serve it
+    on a device with more memory."""
+
+    def __init__(self, error: BaseException | str) -> None:
+        self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        super().__init__(
+            f"the task ran out of memory on its own, in a batch of one ({self.error}); it "
+            "needs more memory than the device has free: ask for less (a shorter input, "
+            "fewer tokens), lower the model's memory per request, or serve it on a device "
+            "with more memory")
 
 
 class InvalidArgument(MtqError, ValueError):

@@ -22,7 +22,7 @@ from typing import Any
 
 from mtq import serialization
 from mtq.broker.codes import Code
-from mtq.broker.records import CANCEL, DEAD, FAIL, RETRY, Claimed
+from mtq.broker.records import CANCEL, DEAD, FAIL, RELEASE, RETRY, Claimed
 from mtq.settings import QueueSettings
 
 #: the most of a traceback kept on a task (its end: the frames nearest the error)
@@ -67,6 +67,10 @@ class Outcome:
     cancelled: bool = False    # the handler stopped on a cancel request
     traceback: str | None = None  # where it was raised (bounded: see format_traceback)
     cost: float | None = None  # the cost it really had (scheduling), None: as charged
+    #: given back unfinished, to the head of its stream, without a delivery counted (a
+    #: generator sheds requests after running out of memory; the request starts over,
+    #: and its client's stream goes on where it was)
+    released: bool = False
 
 
 @dataclass(slots=True)
@@ -138,7 +142,7 @@ def ends(o: Outcome, max_retries: int) -> bool:
     from ``max_retries``: not a retry, not a cancel."""
     if o.ok:
         return True
-    if o.cancelled:
+    if o.cancelled or o.released:
         return False
     return not (o.retryable and o.task.attempts < allowed_retries(o.task.retries, max_retries))
 
@@ -173,6 +177,9 @@ def plan(outcomes: Sequence[Outcome], settings: QueueSettings, rng: random.Rando
                             retryable=False)
         if o.cancelled:
             nacks.append((t.id, t.token, CANCEL, ""))
+            continue
+        if o.released:
+            nacks.append((t.id, t.token, RELEASE, ""))
             continue
         error = storable((o.error or "error")[:ERROR_MAX]).replace("\0", " ")
         if o.traceback:

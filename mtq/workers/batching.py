@@ -1,4 +1,5 @@
-"""Dynamic batching: the batch being formed, and running a batch with failure isolation.
+"""Dynamic batching: the batch being formed (running it with failure isolation is
+:mod:`mtq.workers.splitting`'s).
 
 The fetcher thread claims tasks into a :class:`BatchSlot`; the model thread takes a
 batch from it as soon as ``max_batch_size`` tasks are there, or when the oldest has
@@ -15,12 +16,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mtq.broker.protocol import Claimed
 from mtq.errors import BatchShapeError  # defined there; imported from here too
+from mtq.workers.splitting import ItemResult, run_isolated, run_one  # and from here
+
+__all__ = ["NOT_TAKEN", "OFFERED", "BatchShapeError", "BatchSlot", "Costed", "ItemResult",
+           "run_isolated", "run_one"]
 
 
 class _Offered(list):
@@ -32,6 +37,8 @@ class _Offered(list):
 OFFERED: list[Claimed] = _Offered()
 #: what :meth:`BatchSlot.offer_wait` returns when the model thread did not take the wait
 NOT_TAKEN = object()
+#: tasks a slot remembers as having run out of memory alone (see BatchSlot.run_alone)
+ALONE_MAX = 1000
 
 
 @dataclass(slots=True)
@@ -78,6 +85,11 @@ class BatchSlot:
         #: thread waits; see :meth:`offer_wait`)
         self._waiter: str | None = None
         self._waited: Any = None  # what the model thread's wait returned
+        #: ids of tasks that ran out of memory alone: when they come back (a retry), they
+        #: run alone, in a call of their own (the oldest forgotten past ALONE_MAX)
+        self._alone: dict[str, None] = {}
+        #: ids of tasks put back as suspects of running out of memory (see put_back)
+        self._suspected: dict[str, None] = {}
 
     def configure(self, max_batch_size: int, max_wait_ms: float) -> None:
         """New limits (after a reload)."""
@@ -85,6 +97,66 @@ class BatchSlot:
             self.max_batch_size = max_batch_size
             self.max_wait_s = max_wait_ms / 1000
             self.cond.notify_all()
+
+    def set_batch_size(self, max_batch_size: int) -> None:
+        """The most tasks a batch takes from now on (the worker lowers it after running
+        out of memory, and raises it again): the fetcher claims for batches of that size."""
+        with self.cond:
+            self.max_batch_size = max_batch_size
+            self.cond.notify_all()
+
+    def run_alone(self, ids: Sequence[str]) -> None:
+        """These tasks ran out of memory alone: when they come back, they run alone (a
+        batch model calls predict on each of them on its own, in the batch it takes them
+        in; a generator runs them with no other request)."""
+        with self.cond:
+            for i in ids:
+                self._alone[i] = None
+            while len(self._alone) > ALONE_MAX:
+                del self._alone[next(iter(self._alone))]
+
+    def alone(self, task: Claimed) -> bool:
+        """``task`` ran out of memory alone before (see :meth:`run_alone`)."""
+        return bool(self._alone) and task.id in self._alone
+
+    def put_back(self, tasks: Sequence[Claimed], suspected: Sequence[str] = ()) -> list[Claimed]:
+        """Tasks a batch took and did not run (see mtq.workers.splitting: ``carry``),
+        first in the next batch, which they do not make due before ``max_wait_ms`` (the
+        slot fills meanwhile); ``suspected``: the ids of those among them that one of
+        them, not known which, runs out of memory. Returns those refused (the slot is
+        paused or closed), which the caller must give back."""
+        with self.cond:
+            if self.closed or self.paused:
+                return list(tasks)
+            due = time.monotonic() + self.max_wait_s
+            self._pending[:0] = [_Pending(t, due) for t in tasks]
+            for i in suspected:
+                self._suspected[i] = None
+            while len(self._suspected) > ALONE_MAX:
+                del self._suspected[next(iter(self._suspected))]
+            self.cond.notify_all()
+            return []
+
+    def suspected_in(self, tasks: Sequence[Claimed]) -> list[int]:
+        """The positions in ``tasks`` of those put back as suspected (see
+        :meth:`put_back`), no longer suspected once asked about."""
+        if not self._suspected:  # nearly always
+            return []
+        with self.cond:
+            out = [j for j, t in enumerate(tasks) if t.id in self._suspected]
+            for j in out:
+                self._suspected.pop(tasks[j].id, None)
+            return out
+
+    def alone_in(self, tasks: Sequence[Claimed]) -> list[int]:
+        """The positions in ``tasks`` of those that ran out of memory alone before."""
+        if not self._alone:  # nearly always
+            return []
+        return [j for j, t in enumerate(tasks) if t.id in self._alone]
+
+    def solo(self, task: Claimed) -> bool:
+        """``task`` runs with no other: a suspect, or one that ran out of memory alone."""
+        return task.suspect or self.alone(task)
 
     def __len__(self) -> int:
         with self.cond:
@@ -317,62 +389,3 @@ class Costed:
 
     value: Any
     cost: float
-
-
-@dataclass(slots=True)
-class ItemResult:
-    """What happened to one payload of a batch."""
-
-    ok: bool
-    value: Any = None
-    error: BaseException | None = None
-
-
-def _rows(results: Any, n: int) -> list[Any]:
-    """predict's results for ``n`` payloads as a list; BatchShapeError if they are not."""
-    if isinstance(results, (str, bytes, dict)) or not hasattr(results, "__len__"):
-        raise BatchShapeError(f"predict must return a list, got {type(results).__name__}")
-    if len(results) != n:
-        raise BatchShapeError(f"predict returned {len(results)} results for {n} payloads")
-    return list(results)
-
-
-def run_one(call: Callable[[int, int], Any], j: int) -> ItemResult:
-    """:func:`run_isolated` of the one item ``j`` (``call(j, j + 1)``), without its
-    machinery: the per-item path runs this once a task."""
-    try:
-        (r,) = _rows(call(j, j + 1), 1)
-    except Exception as exc:
-        return ItemResult(False, error=exc)
-    if isinstance(r, BaseException):
-        return ItemResult(False, error=r)
-    return ItemResult(True, value=r)
-
-
-def run_isolated(call: Callable[[int, int], Any], n: int) -> list[ItemResult]:
-    """Run ``call(lo, hi)`` (predict on items lo..hi-1) for the whole batch; when it
-    raises, bisect so the items that succeed on their own keep their results and
-    only the failing ones get an error. An exception instance returned in place of
-    a result fails that item only."""
-    out: list[ItemResult] = []
-
-    def go(lo: int, hi: int) -> None:
-        try:
-            rows = _rows(call(lo, hi), hi - lo)
-        except Exception as exc:
-            if hi - lo == 1:
-                out.append(ItemResult(False, error=exc))
-                return
-            mid = (lo + hi) // 2
-            go(lo, mid)
-            go(mid, hi)
-            return
-        for r in rows:
-            if isinstance(r, BaseException):
-                out.append(ItemResult(False, error=r))
-            else:
-                out.append(ItemResult(True, value=r))
-
-    if n:
-        go(0, n)
-    return out

@@ -112,7 +112,8 @@ class BatchLog:
                 if entry is None:
                     continue
                 t, started, size = entry
-                status = "succeeded" if o.ok else "cancelled" if o.cancelled else "failed"
+                status = "succeeded" if o.ok else "cancelled" if o.cancelled else \
+                    "released" if o.released else "failed"
                 self._spans.append(tracing.TaskSpan(
                     t.traceparent, self.queue, t.id, t.deliveries, size,
                     t.claimed_at - t.age_ms / 1000, t.claimed_at or started, started, now,

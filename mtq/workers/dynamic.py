@@ -17,8 +17,9 @@ from typing import Any
 from mtq import serialization
 from mtq.broker.consumer import Chunk, Outcome
 from mtq.broker.protocol import Claimed
-from mtq.errors import LeaseLost, PayloadError
-from mtq.workers.batching import OFFERED, BatchShapeError, BatchSlot, run_isolated, run_one
+from mtq.errors import DeviceOutOfMemory, LeaseLost, PayloadError
+from mtq.workers import memory
+from mtq.workers.batching import OFFERED, BatchShapeError, BatchSlot
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.fetcher import FAST_BATCH_S, Fetcher
 from mtq.workers.generator import Generator
@@ -27,6 +28,7 @@ from mtq.workers.ledger import Ledger, Lifecycle, Monitor, Tally
 from mtq.workers.model import Progress, is_per_item
 from mtq.workers.outcomes import Outcomes
 from mtq.workers.publisher import Publisher
+from mtq.workers.splitting import ItemResult, run_isolated, run_one
 from mtq.workers.target import Target
 
 #: how much of the slowest recent batch's time Ledger.batch_s keeps per batch (see
@@ -40,7 +42,7 @@ class DynamicBatcher:
     def __init__(self, *, slot: BatchSlot, ledger: Ledger, life: Lifecycle, tally: Tally,
                  monitor: Monitor, batchlog: BatchLog, fetcher: Fetcher, publisher: Publisher,
                  leases: Leases, outcomes: Outcomes, model: Callable[[], Target],
-                 reload: Callable[[], None]) -> None:
+                 reload: Callable[[], None], batch_size: Callable[[], int]) -> None:
         self.slot = slot
         self.ledger = ledger
         self.life = life
@@ -54,12 +56,25 @@ class DynamicBatcher:
         #: the worker's model now (a reload swaps it), and the reload itself
         self.current_model = model
         self.reload = reload
+        #: the policy's max_batch_size now (a reload may change it)
+        self.batch_size = batch_size
+        #: the batch size in force: lowered when a batch runs out of memory, raised
+        #: again after a run of batches that did not (mtq.workers.memory)
+        self.limit = memory.Limit("batch size", batch_size(), memory.RECOVER_BATCHES)
+        #: seconds per item of the recent batches that ran in one call (a decaying mean)
+        self.item_s = 0.0
+
+    def _new_limit(self) -> None:
+        """The model's batch size in force from now on (a new model: the configured one)."""
+        self.limit = memory.Limit("batch size", self.batch_size(), memory.RECOVER_BATCHES)
+        self.item_s = 0.0
 
     def run(self) -> bool:
         """Dynamic batching until stopped (False) or the model changed kind on a
         reload (True)."""
         model = self.current_model()
         per_item = is_per_item(model)
+        self._new_limit()
         slot, ledger, life = self.slot, self.ledger, self.life
         consumer = self.fetcher.consumer
         while True:
@@ -86,6 +101,7 @@ class DynamicBatcher:
                     slot.reserve(0)
                     return True
                 per_item = is_per_item(model)
+                self._new_limit()
                 continue
             batch = self.leases.live(batch)
             if not batch:
@@ -132,18 +148,30 @@ class DynamicBatcher:
         in_predict = 0.0
         floor = leases.floor()  # once a batch: a settings read
 
-        def call(lo: int, hi: int) -> Any:
-            nonlocal in_predict
+        reordered = False  # the supervisor was told the batch in another order (below)
+
+        def call(items: list[int]) -> Any:
+            nonlocal in_predict, reordered
             # never call the model on a lease this process cannot show to be live: a
             # freeze may have fallen between two calls (per item, or bisection)
-            tasks = [batch[index[j]] for j in range(lo, hi)]
+            tasks = [batch[index[j]] for j in items]
             live = leases.live(tasks, floor)
             if len(live) < len(tasks):
-                return self.call_live(call, lo, tasks, live)
-            monitor.call(index[lo], index[hi - 1] + 1)
+                return self.call_live(call, items, tasks, live)
+            lo, hi = items[0], items[-1] + 1
+            if not reordered and hi - lo == len(items):  # a run of the batch's items
+                monitor.call(index[lo], index[hi - 1] + 1)
+            else:  # a probe for the item that ran out of memory takes items here and
+                # there: the supervisor hears the batch in an order where they are a run
+                reordered = True
+                inside = {index[j] for j in items}
+                monitor.batch([(t.id, t.token) for t in tasks] +
+                              [(t.id, t.token) for i, t in enumerate(batch) if i not in inside])
+                monitor.call(0, len(items))
             t0 = time.perf_counter()
             try:
-                out = model.predict(payloads[lo:hi])  # type: ignore[union-attr]
+                out = model.predict(payloads[lo:hi] if hi - lo == len(items)  # type: ignore[union-attr]
+                                    else [payloads[j] for j in items])
                 if inspect.isgenerator(out):
                     out = self.stream(out, tasks)
                 return out
@@ -168,9 +196,22 @@ class DynamicBatcher:
                     publish([o], last=j == len(index) - 1)
             book.observe_items(ran, start_mono)
         else:
-            results = run_isolated(call, len(payloads))
+            calls: list[tuple[list[int], str]] = []
+            fits = self.limit.good
+            decoded = [batch[i] for i in index]
+            carry: list[tuple[int, bool]] = []
+            results = run_isolated(call, len(payloads), fits=fits, fitted_s=self.item_s * fits,
+                                   alone=self.slot.alone_in(decoded),
+                                   suspects=self.slot.suspected_in(decoded), carry=carry,
+                                   calls=calls)
+            self.learn(calls, results, decoded, in_predict)
+            if carry:  # not run: into the next batch, not a small call of their own
+                tally.totals["tasks"] -= len(carry)
+                self.fetcher.give_back(self.slot.put_back(
+                    [decoded[j] for j, _ in carry], [decoded[j].id for j, s in carry if s]))
             for i, r in zip(index, results):
-                outcomes[i] = book.outcome(batch[i], r)
+                if not r.later:
+                    outcomes[i] = book.outcome(batch[i], r)
             self.batchlog.end()
             book.observe_batch(outcomes, start_mono)
             publish([o for o in outcomes if o is not None], last=True)
@@ -202,10 +243,33 @@ class DynamicBatcher:
             publish([Chunk(tasks[i], counters[i], value)])
             counters[i] += 1
 
+    def learn(self, calls: list[tuple[list[int], str]], results: list[ItemResult],
+              tasks: list[Claimed], took: float) -> None:
+        """What a batch's calls say of the load the device takes (``tasks``: the batch's
+        decoded ones, as ``results``; ``took``: seconds in predict): a call that ran out
+        of memory though each of its tasks ran in smaller ones lowers the batch size to
+        what ran; a run of batches that did not raises it again. A task that ran out of
+        memory alone runs alone next time."""
+        limit = self.limit
+        if len(calls) == 1:  # most batches: one call, and it ran
+            items, kind = calls[0]
+            if kind == "ok":
+                per_item = took / len(items)
+                self.item_s = per_item if not self.item_s else \
+                    0.8 * self.item_s + 0.2 * per_item
+                if limit.ran(len(items)):
+                    self.slot.set_batch_size(limit.value or 1)
+            return
+        alone = {j for j, r in enumerate(results) if isinstance(r.error, DeviceOutOfMemory)}
+        if alone:
+            self.slot.run_alone([tasks[j].id for j in alone])
+        if memory.learn(limit, calls, lambda j: results[j].ok):
+            self.slot.set_batch_size(limit.value or 1)
+
     @staticmethod
-    def call_live(call: Callable[[int, int], Any], lo: int, tasks: list[Claimed],
+    def call_live(call: Callable[[list[int]], Any], items: list[int], tasks: list[Claimed],
                   live: list[Claimed]) -> list[Any]:
-        """A call on items lo.. of which only ``live`` still belong to this worker: the
+        """A call on ``items`` of which only ``live`` still belong to this worker: the
         model runs on those alone (through ``call``, item by item, so each is checked
         again), and each lost one gets a LeaseLost in its place (never settled)."""
         alive = {id(t) for t in live}
@@ -214,7 +278,7 @@ class DynamicBatcher:
             if id(t) not in alive:
                 out.append(LeaseLost([t.id]))
                 continue
-            res = call(lo + k, lo + k + 1)
+            res = call([items[k]])
             if isinstance(res, (str, bytes, dict)) or not hasattr(res, "__len__") \
                     or len(res) != 1:
                 raise BatchShapeError(f"predict must return a list of 1 result for 1 payload, "

@@ -6,9 +6,11 @@ As in an LLM serving scheduler, each turn of the loop:
    abort: at most one step after the worker heard of it);
 2. admits claimed requests into the running batch, within ``max_running`` and the
    token budgets (prompt tokens per prefill step, tokens in flight);
-3. prefills the admitted ones (a prefill that raises is bisected, so one bad
-   request fails alone);
-4. runs one decode step for every running request;
+3. prefills the admitted ones (a prefill that raises is split, as a batch model's
+   batch is, so one bad request fails alone);
+4. runs one decode step for every running request (one that runs out of memory
+   gives the most recently admitted half back to their streams, uncounted, lowers
+   the limits and runs the step again: :mod:`mtq.workers.memory`);
 5. hands the new tokens, and the outcome of each request that finished, to the
    worker's outlet process (:mod:`mtq.workers.outlet`), which streams and
    acknowledges them: the model thread never waits on Redis, and never shares
@@ -28,10 +30,12 @@ from typing import TYPE_CHECKING, Any
 from mtq import serialization
 from mtq.broker.consumer import Chunk, Outcome
 from mtq.broker.protocol import Claimed
-from mtq.errors import InvalidArgument, PayloadError, PermanentError
+from mtq.errors import DeviceOutOfMemory, InvalidArgument, PayloadError, PermanentError
 from mtq.validation import check_cost
+from mtq.workers import memory
 from mtq.workers.batching import BatchShapeError
 from mtq.workers.generator import Generation, Generator
+from mtq.workers.splitting import run_isolated
 
 if TYPE_CHECKING:
     from mtq.workers.protocols import EngineHost
@@ -40,11 +44,13 @@ log = logging.getLogger(__name__)
 
 
 class _Request:
-    __slots__ = ("began", "first_at", "gen", "next_index", "task")
+    __slots__ = ("alone", "began", "first_at", "gen", "next_index", "task")
 
-    def __init__(self, task: Claimed, gen: Generation) -> None:
+    def __init__(self, task: Claimed, gen: Generation, alone: bool = False) -> None:
         self.task = task
         self.gen = gen
+        #: it runs with no other request: a suspect, or it ran out of memory alone before
+        self.alone = alone
         self.next_index = 0
         #: time.monotonic() at its prefill's start and at its first token (histograms)
         self.began: float | None = None
@@ -68,6 +74,11 @@ def _error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _load(r: _Request) -> int:
+    """What a request counts against max_total_tokens: its prompt and its most tokens."""
+    return r.gen.prompt_tokens + r.gen.max_tokens
+
+
 class GenerationEngine:
     """Runs a worker's Generator until the worker stops (or asks for a reload).
 
@@ -76,6 +87,10 @@ class GenerationEngine:
     def __init__(self, host: EngineHost) -> None:
         self.w = host
         self.model: Generator = host.model  # type: ignore[assignment]
+        m = self.model
+        #: the load in force: the model's, lowered after running out of memory
+        self.limits = memory.GeneratorLimits(host.policy.max_batch_size, m.max_total_tokens,
+                                             m.max_prefill_tokens)
         self.running: list[_Request] = []
         #: claimed and admitted, waiting for room in the budgets
         self.waiting: collections.deque[_Request] = collections.deque()
@@ -86,7 +101,8 @@ class GenerationEngine:
 
     # -- bookkeeping -------------------------------------------------------------
     def _room(self) -> int:
-        return max(0, self.w.policy.max_batch_size - len(self.running) - len(self.waiting))
+        cap = self.limits.running.value or self.w.policy.max_batch_size
+        return max(0, cap - len(self.running) - len(self.waiting))
 
     def _send(self, chunks: list[Chunk], outcomes: list[Outcome]) -> None:
         if chunks or outcomes:
@@ -248,7 +264,7 @@ class GenerationEngine:
                 outcomes.append(Outcome(t, ok=False, error=f"PayloadError: {exc}",
                                         retryable=False))
                 continue
-            r = _Request(t, Generation(t.id, payload))
+            r = _Request(t, Generation(t.id, payload), self.w.slot.solo(t))
             try:
                 self.model.admit(r.gen)
             except Exception as exc:
@@ -260,31 +276,31 @@ class GenerationEngine:
     def _admit(self) -> list[_Request]:
         """Move waiting requests into the batch within max_running and the budgets.
         A suspect (it took a process down before) runs alone."""
-        m = self.model
-        if not self.waiting or any(r.task.suspect for r in self.running):
+        lim = self.limits
+        if not self.waiting or any(r.alone for r in self.running):
             return []
-        cap = self.w.policy.max_batch_size - len(self.running)
-        prefill_left = m.max_prefill_tokens
-        in_flight = sum(r.gen.prompt_tokens + r.gen.max_tokens for r in self.running)
+        cap = (lim.running.value or self.w.policy.max_batch_size) - len(self.running)
+        prefill_left = lim.prefill.value
+        max_total = lim.tokens.value
+        in_flight = sum(_load(r) for r in self.running)
         new: list[_Request] = []
         while self.waiting and len(new) < cap:
             r = self.waiting[0]
-            if r.task.suspect and (self.running or new):
+            if r.alone and (self.running or new):
                 break
             cost = r.gen.prompt_tokens
             first = not new and not self.running
             if not first:
                 if prefill_left is not None and cost > prefill_left and new:
                     break
-                if m.max_total_tokens is not None and \
-                        in_flight + cost + r.gen.max_tokens > m.max_total_tokens:
+                if max_total is not None and in_flight + cost + r.gen.max_tokens > max_total:
                     break
             self.waiting.popleft()
             new.append(r)
             in_flight += cost + r.gen.max_tokens
             if prefill_left is not None:
                 prefill_left -= cost
-            if r.task.suspect:
+            if r.alone:
                 break
         return new
 
@@ -319,31 +335,41 @@ class GenerationEngine:
             r.began = began
         self.running.extend(new)
         self._monitor()
-        failed: list[tuple[_Request, BaseException]] = []
+        released: set[int] = set()
 
-        def go(reqs: list[_Request]) -> None:
+        def call(items: list[int]) -> list[Any]:
+            reqs = [new[j] for j in items]
             try:
                 first = self._call(self.model.prefill, reqs)
                 if first is not None and len(first) != len(reqs):
                     raise BatchShapeError(f"prefill returned {len(first)} tokens for "
                                           f"{len(reqs)} requests")
-            except Exception as exc:
-                self._release(reqs)
-                if len(reqs) == 1:
-                    failed.append((reqs[0], exc))
-                    return
-                mid = len(reqs) // 2
-                go(reqs[:mid])
-                go(reqs[mid:])
-                return
-            for r, tok in zip(reqs, first or [None] * len(reqs)):
-                self._emit(r, tok, chunks)
+            except Exception:
+                self._release(reqs)  # the parts run again, once this is handled
+                released.update(id(r) for r in reqs)
+                raise
+            return [None] * len(reqs) if first is None else list(first)
 
-        go(new)
+        calls: list[tuple[list[int], str]] = []
+        results = run_isolated(call, len(new), calls=calls)
+        failed = [(new[j], res.error) for j, res in enumerate(results) if not res.ok]
+        if len(calls) > 1:  # split: learn the prefill budget from what ran
+            alone = {j for j, res in enumerate(results)
+                     if isinstance(res.error, DeviceOutOfMemory)}
+            if alone:  # these run alone when they come back
+                self.w.slot.run_alone([new[j].task.id for j in alone])
+            memory.learn(self.limits.prefill, calls, lambda j: results[j].ok,
+                         lambda items: sum(new[j].gen.prompt_tokens for j in items))
+        elif self.limits.prefill.lowered:
+            self.limits.prefill.ran(sum(r.gen.prompt_tokens for r in new))
+        for r, res in zip(new, results):
+            if res.ok:
+                self._emit(r, res.value, chunks)
         if failed:
             bad = {id(r) for r, _ in failed}
             self.running = [r for r in self.running if id(r) not in bad]
-            outcomes.extend(self._fail(r, exc) for r, exc in failed)
+            self._release([r for r, _ in failed if id(r) not in released])
+            outcomes.extend(self._fail(r, exc or BatchShapeError("no token")) for r, exc in failed)
             self._monitor()
         self._retire(chunks, outcomes, new)
 
@@ -351,23 +377,75 @@ class GenerationEngine:
         reqs = [r for r in self.running if not r.gen.finished]
         if not reqs:
             return
-        try:
-            tokens = self._call(self.model.decode, reqs)
-            if tokens is None or len(tokens) != len(reqs):
-                raise BatchShapeError(f"decode returned {0 if tokens is None else len(tokens)} "
-                                      f"tokens for {len(reqs)} requests")
-        except Exception as exc:
+        before = None  # the limits before this step ran out of memory
+        while True:
+            tokens, exc = self._step(reqs)
+            if exc is None:
+                break
+            if len(reqs) > 1 and memory.is_oom(exc):
+                memory.drop(exc)  # its frames hold the step's tensors
+                exc = None
+                before = before or self.limits.snapshot()
+                reqs = self._shed(reqs, outcomes)
+                memory.free_memory()
+                continue
             # it cannot be pinned on one request and the batch state may be broken:
             # every request of the step is released and retried (or failed)
+            if memory.is_oom(exc):  # alone: it does not fit, and it was in every step
+                exc = memory.alone(exc)  # that failed before (the oldest are kept)
+                self.w.slot.run_alone([r.task.id for r in reqs])
+                if before is not None and len(reqs) == 1:
+                    self.limits.restore(before)
+                    self.w.slot.set_batch_size(self.limits.running.value or 1)
             log.error("decode raised on %d request(s): %s", len(reqs), _error(exc))
             self._release(self.running)
             outcomes.extend(self._fail(r, exc) for r in self.running)
             self.running = []
             self._monitor()
             return
+        lim = self.limits
+        if lim.lowered and lim.ran(len(reqs), sum(_load(r) for r in reqs)):
+            self.w.slot.set_batch_size(lim.running.value or 1)  # (after a run of steps)
         for r, tok in zip(reqs, tokens):
             self._emit(r, tok, chunks)
         self._retire(chunks, outcomes, reqs)
+
+    def _step(self, reqs: list[_Request]) -> tuple[list[Any], BaseException | None]:
+        """One decode step: (its tokens, None), or ([], what it raised), returned to be
+        handled outside the ``except`` block (a retry must not run while the failed
+        step's frames, and their tensors, are still held)."""
+        try:
+            tokens = self._call(self.model.decode, reqs)
+            if tokens is None or len(tokens) != len(reqs):
+                raise BatchShapeError(f"decode returned {0 if tokens is None else len(tokens)} "
+                                      f"tokens for {len(reqs)} requests")
+        except Exception as exc:
+            return [], exc
+        return tokens, None
+
+    def _shed(self, reqs: list[_Request], outcomes: list[Outcome]) -> list[_Request]:
+        """A decode step on ``reqs`` ran out of memory: lower the limits on running
+        requests and tokens in flight, keep the oldest requests within them (at least
+        one), and give the others back to the head of their streams without counting a
+        delivery (each starts over later with its seed; its client's stream goes on
+        where it was). Returns the requests kept."""
+        lim = self.limits
+        n = lim.shed([_load(r) for r in reqs])  # the oldest n stay
+        keep, gone = reqs[:n], reqs[n:]
+        cap = lim.running.value or 1
+        self.w.slot.set_batch_size(cap)
+        out = {id(r) for r in gone}
+        self.running = [r for r in self.running if id(r) not in out]
+        self._release(gone)
+        # through the outlet, after their tokens: each goes back to the head of its
+        # stream (the last first, as a drain gives tasks back)
+        outcomes.extend(Outcome(r.task, ok=False, released=True) for r in reversed(gone))
+        self._monitor()
+        log.warning("decode ran out of memory with %d requests running: %d given back to "
+                    "run later, %d go on (running requests now at most %d, tokens in "
+                    "flight %s)", len(reqs), len(gone), len(keep), cap,
+                    lim.tokens.value if lim.tokens.value is not None else "unlimited")
+        return keep
 
     def _retire(self, chunks: list[Chunk], outcomes: list[Outcome], reqs: list[_Request]) -> None:
         """Finish the requests that ended this step (or reached their max_tokens)."""

@@ -109,14 +109,25 @@ class Generator(Configurable):
     at once, not at the end of a batch.
 
     Errors: an exception from ``admit`` or ``prefill`` fails only the requests it
-    concerns (prefill is bisected); an exception from ``decode`` cannot be pinned
-    on one request, so every request of that step is released and retried
-    (a redelivered request regenerates its tokens with the same seed, and the
+    concerns (prefill is split, as a model's batch is); an exception from ``decode``
+    cannot be pinned on one request, so every request of that step is failed and
+    retried (a redelivered request regenerates its tokens with the same seed, and the
     client's stream carries on where it was). :class:`mtq.PermanentError` fails at
     once, as for models.
 
     Options (:class:`mtq.Option` class attributes, ``--set KEY=VALUE``,
     :meth:`set_options`) work as for :class:`~mtq.Model`.
+
+    Running out of memory (CUDA, MPS, the host) is not a failure of the requests: a
+    decode step that does gives the most recently admitted half of the requests back
+    to their streams without counting a delivery (each starts over later, its client's
+    stream going on where it was), lowers the limits in force (requests running,
+    tokens in flight; a prefill, the prefill token budget) and runs the step again
+    with the rest, so ``decode`` must leave the requests it was given as they were
+    when it raises out of memory (allocate before you write to a request's state).
+    A request that runs out of memory alone fails with
+    :class:`mtq.DeviceOutOfMemory` and is retried alone. See docs/workers.md, "Out
+    of memory".
     """
 
     #: most requests in the running batch

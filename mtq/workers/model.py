@@ -44,7 +44,7 @@ class Model(Configurable):
     progress; ``return results`` gives the results (by default each item's result is
     the list of its chunks). To fail a single item
     without failing the batch, put an exception instance in its place. If
-    ``predict`` raises, the worker bisects the batch to find the failing items,
+    ``predict`` raises, the worker splits the batch to find the failing items,
     so one bad request does not fail the others. A failed item is retried with
     backoff, unless its exception is an :class:`mtq.PermanentError` (a malformed
     request, say): then it fails at once.
@@ -55,6 +55,13 @@ class Model(Configurable):
     :meth:`set_options` in Python, they are set on the instance before ``setup``,
     recorded in the model catalogue and part of the version (see
     :mod:`mtq.workers.options`, docs/workers.md "Model options").
+
+    Running out of memory (``torch.OutOfMemoryError``, MPS's, a ``MemoryError``)
+    charges no task that did not cause it: the batch is split and its parts run in
+    the same delivery, after what the failed call held is freed; the worker then
+    takes smaller batches until a run of batches fits. A payload that runs out of
+    memory alone fails with :class:`mtq.DeviceOutOfMemory` and is retried alone.
+    See docs/workers.md, "Out of memory".
     """
 
     #: most payloads per predict call

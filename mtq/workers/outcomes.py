@@ -19,8 +19,9 @@ from mtq.errors import InvalidArgument, LeaseLost, PayloadError, PermanentError
 from mtq.observe.histograms import Histograms
 from mtq.settings import QueueSettings
 from mtq.validation import check_cost
-from mtq.workers.batching import Costed, ItemResult
+from mtq.workers.batching import Costed
 from mtq.workers.ledger import Ledger
+from mtq.workers.splitting import ItemResult
 
 log = logging.getLogger("mtq.workers.worker")
 

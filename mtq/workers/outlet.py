@@ -232,7 +232,8 @@ class Outlet:
                     x = Outcome(t, ok=False, error=f"{type(exc).__name__}: {exc}",
                                 retryable=False)
             error = x.error if not x.traceback else f"{x.error}\0{x.traceback}"
-            outcomes.append(self._row(t, False, None, error, x.retryable, x.cancelled, x.cost))
+            outcomes.append(self._row(t, False, None, error, x.retryable, x.cancelled, x.cost,
+                                      x.released))
         if bad:  # a generator stops generating them
             self.ledger.mark_lost(bad)
         data = msgpack.packb(["settle", chunks, outcomes])
@@ -250,9 +251,9 @@ class Outlet:
 
     @staticmethod
     def _row(t: Claimed, ok: bool, data: bytes | None, error: str | None, retryable: bool,
-             cancelled: bool, cost: float | None = None) -> list[Any]:
+             cancelled: bool, cost: float | None = None, released: bool = False) -> list[Any]:
         return [t.id, t.token, t.attempts, t.deliveries, t.retries, ok, data, error,
-                retryable, cancelled, cost]
+                retryable, cancelled, cost, released]
 
     def _read_loop(self) -> None:
         reports = self.reports
@@ -326,7 +327,7 @@ def _outcome(o: list[Any]) -> Outcome:
         return Outcome(_claimed(o), ok=True, value=Encoded(o[6]), cost=o[10])
     error, _, tb = (o[7] or "").partition("\0")
     return Outcome(_claimed(o), ok=False, error=error, retryable=o[8], cancelled=o[9],
-                   traceback=tb or None, cost=o[10])
+                   traceback=tb or None, cost=o[10], released=o[11])
 
 
 def _settle_loop(consumer: Consumer, inbox: queue.SimpleQueue[Any], out_fd: int) -> None:

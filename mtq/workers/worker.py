@@ -136,7 +136,10 @@ class Worker:
             slot=self.slot, ledger=self.ledger, life=self.life, tally=self.tally,
             monitor=self.monitor, batchlog=self.batchlog, fetcher=self.fetcher,
             publisher=self.publisher, leases=self.leases, outcomes=self.outcomes,
-            model=lambda: self.model, reload=self._do_reload)
+            model=lambda: self.model, reload=self._do_reload,
+            batch_size=lambda: self.policy.max_batch_size)
+        #: a generator's engine while one runs (its limits are in the report)
+        self.engine: GenerationEngine | None = None
         #: a generator's publisher process (see mtq.workers.outlet); None: the thread
         self.outlet: Outlet | None = None
         self._threads: list[threading.Thread] = []
@@ -359,8 +362,10 @@ class Worker:
     def _model_loop(self) -> None:
         while True:
             if isinstance(self.model, Generator):
-                if not GenerationEngine(self).run():
+                self.engine = GenerationEngine(self)
+                if not self.engine.run():
                     return
+                self.engine = None
                 self._do_reload()
             elif not self.dynamic.run():
                 return
@@ -419,6 +424,13 @@ class Worker:
         self.outcomes.observe_outcome(o, started, now)
 
     # -- reports -----------------------------------------------------------------------
+    def batch_cap(self) -> int:
+        """The most tasks a batch takes now (a generator: requests running): the
+        policy's max_batch_size, or less after running out of memory."""
+        engine = self.engine  # (the model thread sets it)
+        limit = engine.limits.running if engine is not None else self.dynamic.limit
+        return limit.value or self.policy.max_batch_size
+
     def report(self, rate: float = 0.0) -> dict[str, Any]:
         """The registry entry of this worker."""
         name, version = self.model.describe()
@@ -432,6 +444,9 @@ class Worker:
             "state": self.state, "batch": current, "typical_batch": typical,
             "role": "quarantine" if self.quarantine else "serving",
             "max_batch_size": self.policy.max_batch_size, "held": held,
+            # the batch size (a generator: the running requests) in force after running
+            # out of memory: lower than max_batch_size until it has recovered
+            "batch_cap": self.batch_cap(),
             "histogram": {str(k): v for k, v in sorted(self.hist.items())},
             "tasks_per_s": round(rate, 2), "supervisor": self.supervisor,
             "visible_devices": devices.visible() or "", "last_error": self.last_error,

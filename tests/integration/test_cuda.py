@@ -1,6 +1,7 @@
 """Workers on a GPU: tensors coming back from the device, device memory reported and
-given back on reload, the reference generator's batch invariance, MiniLM on the GPU
-against the CPU.
+given back on reload, a batch that runs out of device memory split with its memory
+freed first, the reference generator's batch invariance, MiniLM on the GPU against
+the CPU.
 
 Marked ``cuda`` and skipped without a CUDA device. ``scripts/gpu-check`` runs them on
 a lent GPU; its dry run runs them here on the CPU with ``MTQ_TEST_CUDA_DEVICE=cpu``
@@ -110,6 +111,31 @@ def test_device_memory_is_reported_and_a_reload_gives_the_old_model_back(
     # the old model's 256 MiB were freed when the new one took its place: one copy held
     assert hold <= later["memory"]["allocated"] < hold + 64 * MiB, (mem, later["memory"])
     assert later["last_error"] == "", later
+
+
+def test_a_batch_that_runs_out_of_device_memory_is_split_and_its_memory_freed_first(
+        qname: str, redis_url: str, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    """A real out-of-memory error of the device (of the host's address space in the dry
+    run: see tests/oom_models.py): the batch is split, every task succeeds on its first
+    delivery, and no call starts while a failed one's tensors are still allocated."""
+    log = tmp_path / "calls.log"
+    env = {**subprocess_env, "MTQ_TEST_LOG": str(log), "MALLOC_ARENA_MAX": "2"}
+    q = mtq.Queue(qname, redis_url)
+    tasks = q.submit_many([{"i": i} for i in range(16)])
+    with gpu_worker("tests.oom_models:DeviceHungry", qname, env, tmp_path):
+        results = [t.result(timeout=90) for t in tasks]
+    assert [r["i"] for r in results] == list(range(16))
+    infos = [t.info() for t in tasks]
+    assert {(i.attempts, i.deliveries) for i in infos} == {(0, 1)}, infos
+    lines = log.read_text().splitlines()
+    failed = [ln for ln in lines if ln.startswith("F ")]
+    assert failed and all(("OutOfMemoryError" if ON_GPU else "can't allocate memory") in ln
+                          for ln in failed), lines
+    ran = [int(ln.split()[1]) for ln in lines if ln.startswith("B ")]
+    assert sum(ran) == 16 and max(ran) < min(int(ln.split()[1]) for ln in failed), lines
+    if ON_GPU:  # every call starts with what the first one did: nothing held over
+        starts = [int(ln.split()[2]) for ln in lines if ln.startswith("S ")]
+        assert len(set(starts)) == 1, lines
 
 
 def test_tinygpt_on_the_device_gives_a_seeded_request_the_same_text_alone_and_in_a_batch(

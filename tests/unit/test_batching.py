@@ -358,17 +358,20 @@ def test_configure_applies_new_limits_to_a_waiting_take() -> None:
 
 # -- run_isolated --------------------------------------------------------------------
 class Predict:
-    """predict over items 0..n-1 that raises if any item in the call is bad."""
+    """predict over items 0..n-1 that raises if any item in the call is bad; records
+    each call as (lo, hi) (the calls here are on runs of items)."""
 
     def __init__(self, bad: set[int]) -> None:
         self.bad = bad
         self.calls: list[tuple[int, int]] = []
 
-    def __call__(self, lo: int, hi: int) -> list[Any]:
+    def __call__(self, items: list[int]) -> list[Any]:
+        lo, hi = items[0], items[-1] + 1
+        assert items == list(range(lo, hi)), items
         self.calls.append((lo, hi))
-        if any(i in self.bad for i in range(lo, hi)):
+        if any(i in self.bad for i in items):
             raise ValueError(f"bad item in {lo}..{hi - 1}")
-        return [i * 10 for i in range(lo, hi)]
+        return [i * 10 for i in items]
 
 
 def test_bisection_isolates_one_bad_item_in_logarithmic_calls() -> None:
@@ -407,8 +410,8 @@ def test_good_batch_is_one_call() -> None:
 def test_wrong_length_everywhere_fails_every_item_with_shape_error() -> None:
     calls = []
 
-    def predict(lo: int, hi: int) -> list[Any]:
-        calls.append((lo, hi))
+    def predict(items: list[int]) -> list[Any]:
+        calls.append(items)
         return []
 
     out = run_isolated(predict, 4)
@@ -419,9 +422,9 @@ def test_wrong_length_everywhere_fails_every_item_with_shape_error() -> None:
 
 
 def test_wrong_length_only_for_big_batches_is_isolated() -> None:
-    def predict(lo: int, hi: int) -> list[Any]:
-        values = [f"v{i}" for i in range(lo, hi)]
-        return values[:-1] if hi - lo > 2 else values  # drops one result of big batches
+    def predict(items: list[int]) -> list[Any]:
+        values = [f"v{i}" for i in items]
+        return values[:-1] if len(items) > 2 else values  # drops one result of big batches
 
     out = run_isolated(predict, 8)
     assert all(r.ok for r in out)
@@ -432,26 +435,26 @@ def test_exception_instance_in_results_fails_only_that_item() -> None:
     calls = []
     err = KeyError("missing")
 
-    def predict(lo: int, hi: int) -> list[Any]:
-        calls.append((lo, hi))
+    def predict(items: list[int]) -> list[Any]:
+        calls.append(items)
         return ["a", err, "c"]
 
     out = run_isolated(predict, 3)
     assert [r.ok for r in out] == [True, False, True]
     assert out[1].error is err and [out[0].value, out[2].value] == ["a", "c"]
-    assert calls == [(0, 3)]  # no bisection
+    assert calls == [[0, 1, 2]]  # no bisection
 
 
 @pytest.mark.parametrize("value", [None, 3, "ab", b"ab", {"a": 1, "b": 2}, iter([1, 2])])
 def test_non_list_return_is_a_shape_error(value: Any) -> None:
-    out = run_isolated(lambda lo, hi: value, 2)
+    out = run_isolated(lambda items: value, 2)
     assert len(out) == 2 and not any(r.ok for r in out)
     assert all(isinstance(r.error, BatchShapeError) for r in out)
     assert "must return a list" in str(out[0].error)
 
 
 def test_tuple_return_is_accepted() -> None:
-    out = run_isolated(lambda lo, hi: tuple(range(lo, hi)), 3)
+    out = run_isolated(lambda items: tuple(items), 3)
     assert [r.value for r in out] == [0, 1, 2]
 
 

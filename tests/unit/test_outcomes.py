@@ -21,7 +21,7 @@ from mtq.broker.outcomes import (
     failure_action,
     plan,
 )
-from mtq.broker.records import CANCEL, DEAD, FAIL, RETRY, Claimed
+from mtq.broker.records import CANCEL, DEAD, FAIL, RELEASE, RETRY, Claimed
 from mtq.settings import QueueSettings
 
 
@@ -45,6 +45,17 @@ def test_failure_action_table() -> None:
     assert failure_action(True, 2, 2, False) == FAIL
     assert failure_action(False, 0, 5, True) == FAIL  # not retryable: failed, never dead
     assert failure_action(True, 0, 0, True) == DEAD
+
+
+def test_a_released_outcome_gives_the_task_back_and_ends_nothing() -> None:
+    """A generator's request given back after running out of memory: a release,
+    whatever its attempts, neither counted nor ending the task."""
+    t = task(attempts=5)
+    o = Outcome(t, ok=False, released=True)
+    assert plan([o], S, RNG) == ([], [(t.id, t.token, RELEASE, "")])
+    assert not outcomes.ends(o, S.max_retries)
+    report = outcomes.count([], [(t.id, t.token, RELEASE, "")], [], [1])
+    assert (report.retried, report.failed, report.dead, report.cancelled) == (0, 0, 0, 0)
 
 
 def test_a_task_s_own_retries_win_over_the_queue_s() -> None:

@@ -15,6 +15,7 @@ EXPECTED_ALL = [
     "ConfigError",
     "Consumer",
     "Costed",
+    "DeviceOutOfMemory",
     "DuplicateTask",
     "EncodeError",
     "Event",
