@@ -601,3 +601,53 @@ def _quiet(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("TRANSFORMERS_VERBOSITY", "error")
     yield
+
+
+def _tight_class(most: int) -> Any:
+    """hf:CausalLM on a device that holds the KV cache of ``most`` decoding requests:
+    the second decoder layer raises the real torch.OutOfMemoryError for a larger
+    decode batch, after the first layer has appended to the cache."""
+    from mtq.backends.hf.causal import CausalLM
+
+    class Tight(CausalLM):
+        def setup(self, device: Any = "cpu") -> None:
+            import torch
+
+            super().setup(device)
+            self.ooms = 0
+            self.decoded: list[int] = []
+
+            def hook(_module: Any, args: Any, kwargs: Any) -> None:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                if hidden.shape[1] == 1 and hidden.shape[0] > most:  # a decode step
+                    self.ooms += 1
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate "
+                                                 "2.00 MiB (the test's device)")
+
+            self.lm.model.layers[1].register_forward_pre_hook(hook, with_kwargs=True)
+
+        def decode(self, requests: list[mtq.Generation]) -> list[Any]:
+            self.decoded.append(len(requests))
+            return super().decode(requests)
+
+    return Tight
+
+
+def test_out_of_memory_in_decode_sheds_requests_and_every_text_is_whole(
+        qname: str, redis_url: str, lm_path: Path, lm: Any) -> None:
+    payloads = [{"prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+                for p in PROMPTS + PROMPTS[:2]]
+    want = generate(lm, payloads)  # without a queue, no memory limit
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    w = worker(lm_path, qname, redis_url, cls=_tight_class(3), max_running=6)
+    model: Any = w.model
+    with serving(w) as run:
+        tasks = q.submit_many(payloads)
+        got = [t.result(timeout=60) for t in tasks]
+        infos = [t.info() for t in tasks]
+        run.stop()
+    assert got == want  # the cache was cut back after the failed forward: no token lost
+    assert model.ooms >= 1, model.decoded
+    assert max(model.decoded[model.decoded.index(max(model.decoded)) + 1:]) <= 3
+    assert all(i.deliveries <= 2 and i.attempts == 0 for i in infos), \
+        [(i.deliveries, i.attempts) for i in infos]

@@ -273,9 +273,16 @@ class CausalLM(HFOptions, Generator):
         last = torch.tensor([[s.token_ids[-1]] for s in self.rows], device=self.device)
         extra = {"cache_position": cache_position} if self._cache_arg == "past_key_values" \
             else {}
-        with torch.inference_mode():
-            out = self.lm(input_ids=last, attention_mask=mask, position_ids=positions,
-                          use_cache=True, **{self._cache_arg: self.batch.cache}, **extra)
+        width = self.batch.width
+        try:
+            with torch.inference_mode():
+                out = self.lm(input_ids=last, attention_mask=mask, position_ids=positions,
+                              use_cache=True, **{self._cache_arg: self.batch.cache}, **extra)
+        except BaseException:
+            # (out of memory, say): the engine runs the step again, with fewer requests
+            # perhaps, so the cache must be as it was (the Generator contract)
+            self.batch.crop(width)
+            raise
         self.batch.advance()
         tokens = self._pick(out.logits[:, -1], self.rows)
         return [self._emit(r, s, tokens[where[id(s)]]) for r, s in zip(requests, states)]

@@ -131,6 +131,17 @@ class BatchCache:
         mask = torch.arange(width + 1, device=device)[None, :] >= (width - lens)[:, None]
         return mask.long(), lens[:, None], torch.tensor([width], device=device)
 
+    def crop(self, width: int) -> None:
+        """Cut every layer back to ``width`` positions: after a forward that raised
+        (out of memory, say) part way through its layers, the layers it had appended to
+        are one position longer than the rest, and the step is run again."""
+        if self.cache is None:
+            return
+        for layer in self.cache.layers:
+            if layer.keys.shape[-2] > width:
+                layer.keys = layer.keys[..., :width, :]
+                layer.values = layer.values[..., :width, :]
+
     def advance(self) -> None:
         """Every row took one more position (after a decode step's forward)."""
         self.lens = [n + 1 for n in self.lens]
