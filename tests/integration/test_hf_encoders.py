@@ -22,7 +22,7 @@ import redis
 import mtq
 from mtq.workers import devices
 from tests import hf_models
-from tests.support.paths import PY
+from tests.support.paths import PY, ROOT
 from tests.support.processes import kill_process, worker_process
 from tests.support.workers import FAST, make_worker, serving
 
@@ -104,7 +104,7 @@ def test_importing_the_hf_backends_imports_neither_torch_nor_transformers() -> N
             "check_options('hf:Embedder', {'model': 'x', 'pooling': 'cls'}); "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
 
@@ -360,3 +360,15 @@ def test_both_backends_in_bfloat16_on_the_device(qname: str, redis_url: str,
     want = Direct(reranker_path, head=True).scores(QUERY, PASSAGES)
     assert close(res["scores"], want, 0.05 * max(abs(x) for x in want)), (res["scores"], want)
     assert res["ranking"][0] == max(range(len(want)), key=lambda j: want[j])
+
+
+# -- the example -------------------------------------------------------------------------
+def test_the_example_serves_a_local_folder_end_to_end(subprocess_env: dict[str, str],
+                                                      encoder_path: str) -> None:
+    out = subprocess.run([PY, str(ROOT / "examples" / "hf_embeddings.py"), "--model", encoder_path],
+                         env={**subprocess_env, "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert "5 embeddings of 32 floats" in out.stdout, out.stdout
+    assert f"{hf_models.POSITIONS} tokens embedded, truncated: True" in out.stdout, out.stdout
+    assert "fails alone, at once: BadRequest: 'text' must be a string" in out.stdout, out.stdout
