@@ -19,7 +19,7 @@ downloaded. A hub name is downloaded once into the Hugging Face cache (set
 and a client::
 
     import mtq
-from mtq.broker.connection import resolve_url
+from mtq.broker.embedded import EmbeddedServer
     q = mtq.Queue("embed")
     r = q.submit("a cat sat on the mat").result(timeout=30)
     r["embedding"], r["tokens"], r["truncated"]   # 384 floats, 9, False
@@ -38,7 +38,7 @@ import uuid
 from typing import Any
 
 import mtq
-from mtq.broker.connection import resolve_url
+from mtq.broker.embedded import EmbeddedServer
 
 SENTENCES = ["A cat sat on the mat.", "A kitten was resting on the rug.",
              "The stock market fell sharply today.", "Shares dropped at the opening bell.",
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model = args.model or default_model()
 
-    url = resolve_url()  # $MTQ_REDIS_URL, else the embedded server (started if need be)
+    # $MTQ_REDIS_URL, else mtq's embedded server (started if it is not running)
+    url = os.environ.get("MTQ_REDIS_URL") or EmbeddedServer.from_env().start()
     queue = f"example-embed-{uuid.uuid4().hex[:6]}"
     q = mtq.Queue(queue, url)
     cmd = [sys.executable, "-m", "mtq", "worker", "run", "hf:Embedder", "--queue", queue,
