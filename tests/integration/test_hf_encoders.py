@@ -157,13 +157,34 @@ def test_a_text_over_the_models_limit_is_truncated_and_the_result_says_so(
     assert close(d["embedding"], direct.mean("the weather in oslo is cold and wet in november", 8))
 
 
-def test_a_max_length_over_the_models_limit_fails_setup_naming_the_limit(
-        encoder_path: str) -> None:
-    from mtq.backends.hf import Embedder
+def test_a_max_length_out_of_the_models_range_fails_setup_naming_the_range(
+        encoder_path: str, reranker_path: str) -> None:
+    from mtq.backends.hf import CrossEncoder, Embedder
 
     model = Embedder().set_options(model=encoder_path, max_length=hf_models.POSITIONS + 1)
     with pytest.raises(mtq.ConfigError, match=f"give at most {hf_models.POSITIONS}"):
         model.setup("cpu")
+    # [CLS] text [SEP]: 3 at least; [CLS] query [SEP] passage [SEP]: 5
+    with pytest.raises(mtq.ConfigError, match="adds 2 special tokens to an input; give at "
+                                              "least 3"):
+        Embedder().set_options(model=encoder_path, max_length=2).setup("cpu")
+    with pytest.raises(mtq.ConfigError, match="give at least 5"):
+        CrossEncoder().set_options(model=reranker_path, max_length=4).setup("cpu")
+
+
+def test_a_tokenizer_without_a_pad_token_pads_with_another_special_token(
+        encoder_path: str) -> None:
+    from transformers import AutoTokenizer
+
+    from mtq.backends.hf.encoders import prepare_tokenizer
+
+    tok = AutoTokenizer.from_pretrained(encoder_path)
+    tok.pad_token = None
+    tok.padding_side = "left"
+    prepare_tokenizer(tok)
+    assert (tok.pad_token, tok.padding_side) == ("[SEP]", "right")
+    enc = tok(["paris", "where is the nearest train station"], padding=True)
+    assert enc["input_ids"][0][-1] == tok.sep_token_id and enc["attention_mask"][0][-1] == 0
 
 
 def test_bad_payloads_fail_alone_with_bad_request_while_their_batch_completes(

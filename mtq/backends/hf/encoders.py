@@ -46,16 +46,35 @@ def model_limit(tokenizer: Any, config: Any) -> int | None:
     return min(limits) if limits else None
 
 
-def choose_limit(given: int | None, tokenizer: Any, config: Any, name: str) -> int | None:
-    """The ``max_length`` option checked against the model's own limit (ConfigError
-    when it is over it), or the model's limit when the option is not given."""
+def choose_limit(given: int | None, tokenizer: Any, config: Any, name: str,
+                 pair: bool = False) -> int | None:
+    """The ``max_length`` option checked against the model's own limit and the special
+    tokens an input takes (ConfigError when it is out of that range), or the model's
+    limit when the option is not given."""
     limit = model_limit(tokenizer, config)
     if given is None:
         return limit
     if limit is not None and given > limit:
         raise ConfigError(f"max_length={given} is over the limit of {name!r}, {limit} tokens "
                           f"(max_position_embeddings / model_max_length): give at most {limit}")
+    special = tokenizer.num_special_tokens_to_add(pair=pair) + (2 if pair else 1)
+    if given < special:
+        raise ConfigError(f"max_length={given} leaves no room for text: {name!r} adds "
+                          f"{special - (2 if pair else 1)} special tokens to "
+                          f"{'a pair' if pair else 'an input'}; give at least {special}")
     return given
+
+
+def prepare_tokenizer(tokenizer: Any) -> Any:
+    """Pad on the right (CLS pooling reads position 0), with a pad token even when the
+    tokenizer names none (the attention mask leaves it out whatever it is)."""
+    tokenizer.padding_side = "right"
+    if tokenizer.pad_token is None:
+        for spare in ("sep_token", "eos_token", "unk_token"):
+            if getattr(tokenizer, spare, None) is not None:
+                tokenizer.pad_token = getattr(tokenizer, spare)
+                break
+    return tokenizer
 
 
 def forward_inputs(net: Any) -> frozenset[str]:
@@ -150,8 +169,7 @@ class Embedder(HFOptions, mtq.Model):
         from transformers import AutoModel
 
         self.device = torch.device(device) if isinstance(device, str) else device
-        self.tokenizer = load_tokenizer(self)
-        self.tokenizer.padding_side = "right"  # CLS pooling reads position 0
+        self.tokenizer = prepare_tokenizer(load_tokenizer(self))
         self.net = load_pretrained(AutoModel, self, self.device)
         self.limit = choose_limit(self.max_length, self.tokenizer, self.net.config, self.model)
         self.inputs = forward_inputs(self.net)
@@ -244,14 +262,14 @@ class CrossEncoder(HFOptions, mtq.Model):
         from transformers import AutoModelForSequenceClassification
 
         self.device = torch.device(device) if isinstance(device, str) else device
-        self.tokenizer = load_tokenizer(self)
-        self.tokenizer.padding_side = "right"
+        self.tokenizer = prepare_tokenizer(load_tokenizer(self))
         self.net = load_pretrained(AutoModelForSequenceClassification, self, self.device)
         labels = self.net.config.num_labels
         if labels not in (1, 2):
             raise ConfigError(f"{self.model!r} has {labels} labels: a cross encoder scores "
                               "with one (a relevance logit) or two (not relevant, relevant)")
-        self.limit = choose_limit(self.max_length, self.tokenizer, self.net.config, self.model)
+        self.limit = choose_limit(self.max_length, self.tokenizer, self.net.config, self.model,
+                                  pair=True)
         self.inputs = forward_inputs(self.net)
 
     def predict(self, batch: list[Any]) -> list[Any]:
