@@ -35,6 +35,7 @@ from benchmarks import targets
 from benchmarks.batching import sentences
 from benchmarks.harness.drain import task_fields
 from benchmarks.harness.meters import (
+    MAX_FOREIGN,
     cpu_mark,
     foreign,
     machine_info,
@@ -111,15 +112,17 @@ def through_queue(r: redis.Redis, q: mtq.Queue, texts: list[str], proc: Proc) ->
 
 
 def run(redis_url: str | None = None, *, model: str | None = None, device: str = "cpu",
-        n: int = 320, pairs: int = 5, quiet_s: float = 5.0, batch: int = BATCH
-        ) -> dict[str, Any]:
+        n: int = 320, pairs: int = 5, quiet_s: float = 5.0, retakes: int | None = None,
+        batch: int = BATCH) -> dict[str, Any]:
     """Measure hf:Embedder through the queue against the same model called directly
     (``batch``, ``n`` sentences, ``pairs`` turns of each, each after waiting at most
-    ``quiet_s`` for a quiet machine), on the redis-server at
-    ``redis_url`` (default: a throw-away one). Returns the figures: ``direct`` and
-    ``queue`` (sentences/s, medians), ``ratio`` (the median of the paired ratios),
-    ``target``, ``met``, ``foreign`` (the largest share of the machine other processes
-    took during a pair) and what was run."""
+    ``quiet_s`` for a quiet machine; a pair during which other processes took more
+    than MAX_FOREIGN of the machine is taken again, ``retakes`` times at most, default
+    ``pairs``), on the redis-server at ``redis_url`` (default: a throw-away one).
+    Returns the figures: ``direct`` and ``queue`` (sentences/s, medians), ``ratio``
+    (the median of the paired ratios), ``target``, ``met``, ``foreign`` (the largest
+    share of the machine other processes took during a pair kept), ``retaken`` and
+    what was run."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
@@ -144,12 +147,18 @@ def run(redis_url: str | None = None, *, model: str | None = None, device: str =
     try:
         wait_for("the worker to load the model", lambda: list_workers(r, qname), 300, [proc])
         through_queue(r, q, texts[:2 * batch], proc)  # warm-up
-        for _ in range(pairs):
+        left = pairs if retakes is None else retakes
+        retaken = 0
+        while len(rates) < pairs:
             wait_quiet(quiet_s)  # at most quiet_s for the others to leave the machine be
             mark = cpu_mark()
             d = direct.rate(texts, batch)
             w = through_queue(r, q, texts, proc)
-            rates.append((d, w, foreign(mark)[1]))
+            share = foreign(mark)[1]
+            if share > MAX_FOREIGN and retaken < left:
+                retaken += 1  # other processes took too much of the machine: again
+                continue
+            rates.append((d, w, share))
         proc.stop()
     finally:
         proc.close()
@@ -165,7 +174,7 @@ def run(redis_url: str | None = None, *, model: str | None = None, device: str =
         "direct": median([d for d, _, _ in rates]), "queue": median([w for _, w, _ in rates]),
         "ratio": ratio, "ratios": ratios, "target": targets.HF_EMBEDDER,
         "met": ratio >= targets.HF_EMBEDDER if batch == BATCH else None,
-        "foreign": max(f for _, _, f in rates),
+        "foreign": max(f for _, _, f in rates), "retaken": retaken,
         "limit": direct.limit,
     }
 
@@ -192,8 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{', '.join(f'{x:.1%}' for x in res['ratios'])}); target >= "
           f"{res['target']:.0%} at batch {BATCH}: "
           f"{ {True: 'met', False: 'NOT met', None: 'not judged'}[res['met']] }")
-    print(f"  other processes took up to {res['foreign']:.0%} of the machine during a pair; "
-          f"{res['seconds']} s")
+    print(f"  other processes took up to {res['foreign']:.0%} of the machine during a pair "
+          f"kept ({res['retaken']} taken again: over {MAX_FOREIGN:.0%}); {res['seconds']} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
