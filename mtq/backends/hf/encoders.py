@@ -200,8 +200,8 @@ class Embedder(HFOptions, mtq.Model):
         with torch.inference_mode():
             inputs = {k: v.to(self.device) for k, v in enc.items() if k in self.inputs}
             hidden = self.net(**inputs).last_hidden_state
-            rows = pool(hidden, inputs["attention_mask"], self.pooling,
-                        self.normalize).cpu().tolist()
+            mask = enc["attention_mask"].to(self.device)
+            rows = pool(hidden, mask, self.pooling, self.normalize).cpu().tolist()
         return [mtq.Costed({"embedding": row, "tokens": n, "truncated": c}, cost=n)
                 for row, n, c in zip(rows, tokens, cut)]
 
