@@ -1,11 +1,11 @@
 """Tiny Hugging Face encoder models for the tests of mtq.backends.hf: built here, never
 downloaded.
 
-A WordPiece tokenizer trained with ``tokenizers`` on :data:`CORPUS`, wrapped as a
-transformers fast BERT tokenizer, and a 2-layer BERT of width 32 with random weights
-from a fixed seed, saved with ``save_pretrained`` into a folder the backends load
-with ``from_pretrained`` (the real loading path). Building one takes well under a
-second once transformers is imported.
+A WordPiece tokenizer made with ``tokenizers`` from the words of :data:`CORPUS`,
+wrapped as a transformers fast BERT tokenizer, and a 2-layer BERT of width 32 with
+random weights from a fixed seed (the same model in every session), saved with
+``save_pretrained`` into a folder the backends load with ``from_pretrained`` (the real
+loading path). Building one takes well under a second once transformers is imported.
 
 * :func:`encoder`: a ``BertModel`` (``hf:Embedder``), its limit :data:`POSITIONS`
   tokens from its config (its tokenizer saves none);
@@ -39,17 +39,30 @@ CORPUS = [
 ]
 
 
+def vocabulary() -> dict[str, int]:
+    """The WordPiece vocabulary of :data:`CORPUS`: the special tokens, every character
+    (and digits and punctuation) alone and as a continuation (``##a``), and every
+    word, in a fixed order. (The
+    ``tokenizers`` WordPiece trainer breaks ties in a different order on each run, so
+    that the token ids, and with them a seeded model's outputs, would change from one
+    test session to the next.)"""
+    words = sorted({w for line in CORPUS for w in line.split()})
+    chars = sorted({c for w in words for c in w} | set("0123456789.,;:!?'\"-()"))
+    tokens = [*SPECIAL, *chars, *(f"##{c}" for c in chars), *(w for w in words if len(w) > 1)]
+    return {t: i for i, t in enumerate(tokens)}
+
+
 def tokenizer(limit: int | None = None) -> Any:
-    """A fast BERT tokenizer (WordPiece, lower case, ``[CLS] a [SEP] b [SEP]``) trained
-    on :data:`CORPUS`; ``limit``: the model_max_length it saves (None: none)."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    """A fast BERT tokenizer built with ``tokenizers`` (WordPiece over
+    :func:`vocabulary`: a word of the corpus is one token, another word its pieces;
+    lower case; ``[CLS] a [SEP] b [SEP]``); ``limit``: the model_max_length it saves
+    (None: none)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import BertTokenizerFast
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok = Tokenizer(models.WordPiece(vocabulary(), unk_token="[UNK]"))
     tok.normalizer = normalizers.BertNormalizer(lowercase=True)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=400,
-                                                              special_tokens=SPECIAL))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
