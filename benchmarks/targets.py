@@ -28,6 +28,9 @@ CEILING = 0.90                 # worker throughput / the model called directly, 
 GAIN = 5.0                     # batch 32 / batch 1, through the queue
 OVERHEAD_MS = 1.0              # the queue's own cost per batch
 
+# -- models (benchmarks/hf_embed.py, run by benchmarks/models.py) ------------------------
+HF_EMBEDDER = 0.95             # hf:Embedder through the queue / the model called directly, batch 32
+
 # -- streaming (benchmarks/streaming.py) ---------------------------------------------------
 TOKEN_LATENCY_MS = (0.5, 2.0)  # token latency p50, p99
 DELIVERED = 0.95               # delivered / raw decode rate

@@ -45,6 +45,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "mtq.broker.lane": (),
     "mtq.broker.scripts": (),
     "mtq.reference.gpt": ("TinyGPT",),
+    "mtq.backends.hf": ("Embedder", "CrossEncoder"),
     "mtq.rq": ("batched",),
     "mtq.contrib.sse": ("EventStream", "headers", "http_error", "parse_last_event_id",
                         "stream_name"),
