@@ -25,12 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks import causal, hf_embed, oom
+from benchmarks import causal, hf_embed, oom, targets
 from benchmarks.harness.meters import machine_info, torch_info
 from benchmarks.harness.report import Results, cli_parser, docs_of, write_block
 
 #: the targets of the figures judged here
-EMBED_TARGET = hf_embed.TARGET
+EMBED_TARGET = targets.HF_EMBEDDER
 OOM_TARGET = oom.TARGET
 
 
@@ -77,7 +77,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "embed" in parts:
         bench_embed(res, args.quick, out)
     if "causal" in parts:
-        res.section = "hf:CausalLM"
         c = causal.run(args.quick, res)
         out["causal"] = {k: v for k, v in c.items() if k != "table"}
     if "oom" in parts:
