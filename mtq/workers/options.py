@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -117,11 +118,11 @@ class Option:
 
     def _is(self, value: Any) -> bool:
         """Whether ``value`` is of this option's type (a bool is no number here, an int
-        is a float, NaN is no number)."""
+        is a float, NaN and infinities are no numbers)."""
         if isinstance(value, bool):
             return self.type is bool
         if self.type is float:
-            return isinstance(value, (int, float)) and value == value
+            return isinstance(value, (int, float)) and math.isfinite(value)
         return isinstance(value, self.type)
 
     def check(self, value: Any) -> Any:

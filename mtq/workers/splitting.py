@@ -57,10 +57,15 @@ def run_one(call: Call, j: int) -> ItemResult:
     try:
         (r,) = _rows(call([j]), 1)
     except Exception as exc:
-        return ItemResult(False, error=memory.alone(exc) if memory.is_oom(exc) else exc)
-    if isinstance(r, BaseException):
-        return ItemResult(False, error=r)
-    return ItemResult(True, value=r)
+        if not memory.is_oom(exc):
+            return ItemResult(False, error=exc)
+        error = memory.alone(exc)
+    else:
+        if isinstance(r, BaseException):
+            return ItemResult(False, error=r)
+        return ItemResult(True, value=r)
+    memory.free_memory()  # outside the handler: what the failed call held is gone
+    return ItemResult(False, error=error)
 
 
 def _attempt(call: Call, items: list[int], out: list[ItemResult | None]) -> BaseException | None:

@@ -315,6 +315,12 @@ BAD = {
     "bad temperature": ({"prompt": "hi", "temperature": "hot"}, "'temperature' must be"),
     "bad stop": ({"prompt": "hi", "stop": [1, 2]}, "'stop' must be"),
     "not a dict": ("hello", "send a dict"),
+    "megabytes of prompt": ({"prompt": "x" * (40 * CONTEXT), "max_tokens": 4},
+                            "far past the model's context"),
+    "repetition_penalty out of range": ({"prompt": "hi", "repetition_penalty": 1e-300},
+                                        "'repetition_penalty' must be"),
+    "a message's name not text": ({"messages": [{"role": "user", "content": "hi",
+                                                 "name": {"x": 1}}]}, "['name'] must be a str"),
 }
 
 
@@ -651,3 +657,89 @@ def test_out_of_memory_in_decode_sheds_requests_and_every_text_is_whole(
     assert max(model.decoded[model.decoded.index(max(model.decoded)) + 1:]) <= 3
     assert all(i.deliveries <= 2 and i.attempts == 0 for i in infos), \
         [(i.deliveries, i.attempts) for i in infos]
+
+
+def _drive(model: Any, payloads: list[dict[str, Any]], fail: Any) -> list[Any]:
+    """Run ``payloads`` through ``model``'s prefill and decode as the engine does, one
+    decode step after another; ``fail(step, running)`` may raise the real
+    torch.OutOfMemoryError, after which the step is run again (the engine's retry)."""
+    import torch
+
+    gens = [mtq.Generation(f"t{i}", p) for i, p in enumerate(payloads)]
+    for g in gens:
+        model.admit(g)
+    model.prefill(gens)
+    step = 0
+    while running := [g for g in gens if not g.finished]:
+        step += 1
+        try:
+            fail(step, running)
+            model.decode(running)
+        except torch.OutOfMemoryError:
+            continue
+        model.release([g for g in running if g.finished])
+    return [model.result(g) for g in gens]
+
+
+def test_a_step_that_runs_out_of_memory_after_its_forward_leaves_every_request_as_it_was(
+        lm_path: Path, lm: Any) -> None:
+    """Out of memory in sampling, after the forward appended to the cache and before
+    the tokens are taken: the step run again gives the tokens of a run without it
+    (the cache cut back, each request's generator before its draw)."""
+    import torch
+
+    from mtq.backends.hf.causal import CausalLM
+
+    payloads = [{"prompt": p, "max_tokens": 12, "seed": 3 + k, "temperature": 0.9,
+                 "ignore_eos": True} for k, p in enumerate(PROMPTS)]
+    want = generate(lm, payloads)
+
+    class Picky(CausalLM):
+        fails = 0
+
+        def _pick(self, logits: Any, states: list[Any]) -> list[int]:
+            tokens = super()._pick(logits, states)  # (each generator drew once)
+            if logits.shape[0] == len(PROMPTS) and self.fails < 2 and len(states[0].token_ids) in (3, 7):
+                self.fails += 1
+                raise torch.OutOfMemoryError("CUDA out of memory (the test's sampling)")
+            return tokens
+
+    model = Picky().set_options(model=str(lm_path), dtype="float64")
+    model.setup("cpu")
+    assert _drive(model, payloads, lambda step, running: None) == want
+    assert model.fails == 2
+
+
+def test_a_release_that_runs_out_of_memory_takes_its_rows_out_at_the_next_step(
+        lm_path: Path, lm: Any) -> None:
+    """Cutting released requests out of the batch's cache runs out of memory: the rows
+    stay until the next decode takes them out, and the others' tokens are unharmed."""
+    import torch
+
+    from mtq.backends.hf.causal import CausalLM
+
+    payloads = [{"prompt": p, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+                for p in PROMPTS]
+    want = generate(lm, payloads[1:])
+    model = CausalLM().set_options(model=str(lm_path), dtype="float64")
+    model.setup("cpu")
+    gens = [mtq.Generation(f"t{i}", p) for i, p in enumerate(payloads)]
+    for g in gens:
+        model.admit(g)
+    model.prefill(gens)
+    model.decode(gens)
+    keep = model.batch.keep
+
+    def tight(rows: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory (the test's release)")
+
+    model.batch.keep = tight  # the first request is shed; cutting its row fails
+    with pytest.raises(torch.OutOfMemoryError):
+        model.release(gens[:1])
+    model.batch.keep = keep
+    rest = gens[1:]
+    while running := [g for g in rest if not g.finished]:
+        model.decode(running)
+        model.release([g for g in running if g.finished])
+    assert [model.result(g) for g in rest] == want
+    assert len(model.rows) == 0 and len(model.batch) == 0

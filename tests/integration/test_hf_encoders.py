@@ -291,19 +291,22 @@ def test_reranking_matches_the_model_called_directly_across_a_batch(
         {"query": "paris", "passages": ["paris", 7]},
         {"query": "paris", "passages": ["paris"], "k": 3},
         {"query": "embeddings", "passages": [PASSAGES[2]]},
+        {"query": "paris", "passages": ["paris"] * 6},
     ]
     q = mtq.Queue(qname, redis_url, settings=FAST)
     # the good ones as tenant A, charged 1000 each until their tokens settle it
-    tasks = q.submit_many([mtq.Request(p, tenant="B" if i in (3, 4) else "A", cost=1000)
+    tasks = q.submit_many([mtq.Request(p, tenant="B" if i in (3, 4, 6) else "A", cost=1000)
                            for i, p in enumerate(requests)])
-    model = Passes().set_options(model=reranker_path, max_pairs=3)
+    model = Passes().set_options(model=reranker_path, max_pairs=3, max_passages=5)
     with serving(make_worker(model, qname, redis_url, max_wait_ms=300)):
-        a, b, empty, _, _, f = (t.result(timeout=60) if i not in (3, 4) else None
-                                for i, t in enumerate(tasks))
+        a, b, empty, _, _, f, _ = (t.result(timeout=60) if i not in (3, 4, 6) else None
+                                   for i, t in enumerate(tasks))
         with pytest.raises(mtq.TaskFailed, match="BadRequest: passage 1 must be a string"):
             tasks[3].result(timeout=60)
         with pytest.raises(mtq.TaskFailed, match="BadRequest: unknown field 'k'"):
             tasks[4].result(timeout=60)
+        with pytest.raises(mtq.TaskFailed, match="BadRequest: 6 passages .* max_passages"):
+            tasks[6].result(timeout=60)
     # the 10 pairs of the batch's good requests, in passes of at most 3
     assert model.passes == [3, 3, 3, 1]
     direct = Direct(reranker_path, head=True)

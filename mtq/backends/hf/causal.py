@@ -55,6 +55,11 @@ def _groups(lengths: list[int]) -> list[list[int]]:
     return groups
 
 
+#: a prompt of more characters than this times the context cannot fit in it (no
+#: tokenizer makes tokens this long)
+_CHARS_PER_TOKEN = 32
+
+
 @dataclasses.dataclass(eq=False)
 class _State:
     """What CausalLM keeps in ``Generation.state``."""
@@ -136,6 +141,8 @@ class CausalLM(HFOptions, Generator):
         self.template = self._template()
         self.batch = BatchCache()
         self.rows: list[_State] = []  # the batch's requests, in its rows' order
+        #: ids of the states of released requests whose rows are still in the cache
+        self._released: set[int] = set()
         self.ready = True
         log.info("loaded %s on %s (%s), context %d tokens", self.model, self.device,
                  self.lm.dtype, self.context)
@@ -167,6 +174,11 @@ class CausalLM(HFOptions, Generator):
         """Check the payload and tokenize its prompt; :class:`mtq.BadRequest` saying what
         to send instead when the model cannot take it."""
         params = parse(request.payload)
+        chars = len(params.prompt or "") + sum(len(m["content"]) for m in params.messages or ())
+        if chars > _CHARS_PER_TOKEN * self.context:  # refused before tokenizing: the model
+            # thread tokenizes, and megabytes of text would hold up every running request
+            raise BadRequest(f"the prompt is {chars} characters, far past the model's context "
+                             f"of {self.context} tokens: shorten it")
         ids = self._prompt_ids(params)
         room = self.context - len(ids)
         if room < 1:
@@ -259,13 +271,14 @@ class CausalLM(HFOptions, Generator):
             # finished rows not released yet (a driver that releases a static batch at
             # its end, say) leave the batch now; an unfinished one left out is a mistake
             left = [s for s in self.rows if id(s) not in given]
-            if any(s.finish_reason is None for s in left):
+            if any(s.finish_reason is None and id(s) not in self._released for s in left):
                 raise RuntimeError(f"decode was given {len(states)} requests and left out "
                                    f"{len(left)} running ones: decode every running "
                                    "request, release those that left")
             keep = [i for i, s in enumerate(self.rows) if id(s) in given]
             self.batch.keep(keep)
             self.rows = [self.rows[i] for i in keep]
+            self._released.clear()
             if len(self.rows) != len(given):
                 raise RuntimeError("decode was given requests that were never prefilled")
         where = {id(s): i for i, s in enumerate(self.rows)}
@@ -274,26 +287,34 @@ class CausalLM(HFOptions, Generator):
         extra = {"cache_position": cache_position} if self._cache_arg == "past_key_values" \
             else {}
         width = self.batch.width
+        drawn = [s.gen.get_state() for s in self.rows]
         try:
             with torch.inference_mode():
                 out = self.lm(input_ids=last, attention_mask=mask, position_ids=positions,
                               use_cache=True, **{self._cache_arg: self.batch.cache}, **extra)
+            tokens = self._pick(out.logits[:, -1], self.rows)
         except BaseException:
             # (out of memory, say): the engine runs the step again, with fewer requests
-            # perhaps, so the cache must be as it was (the Generator contract)
+            # perhaps, so every request must be as it was (the Generator contract): the
+            # cache cut back to its width, each generator before its draw
             self.batch.crop(width)
+            for s, state in zip(self.rows, drawn):
+                s.gen.set_state(state)
             raise
         self.batch.advance()
-        tokens = self._pick(out.logits[:, -1], self.rows)
         return [self._emit(r, s, tokens[where[id(s)]]) for r, s in zip(requests, states)]
 
     def release(self, requests: list[Generation]) -> None:
         """Take the requests' rows out of the batch (a no-op for those without one)."""
         gone = {id(r.state) for r in requests}
-        keep = [i for i, s in enumerate(self.rows) if id(s) not in gone]
+        # remembered first: if cutting the cache fails (out of memory), the rows stay in
+        # it, and the next decode takes them out before its step
+        self._released |= gone
+        keep = [i for i, s in enumerate(self.rows) if id(s) not in self._released]
         if len(keep) < len(self.rows):
             self.batch.keep(keep)
             self.rows = [self.rows[i] for i in keep]
+        self._released.clear()
 
     def result(self, request: Generation) -> dict[str, Any]:
         """``{"text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens"}}``,

@@ -32,16 +32,26 @@ from mtq.workers.options import Option
 _UNSET = 1_000_000
 
 
+#: models whose position ids start after the padding index, so that
+#: max_position_embeddings counts pad_token_id + 1 positions no input can use
+_OFFSET_POSITIONS = frozenset({"roberta", "xlm-roberta", "xlm-roberta-xl", "camembert",
+                               "longformer", "roberta-prelayernorm", "data2vec-text", "ibert",
+                               "mpnet"})
+
+
 def model_limit(tokenizer: Any, config: Any) -> int | None:
     """The longest input, in tokens, the model takes: the smaller of the tokenizer's
-    ``model_max_length`` and the config's ``max_position_embeddings`` (either may be
-    missing); None when neither says."""
+    ``model_max_length`` and the config's ``max_position_embeddings`` (less the
+    positions a RoBERTa-style model reserves; either may be missing); None when
+    neither says."""
     limits = []
     saved = getattr(tokenizer, "model_max_length", None)
     if isinstance(saved, int) and 0 < saved < _UNSET:
         limits.append(saved)
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and positions > 0:
+        if getattr(config, "model_type", "") in _OFFSET_POSITIONS:  # (514 for 512 usable)
+            positions -= int(getattr(config, "pad_token_id", None) or 0) + 1
         limits.append(positions)
     return min(limits) if limits else None
 
@@ -211,7 +221,7 @@ class Rerank:
 
     __slots__ = ("passages", "query", "top_n")
 
-    def __init__(self, payload: Any) -> None:
+    def __init__(self, payload: Any, most: int) -> None:
         what = "hf:CrossEncoder"
         if not isinstance(payload, dict):
             raise BadRequest(f"an {what} payload is {{'query': str, 'passages': [str, ...]}}; "
@@ -223,6 +233,10 @@ class Rerank:
             raise BadRequest(f"'query' must be a string; got {_shown(query)}")
         if not isinstance(passages, list):
             raise BadRequest(f"'passages' must be a list of strings; got {_shown(passages)}")
+        if len(passages) > most:
+            raise BadRequest(f"{len(passages)} passages in one request; this worker takes at "
+                             f"most {most} (its max_passages option): send them in requests "
+                             "of fewer")
         for j, p in enumerate(passages):
             if not isinstance(p, str):
                 raise BadRequest(f"passage {j} must be a string; got {_shown(p)} "
@@ -250,6 +264,9 @@ class CrossEncoder(HFOptions, mtq.Model):
     max_wait_ms: ClassVar[float] = 5.0
 
     max_pairs = Option(int, 64, min=1, help="most (query, passage) pairs per forward pass")
+    max_passages = Option(int, 1000, min=1,
+                          help="most passages in one request (more: BadRequest), so that one "
+                               "request cannot hold up its batch")
     max_length = Option(int, None, min=1,
                         help="truncate a pair at this many tokens (default: the model's "
                              "limit); the result says which passages it cut")
@@ -277,7 +294,7 @@ class CrossEncoder(HFOptions, mtq.Model):
         requests: list[tuple[int, Rerank]] = []
         for i, payload in enumerate(batch):
             try:
-                requests.append((i, Rerank(payload)))
+                requests.append((i, Rerank(payload, self.max_passages)))
             except BadRequest as exc:  # this one fails alone; the others run
                 out[i] = exc
         queries = [r.query for _, r in requests for _ in r.passages]

@@ -96,11 +96,16 @@ class BatchCache:
         whole = [*current, *parts]
         width = max(int(c.layers[0].keys.shape[-2]) for c, _ in whole)
         target = whole[0][0]
-        for i, layer in enumerate(target.layers):
+        # every layer's new tensors first, then all of them set: an allocation that
+        # fails (out of memory) leaves the cache as it was, not half joined
+        new = []
+        for i in range(len(target.layers)):
             keys = [_pad_left(c.layers[i].keys, width) for c, _ in whole]
             values = [_pad_left(c.layers[i].values, width) for c, _ in whole]
-            layer.keys = keys[0] if len(keys) == 1 else torch.cat(keys, dim=0)
-            layer.values = values[0] if len(values) == 1 else torch.cat(values, dim=0)
+            new.append((keys[0] if len(keys) == 1 else torch.cat(keys, dim=0),
+                        values[0] if len(values) == 1 else torch.cat(values, dim=0)))
+        for layer, (k, v) in zip(target.layers, new):
+            layer.keys, layer.values = k, v
         self.cache = target
         self.lens = [n for _, lens in whole for n in lens]
 
@@ -116,9 +121,11 @@ class BatchCache:
         lens = [self.lens[i] for i in rows]
         start = self.width - max(lens)
         index = torch.tensor(list(rows), device=self.cache.layers[0].keys.device)
-        for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[..., start:, :]
-            layer.values = layer.values.index_select(0, index)[..., start:, :]
+        new = [(layer.keys.index_select(0, index)[..., start:, :],
+                layer.values.index_select(0, index)[..., start:, :])
+               for layer in self.cache.layers]  # all or nothing, as in add()
+        for layer, (k, v) in zip(self.cache.layers, new):
+            layer.keys, layer.values = k, v
         self.lens = lens
 
     def step_inputs(self, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -67,6 +67,8 @@ def _messages(value: Any) -> list[dict[str, str]]:
             raise BadRequest(f"messages[{i}]['content'] must be text (a str): this model "
                              f"takes text only, got {type(m['content']).__name__} "
                              f"{m['content']!r:.200}")
+        if "name" in m and not isinstance(m["name"], str):
+            raise BadRequest(f"messages[{i}]['name'] must be a str, got {m['name']!r:.200}")
         extra = sorted(map(str, set(m) - {"role", "content", "name"}))
         if extra:
             raise BadRequest(f"messages[{i}] has fields {extra} this model does not take: "
@@ -118,8 +120,8 @@ def parse(p: Any) -> Params:
     if top_k is not None and not (_int(top_k) and top_k >= 0):
         raise _bad("top_k", "an int >= 1 (0 or null: off)", top_k)
     penalty = p.get("repetition_penalty", 1.0)
-    if not (_number(penalty) and penalty > 0):
-        raise _bad("repetition_penalty", "a number > 0 (1: off; above 1 discourages "
+    if not (_number(penalty) and 0.01 <= penalty <= 100):
+        raise _bad("repetition_penalty", "a number in [0.01, 100] (1: off; above 1 discourages "
                                          "repeating the prompt's and the reply's tokens)", penalty)
     seed = p.get("seed")
     if seed is not None and not _int(seed):
