@@ -305,7 +305,7 @@ def test_reranking_matches_the_model_called_directly_across_a_batch(
             tasks[3].result(timeout=60)
         with pytest.raises(mtq.TaskFailed, match="BadRequest: unknown field 'k'"):
             tasks[4].result(timeout=60)
-        with pytest.raises(mtq.TaskFailed, match="BadRequest: 6 passages .* max_passages"):
+        with pytest.raises(mtq.TaskFailed, match=r"BadRequest: 6 passages .* max_passages"):
             tasks[6].result(timeout=60)
     # the 10 pairs of the batch's good requests, in passes of at most 3
     assert model.passes == [3, 3, 3, 1]
