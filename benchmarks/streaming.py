@@ -5,8 +5,8 @@
     python -m benchmarks.streaming --quick    # ~35 s, prints only
 
 Each against a baseline from the same run: (1) token latency, publish to
-``Task.events()`` in a reader thread, 8 requests on ``mtq.reference.gpt:TinyGPT``,
-against raw PUBLISH -> SUBSCRIBE; (2) tokens/s delivered with 8 and 32 requests against
+``Task.events()`` in a reader thread, 8 requests on TinyGPT (at the shape
+``benchmarks.children.gen:BenchTinyGPT``, random weights), against raw PUBLISH -> SUBSCRIBE; (2) tokens/s delivered with 8 and 32 requests against
 ``decode_rate`` over the same cache positions and threads; (3) continuous against
 static batching on a mixed workload, beside the same schedule without a queue. The
 no-op round trip and its floor are benchmarks/hotpath.py's.
@@ -122,7 +122,7 @@ def bench_stream(server: Server, r: redis.Redis, s: Sizes, res: Results,
     q = mtq.Queue(uniq("gpt"), client=r)
     steps = s.max_tokens - 1 - s.start
     raw_prompt = PROMPT + "." * (s.start - 1)  # its timed steps cover the window's positions
-    proc = start_worker(server, "mtq.reference.gpt:TinyGPT", q.name, env)
+    proc = start_worker(server, "benchmarks.children.gen:BenchTinyGPT", q.name, env)
     runs: dict[int, list[Run]] = {8: [], 32: []}
     raws: dict[int, list[float]] = {8: [], 32: []}
     work: dict[int, dict[str, float]] = {}
@@ -317,9 +317,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw: RawDecoder | None = None
     started = time.perf_counter()
     try:
+        from benchmarks.children.gen import BENCH
         from mtq.reference.gpt import make_weights
 
-        env = worker_env(server.url, MTQ_REFERENCE_WEIGHTS=str(make_weights(Path(tmp) / "w.pt")),
+        env = worker_env(server.url,
+                         MTQ_REFERENCE_WEIGHTS=str(make_weights(Path(tmp) / "w.pt", BENCH)),
                          **THREADS)
         raw = RawDecoder(env)
         r = server.client()

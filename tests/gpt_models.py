@@ -3,8 +3,8 @@
 A real TinyGPT (the same weights, prefill, decode and sampling) with two changes
 that make a browser test deterministic on a small CPU: each decode step sleeps
 ``MTQ_TEST_STEP_MS`` ms (default 25), so a page can be reloaded or closed
-mid-generation, and it never stops at EOS (random weights emit EOS at random), so a
-request runs its ``max_tokens``. One request at a time (``max_running = 1``): a
+mid-generation, and it never stops at EOS (the trained weights end a paragraph with
+it, random ones emit it at random), so a request runs its ``max_tokens``. One request at a time (``max_running = 1``): a
 second waits for the slot, which a cancel must free.
 """
 

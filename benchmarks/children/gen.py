@@ -1,10 +1,14 @@
 """Generator targets and the raw decode-rate process for benchmarks/streaming.py.
 
+* :class:`BenchTinyGPT`: the reference TinyGPT at the shape these benchmarks are
+  measured with (:data:`BENCH`: d_model 128, 4 layers, 4 heads, 512 positions; random
+  weights, which cost what trained ones do), not the smaller shape of its shipped
+  trained weights;
 * :class:`StaticTinyGPT`: the reference TinyGPT with ``continuous = False`` (static
   batching: a new batch starts only once the whole previous one finished) and
   ``max_running = 16``; the baseline of the continuous-batching comparison;
 * :class:`ContinuousTinyGPT`: the same with continuous batching;
-* ``python -m benchmarks.children.gen``: loads TinyGPT once, then for each JSON line
+* ``python -m benchmarks.children.gen``: loads BenchTinyGPT once, then for each JSON line
   ``{"b": B, "steps": n, "prompt": str}`` on stdin prints ``{"rate": tokens/s}`` of
   :func:`mtq.reference.gpt.decode_rate` (:class:`RawDecoder` drives it, in a process
   with the worker's thread settings); a line ``{"mixed": [payload, ...], "continuous":
@@ -31,13 +35,23 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from mtq.reference.gpt import TinyGPT, _append, decode_rate
+from mtq.reference.gpt import GPTConfig, TinyGPT, _append, decode_rate
 from mtq.workers.generator import Generation, Generator
 
+#: the shape the streaming benchmarks run (and docs/benchmarks.md's figures were measured with)
+BENCH = GPTConfig(d_model=128, n_layer=4, n_head=4, max_seq=512)
 
-class ContinuousTinyGPT(TinyGPT):
+
+class BenchTinyGPT(TinyGPT):
+    """TinyGPT at the :data:`BENCH` shape (random weights: ``$MTQ_REFERENCE_WEIGHTS``,
+    made by the benchmark, else cached under the state dir)."""
+
+    default_config: ClassVar[GPTConfig] = BENCH
+
+
+class ContinuousTinyGPT(BenchTinyGPT):
     """TinyGPT with continuous batching, 16 requests at most.
 
     Both sides of the comparison compute in float32: the default float64 buys
@@ -52,7 +66,7 @@ class ContinuousTinyGPT(TinyGPT):
     name = "tinygpt-continuous"
 
 
-class StaticTinyGPT(TinyGPT):
+class StaticTinyGPT(BenchTinyGPT):
     """TinyGPT with static batching (the baseline), 16 requests at most, float32."""
 
     dtype = "float32"
@@ -208,7 +222,7 @@ def main() -> int:
         options, extra = json.loads(sys.argv[3]), json.loads(sys.argv[4])
         model = mixed = load_model(sys.argv[2], options=options)  # type: ignore[assignment]
     else:
-        model = TinyGPT()
+        model = BenchTinyGPT()
     model.setup("cpu")
     decode_rate(model, model.max_running, 20, extra=extra)  # allocate the cache, warm up
     print(json.dumps({"ready": True}), flush=True)

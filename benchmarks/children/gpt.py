@@ -20,7 +20,7 @@ from mtq.reference.gpt import GPTConfig, TinyGPT
 
 SHAPES: dict[str, tuple[GPTConfig, str]] = {
     "gpu": (GPTConfig(d_model=1024, n_layer=12, n_head=16, max_seq=1024), "bfloat16"),
-    "cpu": (GPTConfig(), "float32"),
+    "cpu": (GPTConfig(d_model=128, n_layer=4, n_head=4, max_seq=512), "float32"),
 }
 SHAPE = os.environ.get("MTQ_BENCH_GPT", "gpu")
 if SHAPE not in SHAPES:

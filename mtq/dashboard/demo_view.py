@@ -60,8 +60,8 @@ class DemoScreen:
             lines.append(line + "\n", style="dim")
         chat = "".join(c if c.isprintable() or c == "\n" else "·" for c in t.live_text)
         tail = "\n".join(chat.splitlines()[-4:])
-        lines.append(f"{t.live_user}'s chat (TinyGPT, random weights: it babbles):\n",
-                     style="cyan")
+        lines.append(f"{t.live_user}'s chat (TinyGPT, a tiny model trained on Pride and "
+                     "Prejudice):\n", style="cyan")
         lines.append(tail)
         panel = Panel(lines, title="mtq demo", height=PANEL_ROWS)
         if height < PANEL_ROWS + 8:  # too small for both: the demo's own panel only

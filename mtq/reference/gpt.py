@@ -2,8 +2,11 @@
 
 Token + position embeddings, pre-LayerNorm blocks (causal multi-head attention,
 GELU MLP), a final LayerNorm and a head tied to the token embedding, over the
-byte vocabulary of :mod:`mtq.reference.tokenizer`; weights from a fixed seed,
-cached in a file (:mod:`mtq.reference.weights`). ``prefill`` runs each prompt into
+byte vocabulary of :mod:`mtq.reference.tokenizer`. The default shape loads the
+trained weights shipped in the package (trained on *Pride and Prejudice* by
+:mod:`mtq.reference.train`, so it writes English words); ``weights="random"`` or
+any other shape gets random weights from a fixed seed, cached in a file
+(:mod:`mtq.reference.weights`). ``prefill`` runs each prompt into
 a preallocated KV-cache slot, ``decode`` runs one token of every running request
 in one batched forward over their caches (:mod:`mtq.reference.decoder`), and each
 request samples from its own seeded generator (:mod:`mtq.reference.sampling`).
@@ -29,10 +32,13 @@ from mtq.reference.decoder import CachedDecoder
 from mtq.reference.sampling import RequestState, sample
 from mtq.reference.tokenizer import BOS, EOS, StreamDecoder, encode
 from mtq.reference.weights import (
+    RANDOM,
+    TRAINED_WEIGHTS,
     WEIGHTS_ENV,
     GPTConfig,
     build_module,
     make_weights,
+    random_weights_path,
     save_atomic,
     weights_path,
 )
@@ -41,8 +47,9 @@ from mtq.workers.generator import Generation
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WEIGHTS_ENV", "GPTConfig", "RequestState", "TinyGPT", "build_module", "decode_rate",
-           "generate", "make_weights", "save_atomic", "weights_path"]
+__all__ = ["RANDOM", "TRAINED_WEIGHTS", "WEIGHTS_ENV", "GPTConfig", "RequestState", "TinyGPT",
+           "build_module", "decode_rate", "generate", "make_weights", "random_weights_path",
+           "save_atomic", "weights_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +68,18 @@ class TinyGPT(CachedDecoder, mtq.Generator):
     "seed": int, "stop_at_eos": True}``; each token is the text it completes (a str,
     ``""`` for EOS or half a character); the result is ``{"text", "tokens" (ids),
     "finish_reason" ("stop" | "length"), "prompt_tokens"}``.
+
+    ``weights``: a file, ``"random"`` (random weights from ``weights_seed``), or
+    None: ``$MTQ_REFERENCE_WEIGHTS`` if set (a file, or ``random``), else the shipped
+    trained weights for the default shape, else random weights
+    (:func:`mtq.reference.weights.weights_path`).
     """
 
     max_running = 32
     max_prefill_tokens = 4096
     max_total_tokens = 32 * 512
     name = "tinygpt"
-    version = "1"
+    version = "2"
     #: the model's shape when the constructor is given none (the engine passes none)
     default_config: ClassVar[GPTConfig] = GPTConfig()
     # float64, not float32, for batch invariance: a request must sample the same
@@ -79,23 +91,37 @@ class TinyGPT(CachedDecoder, mtq.Generator):
     def __init__(self, config: GPTConfig | None = None,
                  weights: str | os.PathLike[str] | None = None, weights_seed: int = 0) -> None:
         self.config = config or self.default_config
-        #: the weights file (default: :func:`weights_path`, read at setup)
+        #: a weights file, "random", or None (:func:`weights_path`, read at setup)
         self.weights = weights
         self.weights_seed = weights_seed
         self.ready = False
         self.last_logits: Any = None  # the last step's logits [B, vocab] (for tests)
 
+    def weights_file(self) -> Path:
+        """The file :meth:`setup` loads (see the class docstring)."""
+        if self.weights == RANDOM:
+            return random_weights_path(self.config, self.weights_seed)
+        if self.weights:
+            return Path(self.weights)
+        return weights_path(self.config, self.weights_seed)
+
     def setup(self, device: Any = "cpu") -> None:
-        """Load the weights (creating the file first if missing) onto ``device``.
-        Raises ConfigError, naming the file, if it is corrupt or does not fit the config."""
+        """Load the weights onto ``device`` (random ones: creating the file first if
+        missing). Raises ConfigError, naming the file, if it is missing (the shipped
+        one), corrupt or does not fit the config."""
         import torch
 
         self.device = torch.device(device)
         self.torch_dtype = getattr(torch, self.dtype)
-        path = Path(self.weights or weights_path(self.config, self.weights_seed))
+        path = self.weights_file()
+        shipped = path == TRAINED_WEIGHTS
+        fix = (f"reinstall mtq (the file is part of its package), or ask for random weights "
+               f"(TinyGPT(weights='random') or {WEIGHTS_ENV}=random)" if shipped else
+               f"delete {path} and it will be recreated, or point {WEIGHTS_ENV} at a good file")
         if not path.exists():
+            if shipped:
+                raise ConfigError(f"the trained reference weights {path} are missing; {fix}")
             make_weights(path, self.config, self.weights_seed)
-        fix = (f"delete {path} and it will be recreated, or point {WEIGHTS_ENV} at a good file")
         try:
             state = torch.load(path, map_location=self.device, weights_only=True)
         except Exception as e:

@@ -1,7 +1,8 @@
 """TinyGPT's shape (:class:`GPTConfig`) and its weights: the parameter layout, the
-GPT-2 style init from a fixed seed, and the file they are cached in (written
-atomically, so processes starting at once never read half a file). torch is imported
-only inside functions.
+trained weights shipped for the default shape (:data:`TRAINED_WEIGHTS`, made by
+:mod:`mtq.reference.train`), the GPT-2 style random init from a fixed seed, and the
+file random weights are cached in (written atomically, so processes starting at
+once never read half a file). torch is imported only inside functions.
 """
 
 from __future__ import annotations
@@ -24,23 +25,28 @@ from mtq.reference.tokenizer import VOCAB_SIZE
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["WEIGHTS_ENV", "GPTConfig", "build_module", "make_weights", "save_atomic",
-           "weights_path"]
+__all__ = ["RANDOM", "TRAINED_WEIGHTS", "WEIGHTS_ENV", "GPTConfig", "build_module",
+           "init_module", "make_weights", "random_weights_path", "save_atomic", "weights_path"]
 
 logger = logging.getLogger(__name__)
 
-#: a weights file to use instead of the default one under the state dir
+#: a weights file to use instead of the default ones, or ``random``
 WEIGHTS_ENV = "MTQ_REFERENCE_WEIGHTS"
+#: the ``weights`` (or ``$MTQ_REFERENCE_WEIGHTS``) that asks for random weights
+RANDOM = "random"
+#: the trained weights of the default :class:`GPTConfig` (float16, in the package)
+TRAINED_WEIGHTS = Path(__file__).resolve().parent / "data" / "tinygpt-austen.pt"
 #: bump when the module layout or the init changes, so old weight files are not reused
 _INIT_VERSION = "1"
 
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    """Shape of the model. ``max_seq`` bounds prompt + generated tokens."""
+    """Shape of the model. ``max_seq`` bounds prompt + generated tokens. The defaults
+    are the shape of the shipped trained weights (:data:`TRAINED_WEIGHTS`)."""
 
     vocab_size: int = VOCAB_SIZE
-    d_model: int = 128
+    d_model: int = 64
     n_layer: int = 4
     n_head: int = 4
     max_seq: int = 512
@@ -60,15 +66,29 @@ class GPTConfig:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+def random_weights_path(config: GPTConfig | None = None, seed: int = 0,
+                        environ: Mapping[str, str] | None = None) -> Path:
+    """Where random weights from ``seed`` are cached:
+    ``<state dir>/reference/tinygpt-<config hash>-seed<seed>.pt``."""
+    config = config or GPTConfig()
+    return (default_state_dir(environ) / "reference"
+            / f"tinygpt-{config.digest()}-seed{seed}.pt")
+
+
 def weights_path(config: GPTConfig | None = None, seed: int = 0,
                  environ: Mapping[str, str] | None = None) -> Path:
-    """The weights file: ``$MTQ_REFERENCE_WEIGHTS`` if set, else
-    ``<state dir>/reference/tinygpt-<config hash>-seed<seed>.pt``."""
+    """The weights file a model of ``config`` loads when given none:
+    ``$MTQ_REFERENCE_WEIGHTS`` if set (``random``: as for any other shape), else the
+    shipped :data:`TRAINED_WEIGHTS` for the default shape (and ``seed`` 0), else random
+    weights from ``seed`` (:func:`random_weights_path`; :func:`make_weights` creates them)."""
     env = os.environ if environ is None else environ
-    if env.get(WEIGHTS_ENV):
-        return Path(env[WEIGHTS_ENV]).expanduser()
     config = config or GPTConfig()
-    return default_state_dir(env) / "reference" / f"tinygpt-{config.digest()}-seed{seed}.pt"
+    chosen = env.get(WEIGHTS_ENV, "")
+    if chosen and chosen != RANDOM:
+        return Path(chosen).expanduser()
+    if not chosen and config == GPTConfig() and seed == 0:
+        return TRAINED_WEIGHTS
+    return random_weights_path(config, seed, env)
 
 
 def build_module(config: GPTConfig) -> torch.nn.ModuleDict:
@@ -96,15 +116,11 @@ def build_module(config: GPTConfig) -> torch.nn.ModuleDict:
     return module
 
 
-def make_weights(path: str | os.PathLike[str], config: GPTConfig | None = None,
-                 seed: int = 0) -> Path:
-    """Initialise the model from ``seed`` (GPT-2 style, from a local generator: the
-    global RNG is untouched) and save its state_dict to ``path`` atomically (a temp
-    file in the same directory, then ``os.replace``), so processes starting at once
-    never read a half-written file. Returns the path."""
+def init_module(config: GPTConfig, seed: int = 0) -> torch.nn.ModuleDict:
+    """The parameters on the CPU in float32, initialised from ``seed`` (GPT-2 style,
+    from a local generator: the global RNG is untouched)."""
     import torch
 
-    config = config or GPTConfig()
     module = build_module(config).to_empty(device="cpu")
     gen = torch.Generator().manual_seed(seed)
     resid_std = 0.02 / math.sqrt(2 * config.n_layer)  # residual branches add up over layers
@@ -117,7 +133,16 @@ def make_weights(path: str | os.PathLike[str], config: GPTConfig | None = None,
             else:
                 std = resid_std if name.endswith(("proj.weight", "out.weight")) else 0.02
                 p.normal_(0.0, std, generator=gen)
-    path = save_atomic(module.state_dict(), path)
+    return module
+
+
+def make_weights(path: str | os.PathLike[str], config: GPTConfig | None = None,
+                 seed: int = 0) -> Path:
+    """Random weights from ``seed`` (:func:`init_module`), saved to ``path``
+    atomically (a temp file in the same directory, then ``os.replace``), so processes
+    starting at once never read a half-written file. Returns the path."""
+    config = config or GPTConfig()
+    path = save_atomic(init_module(config, seed).state_dict(), path)
     logger.info("created reference weights %s (seed %d)", path, seed)
     return path
 

@@ -4,7 +4,8 @@ Django, gunicorn with two processes for Flask: a reload may reach the other proc
 a real redis-server and a real supervisor (``mtq workers
 start``) serving TinyGPT: tokens appear as they come, a reload mid-stream resumes
 without gap or repeat, a closed tab cancels its task and frees the worker's slot, a
-worker killed mid-generation shows ``restarted`` and the full text.
+worker killed mid-generation shows ``restarted`` and the full text, and the text is
+English words (TinyGPT's shipped trained weights).
 
 The worker serves ``tests.gpt_models:SlowTinyGPT``: the real TinyGPT, one request at
 a time, 25 ms a decode step and no stop at EOS, so a generation lasts long enough
@@ -18,6 +19,7 @@ them); selenium is pointed at them (no browser download). Skipped without them.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -117,17 +119,11 @@ def chat_queue(example: Example) -> str:
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("gpt") / "tinygpt.pt"
-
-
-@pytest.fixture(scope="module")
-def env(redis_url: str, chat_queue: str, weights: Path) -> dict[str, str]:
+def env(redis_url: str, chat_queue: str) -> dict[str, str]:
     e = dict(os.environ)
+    e.pop("MTQ_REFERENCE_WEIGHTS", None)  # the shipped trained weights
     e.update(MTQ_REDIS_URL=redis_url, MTQ_QUEUE=chat_queue,
              MTQ_TEST_STEP_MS=str(STEP_MS), OMP_NUM_THREADS="1",
-             # the weights file is made once, not in the user's home
-             MTQ_REFERENCE_WEIGHTS=str(weights),
              PYTHONPATH=os.pathsep.join([str(ROOT), e.get("PYTHONPATH", "")]))
     return e
 
@@ -295,6 +291,11 @@ def test_tokens_appear_progressively_and_the_text_equals_the_result(
     assert result["text"].startswith(early["text"]) and len(early["text"]) < len(end["text"])
     assert end["dropped"] == 0 and end["restarts"] == 0
     assert_gapless(seen, end["text"], end["task"])
+    # the page shows words, not bytes: the shipped weights write English
+    text = end["text"]
+    plain = sum(c.isascii() and (c.isalnum() or c in " \n.,;:!?'\"-()") for c in text)
+    assert "\ufffd" not in text and plain >= 0.95 * len(text), text
+    assert len(re.findall(r"\b(?:the|and|of|to|a|her|was|in|it|not|be)\b", text)) >= 3, text
 
 
 def test_a_reload_mid_stream_resumes_without_gap_or_repeat(

@@ -1,11 +1,15 @@
 """The reference generator (mtq.reference): tokenizer, KV cache, batch-invariant
-seeded sampling, slots, payload checks and the weights file. No Redis; a small
-config keeps it fast on CPU."""
+seeded sampling, slots, payload checks, the weights files (random and the shipped
+trained ones) and the training code. No Redis; a small config keeps most of it
+fast on CPU."""
 
 from __future__ import annotations
 
+import fnmatch
+import math
 import os
 import random
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,7 +22,8 @@ torch = pytest.importorskip("torch")
 
 import mtq  # noqa: E402
 from mtq.errors import ConfigError  # noqa: E402
-from mtq.reference import gpt  # noqa: E402
+from mtq.reference import gpt, train  # noqa: E402
+from mtq.reference import weights as weights_mod  # noqa: E402
 from mtq.reference.gpt import GPTConfig, TinyGPT, decode_rate, generate  # noqa: E402
 from mtq.reference.tokenizer import (  # noqa: E402
     BOS,
@@ -347,3 +352,116 @@ def test_imports_without_torch() -> None:
 def test_decode_rate_runs(model: TinyGPT) -> None:
     assert decode_rate(model, 4, 5) > 0
     assert model.used == 0
+
+
+# -- the shipped trained weights ---------------------------------------------------
+
+COMMON = {"the", "and", "of", "to", "a", "her", "was", "in", "i", "it", "not", "be", "he",
+          "she", "had", "that", "you", "his", "with", "for", "as", "is", "my", "at", "but"}
+
+
+def nll(model: TinyGPT, text: str) -> float:
+    """Mean negative log-likelihood (nats per byte) of ``text`` after BOS."""
+    ids = [BOS, *encode(text)]
+    logp = model.forward_full(ids).log_softmax(-1)
+    return -float(logp[:-1].gather(1, torch.tensor(ids[1:])[:, None]).mean())
+
+
+@pytest.fixture(scope="module")
+def trained() -> TinyGPT:
+    m = TinyGPT()
+    m.setup("cpu")
+    return m
+
+
+def test_the_default_model_loads_the_shipped_weights_and_writes_english(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trained: TinyGPT) -> None:
+    monkeypatch.setenv("MTQ_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(gpt.WEIGHTS_ENV, raising=False)
+    assert gpt.TRAINED_WEIGHTS.is_file() and gpt.TRAINED_WEIGHTS.stat().st_size < 600_000
+    m = TinyGPT()
+    assert m.config == GPTConfig() and m.weights_file() == gpt.TRAINED_WEIGHTS
+    m.setup("cpu")
+    assert not (tmp_path / "home").exists(), "the shipped weights need no file of their own"
+    prompts = ["Once upon a time", "Hello there", "Tell me a story", "She said"]
+    payloads = [{"prompt": p, "max_tokens": 160, "stop_at_eos": False} for p in prompts]
+    seeds = [1, 2, 3, 4]
+    alone = [generate(m, [p], [s])[0] for p, s in zip(payloads, seeds)]
+    assert generate(m, payloads, seeds) == alone  # batched: the same tokens
+    assert generate(trained, payloads[::-1], seeds[::-1]) == alone[::-1]
+    assert generate(m, payloads[:1], [5]) != alone[:1]  # the seed matters
+    text = "".join(r["text"] for r in alone)
+    assert all(len(r["tokens"]) == 160 for r in alone) and len(text) >= 4 * 150
+    assert "\ufffd" not in text
+    plain = sum(c.isascii() and (c.isalnum() or c in " \n.,;:!?'\"-()") for c in text)
+    assert plain >= 0.95 * len(text), text
+    words = re.findall(r"[a-z]+", text.lower())
+    vocab = set(re.findall(r"[a-z]+", train.CORPUS.read_text().lower()))
+    assert len(words) >= 80, text
+    assert sum(w in vocab for w in words) >= 0.8 * len(words), text  # real words
+    assert sum(w in COMMON for w in words) >= 0.2 * len(words), text  # English ones
+    # it predicts English it never saw far better than chance (ln 258 = 5.55 nats)
+    assert nll(m, "It was a fine morning, and the young ladies walked to the village.") < 2.2
+
+
+def test_random_weights_stay_available(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       trained: TinyGPT) -> None:
+    monkeypatch.setenv("MTQ_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(gpt.WEIGHTS_ENV, raising=False)
+    rnd = TinyGPT(weights="random")
+    rnd.setup("cpu")
+    path = gpt.random_weights_path(GPTConfig())
+    assert rnd.weights_file() == path and path.exists()
+    assert path.parent == tmp_path / "home" / "reference"
+    sentence = "It was a fine morning, and the young ladies walked to the village."
+    assert nll(rnd, sentence) > 5.0 > 2.2 > nll(trained, sentence)
+    p = [{"prompt": "Once upon a time", "max_tokens": 24, "stop_at_eos": False}]
+    assert generate(rnd, p, [3]) != generate(trained, p, [3])
+    # the environment asks for them too, for workers built with no arguments
+    monkeypatch.setenv(gpt.WEIGHTS_ENV, "random")
+    env_random = TinyGPT()
+    env_random.setup("cpu")
+    assert env_random.weights_file() == path and generate(env_random, p, [3]) == generate(rnd, p, [3])
+    # another seed, other random weights
+    other = TinyGPT(weights="random", weights_seed=1)
+    other.setup("cpu")
+    assert generate(other, p, [3]) != generate(rnd, p, [3])
+
+
+def test_missing_shipped_weights_say_to_reinstall(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(gpt.WEIGHTS_ENV, raising=False)
+    missing = tmp_path / "data" / "tinygpt-austen.pt"
+    monkeypatch.setattr(weights_mod, "TRAINED_WEIGHTS", missing)
+    monkeypatch.setattr(gpt, "TRAINED_WEIGHTS", missing)
+    with pytest.raises(ConfigError, match="reinstall mtq") as info:
+        TinyGPT().setup("cpu")
+    assert str(missing) in str(info.value) and "random" in str(info.value)
+    assert not missing.exists()  # not replaced by random weights behind the user's back
+
+
+def test_the_weights_file_ships_in_the_wheel() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = conf["tool"]["setuptools"]["package-data"]["mtq.reference"]
+    rel = gpt.TRAINED_WEIGHTS.relative_to(ROOT / "mtq" / "reference").as_posix()
+    assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), (rel, patterns)
+
+
+def test_training_lowers_the_loss_and_matches_the_served_forward(tmp_path: Path) -> None:
+    """A few steps of :mod:`mtq.reference.train` on a small shape: the loss falls, the
+    saved float16 file loads into TinyGPT, whose forward is the training forward."""
+    text = train.CORPUS.read_text()[:60_000]
+    assert len(train.paragraphs(text)) > 50
+    assert [train.window(i, 64) for i in range(1, 9)] == [16, 32, 64, 16] * 2
+    module, stats = train.train(text, SMALL, steps=30, batch=4, seq=64, lr=1e-2, log=None)
+    assert stats["train_loss"] < 4.0 < math.log(VOCAB_SIZE), stats  # chance: ln 258 = 5.55
+    path = train.save_half(module, tmp_path / "w.pt")
+    m = TinyGPT(SMALL, path)
+    m.setup("cpu")
+    ids = [BOS, *encode("It is a truth universally acknowledged")]
+    saved = weights_mod.build_module(SMALL)
+    saved.load_state_dict(torch.load(path, weights_only=True), assign=True)
+    assert next(saved.parameters()).dtype == torch.float16
+    ref = train.forward(saved.double(), SMALL, torch.tensor([ids]))[0]
+    assert torch.allclose(m.forward_full(ids), ref, rtol=0, atol=1e-9)
