@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Real models: the Hugging Face backends and out-of-memory handling, in one run.
 
-    python -m benchmarks.models            # ~8 minutes on 2 cores; writes the models block
-    python -m benchmarks.models --quick    # ~3 minutes, prints only
+    python -m benchmarks.models            # ~5 minutes on 2 cores; writes the models block
+    python -m benchmarks.models --quick    # ~2 minutes, prints only
 
 Each figure beside its baseline from the same run:
 
