@@ -234,6 +234,9 @@ def test_an_idle_worker_settles_in_the_model_thread_a_busy_one_in_the_publisher(
                  "the next batch was not claimed while the first ran")
         model.release.set()
         assert [t.result(timeout=10) for t in tasks] == list(range(8))
+        # a client has its result as Redis applies the ack, before the publisher's
+        # bookkeeping of it is done: the worker is idle once that is done too
+        wait_for(lambda: not w.ledger.unsettled, 10, "the publisher kept the batches")
         alone = q.submit({"i": 8})  # to the idle worker
         assert alone.result(timeout=10) == 8
         run.stop()
