@@ -102,3 +102,61 @@ def memory(device: Any) -> dict[str, int] | None:
 def visible() -> str | None:
     """CUDA_VISIBLE_DEVICES as this process sees it (None if unset)."""
     return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def engine_stream(device: Any) -> Any:
+    """A context manager under which an engine's model thread runs: on CUDA, a stream
+    of its own (torch's current stream is per thread), so that engines in one process
+    neither serialise their kernels behind one stream nor wait on each other's
+    synchronisations; elsewhere, nothing."""
+    import contextlib
+
+    if getattr(device, "type", None) != "cuda":
+        return contextlib.nullcontext()
+    import torch  # already imported: the device is a torch.device
+
+    return torch.cuda.stream(torch.cuda.Stream(device))
+
+
+def model_bytes(model: Any) -> int:
+    """Bytes of the torch tensors a model object holds: the parameters and buffers of
+    every ``torch.nn.Module`` among its attributes (and in their lists, tuples and
+    dicts, one level down), and plain tensors there, each storage counted once. 0
+    without torch or without tensors."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return 0
+    seen: set[tuple[int, str]] = set()
+    total = 0
+
+    def tensor(t: Any) -> None:
+        nonlocal total
+        try:
+            storage = t.untyped_storage()
+            ptr = (storage.data_ptr(), str(t.device))
+        except (RuntimeError, AttributeError):  # a meta or sparse tensor
+            return
+        if ptr in seen:
+            return
+        seen.add(ptr)
+        total += int(storage.nbytes())
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.nn.Module):
+            for p in value.parameters():
+                tensor(p)
+            for b in value.buffers():
+                tensor(b)
+        elif isinstance(value, torch.Tensor):
+            tensor(value)
+
+    for value in list(vars(model).values()) if hasattr(model, "__dict__") else []:
+        if isinstance(value, (list, tuple)):
+            for v in value:
+                visit(v)
+        elif isinstance(value, dict):
+            for v in value.values():
+                visit(v)
+        else:
+            visit(value)
+    return total

@@ -1,0 +1,107 @@
+"""Which engines of a process hold their model in memory: the commands that load,
+unload, reload and reset an engine, and the budget that decides which to unload.
+
+An :class:`EngineOp` is asked of one engine (:meth:`mtq.workers.worker.Worker.request`)
+and carried out by its model thread at the next batch boundary, as a reload always
+was; its answer goes to ``op.reply``. :class:`Residency` is the process's memory
+budget (bytes of model tensors and a most-loaded count): an engine about to load
+asks it for room, and it unloads the least recently used idle engines until the
+new one fits, or waits for one to go idle. One engine loads at a time in a process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mtq.workers.worker import Worker
+
+#: the engine commands (control messages with a reply id; see mtq.broker.answers)
+OPS = ("load", "unload", "reload", "reset")
+
+#: an engine's states as the registry shows them (its ``engine`` field)
+LOADED, UNLOADED, LOADING, UNLOADING, FAILED = "loaded", "unloaded", "loading", "unloading", \
+    "failed"
+
+
+@dataclass
+class EngineOp:
+    """One command to an engine."""
+
+    #: load, unload, reload or reset (see OPS); "swap" is internal (a model loaded
+    #: beside the serving one takes its place)
+    kind: str
+    #: load and reload: the model options to load with (text, as --set); None: as now
+    options: dict[str, str] | None = None
+    #: unload: give the running requests back to their streams (uncounted) instead
+    #: of finishing them (a generator; a batch model's running call cannot be cut)
+    now: bool = False
+    #: called once with the answer (a dict: see Worker.answer)
+    reply: Callable[[dict[str, Any]], None] | None = None
+    #: command (an operator), idle (idle_unload_s), budget (room for another), demand
+    reason: str = "command"
+    #: when it was asked (time.monotonic()): its answer's took_s counts from here
+    asked: float = field(default_factory=time.monotonic)
+    #: a "swap": the model loaded beside, and what the answer reports
+    staged: Any = None
+
+
+class Residency:
+    """The memory budget of the engines of one process (thread-safe)."""
+
+    def __init__(self, memory_budget: int | None = None, max_loaded: int | None = None) -> None:
+        self.memory_budget = memory_budget
+        self.max_loaded = max_loaded
+        self.engines: list[Worker] = []
+        #: held by the engine that loads (one load at a time: what it measures is its own)
+        self.load_lock = threading.Lock()
+        #: notified whenever an engine is loaded, unloaded or goes idle
+        self.changed = threading.Condition()
+
+    def add(self, engine: Worker) -> None:
+        self.engines.append(engine)
+
+    def notify(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
+
+    def used(self, but: Worker | None = None) -> tuple[int, int]:
+        """(bytes, engines) loaded now, leaving ``but`` out."""
+        loaded = [e for e in self.engines if e is not but and e.loaded]
+        return sum(e.memory_bytes for e in loaded), len(loaded)
+
+    def fits(self, engine: Worker, extra: int = 0, count: int = 1) -> bool:
+        """Whether ``engine`` loaded (``extra`` bytes more, ``count`` more engines)
+        keeps the process within its budget."""
+        used, n = self.used(but=engine)
+        if self.max_loaded is not None and n + count > self.max_loaded:
+            return False
+        if self.memory_budget is not None and used + extra > self.memory_budget:
+            return False
+        return True
+
+    def make_room(self, engine: Worker, need: int, stop: threading.Event) -> bool:
+        """Unload the least recently used idle engines until ``engine`` (about to
+        load, ``need`` bytes) fits; wait for one to go idle when none is. Returns
+        False if ``stop`` was set meanwhile. Call it holding :attr:`load_lock`."""
+        while not self.fits(engine, need):
+            if stop.is_set():
+                return False
+            idle = sorted((e for e in self.engines if e is not engine and e.loaded
+                           and e.evictable()), key=lambda e: e.last_used)
+            if idle:
+                victim = idle[0]
+                done = threading.Event()
+                victim.request(EngineOp("unload", reply=lambda _a: done.set(),
+                                        reason="budget"))
+                while not done.wait(0.5):  # the victim's model thread unloads it
+                    if stop.is_set():
+                        return False
+                continue
+            with self.changed:  # every loaded engine is busy: wait for one to finish
+                self.changed.wait(0.5)
+        return True
