@@ -27,6 +27,16 @@ control messages).
   their tasks back.
 * Control messages on the queue's control channel: pause, resume, reload (to the
   children), drain, stop, scale (to the supervisor).
+
+A host (``mtq workers start --config host.toml``, :mod:`mtq.workers.hostfile`) is a
+supervisor of several queues: each process runs one engine per queue
+(:class:`~mtq.workers.host.Host`), with a consumer and a control channel per queue.
+A dead process's tasks go back per engine, with its queue's consumer; a predict call
+that overruns its engine's timeout kills the process, and only that call counts
+against its tasks. Commands about an engine (reload, cancel) go to the engine of
+the queue they came on; pause, resume, drain, stop and scale act on the whole host.
+A host hands no suspect to a quarantine process: each process runs its suspects
+alone itself (a quarantine process would host every engine again).
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -60,6 +70,9 @@ log = logging.getLogger(__name__)
 #: the supervisor's exit codes when it gives up (the CLI's: 2 bad input, 1 the work failed)
 EXIT_BAD_TARGET, EXIT_SETUP_FAILED = 2, 1
 
+#: commands about one engine: in a host, they go to the engine of the queue they came on
+ENGINE_COMMANDS = frozenset({"reload", "cancel", "load", "unload", "reset"})
+
 
 def _earliest(*deadlines: float | None) -> float | None:
     return min((d for d in deadlines if d is not None), default=None)
@@ -73,21 +86,38 @@ class Supervisor:
     (:mod:`mtq.workers.quarantine`); each child is a :class:`~mtq.workers.children.Child`.
     The main loop asks each part what is due and when it next needs the loop."""
 
-    def __init__(self, target: str, queue: str, *, url: str | None = None,
+    def __init__(self, target: str = "", queue: str = "", *, url: str | None = None,
                  devices_spec: str = "cpu", replicas: int = 1,
                  settings: SettingsSpec = None, max_batch_size: int | None = None,
                  max_wait_ms: float | None = None, timeout_s: float | None = None,
                  log_level: int = logging.INFO, on_event: Callable[[str], None] | None = None,
-                 standby: int | None = None, options: dict[str, str] | None = None) -> None:
+                 standby: int | None = None, options: dict[str, str] | None = None,
+                 engines: Sequence[Mapping[str, Any]] = (), memory_budget: int | None = None,
+                 max_loaded: int | None = None) -> None:
+        """``engines`` (a host: see mtq.workers.hostfile.EngineSpec.to_dict) in place of
+        ``target`` and ``queue``; ``memory_budget`` and ``max_loaded`` are then each
+        process's."""
         if replicas < 0:
             raise ConfigError(f"--replicas must be >= 0, got {replicas}")
         if standby is not None and not 0 <= standby <= 1:
             raise ConfigError(f"--standby must be 0 or 1, got {standby}")
+        if bool(engines) == bool(target or queue):
+            raise ConfigError("a supervisor serves a target and a queue, or a host's engines")
         self.target = target
         self.devices = devices.parse_devices(devices_spec)
         self.replicas = replicas
-        self.consumer = Consumer(queue, url, settings=settings)
+        #: a host: several engines per process, one per queue
+        self.host = bool(engines)
+        self.engines = [dict(e) for e in engines] or [{"queue": queue}]
+        queues = [e["queue"] for e in self.engines]
+        if len(set(queues)) != len(queues):
+            raise ConfigError(f"one engine per queue: {sorted(q for q in set(queues) if queues.count(q) > 1)} "
+                              "given twice")
+        #: one per engine, in their order (the first is the single queue's)
+        self.consumers = [Consumer(q, url, settings=settings) for q in queues]
+        self.consumer = self.consumers[0]
         self.queue = self.consumer.queue
+        self.memory_budget, self.max_loaded = memory_budget, max_loaded
         self.url = url
         self.id = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
         self.overrides = {k: v for k, v in (("max_batch_size", max_batch_size),
@@ -110,6 +140,8 @@ class Supervisor:
         self.quarantine = Quarantine(
             self.consumer, on_event=self.on_event, on_give_up=self._no_hand_off,
             spawn=lambda: self._spawn(Slot(-2, self.devices[0]), quarantine=True))
+        if self.host:
+            self.quarantine.hand_off = False  # each process runs its suspects alone
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -119,10 +151,13 @@ class Supervisor:
         self._signals_received = 0
         self._signals_seen = 0
         self.paused = False
-        self._listener: control.Listener | None = None
+        self._listeners: list[control.Listener] = []
         self._resize()
 
     # -- public ------------------------------------------------------------------
+    def _tagged(self, queue: str) -> Callable[[dict[str, Any]], None]:
+        return lambda msg: self.request({**msg, "queue": queue})
+
     def request(self, msg: dict[str, Any]) -> None:
         """Queue a control command for the main loop (thread-safe, signal-safe)."""
         with self._inbox_lock:
@@ -133,12 +168,16 @@ class Supervisor:
         """Supervise until stopped; returns the exit code (0 clean, 2 a target that
         cannot be loaded, 1 set-up failing again and again), as ``mtq --help`` lists."""
         prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        self._listener = control.Listener(self.consumer.redis, self.queue, self.request)
-        self._listener.start()
+        # each queue's commands, tagged with it (a host routes them to its engine)
+        self._listeners = [control.Listener(c.redis, c.queue, self._tagged(c.queue))
+                           for c in self.consumers]
+        for listener in self._listeners:
+            listener.start()
         try:
             self._loop()
         finally:
-            self._listener.close()
+            for listener in self._listeners:
+                listener.close()
             for s, h in prev.items():
                 signal.signal(s, h)
         if self.error:
@@ -196,22 +235,20 @@ class Supervisor:
 
     def _timeout_deadline(self, now: float) -> float | None:
         """Seconds until a running predict call overruns its timeout."""
-        out: float | None = None
-        for c in self._running():
-            if c.timeout_s and not c.killed_for:  # a killed one is waited for by its sentinel
-                started = c.predict_started()
-                d = (started + c.timeout_s - now) if started else c.timeout_s / 4
-                out = d if out is None else min(out, d)
-        return out
+        # a killed one is waited for by its sentinel
+        return min((d for c in self._running() if not c.killed_for
+                    for d in [c.next_timeout(now)] if d is not None), default=None)
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
         for c in self._running():
-            started = c.predict_started()
-            if c.timeout_s and started and now - started > c.timeout_s and not c.killed_for:
-                c.killed_for = f"predict ran past its {c.timeout_s:g} s timeout"
+            i = c.overrunning(now)
+            if i is not None and not c.killed_for:
+                e = c.engines[i]
+                of = f" of queue {e.queue!r}" if self.host else ""
+                c.killed_for, c.overran = f"predict{of} ran past its {e.timeout_s:g} s timeout", i
                 who = "the quarantine process" if c.quarantine else f"worker {c.slot}"
-                self.on_event(f"{who} ({c.worker_id}): {c.killed_for}; killing it")
+                self.on_event(f"{who} ({e.worker_id}): {c.killed_for}; killing it")
                 c.process.kill()
 
     # -- children ----------------------------------------------------------------
@@ -230,7 +267,10 @@ class Supervisor:
             # the quarantine process claims nothing: it runs what it is given
             paused=self.paused and not quarantine,
             draining=self.draining and not quarantine, standby=spare,
-            restarts=slot.restarts, options=self.options)
+            restarts=slot.restarts, options=self.options,
+            engines=[{**e, "settings": to_wire(self.consumers[i].broker.source)}
+                     for i, e in enumerate(self.engines)] if self.host else (),
+            memory_budget=self.memory_budget, max_loaded=self.max_loaded)
         c = children.start(self._ctx, config, slot.index, slot.device, spare=spare,
                            quarantine=quarantine)
         if not spare and not quarantine:
@@ -248,38 +288,39 @@ class Supervisor:
             pass  # it exited; the sentinel handles the rest
 
     def _message(self, c: Child, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "held":
-            c.held.update(dict(msg[1]))
-        elif kind == "batch":
-            c.batch = list(msg[1])
-        elif kind == "settled" and c.quarantine:
-            drop(c.held, msg[1])
-        elif kind == "settled":
-            drop(c.held, msg[1])
-            if msg[1]:
+        kind, i, body = msg  # (kind, engine index or -1 for the process, body)
+        e = c.engines[i] if 0 <= i < len(c.engines) else None
+        if kind == "held" and e is not None:
+            e.held.update(dict(body))
+        elif kind == "batch" and e is not None:
+            e.batch = list(body)
+        elif kind == "settled" and e is not None:
+            drop(e.held, body)
+            if body and not c.quarantine:
                 self.slots.progressed(c.slot)
-        elif kind == "hello":
-            c.worker_id = msg[1]
+        elif kind == "hello" and e is not None:
+            e.worker_id = body
         elif kind == "quarantine":  # a suspect c claimed: it runs in the quarantine process
-            self.quarantine.suspect(list(msg[1]), self.stopping)
-        elif kind == "ready":
+            self.quarantine.suspect(list(body), self.stopping)
+        elif kind == "ready" and e is not None:
+            e.ready, e.timeout_s, e.model = True, body.get("timeout_s"), body.get("model")
+            if not all(x.ready for x in c.engines):
+                return
             c.ready = True
-            c.timeout_s = msg[1].get("timeout_s")
             if c.quarantine:
                 self.quarantine.ready()
             elif c.spare:
                 self.standby.ready(c)
             else:
                 self.on_event(f"worker {c.slot} ready on {c.device} (pid {c.process.pid}, "
-                              f"{msg[1].get('model')})")
-        elif kind == "reloaded":
-            c.timeout_s = msg[1].get("timeout_s")
-            self.on_event(f"worker {c.slot} reloaded ({msg[1].get('model')})")
-        elif kind == "fatal":
-            c.fatal, c.error = True, msg[1]
-        elif kind == "setup_failed":
-            c.error = msg[1]
+                              f"{c.models(self.host)})")
+        elif kind == "reloaded" and e is not None:
+            e.timeout_s, e.model = body.get("timeout_s"), body.get("model")
+            of = f" queue {e.queue!r}" if self.host else ""
+            self.on_event(f"worker {c.slot}{of} reloaded ({e.model})")
+        elif kind in ("fatal", "setup_failed"):
+            c.fatal = c.fatal or kind == "fatal"
+            c.error = f"queue {e.queue!r}: {body}" if self.host and e is not None else body
 
     def _reap(self, c: Child) -> None:
         self._read(c)
@@ -293,8 +334,8 @@ class Supervisor:
             self.quarantine.reaped(c, code, self.stopping)
             return
         del self.children[c.slot]
-        children.give_back(self.consumer, c, self.quarantine.elsewhere())
-        children.unregister(self.consumer, c, code)
+        children.give_back(self.consumers, c, self.quarantine.elsewhere())
+        children.unregister(self.consumers, c, code)
         slot = self.slots.get(c.slot)
         if c.fatal:
             self.error, self.exit_code = c.error, EXIT_BAD_TARGET
@@ -381,16 +422,16 @@ class Supervisor:
             if not worker and cmd != "reload":
                 self.paused = cmd == "pause"
             for c in self.children.values():
-                if not worker or worker == c.worker_id:
-                    c.send({"cmd": cmd})
+                if not worker or c.has(worker):
+                    c.send(self._route({"cmd": cmd}, msg))
             if cmd == "reload" and not worker:
                 # they hold the old code; fresh ones import the new (and may fail again)
                 self.standby.retire_all(reload=True)
                 self.quarantine.retire()
         elif cmd == "cancel":  # published by cancel.lua, addressed to the task's worker
             for c in self.children.values():
-                if not worker or worker == c.worker_id:
-                    c.send({"cmd": "cancel", "ids": msg.get("ids") or []})
+                if not worker or c.has(worker):
+                    c.send(self._route({"cmd": "cancel", "ids": msg.get("ids") or []}, msg))
             qc = self.quarantine.process
             if qc is not None:  # it runs suspects under their claimer's id
                 qc.send({"cmd": "cancel", "ids": msg.get("ids") or []})
@@ -405,7 +446,7 @@ class Supervisor:
             self.standby.retire_all()
         elif cmd in ("stop", "drain"):  # one worker: it leaves for good
             for c in self.children.values():
-                if worker == c.worker_id:
+                if c.has(worker):  # in a host, the process of that engine
                     c.retiring = True
                     c.send({"cmd": cmd})
         elif cmd == "scale":
@@ -421,6 +462,14 @@ class Supervisor:
             self._resize()
         else:
             log.warning("unknown control command %r ignored", msg)
+
+    def _route(self, out: dict[str, Any], msg: dict[str, Any]) -> dict[str, Any]:
+        """``out``, a command to the processes made from ``msg``: in a host, one about
+        an engine (ENGINE_COMMANDS) names the queue it came on, so that only that
+        queue's engine acts on it (mtq.workers.host.Host.command)."""
+        if self.host and msg.get("queue") and out.get("cmd") in ENGINE_COMMANDS:
+            out["queue"] = msg["queue"]
+        return out
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # no lock and no read-modify-write shared with the loop: the handler runs
