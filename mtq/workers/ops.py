@@ -247,8 +247,8 @@ class EngineOps:
                 log.warning("teardown() raised; unloading anyway", exc_info=True)
         w.model = self.fresh(w.options)
         del old, teardown
-        w.loaded = False
         self._free()
+        w.loaded = False
         w.engine_state = UNLOADED
         w.residency.notify()
         if record:
