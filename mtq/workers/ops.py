@@ -38,24 +38,82 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from mtq.broker import catalogue as broker_catalogue
+from mtq.broker.consumer import Consumer
 from mtq.broker.protocol import Claimed
 from mtq.errors import BrokerError, TargetError
+from mtq.observe.histograms import Histograms
 from mtq.workers import catalogue, devices
+from mtq.workers.batching import BatchSlot
+from mtq.workers.batchlog import BatchLog
+from mtq.workers.fetcher import Fetcher
+from mtq.workers.ledger import Ledger, Lifecycle, Monitor
 from mtq.workers.options import given as given_options
-from mtq.workers.residency import FAILED, LOADED, LOADING, UNLOADED, UNLOADING, EngineOp
+from mtq.workers.residency import (
+    FAILED,
+    LOADED,
+    LOADING,
+    UNLOADED,
+    UNLOADING,
+    EngineOp,
+    Residency,
+)
 from mtq.workers.target import BatchPolicy, load_model
-
-if TYPE_CHECKING:
-    from mtq.workers.worker import Worker
 
 log = logging.getLogger(__name__)
 
 #: a reload sets the new model up beside the serving one when the device has this
 #: much more free memory than the model's size (a GPU; the budget is checked too)
 BESIDE_HEADROOM = 1.2
+
+
+class Engine(Protocol):
+    """What the engine commands use of their :class:`~mtq.workers.worker.Worker`."""
+
+    # what it serves
+    spec: str | None
+    options: dict[str, str]
+    overrides: dict[str, Any]
+    model: Any
+    policy: BatchPolicy
+    device: Any
+    device_name: str
+    queue: str
+    worker_id: str
+    supervisor: str
+    # the engine's state (see Worker.__init__)
+    loaded: bool
+    engine_state: str
+    memory_bytes: int
+    loaded_at: float
+    load_s: float
+    pinned: bool
+    abandon: bool
+    reloading: bool
+    user_paused: bool
+    idle_unload_s: float | None
+    last_error: str
+    # its parts
+    life: Lifecycle
+    ledger: Ledger
+    slot: BatchSlot
+    fetcher: Fetcher
+    consumer: Consumer
+    monitor: Monitor
+    batchlog: BatchLog
+    stats: Histograms
+    residency: Residency
+
+    @property
+    def last_used(self) -> float: ...
+
+    def evictable(self) -> bool: ...
+
+    def give_back(self, tasks: Sequence[Claimed]) -> None: ...
+
+    def request(self, op: EngineOp) -> None: ...
 
 
 class _Stopping(Exception):
@@ -74,7 +132,7 @@ class EngineOps:
     """The engine commands of one worker (``w``): asked from any thread, carried out
     on its model thread (a beside reload: on a loader thread, then the model thread)."""
 
-    def __init__(self, w: Worker) -> None:
+    def __init__(self, w: Engine) -> None:
         self.w = w
         self._lock = threading.Lock()
         self._pending: list[EngineOp] = []
@@ -135,7 +193,7 @@ class EngineOps:
         """Carry out the commands asked since the last boundary (nothing runs now)."""
         w = self.w
         w.life.reload = False
-        w._reloading = True
+        w.reloading = True
         with self._lock:
             ops, self._pending = self._pending, []
         try:
@@ -147,10 +205,10 @@ class EngineOps:
                                                     "for room to load")
         finally:
             w.abandon = False
-            w._reloading = False
+            w.reloading = False
         if w.life.reload:  # asked again meanwhile: the model loop goes round
             w.slot.kick()
-        elif not w.life.stop.is_set() and not w._user_paused and not w.pinned \
+        elif not w.life.stop.is_set() and not w.user_paused and not w.pinned \
                 and w.engine_state != FAILED:
             w.slot.set_paused(False)
 
@@ -225,13 +283,13 @@ class EngineOps:
         w.engine_state = LOADED
         w.loaded_at = time.time()
         w.last_error = ""
-        w.stats.observe("load", w.load_s)
         r.notify()
-        if reason != "start":
+        if reason != "start":  # (at start the queue's settings are not read yet)
+            w.stats.observe("load", w.load_s)
             log.info("engine %s (%s) loaded %s in %.2f s (%s)", w.worker_id, w.queue,
                      "/".join(w.model.describe()), w.load_s, _mib(w.memory_bytes))
         if record:  # (a reload records "reloaded" once the new model serves)
-            w._catalogue("loaded", w.model)
+            self.catalogue("loaded", w.model)
         r.make_room(w, w.memory_bytes, w.life.stop, wait=False)  # it was bigger than thought
 
     def unload(self, record: bool = True) -> None:
@@ -252,7 +310,7 @@ class EngineOps:
         w.engine_state = UNLOADED
         w.residency.notify()
         if record:
-            w._catalogue("unloaded")
+            self.catalogue("unloaded")
 
     def fresh(self, options: dict[str, str]) -> Any:
         """A new instance of the served target, not set up (the module as imported now)."""
@@ -338,7 +396,7 @@ class EngineOps:
             self.loader = None
             w.last_error = f"reload failed, kept the old model: {_error(exc)}"
             log.error("%s", w.last_error, exc_info=True)
-            w._catalogue("reload_failed", error=w.last_error[:300])
+            self.catalogue("reload_failed", error=w.last_error[:300])
             self.answer(op, ok=False, error=f"{_error(exc)}; the old model goes on serving")
             return
         staged = (model, policy, options, nbytes, time.monotonic() - t0)
@@ -350,7 +408,7 @@ class EngineOps:
         """``model`` (set up) serves from now on."""
         w = self.w
         w.model, w.policy, w.options = model, policy, options
-        w._catalogue("reloaded", model)
+        self.catalogue("reloaded", model)
         # one batch ahead until the new model has shown itself fast (claim_ahead)
         w.ledger.batch_s = float("inf")
         w.slot.claim_ahead(1)
@@ -388,7 +446,7 @@ class EngineOps:
         except Exception as exc:  # an import or options error: nothing was touched
             w.last_error = f"{op.kind} failed, kept the old model: {_error(exc)}"
             log.error("%s", w.last_error, exc_info=True)
-            w._catalogue("reload_failed", error=w.last_error[:300])
+            self.catalogue("reload_failed", error=w.last_error[:300])
             self.answer(op, ok=False, error=f"{_error(exc)}; the engine is as it was")
             return
         was_loaded = w.loaded
@@ -406,7 +464,7 @@ class EngineOps:
             w.model, w.options = old, old_options
             w.last_error = f"{op.kind} failed: {error}"
             log.error("%s", w.last_error, exc_info=True)
-            w._catalogue("reload_failed", error=w.last_error[:300])
+            self.catalogue("reload_failed", error=w.last_error[:300])
             if not was_loaded:
                 w.engine_state = FAILED if op.kind == "load" else UNLOADED
                 self.answer(op, ok=False, error=error)

@@ -130,8 +130,8 @@ class Worker:
         if residency is None:
             self.residency.add(self)
         self._ready = False
-        self._reloading = False
-        self._user_paused = False  # paused by a command (a reload pauses the slot too)
+        self.reloading = False
+        self.user_paused = False  # paused by a command (a reload pauses the slot too)
         self.last_error = ""
         # the shared state (mtq.workers.ledger)
         self.ledger = Ledger(self.monitor)
@@ -212,10 +212,7 @@ class Worker:
         """Loaded and idle: nothing running, held or asked of it (an LRU candidate)."""
         ledger = self.ledger
         return self.loaded and not ledger.busy and not ledger.held and not self.ops.pending \
-            and not self._reloading and not self.life.stop.is_set()
-
-    def _catalogue(self, event: str, model: Target | None = None, error: str = "") -> None:
-        self.ops.catalogue(event, model, error)
+            and not self.reloading and not self.life.stop.is_set()
 
     @property
     def state(self) -> str:
@@ -226,7 +223,7 @@ class Worker:
             return "stopping"
         if engine in ("loading", "unloading"):
             return engine
-        if self._reloading:
+        if self.reloading:
             return "reloading"
         if self.ledger.busy:
             return "running"
@@ -253,12 +250,12 @@ class Worker:
         (log.debug if cmd == "run" else log.info)("worker %s: %s", self.worker_id, cmd)
         fetcher = self.fetcher
         if cmd == "pause":
-            self._user_paused = True
+            self.user_paused = True
             fetcher.give_back(self.slot.set_paused(True))
             fetcher.interrupt()
         elif cmd == "resume":
-            self._user_paused = False
-            if not self._reloading and not self.life.reload:
+            self.user_paused = False
+            if not self.reloading and not self.life.reload:
                 self.slot.set_paused(False)
         elif cmd == "drain":
             self.life.draining = True
@@ -381,7 +378,7 @@ class Worker:
             except BrokerError:
                 log.warning("could not leave the worker registry", exc_info=True)
             if self._ready:
-                self._catalogue("stopped")
+                self.ops.catalogue("stopped")
             self.loaded = False
             self.residency.notify()
         return dict(self.totals)
