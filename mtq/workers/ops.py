@@ -404,11 +404,12 @@ class EngineOps:
         self.request(EngineOp("swap", reply=op.reply, asked=op.asked, staged=staged,
                               reason=op.reason))
 
-    def _install(self, model: Any, policy: BatchPolicy, options: dict[str, str]) -> None:
-        """``model`` (set up) serves from now on."""
+    def _install(self, model: Any, policy: BatchPolicy, options: dict[str, str],
+                 event: str = "reloaded") -> None:
+        """``model`` (set up) serves from now on; ``event`` goes in the catalogue."""
         w = self.w
         w.model, w.policy, w.options = model, policy, options
-        self.catalogue("reloaded", model)
+        self.catalogue(event, model)
         # one batch ahead until the new model has shown itself fast (claim_ahead)
         w.ledger.batch_s = float("inf")
         w.slot.claim_ahead(1)
@@ -478,7 +479,7 @@ class EngineOps:
                 return
             self.answer(op, ok=False, error=f"{error}; the old model was loaded again")
             return
-        self._install(model, policy, options)
+        self._install(model, policy, options, "reloaded" if was_loaded else "loaded")
         what = "reloaded (old model unloaded first)" if was_loaded else "loaded"
         self.answer(op, ok=True, detail=f"{what} in {w.load_s:.2f} s ({_mib(w.memory_bytes)})")
 
