@@ -15,10 +15,28 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from mtq.workers.worker import Worker
+
+class Resident(Protocol):
+    """What the budget sees of an engine (a :class:`~mtq.workers.worker.Worker`)."""
+
+    @property
+    def loaded(self) -> bool: ...
+    @property
+    def memory_bytes(self) -> int: ...
+    @property
+    def last_used(self) -> float: ...
+    @property
+    def life(self) -> Any: ...
+
+    def evictable(self) -> bool:
+        """Loaded and idle: nothing running, held or asked of it."""
+        ...
+
+    def request(self, op: EngineOp) -> None:
+        """Ask it for an engine command."""
+        ...
 
 #: the engine commands (control messages with a reply id; see mtq.broker.answers)
 OPS = ("load", "unload", "reload", "reset")
@@ -40,7 +58,7 @@ class EngineOp:
     #: unload: give the running requests back to their streams (uncounted) instead
     #: of finishing them (a generator; a batch model's running call cannot be cut)
     now: bool = False
-    #: called once with the answer (a dict: see Worker.answer)
+    #: called once with the answer (a dict: see mtq.workers.ops.EngineOps.answer)
     reply: Callable[[dict[str, Any]], None] | None = None
     #: command (an operator), idle (idle_unload_s), budget (room for another), demand
     reason: str = "command"
@@ -50,31 +68,35 @@ class EngineOp:
     staged: Any = None
 
 
+def _setter(event: threading.Event) -> Callable[[dict[str, Any]], None]:
+    return lambda _answer: event.set()
+
+
 class Residency:
     """The memory budget of the engines of one process (thread-safe)."""
 
     def __init__(self, memory_budget: int | None = None, max_loaded: int | None = None) -> None:
         self.memory_budget = memory_budget
         self.max_loaded = max_loaded
-        self.engines: list[Worker] = []
+        self.engines: list[Resident] = []
         #: held by the engine that loads (one load at a time: what it measures is its own)
         self.load_lock = threading.Lock()
         #: notified whenever an engine is loaded, unloaded or goes idle
         self.changed = threading.Condition()
 
-    def add(self, engine: Worker) -> None:
+    def add(self, engine: Resident) -> None:
         self.engines.append(engine)
 
     def notify(self) -> None:
         with self.changed:
             self.changed.notify_all()
 
-    def used(self, but: Worker | None = None) -> tuple[int, int]:
+    def used(self, but: Resident | None = None) -> tuple[int, int]:
         """(bytes, engines) loaded now, leaving ``but`` out."""
         loaded = [e for e in self.engines if e is not but and e.loaded]
         return sum(e.memory_bytes for e in loaded), len(loaded)
 
-    def fits(self, engine: Worker, extra: int = 0, count: int = 1) -> bool:
+    def fits(self, engine: Resident, extra: int = 0, count: int = 1) -> bool:
         """Whether ``engine`` loaded (``extra`` bytes more, ``count`` more engines)
         keeps the process within its budget."""
         used, n = self.used(but=engine)
@@ -84,10 +106,12 @@ class Residency:
             return False
         return True
 
-    def make_room(self, engine: Worker, need: int, stop: threading.Event) -> bool:
+    def make_room(self, engine: Resident, need: int, stop: threading.Event, *,
+                  wait: bool = True) -> bool:
         """Unload the least recently used idle engines until ``engine`` (about to
-        load, ``need`` bytes) fits; wait for one to go idle when none is. Returns
-        False if ``stop`` was set meanwhile. Call it holding :attr:`load_lock`."""
+        load, ``need`` bytes) fits; wait for one to go idle when none is (``wait``
+        False: return False then). Returns False if ``stop`` was set meanwhile. Call
+        it holding :attr:`load_lock` (or, loaded, after it: ``wait`` False)."""
         while not self.fits(engine, need):
             if stop.is_set():
                 return False
@@ -96,12 +120,13 @@ class Residency:
             if idle:
                 victim = idle[0]
                 done = threading.Event()
-                victim.request(EngineOp("unload", reply=lambda _a: done.set(),
-                                        reason="budget"))
+                victim.request(EngineOp("unload", reply=_setter(done), reason="budget"))
                 while not done.wait(0.5):  # the victim's model thread unloads it
-                    if stop.is_set():
-                        return False
+                    if stop.is_set() or victim.life.stop.is_set():
+                        break
                 continue
+            if not wait:
+                return False
             with self.changed:  # every loaded engine is busy: wait for one to finish
                 self.changed.wait(0.5)
         return True

@@ -22,6 +22,9 @@ INTERNAL = {
     # work) and caught by BatchWorker.work around its loop: it never leaves
     # mtq.rq.worker
     "mtq.rq.worker._Interrupted",
+    # raised inside a load when the engine stops while it waits for room in the
+    # budget, and caught by the engine command that loads: it never leaves mtq.workers.ops
+    "mtq.workers.ops._Stopping",
 }
 
 
