@@ -54,10 +54,8 @@ class Host:
     def setup(self) -> None:
         """Load the engines that are not loaded on demand, in order, within the budget."""
         for w in self.workers:
-            prepare = getattr(w, "prepare", None)  # (hostfile: until Worker.prepare lands)
-            if prepare is not None:
-                prepare()
-            if not getattr(w, "on_demand", False):
+            w.prepare()
+            if not w.on_demand:
                 w.setup()
 
     def command(self, msg: dict[str, Any]) -> None:

@@ -141,6 +141,36 @@ target = "tests.host_models:shout"
     assert f"ready on cpu (pid {wa['pid']}, {qa}: configured/" in out, out
 
 
+def test_the_files_budget_on_demand_and_idle_unload_reach_the_engines(
+        host: HostFn, qname: str, redis_url: str, r: redis.Redis) -> None:
+    """max_loaded = 1: B (on demand) loads on its first task, unloading A (the least
+    recently used) for room; B unloads after idle_unload_s; A loads again for its task."""
+    qa, qb = f"{qname}-a", f"{qname}-b"
+    sup = host(two_probes(qa, qb, "max_loaded = 1",
+                          b_keys='on_demand = true\nidle_unload_s = 1\nmemory = "1MiB"'))
+
+    def engines() -> tuple[dict[str, Any], dict[str, Any]]:
+        (wa,) = wait_workers(r, qa, 1, sup)
+        (wb,) = wait_workers(r, qb, 1, sup)
+        return wa, wb
+
+    def states(a: str, b: str, what: str) -> None:
+        wait_for(lambda: tuple(w["engine"] for w in engines()) == (a, b), 20,
+                 f"{what}: A {a}, B {b}: {[(w['engine'], w['state']) for w in engines()]}\n"
+                 f"{sup.output()}")
+
+    states("loaded", "unloaded", "at start")
+    wa, wb = engines()
+    assert wa["process"] == wb["process"] and wa["pid"] == wb["pid"], (wa, wb)
+    assert (wb["on_demand"], float(wb["idle_unload_s"]), int(wb["memory_bytes"])) == \
+        (True, 1.0, 2**20), wb
+    assert not wa["on_demand"], wa
+    assert mtq.Queue(qb, redis_url).submit({"s": "b0", "i": 0}).result(timeout=30)["i"] == 0
+    states("unloaded", "unloaded", "B ran, A unloaded for room, B idle for 1 s")
+    assert mtq.Queue(qa, redis_url).submit({"s": "a0", "i": 1}).result(timeout=30)["i"] == 1
+    states("loaded", "unloaded", "A loaded again for its task")
+
+
 # -- SIGKILL of a host process ------------------------------------------------------------
 @pytest.mark.slow
 def test_sigkill_of_a_host_process_gives_back_each_engines_tasks(
