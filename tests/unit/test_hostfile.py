@@ -311,3 +311,20 @@ def test_line_of_falls_back_to_the_enclosing_table() -> None:
     assert line_of(lines, ("engine", 0, "target")) == 3
     assert line_of(lines, ("host", "x")) == 2
     assert line_of(lines, ("nothing",)) == 0
+
+
+# -- the files the docs show -----------------------------------------------------------
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def test_the_docs_example_and_examples_host_toml_are_good_files() -> None:
+    text = (ROOT / "docs" / "workers.md").read_text()
+    block = re.search(r"^## The host file\n.*?^```toml\n(.*?)^```", text, re.S | re.M)
+    assert block, "docs/workers.md: the host file section has no ```toml example"
+    # (its GPU is this machine's only if it has one)
+    spec = parse(block.group(1).replace('devices = "cuda:0"', 'devices = "cpu"'), "doc")
+    assert [e.queue for e in spec.engines] == ["embed", "chat"]
+    assert spec.engines[1].options == {"model": "/srv/qwen", "default_max_tokens": "256"}
+    example = hostfile.load(str(ROOT / "examples" / "host.toml"))
+    assert [(e.queue, e.on_demand) for e in example.engines] == \
+        [("classify", False), ("classify-wide", True)]
