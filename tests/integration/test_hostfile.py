@@ -219,6 +219,56 @@ def test_sigkill_of_a_host_process_gives_back_each_engines_tasks(
     assert not pid_exists(pid)
 
 
+# -- control and standby -----------------------------------------------------------------
+def _mtq(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PY, "-m", "mtq", *args], env=env, capture_output=True, text=True,
+                          timeout=30)
+
+
+@pytest.mark.slow
+def test_pause_acts_on_the_whole_host_and_reload_on_its_queues_engine(
+        host: HostFn, qname: str, redis_url: str, r: redis.Redis,
+        subprocess_env: dict[str, str]) -> None:
+    qa, qb = f"{qname}-a", f"{qname}-b"
+    sup = host(two_probes(qa, qb))
+    pid = host_pid(r, qa, qb, sup)
+    # one supervisor listens on each queue's channel
+    for q in (qa, qb):
+        res = _mtq(subprocess_env, "workers", "pause", "-q", q, "--redis", redis_url)
+        assert res.returncode == 0 and "sent to 1 supervisor" in res.stdout, res
+        for each in (qa, qb):  # the whole host pauses, whichever queue it came on
+            wait_workers(r, each, 1, sup, check=lambda w: w["state"] == "paused")
+        res = _mtq(subprocess_env, "workers", "resume", "-q", q, "--redis", redis_url)
+        assert res.returncode == 0, res
+        for each in (qa, qb):
+            wait_workers(r, each, 1, sup, check=lambda w: w["state"] == "idle")
+    res = _mtq(subprocess_env, "workers", "reload", "-q", qb, "--redis", redis_url)
+    assert res.returncode == 0, res
+    wait_for(lambda: f"worker 0 queue {qb!r} reloaded" in sup.output(), 30,
+             f"queue B's engine reloaded\n{sup.output()}")
+    assert f"queue {qa!r} reloaded" not in sup.output(), sup.output()
+    assert mtq.Queue(qa, redis_url).submit({"s": "a0", "i": 0}).result(timeout=30)["pid"] == pid
+    assert mtq.Queue(qb, redis_url).submit({"s": "b0", "i": 0}).result(timeout=30)["pid"] == pid
+
+
+@pytest.mark.slow
+def test_a_hosts_standby_takes_over_both_engines(host: HostFn, qname: str, redis_url: str,
+                                                 r: redis.Redis) -> None:
+    qa, qb = f"{qname}-a", f"{qname}-b"
+    sup = host(two_probes(qa, qb).replace("standby = 0", "standby = 1"))
+    pid = host_pid(r, qa, qb, sup)
+    wait_for(lambda: "standby ready on cpu" in sup.output(), 30,
+             f"the standby set up\n{sup.output()}")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: "its standby" in sup.output() and "took over" in sup.output(), 20,
+             f"the standby took over\n{sup.output()}")
+    spare = host_pid(r, qa, qb, sup)
+    assert spare != pid
+    assert f"(pid {spare}) took over" in sup.output(), sup.output()
+    assert mtq.Queue(qa, redis_url).submit({"s": "a0", "i": 0}).result(timeout=30)["pid"] == spare
+    assert mtq.Queue(qb, redis_url).submit({"s": "b0", "i": 0}).result(timeout=30)["pid"] == spare
+
+
 # -- an engine's timeout ------------------------------------------------------------------
 @pytest.mark.slow
 def test_an_engine_that_overruns_its_timeout_kills_the_process_and_only_its_call_counts(
