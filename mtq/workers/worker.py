@@ -396,7 +396,8 @@ class Worker:
             self.slot.configure(policy.max_batch_size, policy.max_wait_ms)
             self.last_error = ""
             log.info("worker %s reloaded %s", self.worker_id, "/".join(model.describe()))
-            self.monitor.reloaded(policy.timeout_s, "/".join(model.describe()))
+            self.monitor.reloaded(policy.timeout_s, "/".join(model.describe()),
+                                  options=dict(self.options))
         self._reloading = False
         if self.life.reload:  # asked again while this one ran: the model loop goes round
             self.slot.kick()
