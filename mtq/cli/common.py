@@ -202,6 +202,30 @@ def when(ms: float | int | None) -> str:
     return datetime.fromtimestamp(ms / 1000).strftime("%H:%M:%S.%f")[:-3]
 
 
+def size(n: Any) -> str:
+    """A number of bytes for people (``1.5 GiB``), or '-'."""
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def ago(ts: Any, now: float | None = None) -> str:
+    """How long ago a unix time (s) was (``12 s ago``, ``3 min ago``), or '-'."""
+    import time
+
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts <= 0:
+        return "-"
+    d = max(0.0, (time.time() if now is None else now) - ts)
+    if d < 120:
+        return f"{d:.0f} s ago"
+    if d < 7200:
+        return f"{d / 60:.0f} min ago"
+    return f"{d / 3600:.1f} h ago"
+
+
 def millis(v: float | None) -> str:
     if v is None:
         return "-"
