@@ -39,13 +39,15 @@ TOKENS_PER_S: tuple[float, ...] = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0
 #: run: start of the batch (or prefill) that ran a task to its outcome; latency:
 #: submit to the outcome that ends the task (succeeded, failed, dead; not a retry);
 #: ttft: submit to a generation's first token; tokens_per_s: a generation's tokens
-#: after the first over the seconds from the first to its end (2 tokens or more)
+#: after the first over the seconds from the first to its end (2 tokens or more);
+#: load: an engine setting its model up (on demand: the wait of the tasks that came)
 BOUNDS: dict[str, tuple[float, ...]] = {
     "queue_wait": SECONDS,
     "run": SECONDS,
     "latency": SECONDS,
     "ttft": SECONDS,
     "tokens_per_s": TOKENS_PER_S,
+    "load": SECONDS,
 }
 
 

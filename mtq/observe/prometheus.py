@@ -129,6 +129,9 @@ HISTOGRAMS = {
     "ttft": ("mtq_generation_ttft_seconds", "Seconds from submit to a generation's first token."),
     "tokens_per_s": ("mtq_generation_tokens_per_second",
                      "A generation's tokens after the first per second from the first to its end."),
+    "load": ("mtq_engine_load_seconds",
+             "Seconds an engine took to set its model up (loaded on demand: the wait of the "
+             "tasks that came for it)."),
 }
 #: the fields of a "hist" hash laid out flat: each metric's buckets, then its sum
 _HIST_SPANS: list[tuple[str, int, int]] = []  # metric, first bucket, its sum's position

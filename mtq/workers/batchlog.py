@@ -38,7 +38,7 @@ _compact = json.JSONEncoder(separators=(",", ":")).encode
 
 #: what a record is of: a batch, or a generator's prefill of the requests it admitted
 #: together
-Kind = Literal["batch", "prefill"]
+Kind = Literal["batch", "prefill", "load"]
 
 #: records kept in the queue's batch list (the newest)
 BATCHES_KEEP = 10_000
@@ -91,6 +91,12 @@ class BatchLog:
             self._pending.append(record)
             if len(self._pending) > BUFFER_MAX:
                 del self._pending[:len(self._pending) - BUFFER_MAX]
+
+    def record(self, kind: Kind, t0: float, t1: float, tasks: Sequence[Claimed]) -> None:
+        """A record of ``kind`` for ``tasks`` from ``t0`` to ``t1`` (unix s) that is not
+        a batch: the load an unloaded engine did for the tasks it took ("load")."""
+        with self._lock:
+            self._pending.append((kind, t0, t1, [t.id for t in tasks]))
 
     def _encode(self, record: tuple[Kind, float, float, list[str]]) -> str:
         """The record's JSON: the same text as encoding the whole dict, with less work

@@ -160,3 +160,34 @@ def model_bytes(model: Any) -> int:
         else:
             visit(value)
     return total
+
+
+def allocated(device: Any) -> int:
+    """Bytes the CUDA caching allocator has handed out on ``device`` (0 elsewhere)."""
+    if getattr(device, "type", None) != "cuda":
+        return 0
+    import torch
+
+    return int(torch.cuda.memory_allocated(device))
+
+
+def free_bytes(device: Any) -> int | None:
+    """Free memory of a CUDA device as the driver sees it; None for other devices
+    (their memory is the host's, which the budget alone guards)."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free)
+
+
+def empty_cache(device: Any) -> None:
+    """Give the CUDA caching allocator's unused blocks back to the device (after an
+    unload: the memory the model held becomes free for other processes too)."""
+    if getattr(device, "type", None) != "cuda":
+        return
+    import torch
+
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()

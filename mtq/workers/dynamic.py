@@ -42,7 +42,8 @@ class DynamicBatcher:
     def __init__(self, *, slot: BatchSlot, ledger: Ledger, life: Lifecycle, tally: Tally,
                  monitor: Monitor, batchlog: BatchLog, fetcher: Fetcher, publisher: Publisher,
                  leases: Leases, outcomes: Outcomes, model: Callable[[], Target],
-                 reload: Callable[[], None], batch_size: Callable[[], int]) -> None:
+                 reload: Callable[[], None], batch_size: Callable[[], int],
+                 ensure_loaded: Callable[[list[Claimed]], bool] = lambda _t: True) -> None:
         self.slot = slot
         self.ledger = ledger
         self.life = life
@@ -58,6 +59,9 @@ class DynamicBatcher:
         self.reload = reload
         #: the policy's max_batch_size now (a reload may change it)
         self.batch_size = batch_size
+        #: loads an unloaded engine's model for the batch it took (False: it could not,
+        #: and the batch went back)
+        self.ensure_loaded = ensure_loaded
         #: the batch size in force: lowered when a batch runs out of memory, raised
         #: again after a run of batches that did not (mtq.workers.memory)
         self.limit = memory.Limit("batch size", batch_size(), memory.RECOVER_BATCHES)
@@ -93,7 +97,9 @@ class DynamicBatcher:
                 self.fetcher.wait_here()
                 continue
             if life.reload:
-                self.fetcher.give_back(batch)  # taken just as the reload came in: not started
+                # taken just as a command came in: not started (and an unload must not
+                # load the model for it first)
+                self.fetcher.give_back(batch)
                 self.reload()
                 model = self.current_model()
                 if isinstance(model, Generator):
@@ -105,6 +111,8 @@ class DynamicBatcher:
                 continue
             batch = self.leases.live(batch)
             if not batch:
+                continue
+            if not self.ensure_loaded(batch):
                 continue
             ledger.set_busy(True, len(batch))
             self.monitor.batch([(t.id, t.token) for t in batch])

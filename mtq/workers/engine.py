@@ -147,6 +147,8 @@ class GenerationEngine:
         while True:
             self._drop_aborted()
             reload_due = life.reload
+            if reload_due and w.abandon and self.running:  # unload --now
+                self._give_back_running()
             if (closed or reload_due) and self.waiting:  # admitted, never started
                 w.give_back([r.task for r in self.waiting])
                 self.waiting.clear()
@@ -253,8 +255,19 @@ class GenerationEngine:
         self._send([], cancelled)
         ledger.forget([(r.task.id, r.task.token) for r in gone if r.task.id in lost])
 
+    def _give_back_running(self) -> None:
+        """Every running request back to the head of its stream, uncounted (each starts
+        over later with its seed; its client's stream goes on where it was)."""
+        gone, self.running = self.running, []
+        self._release(gone)
+        self._send([], [Outcome(r.task, ok=False, released=True) for r in reversed(gone)])
+        self._monitor()
+
     def _intake(self, tasks: list[Claimed]) -> None:
-        """Decode and check newly taken tasks; those that fail leave at once."""
+        """Decode and check newly taken tasks; those that fail leave at once. An
+        unloaded engine loads its model first (on demand)."""
+        if not self.w.ensure_loaded(tasks):
+            return
         outcomes = []
         self.w.tally.totals["tasks"] += len(tasks)
         for t in tasks:

@@ -39,7 +39,8 @@ class Heartbeat:
     def __init__(self, consumer: Consumer, ledger: Ledger, tally: Tally, slot: BatchSlot,
                  batchlog: BatchLog, stats: Histograms, outcomes: Outcomes, *,
                  publish: Callable[[list[Any]], None],
-                 report: Callable[[float], dict[str, Any]]) -> None:
+                 report: Callable[[float], dict[str, Any]],
+                 tick: Callable[[], None] | None = None) -> None:
         self.consumer = consumer
         self.ledger = ledger
         self.tally = tally
@@ -51,6 +52,8 @@ class Heartbeat:
         self.publish = publish
         #: the worker's registry entry, given its task rate
         self.report = report
+        #: called once a beat (the engine's idle unload)
+        self.tick = tick
         #: set once the running batch is settled: leases are extended until then
         self.stop = threading.Event()
 
@@ -79,6 +82,8 @@ class Heartbeat:
                 if now - last_reap >= reap_every:
                     c.reap()
                     last_reap = now
+                if self.tick is not None:
+                    self.tick()
             except BrokerError as exc:  # Redis away: one line, no traceback
                 log.warning("heartbeat failed (%s); will retry", exc)
             except Exception:  # a report that cannot be encoded

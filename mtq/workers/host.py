@@ -24,6 +24,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from mtq.errors import BrokerError
 from mtq.workers import devices
 from mtq.workers.residency import Residency
 from mtq.workers.worker import Worker
@@ -77,6 +78,22 @@ class Host:
             log.exception("the engine of queue %r stopped on an error", w.queue)
             self.failed[w.queue] = exc
             w.last_error = f"engine stopped: {type(exc).__name__}: {exc}"
+            self._give_back(w, w.last_error)
+
+    @staticmethod
+    def _give_back(w: Worker, reason: str) -> None:
+        """What a failed engine still held goes back to the head of its streams, the
+        delivery counted (as for a process that died running it)."""
+        with w.ledger.lock:
+            held = [(t.id, t.token) for t in w.ledger.held.values()]
+        if not held:
+            return
+        try:
+            w.consumer.give_back(held, [], reason)
+        except BrokerError:
+            log.warning("could not give back the tasks of the failed engine of %r; they "
+                        "return when their leases expire", w.queue, exc_info=True)
+        w.ledger.forget(held)
 
     def run(self) -> dict[str, dict[str, int]]:
         """Serve until every engine has stopped; returns each queue's totals."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
 from mtq.broker.consumer import OUTCOME_COUNTERS
@@ -121,6 +122,8 @@ class Ledger:
         #: the model thread runs a batch now, of this many tasks
         self.busy = False
         self.current = 0
+        #: when the model thread last ended a batch (unix s; the engine's last use)
+        self.last_busy = 0.0
         #: lists put in the publisher's outbox and not yet settled: while any is, the
         #: model thread leaves its outcomes to the publisher too, so that a task's
         #: chunks still in hand there reach Redis before its outcome
@@ -185,3 +188,5 @@ class Ledger:
         with self.lock:
             self.busy = busy
             self.current = current
+            if not busy:
+                self.last_busy = time.time()

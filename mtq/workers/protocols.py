@@ -51,7 +51,7 @@ class SettleReports(Protocol):
 
 class EngineHost(Protocol):
     """What the continuous-batching engine uses of its worker: the shared state,
-    the slot it takes tasks from, and six calls."""
+    the slot it takes tasks from, and seven calls."""
 
     @property
     def model(self) -> Target: ...
@@ -71,6 +71,15 @@ class EngineHost(Protocol):
     def batchlog(self) -> BatchLog: ...
     @property
     def stats(self) -> Histograms: ...
+    @property
+    def abandon(self) -> bool:
+        """An ``unload --now`` is due: give the running requests back."""
+        ...
+
+    def ensure_loaded(self, tasks: Sequence[Claimed]) -> bool:
+        """Load an unloaded engine's model for the tasks it took (False: it could not;
+        the tasks went back)."""
+        ...
 
     def publish(self, items: list[Outcome | Chunk]) -> None:
         """Hand tokens and outcomes to be settled (the outlet, or the publisher)."""

@@ -50,6 +50,10 @@ class EngineOp:
     staged: Any = None
 
 
+def _setter(event: threading.Event) -> Callable[[dict[str, Any]], None]:
+    return lambda _answer: event.set()
+
+
 class Residency:
     """The memory budget of the engines of one process (thread-safe)."""
 
@@ -84,10 +88,12 @@ class Residency:
             return False
         return True
 
-    def make_room(self, engine: Worker, need: int, stop: threading.Event) -> bool:
+    def make_room(self, engine: Worker, need: int, stop: threading.Event, *,
+                  wait: bool = True) -> bool:
         """Unload the least recently used idle engines until ``engine`` (about to
-        load, ``need`` bytes) fits; wait for one to go idle when none is. Returns
-        False if ``stop`` was set meanwhile. Call it holding :attr:`load_lock`."""
+        load, ``need`` bytes) fits; wait for one to go idle when none is (``wait``
+        False: return False then). Returns False if ``stop`` was set meanwhile. Call
+        it holding :attr:`load_lock` (or, loaded, after it: ``wait`` False)."""
         while not self.fits(engine, need):
             if stop.is_set():
                 return False
@@ -96,12 +102,13 @@ class Residency:
             if idle:
                 victim = idle[0]
                 done = threading.Event()
-                victim.request(EngineOp("unload", reply=lambda _a: done.set(),
-                                        reason="budget"))
+                victim.request(EngineOp("unload", reply=_setter(done), reason="budget"))
                 while not done.wait(0.5):  # the victim's model thread unloads it
-                    if stop.is_set():
-                        return False
+                    if stop.is_set() or victim.life.stop.is_set():
+                        break
                 continue
+            if not wait:
+                return False
             with self.changed:  # every loaded engine is busy: wait for one to finish
                 self.changed.wait(0.5)
         return True

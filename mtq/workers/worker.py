@@ -34,15 +34,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mtq.broker import catalogue as broker_catalogue
-from mtq.broker import registry
+from mtq.broker import answers, registry
 from mtq.broker.config import SettingsSpec
 from mtq.broker.connection import client_url
 from mtq.broker.consumer import Chunk, Consumer, Outcome
 from mtq.broker.protocol import Claimed
-from mtq.errors import BrokerError, TargetError
+from mtq.errors import BrokerError
 from mtq.observe.histograms import Histograms
-from mtq.workers import catalogue, devices
+from mtq.workers import devices
 from mtq.workers.batching import BatchSlot
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.dynamic import DynamicBatcher
@@ -53,11 +52,12 @@ from mtq.workers.heartbeat import Heartbeat
 from mtq.workers.leases import Leases
 from mtq.workers.ledger import Lease, Ledger, Lifecycle, Monitor, Tally
 from mtq.workers.model import FunctionModel
+from mtq.workers.ops import EngineOps
 from mtq.workers.options import apply as apply_options
-from mtq.workers.options import given as given_options
 from mtq.workers.outcomes import Outcomes
 from mtq.workers.outlet import Outlet
 from mtq.workers.publisher import Publisher
+from mtq.workers.residency import LOADED, OPS, UNLOADED, EngineOp, Residency
 from mtq.workers.target import BatchPolicy, Target, load_model
 
 # the tunables live in the part that reads them (fetcher.FAST_BATCH_S, heartbeat.BEAT_S,
@@ -84,7 +84,9 @@ class Worker:
                  timeout_s: float | None = None, worker_id: str | None = None,
                  monitor: Monitor | None = None, supervisor: str = "",
                  consumer: Consumer | None = None, quarantine: bool = False,
-                 hand_off: bool = True, options: dict[str, str] | None = None) -> None:
+                 hand_off: bool = True, options: dict[str, str] | None = None,
+                 on_demand: bool = False, idle_unload_s: float | None = None,
+                 memory_bytes: int | None = None, residency: Residency | None = None) -> None:
         self.spec = target if isinstance(target, str) else None
         #: the model's options as given (--set KEY=VALUE): set again at each reload
         self.options = dict(options or {})
@@ -105,6 +107,28 @@ class Worker:
         #: its supervisor hands it (the "run" command), one at a time
         self.quarantine = quarantine
         self.slot = BatchSlot(self.policy.max_batch_size, self.policy.max_wait_ms)
+        # -- the engine: its model in memory or not (mtq.workers.ops) --
+        #: not loaded at start: the first task it takes loads it (and an engine unloaded
+        #: when idle, or for room, loads again on its next task)
+        self.on_demand = on_demand
+        #: unload the model after this many seconds without a batch (None: never)
+        self.idle_unload_s = idle_unload_s
+        #: the model is set up; its tensors' bytes (an estimate until first loaded)
+        self.loaded = False
+        self.memory_bytes = int(memory_bytes or 0)
+        #: loaded, unloaded, loading, unloading or failed (mtq.workers.residency)
+        self.engine_state = UNLOADED
+        #: unix time of its last load; seconds the last load took
+        self.loaded_at = 0.0
+        self.load_s = 0.0
+        #: unloaded by a command: it claims nothing until loaded again
+        self.pinned = False
+        #: an ``unload --now`` is due: a generator gives its running requests back
+        self.abandon = False
+        #: the process's memory budget, shared by its engines (alone: its own)
+        self.residency = residency or Residency()
+        if residency is None:
+            self.residency.add(self)
         self._ready = False
         self._reloading = False
         self._user_paused = False  # paused by a command (a reload pauses the slot too)
@@ -129,15 +153,17 @@ class Worker:
             interval_s=lambda: getattr(self.model, "stream_interval_ms", 0.0) / 1000,
             wake=self.fetcher.wake_if_draining)
         self.leases = Leases(self.consumer, self.ledger, self.life, self.slot, self.tally)
+        self.ops = EngineOps(self)
         self.heartbeat = Heartbeat(self.consumer, self.ledger, self.tally, self.slot,
                                    self.batchlog, self.stats, self.outcomes,
-                                   publish=self.publisher.publish, report=self.report)
+                                   publish=self.publisher.publish, report=self.report,
+                                   tick=self.ops.idle_check)
         self.dynamic = DynamicBatcher(
             slot=self.slot, ledger=self.ledger, life=self.life, tally=self.tally,
             monitor=self.monitor, batchlog=self.batchlog, fetcher=self.fetcher,
             publisher=self.publisher, leases=self.leases, outcomes=self.outcomes,
-            model=lambda: self.model, reload=self._do_reload,
-            batch_size=lambda: self.policy.max_batch_size)
+            model=lambda: self.model, reload=self.ops.run_due,
+            batch_size=lambda: self.policy.max_batch_size, ensure_loaded=self.ops.ensure_loaded)
         #: a generator's engine while one runs (its limits are in the report)
         self.engine: GenerationEngine | None = None
         #: a generator's publisher process (see mtq.workers.outlet); None: the thread
@@ -158,50 +184,56 @@ class Worker:
         self.fetcher.hand_off = on
 
     # -- lifecycle ---------------------------------------------------------------
+    def prepare(self) -> None:
+        """Build the device (an on-demand engine starts here: its first task loads it)."""
+        if self.device is None:
+            self.device = devices.torch_device(self.device_name, _uses_device(self.model))
+        if self.on_demand:
+            self._ready = True
+
     def setup(self) -> None:
-        """Build the device and run the model's ``setup`` (once per process)."""
-        self.device = devices.torch_device(self.device_name, _uses_device(self.model))
-        self.model.setup(self.device)
-        self._catalogue("loaded", self.model)
+        """Build the device and run the model's ``setup`` (within the process's memory
+        budget, shared with its other engines). Raises what ``setup`` raises."""
+        self.prepare()
+        self.ops.load(reason="start")
         self._ready = True
 
+    def request(self, op: EngineOp) -> None:
+        """Ask this engine for a command (load, unload, reload, reset: see
+        :mod:`mtq.workers.ops`); thread-safe; answered through ``op.reply``."""
+        self.ops.request(op)
+
+    @property
+    def last_used(self) -> float:
+        """Unix time it last ended a batch (or loaded)."""
+        return max(self.loaded_at, self.ledger.last_busy)
+
+    def evictable(self) -> bool:
+        """Loaded and idle: nothing running, held or asked of it (an LRU candidate)."""
+        ledger = self.ledger
+        return self.loaded and not ledger.busy and not ledger.held and not self.ops.pending \
+            and not self._reloading and not self.life.stop.is_set()
+
     def _catalogue(self, event: str, model: Target | None = None, error: str = "") -> None:
-        """Record ``event`` in the model catalogue (mtq.broker.catalogue); with ``model``
-        (just set up), compute its version and make it the queue's model record. A
-        catalogue that cannot be written is logged, never fatal."""
-        now = int(time.time() * 1000)
-        where = {"host": socket.gethostname(), "worker": self.worker_id}
-        target = self.spec or "/".join(self.model.describe())
-        version = catalogue.version_of(model) if model is not None else \
-            self.model.describe()[1]
-        if model is not None:
-            self.consumer.broker.model_version = version
-        event_fields = {"event": event, "target": target, "version": version,
-                        "pid": os.getpid(), "device": self.device_name,
-                        "supervisor": self.supervisor, "ts": now, **where}
-        if model is not None and given_options(model):
-            event_fields["options"] = given_options(model)
-        if error:
-            event_fields["error"] = error
-        try:
-            broker_catalogue.record(
-                self.consumer.redis, self.queue, event_fields,
-                catalogue.model_record(model, target, version, loaded=now, **where)
-                if model is not None else None)
-        except BrokerError:
-            log.warning("could not write the model catalogue", exc_info=True)
+        self.ops.catalogue(event, model, error)
 
     @property
     def state(self) -> str:
-        """starting, idle, running, paused, draining, reloading or stopping."""
+        """starting, idle, running, paused, draining, reloading, stopping, or the
+        engine's loading, unloading, unloaded or failed."""
+        engine = self.engine_state
         if self.life.stop.is_set():
             return "stopping"
+        if engine in ("loading", "unloading"):
+            return engine
         if self._reloading:
             return "reloading"
         if self.ledger.busy:
             return "running"
         if not self._ready:
             return "starting"
+        if engine != LOADED:
+            return engine
         if self.slot.paused:
             return "paused"
         return "draining" if self.life.draining else "idle"
@@ -234,11 +266,8 @@ class Worker:
             fetcher.interrupt()
         elif cmd == "stop":
             self.stop()
-        elif cmd == "reload":
-            self.life.reload = True
-            fetcher.give_back(self.slot.set_paused(True))
-            fetcher.interrupt()
-            self.slot.kick()
+        elif cmd in OPS:
+            self.request(self._op(msg))
         elif cmd == "scale":
             pass  # a supervisor's business; a worker without one has nothing to scale
         elif cmd == "cancel":
@@ -249,6 +278,20 @@ class Worker:
             self.hand_off = bool(msg.get("on"))
         else:
             log.warning("unknown control command %r ignored", cmd)
+
+    def _op(self, msg: dict[str, Any]) -> EngineOp:
+        """The engine command of a control message; its answer is posted to the reply
+        id it carries (mtq.broker.answers), if any."""
+        rid = msg.get("reply")
+        options = msg.get("options")
+        reply = None
+        if isinstance(rid, str) and rid:
+            def reply(result: dict[str, Any]) -> None:
+                answers.post(self.consumer.redis, self.queue, rid, result)
+        return EngineOp(str(msg["cmd"]),
+                        options={str(k): str(v) for k, v in options.items()}
+                        if isinstance(options, dict) else None,
+                        now=bool(msg.get("now")), reply=reply)
 
     def _cancel_running(self, ids: Sequence[str]) -> None:
         """A cancel was requested for tasks this worker may hold: those waiting in the
@@ -304,6 +347,8 @@ class Worker:
     def run(self) -> dict[str, int]:
         """Serve until stopped (or drained). Returns the totals."""
         if self.device is None:
+            self.prepare()
+        if not self.loaded and not self.on_demand and self.engine_state != "failed":
             self.setup()
         self.started = time.time()
         self.heartbeat.read_settings()
@@ -337,6 +382,8 @@ class Worker:
                 log.warning("could not leave the worker registry", exc_info=True)
             if self._ready:
                 self._catalogue("stopped")
+            self.loaded = False
+            self.residency.notify()
         return dict(self.totals)
 
     def _start_outlet(self) -> None:
@@ -366,43 +413,12 @@ class Worker:
                 if not self.engine.run():
                     return
                 self.engine = None
-                self._do_reload()
+                self.ops.run_due()
             elif not self.dynamic.run():
                 return
 
-    def _do_reload(self) -> None:
-        """Re-import the target and set the new model up; keep the old one if that fails."""
-        self.life.reload = False
-        self._reloading = True
-        try:
-            if self.spec is None:
-                raise TargetError("this worker was given a model object, not a target name; "
-                                  "it cannot re-import it")
-            model = load_model(self.spec, reload=True, options=self.options)
-            policy = BatchPolicy.of(model, **self.overrides)
-            if isinstance(self.device, str) and _uses_device(model):
-                self.device = devices.torch_device(self.device_name)  # replaced a function
-            model.setup(self.device)
-        except Exception as exc:
-            self.last_error = f"reload failed, kept the old model: {type(exc).__name__}: {exc}"
-            log.error("%s", self.last_error, exc_info=True)
-            self._catalogue("reload_failed", error=self.last_error[:300])
-        else:
-            self._catalogue("reloaded", model)
-            self.model, self.policy = model, policy
-            # one batch ahead until the new model has shown itself fast (claim_ahead)
-            self.ledger.batch_s = float("inf")
-            self.slot.claim_ahead(1)
-            self.slot.configure(policy.max_batch_size, policy.max_wait_ms)
-            self.last_error = ""
-            log.info("worker %s reloaded %s", self.worker_id, "/".join(model.describe()))
-            self.monitor.reloaded(policy.timeout_s, "/".join(model.describe()),
-                                  options=dict(self.options))
-        self._reloading = False
-        if self.life.reload:  # asked again while this one ran: the model loop goes round
-            self.slot.kick()
-        elif not self.life.stop.is_set() and not self._user_paused:
-            self.slot.set_paused(False)
+    def ensure_loaded(self, tasks: Sequence[Claimed]) -> bool:
+        return self.ops.ensure_loaded(tasks)
 
     # -- EngineHost (mtq.workers.protocols) -------------------------------------------
     def publish(self, items: list[Outcome | Chunk]) -> None:
@@ -456,6 +472,11 @@ class Worker:
             # seconds in predict (prefill and decode steps for a generator)
             "busy_s": round(self.timing["predict_s"], 6),
             "restarts": self.restarts, "started": round(self.started, 3),
+            # the engine (mtq.workers.ops): several may share this process
+            "process": f"{socket.gethostname()}:{os.getpid()}", "engine": self.engine_state,
+            "memory_bytes": self.memory_bytes, "last_used": round(self.last_used, 3),
+            "load_s": round(self.load_s, 3), "on_demand": self.on_demand,
+            "idle_unload_s": self.idle_unload_s,
             "overhead_ms_per_batch": round(
                 1000 * self.timing["overhead_s"] / max(1, self.totals["batches"]), 4),
         }

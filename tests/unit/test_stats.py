@@ -29,7 +29,7 @@ class Pipe:
 def test_bounds_are_the_documented_ones() -> None:
     assert SECONDS[0] == 0.001 and SECONDS[-1] == 300 and len(SECONDS) == 17
     assert TOKENS_PER_S == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
-    assert set(BOUNDS) == {"queue_wait", "run", "latency", "ttft", "tokens_per_s"}
+    assert set(BOUNDS) == {"queue_wait", "run", "latency", "ttft", "tokens_per_s", "load"}
     for bounds in BOUNDS.values():
         assert list(bounds) == sorted(set(bounds))
 
