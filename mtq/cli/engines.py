@@ -4,7 +4,6 @@ serves a queue, waiting until each engine has answered. Thin over
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -52,34 +51,22 @@ _EPILOG = ("Exit codes: 0 every engine answered ok; 1 one failed (a reload that 
            "command goes on in the engines).")
 
 
-def _text(value: Any) -> str:
-    """A recorded option value as --set writes it."""
-    return value if isinstance(value, str) else "none" if value is None else \
-        "true" if value is True else "false" if value is False else json.dumps(value)
-
-
 def check_sets(client: Any, queue: str, options: dict[str, str]) -> None:
-    """Check ``options`` against the target the queue's model record names (with the
-    options it serves with now, those not given keeping their values); exit 2 if the
+    """Check ``options`` (the whole set to load with, as at start: those not given take
+    their defaults) against the target the queue's model record names; exit 2 if the
     target does not take them. A target that cannot be imported here (its code is on
     the workers' machines only) is left to the engines, with a note."""
     from mtq.broker import catalogue
     from mtq.workers.target import check_options
 
-    record = catalogue.models(client, [queue]).get(queue, {})
-    target = record.get("target")
+    target = catalogue.models(client, [queue]).get(queue, {}).get("target")
     if not target:
         return
-    try:
-        given = json.loads(record.get("options") or "{}")
-    except ValueError:
-        given = {}
-    recorded = {str(k): _text(v) for k, v in given.items()} if isinstance(given, dict) else {}
     cwd = os.getcwd()
     if cwd not in sys.path:  # the target's code, as 'mtq workers start' finds it
         sys.path.insert(0, cwd)
     try:
-        check_options(target, {**recorded, **options})
+        check_options(target, options)
     except OptionError as exc:
         fail(exc, USAGE)
     except TargetError as exc:
@@ -186,9 +173,10 @@ def _command(op: str) -> click.Command:
     if op in ("load", "reload"):
         options.append(click.option(
             "--set", "sets", multiple=True, metavar="KEY=VALUE",
-            help="A model option to load with (repeat it for each); the others keep the "
-                 "values the engines serve with. Checked against the target first when it "
-                 "can be imported here (exit 2)."))
+            help="A model option to load with (repeat it for each): the whole set, as with "
+                 "'mtq workers start' (an option not given takes its default; without "
+                 "--set the engines keep the options they serve with). Checked against the "
+                 "target first when it can be imported here (exit 2)."))
     if op == "unload":
         options.append(click.option(
             "--now", is_flag=True,
