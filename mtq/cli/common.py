@@ -212,6 +212,14 @@ def size(n: Any) -> str:
     return f"{n:.0f} B"
 
 
+def held_memory(entry: dict[str, Any]) -> str:
+    """The memory a registry entry's model holds (``memory_bytes``), or '-' when its
+    engine is not loaded (the entry keeps the size its next load will take)."""
+    if entry.get("engine") not in (None, "loaded", "unloading"):
+        return "-"
+    return size(entry.get("memory_bytes"))
+
+
 def ago(ts: Any, now: float | None = None) -> str:
     """How long ago a unix time (s) was (``12 s ago``, ``3 min ago``), or '-'."""
     import time

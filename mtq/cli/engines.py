@@ -76,16 +76,14 @@ def check_sets(client: Any, queue: str, options: dict[str, str]) -> None:
 
 
 def _line(a: dict[str, Any]) -> str:
-    """One engine's answer, for people."""
-    where = f"{a.get('host')}:{a.get('pid')}"
+    """One engine's answer, for people: where, what happened, how long, its state now."""
     took = a.get("took_s")
     took_text = f"{float(took):.2f} s" if isinstance(took, (int, float)) else "-"
     what = "ok" if a.get("ok") else "FAILED"
-    detail = a.get("detail") or ""
-    error = a.get("error") or ""
-    tail = "; ".join(str(x) for x in (detail, "" if a.get("ok") else error) if x)
-    return printable(f"{where}  {a.get('worker')}  {a.get('op')} {what} in {took_text}"
-                     f" ({a.get('state')})" + (f": {tail}" if tail else ""))
+    tail = str(a.get("detail") or "") if a.get("ok") else str(a.get("error") or "")
+    return printable(f"{a.get('host')}:{a.get('pid')} ({a.get('worker')}): {a.get('op')} "
+                     f"{what} in {took_text}, engine {a.get('state')}"
+                     + (f": {tail}" if tail else ""))
 
 
 def run(op: str, queue: str, url: str | None, sets: tuple[str, ...], now: bool,

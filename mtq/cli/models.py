@@ -17,12 +17,12 @@ from mtq.cli.common import (
     echo_json,
     fail,
     fail_on,
+    held_memory,
     json_option,
     printable,
     redis_option,
     running_server,
     shown,
-    size,
     when,
 )
 from mtq.errors import MtqError
@@ -132,7 +132,7 @@ def models(queue: str | None, history_n: int, as_json: bool, url: str | None) ->
                      and not isinstance(idle, bool) else "")
                 procs.add_row(shown(proc["process"]) if i == 0 else "", shown(e["queue"]),
                               shown(e["worker"]), shown(e.get("engine") or "-"),
-                              size(e.get("memory_bytes")), ago(e.get("last_used")),
+                              held_memory(e), ago(e.get("last_used")),
                               f"{load_s:.1f} s" if isinstance(load_s, (int, float))
                               and not isinstance(load_s, bool) else "-",
                               shown(demand) if e.get("on_demand") is not None else "-")

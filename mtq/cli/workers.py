@@ -257,13 +257,14 @@ def workers_list(queue: str | None, url: str | None, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title=f"{len(rows)} worker(s)")
-    for col in ("id", "process", "queue", "device", "model", "state", "engine", "memory",
-                "last use", "batch", "typical", "tasks/s", "done", "beat age"):
+    # the id is host:pid:suffix: it names the process too (engines of one process
+    # share host:pid)
+    for col in ("id", "queue", "device", "model", "state", "engine", "memory", "last use",
+                "batch", "typical", "tasks/s", "done", "beat age"):
         table.add_column(col)
     for w in rows:
-        cells = [w["id"], w.get("process") or f"{w.get('host')}:{w.get('pid')}",
-                 w.get("queue"), w.get("device"), f"{w.get('model')}/{w.get('version')}",
-                 w.get("state"), w.get("engine") or "-", common.size(w.get("memory_bytes")),
+        cells = [w["id"], w.get("queue"), w.get("device"), f"{w.get('model')}/{w.get('version')}",
+                 w.get("state"), w.get("engine") or "-", common.held_memory(w),
                  common.ago(w.get("last_used")), w.get("batch"), w.get("typical_batch"),
                  w.get("tasks_per_s"), w.get("succeeded"), f"{w['heartbeat_age_s']:.1f}s"]
         # all of it from Redis: shown as text, never as markup or terminal control
