@@ -56,8 +56,9 @@ MAX_WAIT_S = 365 * 24 * 3600.0
 EXIT_CODES = (
     "Exit codes: 0 ok; 1 the task or the work failed (a model's setup too); 2 bad "
     "input (JSON, names, options, a target that cannot be loaded); 3 not found "
-    "(queue, task, server); 4 no supervisor listening; "
-    "5 Redis unreachable, or it refused mtq's credentials or TLS; 6 timed out waiting; "
+    "(queue, task, server); 4 no supervisor listening, or no engine serving the queue; "
+    "5 Redis unreachable, or it refused mtq's credentials or TLS; 6 timed out waiting (an "
+    "engine's answer too); "
     "130 stopped with Ctrl-C while waiting or submitting a file (what was submitted goes on)."
 )
 
