@@ -31,6 +31,7 @@ from mtq.client import engines
 from mtq.errors import ConfigError, EngineTimeout, NoEngine, ResultTimeout
 from mtq.workers import control
 from tests.support.paths import PY
+from tests.support.processes import free_port
 from tests.support.supervisors import StartFn, wait_workers, workers_of
 from tests.support.waits import wait_for
 from tests.support.workers import registered_worker
@@ -227,6 +228,26 @@ def test_a_good_set_passes_and_an_unknown_target_is_left_to_the_engines(
     out = mtq_cli(subprocess_env, "workers", "reload", "-q", qname, "--set", "x=1")
     assert out.returncode == 4, (out.stdout, out.stderr)
     assert "cannot check the options here" in flat(out.stderr), out.stderr
+
+
+def test_redis_unreachable_exits_5(qname: str, subprocess_env: dict[str, str]) -> None:
+    out = mtq_cli(subprocess_env, "workers", "reset", "-q", qname, "--redis",
+                  f"redis://127.0.0.1:{free_port()}/0")
+    assert out.returncode == 5, (out.stdout, out.stderr)
+    assert "cannot reach Redis" in flat(out.stderr), out.stderr
+
+
+def test_a_worker_without_a_supervisor_answers_too(
+        qname: str, redis_url: str, r: redis.Redis, subprocess_env: dict[str, str],
+        tmp_path: Path) -> None:
+    with registered_worker(TARGET, qname, subprocess_env, tmp_path / "calls.log",
+                           "--set", "model=solo") as proc:
+        out = mtq_cli(subprocess_env, "workers", "reset", "-q", qname, "--json")
+        assert out.returncode == 0, (out.stdout, out.stderr)
+        (answer,) = json.loads(out.stdout)["answers"]
+        assert answer["pid"] == proc.pid and answer["ok"] and answer["state"] == "loaded"
+        assert mtq.Queue(qname, redis_url).submit({}).result(timeout=30)["options"] == \
+            {"model": "solo", "pooling": "mean"}
 
 
 def test_an_engine_that_does_not_answer_exits_6_naming_it(
