@@ -25,8 +25,10 @@ control messages).
 * SIGTERM / SIGINT: graceful drain (every child finishes its running batch and
   gives back what it claimed ahead); a second signal kills the children and gives
   their tasks back.
-* Control messages on the queue's control channel: pause, resume, reload (to the
-  children), drain, stop, scale (to the supervisor).
+* Control messages on the queue's control channel: pause, resume, and the engine
+  commands load, unload, reload, reset (to the children, whose engines answer
+  them), drain, stop, scale (to the supervisor). A load or reload with new options
+  that succeeds makes them the options of every process started after it.
 """
 
 from __future__ import annotations
@@ -119,6 +121,9 @@ class Supervisor:
         self._signals_received = 0
         self._signals_seen = 0
         self.paused = False
+        #: the options of the last load or reload to every process (adopted by
+        #: _adopt_options once a process reports them loaded)
+        self._asked_options: dict[str, str] | None = None
         self._listener: control.Listener | None = None
         self._resize()
 
@@ -276,10 +281,29 @@ class Supervisor:
         elif kind == "reloaded":
             c.timeout_s = msg[1].get("timeout_s")
             self.on_event(f"worker {c.slot} reloaded ({msg[1].get('model')})")
+            self._adopt_options(msg[1].get("options"))
         elif kind == "fatal":
             c.fatal, c.error = True, msg[1]
         elif kind == "setup_failed":
             c.error = msg[1]
+
+    def _adopt_options(self, options: Any) -> None:
+        """A process loaded its model with ``options`` (all of them, as text): if they
+        hold the options a load or reload to every process asked for, the processes
+        started from now on (restarts, scale-ups, standbys) start with them, and the
+        standby and quarantine processes, which hold the old ones, are replaced. A
+        reload narrowed to one worker (--worker) changes no one else's."""
+        asked = self._asked_options
+        if not isinstance(options, dict) or asked is None:
+            return
+        new = {str(k): str(v) for k, v in options.items()}
+        if any(new.get(k) != v for k, v in asked.items()) or new == self.options:
+            return
+        self.options = new
+        given = " ".join(f"--set {k}={v}" for k, v in new.items()) or "no --set"
+        self.on_event(f"processes start with {given} from now on")
+        self.standby.retire_all(reload=True)
+        self.quarantine.retire()
 
     def _reap(self, c: Child) -> None:
         self._read(c)
@@ -377,12 +401,22 @@ class Supervisor:
             else:
                 self.on_event("forced stop: killing workers, giving their tasks back")
                 self._stop_all(force=True)
-        elif cmd in ("pause", "resume", "reload"):
-            if not worker and cmd != "reload":
+        elif cmd in ("pause", "resume"):
+            if not worker:
                 self.paused = cmd == "pause"
             for c in self.children.values():
                 if not worker or worker == c.worker_id:
                     c.send({"cmd": cmd})
+        elif cmd in control.ENGINE_COMMANDS:  # load, unload, reload, reset: each engine answers
+            fields = ("cmd", "reply", "options", "now", "worker", "queue")
+            forward: dict[str, Any] = {k: msg[k] for k in fields if k in msg}
+            for c in self.children.values():
+                if not worker or worker == c.worker_id:
+                    c.send(forward)
+            if cmd in ("load", "reload") and msg.get("options") and not worker:
+                # adopted for the processes started from now on once one of them
+                # reports it loaded with these ("reloaded")
+                self._asked_options = dict(msg["options"])
             if cmd == "reload" and not worker:
                 # they hold the old code; fresh ones import the new (and may fail again)
                 self.standby.retire_all(reload=True)
