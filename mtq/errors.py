@@ -24,6 +24,8 @@
     ├── TaskFailed                  the task ended failed, dead or expired
     │   └── TaskCancelled           the task was cancelled
     ├── ResultTimeout               the task did not finish in time (also a TimeoutError)
+    │   └── EngineTimeout           engines did not all answer a load/unload/reload/reset in time
+    ├── NoEngine                    no engine serves the queue (for load/unload/reload/reset)
     ├── LeaseLost                   a worker's lease on a task expired; another owns it
     ├── TargetError                 a worker target (``module:attr``) cannot be loaded
     │   └── OptionError             a model option (``--set``) it does not declare or take
@@ -61,12 +63,14 @@ __all__ = [
     "DeviceOutOfMemory",
     "DuplicateTask",
     "EncodeError",
+    "EngineTimeout",
     "HostFileError",
     "InvalidArgument",
     "InvalidName",
     "JobRefused",
     "LeaseLost",
     "MtqError",
+    "NoEngine",
     "NotDurable",
     "OptionError",
     "PayloadError",
@@ -259,6 +263,41 @@ class ResultTimeout(MtqError, TimeoutError):
             "goes on); wait longer, check that a worker serves its queue (mtq status), or "
             f"stop it (mtq cancel {task_id})"
         )
+
+
+class EngineTimeout(ResultTimeout):
+    """An engine command (load, unload, reload, reset) was not answered by every engine
+    within its timeout. ``answers``: those that came; ``missing``: the registry
+    entries of the engines that did not answer (they may still carry it out)."""
+
+    def __init__(self, queue: str, op: str, timeout: float, answers: list[dict[str, Any]],
+                 missing: list[dict[str, Any]]) -> None:
+        self.queue, self.op, self.answers, self.missing = queue, op, answers, missing
+        #: (a ResultTimeout's fields) the command's reply id, its timeout, "running"
+        self.task_id, self.timeout, self.status = "", timeout, "running"
+        names = ", ".join(f"{w.get('id')} ({w.get('host')}:{w.get('pid')})"
+                          for w in missing[:5]) + (" ..." if len(missing) > 5 else "")
+        MtqError.__init__(
+            self, f"{op} on queue {queue!r}: {len(missing)} engine(s) did not answer within "
+            f"{timeout:g}s: {names}; they may still be at it (a model load can take "
+            f"minutes: give a longer timeout), or be stuck: see mtq workers list -q {queue}")
+
+
+class NoEngine(MtqError, LookupError):
+    """No live engine serves the queue (or none has the worker id asked for): a load,
+    unload, reload or reset has no one to carry it out."""
+
+    def __init__(self, queue: str, worker: str | None = None, detail: str = "") -> None:
+        self.queue, self.worker = queue, worker
+        if detail:
+            text = detail
+        elif worker:
+            text = (f"no engine of queue {queue!r} has worker id {worker!r}; mtq workers "
+                    f"list -q {queue} shows those that serve it")
+        else:
+            text = (f"no process serves queue {queue!r}: start one with mtq workers start "
+                    f"TARGET -q {queue} (or mtq worker run TARGET -q {queue})")
+        super().__init__(text)
 
 
 class LeaseLost(MtqError):

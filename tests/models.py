@@ -334,3 +334,29 @@ class ConfiguredVersioned(Configured):
 
     name = "configured-versioned"
     version = "3"
+
+
+class Optioned(mtq.Model):
+    """Options its ``setup`` reads (for the engine commands' tests): ``model`` (any text;
+    ``fail`` makes ``setup`` raise, as a checkpoint that is not there would) and
+    ``pooling``. Each result says which values its setup saw, when, in which process;
+    ``{"sleep": s}`` sleeps s seconds first."""
+
+    max_batch_size = 4
+    max_wait_ms = 5
+    name = "optioned"
+    model = mtq.Option(str, "a", help="any text; 'fail' fails setup")
+    pooling = mtq.Option(str, "mean", choices=("mean", "cls"))
+
+    def setup(self, device: Any) -> None:
+        if self.model == "fail":
+            raise RuntimeError("no checkpoint at 'fail'")
+        self.seen = {"model": self.model, "pooling": self.pooling}
+        self.setup_at = time.time()
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        for p in batch:
+            if isinstance(p, dict) and p.get("sleep"):
+                time.sleep(float(p["sleep"]))
+        return [{"options": self.seen, "setup_at": self.setup_at, "pid": os.getpid()}
+                for _ in batch]

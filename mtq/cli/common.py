@@ -56,8 +56,9 @@ MAX_WAIT_S = 365 * 24 * 3600.0
 EXIT_CODES = (
     "Exit codes: 0 ok; 1 the task or the work failed (a model's setup too); 2 bad "
     "input (JSON, names, options, a target that cannot be loaded); 3 not found "
-    "(queue, task, server); 4 no supervisor listening; "
-    "5 Redis unreachable, or it refused mtq's credentials or TLS; 6 timed out waiting; "
+    "(queue, task, server); 4 no supervisor listening, or no engine serving the queue; "
+    "5 Redis unreachable, or it refused mtq's credentials or TLS; 6 timed out waiting (an "
+    "engine's answer too); "
     "130 stopped with Ctrl-C while waiting or submitting a file (what was submitted goes on)."
 )
 
@@ -200,6 +201,38 @@ def when(ms: float | int | None) -> str:
     if not ms:
         return "-"
     return datetime.fromtimestamp(ms / 1000).strftime("%H:%M:%S.%f")[:-3]
+
+
+def size(n: Any) -> str:
+    """A number of bytes for people (``1.5 GiB``), or '-'."""
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def held_memory(entry: dict[str, Any]) -> str:
+    """The memory a registry entry's model holds (``memory_bytes``), or '-' when its
+    engine is not loaded (the entry keeps the size its next load will take)."""
+    if entry.get("engine") not in (None, "loaded", "unloading"):
+        return "-"
+    return size(entry.get("memory_bytes"))
+
+
+def ago(ts: Any, now: float | None = None) -> str:
+    """How long ago a unix time (s) was (``12 s ago``, ``3 min ago``), or '-'."""
+    import time
+
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts <= 0:
+        return "-"
+    d = max(0.0, (time.time() if now is None else now) - ts)
+    if d < 120:
+        return f"{d:.0f} s ago"
+    if d < 7200:
+        return f"{d / 60:.0f} min ago"
+    return f"{d / 3600:.1f} h ago"
 
 
 def millis(v: float | None) -> str:

@@ -1,5 +1,6 @@
 """``mtq models``: the model catalogue (which targets and versions each queue serves,
-where, since when) and its reload history. Thin over :mod:`mtq.broker.catalogue`."""
+where, since when), the engines of each worker process, and the reload history.
+Thin over :mod:`mtq.broker.catalogue` and the worker registry."""
 
 from __future__ import annotations
 
@@ -11,14 +12,17 @@ from rich.table import Table
 
 from mtq.cli.common import (
     NOT_FOUND,
+    ago,
     console,
     echo_json,
     fail,
     fail_on,
+    held_memory,
     json_option,
     printable,
     redis_option,
     running_server,
+    shown,
     when,
 )
 from mtq.errors import MtqError
@@ -37,7 +41,30 @@ def catalogue(client: Any, queue: str | None, history_n: int) -> dict[str, Any]:
     if queue is not None:
         names = [queue]
     rows = cat.served(workers, cat.models(client, names))
-    return {"models": rows, "history": cat.history(client, history_n, queue)}
+    return {"models": rows, "processes": processes(workers),
+            "history": cat.history(client, history_n, queue)}
+
+
+#: what ``mtq models`` shows of each engine of a process (registry fields)
+ENGINE_FIELDS = ("queue", "worker", "engine", "state", "device", "model", "memory_bytes",
+                 "last_used", "load_s", "on_demand", "idle_unload_s")
+
+
+def processes(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The live worker processes and the engines each runs (one registry entry per
+    engine, grouped by its ``process``, "host:pid"), sorted by process: which models
+    are loaded where, their memory and last use."""
+    out: dict[str, dict[str, Any]] = {}
+    for w in workers:
+        name = str(w.get("process") or f"{w.get('host')}:{w.get('pid')}")
+        proc = out.setdefault(name, {"process": name, "host": w.get("host"),
+                                     "pid": w.get("pid"), "supervisor": w.get("supervisor"),
+                                     "engines": []})
+        proc["engines"].append({k: w.get("id") if k == "worker" else w.get(k)
+                                for k in ENGINE_FIELDS})
+    for proc in out.values():
+        proc["engines"].sort(key=lambda e: (str(e["queue"]), str(e["worker"])))
+    return [out[k] for k in sorted(out)]
 
 
 def _options(options: dict[str, Any]) -> str:
@@ -56,8 +83,9 @@ def _options(options: dict[str, Any]) -> str:
 @redis_option
 def models(queue: str | None, history_n: int, as_json: bool, url: str | None) -> None:
     """Which targets and versions are served on which queues: hosts, devices, replicas
-    (live workers), when loaded; and the history of loads and reloads (kept after the
-    workers stop). A --queue Redis knows nothing of exits 3."""
+    (live workers), when loaded; the engines of each process (host:pid): loaded or
+    not, their memory and last use; and the history of loads and reloads (kept after
+    the workers stop). A --queue Redis knows nothing of exits 3."""
     from mtq.admin import queue_names
     from mtq.broker import catalogue as cat
     from mtq.broker.connection import connect
@@ -90,6 +118,25 @@ def models(queue: str | None, history_n: int, as_json: bool, url: str | None) ->
                       printable(", ".join(map(str, row["hosts"]))),
                       printable(", ".join(row["devices"])), when(row["loaded"]))
     console.print(table)
+    if data["processes"]:
+        procs = Table(title="engines by process")
+        for col in ("process", "queue", "worker", "engine", "memory", "last used", "load",
+                    "on demand"):
+            procs.add_column(col)
+        for proc in data["processes"]:
+            for i, e in enumerate(proc["engines"]):
+                load_s = e.get("load_s")
+                idle = e.get("idle_unload_s")
+                demand = ("yes" if e.get("on_demand") else "no") + \
+                    (f", idle unload {idle:g} s" if isinstance(idle, (int, float))
+                     and not isinstance(idle, bool) else "")
+                procs.add_row(shown(proc["process"]) if i == 0 else "", shown(e["queue"]),
+                              shown(e["worker"]), shown(e.get("engine") or "-"),
+                              held_memory(e), ago(e.get("last_used")),
+                              f"{load_s:.1f} s" if isinstance(load_s, (int, float))
+                              and not isinstance(load_s, bool) else "-",
+                              shown(demand) if e.get("on_demand") is not None else "-")
+        console.print(procs)
     if history_n and data["history"]:
         hist = Table(title="history (newest first)")
         for col in ("time", "queue", "event", "target", "version", "host", "pid", "device",

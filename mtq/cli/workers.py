@@ -23,7 +23,9 @@ from mtq.cli.common import (
     redis_option,
     running_server,
     say,
+    shown,
 )
+from mtq.cli.engines import COMMANDS as ENGINE_COMMANDS
 from mtq.errors import MtqError
 
 _queue_opt = click.option("--queue", "-q", required=True, help="Queue to serve.")
@@ -300,7 +302,9 @@ def _start_host(path: str, url: str | None, app_dir: str, wait_for_redis: bool) 
 @redis_option
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def workers_list(queue: str | None, url: str | None, as_json: bool) -> None:
-    """Live workers from the registry (host, device, model, state, batch sizes, rate)."""
+    """Live workers from the registry, one row per engine (one queue's model in one
+    process): its process (host:pid), device, model, state, whether its model is
+    loaded (engine), the model's memory, its last use, batch sizes, rate."""
     from mtq.broker.connection import connect
     from mtq.broker.registry import list_workers
 
@@ -315,15 +319,18 @@ def workers_list(queue: str | None, url: str | None, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title=f"{len(rows)} worker(s)")
-    for col in ("id", "queue", "device", "model", "state", "batch", "typical", "tasks/s",
-                "done", "beat age"):
+    # the id is host:pid:suffix: it names the process too (engines of one process
+    # share host:pid)
+    for col in ("id", "queue", "device", "model", "state", "engine", "memory", "last use",
+                "batch", "typical", "tasks/s", "done", "beat age"):
         table.add_column(col)
     for w in rows:
-        table.add_row(w["id"], str(w.get("queue")), str(w.get("device")),
-                      f"{w.get('model')}/{w.get('version')}", str(w.get("state")),
-                      str(w.get("batch")), str(w.get("typical_batch")),
-                      str(w.get("tasks_per_s")), str(w.get("succeeded")),
-                      f"{w['heartbeat_age_s']:.1f}s")
+        cells = [w["id"], w.get("queue"), w.get("device"), f"{w.get('model')}/{w.get('version')}",
+                 w.get("state"), w.get("engine") or "-", common.held_memory(w),
+                 common.ago(w.get("last_used")), w.get("batch"), w.get("typical_batch"),
+                 w.get("tasks_per_s"), w.get("succeeded"), f"{w['heartbeat_age_s']:.1f}s"]
+        # all of it from Redis: shown as text, never as markup or terminal control
+        table.add_row(*(shown(c) for c in cells))
     common.console.print(table)
 
 
@@ -354,9 +361,12 @@ def _control_command(cmd: str, help_text: str) -> None:
 
 _control_command("pause", "Stop claiming; claimed-ahead tasks go back to the queue.")
 _control_command("resume", "Claim again after a pause.")
-_control_command("reload", "Re-import the target and run setup again, losing no task.")
 _control_command("drain", "Work until the queue is empty, then exit.")
 _control_command("stop", "Finish running batches, give the rest back, exit.")
+
+
+for _engine_command in ENGINE_COMMANDS:  # load, unload, reload, reset (mtq.cli.engines)
+    workers.add_command(_engine_command)
 
 
 @workers.command("scale")

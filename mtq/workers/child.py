@@ -153,8 +153,10 @@ class PipeMonitor(Monitor):
     def settled(self, leases: Sequence[tuple[str, str]]) -> None:
         self.send("settled", list(leases))
 
-    def reloaded(self, timeout_s: float | None, model: str) -> None:
-        self.send("reloaded", {"timeout_s": timeout_s, "model": model})
+    def reloaded(self, timeout_s: float | None, model: str,
+                 options: dict[str, str] | None = None) -> None:
+        self.send("reloaded", {"timeout_s": timeout_s, "model": model,
+                               "options": None if options is None else dict(options)})
 
     def quarantine(self, task: Any) -> bool:
         self.send("quarantine", [task.id, task.token, task.payload, task.stream, task.attempts,

@@ -5,17 +5,29 @@ Commands (JSON on the queue's control channel ``mtq:{q}:control``):
 =========  ===========================================================  ===============
 command    effect                                                       addressed to
 =========  ===========================================================  ===============
-pause      stop claiming; give back what was claimed ahead               workers
+pause      stop claiming; give back what was claimed ahead              workers
 resume     claim again                                                  workers
-reload     re-import the target and run ``setup`` again; no task lost    workers
+load       load the engine's model (an unloaded one); ``options``       workers
+unload     finish the running work (``now``: give it back), free the    workers
+           model's memory; its tasks wait, or go to other processes
+reload     re-import the target and set it up again (``options``: with  workers
+           these); no task lost; a failure keeps the old model
+reset      drop the engine's caches and state, keep its weights         workers
 drain      work until the queue is empty, then exit                     supervisors
-stop       finish the running batch, give the rest back, exit            supervisors
-scale      ``replicas``: processes per device, added or retired live     supervisors
+stop       finish the running batch, give the rest back, exit           supervisors
+scale      ``replicas``: processes per device, added or retired live    supervisors
 =========  ===========================================================  ===============
 
 ``worker`` (a worker id) or ``supervisor`` (a supervisor id) narrow a command to one
 process. Pub/sub delivers to whoever listens now: :func:`send` returns how many
 supervisors received the message, and the registry shows the state they reached.
+
+The engine commands (load, unload, reload, reset: :data:`ENGINE_COMMANDS`) may carry
+``reply``, a reply id (:func:`mtq.broker.answers.new_id`): every engine that carries
+one out posts what happened to it (:mod:`mtq.broker.answers`), and the operator's
+command waits for those answers (:mod:`mtq.client.engines`). ``options`` (load,
+reload) are model options as ``--set`` gives them (text values); ``now`` (unload)
+gives the running requests back instead of finishing them.
 """
 
 from __future__ import annotations
@@ -29,40 +41,17 @@ from typing import Any
 import redis
 
 from mtq.broker import cluster
-from mtq.broker.connection import Backoff, redis_errors, single_attempt
+from mtq.broker.commands import COMMANDS, ENGINE_COMMANDS, message, publish
+from mtq.broker.connection import Backoff, single_attempt
 from mtq.broker.keys import QueueKeys
-from mtq.errors import ConfigError
+
+__all__ = ["COMMANDS", "ENGINE_COMMANDS", "Listener", "message", "send"]
 
 log = logging.getLogger(__name__)
 
-COMMANDS = ("pause", "resume", "reload", "drain", "stop", "scale")
-
-
-def message(cmd: str, *, worker: str | None = None, supervisor: str | None = None,
-            replicas: int | None = None) -> dict[str, Any]:
-    """Build and check a control message; raises ConfigError for a bad one."""
-    if cmd not in COMMANDS:
-        raise ConfigError(f"unknown control command {cmd!r}; use one of {', '.join(COMMANDS)}")
-    msg: dict[str, Any] = {"cmd": cmd}
-    if cmd == "scale":
-        if replicas is None or replicas < 0:
-            raise ConfigError("scale needs a number of replicas >= 0")
-        msg["replicas"] = replicas
-    if worker:
-        msg["worker"] = worker
-    if supervisor:
-        msg["supervisor"] = supervisor
-    return msg
-
-
 def send(client: redis.Redis, queue: str, cmd: str, **fields: Any) -> int:
     """Publish a command to the queue's supervisors; returns how many received it."""
-    msg = message(cmd, **fields)
-    client = cluster.for_queue(client, queue)
-    with redis_errors("while sending a control command"):
-        # on a sharded cluster the queue's shard delivers it, and counts its listeners
-        publish = client.spublish if cluster.sharded(client) else client.publish
-        return int(publish(QueueKeys(queue).control, json.dumps(msg)))
+    return publish(client, queue, message(cmd, **fields))
 
 
 class Listener:

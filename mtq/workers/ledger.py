@@ -52,8 +52,11 @@ class Monitor:
     def settled(self, leases: Sequence[Lease]) -> None:
         """These deliveries left this process (settled or given back)."""
 
-    def reloaded(self, timeout_s: float | None, model: str) -> None:
-        """A reload swapped the model in; its timeout may have changed."""
+    def reloaded(self, timeout_s: float | None, model: str,
+                 options: dict[str, str] | None = None) -> None:
+        """A reload (or a load) swapped the model in; its timeout may have changed.
+        ``options``: every model option it was loaded with (text, as ``--set``);
+        None when not known. A supervisor starts its later processes with them."""
 
     def quarantine(self, task: Claimed) -> bool:
         """A claimed task is a suspect (a process died while running it): True if the

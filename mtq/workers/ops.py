@@ -228,7 +228,7 @@ class EngineOps:
             w.pinned = op.reason == "command"
             then = "claims nothing until loaded" if w.pinned else "loads again on its next task"
             self.answer(op, ok=True, detail=f"unloaded ({_mib(freed)} freed; {then})")
-        elif op.kind == "load" and w.loaded and (op.options is None or op.options == w.options):
+        elif op.kind == "load" and w.loaded and {**w.options, **(op.options or {})} == w.options:
             w.pinned = False
             self.answer(op, ok=True, detail="already loaded")
         elif op.kind in ("load", "reload"):
@@ -363,7 +363,8 @@ class EngineOps:
         if w.spec is None:
             raise TargetError("this worker was given a model object, not a target name; "
                               "it cannot re-import it")
-        options = dict(w.options if op.options is None else op.options)
+        # the options it names change; the others keep the values served now
+        options = {**w.options, **(op.options or {})}
         model = load_model(w.spec, reload=self._reimports(op), options=options)
         return model, BatchPolicy.of(model, **w.overrides), options
 
@@ -417,7 +418,7 @@ class EngineOps:
         w.last_error = ""
         w.pinned = False
         w.loaded_at = time.time()
-        w.monitor.reloaded(policy.timeout_s, "/".join(model.describe()))
+        w.monitor.reloaded(policy.timeout_s, "/".join(model.describe()), options=dict(options))
 
     def _swap(self, op: EngineOp) -> None:
         w = self.w

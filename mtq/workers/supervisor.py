@@ -25,16 +25,18 @@ control messages).
 * SIGTERM / SIGINT: graceful drain (every child finishes its running batch and
   gives back what it claimed ahead); a second signal kills the children and gives
   their tasks back.
-* Control messages on the queue's control channel: pause, resume, reload (to the
-  children), drain, stop, scale (to the supervisor).
+* Control messages on the queue's control channel: pause, resume, and the engine
+  commands load, unload, reload, reset (to the children, whose engines answer
+  them), drain, stop, scale (to the supervisor). A load or reload with new options
+  that succeeds makes them the options of every process started after it.
 
 A host (``mtq workers start --config host.toml``, :mod:`mtq.workers.hostfile`) is a
 supervisor of several queues: each process runs one engine per queue
 (:class:`~mtq.workers.host.Host`), with a consumer and a control channel per queue.
 A dead process's tasks go back per engine, with its queue's consumer; a predict call
 that overruns its engine's timeout kills the process, and only that call counts
-against its tasks. Commands about an engine (reload, cancel) go to the engine of
-the queue they came on; pause, resume, drain, stop and scale act on the whole host.
+against its tasks. Commands about an engine (load, unload, reload, reset, cancel) go to
+the engine of the queue they came on; pause, resume, drain, stop and scale act on the whole host.
 A host hands no suspect to a quarantine process: each process runs its suspects
 alone itself (a quarantine process would host every engine again).
 """
@@ -52,13 +54,13 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from mtq.broker.config import SettingsSpec, to_wire
-from mtq.broker.consumer import Consumer
 from mtq.errors import ConfigError
 from mtq.workers import children, control, devices
 from mtq.workers.child import ChildConfig
 from mtq.workers.children import Child, drop
 from mtq.workers.quarantine import Quarantine
 from mtq.workers.restarts import Slot, Slots
+from mtq.workers.served import Served
 from mtq.workers.standby import Standby
 
 # the tunables live in the part that reads them (restarts.RESTART_BASE_S,
@@ -69,9 +71,6 @@ log = logging.getLogger(__name__)
 
 #: the supervisor's exit codes when it gives up (the CLI's: 2 bad input, 1 the work failed)
 EXIT_BAD_TARGET, EXIT_SETUP_FAILED = 2, 1
-
-#: commands about one engine: in a host, they go to the engine of the queue they came on
-ENGINE_COMMANDS = frozenset({"reload", "cancel", "load", "unload", "reset"})
 
 
 def _earliest(*deadlines: float | None) -> float | None:
@@ -101,20 +100,13 @@ class Supervisor:
             raise ConfigError(f"--replicas must be >= 0, got {replicas}")
         if standby is not None and not 0 <= standby <= 1:
             raise ConfigError(f"--standby must be 0 or 1, got {standby}")
-        if bool(engines) == bool(target or queue):
-            raise ConfigError("a supervisor serves a target and a queue, or a host's engines")
         self.target = target
         self.devices = devices.parse_devices(devices_spec)
         self.replicas = replicas
-        #: a host: several engines per process, one per queue
-        self.host = bool(engines)
-        self.engines = [dict(e) for e in engines] or [{"queue": queue}]
-        queues = [e["queue"] for e in self.engines]
-        if len(set(queues)) != len(queues):
-            raise ConfigError(f"one engine per queue: {sorted(q for q in set(queues) if queues.count(q) > 1)} "
-                              "given twice")
-        #: one per engine, in their order (the first is the single queue's)
-        self.consumers = [Consumer(q, url, settings=settings) for q in queues]
+        #: what its processes serve: one queue, or a host's engines (a consumer each)
+        self.served = Served(target, queue, engines, url=url, settings=settings,
+                             options=options)
+        self.host, self.consumers = self.served.host, self.served.consumers
         self.consumer = self.consumers[0]
         self.queue = self.consumer.queue
         self.memory_budget, self.max_loaded = memory_budget, max_loaded
@@ -123,8 +115,6 @@ class Supervisor:
         self.overrides = {k: v for k, v in (("max_batch_size", max_batch_size),
                                             ("max_wait_ms", max_wait_ms),
                                             ("timeout_s", timeout_s)) if v is not None}
-        #: the model's options (--set KEY=VALUE, as text), for every process
-        self.options = dict(options or {})
         self.log_level = log_level
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
         #: slot index -> its serving process
@@ -267,9 +257,7 @@ class Supervisor:
             # the quarantine process claims nothing: it runs what it is given
             paused=self.paused and not quarantine,
             draining=self.draining and not quarantine, standby=spare,
-            restarts=slot.restarts, options=self.options,
-            engines=[{**e, "settings": to_wire(self.consumers[i].broker.source)}
-                     for i, e in enumerate(self.engines)] if self.host else (),
+            restarts=slot.restarts, options=self.served.options, engines=self.served.wire(),
             memory_budget=self.memory_budget, max_loaded=self.max_loaded)
         c = children.start(self._ctx, config, slot.index, slot.device, spare=spare,
                            quarantine=quarantine)
@@ -318,9 +306,21 @@ class Supervisor:
             e.timeout_s, e.model = body.get("timeout_s"), body.get("model")
             of = f" queue {e.queue!r}" if self.host else ""
             self.on_event(f"worker {c.slot}{of} reloaded ({e.model})")
+            self._adopt_options(i, body.get("options"))
         elif kind in ("fatal", "setup_failed"):
             c.fatal = c.fatal or kind == "fatal"
             c.error = f"queue {e.queue!r}: {body}" if self.host and e is not None else body
+
+    def _adopt_options(self, i: int, options: Any) -> None:
+        """Engine ``i`` of a process loaded its model with ``options``: if a load or
+        reload to every process asked for them, the processes started from now on
+        (restarts, scale-ups, standbys) start with them, and the standby and
+        quarantine processes, which hold the old ones, are replaced (Served.adopt)."""
+        adopted = self.served.adopt(i, options)
+        if adopted is not None:
+            self.on_event(adopted)
+            self.standby.retire_all(reload=True)
+            self.quarantine.retire()
 
     def _reap(self, c: Child) -> None:
         self._read(c)
@@ -418,12 +418,22 @@ class Supervisor:
             else:
                 self.on_event("forced stop: killing workers, giving their tasks back")
                 self._stop_all(force=True)
-        elif cmd in ("pause", "resume", "reload"):
-            if not worker and cmd != "reload":
+        elif cmd in ("pause", "resume"):
+            if not worker:
                 self.paused = cmd == "pause"
             for c in self.children.values():
                 if not worker or c.has(worker):
-                    c.send(self._route({"cmd": cmd}, msg))
+                    c.send({"cmd": cmd})  # (a host: every engine)
+        elif cmd in control.ENGINE_COMMANDS:  # load, unload, reload, reset: each engine answers
+            fields = ("cmd", "reply", "options", "now", "worker", "queue")
+            forward: dict[str, Any] = {k: msg[k] for k in fields if k in msg}
+            for c in self.children.values():
+                if not worker or c.has(worker):
+                    c.send(self.served.route(forward, msg))
+            if cmd in ("load", "reload") and msg.get("options") and not worker:
+                # adopted for the processes started from now on once one of them
+                # reports it loaded with these ("reloaded")
+                self.served.ask(msg.get("queue"), msg["options"])
             if cmd == "reload" and not worker:
                 # they hold the old code; fresh ones import the new (and may fail again)
                 self.standby.retire_all(reload=True)
@@ -431,7 +441,7 @@ class Supervisor:
         elif cmd == "cancel":  # published by cancel.lua, addressed to the task's worker
             for c in self.children.values():
                 if not worker or c.has(worker):
-                    c.send(self._route({"cmd": "cancel", "ids": msg.get("ids") or []}, msg))
+                    c.send(self.served.route({"cmd": "cancel", "ids": msg.get("ids") or []}, msg))
             qc = self.quarantine.process
             if qc is not None:  # it runs suspects under their claimer's id
                 qc.send({"cmd": "cancel", "ids": msg.get("ids") or []})
@@ -462,14 +472,6 @@ class Supervisor:
             self._resize()
         else:
             log.warning("unknown control command %r ignored", msg)
-
-    def _route(self, out: dict[str, Any], msg: dict[str, Any]) -> dict[str, Any]:
-        """``out``, a command to the processes made from ``msg``: in a host, one about
-        an engine (ENGINE_COMMANDS) names the queue it came on, so that only that
-        queue's engine acts on it (mtq.workers.host.Host.command)."""
-        if self.host and msg.get("queue") and out.get("cmd") in ENGINE_COMMANDS:
-            out["queue"] = msg["queue"]
-        return out
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         # no lock and no read-modify-write shared with the loop: the handler runs

@@ -145,6 +145,7 @@ def test_options_reach_setup_are_recorded_and_survive_a_reload(
 
     out = mtq_cli(subprocess_env, "workers", "reload", "-q", qname)
     assert out.returncode == 0, out.stderr
+    assert "reload: 1 of 1 engine(s) ok" in out.stdout, out.stdout  # it waited for it
     wait_for(lambda: [h for h in cat.history(r, 10, qname) if h["event"] == "reloaded"],
              30, f"no reloaded event\n{sup.output()[-3000:]}")
     again = q.submit({}).result(timeout=30)

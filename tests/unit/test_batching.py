@@ -638,7 +638,8 @@ def test_control_message_builds_valid_commands() -> None:
     assert control.message("scale", replicas=0) == {"cmd": "scale", "replicas": 0}
     assert control.message("scale", replicas=3, supervisor="s") == {
         "cmd": "scale", "replicas": 3, "supervisor": "s"}
-    assert set(control.COMMANDS) == {"pause", "resume", "reload", "drain", "stop", "scale"}
+    assert set(control.COMMANDS) == {"pause", "resume", "load", "unload", "reload", "reset",
+                                     "drain", "stop", "scale"}
 
 
 @pytest.mark.parametrize(("cmd", "fields", "match"), [
