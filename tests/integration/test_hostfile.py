@@ -7,6 +7,7 @@ tells the engines apart."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -267,6 +268,48 @@ def test_a_hosts_standby_takes_over_both_engines(host: HostFn, qname: str, redis
     assert f"(pid {spare}) took over" in sup.output(), sup.output()
     assert mtq.Queue(qa, redis_url).submit({"s": "a0", "i": 0}).result(timeout=30)["pid"] == spare
     assert mtq.Queue(qb, redis_url).submit({"s": "b0", "i": 0}).result(timeout=30)["pid"] == spare
+
+
+@pytest.mark.slow
+def test_engine_commands_reach_their_queues_engine_and_later_processes_keep_its_options(
+        host: HostFn, qname: str, redis_url: str, r: redis.Redis,
+        subprocess_env: dict[str, str]) -> None:
+    qa, qb = f"{qname}-a", f"{qname}-b"
+    sup = host(f"[host]\nstandby = 0\n"
+               f"[[engine]]\nqueue = \"{qa}\"\ntarget = \"tests.models:Optioned\"\n"
+               f"options = {{ model = \"a1\" }}\n"
+               f"[[engine]]\nqueue = \"{qb}\"\ntarget = \"tests.models:Optioned\"\n"
+               f"options = {{ model = \"b1\", pooling = \"cls\" }}\n")
+    pid = host_pid(r, qa, qb, sup)
+    (wa,) = wait_workers(r, qa, 1, sup)
+    q_a, q_b = mtq.Queue(qa, redis_url), mtq.Queue(qb, redis_url)
+
+    def served(q: mtq.Queue) -> set[tuple[int, str, str]]:
+        return {(x["pid"], x["options"]["model"], x["options"]["pooling"])
+                for x in (t.result(timeout=60) for t in q.submit_many([{"i": 0}] * 2))}
+
+    assert (served(q_a), served(q_b)) == ({(pid, "a1", "mean")}, {(pid, "b1", "cls")})
+    # unload A: A's engine alone answers; B's stays loaded
+    res = _mtq(subprocess_env, "workers", "unload", "-q", qa, "--redis", redis_url, "--json")
+    assert res.returncode == 0, res
+    answers = json.loads(res.stdout)["answers"]
+    assert [(a["worker"], a["state"]) for a in answers] == [(wa["id"], "unloaded")], answers
+    wait_for(lambda: [w["engine"] for q in (qa, qb) for w in wait_workers(r, q, 1, sup)]
+             == ["unloaded", "loaded"], 10, "A unloaded, B loaded")
+    res = _mtq(subprocess_env, "workers", "load", "-q", qa, "--redis", redis_url)
+    assert res.returncode == 0 and "load: 1 of 1 engine(s) ok" in res.stdout, res
+    # reload A with new options: A serves them, B keeps its own; a process started
+    # later starts A's engine with them, and B's with the file's
+    res = _mtq(subprocess_env, "workers", "reload", "-q", qa, "--set", "model=a2",
+               "--redis", redis_url)
+    assert res.returncode == 0 and "reload: 1 of 1 engine(s) ok" in res.stdout, res
+    assert (served(q_a), served(q_b)) == ({(pid, "a2", "mean")}, {(pid, "b1", "cls")})
+    wait_for(lambda: f"processes start queue {qa!r}'s engine with --set model=a2" in
+             sup.output(), 15, f"the supervisor adopted A's options\n{sup.output()}")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: host_pid(r, qa, qb, sup) != pid, 60, f"a new process\n{sup.output()}")
+    new = host_pid(r, qa, qb, sup)
+    assert (served(q_a), served(q_b)) == ({(new, "a2", "mean")}, {(new, "b1", "cls")})
 
 
 # -- an engine's timeout ------------------------------------------------------------------
