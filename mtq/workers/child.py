@@ -196,20 +196,16 @@ def _engine(config: ChildConfig, spec: Mapping[str, Any], monitor: PipeMonitor,
     consumer = Consumer(spec["queue"], settings=from_wire(spec.get("settings")),
                         worker_id=worker_id,
                         client=connect(config.url, name=connection_name(worker_id)))
-    # what a host file adds, given only when set (a Worker without them takes none)
-    extra: dict[str, Any] = {k: v for k, v in (("on_demand", bool(spec.get("on_demand"))),
-                               ("idle_unload_s", spec.get("idle_unload_s")),
-                               ("memory_bytes", spec.get("memory"))) if v}
     return Worker(spec["target"], spec["queue"], device=config.device, monitor=monitor,
                   supervisor=config.supervisor, consumer=consumer,
                   quarantine=config.quarantine, hand_off=config.hand_off,
                   options=dict(spec.get("options") or {}), **dict(spec.get("overrides") or {}),
-                  **extra)
+                  on_demand=bool(spec.get("on_demand")), idle_unload_s=spec.get("idle_unload_s"),
+                  memory_bytes=spec.get("memory"))
 
 
 def _describe(w: Worker) -> str:
-    model = getattr(w, "model", None)
-    return "/".join(model.describe()) if model is not None else str(w.spec)
+    return "/".join(w.model.describe())
 
 
 def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
