@@ -95,3 +95,44 @@ class Steps(mtq.Generator):
 
     def teardown(self) -> None:
         TEARDOWNS["steps"] += 1
+
+
+class Stalls(mtq.Model):
+    """For the kill tests (tests/integration/test_engine_faults.py): a model whose
+    setup or teardown stalls, as a load from a slow disk does, while the file
+    ``<dir>/setup-stall`` (or ``teardown-stall``) exists; it writes
+    ``<dir>/setup-stalled.<pid>`` (or ``teardown-stalled.<pid>``) when it stalls, and
+    one line per payload it ran to ``<dir>/ran`` (``<pid> <payload>``)."""
+
+    name = "stalls"
+    max_batch_size = 4
+    max_wait_ms = 0.0
+    dir = mtq.Option(str, help="the folder of the markers and the log")
+
+    def _stall(self, what: str) -> None:
+        import os
+        from pathlib import Path
+
+        d = Path(self.dir)
+        if not (d / f"{what}-stall").exists():
+            return
+        (d / f"{what}-stalled.{os.getpid()}").touch()
+        deadline = time.monotonic() + 60
+        while (d / f"{what}-stall").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # a load that takes as long as the test wants (it kills it)
+
+    def setup(self, device: Any) -> None:
+        self._stall("setup")
+
+    def teardown(self) -> None:
+        self._stall("teardown")
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        import os
+        from pathlib import Path
+
+        time.sleep(0.02)
+        with open(Path(self.dir) / "ran", "a") as f:
+            for p in batch:
+                f.write(f"{os.getpid()} {p}\n")
+        return batch

@@ -1,0 +1,92 @@
+"""An engine command cut short: the worker process is SIGKILLed while it loads or
+unloads its model. Nothing is lost and nothing runs twice to completion: the
+supervisor gives back what the process held, a new process serves the queue, and
+every task ends succeeded, its payload run once. Real supervisors, real processes,
+a real redis-server."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import redis
+
+import mtq
+from mtq.broker import answers
+from mtq.workers import control
+from tests.support.supervisors import StartFn, wait_workers
+from tests.support.waits import wait_for
+
+pytestmark = pytest.mark.timeout(180)
+
+TARGET = "tests.engine_models:Stalls"
+
+
+def ran(d: Path) -> Counter[str]:
+    path = d / "ran"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return Counter(line.split()[1] for line in lines)
+
+
+def stalled(d: Path, what: str) -> int | None:
+    """The pid of the process stalled in its ``what`` (setup, teardown), if one is."""
+    for f in d.glob(f"{what}-stalled.*"):
+        return int(f.name.rsplit(".", 1)[1])
+    return None
+
+
+def command(r: redis.Redis, queue: str, cmd: str) -> str:
+    """Publish an engine command with a reply id (nobody waits for the answer)."""
+    rid = answers.new_id()
+    assert control.send(r, queue, cmd, reply=rid) >= 1, "no supervisor listened"
+    return rid
+
+
+def all_succeeded(tasks: list[mtq.Task]) -> bool:
+    return all(t.status() == "succeeded" for t in tasks)
+
+
+@pytest.mark.parametrize("cut", ["unload", "load"])
+def test_a_process_killed_mid_command_loses_nothing_and_runs_nothing_twice(
+        cut: str, qname: str, r: redis.Redis, redis_url: str, supervise: StartFn,
+        tmp_path: Path) -> None:
+    d = tmp_path / "markers"
+    d.mkdir()
+    sup = supervise(TARGET, qname, "--set", f"dir={d}", "--standby", "0")
+    (w,) = wait_workers(r, qname, 1, sup, check=lambda w: w.get("engine") == "loaded")
+    q = mtq.Queue(qname, redis_url)
+    streams = [f"s{i}" for i in range(4)]
+    first = [q.submit(f"a{i}", stream=streams[i % 4]) for i in range(40)]
+    if cut == "unload":  # the unload stalls in the model's teardown, tasks still coming
+        (d / "teardown-stall").touch()
+        wait_for(lambda: sum(t.status() == "succeeded" for t in first) >= 4, 30,
+                 "the first tasks did not run")
+        command(r, qname, "unload")
+        pid = wait_for(lambda: stalled(d, "teardown"), 30, "the unload never began")
+        (d / "teardown-stall").unlink()
+    else:  # unloaded; the load stalls in setup, tasks waiting in the queue meanwhile
+        wait_for(lambda: all_succeeded(first), 30, "the first tasks did not finish")
+        command(r, qname, "unload")
+        wait_workers(r, qname, 1, sup, check=lambda w: w.get("engine") == "unloaded")
+        (d / "setup-stall").touch()
+        command(r, qname, "load")
+        pid = wait_for(lambda: stalled(d, "setup"), 30, "the load never began")
+        (d / "setup-stall").unlink()
+    assert pid == w["pid"]
+    later = [q.submit(f"b{i}", stream=streams[i % 4]) for i in range(20)]
+    os.kill(pid, signal.SIGKILL)  # mid-command
+    wait_for(lambda: all_succeeded(first + later), 60,
+             f"tasks were lost: {[t.status() for t in first + later]}\n{sup.output()}")
+    counts = ran(d)
+    assert set(counts) == {f"a{i}" for i in range(40)} | {f"b{i}" for i in range(20)}
+    assert max(counts.values()) == 1, {k: v for k, v in counts.items() if v > 1}
+    # the order of each stream held across the kill
+    infos = [t.info() for t in first + later]
+    for s in streams:
+        ends = [i.finished for i in infos if i.stream == s]
+        assert ends == sorted(ends), f"stream {s} ran out of order"
+    sup.proc.send_signal(signal.SIGTERM)
+    assert sup.wait_exit(30, "after SIGTERM") == 0
