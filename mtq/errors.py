@@ -4,6 +4,7 @@
 
     MtqError
     ├── ConfigError                 a setting is unknown or out of range
+    │   └── HostFileError           a host file (``--config host.toml``) that cannot be used
     ├── BrokerError                 Redis is unreachable or answered unexpectedly
     │   ├── RedisUnavailable        the connection was refused, reset or timed out
     │   ├── RedisAuthError          Redis refused the credentials, or the user lacks a permission
@@ -63,6 +64,7 @@ __all__ = [
     "DuplicateTask",
     "EncodeError",
     "EngineTimeout",
+    "HostFileError",
     "InvalidArgument",
     "InvalidName",
     "JobRefused",
@@ -98,6 +100,13 @@ class MtqError(Exception):
 
 class ConfigError(MtqError, ValueError):
     """A setting is unknown, misspelled or out of range."""
+
+
+class HostFileError(ConfigError):
+    """A host file (``mtq workers start --config host.toml``) that cannot be used: a
+    TOML syntax error, an unknown key, a value of the wrong type or out of range, a
+    missing or unknown target, a device this machine does not have. The message
+    starts with ``FILE:LINE:``."""
 
 
 class BrokerError(MtqError):

@@ -180,9 +180,28 @@ def workers() -> None:
     """Start, list and control supervised worker processes."""
 
 
+#: the flags a host file replaces (its key, where it goes); with --config, exit 2
+_FILE_FLAGS = {"queue": ("--queue", "queue, in each [[engine]]"),
+               "devices_spec": ("--devices", "devices, in [host]"),
+               "replicas": ("--replicas", "replicas, in [host]"),
+               "max_batch_size": ("--max-batch-size", "max_batch_size, in each [[engine]]"),
+               "max_wait_ms": ("--max-wait-ms", "max_wait_ms, in each [[engine]]"),
+               "timeout_s": ("--timeout", "timeout, in each [[engine]]"),
+               "lease_ms": ("--lease-ms", "lease_ms, in [host]"),
+               "standby": ("--standby", "standby, in [host]"),
+               "sets": ("--set", "options = { KEY = VALUE }, in each [[engine]]")}
+
+
 @workers.command("start")
-@click.argument("target")
-@_queue_opt
+@click.argument("target", required=False)
+@click.option("--queue", "-q", default=None, help="Queue to serve (with TARGET).")
+@click.option("--config", "config", default=None, metavar="HOST.TOML",
+              type=click.Path(dir_okay=False),
+              help="A host file: several queues, each with its target and options, served "
+                   "by the same processes (one engine per queue), with their devices, "
+                   "replicas and memory budget; in place of TARGET, --queue and the flags "
+                   "it holds (see docs/workers.md, The host file). Checked before anything "
+                   "starts: a mistake exits 2, naming its line.")
 @redis_option
 @click.option("--devices", "devices_spec", default="cpu", show_default=True,
               help="cpu | cuda:0,cuda:1 | all (every GPU, or cpu without one).")
@@ -204,16 +223,33 @@ def workers() -> None:
 @_set_opt
 @_app_dir_opt
 @_wait_opt
-def workers_start(target: str, queue: str, url: str | None, devices_spec: str, replicas: int,
+@click.pass_context
+def workers_start(ctx: click.Context, target: str | None, queue: str | None,
+                  config: str | None, url: str | None, devices_spec: str, replicas: int,
                   max_batch_size: int | None, max_wait_ms: float | None,
                   timeout_s: float | None, lease_ms: int | None, standby: int | None,
                   sets: tuple[str, ...], app_dir: str, wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
-    device, restarted when they die. SIGTERM/SIGINT drain gracefully; a second
+    device, restarted when they die; or, with --config HOST.TOML, every queue of a
+    host file from the same processes. SIGTERM/SIGINT drain gracefully; a second
     signal forces."""
     from mtq.workers.supervisor import Supervisor
     from mtq.workers.target import find_target_module
 
+    if config is not None:
+        if target is not None:
+            fail(f"give TARGET with --queue, or --config {config}, not both", USAGE)
+        for name, (flag, where) in _FILE_FLAGS.items():
+            if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+                fail(f"{flag} does not go with --config: the host file holds it ({where})",
+                     USAGE)
+        _start_host(config, url, app_dir, wait_for_redis)
+        return
+    if target is None:
+        fail("give TARGET with --queue, or --config HOST.TOML (see 'mtq workers start "
+             "--help')", USAGE)
+    if queue is None:
+        fail("missing option --queue / -q: the queue TARGET serves", USAGE)
     _import_from(app_dir)
     try:  # (the module is imported in the worker processes, not here)
         find_target_module(target)
@@ -232,6 +268,32 @@ def workers_start(target: str, queue: str, url: str | None, devices_spec: str, r
     given = "".join(f" --set {k}={v}" for k, v in options.items())
     say(f"supervisor {sup.id} serving {queue!r} with {target}{given} on "
         f"{', '.join(sup.devices)} x {replicas}")
+    sys.exit(sup.run())
+
+
+def _start_host(path: str, url: str | None, app_dir: str, wait_for_redis: bool) -> None:
+    """``mtq workers start --config HOST.TOML``: read and check the whole file (exit 2
+    on the first mistake, nothing started), then supervise its processes."""
+    from mtq.workers.hostfile import load
+    from mtq.workers.supervisor import Supervisor
+
+    _import_from(app_dir)
+    try:
+        spec = load(path)
+    except MtqError as exc:
+        fail(exc, USAGE)
+    url = _reach(url, wait_for_redis)
+    try:
+        sup = Supervisor(url=url, devices_spec=spec.devices, replicas=spec.replicas,
+                         settings=_overrides(lease_ms=spec.lease_ms), standby=spec.standby,
+                         engines=[e.to_dict() for e in spec.engines],
+                         memory_budget=spec.memory_budget, max_loaded=spec.max_loaded,
+                         on_event=say)
+    except MtqError as exc:
+        fail(exc, USAGE)
+    served = ", ".join(f"{e.queue!r} with {e.target}" for e in spec.engines)
+    say(f"supervisor {sup.id} serving {served} (host file {path}) on "
+        f"{', '.join(sup.devices)} x {spec.replicas}")
     sys.exit(sup.run())
 
 

@@ -5,6 +5,13 @@ which tasks it holds and which it is running (so a supervisor that sees it die c
 give them back at once), and, through a small shared array, when the current
 predict call started (so the supervisor can kill it when the call overruns its
 timeout; a hung kernel cannot be interrupted from a thread).
+
+A host process (``mtq workers start --config host.toml``) runs several engines, one
+per queue, each a :class:`~mtq.workers.worker.Worker` with its own worker id, in a
+:class:`~mtq.workers.host.Host`. Every message on the pipe is ``(kind, engine,
+body)``: ``engine`` is the index of the engine it is about (-1: the process), and
+the shared array has :data:`SLOTS` slots per engine (:func:`at`). A process with one
+worker is engine 0.
 """
 
 from __future__ import annotations
@@ -22,15 +29,22 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mtq.workers.signals import on_stop_signals
-from mtq.workers.worker import Monitor
+from mtq.workers.worker import Monitor, Worker
 
 #: exit codes the supervisor reads
 EXIT_OK = 0
 EXIT_TARGET = 3   # the target cannot be loaded: do not restart, report
 EXIT_SETUP = 4    # setup() raised: restart with backoff, give up after a few in a row
 
-# shared array layout: predict call started at (time.monotonic(), 0 = idle), first, end item
+# shared array layout, per engine: predict call started at (time.monotonic(), 0 = idle),
+# first, end item
 STARTED, LO, HI = 0, 1, 2
+SLOTS = 3
+
+
+def at(engine: int, slot: int) -> int:
+    """The index in the shared array of ``slot`` (STARTED, LO, HI) of ``engine``."""
+    return SLOTS * engine + slot
 
 log = logging.getLogger("mtq.workers.child")
 
@@ -66,33 +80,59 @@ class ChildConfig:
     restarts: int = 0
     #: the model's options (``--set KEY=VALUE``, as text)
     options: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: a host process: its engines, each a plain dict (queue, target, options,
+    #: overrides, on_demand, idle_unload_s, memory, settings: see
+    #: mtq.workers.hostfile.EngineSpec.to_dict); empty: one worker of target and queue
+    engines: Sequence[Mapping[str, Any]] = ()
+    #: a host process's budget: bytes of model tensors, most engines loaded at once
+    memory_budget: int | None = None
+    max_loaded: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The plain form that crosses the process boundary."""
         out = dataclasses.asdict(self)
         out["env"], out["overrides"] = dict(self.env), dict(self.overrides)
         out["options"] = dict(self.options)
+        out["engines"] = [dict(e) for e in self.engines]
         return out
+
+    def engine_list(self) -> list[dict[str, Any]]:
+        """Its engines; a process of one worker has one, made of target and queue."""
+        if self.engines:
+            return [dict(e) for e in self.engines]
+        return [{"queue": self.queue, "target": self.target, "options": dict(self.options),
+                 "overrides": dict(self.overrides), "settings": self.settings}]
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ChildConfig:
         return cls(**data)
 
 
-class PipeMonitor(Monitor):
-    """The child's side of the supervisor link (thread-safe)."""
+class Pipe:
+    """The child's end of the supervisor link, shared by its engines (thread-safe)."""
 
-    def __init__(self, conn: Connection, shared: Any) -> None:
+    def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.shared = shared
         self.lock = threading.Lock()
 
-    def send(self, *msg: Any) -> None:
+    def send(self, kind: str, engine: int, body: Any = None) -> None:
         with self.lock:
             try:
-                self.conn.send(msg)
+                self.conn.send((kind, engine, body))
             except (OSError, ValueError):  # the supervisor is gone; the reader thread stops us
                 pass
+
+
+class PipeMonitor(Monitor):
+    """What one engine tells the supervisor (thread-safe)."""
+
+    def __init__(self, pipe: Pipe, shared: Any, engine: int = 0) -> None:
+        self.pipe = pipe
+        self.shared = shared
+        self.engine = engine
+
+    def send(self, kind: str, body: Any = None) -> None:
+        self.pipe.send(kind, self.engine, body)
 
     def held(self, leases: Sequence[tuple[str, str]]) -> None:
         self.send("held", list(leases))
@@ -103,12 +143,12 @@ class PipeMonitor(Monitor):
     def call(self, lo: int, hi: int) -> None:
         import time
 
-        self.shared[LO] = lo
-        self.shared[HI] = hi
-        self.shared[STARTED] = time.monotonic()
+        self.shared[at(self.engine, LO)] = lo
+        self.shared[at(self.engine, HI)] = hi
+        self.shared[at(self.engine, STARTED)] = time.monotonic()
 
     def idle(self) -> None:
-        self.shared[STARTED] = 0.0
+        self.shared[at(self.engine, STARTED)] = 0.0
 
     def settled(self, leases: Sequence[tuple[str, str]]) -> None:
         self.send("settled", list(leases))
@@ -140,6 +180,34 @@ def _await_promotion(conn: Connection) -> dict[str, Any] | None:
             return None
 
 
+def _engine(config: ChildConfig, spec: Mapping[str, Any], monitor: PipeMonitor,
+            first: bool) -> Worker:
+    """One engine: a Worker with a Consumer, worker id and named connections of its own
+    (once they are gone, the supervisor knows that no claim of it can still run, and
+    sweeps what it held: Consumer.give_back_all)."""
+    from mtq.broker.config import from_wire
+    from mtq.broker.connection import connect
+    from mtq.broker.consumer import Consumer, connection_name, default_worker_id
+    from mtq.workers.worker import Worker
+
+    worker_id = default_worker_id()
+    if first:
+        os.environ["MTQ_WORKER_ID"] = worker_id  # for the model's own logs
+    consumer = Consumer(spec["queue"], settings=from_wire(spec.get("settings")),
+                        worker_id=worker_id,
+                        client=connect(config.url, name=connection_name(worker_id)))
+    return Worker(spec["target"], spec["queue"], device=config.device, monitor=monitor,
+                  supervisor=config.supervisor, consumer=consumer,
+                  quarantine=config.quarantine, hand_off=config.hand_off,
+                  options=dict(spec.get("options") or {}), **dict(spec.get("overrides") or {}),
+                  on_demand=bool(spec.get("on_demand")), idle_unload_s=spec.get("idle_unload_s"),
+                  memory_bytes=spec.get("memory"))
+
+
+def _describe(w: Worker) -> str:
+    return "/".join(w.model.describe())
+
+
 def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
     """Run one worker process. ``wire``: its :class:`ChildConfig`, as a plain dict
     (:meth:`ChildConfig.to_dict`)."""
@@ -148,50 +216,47 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
     logging.basicConfig(level=config.log_level,
                         format=f"%(asctime)s [worker {config.slot}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the supervisor, which leads
-    monitor = PipeMonitor(conn, shared)
+    pipe = Pipe(conn)
 
-    from mtq.broker.config import from_wire
-    from mtq.broker.connection import connect
-    from mtq.broker.consumer import Consumer, connection_name, default_worker_id
     from mtq.errors import MtqError, TargetError
-    from mtq.workers.worker import Worker
+    from mtq.workers.host import Host
 
+    workers: list[Worker] = []
+    for i, spec in enumerate(config.engine_list()):
+        try:
+            w = _engine(config, spec, PipeMonitor(pipe, shared, i), first=not workers)
+        except TargetError as exc:
+            pipe.send("fatal", i, str(exc))
+            sys.exit(EXIT_TARGET)
+        except MtqError as exc:  # Redis unreachable, a bad URL: the supervisor restarts it
+            pipe.send("setup_failed", i, f"{type(exc).__name__}: {exc}")
+            sys.exit(EXIT_SETUP)
+        pipe.send("hello", i, w.worker_id)
+        workers.append(w)
+    host = Host(workers, memory_budget=config.memory_budget, max_loaded=config.max_loaded) \
+        if config.engines else None
     try:
-        # named connections: once they are gone, the supervisor knows that no claim of
-        # this process can still run, and sweeps what it held (Consumer.give_back_all)
-        worker_id = default_worker_id()
-        os.environ["MTQ_WORKER_ID"] = worker_id  # for the model's own logs
-        consumer = Consumer(config.queue, settings=from_wire(config.settings),
-                            worker_id=worker_id,
-                            client=connect(config.url, name=connection_name(worker_id)))
-        worker = Worker(config.target, config.queue, device=config.device,
-                        monitor=monitor, supervisor=config.supervisor, consumer=consumer,
-                        quarantine=config.quarantine, hand_off=config.hand_off,
-                        options=dict(config.options), **config.overrides)
-    except TargetError as exc:
-        monitor.send("fatal", str(exc))
-        sys.exit(EXIT_TARGET)
-    except MtqError as exc:  # Redis unreachable, a bad URL: the supervisor restarts it
-        monitor.send("setup_failed", f"{type(exc).__name__}: {exc}")
-        sys.exit(EXIT_SETUP)
-    monitor.send("hello", worker.worker_id)
-    try:
-        worker.setup()
+        if host is not None:
+            host.setup()  # the engines not loaded on demand, within the budget
+        else:
+            workers[0].setup()
     except Exception as exc:
         text = "".join(traceback.format_exception_only(exc)).strip()
         log.error("setup failed:\n%s", traceback.format_exc())
-        monitor.send("setup_failed", text)
+        pipe.send("setup_failed", -1, text)
         sys.exit(EXIT_SETUP)
-    monitor.send("ready", {"timeout_s": worker.policy.timeout_s,
-                           "model": "/".join(worker.model.describe())})
+    for i, w in enumerate(workers):
+        pipe.send("ready", i, {"timeout_s": w.policy.timeout_s, "model": _describe(w)})
 
-    on_stop_signals(worker.stop, signals=(signal.SIGTERM,), exit_code=None)
+    stop = host.stop if host is not None else workers[0].stop
+    command = host.command if host is not None else workers[0].command
+    on_stop_signals(stop, signals=(signal.SIGTERM,), exit_code=None)
     if config.standby:
         # a warm spare: set up, claiming nothing, until the supervisor promotes it in
         # place of a process that died (or stops it)
         go = _await_promotion(conn)
         if go is None:
-            monitor.send("bye", worker.totals)
+            pipe.send("bye", -1, {})
             sys.exit(EXIT_OK)
         config = dataclasses.replace(config, **go)
 
@@ -201,17 +266,19 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
                 msg = conn.recv()
             except (EOFError, OSError):  # the supervisor died: stop gracefully
                 log.warning("lost the supervisor; stopping")
-                worker.stop()
+                stop()
                 return
-            worker.command(msg)
+            command(msg)
 
-    worker.restarts = config.restarts  # for the registry (and exporter)
+    for w in workers:
+        w.restarts = config.restarts  # for the registry (and exporter)
     if config.draining:
-        worker.command({"cmd": "drain"})
+        command({"cmd": "drain"})
     elif config.paused:
-        worker.slot.set_paused(True)
+        for w in workers:
+            w.slot.set_paused(True)
     threading.Thread(target=read_commands, name="mtq-control", daemon=True).start()
-    worker.freeze_startup()
-    worker.run()
-    monitor.send("bye", worker.totals)
+    Worker.freeze_startup()
+    totals: Any = host.run() if host is not None else workers[0].run()
+    pipe.send("bye", -1, totals)
     sys.exit(EXIT_OK)

@@ -13,7 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -28,6 +28,20 @@ log = logging.getLogger("mtq.workers.supervisor")  # the supervisor's log, as it
 
 
 @dataclass
+class Engine:
+    """What the supervisor knows of one engine of a child process (a process of one
+    worker has one; a host process one per queue)."""
+
+    queue: str
+    worker_id: str = ""
+    ready: bool = False
+    timeout_s: float | None = None
+    model: str = ""
+    held: dict[str, str] = field(default_factory=dict)   # id -> token
+    batch: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
 class Child:
     """What the supervisor knows of one child process."""
 
@@ -37,18 +51,56 @@ class Child:
     conn: Connection
     shared: Any
     started: float
-    worker_id: str = ""
+    engines: list[Engine] = field(default_factory=list)
     ready: bool = False
-    timeout_s: float | None = None
-    held: dict[str, str] = field(default_factory=dict)   # id -> token
-    batch: list[tuple[str, str]] = field(default_factory=list)
     error: str = ""
     fatal: bool = False
     retiring: bool = False
     killed_for: str = ""
+    #: killed because this engine's predict call overran its timeout: only that call
+    #: counts against its tasks (the other engines' running calls go back uncounted)
+    overran: int | None = None
     forced: bool = False    # killed on the operator's order: nothing it ran counts
     spare: bool = False     # a warm standby: set up, claiming nothing until promoted
     quarantine: bool = False  # runs the suspects its siblings hand over, one at a time
+
+    # engine 0's, for the parts that know processes of one worker (quarantine, standby)
+    @property
+    def worker_id(self) -> str:
+        return self.engines[0].worker_id if self.engines else ""
+
+    @property
+    def held(self) -> dict[str, str]:
+        return self.engines[0].held
+
+    def has(self, worker_id: str | None) -> bool:
+        """Whether one of its engines has this worker id."""
+        return any(e.worker_id == worker_id for e in self.engines)
+
+    def models(self, host: bool) -> str:
+        """Its model (a host: each engine's queue and model), for the supervisor's log."""
+        if not host:
+            return self.engines[0].model
+        return ", ".join(f"{e.queue}: {e.model}" for e in self.engines)
+
+    def next_timeout(self, now: float) -> float | None:
+        """Seconds until a running predict call of one of its engines overruns its
+        timeout (a quarter of it when none runs); None: no engine has a timeout."""
+        out: float | None = None
+        for i, e in enumerate(self.engines):
+            if e.timeout_s:
+                started = self.predict_started(i)
+                d = (started + e.timeout_s - now) if started else e.timeout_s / 4
+                out = d if out is None else min(out, d)
+        return out
+
+    def overrunning(self, now: float) -> int | None:
+        """The engine whose running predict call is past its timeout, if one is."""
+        for i, e in enumerate(self.engines):
+            started = self.predict_started(i)
+            if e.timeout_s and started and now - started > e.timeout_s:
+                return i
+        return None
 
     def send(self, msg: dict[str, Any]) -> None:
         """A command down its pipe (nothing if it is gone)."""
@@ -57,9 +109,9 @@ class Child:
         except (OSError, ValueError):
             pass
 
-    def predict_started(self) -> float:
-        """When its current predict call started (monotonic; 0: none runs)."""
-        return float(self.shared[child.STARTED])
+    def predict_started(self, engine: int = 0) -> float:
+        """When the current predict call of ``engine`` started (monotonic; 0: none runs)."""
+        return float(self.shared[child.at(engine, child.STARTED)])
 
 
 def drop(held: dict[str, str], leases: list[list[str]]) -> None:
@@ -94,7 +146,8 @@ def start(ctx: Any, config: ChildConfig, index: int, device: str, *, spare: bool
 
         forkserver.ensure_running()
     parent, kid = ctx.Pipe()
-    shared = ctx.RawArray("d", 3)
+    engines = [Engine(e["queue"]) for e in config.engine_list()]
+    shared = ctx.RawArray("d", child.SLOTS * len(engines))
     env = dict(config.env)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the spawned interpreter starts with this environment
@@ -109,44 +162,58 @@ def start(ctx: Any, config: ChildConfig, index: int, device: str, *, spare: bool
             else:
                 os.environ[k] = v
     kid.close()
-    return Child(index, device, p, parent, shared, time.monotonic(), spare=spare,
-                 quarantine=quarantine)
+    return Child(index, device, p, parent, shared, time.monotonic(), engines=engines,
+                 spare=spare, quarantine=quarantine)
 
 
-def give_back(consumer: Consumer, c: Child, elsewhere: Collection[str]) -> None:
-    """Return a dead child's tasks: the running call's items counted, the rest not,
+def give_back(consumers: Sequence[Consumer], c: Child, elsewhere: Collection[str]) -> None:
+    """Return a dead child's tasks, each engine's with its queue's consumer (in the
+    order of ``c.engines``): the running call's items counted, the rest not,
     including those it claimed just before it died and never reported (found in
     Redis by its worker id once its connections are gone). ``elsewhere``: ids
     another process runs now (suspects in the quarantine process)."""
-    if c.spare or (not c.held and not c.worker_id):
+    if c.spare:
+        return
+    for i, e in enumerate(c.engines):
+        _give_back(consumers[i], c, i, e, elsewhere)
+
+
+def _give_back(consumer: Consumer, c: Child, i: int, e: Engine,
+               elsewhere: Collection[str]) -> None:
+    if not e.held and not e.worker_id:
         return
     running: list[tuple[str, str]] = []
-    started = c.shared[child.STARTED]
-    if started and c.batch and not c.forced:  # it died inside predict: those items are suspects
-        lo, hi = int(c.shared[child.LO]), int(c.shared[child.HI])
-        running = [(i, t) for i, t in c.batch[lo:hi] if c.held.get(i) == t]
-    counted = {i for i, _ in running}
-    rest = [(i, t) for i, t in c.held.items() if i not in counted]
+    started = c.shared[child.at(i, child.STARTED)]
+    # it died inside predict: those items are suspects (unless it was killed on order,
+    # or for another engine's call that overran)
+    if started and e.batch and not c.forced and c.overran in (None, i):
+        lo, hi = int(c.shared[child.at(i, child.LO)]), int(c.shared[child.at(i, child.HI)])
+        running = [(t_id, t) for t_id, t in e.batch[lo:hi] if e.held.get(t_id) == t]
+    counted = {t_id for t_id, _ in running}
+    rest = [(t_id, t) for t_id, t in e.held.items() if t_id not in counted]
     reason = c.killed_for or "worker process died"
     try:
-        if c.worker_id:
-            if not consumer.wait_disconnected(connection_name(c.worker_id)):
+        if e.worker_id:
+            if not consumer.wait_disconnected(connection_name(e.worker_id)):
                 log.debug("worker %s: its Redis connections did not close (or CLIENT "
-                          "LIST is not allowed); sweeping its tasks now", c.worker_id)
-            consumer.give_back_all(c.worker_id, running, rest, reason, skip=elsewhere)
+                          "LIST is not allowed); sweeping its tasks now", e.worker_id)
+            consumer.give_back_all(e.worker_id, running, rest, reason, skip=elsewhere)
         else:
             consumer.give_back(running, rest, reason)
     except BrokerError:
-        log.warning("could not give back the tasks of worker %d; they return when their "
-                    "leases expire", c.slot, exc_info=True)
-    c.held.clear()
+        log.warning("could not give back the tasks of worker %d (queue %s); they return "
+                    "when their leases expire", c.slot, e.queue, exc_info=True)
+    e.held.clear()
 
 
-def unregister(consumer: Consumer, c: Child, code: int | None) -> None:
+def unregister(consumers: Sequence[Consumer], c: Child, code: int | None) -> None:
     """Remove a child that did not exit cleanly from the worker registry (it could not
-    remove its own entry)."""
-    if c.worker_id and code != 0:
-        try:
-            registry.remove(consumer.redis, c.worker_id)
-        except BrokerError:
-            log.debug("could not remove worker %s from the registry", c.worker_id)
+    remove its own entries), each engine's with its queue's consumer."""
+    if code == 0:
+        return
+    for i, e in enumerate(c.engines):
+        if e.worker_id:
+            try:
+                registry.remove(consumers[i].redis, e.worker_id)
+            except BrokerError:
+                log.debug("could not remove worker %s from the registry", e.worker_id)

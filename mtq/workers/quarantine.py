@@ -157,8 +157,8 @@ class Quarantine:
         max_deliveries); one that could not set up is tried again later."""
         self.process = None
         self._idle_since = None
-        children.give_back(self.consumer, c, self.elsewhere())
-        children.unregister(self.consumer, c, code)
+        children.give_back([self.consumer], c, self.elsewhere())
+        children.unregister([self.consumer], c, code)
         if c.fatal and not stopping:  # cannot load the target: no use trying again
             self._failures = restarts.MAX_SETUP_FAILURES - 1
             self._setup_failed(c, code)

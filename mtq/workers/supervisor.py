@@ -29,6 +29,16 @@ control messages).
   commands load, unload, reload, reset (to the children, whose engines answer
   them), drain, stop, scale (to the supervisor). A load or reload with new options
   that succeeds makes them the options of every process started after it.
+
+A host (``mtq workers start --config host.toml``, :mod:`mtq.workers.hostfile`) is a
+supervisor of several queues: each process runs one engine per queue
+(:class:`~mtq.workers.host.Host`), with a consumer and a control channel per queue.
+A dead process's tasks go back per engine, with its queue's consumer; a predict call
+that overruns its engine's timeout kills the process, and only that call counts
+against its tasks. Commands about an engine (load, unload, reload, reset, cancel) go to
+the engine of the queue they came on; pause, resume, drain, stop and scale act on the whole host.
+A host hands no suspect to a quarantine process: each process runs its suspects
+alone itself (a quarantine process would host every engine again).
 """
 
 from __future__ import annotations
@@ -39,18 +49,18 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
 from mtq.broker.config import SettingsSpec, to_wire
-from mtq.broker.consumer import Consumer
 from mtq.errors import ConfigError
 from mtq.workers import children, control, devices
 from mtq.workers.child import ChildConfig
 from mtq.workers.children import Child, drop
 from mtq.workers.quarantine import Quarantine
 from mtq.workers.restarts import Slot, Slots
+from mtq.workers.served import Served
 from mtq.workers.standby import Standby
 
 # the tunables live in the part that reads them (restarts.RESTART_BASE_S,
@@ -75,12 +85,17 @@ class Supervisor:
     (:mod:`mtq.workers.quarantine`); each child is a :class:`~mtq.workers.children.Child`.
     The main loop asks each part what is due and when it next needs the loop."""
 
-    def __init__(self, target: str, queue: str, *, url: str | None = None,
+    def __init__(self, target: str = "", queue: str = "", *, url: str | None = None,
                  devices_spec: str = "cpu", replicas: int = 1,
                  settings: SettingsSpec = None, max_batch_size: int | None = None,
                  max_wait_ms: float | None = None, timeout_s: float | None = None,
                  log_level: int = logging.INFO, on_event: Callable[[str], None] | None = None,
-                 standby: int | None = None, options: dict[str, str] | None = None) -> None:
+                 standby: int | None = None, options: dict[str, str] | None = None,
+                 engines: Sequence[Mapping[str, Any]] = (), memory_budget: int | None = None,
+                 max_loaded: int | None = None) -> None:
+        """``engines`` (a host: see mtq.workers.hostfile.EngineSpec.to_dict) in place of
+        ``target`` and ``queue``; ``memory_budget`` and ``max_loaded`` are then each
+        process's."""
         if replicas < 0:
             raise ConfigError(f"--replicas must be >= 0, got {replicas}")
         if standby is not None and not 0 <= standby <= 1:
@@ -88,15 +103,18 @@ class Supervisor:
         self.target = target
         self.devices = devices.parse_devices(devices_spec)
         self.replicas = replicas
-        self.consumer = Consumer(queue, url, settings=settings)
+        #: what its processes serve: one queue, or a host's engines (a consumer each)
+        self.served = Served(target, queue, engines, url=url, settings=settings,
+                             options=options)
+        self.host, self.consumers = self.served.host, self.served.consumers
+        self.consumer = self.consumers[0]
         self.queue = self.consumer.queue
+        self.memory_budget, self.max_loaded = memory_budget, max_loaded
         self.url = url
         self.id = f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
         self.overrides = {k: v for k, v in (("max_batch_size", max_batch_size),
                                             ("max_wait_ms", max_wait_ms),
                                             ("timeout_s", timeout_s)) if v is not None}
-        #: the model's options (--set KEY=VALUE, as text), for every process
-        self.options = dict(options or {})
         self.log_level = log_level
         self.on_event = on_event or (lambda msg: log.info("%s", msg))
         #: slot index -> its serving process
@@ -112,6 +130,8 @@ class Supervisor:
         self.quarantine = Quarantine(
             self.consumer, on_event=self.on_event, on_give_up=self._no_hand_off,
             spawn=lambda: self._spawn(Slot(-2, self.devices[0]), quarantine=True))
+        if self.host:
+            self.quarantine.hand_off = False  # each process runs its suspects alone
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -121,13 +141,13 @@ class Supervisor:
         self._signals_received = 0
         self._signals_seen = 0
         self.paused = False
-        #: the options of the last load or reload to every process (adopted by
-        #: _adopt_options once a process reports them loaded)
-        self._asked_options: dict[str, str] | None = None
-        self._listener: control.Listener | None = None
+        self._listeners: list[control.Listener] = []
         self._resize()
 
     # -- public ------------------------------------------------------------------
+    def _tagged(self, queue: str) -> Callable[[dict[str, Any]], None]:
+        return lambda msg: self.request({**msg, "queue": queue})
+
     def request(self, msg: dict[str, Any]) -> None:
         """Queue a control command for the main loop (thread-safe, signal-safe)."""
         with self._inbox_lock:
@@ -138,12 +158,16 @@ class Supervisor:
         """Supervise until stopped; returns the exit code (0 clean, 2 a target that
         cannot be loaded, 1 set-up failing again and again), as ``mtq --help`` lists."""
         prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-        self._listener = control.Listener(self.consumer.redis, self.queue, self.request)
-        self._listener.start()
+        # each queue's commands, tagged with it (a host routes them to its engine)
+        self._listeners = [control.Listener(c.redis, c.queue, self._tagged(c.queue))
+                           for c in self.consumers]
+        for listener in self._listeners:
+            listener.start()
         try:
             self._loop()
         finally:
-            self._listener.close()
+            for listener in self._listeners:
+                listener.close()
             for s, h in prev.items():
                 signal.signal(s, h)
         if self.error:
@@ -201,22 +225,20 @@ class Supervisor:
 
     def _timeout_deadline(self, now: float) -> float | None:
         """Seconds until a running predict call overruns its timeout."""
-        out: float | None = None
-        for c in self._running():
-            if c.timeout_s and not c.killed_for:  # a killed one is waited for by its sentinel
-                started = c.predict_started()
-                d = (started + c.timeout_s - now) if started else c.timeout_s / 4
-                out = d if out is None else min(out, d)
-        return out
+        # a killed one is waited for by its sentinel
+        return min((d for c in self._running() if not c.killed_for
+                    for d in [c.next_timeout(now)] if d is not None), default=None)
 
     def _check_timeouts(self) -> None:
         now = time.monotonic()
         for c in self._running():
-            started = c.predict_started()
-            if c.timeout_s and started and now - started > c.timeout_s and not c.killed_for:
-                c.killed_for = f"predict ran past its {c.timeout_s:g} s timeout"
+            i = c.overrunning(now)
+            if i is not None and not c.killed_for:
+                e = c.engines[i]
+                of = f" of queue {e.queue!r}" if self.host else ""
+                c.killed_for, c.overran = f"predict{of} ran past its {e.timeout_s:g} s timeout", i
                 who = "the quarantine process" if c.quarantine else f"worker {c.slot}"
-                self.on_event(f"{who} ({c.worker_id}): {c.killed_for}; killing it")
+                self.on_event(f"{who} ({e.worker_id}): {c.killed_for}; killing it")
                 c.process.kill()
 
     # -- children ----------------------------------------------------------------
@@ -235,7 +257,8 @@ class Supervisor:
             # the quarantine process claims nothing: it runs what it is given
             paused=self.paused and not quarantine,
             draining=self.draining and not quarantine, standby=spare,
-            restarts=slot.restarts, options=self.options)
+            restarts=slot.restarts, options=self.served.options, engines=self.served.wire(),
+            memory_budget=self.memory_budget, max_loaded=self.max_loaded)
         c = children.start(self._ctx, config, slot.index, slot.device, spare=spare,
                            quarantine=quarantine)
         if not spare and not quarantine:
@@ -253,57 +276,51 @@ class Supervisor:
             pass  # it exited; the sentinel handles the rest
 
     def _message(self, c: Child, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "held":
-            c.held.update(dict(msg[1]))
-        elif kind == "batch":
-            c.batch = list(msg[1])
-        elif kind == "settled" and c.quarantine:
-            drop(c.held, msg[1])
-        elif kind == "settled":
-            drop(c.held, msg[1])
-            if msg[1]:
+        kind, i, body = msg  # (kind, engine index or -1 for the process, body)
+        e = c.engines[i] if 0 <= i < len(c.engines) else None
+        if kind == "held" and e is not None:
+            e.held.update(dict(body))
+        elif kind == "batch" and e is not None:
+            e.batch = list(body)
+        elif kind == "settled" and e is not None:
+            drop(e.held, body)
+            if body and not c.quarantine:
                 self.slots.progressed(c.slot)
-        elif kind == "hello":
-            c.worker_id = msg[1]
+        elif kind == "hello" and e is not None:
+            e.worker_id = body
         elif kind == "quarantine":  # a suspect c claimed: it runs in the quarantine process
-            self.quarantine.suspect(list(msg[1]), self.stopping)
-        elif kind == "ready":
+            self.quarantine.suspect(list(body), self.stopping)
+        elif kind == "ready" and e is not None:
+            e.ready, e.timeout_s, e.model = True, body.get("timeout_s"), body.get("model")
+            if not all(x.ready for x in c.engines):
+                return
             c.ready = True
-            c.timeout_s = msg[1].get("timeout_s")
             if c.quarantine:
                 self.quarantine.ready()
             elif c.spare:
                 self.standby.ready(c)
             else:
                 self.on_event(f"worker {c.slot} ready on {c.device} (pid {c.process.pid}, "
-                              f"{msg[1].get('model')})")
-        elif kind == "reloaded":
-            c.timeout_s = msg[1].get("timeout_s")
-            self.on_event(f"worker {c.slot} reloaded ({msg[1].get('model')})")
-            self._adopt_options(msg[1].get("options"))
-        elif kind == "fatal":
-            c.fatal, c.error = True, msg[1]
-        elif kind == "setup_failed":
-            c.error = msg[1]
+                              f"{c.models(self.host)})")
+        elif kind == "reloaded" and e is not None:
+            e.timeout_s, e.model = body.get("timeout_s"), body.get("model")
+            of = f" queue {e.queue!r}" if self.host else ""
+            self.on_event(f"worker {c.slot}{of} reloaded ({e.model})")
+            self._adopt_options(i, body.get("options"))
+        elif kind in ("fatal", "setup_failed"):
+            c.fatal = c.fatal or kind == "fatal"
+            c.error = f"queue {e.queue!r}: {body}" if self.host and e is not None else body
 
-    def _adopt_options(self, options: Any) -> None:
-        """A process loaded its model with ``options`` (all of them, as text): if they
-        hold the options a load or reload to every process asked for, the processes
-        started from now on (restarts, scale-ups, standbys) start with them, and the
-        standby and quarantine processes, which hold the old ones, are replaced. A
-        reload narrowed to one worker (--worker) changes no one else's."""
-        asked = self._asked_options
-        if not isinstance(options, dict) or asked is None:
-            return
-        new = {str(k): str(v) for k, v in options.items()}
-        if any(new.get(k) != v for k, v in asked.items()) or new == self.options:
-            return
-        self.options = new
-        given = " ".join(f"--set {k}={v}" for k, v in new.items()) or "no --set"
-        self.on_event(f"processes start with {given} from now on")
-        self.standby.retire_all(reload=True)
-        self.quarantine.retire()
+    def _adopt_options(self, i: int, options: Any) -> None:
+        """Engine ``i`` of a process loaded its model with ``options``: if a load or
+        reload to every process asked for them, the processes started from now on
+        (restarts, scale-ups, standbys) start with them, and the standby and
+        quarantine processes, which hold the old ones, are replaced (Served.adopt)."""
+        adopted = self.served.adopt(i, options)
+        if adopted is not None:
+            self.on_event(adopted)
+            self.standby.retire_all(reload=True)
+            self.quarantine.retire()
 
     def _reap(self, c: Child) -> None:
         self._read(c)
@@ -317,8 +334,8 @@ class Supervisor:
             self.quarantine.reaped(c, code, self.stopping)
             return
         del self.children[c.slot]
-        children.give_back(self.consumer, c, self.quarantine.elsewhere())
-        children.unregister(self.consumer, c, code)
+        children.give_back(self.consumers, c, self.quarantine.elsewhere())
+        children.unregister(self.consumers, c, code)
         slot = self.slots.get(c.slot)
         if c.fatal:
             self.error, self.exit_code = c.error, EXIT_BAD_TARGET
@@ -405,26 +422,26 @@ class Supervisor:
             if not worker:
                 self.paused = cmd == "pause"
             for c in self.children.values():
-                if not worker or worker == c.worker_id:
-                    c.send({"cmd": cmd})
+                if not worker or c.has(worker):
+                    c.send({"cmd": cmd})  # (a host: every engine)
         elif cmd in control.ENGINE_COMMANDS:  # load, unload, reload, reset: each engine answers
             fields = ("cmd", "reply", "options", "now", "worker", "queue")
             forward: dict[str, Any] = {k: msg[k] for k in fields if k in msg}
             for c in self.children.values():
-                if not worker or worker == c.worker_id:
-                    c.send(forward)
+                if not worker or c.has(worker):
+                    c.send(self.served.route(forward, msg))
             if cmd in ("load", "reload") and msg.get("options") and not worker:
                 # adopted for the processes started from now on once one of them
                 # reports it loaded with these ("reloaded")
-                self._asked_options = dict(msg["options"])
+                self.served.ask(msg.get("queue"), msg["options"])
             if cmd == "reload" and not worker:
                 # they hold the old code; fresh ones import the new (and may fail again)
                 self.standby.retire_all(reload=True)
                 self.quarantine.retire()
         elif cmd == "cancel":  # published by cancel.lua, addressed to the task's worker
             for c in self.children.values():
-                if not worker or worker == c.worker_id:
-                    c.send({"cmd": "cancel", "ids": msg.get("ids") or []})
+                if not worker or c.has(worker):
+                    c.send(self.served.route({"cmd": "cancel", "ids": msg.get("ids") or []}, msg))
             qc = self.quarantine.process
             if qc is not None:  # it runs suspects under their claimer's id
                 qc.send({"cmd": "cancel", "ids": msg.get("ids") or []})
@@ -439,7 +456,7 @@ class Supervisor:
             self.standby.retire_all()
         elif cmd in ("stop", "drain"):  # one worker: it leaves for good
             for c in self.children.values():
-                if worker == c.worker_id:
+                if c.has(worker):  # in a host, the process of that engine
                     c.retiring = True
                     c.send({"cmd": cmd})
         elif cmd == "scale":

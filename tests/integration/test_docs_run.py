@@ -33,6 +33,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from mtq.workers.hostfile import load as load_host
 from mtq.workers.registry import list_workers
 from tests.support.cli_parse import parse_mtq
 from tests.support.doc_commands import Command, commands, pages, tag_problem
@@ -172,7 +173,9 @@ class Page:
             pytest.fail(f"{cmd.where}: later lines of the page run, but the test can start "
                         f"only a worker service ({WORKER_SERVICES}), not `{cmd.code}`; "
                         "teach tests/integration/test_docs_run.py when it is ready")
-        queue = parsed.params["queue"]
+        queues = [parsed.params["queue"]]
+        if parsed.params.get("config"):  # a host file: every queue of it
+            queues = [e.queue for e in load_host(str(ROOT / parsed.params["config"])).engines]
         log = self.tmp / f"service{cmd.lineno}.log"
         with open(log, "wb") as sink:
             proc = subprocess.Popen(["bash", "-c", "exec " + cmd.code], env=self.env, cwd=ROOT,
@@ -180,13 +183,13 @@ class Page:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self.services.append((cmd, proc, log))
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not list_workers(self.client, queue):
+        while not all(list_workers(self.client, queue) for queue in queues):
             if proc.poll() is not None:
                 pytest.fail(f"{cmd.where}: `{cmd.code}` exited {proc.returncode} before "
-                            f"serving queue {queue!r}; its output:\n{tail(log)}")
+                            f"serving queues {queues}; its output:\n{tail(log)}")
             if time.monotonic() > deadline:
-                pytest.fail(f"{cmd.where}: `{cmd.code}` registered no worker on queue "
-                            f"{queue!r} within {READY_TIMEOUT_S:g} s; its output:\n{tail(log)}")
+                pytest.fail(f"{cmd.where}: `{cmd.code}` registered no worker on each of "
+                            f"{queues} within {READY_TIMEOUT_S:g} s; its output:\n{tail(log)}")
             time.sleep(0.05)
         self.ran.append(cmd.code + "  (started)")
 

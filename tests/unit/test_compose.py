@@ -156,7 +156,7 @@ def test_the_command_check_rejects_what_mtq_would_reject() -> None:
     for bad in (["mtq", "workers", "begin", "a.b:C", "-q", "x"],         # no such command
                 ["mtq", "workers", "start", "a.b:C", "-q", "x", "--device", "cpu"],
                 ["mtq", "workers", "start", "a.b:C", "-q", "x", "--replicas", "two"],
-                ["mtq", "workers", "start", "a.b:C"],                    # --queue missing
+                ["mtq", "workers", "start", "a.b:C", "-q"],              # -q without a value
                 ["mtq", "workers"],                                      # no subcommand
                 ["mtq", "-v"],
                 ["mtq", "dashboard", "--refresh", "0"],                  # out of range
@@ -242,6 +242,9 @@ def test_worker_targets_load(services: dict[str, Any], name: str) -> None:
     parsed = parse_mtq(command_of(services, name), name)
     assert parsed.path in SERVING, (
         f"{name}: run 'mtq workers start TARGET --queue Q ...', got {' '.join(parsed.path)}")
+    # (click lets TARGET and --queue be left out, for --config; mtq then exits 2)
+    assert parsed.params.get("target") and parsed.params.get("queue"), (
+        f"{name}: run 'mtq workers start TARGET --queue Q ...', got {command_of(services, name)}")
     target = parsed.params["target"]
     try:  # imports the module and builds the model; weights load in setup(), not here
         load_model(target)

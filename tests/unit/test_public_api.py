@@ -22,6 +22,7 @@ EXPECTED_ALL = [
     "Generation",
     "Generator",
     "Group",
+    "HostFileError",
     "InvalidName",
     "LeaseLost",
     "Model",
