@@ -1,32 +1,17 @@
 """The engine commands as one engine carries them out: load, unload, reload, reset,
-loading on demand and unloading when idle.
+loading on demand and unloading when idle (docs/workers.md, "Engines").
 
-Every command but a reload that fits beside the serving model runs on the model
-thread at a batch boundary, as a reload always did: the engine stops claiming,
-gives back what it claimed ahead, finishes its running batch (a generator: its
-running requests, or gives them back with ``unload --now``), then acts:
-
-* **load** sets the model up (within the process's budget: see
-  :class:`~mtq.workers.residency.Residency`) and claims again;
-* **unload** drops the model object (its ``teardown()`` first, when it has one),
-  collects, and empties the CUDA caching allocator's cache; the engine claims
-  nothing until loaded again, except an engine unloaded because it was idle or for
-  room (``on_demand``), which keeps claiming and loads again when a task comes;
-* **reload** without options re-imports the target's code and sets the new model
-  up once the old one is unloaded (the module is executed again in place: code the
-  old model runs would see the new module's globals, so the two never run
-  together). **reload with options** (``--set``; a ``load`` with options on a
-  loaded engine too) keeps the code and makes a new model with the new options:
-  where memory allows (the budget, and the device's free memory on a GPU), a
-  loader thread sets it up while the old one serves, and it takes the old one's
-  place at a batch boundary; else the old one is unloaded first. Either way a
-  failing reload leaves the old model serving (set up again if it was unloaded)
-  and reports the error;
-* **reset** drops the engine's state without touching its weights: the model's
-  ``reset()`` hook, the batch sizes lowered after running out of memory, the
-  measured batch times, the allocator's cache.
-
-Each command's answer (a dict; see :meth:`EngineOps.answer`) goes to ``op.reply``.
+Every command but a reload with new options that fits beside the serving model
+runs on the model thread at a batch boundary: the engine stops claiming, gives
+back what it claimed ahead, finishes its running batch (``unload --now``: a
+generator gives its running requests back), then acts. A reload without options
+re-imports the code, so it runs only once the old model is unloaded (the module
+is executed again in place; the old model's code would see the new globals). A
+reload with options keeps the code: a loader thread sets the new model up while
+the old one serves where memory allows (:class:`~mtq.workers.residency.Residency`,
+and the device's free memory), else the old one is unloaded first. A failing
+reload leaves the old model serving. Each command's answer (a dict; see
+:meth:`EngineOps.answer`) goes to ``op.reply``.
 """
 
 from __future__ import annotations
