@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import redis
 import mtq
 from mtq.broker import answers
 from mtq.workers import control
-from tests.support.supervisors import StartFn, wait_workers
+from tests.support.paths import PY
+from tests.support.supervisors import StartFn, wait_workers, workers_of
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -90,3 +92,39 @@ def test_a_process_killed_mid_command_loses_nothing_and_runs_nothing_twice(
         assert ends == sorted(ends), f"stream {s} ran out of order"
     sup.proc.send_signal(signal.SIGTERM)
     assert sup.wait_exit(30, "after SIGTERM") == 0
+
+
+def test_a_process_killed_while_it_loads_on_demand_gives_its_tasks_back(
+        qname: str, r: redis.Redis, redis_url: str, subprocess_env: dict[str, str],
+        tmp_path: Path) -> None:
+    """An on-demand engine claims, then loads for what it claimed: those tasks are
+    held (their leases extended) while the load runs. Killed then, the supervisor
+    gives them back uncounted, and the new process loads and runs each once."""
+    d = tmp_path / "markers"
+    d.mkdir()
+    host = tmp_path / "host.toml"
+    host.write_text(f'[host]\nstandby = 0\n\n[[engine]]\nqueue = "{qname}"\n'
+                    f'target = "{TARGET}"\non_demand = true\n'
+                    f'options = {{ dir = "{d}" }}\n')
+    (d / "setup-stall").touch()
+    log = (tmp_path / "sup.log").open("wb")
+    proc = subprocess.Popen([PY, "-m", "mtq", "workers", "start", "--config", str(host),
+                             "--redis", redis_url], env=subprocess_env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        q = mtq.Queue(qname, redis_url)
+        tasks = [q.submit(f"c{i}", stream=f"s{i % 3}") for i in range(12)]
+        pid = wait_for(lambda: stalled(d, "setup"), 30, "the load on demand never began")
+        held = wait_for(lambda: [w for w in workers_of(r, qname) if w.get("held")], 10,
+                        "the loading engine holds no task")
+        assert held[0]["engine"] == "loading"
+        (d / "setup-stall").unlink()
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: all_succeeded(tasks), 60,
+                 f"tasks were lost: {[t.status() for t in tasks]}")
+        assert max(ran(d).values()) == 1 and len(ran(d)) == 12
+        assert all(t.info().deliveries == 1 for t in tasks)  # the load's claim: uncounted
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        log.close()
