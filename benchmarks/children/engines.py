@@ -5,10 +5,11 @@ start processes (tests/integration/test_engines_host.py, test_engines_cuda.py).
   (:class:`~benchmarks.children.gen.BenchTinyGPT`), the fast model; requests are
   greedy (``temperature 0``) so its tokens can be compared across processes;
 * :class:`FastGPT32`: the same in float32 (the GPU check's bit-for-bit comparison);
-* :class:`Slow`: a batch model whose every batch is ``matmuls`` products of two
+* :class:`Slow`: a batch model whose every task is ``matmuls`` products of two
   ``size`` x ``size`` float32 matrices (about 30 ms each at 1024 on one core of the
-  benchmark machine): a long batch that keeps a core busy in torch, which releases
-  the GIL in each product, as a real model's forward does;
+  benchmark machine; a payload's ``"k"`` scales the first): a long batch that keeps a
+  core busy in torch, which releases the GIL in each product, as a real model's
+  forward does;
 * :class:`Weights`: ``mb`` MiB of seeded random weights made at setup (a load that
   takes a noticeable time), ``work_ms`` of torch work per batch: the LRU workload's
   three models and the commands' model.
@@ -83,7 +84,8 @@ class FastGPT32(FastGPT):
 
 
 class Slow(mtq.Model):
-    """Long batches: ``matmuls`` products of ``size`` x ``size`` float32 matrices each."""
+    """Long batches: ``matmuls`` products of ``size`` x ``size`` float32 matrices a task;
+    each result ``{"sum", "stream", "thread"}`` (what ran it: see :func:`stream_tag`)."""
 
     name = "slow"
     version = "1"
@@ -100,12 +102,16 @@ class Slow(mtq.Model):
         self.device = device
 
     def predict(self, batch: list[Any]) -> list[Any]:
-        x = self.a
-        for _ in range(self.matmuls):
-            x = x @ self.a  # torch releases the GIL for the product
-        total = float(x.abs().sum())
+        out = []
+        for p in batch:
+            k = int(p.get("k", 0)) if isinstance(p, dict) else 0
+            x = self.a * (1 + k / 64) if k else self.a
+            for _ in range(self.matmuls):
+                x = x @ self.a  # torch releases the GIL for the product
+            out.append({"sum": float(x.abs().sum()), "stream": stream_tag(),
+                        "thread": threading.current_thread().name})
         log_done("slow", [p.get("i") if isinstance(p, dict) else None for p in batch])
-        return [{"sum": total, "stream": stream_tag()} for _ in batch]
+        return out
 
 
 class Weights(mtq.Model):
