@@ -20,7 +20,7 @@ import redis
 import mtq
 from benchmarks import targets
 from benchmarks.children.engines import RUNLOG
-from benchmarks.harness.meters import cpu_mark, foreign, median, pct, wait_quiet
+from benchmarks.harness.meters import cpu_mark, foreign, median, our_cpu, pct, wait_quiet
 from benchmarks.harness.procs import Proc, wait_for, worker_env
 from benchmarks.harness.report import Results
 from benchmarks.harness.server import Server, uniq
@@ -103,6 +103,7 @@ class Fast:
     gaps_ms: list[float] = field(default_factory=list)
     tokens: dict[int, list[list[int]]] = field(default_factory=dict)  # prompt -> token ids
     foreign: list[float] = field(default_factory=list)  # other processes' share, per turn
+    cores: list[float] = field(default_factory=list)  # cores the benchmark's processes used
     slow_rate: list[float] = field(default_factory=list)  # slow batches/s meanwhile
 
 
@@ -202,7 +203,9 @@ def bench_two(server: Server, r: redis.Redis, env: dict[str, str], n: int, turns
                     t0 = time.perf_counter()
                     fast_requests(qs[fast], n, seeds, seen[c], [proc])
                     t1 = time.perf_counter()
-                    seen[c].foreign.append(foreign(mark)[1])
+                    wall, share = foreign(mark)
+                    seen[c].foreign.append(share)
+                    seen[c].cores.append((our_cpu() - mark[2]) / wall)
                 finally:
                     if feeder:
                         feeder.__exit__(None, None, None)
@@ -232,6 +235,7 @@ def report_two(seen: dict[str, Fast], n: int, res: Results, out: dict[str, Any])
         figures[k] = {"ttft50": pct(f.ttft_ms, 50), "ttft99": pct(f.ttft_ms, 99),
                       "lat50": pct(f.latency_ms, 50), "lat99": pct(f.latency_ms, 99),
                       "gap99": pct(f.gaps_ms, 99), "foreign": max(f.foreign),
+                      "cores": median(f.cores),
                       "slow_rate": median(f.slow_rate) if f.slow_rate else 0.0}
     base = figures["a"]
     for k in ("a", "b", "c"):
@@ -240,8 +244,9 @@ def report_two(seen: dict[str, Fast], n: int, res: Results, out: dict[str, Any])
                                   + (f", {fg['lat99'] / figures['b']['lat99']:.2f}x (b)"
                                      if k == "c" else "") + "; ")
         res.add(labels[k] + ", request latency p99", fg["lat99"], "ms",
-                f"{vs}p50 {fg['lat50']:.1f} ms; token gap p99 {fg['gap99']:.2f} ms; other "
-                f"processes took at most {fg['foreign']:.0%} of the CPU in a turn")
+                f"{vs}p50 {fg['lat50']:.1f} ms; token gap p99 {fg['gap99']:.2f} ms; the "
+                f"benchmark's processes used {fg['cores']:.2f} of the 2 cores, other "
+                f"processes at most {fg['foreign']:.0%} of the CPU in a turn")
         ttft_vs = "" if k == "a" else (f"{fg['ttft99'] / base['ttft99']:.2f}x (a)"
                                        + (f", {fg['ttft99'] / figures['b']['ttft99']:.2f}x (b)"
                                           if k == "c" else "") + "; ")
