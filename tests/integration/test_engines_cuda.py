@@ -3,7 +3,7 @@ from inside the models), its outputs match a separate process bit for bit in flo
 its device memory goes back to its level before load after an unload, a model's
 setup is finished before another stream uses its weights, and the throughput of two
 models in one process against the two run one after the other (a figure, recorded as
-a property of the test in the JUnit XML that ``scripts/gpu-check`` keeps).
+properties of the test suite in the JUnit XML that ``scripts/gpu-check`` keeps).
 
 Marked ``cuda`` and skipped without a CUDA device; ``scripts/gpu-check --dry-run``
 runs them on the CPU (``MTQ_TEST_CUDA_DEVICE=cpu``), where streams and device memory
@@ -232,10 +232,10 @@ def test_a_models_setup_has_finished_before_its_engine_uses_the_weights(
 
 def test_two_models_in_one_process_against_one_after_the_other(
         qname: str, redis_url: str, weights: Path,
-        record_property: Callable[[str, object], None]) -> None:
+        record_testsuite_property: Callable[[str, object], None]) -> None:
     """Throughput of a generator and a batch model served together by one process,
     against the same work run one model after the other: a figure, not a judged one
-    (recorded in the test's properties: ``scripts/gpu-check``'s pytest.xml)."""
+    (recorded as properties of the test suite: ``scripts/gpu-check``'s pytest.xml)."""
     requests, tokens, slow_n = (16, 128, 60) if ON_GPU else (4, 24, 12)
     qa, qb = qname + "-gpt", qname + "-slow"
     gpt_q, slow_q = mtq.Queue(qa, redis_url), mtq.Queue(qb, redis_url)
@@ -260,6 +260,6 @@ def test_two_models_in_one_process_against_one_after_the_other(
                "engines_one_after_the_other_over_together": round(ratio, 3),
                "engines_bound": round((t_gpt + t_slow) / max(t_gpt, t_slow), 3)}
     for k, v in figures.items():
-        record_property(k, v)
+        record_testsuite_property(k, v)
     print(f"two engines on {DEVICE}: {figures}")
     assert t_both > 0 and ratio > 0
