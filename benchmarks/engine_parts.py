@@ -80,12 +80,13 @@ def command(r: redis.Redis, queue: str, cmd: str, timeout_s: float = 120, **fiel
     return got[0], time.perf_counter() - t0
 
 
-def run_counts(path: Path) -> collections.Counter[str]:
-    """Completions per task id from the models' run log (``<tag> <id>`` lines)."""
+def run_counts(path: Path, events: bool = False) -> collections.Counter[str]:
+    """Completions per task id from the models' run log (``<tag> <id>`` lines); with
+    ``events``, the setups and teardowns begun instead (``@setup``, ``@teardown``)."""
     if not path.exists():
         return collections.Counter()
-    return collections.Counter(line.split(" ", 1)[1] for line in
-                               path.read_text().splitlines() if " " in line)
+    ids = (line.split(" ", 1)[1] for line in path.read_text().splitlines() if " " in line)
+    return collections.Counter(i for i in ids if i.startswith("@") == events)
 
 
 def fast_payload(k: int, seed: int) -> dict[str, Any]:

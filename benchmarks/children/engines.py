@@ -17,7 +17,8 @@ start processes (tests/integration/test_engines_host.py, test_engines_cuda.py).
 Every model here appends one line per finished task to ``$MTQ_BENCH_RUNLOG`` (when
 set): ``<tag> <id>``, the id being the payload's ``"i"`` (a batch model) or its
 ``"seed"`` (a generator, which takes no other field). The benchmark counts the lines
-per id: a task run twice to the end shows twice.
+per id: a task run twice to the end shows twice. ``Weights`` also writes ``<tag>
+@setup`` and ``<tag> @teardown`` as its setup and teardown begin.
 """
 
 from __future__ import annotations
@@ -126,10 +127,15 @@ class Weights(mtq.Model):
     mb = mtq.Option(float, 16.0, min=0.001, help="its weights' size in MiB")
     work_ms = mtq.Option(float, 2.0, min=0, help="torch work per batch (about)")
     seed = mtq.Option(int, 0, help="its weights' seed")
+    load_s = mtq.Option(float, 0.0, min=0, help="seconds its setup sleeps (a slow load)")
+    unload_s = mtq.Option(float, 0.0, min=0, help="seconds its teardown sleeps")
 
     def setup(self, device: Any) -> None:
         import torch
 
+        log_done(self.tag, ["@setup"])
+        if self.load_s:
+            time.sleep(self.load_s)
         g = torch.Generator().manual_seed(self.seed)
         n = max(1, int(self.mb * 2**20 / 4))
         self.weights = torch.randn(n, generator=g).to(device)
@@ -153,3 +159,8 @@ class Weights(mtq.Model):
 
     def reset(self) -> None:
         self.resets += 1
+
+    def teardown(self) -> None:
+        log_done(self.tag, ["@teardown"])
+        if self.unload_s:
+            time.sleep(self.unload_s)

@@ -6,6 +6,7 @@ Not timed (benchmarks/engines.py measures)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -29,6 +30,7 @@ from benchmarks.engine_parts import (
     start_worker,
 )
 from benchmarks.harness.procs import Proc
+from mtq.broker.keys import QueueKeys
 from mtq.workers.registry import list_workers
 from tests.support.waits import wait_for
 
@@ -46,17 +48,21 @@ def env(subprocess_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
 
 
 @contextmanager
-def running(proc: Proc, r: redis.Redis, *queues: str) -> Iterator[Proc]:
+def running(proc: Proc, r: redis.Redis, *queues: str, killed: bool = False) -> Iterator[Proc]:
     """``proc`` until it has registered an engine on each of ``queues``; stopped (and
-    its exit code checked) on the way out, its log shown if the test failed."""
+    its exit code checked) on the way out, its log shown if the test failed; ``killed``:
+    the test kills it (SIGKILL) meanwhile."""
     try:
         for q in queues:
             wait_for(lambda q=q: any(w["pid"] == proc.proc.pid  # type: ignore[misc]
                                      for w in list_workers(r, q)), 60,
                      f"no engine of the process on {q}: {proc.output()[-2000:]}")
         yield proc
-        proc.stop()
-        assert proc.proc.returncode == 0, proc.output()[-3000:]
+        if killed:
+            assert proc.proc.wait(10) == -9, proc.output()[-3000:]
+        else:
+            proc.stop()
+            assert proc.proc.returncode == 0, proc.output()[-3000:]
     except BaseException:
         print(proc.output()[-4000:])
         raise
@@ -127,3 +133,71 @@ def test_commands_to_a_host_process_are_answered_while_tasks_stream_in(
     counts = run_counts(tmp_path / "runlog.txt")
     assert {i: counts[i] for i in counts if i.startswith("t")} == \
         {f"t{k}": 1 for k in range(41)}, counts
+
+
+def test_a_host_process_killed_mid_load_and_mid_unload_loses_nothing_and_runs_nothing_twice(
+        qname: str, redis_url: str, r: redis.Redis, env: dict[str, str],
+        tmp_path: Path) -> None:
+    """SIGKILL while a reload loads its new model (the old one unloaded first: no room
+    beside it), then while an unload tears the model down: the tasks streaming in meanwhile
+    are served by the next process, each exactly once (the engine held none while it
+    loaded or unloaded: it gave back what it had claimed ahead when the command came)."""
+    import threading
+
+    q = mtq.Queue(qname, redis_url)
+    q.configure(lease_ms=1500)
+    runlog = tmp_path / "runlog.txt"
+    plain = {"tag": "a", "mb": 4}
+    budget = {"memory_budget": 6 * 2**20}  # one model of 4 MiB, not two
+    stop = threading.Event()
+    tasks: list[mtq.Task] = []
+
+    def stream() -> None:
+        while not stop.is_set():
+            tasks.append(q.submit({"i": f"t{len(tasks)}"}))
+            stop.wait(0.02)
+
+    def begun(what: str, n: int) -> bool:
+        return run_counts(runlog, events=True)[what] >= n
+
+    def command_then_kill(proc: Proc, msg: dict[str, Any], what: str) -> None:
+        """Send ``msg``; SIGKILL ``proc`` once it has begun one more ``what``."""
+        n = run_counts(runlog, events=True)[what] + 1
+        r.publish(QueueKeys(qname).control, json.dumps(msg))
+        wait_for(lambda: begun(what, n), 30, f"no {what} began: {proc.output()[-2000:]}")
+        proc.kill()
+
+    feeder = threading.Thread(target=stream, daemon=True)
+    try:
+        # 1. mid-load: a reload with options unloads the old model, then loads for 60 s
+        first = start_host(redis_url, env, [{"queue": qname, "target": WEIGHTS,
+                                             "options": plain}], **budget)
+        with running(first, r, qname, killed=True):
+            feeder.start()
+            wait_for(lambda: len(tasks) > 10 and tasks[5].status() == "succeeded", 30,
+                     "the first host served nothing")
+            command_then_kill(first, {"cmd": "reload", "options": {**plain, "load_s": 60}},
+                              "@setup")
+        # 2. mid-unload: the next process serves what the first held, then its model's
+        # teardown takes 60 s when it is unloaded
+        second = start_host(redis_url, env, [{"queue": qname, "target": WEIGHTS,
+                                              "options": {**plain, "unload_s": 60}}], **budget)
+        with running(second, r, qname, killed=True):
+            held = len(tasks)
+            wait_for(lambda: tasks[held - 1].status() == "succeeded", 30,
+                     "the second host did not take over")
+            command_then_kill(second, {"cmd": "unload"}, "@teardown")
+        third = start_host(redis_url, env, [{"queue": qname, "target": WEIGHTS,
+                                             "options": plain}])
+        with running(third, r, qname):
+            stop.set()
+            feeder.join(10)
+            results = [t.result(timeout=60) for t in tasks]
+    finally:
+        stop.set()
+    assert [x["i"] for x in results] == [f"t{k}" for k in range(len(tasks))]
+    counts = run_counts(runlog)
+    assert counts == {f"t{k}": 1 for k in range(len(tasks))}, \
+        {i: n for i, n in counts.items() if n != 1}
+    # each process served some: the next one took over what waited on the killed one
+    assert len({t.info().worker for t in tasks}) == 3
