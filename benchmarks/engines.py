@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Engines: several models in one worker process, on the CPU.
 
-    python -m benchmarks.engines            # ~6 minutes on 2 cores; writes the engines block
-    python -m benchmarks.engines --quick    # ~2 minutes, prints only
+    python -m benchmarks.engines            # ~2.5 minutes on 2 cores; writes the engines block
+    python -m benchmarks.engines --quick    # ~40 s, prints only
 
 Every process runs torch with one intra-op thread (``OMP_NUM_THREADS=1``,
 ``MKL_NUM_THREADS=1`` in its environment): a torch op runs on the thread that calls
@@ -14,7 +14,7 @@ it, so a busy model takes one core, whether it is a process of its own or an eng
 1. **a fast model beside a slow one**: the fast model is the reference TinyGPT
    (``FastGPT``: the streaming benchmarks' shape, float64), one greedy request of 32
    tokens at a time; the slow one (``Slow``) runs batches of 12 products of 1024 x
-   1024 float32 matrices (~0.35 s each, the GIL released in each product), kept busy
+   1024 float32 matrices (~0.2 s each, the GIL released in each product), kept busy
    by two clients. The fast model's time to first token and request latency (submit
    to result, as a client sees them) p50/p99: (a) alone in its own process (``mtq
    worker run``: one model per process, the baseline), (b) with the slow model busy
@@ -102,7 +102,7 @@ def run(quick: bool, only: Sequence[str], res: Results) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.update(parts.THREADS)  # this process's torch too (torch_info)
-    ap = cli_parser(__doc__, "~2 minutes")
+    ap = cli_parser(__doc__, "~40 s")
     ap.add_argument("--json", type=Path, default=None, help="write the figures there")
     ap.add_argument("--only", choices=PARTS, action="append",
                     help="run only these parts (repeatable); the docs block is written "
@@ -121,8 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if docs is not None:
         command = "python -m benchmarks.engines" + (" --quick" if args.quick else "")
         write_block("engines", res.markdown(), command, out["machine"], out["seconds"], docs)
-    failed = [what for what, met, _ in res.targets if met is False]
-    return 1 if any("lost" in w or "equal" in w for w in failed) else 0
+    # exit 1 when what is wrong is not a time: outputs differ, a task lost or run twice
+    wrong = [what for what, met, _ in res.targets if met is False and " p99 " not in what]
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

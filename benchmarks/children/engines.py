@@ -6,7 +6,7 @@ start processes (tests/integration/test_engines_host.py, test_engines_cuda.py).
   greedy (``temperature 0``) so its tokens can be compared across processes;
 * :class:`FastGPT32`: the same in float32 (the GPU check's bit-for-bit comparison);
 * :class:`Slow`: a batch model whose every task is ``matmuls`` products of two
-  ``size`` x ``size`` float32 matrices (about 30 ms each at 1024 on one core of the
+  ``size`` x ``size`` float32 matrices (about 15-20 ms each at 1024 on one core of the
   benchmark machine; a payload's ``"k"`` scales the first): a long batch that keeps a
   core busy in torch, which releases the GIL in each product, as a real model's
   forward does;
