@@ -61,7 +61,7 @@ class Sizes:
     quiet_s: float    # longest wait for a quiet machine before each step
 
 
-FULL = Sizes(requests=100, turns=3, lru_tasks=240, rounds=3, quiet_s=10)
+FULL = Sizes(requests=50, turns=6, lru_tasks=240, rounds=3, quiet_s=10)
 QUICK = Sizes(requests=25, turns=1, lru_tasks=60, rounds=1, quiet_s=1)
 
 PARTS = ("two", "lru", "commands")
