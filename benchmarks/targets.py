@@ -72,3 +72,7 @@ SCHED_ROUND_TRIP = 1.10        # round trip p50, scheduling on / off
 SCHED_RATE = 0.05              # a tenant's rate limit: observed rate within 5 % of it
 SCHED_REFUSAL_P99_MS = 2.0     # ... a refused submit answered within this, p99
 SCHED_ON_TIME = 0.99           # 2x overload with deadlines: admitted tasks started in time
+
+# -- engines (benchmarks/engines.py) -------------------------------------------------------
+ENGINE_P99 = 1.2               # fast model's p99 latency and time to first token with a slow
+                               # engine busy in its process / alone in its own process

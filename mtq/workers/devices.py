@@ -118,6 +118,17 @@ def engine_stream(device: Any) -> Any:
     return torch.cuda.stream(torch.cuda.Stream(device))
 
 
+def settle(device: Any) -> None:
+    """Wait for the work this thread queued on its current CUDA stream (after a model's
+    setup: the engine that serves the model runs on a stream of its own, which does
+    not wait for the kernels another stream still runs); elsewhere, nothing."""
+    if getattr(device, "type", None) != "cuda":
+        return
+    import torch
+
+    torch.cuda.current_stream(device).synchronize()
+
+
 def model_bytes(model: Any) -> int:
     """Bytes of the torch tensors a model object holds: the parameters and buffers of
     every ``torch.nn.Module`` among its attributes (and in their lists, tuples and

@@ -258,6 +258,7 @@ class EngineOps:
                     raise _Stopping()
                 before = devices.allocated(w.device)
                 w.model.setup(w.device)
+                devices.settle(w.device)  # its engine's stream does not wait for this one
                 w.memory_bytes = devices.model_bytes(w.model) or \
                     max(0, devices.allocated(w.device) - before)
                 w.loaded = True
@@ -377,6 +378,7 @@ class EngineOps:
                 model, policy, options = self._new(op)
                 with devices.engine_stream(w.device):
                     model.setup(w.device)
+                    devices.settle(w.device)  # the engine's stream does not wait for it
                 nbytes = devices.model_bytes(model)
         except Exception as exc:
             self.loader = None
