@@ -72,6 +72,7 @@ class Host:
 
     def _serve(self, w: Worker) -> None:
         try:
+            w.prepare()  # (its device, for its stream: run() without setup())
             with devices.engine_stream(w.device):
                 self.totals[w.queue] = w.run()
         except BaseException as exc:  # contained: this engine stops, the others go on
