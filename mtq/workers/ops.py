@@ -254,7 +254,9 @@ class EngineOps:
         w.engine_state = LOADING
         try:
             with r.load_lock:
-                if not r.make_room(w, w.memory_bytes, w.life.stop):
+                # at start no engine's model thread runs yet: none could unload for
+                # room (the host file's check stands for the budget then)
+                if reason != "start" and not r.make_room(w, w.memory_bytes, w.life.stop):
                     raise _Stopping()
                 before = devices.allocated(w.device)
                 w.model.setup(w.device)
@@ -275,7 +277,8 @@ class EngineOps:
                      "/".join(w.model.describe()), w.load_s, _mib(w.memory_bytes))
         if record:  # (a reload records "reloaded" once the new model serves)
             self.catalogue("loaded", w.model)
-        r.make_room(w, w.memory_bytes, w.life.stop, wait=False)  # it was bigger than thought
+        if reason != "start":  # it was bigger than thought
+            r.make_room(w, w.memory_bytes, w.life.stop, wait=False)
 
     def unload(self, record: bool = True) -> None:
         """Drop the model (its ``teardown()`` first) and free what it held."""
