@@ -57,7 +57,7 @@ from mtq.workers.options import apply as apply_options
 from mtq.workers.outcomes import Outcomes
 from mtq.workers.outlet import Outlet
 from mtq.workers.publisher import Publisher
-from mtq.workers.residency import LOADED, OPS, UNLOADED, EngineOp, Residency
+from mtq.workers.residency import FAILED, LOADED, OPS, UNLOADED, EngineOp, Residency
 from mtq.workers.target import BatchPolicy, Target, load_model
 
 # the tunables live in the part that reads them (fetcher.FAST_BATCH_S, heartbeat.BEAT_S,
@@ -255,7 +255,9 @@ class Worker:
             fetcher.interrupt()
         elif cmd == "resume":
             self.user_paused = False
-            if not self.reloading and not self.life.reload:
+            # (an engine unloaded by a command, or failed, claims nothing until a load)
+            if not self.reloading and not self.life.reload and not self.pinned \
+                    and self.engine_state != FAILED:
                 self.slot.set_paused(False)
         elif cmd == "drain":
             self.life.draining = True

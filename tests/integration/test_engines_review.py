@@ -5,11 +5,15 @@ from __future__ import annotations
 import threading
 
 import pytest
+import redis
 
 import mtq
+from mtq.broker import registry
 from mtq.workers.host import Host
 from tests import engine_models as em
-from tests.integration.test_engines import FLOATS, _counters, engine, result
+from tests.integration.test_engines import FLOATS, _counters, ask, engine, result
+from tests.support.waits import wait_for
+from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(90)
 __all__ = ["_counters"]
@@ -51,3 +55,24 @@ def test_host_setup_of_engines_bigger_than_the_budget_does_not_hang(
     finally:
         host.stop()
         t.join(30)
+
+
+def test_resume_does_not_make_an_unloaded_engine_claim(qname: str, redis_url: str,
+                                                        r: redis.Redis) -> None:
+    """After an unload command an engine claims nothing until a load: a pause and
+    resume (which, in a host, reach every engine of the process) must not undo it."""
+    q = mtq.Queue(qname, redis_url)
+    w = engine(qname, redis_url, "a")
+    with serving(w):
+        assert result(q, 1)["x"] == 1
+        assert ask(w, "unload")["ok"]
+        w.command({"cmd": "pause"})
+        w.command({"cmd": "resume"})
+        assert w.slot.paused, "resume made the unloaded engine claim again"
+        t = q.submit(2)
+        # a heartbeat after the submit: the entry is written again
+        registry.remove(r, w.worker_id)
+        wait_for(lambda: registry.list_workers(r, qname), 10, "the engine did not report")
+        assert t.status() == "queued" and em.SETUPS["a"] == 1 and not w.loaded
+        assert ask(w, "load")["ok"]
+        assert t.result(timeout=10)["x"] == 2
