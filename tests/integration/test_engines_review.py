@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import pytest
 import redis
@@ -10,6 +11,7 @@ import redis
 import mtq
 from mtq.broker import registry
 from mtq.workers.host import Host
+from mtq.workers.residency import EngineOp
 from tests import engine_models as em
 from tests.integration.test_engines import FLOATS, _counters, ask, engine, result
 from tests.support.waits import wait_for
@@ -76,3 +78,52 @@ def test_resume_does_not_make_an_unloaded_engine_claim(qname: str, redis_url: st
         assert t.status() == "queued" and em.SETUPS["a"] == 1 and not w.loaded
         assert ask(w, "load")["ok"]
         assert t.result(timeout=10)["x"] == 2
+
+
+def test_unload_while_a_reload_loads_beside_leaves_the_engine_unloaded(
+        qname: str, redis_url: str) -> None:
+    """An unload asked while a reload sets its new model up beside the serving one:
+    the engine ends unloaded (and claiming nothing), not holding a set-up model that
+    the engine and the budget count as unloaded."""
+    q = mtq.Queue(qname, redis_url)
+    w = engine(qname, redis_url, "old")
+    em.GATES["new"] = threading.Event()
+    with serving(w):
+        assert result(q, 0)["tag"] == "old"
+        got: list[dict[str, Any]] = []
+        w.request(EngineOp("reload", options={"tag": "new"}, reply=got.append))
+        assert em.HELD.setdefault("new", threading.Event()).wait(10), "no beside load"
+        unloaded = ask(w, "unload")
+        assert unloaded["ok"] and unloaded["state"] == "unloaded"
+        em.GATES["new"].set()
+        wait_for(lambda: got, 10, "no answer to the reload")
+        wait_for(lambda: not w.reloading and not w.ops.pending, 10, "the swap did not end")
+        # either the reload lost (the staged model torn down) or the engine is loaded
+        # with it and says so; never a set-up model in an engine that says unloaded
+        if w.loaded:
+            assert w.engine_state == "loaded" and w.options["tag"] == "new"
+        else:
+            assert not got[0]["ok"], got
+            assert em.TEARDOWNS["new"] == 1, "the staged model was never torn down"
+            assert w.engine_state == "unloaded" and w.slot.paused
+
+
+def test_a_reload_asked_while_another_loads_beside_is_the_one_that_serves(
+        qname: str, redis_url: str) -> None:
+    q = mtq.Queue(qname, redis_url)
+    w = engine(qname, redis_url, "old")
+    em.GATES["new"] = threading.Event()
+    with serving(w):
+        assert result(q, 0)["tag"] == "old"
+        got: list[dict[str, Any]] = []
+        w.request(EngineOp("reload", options={"tag": "new"}, reply=got.append))
+        assert em.HELD.setdefault("new", threading.Event()).wait(10), "no beside load"
+        later: list[dict[str, Any]] = []  # asked last: it unloads first (no room beside
+        # while the other loads), then waits for the load lock the beside load holds
+        w.request(EngineOp("reload", options={"tag": "newer"}, reply=later.append))
+        wait_for(lambda: w.engine_state == "loading", 10, "the later reload did not start")
+        em.GATES["new"].set()
+        wait_for(lambda: got and later, 10, "no answer to a reload")
+        assert later[0]["ok"], later
+        assert result(q, 1)["tag"] == "newer" and w.options["tag"] == "newer"
+        assert not got[0]["ok"] and em.TEARDOWNS["new"] == 1, got
