@@ -201,6 +201,10 @@ class Worker:
     def request(self, op: EngineOp) -> None:
         """Ask this engine for a command (load, unload, reload, reset: see
         :mod:`mtq.workers.ops`); thread-safe; answered through ``op.reply``."""
+        if op.kind == "unload" and self.spec is None:  # (it could not load again)
+            self.ops.answer(op, ok=False, error="this engine was given a model object, not a "
+                                                "target name: serve a target name to unload it")
+            return
         self.ops.request(op)
 
     @property
@@ -212,7 +216,7 @@ class Worker:
         """Loaded and idle: nothing running, held or asked of it (an LRU candidate)."""
         ledger = self.ledger
         return self.loaded and not ledger.busy and not ledger.held and not self.ops.pending \
-            and not self.reloading and not self.life.stop.is_set()
+            and not self.reloading and not self.life.stop.is_set() and self.spec is not None
 
     @property
     def state(self) -> str:

@@ -12,10 +12,11 @@ import mtq
 from mtq.broker import registry
 from mtq.workers.host import Host
 from mtq.workers.residency import EngineOp
+from mtq.workers.worker import Worker
 from tests import engine_models as em
 from tests.integration.test_engines import FLOATS, _counters, ask, engine, result
 from tests.support.waits import wait_for
-from tests.support.workers import serving
+from tests.support.workers import FAST, serving
 
 pytestmark = pytest.mark.timeout(90)
 __all__ = ["_counters"]
@@ -127,3 +128,20 @@ def test_a_reload_asked_while_another_loads_beside_is_the_one_that_serves(
         assert later[0]["ok"], later
         assert result(q, 1)["tag"] == "newer" and w.options["tag"] == "newer"
         assert not got[0]["ok"] and em.TEARDOWNS["new"] == 1, got
+
+
+def test_unload_of_an_engine_given_a_model_object_answers_and_keeps_serving(
+        qname: str, redis_url: str) -> None:
+    """An engine made from a model object (not a target name) cannot make a new one
+    to unload to: the unload is refused with an answer, the engine serves on."""
+    q = mtq.Queue(qname, redis_url)
+    w = Worker(em.Sized(), qname, url=redis_url, settings=FAST, options={"tag": "obj"})
+    with serving(w) as running:
+        assert result(q, 1)["tag"] == "obj"
+        got: list[dict[str, Any]] = []
+        w.request(EngineOp("unload", reply=got.append))
+        wait_for(lambda: got or not running.thread.is_alive(), 10, "no answer to the unload")
+        assert running.thread.is_alive(), f"the engine died: {running.error!r}"
+        assert not got[0]["ok"] and "model object" in got[0]["error"], got
+        assert w.loaded and result(q, 2)["tag"] == "obj"
+        assert not w.evictable(), "the budget would ask it to unload, again and again"
