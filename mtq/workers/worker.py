@@ -367,6 +367,10 @@ class Worker:
             self._model_loop()
         finally:
             self.stop()
+            with self.ops._lock:  # commands asked as it stopped: answered, never run
+                left, self.ops._pending = self.ops._pending, []
+            for op in left:
+                self.ops.answer(op, ok=False, error="the engine stopped before carrying it out")
             for t in self._threads[:1]:  # the fetcher may hold a claim in flight
                 t.join(timeout=10)
             self.fetcher.retire()

@@ -145,3 +145,19 @@ def test_unload_of_an_engine_given_a_model_object_answers_and_keeps_serving(
         assert not got[0]["ok"] and "model object" in got[0]["error"], got
         assert w.loaded and result(q, 2)["tag"] == "obj"
         assert not w.evictable(), "the budget would ask it to unload, again and again"
+
+
+def test_a_command_asked_as_the_engine_stops_is_answered(qname: str, redis_url: str) -> None:
+    """An engine command still waiting for the batch boundary when the engine stops
+    (a process stopped, drained, scaled down) is answered, not left to time out."""
+    q = mtq.Queue(qname, redis_url)
+    w = engine(qname, redis_url, "a", options={"work_ms": "500"})
+    with serving(w):
+        t = q.submit(1)
+        wait_for(lambda: w.ledger.busy, 10, "the batch did not start")
+        got: list[dict[str, Any]] = []
+        w.request(EngineOp("unload", reply=got.append))
+        w.stop()
+        wait_for(lambda: got, 10, "the unload asked as the engine stopped was never answered")
+        assert t.result(timeout=10)["x"] == 1
+        assert not got[0]["ok"] and "stop" in got[0]["error"], got
