@@ -14,7 +14,7 @@ from mtq.workers.host import Host
 from mtq.workers.residency import EngineOp
 from mtq.workers.worker import Worker
 from tests import engine_models as em
-from tests.integration.test_engines import FLOATS, _counters, ask, engine, result
+from tests.integration.test_engines import FLOATS, _counters, ask, engine, hosting, result
 from tests.support.waits import wait_for
 from tests.support.workers import FAST, serving
 
@@ -161,3 +161,34 @@ def test_a_command_asked_as_the_engine_stops_is_answered(qname: str, redis_url: 
         wait_for(lambda: got, 10, "the unload asked as the engine stopped was never answered")
         assert t.result(timeout=10)["x"] == 1
         assert not got[0]["ok"] and "stop" in got[0]["error"], got
+
+
+def test_no_deadlock_when_the_budgets_victim_has_a_reload_queued_first(
+        qname: str, redis_url: str) -> None:
+    """An engine loading on demand holds the load lock while it waits for the least
+    recently used one to unload; if that one carries out a reload asked just before
+    (between the budget's look and its request), the reload's load waits for the lock:
+    the loading engine must not wait for that unload forever."""
+    qa, qv = qname, qname + "-v"
+    a = engine(qa, redis_url, "a", on_demand=True)
+    v = engine(qv, redis_url, "v")
+    host = Host([a, v], memory_budget=int(FLOATS * 4 * 1.5))  # room for one
+    asked: list[str] = []
+    forward = v.request
+
+    def request(op: EngineOp) -> None:
+        if op.reason == "budget" and not asked:  # the command came in first
+            asked.append("reload")
+            forward(EngineOp("reload", options={"tag": "v2"}))
+        forward(op)
+
+    v.request = request  # type: ignore[method-assign]
+    with hosting(host):
+        assert result(mtq.Queue(qv, redis_url), 0)["tag"] == "v"
+        t = mtq.Queue(qa, redis_url).submit(1)
+        try:
+            got = t.result(timeout=15)
+        except mtq.errors.ResultTimeout:
+            pytest.fail("the on-demand load and the victim's reload wait on each other")
+        assert got["tag"] == "a" and asked == ["reload"]
+        assert result(mtq.Queue(qv, redis_url), 2)["tag"] == "v2"
