@@ -57,6 +57,12 @@ class Host:
             w.prepare()
             if not w.on_demand:
                 w.setup()
+        used, n = self.residency.used()
+        budget, most = self.residency.memory_budget, self.residency.max_loaded
+        if (budget is not None and used > budget) or (most is not None and n > most):
+            log.warning("the engines loaded at start hold %d bytes in %d engines, past the "
+                        "budget (memory_budget %s, max_loaded %s); the least recently used "
+                        "idle ones are unloaded at the next load", used, n, budget, most)
 
     def command(self, msg: dict[str, Any]) -> None:
         """A control command: to the engine of ``msg["queue"]``, or to all of them."""

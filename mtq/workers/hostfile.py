@@ -374,6 +374,9 @@ def parse(text: str, name: str = "host.toml") -> HostSpec:
                     "target = \"package.module:attr\"")
     if not isinstance(tables, list):
         ck.fail(("engine",), "engine must be an array of tables: write each as [[engine]]")
+    if not tables:
+        ck.fail(("engine",), "engine is empty: give one [[engine]] per queue, with "
+                             "queue = \"...\" and target = \"package.module:attr\"")
     engines = [_engine(ck, i, t) for i, t in enumerate(tables)]
     seen: dict[str, int] = {}
     for i, e in enumerate(engines):

@@ -254,7 +254,8 @@ class EngineOps:
         w.engine_state = LOADING
         try:
             with r.load_lock:
-                if not r.make_room(w, w.memory_bytes, w.life.stop):
+                # (at start no model thread runs yet to unload one for room: Host.setup)
+                if reason != "start" and not r.make_room(w, w.memory_bytes, w.life.stop):
                     raise _Stopping()
                 before = devices.allocated(w.device)
                 w.model.setup(w.device)
@@ -276,7 +277,8 @@ class EngineOps:
                      "/".join(w.model.describe()), w.load_s, _mib(w.memory_bytes))
         if record:  # (a reload records "reloaded" once the new model serves)
             self.catalogue("loaded", w.model)
-        r.make_room(w, w.memory_bytes, w.life.stop, wait=False)  # it was bigger than thought
+        if reason != "start":  # it was bigger than thought (at start: Host.setup warns)
+            r.make_room(w, w.memory_bytes, w.life.stop, wait=False)
 
     def unload(self, record: bool = True) -> None:
         """Drop the model (its ``teardown()`` first) and free what it held."""
@@ -365,12 +367,12 @@ class EngineOps:
         free = devices.free_bytes(w.device)
         if free is not None and free < BESIDE_HEADROOM * w.memory_bytes:
             return False
-        self.loader = threading.Thread(target=self._load_beside, args=(op,),
+        self.loader = threading.Thread(target=self._load_beside, args=(op, w.model),
                                        name=f"mtq-loader-{w.queue}", daemon=True)
         self.loader.start()
         return True
 
-    def _load_beside(self, op: EngineOp) -> None:
+    def _load_beside(self, op: EngineOp, serving: Any) -> None:
         w = self.w
         t0 = time.monotonic()
         try:
@@ -387,7 +389,7 @@ class EngineOps:
             self.catalogue("reload_failed", error=w.last_error[:300])
             self.answer(op, ok=False, error=f"{_error(exc)}; the old model goes on serving")
             return
-        staged = (model, policy, options, nbytes, time.monotonic() - t0)
+        staged = (model, policy, options, nbytes, time.monotonic() - t0, serving)
         self.loader = None
         self.request(EngineOp("swap", reply=op.reply, asked=op.asked, staged=staged,
                               reason=op.reason))
@@ -409,20 +411,25 @@ class EngineOps:
 
     def _swap(self, op: EngineOp) -> None:
         w = self.w
-        model, policy, options, nbytes, load_s = op.staged
+        model, policy, options, nbytes, load_s, serving = op.staged
         op.staged = None
-        old = w.model
-        self._install(model, policy, options)
-        w.memory_bytes, w.load_s = nbytes, load_s
+        dropped = w.model is not serving or not w.loaded  # a command ran meanwhile
+        old = model if dropped else w.model
+        if not dropped:
+            self._install(model, policy, options)
+            w.memory_bytes, w.load_s = nbytes, load_s
         teardown = getattr(old, "teardown", None)
         if callable(teardown):
             try:
                 teardown()
             except Exception:
                 log.warning("teardown() of the old model raised", exc_info=True)
-        del old, teardown
+        del old, teardown, model, serving
         self._free()
         w.residency.notify()
+        if dropped:
+            self.answer(op, ok=False, error="an unload or reload ran meanwhile: it stands")
+            return
         self.answer(op, ok=True, detail=f"reloaded beside the serving model in {load_s:.2f} s "
                                         f"({_mib(nbytes)})")
 

@@ -122,7 +122,9 @@ class Residency:
                 done = threading.Event()
                 victim.request(EngineOp("unload", reply=_setter(done), reason="budget"))
                 while not done.wait(0.5):  # the victim's model thread unloads it
-                    if stop.is_set() or victim.life.stop.is_set():
+                    # (or a command it carries out first unloads it, then waits for
+                    # the load lock held here)
+                    if stop.is_set() or victim.life.stop.is_set() or not victim.loaded:
                         break
                 continue
             if not wait:

@@ -57,7 +57,7 @@ from mtq.workers.options import apply as apply_options
 from mtq.workers.outcomes import Outcomes
 from mtq.workers.outlet import Outlet
 from mtq.workers.publisher import Publisher
-from mtq.workers.residency import LOADED, OPS, UNLOADED, EngineOp, Residency
+from mtq.workers.residency import FAILED, LOADED, OPS, UNLOADED, EngineOp, Residency
 from mtq.workers.target import BatchPolicy, Target, load_model
 
 # the tunables live in the part that reads them (fetcher.FAST_BATCH_S, heartbeat.BEAT_S,
@@ -201,6 +201,10 @@ class Worker:
     def request(self, op: EngineOp) -> None:
         """Ask this engine for a command (load, unload, reload, reset: see
         :mod:`mtq.workers.ops`); thread-safe; answered through ``op.reply``."""
+        if op.kind == "unload" and self.spec is None:  # (it could not load again)
+            self.ops.answer(op, ok=False, error="this engine was given a model object, not a "
+                                                "target name: serve a target name to unload it")
+            return
         self.ops.request(op)
 
     @property
@@ -212,7 +216,7 @@ class Worker:
         """Loaded and idle: nothing running, held or asked of it (an LRU candidate)."""
         ledger = self.ledger
         return self.loaded and not ledger.busy and not ledger.held and not self.ops.pending \
-            and not self.reloading and not self.life.stop.is_set()
+            and not self.reloading and not self.life.stop.is_set() and self.spec is not None
 
     @property
     def state(self) -> str:
@@ -255,7 +259,9 @@ class Worker:
             fetcher.interrupt()
         elif cmd == "resume":
             self.user_paused = False
-            if not self.reloading and not self.life.reload:
+            # (an engine unloaded by a command, or failed, claims nothing until a load)
+            if not self.reloading and not self.life.reload and not self.pinned \
+                    and self.engine_state != FAILED:
                 self.slot.set_paused(False)
         elif cmd == "drain":
             self.life.draining = True
@@ -361,6 +367,10 @@ class Worker:
             self._model_loop()
         finally:
             self.stop()
+            with self.ops._lock:  # commands asked as it stopped: answered, never run
+                left, self.ops._pending = self.ops._pending, []
+            for op in left:
+                self.ops.answer(op, ok=False, error="the engine stopped before carrying it out")
             for t in self._threads[:1]:  # the fetcher may hold a claim in flight
                 t.join(timeout=10)
             self.fetcher.retire()

@@ -328,3 +328,9 @@ def test_the_docs_example_and_examples_host_toml_are_good_files() -> None:
     example = hostfile.load(str(ROOT / "examples" / "host.toml"))
     assert [(e.queue, e.on_demand) for e in example.engines] == \
         [("classify", False), ("classify-wide", True)]
+
+
+def test_an_empty_engine_array_names_its_line() -> None:
+    # (it passed the check, and the supervisor refused it without a file or line)
+    fails('engine = []\n[host]\nreplicas = 1\n', 1, "engine is empty", "[[engine]]")
+
