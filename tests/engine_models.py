@@ -15,6 +15,8 @@ import mtq
 SETUPS: Counter[str] = Counter()
 TEARDOWNS: Counter[str] = Counter()
 RESETS: Counter[str] = Counter()
+#: payloads "crash-once" crashed already (the next delivery runs)
+CRASHED: set[str] = set()
 #: tag -> an event a setup with that tag waits for (a slow load the test releases)
 GATES: dict[str, threading.Event] = {}
 #: tag -> set while a setup with that tag waits at its gate
@@ -55,6 +57,9 @@ class Sized(mtq.Model):
             time.sleep(self.work_ms / 1000)
         if "crash" in batch:
             raise EngineCrash("the engine's loop broke")
+        if "crash-once" in batch and "crash-once" not in CRASHED:
+            CRASHED.add("crash-once")
+            raise EngineCrash("the engine's loop broke once")
         return [{"tag": self.tag, "x": p, "w": float(self.weights[0])} for p in batch]
 
     def reset(self) -> None:

@@ -16,12 +16,21 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
+import os
+import socket
 import sys
+import time
 from typing import Any
 
+from mtq.broker import catalogue as broker_catalogue
+from mtq.broker.consumer import Consumer
+from mtq.errors import BrokerError
 from mtq.workers.generator import Generator
 from mtq.workers.model import FunctionModel
 from mtq.workers.options import given, given_json
+
+log = logging.getLogger(__name__)
 
 #: versions computed here start with this (a declared version never needs to)
 COMPUTED = "h-"
@@ -95,3 +104,32 @@ def model_record(model: Any, target: str, version: str, **where: Any) -> dict[st
             "deterministic": int(bool(getattr(model, "deterministic", False))),
             "cacheable": int(bool(getattr(model, "cacheable", True))),
             "options": given_json(model), **where}
+
+
+def record_event(consumer: Consumer, queue: str, event: str, *, spec: str | None,
+                 current: Any, model: Any = None, error: str = "", worker: str,
+                 device: str, supervisor: str) -> None:
+    """Record an engine's ``event`` (loaded, reloaded, unloaded, reload_failed,
+    stopped) in the model catalogue (mtq.broker.catalogue); with ``model`` (just set
+    up), compute its version, make it the consumer's, and make its record the queue's.
+    ``current``: the model served now (named when there is no target name). A
+    catalogue that cannot be written is logged, never fatal."""
+    now = int(time.time() * 1000)
+    where = {"host": socket.gethostname(), "worker": worker}
+    target = spec or "/".join(current.describe())
+    version = version_of(model) if model is not None else current.describe()[1]
+    if model is not None:
+        consumer.broker.model_version = version
+    fields = {"event": event, "target": target, "version": version, "pid": os.getpid(),
+              "device": device, "supervisor": supervisor, "ts": now, **where}
+    if model is not None and given(model):
+        fields["options"] = given(model)
+    if error:
+        fields["error"] = error
+    try:
+        broker_catalogue.record(
+            consumer.redis, queue, fields,
+            model_record(model, target, version, loaded=now, **where) if model is not None
+            else None)
+    except BrokerError:
+        log.warning("could not write the model catalogue", exc_info=True)

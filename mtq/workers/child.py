@@ -233,8 +233,17 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
             sys.exit(EXIT_SETUP)
         pipe.send("hello", i, w.worker_id)
         workers.append(w)
-    host = Host(workers, memory_budget=config.memory_budget, max_loaded=config.max_loaded) \
-        if config.engines else None
+    specs = config.engine_list()
+
+    def rebuild(i: int, options: dict[str, str]) -> Worker:
+        """Engine ``i`` made again after it failed, with the options it served."""
+        w = _engine(config, {**specs[i], "options": options}, PipeMonitor(pipe, shared, i),
+                    first=False)
+        pipe.send("hello", i, w.worker_id)
+        return w
+
+    host = Host(workers, memory_budget=config.memory_budget, max_loaded=config.max_loaded,
+                rebuild=rebuild) if config.engines else None
     try:
         if host is not None:
             host.setup()  # the engines not loaded on demand, within the budget

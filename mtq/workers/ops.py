@@ -25,17 +25,15 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from mtq.broker import catalogue as broker_catalogue
 from mtq.broker.consumer import Consumer
 from mtq.broker.protocol import Claimed
-from mtq.errors import BrokerError, TargetError
+from mtq.errors import TargetError
 from mtq.observe.histograms import Histograms
 from mtq.workers import catalogue, devices
 from mtq.workers.batching import BatchSlot
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.fetcher import Fetcher
 from mtq.workers.ledger import Ledger, Lifecycle, Monitor
-from mtq.workers.options import given as given_options
 from mtq.workers.residency import (
     FAILED,
     LOADED,
@@ -94,7 +92,7 @@ class Engine(Protocol):
     @property
     def last_used(self) -> float: ...
 
-    def evictable(self) -> bool: ...
+    def evictable(self, busy_ok: bool = False) -> bool: ...
 
     def give_back(self, tasks: Sequence[Claimed]) -> None: ...
 
@@ -107,6 +105,17 @@ class _Stopping(Exception):
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def _teardown(model: Any) -> None:
+    """The model's ``teardown()``, if it has one (what it raises is logged: the model
+    is dropped anyway)."""
+    hook = getattr(model, "teardown", None)
+    if callable(hook):
+        try:
+            hook()
+        except Exception:
+            log.warning("teardown() raised; the model is dropped anyway", exc_info=True)
 
 
 def _error(exc: BaseException) -> str:
@@ -269,7 +278,8 @@ class EngineOps:
         w.load_s = time.monotonic() - t0
         w.engine_state = LOADED
         w.loaded_at = time.time()
-        w.last_error = ""
+        if w.last_error.startswith("load failed"):  # (an engine made again keeps its error)
+            w.last_error = ""
         r.notify()
         if reason != "start":  # (at start the queue's settings are not read yet)
             w.stats.observe("load", w.load_s)
@@ -285,14 +295,9 @@ class EngineOps:
         w = self.w
         w.engine_state = UNLOADING
         old = w.model
-        teardown = getattr(old, "teardown", None)
-        if callable(teardown):
-            try:
-                teardown()
-            except Exception:
-                log.warning("teardown() raised; unloading anyway", exc_info=True)
+        _teardown(old)
         w.model = self.fresh(w.options)
-        del old, teardown
+        del old
         self._free()
         w.loaded = False
         w.engine_state = UNLOADED
@@ -309,30 +314,12 @@ class EngineOps:
         return load_model(w.spec, options=options)
 
     def catalogue(self, event: str, model: Any = None, error: str = "") -> None:
-        """Record ``event`` in the model catalogue (mtq.broker.catalogue); with ``model``
-        (just set up), compute its version and make it the queue's model record. A
-        catalogue that cannot be written is logged, never fatal."""
+        """Record ``event`` in the model catalogue; with ``model`` (just set up), its
+        version and record become the queue's (mtq.workers.catalogue.record_event)."""
         w = self.w
-        now = int(time.time() * 1000)
-        where = {"host": socket.gethostname(), "worker": w.worker_id}
-        target = w.spec or "/".join(w.model.describe())
-        version = catalogue.version_of(model) if model is not None else w.model.describe()[1]
-        if model is not None:
-            w.consumer.broker.model_version = version
-        event_fields = {"event": event, "target": target, "version": version,
-                        "pid": os.getpid(), "device": w.device_name,
-                        "supervisor": w.supervisor, "ts": now, **where}
-        if model is not None and given_options(model):
-            event_fields["options"] = given_options(model)
-        if error:
-            event_fields["error"] = error
-        try:
-            broker_catalogue.record(
-                w.consumer.redis, w.queue, event_fields,
-                catalogue.model_record(model, target, version, loaded=now, **where)
-                if model is not None else None)
-        except BrokerError:
-            log.warning("could not write the model catalogue", exc_info=True)
+        catalogue.record_event(w.consumer, w.queue, event, spec=w.spec, current=w.model,
+                               model=model, error=error, worker=w.worker_id,
+                               device=w.device_name, supervisor=w.supervisor)
 
     def _free(self) -> None:
         gc.collect()
@@ -418,13 +405,8 @@ class EngineOps:
         if not dropped:
             self._install(model, policy, options)
             w.memory_bytes, w.load_s = nbytes, load_s
-        teardown = getattr(old, "teardown", None)
-        if callable(teardown):
-            try:
-                teardown()
-            except Exception:
-                log.warning("teardown() of the old model raised", exc_info=True)
-        del old, teardown, model, serving
+        _teardown(old)
+        del old, model, serving
         self._free()
         w.residency.notify()
         if dropped:

@@ -30,13 +30,18 @@ class Resident(Protocol):
     @property
     def life(self) -> Any: ...
 
-    def evictable(self) -> bool:
-        """Loaded and idle: nothing running, held or asked of it."""
+    def evictable(self, busy_ok: bool = False) -> bool:
+        """Loaded and idle: nothing running, held or asked of it (``busy_ok``: running
+        or holding tasks allowed)."""
         ...
 
     def request(self, op: EngineOp) -> None:
         """Ask it for an engine command."""
         ...
+
+#: an engine that waits this long for room while every loaded engine is busy unloads
+#: the least recently used busy one (see Residency.make_room)
+BUSY_UNLOAD_S = 5.0
 
 #: the engine commands (control messages with a reply id; see mtq.broker.answers)
 OPS = ("load", "unload", "reload", "reset")
@@ -87,6 +92,11 @@ class Residency:
     def add(self, engine: Resident) -> None:
         self.engines.append(engine)
 
+    def replace(self, old: Resident, new: Resident) -> None:
+        """``new`` takes ``old``'s place (an engine made again after a failure)."""
+        self.engines = [new if e is old else e for e in self.engines]
+        self.notify()
+
     def notify(self) -> None:
         with self.changed:
             self.changed.notify_all()
@@ -109,14 +119,19 @@ class Residency:
     def make_room(self, engine: Resident, need: int, stop: threading.Event, *,
                   wait: bool = True) -> bool:
         """Unload the least recently used idle engines until ``engine`` (about to
-        load, ``need`` bytes) fits; wait for one to go idle when none is (``wait``
-        False: return False then). Returns False if ``stop`` was set meanwhile. Call
-        it holding :attr:`load_lock` (or, loaded, after it: ``wait`` False)."""
+        load, ``need`` bytes) fits; when none is idle, wait for one to be, and after
+        :data:`BUSY_UNLOAD_S` unload the least recently used busy one (it finishes its
+        running batch and gives back what it claimed ahead): engines whose queues all
+        have a backlog take turns, none waits for ever (``wait`` False: return False
+        when none is idle). Returns False if ``stop`` was set meanwhile. Call it
+        holding :attr:`load_lock` (or, loaded, after it: ``wait`` False)."""
+        since = time.monotonic()
         while not self.fits(engine, need):
             if stop.is_set():
                 return False
+            busy_ok = wait and time.monotonic() - since >= BUSY_UNLOAD_S
             idle = sorted((e for e in self.engines if e is not engine and e.loaded
-                           and e.evictable()), key=lambda e: e.last_used)
+                           and e.evictable(busy_ok)), key=lambda e: e.last_used)
             if idle:
                 victim = idle[0]
                 done = threading.Event()

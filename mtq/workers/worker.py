@@ -212,11 +212,13 @@ class Worker:
         """Unix time it last ended a batch (or loaded)."""
         return max(self.loaded_at, self.ledger.last_busy)
 
-    def evictable(self) -> bool:
-        """Loaded and idle: nothing running, held or asked of it (an LRU candidate)."""
+    def evictable(self, busy_ok: bool = False) -> bool:
+        """Loaded and idle: nothing running, held or asked of it (an LRU candidate;
+        ``busy_ok``: running or holding tasks allowed)."""
         ledger = self.ledger
-        return self.loaded and not ledger.busy and not ledger.held and not self.ops.pending \
-            and not self.reloading and not self.life.stop.is_set() and self.spec is not None
+        return self.loaded and (busy_ok or (not ledger.busy and not ledger.held)) \
+            and not self.ops.pending and not self.reloading and not self.life.stop.is_set() \
+            and self.spec is not None
 
     @property
     def state(self) -> str:

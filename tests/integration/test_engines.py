@@ -17,6 +17,8 @@ import redis
 import mtq
 from mtq.broker import registry
 from mtq.broker.keys import QueueKeys
+from mtq.workers import host as host_module
+from mtq.workers import residency
 from mtq.workers.host import Host
 from mtq.workers.residency import EngineOp
 from mtq.workers.worker import Worker
@@ -36,6 +38,7 @@ def _counters() -> Iterator[None]:
         c.clear()
     em.GATES.clear()
     em.HELD.clear()
+    em.CRASHED.clear()
     yield
     for gate in em.GATES.values():
         gate.set()
@@ -258,3 +261,53 @@ def test_an_engine_that_fails_stops_alone(qname: str, redis_url: str) -> None:
         # what it ran goes back to its stream, the delivery counted (as for a crash)
         wait_for(lambda: t.status() == "queued", 10, "the failed engine's task did not go back")
         assert t.info().deliveries == 1
+
+
+def test_an_engine_waiting_for_room_behind_busy_ones_takes_a_turn(
+        qname: str, redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every loaded engine has a backlog (none ever idle): the one waiting to load
+    unloads the least recently used busy one after BUSY_UNLOAD_S, not never."""
+    monkeypatch.setattr(residency, "BUSY_UNLOAD_S", 1.0)
+    queues = [qname, qname + "-b", qname + "-c"]
+    engines = [engine(queues[0], redis_url, "a", options={"work_ms": "50"}),
+               engine(queues[1], redis_url, "b", options={"work_ms": "50"}),
+               engine(queues[2], redis_url, "c", on_demand=True)]
+    clients = [mtq.Queue(qn, redis_url) for qn in queues]
+    with hosting(Host(engines, max_loaded=2)):
+        backlog = [t for q in clients[:2] for t in q.submit_many(list(range(400)))]
+        wait_for(lambda: all(e.ledger.busy for e in engines[:2]), 10,
+                 "the two loaded engines did not get busy")
+        assert result(clients[2], "c")["tag"] == "c"
+        left = [t for t in backlog if t.status() != "succeeded"]
+        assert left, "the backlog ended first: nothing showed the turn was taken"
+        wait_for(lambda: all(t.status() == "succeeded" for t in backlog), 60,
+                 "the busy engines' tasks did not all finish")
+    assert em.SETUPS["c"] == 1 and sum(em.TEARDOWNS.values()) >= 1
+
+
+def test_a_failed_engine_is_made_again_with_the_options_it_served(
+        qname: str, redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(host_module, "RESTART_BASE_S", 0.1)
+    qa, qb = qname, qname + "-b"
+    made: list[Worker] = []
+
+    def rebuild(i: int, options: dict[str, str]) -> Worker:
+        w = Worker(SIZED, [qa, qb][i], url=redis_url, settings=FAST, options=options)
+        made.append(w)
+        return w
+
+    a, b = engine(qa, redis_url, "a"), engine(qb, redis_url, "b")
+    host = Host([a, b], rebuild=rebuild)
+    with hosting(host):
+        assert ask(a, "reload", options={"tag": "a2"})["ok"]  # the options it serves now
+        t = mtq.Queue(qa, redis_url).submit("crash-once")
+        wait_for(lambda: made, 10, "the failed engine was not made again")
+        # what it ran went back (counted) and runs on the new engine, with its options
+        assert t.result(timeout=20) == {"tag": "a2", "x": "crash-once", "w": 1.0}
+        assert t.info().deliveries == 2
+        assert host.workers[0] is made[0] and made[0].restarts == 1
+        assert "loop broke once" in made[0].last_error
+        wait_for(lambda: any(w["id"] == made[0].worker_id and w["restarts"] == 1
+                             for w in registry.list_workers(r, qa)), 10,
+                 "the new engine's entry does not count the restart")
+        assert result(mtq.Queue(qb, redis_url), 1)["tag"] == "b"
