@@ -128,3 +128,33 @@ def test_a_process_killed_while_it_loads_on_demand_gives_its_tasks_back(
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
         log.close()
+
+
+def test_a_failed_engine_of_a_host_process_is_made_again_in_that_process(
+        qname: str, r: redis.Redis, redis_url: str, subprocess_env: dict[str, str],
+        tmp_path: Path) -> None:
+    qa, qb = qname, qname + "-b"
+    host = tmp_path / "host.toml"
+    host.write_text("".join(
+        f'[[engine]]\nqueue = "{q}"\ntarget = "tests.engine_models:Sized"\n'
+        f'options = {{ tag = "{tag}" }}\n\n' for q, tag in ((qa, "a"), (qb, "b"))))
+    log = (tmp_path / "sup.log").open("wb")
+    proc = subprocess.Popen([PY, "-m", "mtq", "workers", "start", "--config", str(host),
+                             "--redis", redis_url], env=subprocess_env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        before = wait_for(lambda: [w for w in workers_of(r, qa) if w.get("engine") == "loaded"],
+                          30, "the host did not start")[0]
+        t = mtq.Queue(qa, redis_url).submit("crash-once")  # escapes the engine's loop
+        assert t.result(timeout=30)["x"] == "crash-once"
+        assert t.info().deliveries == 2  # the failed engine's delivery counted
+        after = wait_for(lambda: [w for w in workers_of(r, qa, live_only=True)
+                                  if w.get("restarts") == 1], 10,
+                         "the new engine does not count its restart")[0]
+        assert after["pid"] == before["pid"] and after["id"] != before["id"]
+        assert "loop broke once" in after["last_error"]
+        assert mtq.Queue(qb, redis_url).submit(1).result(timeout=10)["tag"] == "b"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        log.close()
