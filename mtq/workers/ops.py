@@ -104,7 +104,13 @@ class _Stopping(Exception):
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
+    """A size for people: 524 B, 8.0 KiB, 32.0 MiB, 1.5 GiB."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
 
 
 def _teardown(model: Any) -> None:
