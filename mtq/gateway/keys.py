@@ -85,11 +85,21 @@ def _limit(value: object, what: str) -> int | None:
     return value
 
 
-def _text(raw: dict[bytes, bytes], field: str) -> str:
-    return raw.get(field.encode(), b"").decode("utf-8", "replace")
+def _str(value: bytes | str) -> str:
+    """Text of a reply: bytes (mtq's clients) or str (a client made with
+    ``decode_responses=True``)."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
-def _record(key_id: str, raw: dict[bytes, bytes]) -> ApiKey:
+def _fields(raw: dict[Any, Any]) -> dict[str, str]:
+    return {_str(k): _str(v) for k, v in raw.items()}
+
+
+def _text(raw: dict[str, str], field: str) -> str:
+    return raw.get(field, "")
+
+
+def _record(key_id: str, raw: dict[str, str]) -> ApiKey:
     def number(field: str) -> int | None:
         text = _text(raw, field)
         return int(text) if text else None
@@ -136,12 +146,13 @@ def list_keys(client: Any, tenant: str | None = None) -> list[ApiKey]:
         check_tenant(tenant)
     c = shared(client)
     with redis_errors("while listing API keys"):
-        ids = sorted(i.decode() for i in c.smembers(API_KEYS))
+        ids = sorted(_str(i) for i in c.smembers(API_KEYS))
         pipe = c.pipeline(transaction=False)  # keys of any slot, on a cluster
         for key_id in ids:
             pipe.hgetall(api_key(key_id))
         raws = pipe.execute() if ids else []
-    keys = [_record(key_id, raw) for key_id, raw in zip(ids, raws, strict=True) if raw]
+    keys = [_record(key_id, _fields(raw)) for key_id, raw in zip(ids, raws, strict=True)
+            if raw]
     keys = [k for k in keys if tenant is None or k.tenant == tenant]
     return sorted(keys, key=lambda k: (k.created, k.id))
 
@@ -177,10 +188,12 @@ def authenticate(client: Any, token: str | None) -> ApiKey:
         raise InvalidApiKey("malformed")
     key_id, secret = m.groups()
     with redis_errors("while checking an API key"):
-        raw = shared(client).hgetall(api_key(key_id))
-    stored = raw.get(b"digest", b"").decode("ascii", "replace")
+        raw = _fields(shared(client).hgetall(api_key(key_id)))
+    stored = raw.get("digest", "")
     # compared even when there is no key, so the time taken tells nothing
-    if not hmac.compare_digest(_digest(secret), stored or "-" * 64) or not stored:
+    if not hmac.compare_digest(_digest(secret).encode(), (stored or "-" * 64).encode()) \
+            or not stored or not raw.get("tenant"):
+        # (no tenant: a create that failed half way, whose token nobody was given)
         raise InvalidApiKey("unknown", key_id)
     record = _record(key_id, raw)
     if record.revoked is not None:

@@ -8,6 +8,7 @@ import time
 import uuid
 
 import pytest
+import redis
 from click.testing import CliRunner
 
 import mtq
@@ -15,6 +16,7 @@ from mtq.broker.keys import API_KEYS, api_key, api_key_rate
 from mtq.cli.main import cli
 from mtq.errors import InvalidApiKey, InvalidArgument, InvalidName
 from mtq.gateway import keys
+from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 
 
@@ -72,6 +74,10 @@ def test_authenticate(client, tenant):
                       f"mtq-{key.id}-short", "Bearer " + token],
         "unknown": [wrong, unknown_id],
     }
+    half_made = "mtq-00000000beef-" + _secret(token)  # a create that failed half way
+    client.hset(api_key("00000000beef"), "digest", hashlib.sha256(
+        _secret(token).encode()).hexdigest())
+    cases["unknown"].append(half_made)
     for reason, tokens in cases.items():
         for bad in tokens:
             with pytest.raises(InvalidApiKey) as info:
@@ -79,6 +85,7 @@ def test_authenticate(client, tenant):
             assert info.value.reason == reason, bad
             assert _secret(token) not in str(info.value)
             assert "mtq keys create" in str(info.value)  # what to do
+    client.delete(api_key("00000000beef"))
     assert keys.revoke(client, key.id)
     with pytest.raises(InvalidApiKey) as info:
         keys.authenticate(client, token)
@@ -99,16 +106,31 @@ def test_bad_arguments_are_refused_and_write_nothing(client, tenant):
     assert keys.list_keys(client, tenant) == []
 
 
-def test_any_keys_ignores_revoked_ones(client, tenant):
-    # other tests' keys share the server: revoke every live one, restore nothing
-    for k in keys.list_keys(client):
-        if k.revoked is None:
-            keys.revoke(client, k.id)
-    assert keys.any_keys(client) is False
-    _, key = keys.create(client, tenant)
-    assert keys.any_keys(client) is True
-    keys.revoke(client, key.id)
-    assert keys.any_keys(client) is False
+def test_any_keys_ignores_revoked_ones(tmp_path, tenant):
+    # a server of its own: the shared one holds other tests' keys, which this must not revoke
+    server = RedisServer(tmp_path)
+    server.start()
+    own = redis.Redis.from_url(server.url)
+    try:
+        assert keys.any_keys(own) is False
+        _, key = keys.create(own, tenant)
+        assert keys.any_keys(own) is True
+        keys.revoke(own, key.id)
+        assert keys.any_keys(own) is False
+    finally:
+        own.close()
+        server.stop()
+
+
+def test_a_client_that_decodes_replies_works_too(redis_url, tenant):
+    text = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        token, key = keys.create(text, tenant, rpm=1, name="é")
+        assert keys.authenticate(text, token) == key
+        assert keys.list_keys(text, tenant) == [key]
+        assert keys.admit(text, key, 0) == 0.0 and keys.admit(text, key, 0) > 59
+    finally:
+        text.close()
 
 
 def test_redis_holds_no_secret(client, tenant):
