@@ -50,8 +50,8 @@ from mtq.workers.options import Option
 __version__ = "0.1.0"
 
 _MORE_ERRORS = frozenset({"BatchArityError", "BatchShapeError", "EngineTimeout",
-                          "InvalidArgument", "JobRefused", "NoEngine", "ResultNotStorable",
-                          "TaskFinished", "UsageError"})
+                          "InvalidApiKey", "InvalidArgument", "JobRefused", "NoEngine",
+                          "ResultNotStorable", "TaskFinished", "UsageError"})
 
 
 def __getattr__(name: str) -> object:

@@ -33,6 +33,7 @@
     │   └── BadRequest              a payload the model cannot take (fails alone)
     ├── DeviceOutOfMemory           a task ran out of device memory on its own (retried)
     ├── InvalidArgument             an argument that is not allowed (a script's, a priority, a cost)
+    ├── InvalidApiKey               a gateway API key that is missing, malformed, unknown or revoked
     ├── TaskFinished                the task had already ended: nothing was changed
     ├── BatchShapeError             a model returned the wrong number of results
     ├── BatchArityError             an RQ job of a batched function has other than one argument
@@ -65,6 +66,7 @@ __all__ = [
     "EncodeError",
     "EngineTimeout",
     "HostFileError",
+    "InvalidApiKey",
     "InvalidArgument",
     "InvalidName",
     "JobRefused",
@@ -359,6 +361,28 @@ class DeviceOutOfMemory(MtqError):
 class InvalidArgument(MtqError, ValueError):
     """A Lua script refused an argument: an unknown action (a dead-letter action other
     than retry or purge), or a token index past the next one. Nothing was changed."""
+
+
+class InvalidApiKey(MtqError):
+    """An API key the gateway cannot accept (:mod:`mtq.gateway.keys`): none was sent, it
+    is not an mtq key, no key has its id and secret, or it was revoked. ``reason`` is
+    ``missing``, ``malformed``, ``unknown`` or ``revoked``; ``key_id`` the id the token
+    names, when it names one. The message never holds the secret."""
+
+    def __init__(self, reason: str, key_id: str | None = None) -> None:
+        self.reason = reason
+        self.key_id = key_id
+        ask = "ask the gateway's operator for a key ('mtq keys create --tenant T' makes one)"
+        text = {
+            "missing": "no API key was sent: send one as 'Authorization: Bearer mtq-...'; "
+                       + ask,
+            "malformed": "this is not an mtq API key (they read mtq-<12 hex digits>-<43 "
+                         "characters>): check that it was copied whole; else " + ask,
+            "unknown": f"API key {key_id} is not known, or its secret is wrong: check "
+                       "that the whole key was copied; else " + ask,
+            "revoked": f"API key {key_id} was revoked: " + ask.replace("a key", "a new key"),
+        }.get(reason, f"API key refused ({reason}): " + ask)
+        super().__init__(text)
 
 
 class TaskFinished(MtqError):

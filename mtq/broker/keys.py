@@ -17,6 +17,20 @@ WORKERS = f"{PREFIX}:workers"
 #: the model catalogue's history: list of JSON records (loaded, reloaded, reload_failed,
 #: stopped), newest first, trimmed to a fixed length; kept after workers stop
 MODELS_HISTORY = f"{PREFIX}:models:history"
+#: the gateway's API keys: the set of every key id (revoked ones too; outside any slot)
+API_KEYS = f"{PREFIX}:apikeys"
+
+
+def api_key(key_id: str) -> str:
+    """The hash of one API key (:mod:`mtq.gateway.keys`): its record and the SHA-256 of
+    its secret, never the secret. Its own hash tag, shared with :func:`api_key_rate`."""
+    return f"{PREFIX}:apikey:{{{key_id}}}"
+
+
+def api_key_rate(key_id: str) -> str:
+    """One API key's rate limits' state (hash: ``r``, ``c`` -> when its next request,
+    its next token, is due; ms), expiring once the key has been idle a minute."""
+    return f"{PREFIX}:apikey:{{{key_id}}}:rate"
 
 
 def hub(client_id: str) -> str:

@@ -34,6 +34,7 @@ LAZY = {
     "trace": "mtq.cli.trace:trace_command",
     "rq": "mtq.cli.rq:rq_group",
     "models": "mtq.cli.models:models",
+    "keys": "mtq.cli.keys:keys",
     "demo": "mtq.cli.demo:demo",
 }
 
