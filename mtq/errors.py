@@ -64,6 +64,7 @@ __all__ = [
     "DuplicateTask",
     "EncodeError",
     "EngineTimeout",
+    "GatewayUnprotected",
     "HostFileError",
     "InvalidArgument",
     "InvalidName",
@@ -107,6 +108,12 @@ class HostFileError(ConfigError):
     TOML syntax error, an unknown key, a value of the wrong type or out of range, a
     missing or unknown target, a device this machine does not have. The message
     starts with ``FILE:LINE:``."""
+
+
+class GatewayUnprotected(ConfigError):
+    """``mtq serve`` was asked to listen beyond loopback while no API key exists: anyone
+    who can reach the address could use the models. Create a key first (``mtq keys
+    create --tenant T``) or listen on 127.0.0.1."""
 
 
 class BrokerError(MtqError):
