@@ -333,8 +333,9 @@ class Gateway:
             return list(results.result())
         if isinstance(exc, ResultTimeout):
             await self._cancel(tasks)
-            raise GatewayError(504, f"no answer within {self.timeout_s:g} s; the request "
-                               "was cancelled", "server_error", None, "timeout") from exc
+            raise GatewayError(504, f"no answer within {self.timeout_s:g} s; the request's "
+                               f"task {tasks[0].id} was cancelled", "server_error", None,
+                               "timeout") from exc
         if isinstance(exc, TaskFailed):
             await self._cancel(tasks)
             raise failed(exc) from exc

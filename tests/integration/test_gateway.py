@@ -32,6 +32,8 @@ from tests.support.waits import wait_for
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(120)
+#: the gateway's --timeout (seconds a request waits for its task)
+TIMEOUT = 5
 
 
 @dataclass
@@ -41,6 +43,7 @@ class Stack:
     gpt: str      # queue of the reference TinyGPT (served as itself and as "tiny")
     emb: str      # queue of the reference embedder
     echo: str     # queue of tests.models:EchoChat
+    idle: str     # a queue no worker serves (mapped as "idle")
     log: Path
 
     def client(self, **kw: object) -> openai.OpenAI:
@@ -86,6 +89,7 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     env = _env(redis_url, tmp)
     tag = uuid.uuid4().hex[:6]
     gpt, emb, echo = f"gw-gpt-{tag}", f"gw-emb-{tag}", f"gw-echo-{tag}"
+    idle = f"gw-idle-{tag}"
     procs = []
     r = redis.Redis.from_url(redis_url)
     try:
@@ -99,7 +103,8 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                     stderr=subprocess.STDOUT, start_new_session=True))
         port = free_port()
         log = tmp / "serve.log"
-        procs.append(serve(env, log, port, "--model", f"tiny={gpt}", "--timeout", "20"))
+        procs.append(serve(env, log, port, "--model", f"tiny={gpt}",
+                           "--model", f"idle={idle}", "--timeout", str(TIMEOUT)))
         base = f"http://127.0.0.1:{port}"
 
         def ready() -> bool:
@@ -115,7 +120,7 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             return {gpt, emb, echo, "tiny"} <= ids
 
         wait_for(ready, 90, "the workers or the gateway did not come up")
-        yield Stack(base, redis_url, gpt, emb, echo, log)
+        yield Stack(base, redis_url, gpt, emb, echo, idle, log)
     finally:
         for p in procs:
             _stop(p)
@@ -302,6 +307,33 @@ def test_deadline_header_reaches_the_task(stack: Stack) -> None:
     assert 0 < info.deadline - info.created <= 30_000  # ms
 
 
+def test_full_queue_is_503_with_retry_after(stack: Stack) -> None:
+    q = mtq.Queue(stack.idle, stack.url)
+    q.configure(max_length=1)
+    waiting = q.submit({"prompt": "fills the queue"})
+    try:
+        with stack.client() as c, pytest.raises(openai.InternalServerError) as info:
+            c.completions.create(model="idle", prompt="x", max_tokens=1)
+        assert info.value.status_code == 503
+        assert int(info.value.response.headers["retry-after"]) >= 1
+        assert info.value.body["code"] == "queue_full"  # type: ignore[index]
+    finally:
+        waiting.cancel()
+        q.configure(max_length=0)
+
+
+def test_no_answer_in_time_is_504_and_cancels(stack: Stack) -> None:
+    with stack.client() as c, pytest.raises(openai.InternalServerError) as info:
+        c.completions.create(model="idle", prompt="nobody serves this", max_tokens=1)
+    assert info.value.status_code == 504
+    assert info.value.body["code"] == "timeout"  # type: ignore[index]
+    q = mtq.Queue(stack.idle, stack.url)
+    task_id = info.value.body["message"].split("task ")[1].split()[0]  # type: ignore[index]
+    wait_for(lambda: q.task(task_id).status() == "cancelled", 10,
+             "the timed-out request's task was not cancelled")
+    assert q.stats()["waiting"] == 0
+
+
 # -- mtq serve refuses to serve beyond loopback without keys -------------------------------
 def test_serve_beyond_loopback_without_keys_refuses(tmp_path: Path) -> None:
     (tmp_path / "redis").mkdir()
@@ -324,3 +356,89 @@ def test_loopback_needs_no_key(stack: Stack) -> None:
                                                "max_tokens": 1})
     assert resp.status_code == 200, resp.text
     assert json.loads(resp.text)["choices"][0]["text"] == "k"
+
+
+# -- API keys (mtq.gateway.keys): a gateway beyond loopback, on a Redis of its own --------
+# These run once mtq.gateway.keys exists (built alongside the gateway); skipped until then.
+@dataclass
+class Keyed:
+    base: str
+    url: str
+    echo: str
+    token: str       # tenant "acme", no limits
+    key_id: str
+    slow: str        # tenant "slow", rpm=1
+    revoked: str     # a revoked key
+
+    def client(self, token: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=token, max_retries=0,
+                             timeout=30)
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keyed]:
+    keys = pytest.importorskip("mtq.gateway.keys")
+    tmp = tmp_path_factory.mktemp("keyed")
+    (tmp / "redis").mkdir()
+    server = RedisServer(tmp / "redis")
+    server.start()
+    env = _env(server.url, tmp)
+    r = redis.Redis.from_url(server.url)
+    echo = "gw-keyed-echo"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        token, key = keys.create(r, "acme", name="test")
+        slow, _ = keys.create(r, "slow", rpm=1)
+        revoked, gone = keys.create(r, "acme")
+        assert keys.revoke(r, gone.id)
+        with open(tmp / "workers.log", "wb") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "mtq", "workers", "start", "tests.models:EchoChat",
+                 "--queue", echo, "--devices", "cpu", "--replicas", "1"], cwd=ROOT, env=env,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        port = free_port()
+        procs.append(serve(env, tmp / "serve.log", port, "--host", "0.0.0.0"))
+        base = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            for p in procs:
+                assert p.poll() is None, f"{p.args} exited: see {tmp}"
+            try:
+                resp = httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {token}"})
+            except httpx.TransportError:
+                return False
+            return echo in {m["id"] for m in resp.json().get("data", [])}
+
+        wait_for(ready, 90, "the keyed gateway or its worker did not come up")
+        yield Keyed(base, server.url, echo, token, key.id, slow, revoked)
+    finally:
+        for p in procs:
+            _stop(p)
+        r.close()
+        server.stop()
+
+
+def test_keys_missing_or_wrong_is_401(keyed: Keyed) -> None:
+    with httpx.Client(base_url=keyed.base, timeout=10) as h:
+        resp = h.post("/v1/completions", json={"model": keyed.echo, "prompt": "x"})
+    assert resp.status_code == 401 and resp.json()["error"]["code"] == "missing_api_key"
+    for token in ("sk-wrong", keyed.revoked):
+        with keyed.client(token) as c, pytest.raises(openai.AuthenticationError) as info:
+            c.completions.create(model=keyed.echo, prompt="x", max_tokens=1)
+        assert info.value.body["code"] == "invalid_api_key"  # type: ignore[index]
+
+
+def test_a_key_runs_in_its_stream_as_its_tenant(keyed: Keyed) -> None:
+    with keyed.client(keyed.token) as c:
+        out = c.completions.create(model=keyed.echo, prompt="hello key", max_tokens=2)
+    assert out.choices[0].text == "hello key"
+    info = mtq.Queue(keyed.echo, keyed.url).task(out.id.split("-", 1)[1]).info()
+    assert info.stream == f"key:{keyed.key_id}"
+
+
+def test_a_key_over_its_rate_is_429_with_retry_after(keyed: Keyed) -> None:
+    with keyed.client(keyed.slow) as c:
+        c.completions.create(model=keyed.echo, prompt="one", max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as info:
+            c.completions.create(model=keyed.echo, prompt="two", max_tokens=1)
+    assert 1 <= int(info.value.response.headers["retry-after"]) <= 60
