@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -223,6 +224,7 @@ def test_async_client_streams_and_answers(stack: Stack) -> None:
 
 
 def test_client_closing_mid_stream_cancels_its_task(stack: Stack) -> None:
+    start = time.monotonic()
     with stack.client() as c:
         stream = c.chat.completions.create(
             model=stack.echo, messages=[{"role": "user", "content": "go on and on"}],
@@ -236,6 +238,22 @@ def test_client_closing_mid_stream_cancels_its_task(stack: Stack) -> None:
     task = stack.task(stack.echo, got[0].id)
     wait_for(lambda: task.status() == "cancelled", 10,
              "the task of the client that went away was not cancelled")
+    assert time.monotonic() - start < TIMEOUT - 0.5  # not the gateway's time limit
+
+
+def test_client_leaving_a_non_streamed_request_cancels_its_task(stack: Stack) -> None:
+    q = mtq.Queue(stack.echo, stack.url)
+    assert q.stats()["running"] == 0
+    start = time.monotonic()
+    with httpx.Client(base_url=stack.base, timeout=httpx.Timeout(10, read=1.5)) as h, \
+            pytest.raises(httpx.ReadTimeout):  # 400 * 50 ms: 20 s unless cancelled
+        h.post("/v1/completions", json={"model": stack.echo, "prompt": "slow",
+                                        "max_tokens": 400})
+    wait_for(lambda: q.stats()["running"] == 0, 8,
+             "the task of the client that went away was not cancelled")
+    # by the client's leaving, not by the gateway's own time limit
+    assert time.monotonic() - start < TIMEOUT - 0.5
+    assert q.stats()["waiting"] == 0
 
 
 # -- errors ----------------------------------------------------------------------------------
