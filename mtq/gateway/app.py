@@ -130,7 +130,7 @@ class Gateway:
         ]
         self.app = Starlette(routes=routes, exception_handlers={
             HTTPException: self._http_error, GatewayError: self._gateway_error,
-            MtqError: self._mtq_error})
+            MtqError: self._mtq_error, redis.RedisError: self._redis_error})
 
     # -- errors ------------------------------------------------------------------------
     async def _http_error(self, request: Request, exc: Exception) -> Response:
@@ -150,6 +150,12 @@ class Gateway:
     async def _mtq_error(self, request: Request, exc: Exception) -> Response:
         assert isinstance(exc, MtqError)
         return _error_response(from_mtq(exc))
+
+    async def _redis_error(self, request: Request, exc: Exception) -> Response:
+        log.warning("Redis error in %s: %s", request.url.path, exc)
+        return _error_response(GatewayError(
+            503, f"Redis is unreachable ({type(exc).__name__}); retry shortly",
+            "server_error", None, "unavailable", {"Retry-After": "2"}))
 
     # -- requests ----------------------------------------------------------------------
     async def body(self, request: Request) -> Any:

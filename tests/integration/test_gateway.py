@@ -48,7 +48,8 @@ class Stack:
     log: Path
 
     def client(self, **kw: object) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0,
+        kw.setdefault("max_retries", 0)
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused",
                              timeout=30, **kw)  # type: ignore[arg-type]
 
     def aclient(self) -> openai.AsyncOpenAI:
@@ -335,6 +336,11 @@ def test_full_queue_is_503_with_retry_after(stack: Stack) -> None:
         assert info.value.status_code == 503
         assert int(info.value.response.headers["retry-after"]) >= 1
         assert info.value.body["code"] == "queue_full"  # type: ignore[index]
+        # the SDK honours Retry-After: one retry, that long later
+        start = time.monotonic()
+        with stack.client(max_retries=1) as c, pytest.raises(openai.InternalServerError):
+            c.completions.create(model="idle", prompt="x", max_tokens=1)
+        assert time.monotonic() - start >= int(info.value.response.headers["retry-after"])
     finally:
         waiting.cancel()
         q.configure(max_length=0)
