@@ -4,7 +4,8 @@
 
     MtqError
     ├── ConfigError                 a setting is unknown or out of range
-    │   └── HostFileError           a host file (``--config host.toml``) that cannot be used
+    │   ├── HostFileError           a host file (``--config host.toml``) that cannot be used
+    │   └── GatewayUnprotected      ``mtq serve`` beyond loopback while no API key exists
     ├── BrokerError                 Redis is unreachable or answered unexpectedly
     │   ├── RedisUnavailable        the connection was refused, reset or timed out
     │   ├── RedisAuthError          Redis refused the credentials, or the user lacks a permission

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from mtq.errors import MtqError
+
 __all__ = ["DIALECTS", "GatewayError", "Generation", "chat_payload", "completion_payload",
            "embedding_inputs"]
 
@@ -31,8 +33,8 @@ MAX_EMBED_INPUTS = 256
 
 
 @dataclass
-class GatewayError(Exception):
-    """An answer in OpenAI's error shape: ``{"error": {"message", "type", "param",
+class GatewayError(MtqError):
+    """A request the gateway answers with an error, in OpenAI's shape: ``{"error": {"message", "type", "param",
     "code"}}`` with ``status`` and, for 429 and 503, a ``Retry-After`` header."""
 
     status: int
