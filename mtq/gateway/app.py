@@ -18,7 +18,7 @@ import importlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
@@ -431,5 +431,3 @@ def create_app(url: str | None = None, models: Mapping[str, str] | None = None, 
                    max_body_bytes=max_body_bytes, timeout_s=timeout_s,
                    keepalive_s=keepalive_s).app
 
-
-Endpoint = Callable[[Request], Awaitable[Response]]
