@@ -4,7 +4,8 @@
 
     MtqError
     ├── ConfigError                 a setting is unknown or out of range
-    │   └── HostFileError           a host file (``--config host.toml``) that cannot be used
+    │   ├── HostFileError           a host file (``--config host.toml``) that cannot be used
+    │   └── GatewayUnprotected      ``mtq serve`` beyond loopback while no API key exists
     ├── BrokerError                 Redis is unreachable or answered unexpectedly
     │   ├── RedisUnavailable        the connection was refused, reset or timed out
     │   ├── RedisAuthError          Redis refused the credentials, or the user lacks a permission
@@ -65,6 +66,7 @@ __all__ = [
     "DuplicateTask",
     "EncodeError",
     "EngineTimeout",
+    "GatewayUnprotected",
     "HostFileError",
     "InvalidApiKey",
     "InvalidArgument",
@@ -109,6 +111,12 @@ class HostFileError(ConfigError):
     TOML syntax error, an unknown key, a value of the wrong type or out of range, a
     missing or unknown target, a device this machine does not have. The message
     starts with ``FILE:LINE:``."""
+
+
+class GatewayUnprotected(ConfigError):
+    """``mtq serve`` was asked to listen beyond loopback while no API key exists: anyone
+    who can reach the address could use the models. Create a key first (``mtq keys
+    create --tenant T``) or listen on 127.0.0.1."""
 
 
 class BrokerError(MtqError):

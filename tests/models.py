@@ -360,3 +360,54 @@ class Optioned(mtq.Model):
                 time.sleep(float(p["sleep"]))
         return [{"options": self.seen, "setup_at": self.setup_at, "pid": os.getpid()}
                 for _ in batch]
+
+
+class EchoChat(mtq.Generator):
+    """A generator that takes ``hf:CausalLM``'s payload (checked by
+    :func:`mtq.backends.hf.payload.parse`) and streams back the words of the prompt
+    (or of the last message), one word a token, ``STEP_S`` apart, cycling until
+    ``max_tokens`` (default 8) or a ``stop`` string; result as ``hf:CausalLM``'s:
+    ``{"text", "finish_reason", "usage"}``. The gateway's tests serve it as an
+    ``hf``-dialect model without downloading one."""
+
+    max_running = 8
+    name = "echo-chat"
+    STEP_S = 0.05
+
+    def setup(self, device: Any) -> None:
+        pass
+
+    def admit(self, r: mtq.Generation) -> None:
+        from mtq.backends.hf.payload import parse
+
+        params = parse(r.payload)
+        text = params.prompt if params.prompt is not None else \
+            (params.messages or [{}])[-1].get("content", "")
+        words = text.split() or ["..."]
+        r.state = {"words": words, "stop": params.stop, "text": "", "reason": "length"}
+        r.prompt_tokens = len(text.split()) + 1
+        r.max_tokens = params.max_tokens or 8
+
+    def _next(self, r: mtq.Generation) -> str:
+        s = r.state
+        piece = ("" if not len(r.tokens) else " ") + s["words"][len(r.tokens) % len(s["words"])]
+        s["text"] += piece
+        if any(stop in s["text"] for stop in s["stop"]):
+            s["text"] = s["text"][:min(s["text"].index(x) for x in s["stop"] if x in s["text"])]
+            s["reason"] = "stop"
+            r.finish()
+        elif len(r.tokens) + 1 >= r.max_tokens:
+            r.finish()
+        return piece
+
+    def prefill(self, requests: list[mtq.Generation]) -> list[Any]:
+        return [self._next(r) for r in requests]
+
+    def decode(self, requests: list[mtq.Generation]) -> list[Any]:
+        time.sleep(self.STEP_S)
+        return [self._next(r) for r in requests]
+
+    def result(self, r: mtq.Generation) -> Any:
+        return {"text": r.state["text"], "finish_reason": r.state["reason"],
+                "usage": {"prompt_tokens": r.prompt_tokens,
+                          "completion_tokens": len(r.tokens)}}

@@ -36,6 +36,7 @@ LAZY = {
     "models": "mtq.cli.models:models",
     "keys": "mtq.cli.keys:keys",
     "demo": "mtq.cli.demo:demo",
+    "serve": "mtq.cli.serve:serve",
 }
 
 

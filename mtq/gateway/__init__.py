@@ -1,3 +1,22 @@
-"""mtq's OpenAI-compatible HTTP gateway (``mtq serve``) and its API keys
-(:mod:`mtq.gateway.keys`). Importing the package loads nothing heavy: the web server's
-modules are imported by what needs them."""
+"""mtq's OpenAI-compatible gateway (``mtq serve``; the ``web`` extra): a Starlette
+application that answers the OpenAI API over mtq queues. See docs/gateway.md.
+
+``create_app`` is imported on first use, so that ``mtq.gateway.keys`` can be used
+without Starlette installed."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mtq.gateway.app import create_app
+
+__all__ = ["create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "create_app":
+        from mtq.gateway.app import create_app
+
+        return create_app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -47,14 +47,15 @@ READY_TIMEOUT_S = 60.0     # a worker service until it serves its queue
 STOP_TIMEOUT_S = 30.0      # a worker service after SIGTERM
 WORKER_SERVICES = (("mtq", "workers", "start"), ("mtq", "worker", "run"))
 #: HTTP servers a page may start, and the port each listens on by default
-WEB_SERVICES = {"uvicorn": 8000, "gunicorn": 8000, "flask": 5000, "mtq metrics serve": 9808}
+WEB_SERVICES = {"uvicorn": 8000, "gunicorn": 8000, "flask": 5000, "mtq metrics serve": 9808,
+                "mtq serve": 8000}
 
 
 def web_port(argv: list[str]) -> int | None:
     """The port a web server command line listens on (``--port N``, ``--bind
     host:port``, ``-b``, ``-p``), its default otherwise; None if it is not one."""
     name = " ".join(argv[:3]) if argv[:3] == ["mtq", "metrics", "serve"] else (
-        argv[0] if argv else "")
+        "mtq serve" if argv[:2] == ["mtq", "serve"] else argv[0] if argv else "")
     if name not in WEB_SERVICES:
         return None
     for i, arg in enumerate(argv[:-1]):

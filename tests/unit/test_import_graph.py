@@ -212,6 +212,7 @@ ROOMS = {
     "reference": ("mtq.reference",),
     "cli": ("mtq.cli",),
     "contrib": ("mtq.contrib",),
+    "gateway": ("mtq.gateway",),
     "dashboard": ("mtq.dashboard",),
     "package": (),  # mtq/__init__.py: the public API, which imports client and workers
 }
@@ -226,6 +227,8 @@ FORBIDDEN = {
     "workers": {"rq", "reference", "cli", "contrib", "dashboard"},
     "rq": {"reference", "cli", "contrib", "dashboard"},
     "reference": {"rq", "cli", "contrib", "dashboard"},
+    # the OpenAI gateway is client-side: it submits and reads, never runs models
+    "gateway": {"workers", "rq", "reference", "cli", "dashboard"},
 }
 
 

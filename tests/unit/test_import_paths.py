@@ -59,6 +59,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "mtq.contrib.django": ("MtqSettingsError", "event_stream", "user_tenant",
                            "request_priority"),
     "mtq.contrib.django.middleware": ("MtqErrorMiddleware",),
+    "mtq.gateway": ("create_app",),
 }
 
 #: the third-party package a supported module needs (an optional extra)
@@ -67,6 +68,7 @@ NEEDS = {
     "mtq.contrib.flask": "flask",
     "mtq.contrib.django": "django",
     "mtq.contrib.django.middleware": "django",
+    "mtq.gateway": "starlette",
 }
 
 

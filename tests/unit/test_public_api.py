@@ -19,6 +19,7 @@ EXPECTED_ALL = [
     "DuplicateTask",
     "EncodeError",
     "Event",
+    "GatewayUnprotected",
     "Generation",
     "Generator",
     "Group",

@@ -1,0 +1,97 @@
+"""``mtq serve``: the OpenAI-compatible gateway (:mod:`mtq.gateway`) under uvicorn."""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import socket
+from typing import Any
+
+import click
+
+from mtq.cli.common import USAGE, fail, fail_on, redis_option, running_server
+from mtq.errors import GatewayUnprotected, MtqError
+
+
+def is_loopback(host: str) -> bool:
+    """True when every address ``host`` names is a loopback one (127.0.0.0/8, ::1)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(str(i[4][0]).split("%")[0]).is_loopback
+                               for i in infos)
+
+
+def parse_models(pairs: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for pair in pairs:
+        name, sep, queue = pair.partition("=")
+        if not sep or not name or not queue:
+            fail(f"--model takes NAME=QUEUE (the model name clients send, and the queue "
+                 f"that serves it), got {pair!r}", USAGE)
+        out[name] = queue
+    return out
+
+
+def check_protected(client: object, host: str) -> bool:
+    """Whether requests need a key: not on loopback, where at least one key must
+    exist (else GatewayUnprotected)."""
+    if is_loopback(host):
+        return False
+    try:  # mtq.gateway.keys: the API keys (imported here, not at start-up)
+        keys: Any = importlib.import_module("mtq.gateway.keys")
+    except ImportError:
+        keys = None
+    if keys is None or not keys.any_keys(client):
+        raise GatewayUnprotected(
+            f"refusing to serve on {host}, beyond loopback, without API keys: anyone "
+            "reaching it could use the models. Create one first ('mtq keys create "
+            "--tenant T'), or serve on --host 127.0.0.1")
+    return True
+
+
+@click.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on. Beyond loopback, API keys are required and at "
+                   "least one must exist ('mtq keys create').")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535),
+              help="Port to listen on.")
+@click.option("--model", "models", multiple=True, metavar="NAME=QUEUE",
+              help="Serve the model name NAME from QUEUE (repeatable). A name not "
+                   "mapped is the queue of that name.")
+@click.option("--timeout", default=600.0, show_default=True, type=click.FloatRange(min=1),
+              help="Longest a request waits for its task (then 504, the task cancelled).")
+@click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(min=1024),
+              help="Largest request body in bytes (larger: 413).")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+              help="uvicorn's log level.")
+@redis_option
+def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_body: int,
+          log_level: str, url: str | None) -> None:
+    """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
+    /v1/models) over mtq queues, with uvicorn. See docs/gateway.md."""
+    try:
+        import uvicorn
+
+        from mtq.gateway import create_app
+    except ImportError as exc:
+        fail(f"mtq serve needs the web extra ({exc}): pip install 'mtq[web]'", USAGE)
+    mapping = parse_models(models)
+    url = running_server(url)
+    try:
+        from mtq.broker.connection import connect
+
+        client = connect(url, name="mtq-gateway")
+        require = check_protected(client, host)
+        app = create_app(client=client, models=mapping, require_keys=require,
+                         timeout_s=timeout, max_body_bytes=max_body)
+    except MtqError as exc:
+        fail_on(exc)
+    uvicorn.run(app, host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=5)
