@@ -6,6 +6,7 @@ streams, with OpenAI's framing (no ``event:`` or ``id:`` lines: the SDKs read ev
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from mtq.client import Task
@@ -70,8 +71,11 @@ class CompletionStream(EventStream):
         return out + DONE
 
     def _failure(self, exc: MtqError) -> bytes:  # type: ignore[override]
-        if isinstance(exc, ResultTimeout):
-            self.disconnected()  # the task is cancelled: nobody will read it
+        if isinstance(exc, ResultTimeout):  # the task is cancelled: nobody will read it
+            try:  # (off the event loop: the cancel is a Redis round trip)
+                asyncio.get_running_loop().run_in_executor(None, self.disconnected)
+            except RuntimeError:  # no loop runs here
+                self.disconnected()
             return error_data("no answer within the gateway's time limit; the request was "
                               "cancelled", "server_error", "timeout") + DONE
         return error_data(str(exc), "server_error", "unavailable") + DONE
