@@ -14,7 +14,9 @@ opens: each token is read by both at once. Per token, the gateway's added latenc
 its arrival at the HTTP client less its arrival at the in-process reader. Every
 stream must end with ``[DONE]`` and its text equal its task's result. The gateway's
 Redis connections (CLIENT LIST, by its client name) are counted with 1, 50 and N
-streams open. Last, the N streams again read by httpx's async client (what an
+streams open. Then the same with the tokens spread over the step (each stream's
+token in one of 10 sub-steps, as streams that did not start in the same instant).
+Last, the N streams again read by httpx's async client (what an
 application would use), whose own CPU on these 2 cores is part of its figure.
 """
 
@@ -49,6 +51,8 @@ from mtq.workers.registry import list_workers
 TARGET = "benchmarks.children.gw_client:GwPaced"
 #: the gateway's client name in CLIENT LIST (mtq.cli.serve)
 GATEWAY_NAME = "mtq-gateway"
+#: 2b.: the steps of 2. cut in this many, each stream given a token in one of them
+SPREAD = 10
 
 
 @dataclass(frozen=True)
@@ -114,10 +118,11 @@ class Run:
 
 def stream_run(r: redis.Redis, gw: Gateway, q: mtq.Queue, server: Server, n: int,
                tokens: int, step_ms: float, stages: Sequence[int], tmp: Path,
-               env: dict[str, str], workers: Sequence[Proc], kind: str = "raw") -> Run:
+               env: dict[str, str], workers: Sequence[Proc], kind: str = "raw",
+               every: int = 1) -> Run:
     gate = tmp / f"gate-{uuid.uuid4().hex[:8]}"
     out = tmp / f"gw-{uuid.uuid4().hex[:6]}.json"
-    prompt = f"n={tokens} step_ms={step_ms:g} gate={gate}"
+    prompt = f"n={tokens} step_ms={step_ms:g} every={every} gate={gate}"
     gwp = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.children.gw_client", kind, gw.base, q.name, prompt,
          str(n), str(out), ",".join(map(str, stages))],
@@ -285,6 +290,28 @@ def bench_many(r: redis.Redis, gw: Gateway, q: mtq.Queue, server: Server, s: Siz
             "script are counted one by one: a step's tokens of many tasks are one EVALSHA)")
 
 
+def bench_spread(r: redis.Redis, gw: Gateway, q: mtq.Queue, server: Server, s: Sizes,
+                 res: Results, tmp: Path, env: dict[str, str], workers: Sequence[Proc]) -> None:
+    every = SPREAD
+    run = stream_run(r, gw, q, server, s.many, s.many_tokens, s.many_step_ms / every,
+                     (s.many,), tmp, env, workers, every=every)
+    complete, exact, problems = check(run, s.many_tokens)
+    inproc, gwl, add = added(run)
+    res.section = (f"2b. the same {s.many} streams and pace, their tokens spread: a step every "
+                   f"{s.many_step_ms / every:g} ms, each stream's token every {every}th step "
+                   f"(about {s.many // every // s.workers} streams a step on each of "
+                   f"{s.workers} workers)")
+    res.add("streams complete and equal to the task's result", exact, f"of {s.many}",
+            res.target(f"all {s.many} spread streams complete and exact", exact == s.many,
+                       f"{exact} of {s.many}; {complete} complete"
+                       + (f"; {problems}" if problems else ""), comparable=True))
+    res.add("in-process Task.aevents(), publish -> arrival, p50", pct(inproc, 50), "ms",
+            f"baseline; {ms_stats(inproc)}")
+    res.add("gateway streams (raw sockets), publish -> arrival, p50", pct(gwl, 50), "ms",
+            ms_stats(gwl))
+    judge(res, f"{s.many} spread streams", add, inproc, gwl)
+
+
 def bench_httpx(r: redis.Redis, gw: Gateway, q: mtq.Queue, server: Server, s: Sizes,
                 res: Results, tmp: Path, env: dict[str, str], workers: Sequence[Proc]) -> None:
     run = stream_run(r, gw, q, server, s.many, s.many_tokens, s.many_step_ms, (s.many,), tmp,
@@ -333,6 +360,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                   workers)),
             (f"{s.many} streams", lambda: bench_many(r, gw, q, server, s, res, tmp, env,
                                                      workers)),
+            (f"{s.many} spread streams", lambda: bench_spread(r, gw, q, server, s, res, tmp,
+                                                              env, workers)),
             (f"{s.many} httpx streams", lambda: bench_httpx(r, gw, q, server, s, res, tmp, env,
                                                             workers)),
         ]

@@ -3,7 +3,8 @@
 * :class:`GwPaced`: a generator that takes ``hf:CausalLM``'s payload (what ``mtq serve``
   sends a model that is not TinyGPT) and needs no model. The last message's content
   says what to do, as ``key=value`` words: ``n`` tokens, one step every ``step_ms``
-  (on a fixed schedule, not a sleep after the work), and no token while the file
+  (on a fixed schedule, not a sleep after the work), a token every ``every`` steps
+  (default 1; requests take turns, in the order they were admitted), and no token while the file
   ``gate`` does not exist (so a benchmark opens every reader first, then lets the
   tokens go). Token ``i`` is the text ``"t{i} "``; the result is ``hf:CausalLM``'s:
   ``{"text", "finish_reason", "usage"}``, its text every token joined.
@@ -43,6 +44,8 @@ class GwPaced(mtq.Generator):
 
     def setup(self, device: Any) -> None:
         self.next_step = 0.0
+        self.steps = 0
+        self.admitted = 0
 
     def admit(self, r: mtq.Generation) -> None:
         from mtq.backends.hf.payload import parse
@@ -53,8 +56,10 @@ class GwPaced(mtq.Generator):
         w = _words(str(text))
         if "n" not in w:
             raise mtq.PermanentError("say 'n=TOKENS step_ms=PACE gate=PATH'")
+        every = int(w.get("every", 1))
         r.state = {"step": float(w.get("step_ms", 50)) / 1000, "gate": w.get("gate", ""),
-                   "text": ""}
+                   "text": "", "every": every, "phase": self.admitted % every}
+        self.admitted += 1
         r.prompt_tokens = 1
         r.max_tokens = int(w["n"])
 
@@ -63,13 +68,14 @@ class GwPaced(mtq.Generator):
         now = time.monotonic()
         self.next_step = max(self.next_step + step, now)
         time.sleep(self.next_step - now)
+        self.steps += 1
         gates: dict[str, bool] = {}
         out: list[Any] = []
         for r in requests:
             gate = r.state["gate"]
             if gate not in gates:
                 gates[gate] = not gate or os.path.exists(gate)
-            if not gates[gate]:
+            if not gates[gate] or (self.steps + r.state["phase"]) % r.state["every"]:
                 out.append(None)
                 continue
             piece = f"t{len(r.tokens)} "
