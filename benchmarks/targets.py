@@ -39,6 +39,9 @@ CONTINUOUS = 1.5               # continuous / static tokens/s
 # -- web (benchmarks/web.py) ---------------------------------------------------------------
 SSE_ADDED_MS = (1.0, 5.0)      # SSE arrival - in-process arrival, p50 and p99
 
+# -- gateway (benchmarks/gateway.py) -------------------------------------------------------
+GATEWAY_ADDED_MS = (1.0, 5.0)  # mtq serve stream arrival - in-process arrival, p50 and p99
+
 # -- faults (benchmarks/faults.py) ---------------------------------------------------------
 SUPERVISED_P99_S = 1.0         # kill -9 under a supervisor -> claimed again
 BARE_P99_S = 10.0              # kill -9 of a bare worker (lease 8 s) -> claimed again
