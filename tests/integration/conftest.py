@@ -44,3 +44,19 @@ def supervise(redis_url: str, subprocess_env: dict[str, str],
     yield start
     for sup in started:
         sup.kill()
+
+
+@pytest.fixture
+def engine_counters() -> Iterator[None]:
+    """The engine test models' counters and gates (tests/engine_models.py) fresh for
+    each test; every gate opened at its end."""
+    from tests import engine_models as em
+
+    for c in (em.SETUPS, em.TEARDOWNS, em.RESETS):
+        c.clear()
+    em.GATES.clear()
+    em.HELD.clear()
+    em.CRASHED.clear()
+    yield
+    for gate in em.GATES.values():
+        gate.set()

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -23,61 +21,11 @@ from mtq.workers.host import Host
 from mtq.workers.residency import EngineOp
 from mtq.workers.worker import Worker
 from tests import engine_models as em
+from tests.support.engines import FLOATS, SIZED, ask, engine, hosting, result
 from tests.support.waits import wait_for
 from tests.support.workers import FAST, serving
 
-pytestmark = pytest.mark.timeout(90)
-
-SIZED = "tests.engine_models:Sized"
-FLOATS = 4096  # 16 KiB of weights per model
-
-
-@pytest.fixture(autouse=True)
-def _counters() -> Iterator[None]:
-    for c in (em.SETUPS, em.TEARDOWNS, em.RESETS):
-        c.clear()
-    em.GATES.clear()
-    em.HELD.clear()
-    em.CRASHED.clear()
-    yield
-    for gate in em.GATES.values():
-        gate.set()
-
-
-def engine(queue: str, url: str, tag: str, **kw: Any) -> Worker:
-    options = {"tag": tag, "floats": str(FLOATS), **kw.pop("options", {})}
-    return Worker(SIZED, queue, url=url, settings=FAST, options=options, **kw)
-
-
-@contextmanager
-def hosting(host: Host) -> Iterator[threading.Thread]:
-    host.setup()
-    t = threading.Thread(target=host.run, daemon=True)
-    t.start()
-    try:
-        yield t
-    finally:
-        host.stop()
-        t.join(30)
-        assert not t.is_alive(), "the host did not stop"
-
-
-def ask(w: Worker, kind: str, **kw: Any) -> dict[str, Any]:
-    """Ask ``w`` for an engine command and wait for its answer."""
-    got: list[dict[str, Any]] = []
-    done = threading.Event()
-
-    def reply(answer: dict[str, Any]) -> None:
-        got.append(answer)
-        done.set()
-
-    w.request(EngineOp(kind, reply=reply, **kw))
-    assert done.wait(30), f"no answer to {kind}"
-    return got[0]
-
-
-def result(q: mtq.Queue, payload: Any) -> Any:
-    return q.submit(payload).result(timeout=20)
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("engine_counters")]
 
 
 def test_two_engines_in_one_process_serve_their_queues_from_threads_of_their_own(

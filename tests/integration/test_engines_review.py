@@ -14,12 +14,11 @@ from mtq.workers.host import Host
 from mtq.workers.residency import EngineOp
 from mtq.workers.worker import Worker
 from tests import engine_models as em
-from tests.integration.test_engines import FLOATS, _counters, ask, engine, hosting, result
+from tests.support.engines import FLOATS, ask, engine, hosting, result
 from tests.support.waits import wait_for
 from tests.support.workers import FAST, serving
 
-pytestmark = pytest.mark.timeout(90)
-__all__ = ["_counters"]
+pytestmark = [pytest.mark.timeout(90), pytest.mark.usefixtures("engine_counters")]
 
 
 @pytest.mark.parametrize("declared", [False, True])
