@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 import redis
 import uvicorn
 from starlette.applications import Starlette
@@ -23,10 +24,12 @@ from mtq.broker import keys
 from mtq.broker.keys import QueueKeys
 from mtq.settings import QueueSettings
 from mtq.workers.model import FunctionModel
+from mtq.workers.registry import list_workers
 from mtq.workers.worker import Worker
 from tests.models import Counter
 from tests.support.processes import free_port
 from tests.support.waits import wait_for
+from tests.support.web import events
 from tests.support.workers import Running
 
 #: markup in every value Redis lets hold it (payloads, errors, streams, tenants, workers)
@@ -106,9 +109,12 @@ def site(redis_url: str, refresh_s: float = 0.2, *, stream_steps: int = 600,
     served = mtq.Queue(s.served, redis_url, settings=FAST)
     gen = mtq.Queue(s.gen, redis_url, settings=FAST)
     sched = mtq.Queue(s.sched, redis_url)
-    s.workers = [Running(Worker(FunctionModel(handle), s.served, url=redis_url, settings=FAST)),
-                 Running(Worker(Counter(), s.gen, url=redis_url, settings=FAST))]
     try:
+        # one at a time: two workers starting at once in one process may import the
+        # same modules concurrently
+        for model, queue in ((FunctionModel(handle), s.served), (Counter(), s.gen)):
+            s.workers.append(Running(Worker(model, queue, url=redis_url, settings=FAST)))
+            wait_for(lambda q=queue: list_workers(r, q), 30, f"no worker of {queue} registered")
         ok = [served.submit({"text": EVIL, "i": i}, stream=EVIL_STREAM) for i in range(3)]
         big = served.submit({"text": "x" * 9000, "big": 9000})
         dead = served.submit({"text": EVIL, "fail": True}, retries=0)
@@ -132,6 +138,8 @@ def site(redis_url: str, refresh_s: float = 0.2, *, stream_steps: int = 600,
             s.base = server.base
             yield s
     finally:
+        if s.streaming is not None:
+            s.streaming.cancel()  # else stopping its worker waits for its end
         for w in s.workers:
             w.worker.stop()
         for w in s.workers:
@@ -140,3 +148,50 @@ def site(redis_url: str, refresh_s: float = 0.2, *, stream_steps: int = 600,
             r.zrem(keys.WORKERS, s.fake_worker)
             r.delete(keys.worker(s.fake_worker))
         r.close()
+
+
+class Live:
+    """A live stream of the dashboard (``path``) read in a thread: its fragments as they
+    come (id -> the HTML of each, in order), and whether it ended (``event: end``, or
+    the server closing it)."""
+
+    def __init__(self, base: str, path: str) -> None:
+        self.fragments: dict[str, list[str]] = {}
+        self.events: list[str] = []
+        self.ended = threading.Event()
+        self.status: int | None = None
+        self._http = httpx.Client(base_url=base, timeout=httpx.Timeout(10, read=30))
+        self._resp: httpx.Response | None = None
+        self._stop = False
+        self.thread = threading.Thread(target=self._read, args=(path,), daemon=True)
+        self.thread.start()
+
+    def _read(self, path: str) -> None:
+        try:
+            with self._http.stream("GET", path) as resp:
+                self._resp = resp
+                self.status = resp.status_code
+                for ev in events(resp):
+                    if self._stop:
+                        return
+                    self.events.append(ev.event if ev.comment is None else ":" + ev.comment)
+                    if ev.event == "fragment":
+                        f = ev.json()
+                        self.fragments.setdefault(f["id"], []).append(f["html"])
+                    elif ev.event == "end":
+                        return
+        except httpx.HTTPError:
+            pass
+        finally:
+            self.ended.set()
+
+    def latest(self, section: str) -> str:
+        got = self.fragments.get(section)
+        return got[-1] if got else ""
+
+    def close(self) -> None:
+        self._stop = True
+        if self._resp is not None:
+            self._resp.close()
+        self._http.close()
+        self.thread.join(10)

@@ -68,6 +68,7 @@ class FragmentStream:
 
     def __init__(self, sampler: Sampler, render: Render,
                  keepalive_s: float = KEEPALIVE_S) -> None:
+        self.sampler = sampler
         self.body = fragments(sampler, render, keepalive_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -87,6 +88,7 @@ class FragmentStream:
 
         pumping = asyncio.ensure_future(pump())
         listening = asyncio.ensure_future(listen())
+        self.sampler.viewers += 1
         try:
             await asyncio.wait({pumping, listening}, return_when=asyncio.FIRST_COMPLETED)
         finally:  # also when this request itself is cancelled (server shutdown)
@@ -96,3 +98,4 @@ class FragmentStream:
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await t
             await self.body.aclose()  # type: ignore[attr-defined]
+            self.sampler.viewers -= 1

@@ -70,6 +70,8 @@ class Sampler:
         #: bumped at every refresh, failed ones too: what a stream waits for
         self.version = 0
         self.stopping = False
+        #: live streams open on this sampler (mtq.dashboard.web.live)
+        self.viewers = 0
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tick: asyncio.Future[None] | None = None
