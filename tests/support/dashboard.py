@@ -39,6 +39,26 @@ EVIL_STREAM = "<script>alert(2)</script>"
 FAST = QueueSettings(lease_ms=1500, retry_backoff_ms=0)
 
 
+#: what the storyteller tells, a word a token
+STORY = ("Once upon a time a queue held every request in order , and the workers "
+         "took them one batch at a time , never losing one .").split()
+
+
+class Storyteller(Counter):
+    """:class:`tests.models.Counter` telling :data:`STORY`, a word (and a space) a token."""
+
+    name = "storyteller"
+
+    def _next(self, r: mtq.Generation) -> Any:
+        i = r.state + len(r.tokens)
+        if len(r.tokens) + 1 >= r.max_tokens:
+            r.finish()
+        return STORY[i % len(STORY)] + " "
+
+    def result(self, r: mtq.Generation) -> Any:
+        return {"text": "".join(r.tokens), "tokens": len(r.tokens)}
+
+
 def handle(payload: Any) -> Any:
     if payload.get("fail"):
         raise ValueError(EVIL + " went wrong")
@@ -61,6 +81,9 @@ class Uvicorn:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        dashboard = getattr(self.server.config.app.state, "dashboard", None)
+        if dashboard is not None:  # its live streams end (else uvicorn waits for them)
+            dashboard.sampler.stop_soon()
         self.server.should_exit = True
         self.thread.join(15)
 
@@ -112,7 +135,7 @@ def site(redis_url: str, refresh_s: float = 0.2, *, stream_steps: int = 600,
     try:
         # one at a time: two workers starting at once in one process may import the
         # same modules concurrently
-        for model, queue in ((FunctionModel(handle), s.served), (Counter(), s.gen)):
+        for model, queue in ((FunctionModel(handle), s.served), (Storyteller(), s.gen)):
             s.workers.append(Running(Worker(model, queue, url=redis_url, settings=FAST)))
             wait_for(lambda q=queue: list_workers(r, q), 30, f"no worker of {queue} registered")
         ok = [served.submit({"text": EVIL, "i": i}, stream=EVIL_STREAM) for i in range(3)]
@@ -130,16 +153,17 @@ def site(redis_url: str, refresh_s: float = 0.2, *, stream_steps: int = 600,
         # a tenant that is markup, as Redis could hold it (validation forbids it at submit)
         r.hset(QueueKeys(s.sched).sched_count, f"s:{EVIL}|w", 3)
         s.fake_worker = fake_worker(r, s.served)
-        s.streaming = gen.submit({"n": stream_steps, "step_ms": step_ms})
+        s.streaming = gen.submit({"text": EVIL, "n": stream_steps, "step_ms": step_ms})
         wait_for(lambda: s.streaming.status() == "running", 20,  # type: ignore[union-attr]
                  "the generation did not start")
         s.app = create_dashboard(client=r, refresh_s=refresh_s)
         with Uvicorn(s.app) as server:
             s.base = server.base
-            yield s
+            try:
+                yield s
+            finally:  # its token streams end (else uvicorn waits for them), and stopping
+                s.streaming.cancel()  # its worker would wait for its end
     finally:
-        if s.streaming is not None:
-            s.streaming.cancel()  # else stopping its worker waits for its end
         for w in s.workers:
             w.worker.stop()
         for w in s.workers:
@@ -195,3 +219,29 @@ class Live:
             self._resp.close()
         self._http.close()
         self.thread.join(10)
+
+
+@contextmanager
+def traffic(redis_url: str, queue: str, per_tick: int = 4, tick_s: float = 0.2
+            ) -> Iterator[None]:
+    """Tasks submitted to ``queue`` every ``tick_s`` until the block ends (charts that
+    move); the last of them waited for."""
+    q = mtq.Queue(queue, redis_url, settings=FAST)
+    stop = threading.Event()
+    last: list[mtq.Task] = []
+
+    def body() -> None:
+        i = 0
+        while not stop.wait(tick_s):
+            last[:] = q.submit_many([{"text": f"request {i + k}"} for k in range(per_tick)])
+            i += per_tick
+
+    thread = threading.Thread(target=body, name="test-traffic", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(10)
+        for t in last:
+            t.result(timeout=20)

@@ -61,19 +61,22 @@ def _fmt(v: float) -> str:
 
 
 def _span(s: float) -> str:
-    return f"-{s / 60:.0f} min" if s >= 120 else f"-{s:.0f} s"
+    return f"-{s / 60:.0f} min" if s >= 120 else f"-{s:.0f} s" if s >= 1 else "-1 s"
 
 
 def chart(series: Sequence[tuple[str, str, Series]], *, width: int = 160, height: int = 36,
           window_s: float = 300.0, pad: int = 2) -> Chart:
     """A chart of ``series`` ((css class, label, points)), all on one y scale from 0
-    to a round top, over the last ``window_s`` seconds ending at the newest point."""
+    to a round top, over the last ``window_s`` seconds ending at the newest point (or
+    over the history there is, when it is shorter)."""
     stamps = [t for _, _, pts in series for t, _ in pts]
     values = [v for _, _, pts in series for _, v in pts if v is not None]
     if not stamps or not values:
         return Chart(width, height, [Line(css, label, "", None) for css, label, _ in series],
                      since=_span(window_s))
     end = max(stamps)
+    # a history shorter than the window (the dashboard started lately) spans the chart
+    window_s = min(window_s, max(end - min(stamps), 1.0))
     start = end - window_s
     top = _nice(max(values))
     inner_w, inner_h = width - 2 * pad, height - 2 * pad
