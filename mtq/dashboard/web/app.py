@@ -42,7 +42,7 @@ from mtq.contrib.asgi import EventStreamResponse
 from mtq.dashboard.web import auth, reads
 from mtq.dashboard.web.charts import TERMINAL, chart, timeline
 from mtq.dashboard.web.fmt import FILTERS
-from mtq.dashboard.web.live import FragmentStream
+from mtq.dashboard.web.live import FragmentStream, Render
 from mtq.dashboard.web.sampler import Sampler
 from mtq.errors import BrokerError, InvalidName, TaskNotFound
 
@@ -76,6 +76,7 @@ class Dashboard:
         self.env.filters["seg"] = _seg
         self.env.filters["tenant"] = shown_tenant
         self._cache: dict[Any, tuple[int, asyncio.Future[Any]]] = {}
+        self._rendered: dict[Any, tuple[int, tuple[dict[str, str], bool]]] = {}
 
     # -- shared reads --------------------------------------------------------------
     async def once_per_refresh(self, key: Any, read: Callable[[], Any]) -> Any:
@@ -168,6 +169,19 @@ class Dashboard:
     def sections(self, ids: tuple[str, ...], ctx: dict[str, Any]) -> dict[str, str]:
         return {i: self.env.get_template(f"_{i}.html").render(ctx) for i in ids}
 
+    async def shared(self, key: Any, build: Render) -> tuple[dict[str, str], bool]:
+        """A page's live sections, rendered once a refresh for all its viewers (they
+        hold no form and nothing of the viewer's own: ``key`` names what they show)."""
+        version = self.sampler.version
+        hit = self._rendered.get(key)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+        out = await build()
+        if len(self._rendered) > 256:
+            self._rendered = {k: v for k, v in self._rendered.items() if v[0] == version}
+        self._rendered[key] = (version, out)
+        return out
+
     def not_found(self, request: Request, what: str, hint: str) -> HTMLResponse:
         return self.page("not_found.html", {**self.base(request, None), "what": what,
                                             "hint": hint}, 404)
@@ -191,8 +205,11 @@ class Dashboard:
         self.sampler.start()
         base = self.base(request, None)
 
-        async def render() -> tuple[dict[str, str], bool]:
+        async def build() -> tuple[dict[str, str], bool]:
             return self.sections(OVERVIEW, {**base, **self.live_base(), **self.overview()}), False
+
+        async def render() -> tuple[dict[str, str], bool]:
+            return await self.shared(("overview", base["root"]), build)
 
         return FragmentStream(self.sampler, render)  # type: ignore[return-value]
 
@@ -226,12 +243,15 @@ class Dashboard:
         self.sampler.start()
         base = self.base(request, None)
 
-        async def render() -> tuple[dict[str, str], bool]:
+        async def build() -> tuple[dict[str, str], bool]:
             try:
                 ctx = {**base, **self.live_base(), **await self.queue(name)}
             except BrokerError:  # the banner says why; the rest stays as it was
                 return self.sections(("banner",), {**base, **self.live_base()}), False
             return self.sections(QUEUE, ctx), False
+
+        async def render() -> tuple[dict[str, str], bool]:
+            return await self.shared(("queue", name, base["root"]), build)
 
         return FragmentStream(self.sampler, render)  # type: ignore[return-value]
 
@@ -259,12 +279,16 @@ class Dashboard:
         self.sampler.start()
         base = {**self.base(request, None), "previews": self.previews(request)}
 
-        async def render() -> tuple[dict[str, str], bool]:
+        async def build() -> tuple[dict[str, str], bool]:
             try:
                 ctx = await self.task(task_id, queue)
             except (TaskNotFound, InvalidName, BrokerError):
                 return {}, False
             return self.sections(TASK, {**base, **ctx}), ctx["ended"]
+
+        async def render() -> tuple[dict[str, str], bool]:
+            return await self.shared(("task", task_id, queue, base["root"], base["previews"]),
+                                     build)
 
         return FragmentStream(self.sampler, render)  # type: ignore[return-value]
 

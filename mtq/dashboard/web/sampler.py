@@ -4,7 +4,7 @@ and keeps the last :data:`HISTORY_S` seconds of figures per queue for the charts
 
 The history lives in this process's memory: it starts when the process starts (a
 dashboard restarted shows no history before its start) and holds, per refresh and
-queue, six numbers. While Redis cannot be read the sampler keeps the last good
+queue, five numbers. While Redis cannot be read the sampler keeps the last good
 snapshot, records the error (the pages show it in a banner) and tries again every
 refresh; it never stops by itself.
 """
