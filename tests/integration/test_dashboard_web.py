@@ -362,15 +362,22 @@ def test_the_web_command_serves_and_stops_cleanly(s: Site, subprocess_env: dict[
     assert bad.returncode == 2 and "terminal dashboard" in bad.stderr
 
 
-def test_beyond_loopback_previews_are_for_admins_only(s: Site) -> None:
-    app = create_dashboard(client=s.redis, refresh_s=0.2, show_previews=False)
-    with Uvicorn(app) as web, httpx.Client(base_url=web.base, timeout=10) as http:
+def test_beyond_loopback_previews_are_for_admins_only(s: Site, subprocess_env: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    log = tmp_path / "web.log"
+    with command(["dashboard", "--web", "--host", "0.0.0.0"], subprocess_env, log, "/") as (
+            _, base), httpx.Client(base_url=base, timeout=10) as http:
         r = http.get(f"/tasks/{s.done[0]}")
         assert r.status_code == 200 and "status succeeded" in text_of(r.text)
         assert '"echo"' not in r.text and '"text"' not in unescape(r.text)
         assert "shown to signed-in admins only" in r.text
         assert s.streaming is not None
         assert http.get(f"/tasks/{s.streaming.id}/stream").status_code == 403
+        # the figures, names and errors are still there
+        assert f"{EVIL} went wrong" in text_of(http.get(f"/tasks/{s.dead}").text)
+    said = " ".join(log.read_text().split())
+    assert "listening on 0.0.0.0, beyond loopback" in said
+    assert "payloads, results, tokens and tracebacks are shown to signed-in admins only" in said
 
 
 def test_mtq_serve_mounts_the_dashboard_at_dashboard(s: Site, subprocess_env: dict[str, str],
@@ -390,3 +397,29 @@ def test_mtq_serve_mounts_the_dashboard_at_dashboard(s: Site, subprocess_env: di
         assert f'href="/dashboard/queues/{s.served}"' in live.latest("queues")
         live.close()
         assert http.get("/v1/models").status_code == 200  # the gateway still answers
+
+
+def test_signed_in_pages_carry_the_action_forms_with_csrf_and_next(
+        s: Site, http: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the pages render for an admin (the sign-in itself is auth.py's: here its
+    two answers are given)."""
+    from mtq.dashboard.web import auth
+
+    monkeypatch.setattr(auth, "admin", lambda request: object())
+    monkeypatch.setattr(auth, "csrf_token", lambda request: "tok<&>")
+    r = http.get(f"/queues/{s.served}?page=1")
+    forms = re.findall(r'<form method="post" action="([^"]+)".*?</form>', r.text, re.S)
+    actions = [unescape(a) for a in forms]
+    base = f"/queues/{s.served}"
+    assert actions.count(f"{base}/dead/retry") == 2 and actions.count(f"{base}/dead/purge") == 2
+    for a in ("/logout", f"{base}/pause", f"{base}/resume", f"{base}/drain", f"{base}/scale"):
+        assert a in actions, (a, actions)
+    assert "/login" not in actions
+    for form in re.findall(r'<form method="post".*?</form>', r.text, re.S):
+        assert 'name="csrf" value="tok&lt;&amp;&gt;"' in form, form
+        assert f'name="next" value="{base}?page=1"' in form, form
+    assert f'name="id" value="{s.dead}"' in r.text and 'name="replicas"' in r.text
+    assert s.streaming is not None
+    r = http.get(f"/tasks/{s.streaming.id}")
+    assert f'action="/tasks/{s.streaming.id}/cancel"' in r.text
+    assert f'action="/tasks/{s.done[0]}/cancel"' not in http.get(f"/tasks/{s.done[0]}").text

@@ -9,6 +9,7 @@ other fragment.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,15 +44,8 @@ def _nice(v: float) -> float:
     """The smallest of 1, 2, 5 x 10^k at least ``v`` (a round top for the y scale)."""
     if v <= 0:
         return 1.0
-    k = 1.0
-    while k * 10 < v:
-        k *= 10
-    while k > v * 10:
-        k /= 10
-    for m in (1, 2, 5, 10):
-        if k * m >= v:
-            return k * m
-    return k * 10
+    k = 10.0 ** math.floor(math.log10(v))
+    return next(k * m for m in (1, 2, 5, 10) if k * m >= v * (1 - 1e-9))
 
 
 def _fmt(v: float) -> str:
