@@ -347,12 +347,21 @@ def test_the_web_command_serves_and_stops_cleanly(s: Site, subprocess_env: dict[
             proc, base):
         assert s.served in httpx.get(base + "/").text
         live = Live(base, "/events")
-        wait_for(lambda: live.fragments.get("queues"), 10, "no live fragments")
+        assert s.streaming is not None
+        tokens = Live(base, f"/tasks/{s.streaming.id}/stream?queue={s.gen}")
+        wait_for(lambda: live.fragments.get("queues") and "token" in tokens.events, 10,
+                 "no live fragments or tokens")
+        stopping = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert live.ended.wait(5), "the live stream did not end at shutdown"
         assert live.events[-1] == "end"
+        assert tokens.ended.wait(5), "the task's token stream did not end at shutdown"
         assert proc.wait(5) == 0, log.read_text()
+        # at once, not after uvicorn's graceful timeout (5 s)
+        assert time.monotonic() - stopping < 3
         live.close()
+        tokens.close()
+        assert s.streaming.status() == "running"  # a viewer leaving cancels nothing
     redis_port = s.redis.connection_pool.connection_kwargs["port"]
     assert f"web dashboard of redis://127.0.0.1:{redis_port}/0 at http://127.0.0.1:" in \
         log.read_text()

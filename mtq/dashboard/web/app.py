@@ -42,7 +42,7 @@ from mtq.contrib.asgi import EventStreamResponse
 from mtq.dashboard.web import auth, reads
 from mtq.dashboard.web.charts import TERMINAL, chart, timeline
 from mtq.dashboard.web.fmt import FILTERS
-from mtq.dashboard.web.live import FragmentStream, Render
+from mtq.dashboard.web.live import FragmentStream, Render, until_stopped
 from mtq.dashboard.web.sampler import Sampler
 from mtq.errors import BrokerError, InvalidName, TaskNotFound
 
@@ -305,7 +305,9 @@ class Dashboard:
             task = await asyncio.to_thread(find_task, self.client, task_id, queue)
         except (TaskNotFound, InvalidName) as exc:
             return JSONResponse({"error": "not_found", "detail": str(exc)}, 404)
-        return EventStreamResponse(task, cancel_on_disconnect=False)
+        stream = until_stopped(EventStreamResponse(task, cancel_on_disconnect=False),
+                               self.sampler)
+        return stream  # type: ignore[return-value]
 
     async def first(self, timeout: float = 5.0) -> None:
         """Wait (bounded) for the first refresh, so a page is never empty for nothing."""

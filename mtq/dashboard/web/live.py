@@ -25,7 +25,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mtq.contrib.sse import comment, event_bytes, headers
 from mtq.dashboard.web.sampler import Sampler
@@ -99,3 +99,23 @@ class FragmentStream:
                     await t
             await self.body.aclose()  # type: ignore[attr-defined]
             self.sampler.viewers -= 1
+
+
+def until_stopped(app: ASGIApp, sampler: Sampler) -> ASGIApp:
+    """``app`` (a streaming answer: a task's own event stream) told that its client
+    left when the dashboard stops, so that it ends then rather than hold the server's
+    shutdown until its graceful timeout."""
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        async def receive_or_stop() -> Message:
+            got = asyncio.ensure_future(receive())
+            stop = asyncio.ensure_future(sampler.stopped())
+            await asyncio.wait({got, stop}, return_when=asyncio.FIRST_COMPLETED)
+            for t in (got, stop):
+                if not t.done():
+                    t.cancel()
+            return got.result() if got.done() and not got.cancelled() else \
+                {"type": "http.disconnect"}
+
+        await app(scope, receive_or_stop, send)
+
+    return wrapped

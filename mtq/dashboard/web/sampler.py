@@ -152,6 +152,11 @@ class Sampler:
             await asyncio.wait_for(asyncio.shield(tick), timeout)
         return self.version
 
+    async def stopped(self) -> None:
+        """Return once the sampler is stopping (what a long answer races against)."""
+        while not self.stopping:
+            await self.wait(self.version, 3600.0)
+
     # -- history -------------------------------------------------------------------
     def add(self, snap: Snapshot) -> None:
         """Record ``snap`` (rates against the snapshot before it)."""
