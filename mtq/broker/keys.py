@@ -22,7 +22,7 @@ API_KEYS = f"{PREFIX}:apikeys"
 
 
 def api_key(key_id: str) -> str:
-    """The hash of one API key (:mod:`mtq.gateway.keys`): its record and the SHA-256 of
+    """The hash of one API key (:mod:`mtq.client.apikeys`): its record and the SHA-256 of
     its secret, never the secret. Its own hash tag, shared with :func:`api_key_rate`."""
     return f"{PREFIX}:apikey:{{{key_id}}}"
 

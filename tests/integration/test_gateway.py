@@ -382,8 +382,8 @@ def test_loopback_needs_no_key(stack: Stack) -> None:
     assert json.loads(resp.text)["choices"][0]["text"] == "k"
 
 
-# -- API keys (mtq.gateway.keys): a gateway beyond loopback, on a Redis of its own --------
-# These run once mtq.gateway.keys exists (built alongside the gateway); skipped until then.
+# -- API keys (mtq.client.apikeys): a gateway beyond loopback, on a Redis of its own --------
+# These run once mtq.client.apikeys exists (built alongside the gateway); skipped until then.
 @dataclass
 class Keyed:
     base: str
@@ -401,7 +401,7 @@ class Keyed:
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keyed]:
-    keys = pytest.importorskip("mtq.gateway.keys")
+    keys = pytest.importorskip("mtq.client.apikeys")
     tmp = tmp_path_factory.mktemp("keyed")
     (tmp / "redis").mkdir()
     server = RedisServer(tmp / "redis")
