@@ -33,6 +33,13 @@ def api_key_rate(key_id: str) -> str:
     return f"{PREFIX}:apikey:{{{key_id}}}:rate"
 
 
+def dashboard_session(digest: str) -> str:
+    """One web dashboard session (hash: ``key``, the admin key's id; ``csrf``, its forms'
+    token; ``created``), named by the SHA-256 of the session id its cookie holds (never
+    the id itself), expiring with the session. Its own hash tag."""
+    return f"{PREFIX}:dashboard:session:{{{digest}}}"
+
+
 def hub(client_id: str) -> str:
     """A client's own channel: its reply listener subscribes to it first, and is poked
     on it to subscribe to further queues."""

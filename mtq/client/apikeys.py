@@ -43,7 +43,8 @@ from mtq.broker.scripts import script
 from mtq.errors import InvalidApiKey, InvalidArgument
 from mtq.validation import BANDS, check_tenant
 
-__all__ = ["ApiKey", "admit", "any_keys", "authenticate", "create", "list_keys", "revoke"]
+__all__ = ["ApiKey", "admit", "any_keys", "authenticate", "create", "list_keys", "lookup",
+           "revoke"]
 
 #: a token: "mtq-", the key's id, "-", its secret (token_urlsafe may give '-' too)
 _TOKEN = re.compile(r"mtq-([0-9a-f]{12})-([A-Za-z0-9_-]{32,128})")
@@ -185,6 +186,18 @@ def any_keys(client: Any) -> bool:
     """Whether any key that is not revoked exists (the gateway refuses to listen beyond
     loopback without one)."""
     return any(k.revoked is None for k in list_keys(client))
+
+
+def lookup(client: Any, key_id: str) -> ApiKey | None:
+    """The record of the key ``key_id`` (revoked or not), or None if there is none
+    (one round trip; none for an id that cannot be one)."""
+    if not isinstance(key_id, str) or not _ID.fullmatch(key_id):
+        return None
+    with redis_errors("while reading an API key"):
+        raw = _fields(shared(client).hgetall(api_key(key_id)))
+    if not raw.get("digest") or not raw.get("tenant"):
+        return None
+    return _record(key_id, raw)
 
 
 def authenticate(client: Any, token: str | None) -> ApiKey:
