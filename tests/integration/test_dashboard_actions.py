@@ -1,5 +1,5 @@
 """The web dashboard's access rules and actions (mtq.dashboard.web.auth, .actions) over
-HTTP: the real Starlette routes (in the small app of tests/support/dashboard.py) through
+HTTP: the real Starlette routes (in the small app of tests/support/dashboard_access.py) through
 httpx's TestClient, a real redis-server, and a real ``mtq workers start`` supervisor
 whose pause, resume and scale are seen in the worker registry. What must not happen
 is checked where it would show: the queue's control channel (subscribed), the dead
@@ -29,7 +29,7 @@ from mtq.client import apikeys
 from mtq.dashboard.web import auth, sessions
 from mtq.errors import ConfigError
 from mtq.settings import QueueSettings
-from tests.support.dashboard import make_app
+from tests.support.dashboard_access import make_app
 from tests.support.paths import PY, ROOT
 from tests.support.supervisors import Sup, wait_workers
 from tests.support.waits import wait_for
@@ -277,7 +277,8 @@ def test_refused_without_the_sessions_csrf_token_or_from_another_site(
         admin_key: tuple[str, apikeys.ApiKey]) -> None:
     dead = make_dead(qname, redis_url, 1)
     csrf = sign_in(web, admin_key[0])
-    for data in ({"next": "/"}, {"csrf": "", "next": "/"}, {"csrf": csrf[:-1] + "A"},
+    wrong = csrf[:-1] + ("B" if csrf.endswith("A") else "A")
+    for data in ({"next": "/"}, {"csrf": "", "next": "/"}, {"csrf": wrong},
                  {"csrf": [csrf, csrf]}):
         resp = web.post(f"/queues/{qname}/pause", data=data)
         assert resp.status_code == 403 and "CSRF token" in resp.text, data
@@ -408,6 +409,17 @@ def test_sign_in_refusals_set_nothing(web: TestClient, client: redis.Redis, tena
     assert fresh == web.cookies["mtq_login"] != login_csrf
     resp = web.post("/login", data={"key": token, "csrf": fresh})
     assert resp.status_code == 303 and web.cookies["mtq_session"]
+
+
+def test_any_page_can_carry_the_sign_in_form(web: TestClient,
+                                            admin_key: tuple[str, apikeys.ApiKey]) -> None:
+    page = web.get("/queues/q")  # a first visit: no cookie yet
+    token = CSRF.search(page.text).group(1)  # type: ignore[union-attr]
+    assert "mtq_login=" in page.headers["set-cookie"] and web.cookies["mtq_login"] == token
+    again = web.get("/queues/q")
+    assert "set-cookie" not in again.headers and token in again.text
+    resp = web.post("/login", data={"key": admin_key[0], "csrf": token, "next": "/queues/q"})
+    assert resp.status_code == 303 and "admin " + admin_key[1].id in follow(web, resp)
 
 
 def test_sign_out_ends_the_session(web: TestClient, client: redis.Redis, qname: str,

@@ -8,19 +8,22 @@ Interface used by the pages (:mod:`mtq.dashboard.web.app`):
   ``Authorization: Bearer`` header), or None. The first call on a request reads Redis
   (two round trips: the session, then its key), later ones reuse the answer;
 * :func:`csrf_token` -- the value a form posted by that admin carries in its ``csrf``
-  field. Signed out, it is the pre-session token of the sign-in form (the
-  ``mtq_login`` cookie that ``GET /login`` sets), or "" before the browser has one;
+  field. Signed out, it is the pre-session token of the sign-in form (login CSRF:
+  double submit of the ``mtq_login`` cookie); a new one is set on the page's response
+  by the middleware :func:`configure` installs (without it, the first sign-in is
+  refused with a form that works, and ``GET /login`` sets it too);
 * :func:`flash` (and :func:`flash_kind`, ``ok`` or ``warning``) -- the message an
   action left for the page it sent the browser back to (None: none). The action
   redirects (303) to its ``next`` with ``?flash=<nonce>`` and sets the short-lived
   cookie ``mtq_flash`` holding that nonce and the message: the page shows it only with
   its own nonce, so a link cannot make a page show a text of its choosing, and it is
   not shown again on the next page;
-* :func:`configure` -- ``configure(app, origin="https://ops.example.com")``: the
+* :func:`configure` -- ``configure(app, origin=None)``, called once by
+  ``create_dashboard`` on its app: the pre-session cookie's middleware, and the
   dashboard's public origin when it is served behind a proxy that changes the Host
-  header (``create_dashboard(origin=...)``, ``mtq dashboard --web --origin``). It is
-  kept in ``app.state.public_origin``; without it, the request's own scheme and Host
-  are the dashboard's origin;
+  header (``create_dashboard(origin=...)``, ``mtq dashboard --web --origin
+  https://ops.example.com``). It is kept in ``app.state.public_origin``; None: the
+  request's own scheme and Host are the dashboard's origin;
 * :func:`routes` -- ``GET /login`` (the sign-in page), ``POST /login`` (field
   ``key``), ``POST /logout`` and the actions of :mod:`mtq.dashboard.web.actions`,
   each ``POST`` with the form fields ``csrf`` and ``next``, mounted at the dashboard's
@@ -45,29 +48,37 @@ import base64
 import hmac
 import json
 import logging
-import re
 import secrets
 from html import escape
 from typing import Any
-from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, urlencode
 
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from mtq.client import apikeys
 from mtq.dashboard.web import sessions
-from mtq.dashboard.web.actions import ACTIONS, Form, Prepare
+from mtq.dashboard.web.actions import ACTIONS, Prepare
+from mtq.dashboard.web.rules import (
+    ORIGIN,
+    Refused,
+    check_csrf,
+    check_origin,
+    next_path,
+    one,
+    read_form,
+    refusal_of,
+    root,
+    secure,
+)
 from mtq.dashboard.web.sessions import SESSION_COOKIE, SESSION_TTL_S, TOKEN, caller
 from mtq.errors import (
-    BrokerError,
     ConfigError,
     InvalidApiKey,
-    InvalidArgument,
-    InvalidName,
     MtqError,
-    TaskNotFound,
 )
 
 log = logging.getLogger("mtq.dashboard.web")
@@ -78,19 +89,6 @@ LOGIN_TTL_S = 3600
 #: the message an action leaves for the page it sends the browser back to
 FLASH_COOKIE = "mtq_flash"
 FLASH_TTL_S = 60
-#: the largest form (or JSON body) an action takes
-MAX_BODY_BYTES = 256 * 1024
-_ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
-
-
-class Refused(Exception):
-    """A request refused before anything was done: its status and what to do."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
 # -- the interface the pages use ---------------------------------------------------------
 def admin(request: Request) -> apikeys.ApiKey | None:
     """The admin key behind ``request`` (an ApiKey with ``admin`` true), or None (also
@@ -110,8 +108,46 @@ def csrf_token(request: Request) -> str:
         return ""
     if found.session is not None:
         return found.session.csrf
+    if found.bearer:
+        return ""
     token = request.cookies.get(LOGIN_COOKIE, "")
-    return token if TOKEN.fullmatch(token) else ""
+    if TOKEN.fullmatch(token):
+        return token
+    made = getattr(request.state, "mtq_new_login", None)
+    if made is None:  # the response sets it (configure's middleware)
+        token = secrets.token_urlsafe(32)
+        made = request.state.mtq_new_login = (token, _login_cookie(request, token))
+    return str(made[0])
+
+
+def _login_cookie(request: Request, token: str) -> str:
+    """The ``Set-Cookie`` value of a pre-session token."""
+    resp = Response()
+    resp.set_cookie(LOGIN_COOKIE, token, max_age=LOGIN_TTL_S, path=root(request) or "/",
+                    httponly=True, samesite="strict", secure=secure(request))
+    return resp.headers["set-cookie"]
+
+
+class _PreSession:
+    """ASGI middleware (:func:`configure` installs it): a response to a request for
+    which :func:`csrf_token` made a pre-session token sets its cookie, so that the
+    sign-in form of any page works at once."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(message: Any) -> None:
+            made = (scope.get("state") or {}).get("mtq_new_login")
+            if message["type"] == "http.response.start" and made:
+                MutableHeaders(scope=message).append("set-cookie", made[1])
+            await send(message)
+
+        await self.app(scope, receive, sending)
 
 
 def _flash(request: Request) -> dict[str, str] | None:
@@ -139,104 +175,21 @@ def flash_kind(request: Request) -> str:
 
 
 def configure(app: Any, *, origin: str | None = None) -> None:
-    """Set the dashboard's public origin (``https://host[:port]``, as browsers send
-    ``Origin``) for a dashboard behind a proxy that changes the Host header. Raises
-    ConfigError for anything else."""
+    """Call once on the dashboard's app, before it serves: installs the middleware that
+    sets the pre-session cookie of the sign-in forms, and sets the dashboard's public
+    origin (``https://host[:port]``, as browsers send ``Origin``; None: the request's
+    own) for a dashboard behind a proxy that changes the Host header. Raises
+    ConfigError for an origin that is not one."""
     if origin is not None:
-        if not isinstance(origin, str) or not _ORIGIN.fullmatch(origin.rstrip("/")):
+        if not isinstance(origin, str) or not ORIGIN.fullmatch(origin.rstrip("/")):
             raise ConfigError(f"origin {origin!r}: give the scheme and host the browser "
                               "sees, e.g. https://ops.example.com or http://10.0.0.5:8080 "
                               "(no path)")
         origin = origin.rstrip("/").lower()
     app.state.public_origin = origin
-
-
-# -- the rules ---------------------------------------------------------------------------
-def _root(request: Request) -> str:
-    return str(request.scope.get("root_path", "")).rstrip("/")
-
-
-def _origin(request: Request) -> str:
-    public = getattr(request.app.state, "public_origin", None)
-    return public or f"{request.url.scheme}://{request.url.netloc}".lower()
-
-
-def _secure(request: Request) -> bool:
-    return _origin(request).startswith("https://") or request.url.scheme == "https"
-
-
-def _check_origin(request: Request) -> None:
-    """A browser's POST names the page it comes from (``Origin``, else ``Referer``):
-    it must be the dashboard's own origin. Neither header: the CSRF token decides."""
-    sent = request.headers.get("origin")
-    if sent is None:
-        referer = request.headers.get("referer")
-        if not referer:
-            return
-        parts = urlsplit(referer)
-        sent = f"{parts.scheme}://{parts.netloc}"
-    if sent.lower() != _origin(request):
-        raise Refused(403, f"this request came from another site ({sent}), not from the "
-                      f"dashboard's own pages ({_origin(request)}): nothing was done. Use "
-                      "the dashboard's own forms. Behind a proxy that changes the Host "
-                      "header, give the dashboard its public origin (mtq dashboard --web "
-                      "--origin https://...)")
-
-
-def _next(request: Request, value: str | None) -> str:
-    """Where to send the browser back: a path of the dashboard (with or without its
-    mount point); no other site, ``//host`` or scheme."""
-    root = _root(request)
-    if value is None or value == "":
-        return root + "/"
-    if not value.startswith("/") or value.startswith("//") or "\\" in value or \
-            any(c.isspace() or not c.isprintable() for c in value) or len(value) > 2000 or \
-            urlsplit(value).scheme or urlsplit(value).netloc:
-        raise Refused(400, f"next must be a path of this dashboard (such as /queues/q), got "
-                      f"{value[:100]!r}: nothing was done")
-    if root and not (value == root or value.startswith(root + "/")
-                     or value.startswith(root + "?")):
-        value = root + value
-    return value
-
-
-def _one(form: Form, name: str) -> str | None:
-    values = form.get(name) or []
-    return values[0] if len(values) == 1 else None
-
-
-async def _form(request: Request) -> Form:
-    """The request's fields: a form (application/x-www-form-urlencoded), or, from a
-    script, a JSON object (values as text; a list for ``id``)."""
-    body = b""
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise Refused(413, f"the request is over {MAX_BODY_BYTES // 1024} KiB: send "
-                          "fewer ids at once")
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    try:
-        text = body.decode("utf-8")
-        if kind == "application/json":
-            raw = json.loads(text or "{}")
-            if not isinstance(raw, dict):
-                raise ValueError("not an object")
-            return {str(k): [str(x) for x in (v if isinstance(v, list) else [v])]
-                    for k, v in raw.items()}
-        if kind not in ("", "application/x-www-form-urlencoded"):
-            raise ValueError(f"content type {kind}")
-        return parse_qs(text, keep_blank_values=True, max_num_fields=2000)
-    except ValueError as exc:
-        raise Refused(400, f"the request's body cannot be read ({exc}): send a form "
-                      "(application/x-www-form-urlencoded) or a JSON object") from None
-
-
-def _check_csrf(form: Form, expected: str | None, what: str) -> None:
-    sent = _one(form, "csrf") or ""
-    if not expected or not sent or not hmac.compare_digest(sent.encode(), expected.encode()):
-        raise Refused(403, f"{what} did not carry this session's CSRF token (a form from "
-                      "another site, or a page older than your sign-in): nothing was done. "
-                      "Reload the dashboard's page and send it again")
+    if not getattr(app.state, "mtq_pre_session", False):
+        app.add_middleware(_PreSession)
+        app.state.mtq_pre_session = True
 
 
 # -- answers -----------------------------------------------------------------------------
@@ -247,7 +200,8 @@ _STYLE = ("body{font:15px system-ui,sans-serif;max-width:40em;margin:3em auto;pa
 
 def _page(request: Request, status: int, title: str, message: str, *,
           form: bool = False, nxt: str | None = None) -> HTMLResponse:
-    root, back = _root(request), escape(nxt or _root(request) + "/")
+    base = root(request)
+    back = escape(nxt or base + "/")
     parts = [f"<!doctype html><html lang=en><head><meta charset=utf-8><title>"
              f"{escape(title)} - mtq</title><style>{_STYLE}</style></head><body>",
              f"<h1>{escape(title)}</h1>"]
@@ -258,7 +212,7 @@ def _page(request: Request, status: int, title: str, message: str, *,
         if not TOKEN.fullmatch(token):
             token = secrets.token_urlsafe(32)
         parts.append(
-            f'<form method="post" action="{escape(root)}/login">'
+            f'<form method="post" action="{escape(base)}/login">'
             f'<input type="hidden" name="csrf" value="{escape(token)}">'
             f'<input type="hidden" name="next" value="{back}">'
             '<label>Admin key <input type="password" name="key" autocomplete="off" '
@@ -267,13 +221,13 @@ def _page(request: Request, status: int, title: str, message: str, *,
             "<p>An admin key is made with <code>mtq keys create --tenant T --admin</code>. "
             "The dashboard is read-only without one.</p>")
     elif status == 401:
-        login = escape(f"{root}/login?" + urlencode({"next": nxt or root + "/"}))
+        login = escape(f"{base}/login?" + urlencode({"next": nxt or base + "/"}))
         parts.append(f'<p><a href="{login}">Sign in</a> with an admin key.</p>')
     parts.append(f'<p><a href="{back}">Back to the dashboard</a></p></body></html>')
     resp = HTMLResponse("".join(parts), status)
     if form:
-        resp.set_cookie(LOGIN_COOKIE, token, max_age=LOGIN_TTL_S, path=root or "/",
-                        httponly=True, samesite="strict", secure=_secure(request))
+        resp.set_cookie(LOGIN_COOKIE, token, max_age=LOGIN_TTL_S, path=base or "/",
+                        httponly=True, samesite="strict", secure=secure(request))
     return resp
 
 
@@ -293,28 +247,18 @@ def _back(request: Request, nxt: str, kind: str, text: str) -> RedirectResponse:
     resp = RedirectResponse(f"{path}?{urlencode([*kept, ('flash', nonce)])}", 303)
     body = base64.urlsafe_b64encode(json.dumps({"kind": kind, "text": text}).encode())
     resp.set_cookie(FLASH_COOKIE, f"{nonce}.{body.decode().rstrip('=')}",
-                    max_age=FLASH_TTL_S, path=_root(request) or "/", httponly=True,
-                    samesite="strict", secure=_secure(request))
+                    max_age=FLASH_TTL_S, path=root(request) or "/", httponly=True,
+                    samesite="strict", secure=secure(request))
     return resp
-
-
-def _mtq_refusal(exc: MtqError) -> Refused:
-    if isinstance(exc, (InvalidName, InvalidArgument, ConfigError)):
-        return Refused(400, f"{exc}: nothing was done")
-    if isinstance(exc, TaskNotFound):
-        return Refused(404, str(exc))
-    if isinstance(exc, BrokerError):
-        return Refused(503, f"{exc}: nothing was done, try again once Redis is back")
-    return Refused(500, f"{type(exc).__name__}: {exc}")
 
 
 # -- the routes --------------------------------------------------------------------------
 async def login_page(request: Request) -> Response:
     """``GET /login``: the sign-in form (it sets the pre-session token)."""
     try:
-        nxt = _next(request, request.query_params.get("next"))
+        nxt = next_path(request, request.query_params.get("next"))
     except Refused:
-        nxt = _root(request) + "/"
+        nxt = root(request) + "/"
     return _page(request, 200, "Sign in", "", form=True, nxt=nxt)
 
 
@@ -325,12 +269,12 @@ async def login(request: Request) -> Response:
                              "admin key as 'Authorization: Bearer' with each action"}, 400)
     nxt: str | None = None
     try:
-        _check_origin(request)
-        form = await _form(request)
-        nxt = _next(request, _one(form, "next"))
-        _check_csrf(form, request.cookies.get(LOGIN_COOKIE), "this sign-in form")
+        check_origin(request)
+        form = await read_form(request)
+        nxt = next_path(request, one(form, "next"))
+        check_csrf(form, request.cookies.get(LOGIN_COOKIE), "this sign-in form")
         client = sessions.client_of(request)
-        key = await run_in_threadpool(apikeys.authenticate, client, _one(form, "key"))
+        key = await run_in_threadpool(apikeys.authenticate, client, one(form, "key"))
         if not key.admin:
             raise Refused(401, f"API key {key.id} is not an admin key: sign in with one "
                           "('mtq keys create --tenant T --admin' makes one)")
@@ -347,14 +291,14 @@ async def login(request: Request) -> Response:
         return _page(request, exc.status, "Sign in", str(exc), form=exc.status != 400,
                      nxt=nxt)
     except MtqError as exc:
-        return _refusal(request, _mtq_refusal(exc), False, nxt)
+        return _refusal(request, refusal_of(exc), False, nxt)
     log.info("dashboard sign-in: admin key %s", key.id)
     resp = _back(request, nxt, "ok",
                  f"signed in with admin key {key.id} ({key.name or key.tenant})")
     resp.set_cookie(SESSION_COOKIE, session.id, max_age=SESSION_TTL_S,
-                    path=_root(request) or "/", httponly=True, samesite="strict",
-                    secure=_secure(request))
-    resp.delete_cookie(LOGIN_COOKIE, path=_root(request) or "/")
+                    path=root(request) or "/", httponly=True, samesite="strict",
+                    secure=secure(request))
+    resp.delete_cookie(LOGIN_COOKIE, path=root(request) or "/")
     return resp
 
 
@@ -365,21 +309,21 @@ async def logout(request: Request) -> Response:
         if "authorization" in request.headers:
             raise Refused(400, "a Bearer key has no session to end (revoke the key: "
                           "'mtq keys revoke ID')")
-        _check_origin(request)
-        form = await _form(request)
-        nxt = _next(request, _one(form, "next"))
+        check_origin(request)
+        form = await read_form(request)
+        nxt = next_path(request, one(form, "next"))
         found = await run_in_threadpool(caller, request)
         if found.session is not None:
-            _check_csrf(form, found.session.csrf, "this sign-out")
+            check_csrf(form, found.session.csrf, "this sign-out")
             await run_in_threadpool(sessions.end, sessions.client_of(request),
                                     found.session.id)
             log.info("dashboard sign-out: admin key %s", found.session.key_id)
     except Refused as exc:
         return _refusal(request, exc, "authorization" in request.headers, nxt)
     except MtqError as exc:
-        return _refusal(request, _mtq_refusal(exc), False, nxt)
+        return _refusal(request, refusal_of(exc), False, nxt)
     resp = _back(request, nxt, "ok", "signed out: the dashboard is read-only")
-    resp.delete_cookie(SESSION_COOKIE, path=_root(request) or "/")
+    resp.delete_cookie(SESSION_COOKIE, path=root(request) or "/")
     return resp
 
 
@@ -390,13 +334,13 @@ def _action(name: str, prepare: Prepare) -> Any:
         try:
             found = await run_in_threadpool(caller, request)
             if not bearer:
-                _check_origin(request)
-            form = await _form(request)
-            nxt = _next(request, _one(form, "next"))
+                check_origin(request)
+            form = await read_form(request)
+            nxt = next_path(request, one(form, "next"))
             if found.key is None:
                 raise Refused(401, found.refusal)
             if not bearer:
-                _check_csrf(form, found.session.csrf if found.session else None,
+                check_csrf(form, found.session.csrf if found.session else None,
                             "this form")
             act = prepare(request.path_params, form)   # every input checked: nothing sent yet
             done = await run_in_threadpool(act, sessions.client_of(request))
@@ -404,7 +348,7 @@ def _action(name: str, prepare: Prepare) -> Any:
             log.info("dashboard %s refused (%d): %s", name, exc.status, exc)
             return _refusal(request, exc, bearer, nxt)
         except MtqError as exc:
-            refused = _mtq_refusal(exc)
+            refused = refusal_of(exc)
             log.info("dashboard %s refused (%d): %s", name, refused.status, refused)
             return _refusal(request, refused, bearer, nxt)
         log.info("dashboard %s by admin key %s (%s): %s", name, found.key.id,
@@ -412,7 +356,7 @@ def _action(name: str, prepare: Prepare) -> Any:
         if bearer:
             return JSONResponse({"ok": done.status < 400, "action": name,
                                  "message": done.message, **done.data}, done.status)
-        return _back(request, nxt or _root(request) + "/",
+        return _back(request, nxt or root(request) + "/",
                      "ok" if done.status < 400 else "warning", done.message)
     endpoint.__name__ = f"action_{name.replace('-', '_')}"
     return endpoint

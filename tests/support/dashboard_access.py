@@ -2,7 +2,7 @@
 (:func:`mtq.dashboard.web.auth.routes`) for their tests: the routes, ``app.state.client``,
 and one page per queue with the forms the dashboard's pages carry (pause, resume,
 drain, scale; sign in and out) and the flash an action leaves. Served by uvicorn in
-the browser test (``uvicorn --factory tests.support.dashboard:from_env``)."""
+the browser test (``uvicorn --factory tests.support.dashboard_access:from_env``)."""
 
 from __future__ import annotations
 
