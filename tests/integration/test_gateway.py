@@ -460,6 +460,22 @@ def test_a_key_runs_in_its_stream_as_its_tenant(keyed: Keyed) -> None:
     assert info.stream == f"key:{keyed.key_id}"
 
 
+def test_an_admin_key_acts_as_its_tenant(keyed: Keyed) -> None:
+    from mtq.broker.keys import QueueKeys
+    from mtq.client import apikeys
+
+    r = redis.Redis.from_url(keyed.url)
+    try:
+        token, key = apikeys.create(r, "ops", admin=True)
+        with keyed.client(token) as c:
+            out = c.completions.create(model=keyed.echo, prompt="admin key", max_tokens=2)
+        task_id = out.id.split("-", 1)[1]
+        tenant = r.hget(QueueKeys(keyed.echo).task(task_id), "tenant")
+    finally:
+        r.close()
+    assert out.choices[0].text == "admin key" and tenant == b"ops"
+
+
 def test_a_key_over_its_rate_is_429_with_retry_after(keyed: Keyed) -> None:
     with keyed.client(keyed.slow) as c:
         c.completions.create(model=keyed.echo, prompt="one", max_tokens=1)

@@ -101,7 +101,9 @@ def admin(request: Request) -> apikeys.ApiKey | None:
 
 def csrf_token(request: Request) -> str:
     """The CSRF token forms of this admin's session carry; signed out, the sign-in
-    form's pre-session token ("" before ``GET /login`` has set one)."""
+    form's pre-session token (a new one when the browser has none: the response sets
+    its cookie where :func:`configure` was called); "" for a Bearer request or while
+    Redis cannot be reached."""
     try:
         found = caller(request)
     except MtqError:
