@@ -30,6 +30,10 @@ from tests.support.waits import wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed "
                                 "(pip install -e '.[dev]')")
+from selenium.common.exceptions import (  # noqa: E402
+    NoSuchElementException,
+    StaleElementReferenceException,
+)
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
@@ -142,27 +146,33 @@ def shot(driver: Any, name: str) -> None:
         driver.save_screenshot(str(Path(folder) / name))
 
 
-def text_of(driver: Any, element_id: str, timeout: float = 20) -> str:
-    return str(WebDriverWait(driver, timeout).until(
-        lambda d: d.find_element(By.ID, element_id)).text)
+def wait_text(driver: Any, element_id: str, part: str, timeout: float = 20) -> str:
+    """The text of the element ``element_id`` once it holds ``part`` (the page may be
+    replaced meanwhile: a form's answer is a redirect to a new page)."""
+    def shown(d: Any) -> str | None:
+        text = str(d.find_element(By.ID, element_id).text)
+        return text if part in text else None
+
+    return str(WebDriverWait(driver, timeout, ignored_exceptions=(
+        NoSuchElementException, StaleElementReferenceException)).until(
+            shown, f"#{element_id} holds {part!r}"))
 
 
 def test_sign_in_and_pause_then_a_cross_site_form_is_refused(
         world: dict[str, Any], browser: Any, other_site: str) -> None:
     queue, r, sup = world["queue"], world["r"], world["sup"]
     browser.get(f"{world['base']}/queues/{queue}")
-    assert "read-only" in text_of(browser, "who")
+    wait_text(browser, "who", "read-only")
     browser.find_element(By.ID, "signin").click()
     WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.NAME, "key"))
     browser.find_element(By.NAME, "key").send_keys(world["token"])
     shot(browser, "dashboard-sign-in.png")
     browser.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
-    assert "signed in with admin key" in text_of(browser, "flash")
-    assert f"admin {world['key'].id}" in text_of(browser, "who")
+    wait_text(browser, "flash", "signed in with admin key")
+    wait_text(browser, "who", f"admin {world['key'].id}")
 
     browser.find_element(By.ID, "pause").click()
-    WebDriverWait(browser, 20).until(
-        lambda d: "pause: sent to 1 supervisor(s)" in d.find_element(By.ID, "flash").text)
+    wait_text(browser, "flash", "pause: sent to 1 supervisor(s)")
     shot(browser, "dashboard-paused.png")
     wait_workers(r, queue, 1, sup, check=lambda w: w["state"] == "paused")
 
@@ -176,6 +186,5 @@ def test_sign_in_and_pause_then_a_cross_site_form_is_refused(
     assert all(w["state"] == "paused" for w in workers_of(r, queue, live_only=True))
     browser.get(f"{world['base']}/queues/{queue}")
     browser.find_element(By.ID, "resume").click()
-    WebDriverWait(browser, 20).until(
-        lambda d: "resume: sent to 1" in d.find_element(By.ID, "flash").text)
+    wait_text(browser, "flash", "resume: sent to 1")
     wait_workers(r, queue, 1, sup, check=lambda w: w["state"] != "paused")
