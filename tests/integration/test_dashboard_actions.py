@@ -224,8 +224,15 @@ def test_dead_letters_retry_chosen_and_purge_all(web: TestClient, qname: str, re
     resp = web.post(f"/queues/{qname}/dead/retry", json={"id": [dead[0].id]},
                     headers={"Authorization": f"Bearer {admin_key[0]}"})
     assert resp.status_code == 409 and "not dead letters" in resp.json()["message"]
-    resp = web.post(f"/queues/{qname}/dead/purge", data={"csrf": csrf, "next": "/queues/q"})
-    assert "2 dead letter(s)" in follow(web, resp) and q.stats()["dead"] == 0
+    resp = web.post(f"/queues/{qname}/dead/purge", data={"csrf": csrf, "next": "/queues/q",
+                                                         "id": [dead[1].id]})
+    assert "1 dead letter(s)" in follow(web, resp) and q.stats()["dead"] == 1
+    resp = web.post(f"/queues/{qname}/dead/purge",
+                    headers={"Authorization": f"Bearer {admin_key[0]}"})
+    assert resp.status_code == 200 and resp.json()["count"] == 1, resp.text
+    assert q.stats()["dead"] == 0
+    with pytest.raises(mtq.TaskNotFound):
+        dead[2].status()
 
 
 def test_no_supervisor_listening_is_said(web: TestClient, qname: str,
@@ -249,11 +256,51 @@ def test_each_control_command_goes_out_as_the_cli_sends_it(
         assert resp.status_code == 200 and resp.json()["supervisors"] == 1  # this listener
     resp = web.post(f"/queues/{qname}/scale", data={"replicas": "0"}, headers=bearer)
     assert resp.status_code == 200
-    assert listen.messages() == [{"cmd": "pause"}, {"cmd": "resume"}, {"cmd": "drain"},
-                                 {"cmd": "scale", "replicas": 0}]
+    sent = [{"cmd": "pause"}, {"cmd": "resume"}, {"cmd": "drain"},
+            {"cmd": "scale", "replicas": 0}]
+    assert listen.messages() == sent
+    csrf = sign_in(web, admin_key[0])
+    for cmd in ("pause", "resume", "drain"):
+        resp = web.post(f"/queues/{qname}/{cmd}", data={"csrf": csrf, "next": "/queues/q"})
+        assert f"{cmd}: sent to 1 supervisor(s)" in follow(web, resp)
+    resp = web.post(f"/queues/{qname}/scale", data={"csrf": csrf, "replicas": "0"})
+    assert resp.status_code == 303
+    assert listen.messages() == sent
 
 
 # -- refusals: nothing sent ------------------------------------------------------------------
+def every_action(qname: str, task_id: str) -> list[tuple[str, dict[str, Any]]]:
+    """Each action's path with fields it would take."""
+    return [(f"/queues/{qname}/pause", {}), (f"/queues/{qname}/resume", {}),
+            (f"/queues/{qname}/drain", {}), (f"/queues/{qname}/scale", {"replicas": "2"}),
+            (f"/tasks/{task_id}/cancel", {}), (f"/queues/{qname}/dead/retry", {}),
+            (f"/queues/{qname}/dead/purge", {})]
+
+
+def test_every_action_is_refused_without_an_admin_key_or_a_csrf_token_or_cross_site(
+        web: TestClient, client: redis.Redis, qname: str, tenant: str, listen: Listen,
+        redis_url: str, admin_key: tuple[str, apikeys.ApiKey]) -> None:
+    plain, _ = apikeys.create(client, tenant)
+    gone, gone_key = apikeys.create(client, tenant, admin=True)
+    apikeys.revoke(client, gone_key.id)
+    dead = make_dead(qname, redis_url, 1)
+    waiting = mtq.Queue(qname, redis_url).submit({"x": 1})
+    for path, data in every_action(qname, waiting.id):
+        assert web.post(path, data=data).status_code == 401, path
+        for token in (plain, gone):
+            resp = web.post(path, data=data, headers={"Authorization": f"Bearer {token}"})
+            assert resp.status_code == 401, (path, resp.text)
+    csrf = sign_in(web, admin_key[0])
+    for path, data in every_action(qname, waiting.id):
+        assert web.post(path, data=data).status_code == 403, path
+        assert web.post(path, data={**data, "csrf": "x" * 43}).status_code == 403, path
+        resp = web.post(path, data={**data, "csrf": csrf},
+                        headers={"Origin": "https://evil.example"})
+        assert resp.status_code == 403, path
+    assert listen.messages() == []
+    assert dead[0].status() == "dead" and waiting.status() == "queued"
+
+
 def test_refused_without_an_admin_key(web: TestClient, client: redis.Redis, qname: str,
                                       tenant: str, listen: Listen) -> None:
     plain, _ = apikeys.create(client, tenant)
