@@ -382,8 +382,8 @@ def test_loopback_needs_no_key(stack: Stack) -> None:
     assert json.loads(resp.text)["choices"][0]["text"] == "k"
 
 
-# -- API keys (mtq.gateway.keys): a gateway beyond loopback, on a Redis of its own --------
-# These run once mtq.gateway.keys exists (built alongside the gateway); skipped until then.
+# -- API keys (mtq.client.apikeys): a gateway beyond loopback, on a Redis of its own --------
+# These run once mtq.client.apikeys exists (built alongside the gateway); skipped until then.
 @dataclass
 class Keyed:
     base: str
@@ -401,7 +401,7 @@ class Keyed:
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keyed]:
-    keys = pytest.importorskip("mtq.gateway.keys")
+    keys = pytest.importorskip("mtq.client.apikeys")
     tmp = tmp_path_factory.mktemp("keyed")
     (tmp / "redis").mkdir()
     server = RedisServer(tmp / "redis")
@@ -458,6 +458,22 @@ def test_a_key_runs_in_its_stream_as_its_tenant(keyed: Keyed) -> None:
     assert out.choices[0].text == "hello key"
     info = mtq.Queue(keyed.echo, keyed.url).task(out.id.split("-", 1)[1]).info()
     assert info.stream == f"key:{keyed.key_id}"
+
+
+def test_an_admin_key_acts_as_its_tenant(keyed: Keyed) -> None:
+    from mtq.broker.keys import QueueKeys
+    from mtq.client import apikeys
+
+    r = redis.Redis.from_url(keyed.url)
+    try:
+        token, key = apikeys.create(r, "ops", admin=True)
+        with keyed.client(token) as c:
+            out = c.completions.create(model=keyed.echo, prompt="admin key", max_tokens=2)
+        task_id = out.id.split("-", 1)[1]
+        tenant = r.hget(QueueKeys(keyed.echo).task(task_id), "tenant")
+    finally:
+        r.close()
+    assert out.choices[0].text == "admin key" and tenant == b"ops"
 
 
 def test_a_key_over_its_rate_is_429_with_retry_after(keyed: Keyed) -> None:
