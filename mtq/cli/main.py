@@ -137,22 +137,27 @@ def server_status(as_json: bool) -> None:
                    "and tokens are shown to signed-in admins only.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
               help="With --web: port to listen on.")
+@click.option("--origin", default=None, metavar="URL",
+              help="With --web: the dashboard's public origin (https://host[:port]) behind "
+                   "a proxy that changes the Host header, for the actions' cross-site check.")
 @redis_option
 def dashboard(queues: tuple[str, ...], refresh: float, once: bool, web: bool, host: str,
-              port: int, url: str | None) -> None:
+              port: int, origin: str | None, url: str | None) -> None:
     """Live view of queues, workers, failures and throughput (q or Ctrl-C quits).
     Reads one cheap snapshot per refresh, whatever the number of tasks.
 
     With --web, the same in the browser at http://HOST:PORT/ (charts, tenants,
     workers, a page per queue and per task, dead letters), live over server-sent
     events; one snapshot per refresh whatever the number of viewers."""
+    if not web and origin is not None:
+        common.fail("--origin is for the web dashboard (--web)", common.USAGE)
     if web:
         if queues or once:
             common.fail("--queue and --once are for the terminal dashboard; the web one "
                         "shows every queue, a page each", common.USAGE)
         from mtq.cli.webdash import run_web
 
-        sys.exit(run_web(running_server(url), host, port, refresh))
+        sys.exit(run_web(running_server(url), host, port, refresh, origin=origin))
     from mtq.dashboard.app import run
 
     url = running_server(url)

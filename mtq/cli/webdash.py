@@ -16,10 +16,11 @@ BEYOND_LOOPBACK = (
     "key. Serve it behind a proxy with TLS (see docs/dashboard.md)")
 
 
-def run_web(url: str, host: str, port: int, refresh_s: float,
+def run_web(url: str, host: str, port: int, refresh_s: float, *, origin: str | None = None,
             log_level: str = "warning") -> int:
     """Serve the web dashboard of the Redis at ``url`` on ``host``:``port`` until
-    SIGINT or SIGTERM; the exit code (0). Live streams end at once on shutdown."""
+    SIGINT or SIGTERM; the exit code (0). Live streams end at once on shutdown.
+    ``origin``: its public origin behind a proxy (a malformed one exits 2)."""
     try:
         import uvicorn
 
@@ -32,7 +33,8 @@ def run_web(url: str, host: str, port: int, refresh_s: float,
     private = is_loopback(host)
     try:
         client = connect(url, name="mtq-dashboard")
-        app = create_dashboard(client=client, refresh_s=refresh_s, show_previews=private)
+        app = create_dashboard(client=client, refresh_s=refresh_s, show_previews=private,
+                               origin=origin)
     except MtqError as exc:
         fail_on(exc)
     if not private:

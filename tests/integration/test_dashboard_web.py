@@ -369,6 +369,10 @@ def test_the_web_command_serves_and_stops_cleanly(s: Site, subprocess_env: dict[
                          env=subprocess_env, cwd=ROOT, capture_output=True, text=True,
                          timeout=30)
     assert bad.returncode == 2 and "terminal dashboard" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "mtq", "dashboard", "--web", "--origin",
+                          "ops.example.com/x"], env=subprocess_env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "give the scheme and host the browser sees" in bad.stderr
 
 
 def test_beyond_loopback_previews_are_for_admins_only(s: Site, subprocess_env: dict[str, str],
@@ -408,27 +412,49 @@ def test_mtq_serve_mounts_the_dashboard_at_dashboard(s: Site, subprocess_env: di
         assert http.get("/v1/models").status_code == 200  # the gateway still answers
 
 
-def test_signed_in_pages_carry_the_action_forms_with_csrf_and_next(
-        s: Site, http: httpx.Client, monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the pages render for an admin (the sign-in itself is auth.py's: here its
-    two answers are given)."""
-    from mtq.dashboard.web import auth
+def test_an_admin_signs_in_with_the_pages_form_and_gets_the_action_forms(
+        s: Site, redis_url: str) -> None:
+    """The sign-in form of every page and the forms an admin gets, against the real
+    access rules (mtq.dashboard.web.auth): each carries the session's csrf and next."""
+    from mtq.client import apikeys
 
-    monkeypatch.setattr(auth, "admin", lambda request: object())
-    monkeypatch.setattr(auth, "csrf_token", lambda request: "tok<&>")
-    r = http.get(f"/queues/{s.served}?page=1")
-    forms = re.findall(r'<form method="post" action="([^"]+)".*?</form>', r.text, re.S)
-    actions = [unescape(a) for a in forms]
+    token, key = apikeys.create(s.redis, "ops", admin=True, name="dashboard test")
+    waiting = mtq.Queue(s.sched, redis_url).submit({"to": "cancel"}, tenant="ops")
     base = f"/queues/{s.served}"
-    assert actions.count(f"{base}/dead/retry") == 2 and actions.count(f"{base}/dead/purge") == 2
-    for a in ("/logout", f"{base}/pause", f"{base}/resume", f"{base}/drain", f"{base}/scale"):
-        assert a in actions, (a, actions)
-    assert "/login" not in actions
-    for form in re.findall(r'<form method="post".*?</form>', r.text, re.S):
-        assert 'name="csrf" value="tok&lt;&amp;&gt;"' in form, form
-        assert f'name="next" value="{base}?page=1"' in form, form
-    assert f'name="id" value="{s.dead}"' in r.text and 'name="replicas"' in r.text
-    assert s.streaming is not None
-    r = http.get(f"/tasks/{s.streaming.id}")
-    assert f'action="/tasks/{s.streaming.id}/cancel"' in r.text
-    assert f'action="/tasks/{s.done[0]}/cancel"' not in http.get(f"/tasks/{s.done[0]}").text
+    try:
+        with httpx.Client(base_url=s.base, timeout=15) as browser:
+            page = browser.get(f"{base}?page=1").text
+            (signin,) = re.findall(r'<form method="post" action="/login".*?</form>', page, re.S)
+            csrf = re.search(r'name="csrf" value="([^"]+)"', signin)
+            assert csrf is not None and f'name="next" value="{base}?page=1"' in signin
+            r = browser.post("/login", data={"key": token, "csrf": unescape(csrf.group(1)),
+                                             "next": f"{base}?page=1"})
+            assert r.status_code == 303, r.text
+            page = browser.get(r.headers["location"]).text
+            forms = re.findall(r'<form method="post" action="([^"]+)".*?</form>', page, re.S)
+            actions = [unescape(a) for a in forms]
+            assert actions.count(f"{base}/dead/retry") == 2  # one letter, and all
+            assert actions.count(f"{base}/dead/purge") == 2
+            for a in ("/logout", f"{base}/pause", f"{base}/resume", f"{base}/drain",
+                      f"{base}/scale"):
+                assert a in actions, (a, actions)
+            assert "/login" not in actions and f"admin {key.id}" in text_of(page)
+            tokens = set(re.findall(r'name="csrf" value="([^"]+)"', page))
+            assert len(tokens) == 1 and tokens != {csrf.group(1)}  # the session's own
+            assert page.count('name="next"') == len(forms)
+            assert f'name="id" value="{s.dead}"' in page and 'name="replicas"' in page
+            # the cancel form of a waiting task, sent as the browser would
+            page = browser.get(f"/tasks/{waiting.id}").text
+            (cancel,) = re.findall(r'<form method="post" action="([^"]+/cancel)".*?</form>',
+                                   page, re.S)
+            fields = dict(re.findall(r'name="(\w+)" value="([^"]*)"', page.split(cancel)[1]
+                                     .split("</form>")[0]))
+            r = browser.post(unescape(cancel), data={k: unescape(v) for k, v in fields.items()})
+            assert r.status_code == 303, r.text
+            done = browser.get(r.headers["location"]).text
+            assert 'id="flash"' in done and "status cancelled" in text_of(done)
+            assert waiting.status() == "cancelled"
+            assert f'action="/tasks/{s.done[0]}/cancel"' not in \
+                browser.get(f"/tasks/{s.done[0]}").text  # an ended task has none
+    finally:
+        apikeys.revoke(s.redis, key.id)

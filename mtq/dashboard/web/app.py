@@ -13,8 +13,9 @@ Pages (Jinja2 templates, autoescaped: every value read from Redis is escaped):
 page's live sections (:mod:`mtq.dashboard.web.live`); ``/tasks/{task_id}/stream`` is
 the task's own event stream (:class:`mtq.contrib.asgi.EventStreamResponse`). All the
 queue figures come from one :class:`~mtq.dashboard.web.sampler.Sampler` per app;
-what a queue or task page reads beyond it is read once per refresh however many
-pages show it. Actions (the forms' targets, sign-in) are :mod:`mtq.dashboard.web.auth`.
+what the live sections of a queue or task page read beyond it is read once per refresh
+however many pages show it (a page loaded reads afresh: after an action it shows the
+outcome). Actions (the forms' targets, sign-in) are :mod:`mtq.dashboard.web.auth`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from urllib.parse import quote
 import jinja2
 import redis
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
@@ -79,11 +81,14 @@ class Dashboard:
         self._rendered: dict[Any, tuple[int, tuple[dict[str, str], bool]]] = {}
 
     # -- shared reads --------------------------------------------------------------
-    async def once_per_refresh(self, key: Any, read: Callable[[], Any]) -> Any:
-        """``read()`` (in a thread) at most once per refresh for every caller of ``key``."""
+    async def once_per_refresh(self, key: Any, read: Callable[[], Any], fresh: bool = False
+                               ) -> Any:
+        """``read()`` (in a thread) at most once per refresh for every caller of ``key``;
+        ``fresh``: read now (a page loaded, perhaps after an action: it shows the present),
+        and share that read with the live streams of this refresh."""
         version = self.sampler.version
         hit = self._cache.get(key)
-        if hit is not None and hit[0] == version:
+        if hit is not None and hit[0] == version and not fresh:
             return await asyncio.shield(hit[1])
         if len(self._cache) > 256:
             self._cache = {k: v for k, v in self._cache.items() if v[0] == version}
@@ -96,10 +101,20 @@ class Dashboard:
         root = str(request.scope.get("root_path", "")).rstrip("/")
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         snap = self.sampler.last
-        return {"root": root, "live": live, "next": path, "admin": auth.admin(request),
-                "csrf": auth.csrf_token(request), "refresh_s": self.sampler.refresh_s,
+        return {"root": root, "live": live, "next": path, "refresh_s": self.sampler.refresh_s,
                 "error": self.sampler.error, "seen": snap.ts if snap else None,
-                "now": time.time()}
+                "now": time.time(), "admin": None, "csrf": "", "flash": None}
+
+    async def viewer(self, request: Request) -> dict[str, Any]:
+        """Who is reading (:mod:`mtq.dashboard.web.auth`: it reads Redis, so in a
+        thread): the admin key or None, the forms' CSRF token, an action's flash."""
+        def read() -> dict[str, Any]:
+            return {"admin": auth.admin(request), "csrf": auth.csrf_token(request),
+                    "flash": auth.flash(request), "flash_kind": auth.flash_kind(request)}
+
+        got = await run_in_threadpool(read)
+        got["previews"] = self.show_previews or got["admin"] is not None
+        return got
 
     def overview(self) -> dict[str, Any]:
         snap = self.sampler.last
@@ -135,7 +150,7 @@ class Dashboard:
                 if queue is None or w.get("queue") == queue]
         return sorted(rows, key=lambda w: (str(w.get("queue")), str(w.get("id"))))
 
-    async def queue(self, name: str) -> dict[str, Any]:
+    async def queue(self, name: str, fresh: bool = False) -> dict[str, Any]:
         snap = self.sampler.last
         view = snap.queue(name) if snap else None
         s = self.sampler.series
@@ -145,7 +160,7 @@ class Dashboard:
                          width=560, height=140, window_s=LARGE_WINDOW_S)
 
         details = await self.once_per_refresh(
-            ("queue", name), lambda: reads.queue_details(self.client, name))
+            ("queue", name), lambda: reads.queue_details(self.client, name), fresh)
         return {"name": name, "view": view, "rate": self.sampler.rate(name),
                 "charts": [("throughput (tasks/s)", big(("rate", "tasks/s", "rate"))),
                            ("waiting and running", big(("waiting", "waiting", "waiting"),
@@ -155,9 +170,11 @@ class Dashboard:
                 "tenants": self.tenants([view] if view else []), "details": details,
                 "failures": view.failures if view else [], "workers": self.workers(name)}
 
-    async def task(self, task_id: str, queue: str | None) -> dict[str, Any]:
+    async def task(self, task_id: str, queue: str | None, fresh: bool = False
+                   ) -> dict[str, Any]:
         d = await self.once_per_refresh(
-            ("task", task_id, queue), lambda: reads.task_details(self.client, task_id, queue))
+            ("task", task_id, queue), lambda: reads.task_details(self.client, task_id, queue),
+            fresh)
         entries = [(e.ts, e.kind, e.detail) for e in d.trace]
         return {"t": d, "timeline": timeline(entries, time.time()),
                 "ended": d.info.status in TERMINAL}
@@ -182,23 +199,21 @@ class Dashboard:
         self._rendered[key] = (version, out)
         return out
 
-    def not_found(self, request: Request, what: str, hint: str) -> HTMLResponse:
-        return self.page("not_found.html", {**self.base(request, None), "what": what,
+    async def not_found(self, request: Request, what: str, hint: str) -> HTMLResponse:
+        return self.page("not_found.html", {**self.base(request, None),
+                                            **await self.viewer(request), "what": what,
                                             "hint": hint}, 404)
 
     def unreachable(self, request: Request, exc: Exception) -> HTMLResponse:
-        ctx = self.base(request, None)
+        ctx = self.base(request, None)  # read-only: signing in needs Redis too
         ctx["error"] = str(exc)
         return self.page("unreachable.html", ctx, 503)
-
-    def previews(self, request: Request) -> bool:
-        return self.show_previews or auth.admin(request) is not None
 
     # -- endpoints -----------------------------------------------------------------
     async def overview_page(self, request: Request) -> Response:
         self.sampler.start()
         await self.first()
-        ctx = {**self.base(request, "/events"), **self.overview()}
+        ctx = {**self.base(request, "/events"), **await self.viewer(request), **self.overview()}
         return self.page("overview.html", ctx)
 
     async def overview_events(self, request: Request) -> Response:
@@ -222,7 +237,7 @@ class Dashboard:
         self.sampler.start()
         try:
             if not await asyncio.to_thread(reads.queue_known, self.client, name):
-                return self.not_found(request, f"no queue named {name!r}",
+                return await self.not_found(request, f"no queue named {name!r}",
                                       "Queues appear once a task is submitted to them; the "
                                       "overview lists every queue Redis knows.")
             await self.first()
@@ -231,7 +246,8 @@ class Dashboard:
             except ValueError:
                 page = 1
             dead, total = await asyncio.to_thread(reads.dead_page, self.client, name, page)
-            ctx = {**self.base(request, f"/queues/{_seg(name)}/events"), **await self.queue(name)}
+            ctx = {**self.base(request, f"/queues/{_seg(name)}/events"),
+                   **await self.viewer(request), **await self.queue(name, fresh=True)}
         except BrokerError as exc:
             return self.unreachable(request, exc)
         pages = max(1, -(-total // reads.DEAD_PAGE))
@@ -260,24 +276,28 @@ class Dashboard:
         queue = request.query_params.get("queue") or None
         self.sampler.start()
         try:
-            ctx = await self.task(task_id, queue)
+            ctx = await self.task(task_id, queue, fresh=True)
         except (TaskNotFound, InvalidName) as exc:
-            return self.not_found(request, f"no task {task_id!r}",
+            return await self.not_found(request, f"no task {task_id!r}",
                                   f"{exc}. Tasks are found by their id in every known queue; "
                                   "a queue page lists its recent failures and dead letters.")
         except BrokerError as exc:
             return self.unreachable(request, exc)
         q = f"?queue={quote(ctx['t'].queue, safe='')}"
         live = None if ctx["ended"] else f"/tasks/{_seg(task_id)}/events{q}"
-        return self.page("task.html", {**self.base(request, live), **ctx,
-                                       "previews": self.previews(request),
+        try:
+            viewer = await self.viewer(request)
+        except BrokerError as exc:
+            return self.unreachable(request, exc)
+        return self.page("task.html", {**self.base(request, live), **ctx, **viewer,
                                        "stream": f"/tasks/{_seg(task_id)}/stream{q}"})
 
     async def task_events(self, request: Request) -> Response:
         task_id = request.path_params["task_id"]
         queue = request.query_params.get("queue") or None
         self.sampler.start()
-        base = {**self.base(request, None), "previews": self.previews(request)}
+        previews = self.show_previews or await run_in_threadpool(auth.admin, request) is not None
+        base = {**self.base(request, None), "previews": previews}
 
         async def build() -> tuple[dict[str, str], bool]:
             try:
@@ -296,7 +316,7 @@ class Dashboard:
         """The task's own events (tokens as they come), for the task page's EventSource."""
         from mtq.admin import find_task
 
-        if not self.previews(request):
+        if not self.show_previews and await run_in_threadpool(auth.admin, request) is None:
             return JSONResponse({"error": "forbidden", "detail": "sign in with an admin key "
                                  "to read tasks' tokens on this dashboard"}, 403)
         task_id = request.path_params["task_id"]
@@ -318,13 +338,14 @@ class Dashboard:
         status = getattr(exc, "status_code", 500)
         if status != 404:
             return HTMLResponse(f"{status}", status_code=status)
-        return self.not_found(request, f"nothing at {request.url.path}",
+        return await self.not_found(request, f"nothing at {request.url.path}",
                               "The dashboard has the overview, a page per queue "
                               "(/queues/NAME) and a page per task (/tasks/ID).")
 
 
 def create_dashboard(url: str | None = None, *, client: redis.Redis | None = None,
-                     refresh_s: float = 1.0, show_previews: bool = True) -> Starlette:
+                     refresh_s: float = 1.0, show_previews: bool = True,
+                     origin: str | None = None) -> Starlette:
     """The web dashboard of the Redis at ``url`` (default: ``MTQ_REDIS_URL``, else the
     embedded server) or of ``client``, refreshed every ``refresh_s`` seconds.
 
@@ -332,7 +353,9 @@ def create_dashboard(url: str | None = None, *, client: redis.Redis | None = Non
     reader (True) or to signed-in admins only (False: what ``mtq dashboard --web``
     does beyond loopback). ``app.state.dashboard`` is the :class:`Dashboard`
     (``app.state.dashboard.sampler.stop_soon()`` ends its live streams, as at shutdown);
-    ``app.state.client`` the Redis client."""
+    ``app.state.client`` the Redis client. ``origin``: the dashboard's public origin
+    behind a proxy that changes the Host header (:func:`mtq.dashboard.web.auth.configure`;
+    ConfigError if it is not one)."""
     if client is None:
         from mtq.broker.connection import connect
 
@@ -363,4 +386,5 @@ def create_dashboard(url: str | None = None, *, client: redis.Redis | None = Non
                     exception_handlers={HTTPException: handler})
     app.state.dashboard = d
     app.state.client = client
+    auth.configure(app, origin=origin)
     return app
