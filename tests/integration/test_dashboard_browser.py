@@ -19,6 +19,7 @@ import pytest
 import mtq
 from tests.support.dashboard import EVIL, EVIL_STREAM, STORY, Site, site, traffic
 from tests.support.paths import ROOT
+from tests.support.waits import wait_for
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed "
                                 "(pip install -e '.[dev]')")
@@ -163,9 +164,41 @@ def test_every_page_loads_updates_live_and_shows_markup_as_text(
 
     # the dead task: error and traceback as text
     browser.get(s.base + f"/tasks/{s.dead}")
+    # the pages left closed their streams (a page kept for the back button would hold its
+    # connections, and the browser allows six per host: the dashboard would hang)
+    wait_for(lambda: s.dashboard.sampler.viewers == 0, 10,
+             f"{s.dashboard.sampler.viewers} live streams of pages left are still open")
     assert f"ValueError: {EVIL} went wrong" in browser.find_element("id", "toutcome").text
     no_alert(browser)
     assert not browser.execute_script("return document.querySelectorAll('main script, "
                                       "main b').length"), "markup from Redis became elements"
     for name in ("overview", "queue", "task"):
         assert (tmp_path / f"dashboard-{name}.png").stat().st_size > 10_000
+
+
+def test_an_admin_signs_in_from_the_header_and_cancels_a_task(browser: Any, s: Site,
+                                                              redis_url: str) -> None:
+    from mtq.client import apikeys
+
+    token, key = apikeys.create(s.redis, "ops", admin=True, name="browser test")
+    waiting = mtq.Queue(s.sched, redis_url).submit({"to": "cancel"}, tenant="ops")
+    try:
+        browser.delete_all_cookies()
+        browser.get(s.base + f"/tasks/{waiting.id}")
+        assert "Sign in with an admin key to cancel this task" in \
+            browser.find_element("tag name", "body").text
+        browser.find_element("css selector", "form.signin input[name=key]").send_keys(token)
+        browser.find_element("css selector", "form.signin button").click()
+        until(browser, "return document.querySelector('.auth .who')?.textContent", 10,
+              "the header did not show the admin", ok=lambda t: t == f"admin {key.id}")
+        browser.find_element("css selector", "button.act-cancel").click()
+        flash = until(browser, "return document.getElementById('flash')?.textContent", 10,
+                      "no flash after the cancel")
+        assert waiting.id in flash, flash
+        assert waiting.status() == "cancelled"
+        until(browser, "return document.querySelector('#tstatus .status').textContent", 5,
+              "the page did not show the task cancelled", ok=lambda t: "cancelled" in t)
+        no_alert(browser)
+    finally:
+        apikeys.revoke(s.redis, key.id)
+        browser.delete_all_cookies()

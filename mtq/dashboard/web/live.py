@@ -116,6 +116,18 @@ def until_stopped(app: ASGIApp, sampler: Sampler) -> ASGIApp:
             return got.result() if got.done() and not got.cancelled() else \
                 {"type": "http.disconnect"}
 
-        await app(scope, receive_or_stop, send)
+        started = ended = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started, ended
+            started = started or message["type"] == "http.response.start"
+            ended = ended or (message["type"] == "http.response.body"
+                              and not message.get("more_body", False))
+            await send(message)
+
+        await app(scope, receive_or_stop, sending)
+        if started and not ended and sampler.stopping:  # end the body: the client is there
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     return wrapped

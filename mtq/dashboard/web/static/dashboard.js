@@ -7,9 +7,17 @@
   function show(text, cls) {
     if (state) { state.textContent = text; state.className = "live-state " + cls; }
   }
+  var open = [];  // closed when the page goes (a page kept in the back-forward cache
+  window.addEventListener("pagehide", function () {  // would hold its connections)
+    open.forEach(function (es) { es.close(); });
+  });
+  window.addEventListener("pageshow", function (e) {  // back from that cache: the present
+    if (e.persisted) { location.reload(); }
+  });
   var live = document.body.dataset.live;
   if (live && window.EventSource) {
     var es = new EventSource(live);
+    open.push(es);
     es.onopen = function () { show("live", "on"); };
     es.onerror = function () { show("reconnecting", "off"); };
     es.addEventListener("fragment", function (e) {
@@ -24,6 +32,7 @@
     var box = document.getElementById("tokens-box");
     var note = document.getElementById("tokens-state");
     var tokens = new EventSource(out.dataset.stream);
+    open.push(tokens);
     tokens.addEventListener("token", function (e) {
       var tok = JSON.parse(e.data);
       out.textContent += (typeof tok === "string") ? tok : JSON.stringify(tok) + " ";
