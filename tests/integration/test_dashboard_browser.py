@@ -63,8 +63,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def s(redis_url: str) -> Iterator[Site]:
-    # a generation long enough to be watched while it streams
-    with site(redis_url, refresh_s=0.5, stream_steps=3000, step_ms=20) as world:
+    with site(redis_url, refresh_s=0.5) as world:
         yield world
 
 

@@ -122,8 +122,11 @@ def fake_worker(r: redis.Redis, served: str) -> str:
 
 
 @contextmanager
-def site(redis_url: str, refresh_s: float = 0.2, *, stream_steps: int = 600,
+def site(redis_url: str, refresh_s: float = 0.2, *, stream_steps: int = 6000,
          step_ms: int = 20) -> Iterator[Site]:
+    """The world (see the module docstring); its generation streams for
+    ``stream_steps`` x ``step_ms`` (two minutes: it runs through the tests, and is
+    cancelled at the end)."""
     from mtq.dashboard.web.app import create_dashboard
 
     tag = uuid.uuid4().hex[:8]
