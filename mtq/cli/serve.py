@@ -75,7 +75,8 @@ def check_protected(client: object, host: str) -> bool:
 def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_body: int,
           log_level: str, url: str | None) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
-    /v1/models) over mtq queues, with uvicorn. See docs/gateway.md."""
+    /v1/models) over mtq queues, with uvicorn, and the web dashboard at /dashboard.
+    See docs/gateway.md and docs/dashboard.md."""
     try:
         import uvicorn
 
@@ -91,6 +92,11 @@ def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_bod
         require = check_protected(client, host)
         app = create_app(client=client, models=mapping, require_keys=require,
                          timeout_s=timeout, max_body_bytes=max_body)
+        # the web dashboard at /dashboard (payloads for signed-in admins only where
+        # keys are required)
+        from mtq.dashboard.web.app import create_dashboard
+
+        app.mount("/dashboard", create_dashboard(client=client, show_previews=not require))
     except MtqError as exc:
         fail_on(exc)
     uvicorn.run(app, host=host, port=port, log_level=log_level,

@@ -28,7 +28,7 @@ MAX_BODY_BYTES = 256 * 1024
 ORIGIN = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+")
 
 
-class Refused(Exception):
+class Refused(MtqError):
     """A request refused before anything was done: its status and what to do."""
 
     def __init__(self, status: int, message: str) -> None:
