@@ -412,6 +412,23 @@ def test_mtq_serve_mounts_the_dashboard_at_dashboard(s: Site, subprocess_env: di
         assert http.get("/v1/models").status_code == 200  # the gateway still answers
 
 
+def test_a_tasks_stream_asked_first_under_mtq_serve_leaves_the_gateway_serving(
+        s: Site, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    """Under ``mtq serve`` the mounted dashboard's lifespan never runs: a task's token
+    stream asked before any page must not stall the event loop (it spun at 100 % CPU
+    waiting for a sampler that had never started, and the gateway answered nothing)."""
+    assert s.streaming is not None
+    with command(["serve"], subprocess_env, tmp_path / "serve.log", "/v1/models") as (
+            proc, base):
+        tokens = Live(base, f"/dashboard/tasks/{s.streaming.id}/stream?queue={s.gen}")
+        try:
+            wait_for(lambda: "token" in tokens.events, 10, "no tokens from the task's stream")
+            assert httpx.get(base + "/v1/models", timeout=5).status_code == 200
+            assert httpx.get(base + "/dashboard/", timeout=5).status_code == 200
+        finally:
+            tokens.close()
+
+
 def test_an_admin_signs_in_with_the_pages_form_and_gets_the_action_forms(
         s: Site, redis_url: str) -> None:
     """The sign-in form of every page and the forms an admin gets, against the real

@@ -89,3 +89,18 @@ def test_the_live_stream_sends_changes_only_keeps_alive_and_ends() -> None:
     assert json.loads(out[4].split(b"data: ")[1]) == {"id": "a", "html": "<p>2</p>"}
     assert out[-1] == b"event: end\ndata: {}\n\n"
     assert not any(b'"id": "b"' in c for c in out[4:])
+
+
+def test_waiting_on_a_sampler_never_started_yields_to_the_loop() -> None:
+    # mounted in an app whose lifespan does not reach it, a stream may wait on a sampler
+    # no request started: the wait must sleep, not return at once (stopped() spun)
+    sampler = Sampler(redis.Redis(port=1, retry=None), refresh_s=0.05)
+
+    async def run() -> bool:
+        waiter = asyncio.ensure_future(sampler.stopped())
+        await asyncio.sleep(0.2)   # runs only if the waiter yields to the loop
+        sampler.stopping = True
+        await asyncio.wait_for(waiter, 2)
+        return waiter.done()
+
+    assert asyncio.run(asyncio.wait_for(run(), 5))

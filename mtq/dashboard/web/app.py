@@ -321,6 +321,7 @@ class Dashboard:
                                  "to read tasks' tokens on this dashboard"}, 403)
         task_id = request.path_params["task_id"]
         queue = request.query_params.get("queue") or None
+        self.sampler.start()  # until_stopped waits on it (mounted: no lifespan started it)
         try:
             task = await asyncio.to_thread(find_task, self.client, task_id, queue)
         except (TaskNotFound, InvalidName) as exc:
