@@ -429,6 +429,29 @@ def test_a_tasks_stream_asked_first_under_mtq_serve_leaves_the_gateway_serving(
             tokens.close()
 
 
+def test_mtq_serve_ends_the_dashboards_streams_at_once_on_sigterm(
+        s: Site, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    assert s.streaming is not None
+    with command(["serve"], subprocess_env, log, "/v1/models") as (proc, base):
+        assert httpx.get(base + "/dashboard/", timeout=10).status_code == 200
+        live = Live(base, "/dashboard/events")
+        tokens = Live(base, f"/dashboard/tasks/{s.streaming.id}/stream?queue={s.gen}")
+        wait_for(lambda: live.fragments.get("queues") and "token" in tokens.events, 10,
+                 "no live fragments or tokens")
+        stopping = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert live.ended.wait(5), "the live stream did not end at shutdown"
+        assert live.events[-1] == "end"
+        assert tokens.ended.wait(5), "the task's token stream did not end at shutdown"
+        assert proc.wait(5) == 0, log.read_text()
+        # at once, not after uvicorn's graceful timeout (5 s)
+        assert time.monotonic() - stopping < 3, log.read_text()
+        live.close()
+        tokens.close()
+    assert s.streaming.status() == "running"  # a viewer leaving cancels nothing
+
+
 def test_an_admin_signs_in_with_the_pages_form_and_gets_the_action_forms(
         s: Site, redis_url: str) -> None:
     """The sign-in form of every page and the forms an admin gets, against the real
