@@ -290,6 +290,8 @@ def test_redis_unreachable_shows_a_banner_and_the_sampler_keeps_going(tmp_path: 
             assert "showing the figures of" in r.text and 'href="/queues/kept"' in r.text
             r = http.get("/queues/kept")
             assert r.status_code == 503 and "Redis unreachable" in r.text
+            r = http.get("/tasks/t-1/stream")  # a task page's EventSource: 503, not 500
+            assert r.status_code == 503 and "cannot reach Redis" in r.json()["detail"]
             reads = app.state.dashboard.sampler.reads
             wait_for(lambda: app.state.dashboard.sampler.reads >= reads + 3, 10,
                      "the sampler stopped trying")
