@@ -173,6 +173,18 @@ def test_unknown_queues_tasks_and_pages_are_404_pages_that_say_what_to_do(
     assert "Queues appear once a task is submitted" in text_of(http.get("/queues/x").text)
 
 
+def test_the_live_stream_of_a_task_there_is_not_ends(s: Site) -> None:
+    # (it sent keep-alives for ever, and looked for the task in every queue each refresh)
+    for path in ("/tasks/no-such-task/events", f"/tasks/no-such-task/events?queue={s.gen}",
+                 "/tasks/bad!id/events"):
+        live = Live(s.base, path)
+        try:
+            assert live.ended.wait(10), f"{path}: the stream did not end"
+            assert live.events[-1] == "end" and not live.fragments, (path, live.events)
+        finally:
+            live.close()
+
+
 def test_markup_from_redis_is_escaped_in_every_page_and_fragment(s: Site, http: httpx.Client
                                                                  ) -> None:
     for path in pages(s):

@@ -302,7 +302,9 @@ class Dashboard:
         async def build() -> tuple[dict[str, str], bool]:
             try:
                 ctx = await self.task(task_id, queue)
-            except (TaskNotFound, InvalidName, BrokerError):
+            except (TaskNotFound, InvalidName):
+                return {}, True   # none (any more): nothing will change
+            except BrokerError:
                 return {}, False
             return self.sections(TASK, {**base, **ctx}), ctx["ended"]
 
