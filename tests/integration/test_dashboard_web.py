@@ -173,6 +173,14 @@ def test_unknown_queues_tasks_and_pages_are_404_pages_that_say_what_to_do(
     assert "Queues appear once a task is submitted" in text_of(http.get("/queues/x").text)
 
 
+def test_a_dead_letter_page_past_the_last_shows_the_last(s: Site, http: httpx.Client) -> None:
+    # (it showed "none" under "Dead letters (1)"; a page number past Redis's range: a 500)
+    for page in ("7", "99999999999999999999"):
+        r = http.get(f"/queues/{s.served}?page={page}")
+        assert r.status_code == 200, (page, r.text[-500:])
+        assert f'href="/tasks/{s.dead}?queue={s.served}"' in r.text.split('id="dead"')[1]
+
+
 def test_the_live_stream_of_a_task_there_is_not_ends(s: Site) -> None:
     # (it sent keep-alives for ever, and looked for the task in every queue each refresh)
     for path in ("/tasks/no-such-task/events", f"/tasks/no-such-task/events?queue={s.gen}",

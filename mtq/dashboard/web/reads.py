@@ -8,7 +8,8 @@
   length and head task, and the heads of the stream-less free lists. Four round trips
   whatever the queue holds; with more streams than that, the lists are the busiest
   and oldest *of the sample* (the page says so).
-* :func:`dead_page`: one page of the dead-letter list (LRANGE, then one HMGET each).
+* :func:`dead_page`: one page of the dead-letter list (LLEN, LRANGE, then one HMGET
+  each).
 * :func:`task_details`: a task's fields, its trace, and previews of its payload and
   result capped at :data:`PREVIEW_CHARS` (the rest counted, never sent).
 """
@@ -126,13 +127,13 @@ def queue_details(client: redis.Redis, queue: str, top: int = TOP) -> QueueDetai
 
 def dead_page(client: redis.Redis, queue: str, page: int = 1, size: int = DEAD_PAGE
               ) -> tuple[list[dict[str, Any]], int]:
-    """Page ``page`` (from 1) of ``queue``'s dead letters, newest first, and their
-    total."""
+    """Page ``page`` (from 1; one past the last: the last) of ``queue``'s dead
+    letters, newest first, and their total."""
     b = Broker(client, queue, QueueSettings())
-    rows = b.dead_letters((page - 1) * size, size)
     with redis_errors("while counting the dead letters"):
         total = int(b.redis.llen(b.keys.dead))
-    return rows, total
+    page = max(1, min(page, -(-total // size)))
+    return b.dead_letters((page - 1) * size, size), total
 
 
 # -- a task ------------------------------------------------------------------------
