@@ -362,28 +362,35 @@ def command(args: list[str], env: dict[str, str], log: Path, probe: str
             proc.wait(5)
 
 
+def stop_with_open_streams(s: Site, proc: subprocess.Popen[bytes], root: str, log: Path
+                           ) -> None:
+    """SIGTERM to the server of the dashboard at ``root`` with a live stream and a task's
+    token stream open: both end at once and it exits 0."""
+    assert s.streaming is not None
+    live = Live(root, "events")
+    tokens = Live(root, f"tasks/{s.streaming.id}/stream?queue={s.gen}")
+    wait_for(lambda: live.fragments.get("queues") and "token" in tokens.events, 10,
+             "no live fragments or tokens")
+    stopping = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert live.ended.wait(5), "the live stream did not end at shutdown"
+    assert live.events[-1] == "end"
+    assert tokens.ended.wait(5), "the task's token stream did not end at shutdown"
+    assert proc.wait(5) == 0, log.read_text()
+    # at once, not after uvicorn's graceful timeout (5 s)
+    assert time.monotonic() - stopping < 3, log.read_text()
+    live.close()
+    tokens.close()
+    assert s.streaming.status() == "running"  # a viewer leaving cancels nothing
+
+
 def test_the_web_command_serves_and_stops_cleanly(s: Site, subprocess_env: dict[str, str],
                                                   tmp_path: Path) -> None:
     log = tmp_path / "web.log"
     with command(["dashboard", "--web", "--refresh", "0.2"], subprocess_env, log, "/") as (
             proc, base):
         assert s.served in httpx.get(base + "/").text
-        live = Live(base, "/events")
-        assert s.streaming is not None
-        tokens = Live(base, f"/tasks/{s.streaming.id}/stream?queue={s.gen}")
-        wait_for(lambda: live.fragments.get("queues") and "token" in tokens.events, 10,
-                 "no live fragments or tokens")
-        stopping = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert live.ended.wait(5), "the live stream did not end at shutdown"
-        assert live.events[-1] == "end"
-        assert tokens.ended.wait(5), "the task's token stream did not end at shutdown"
-        assert proc.wait(5) == 0, log.read_text()
-        # at once, not after uvicorn's graceful timeout (5 s)
-        assert time.monotonic() - stopping < 3
-        live.close()
-        tokens.close()
-        assert s.streaming.status() == "running"  # a viewer leaving cancels nothing
+        stop_with_open_streams(s, proc, base + "/", log)
     redis_port = s.redis.connection_pool.connection_kwargs["port"]
     assert f"web dashboard of redis://127.0.0.1:{redis_port}/0 at http://127.0.0.1:" in \
         log.read_text()
@@ -454,24 +461,9 @@ def test_a_tasks_stream_asked_first_under_mtq_serve_leaves_the_gateway_serving(
 def test_mtq_serve_ends_the_dashboards_streams_at_once_on_sigterm(
         s: Site, subprocess_env: dict[str, str], tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
-    assert s.streaming is not None
     with command(["serve"], subprocess_env, log, "/v1/models") as (proc, base):
         assert httpx.get(base + "/dashboard/", timeout=10).status_code == 200
-        live = Live(base, "/dashboard/events")
-        tokens = Live(base, f"/dashboard/tasks/{s.streaming.id}/stream?queue={s.gen}")
-        wait_for(lambda: live.fragments.get("queues") and "token" in tokens.events, 10,
-                 "no live fragments or tokens")
-        stopping = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert live.ended.wait(5), "the live stream did not end at shutdown"
-        assert live.events[-1] == "end"
-        assert tokens.ended.wait(5), "the task's token stream did not end at shutdown"
-        assert proc.wait(5) == 0, log.read_text()
-        # at once, not after uvicorn's graceful timeout (5 s)
-        assert time.monotonic() - stopping < 3, log.read_text()
-        live.close()
-        tokens.close()
-    assert s.streaming.status() == "running"  # a viewer leaving cancels nothing
+        stop_with_open_streams(s, proc, base + "/dashboard/", log)
 
 
 def test_an_admin_signs_in_with_the_pages_form_and_gets_the_action_forms(
