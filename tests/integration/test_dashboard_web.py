@@ -497,6 +497,7 @@ def test_an_admin_signs_in_with_the_pages_form_and_gets_the_action_forms(
             assert len(tokens) == 1 and tokens != {csrf.group(1)}  # the session's own
             assert page.count('name="next"') == len(forms)
             assert f'name="id" value="{s.dead}"' in page and 'name="replicas"' in page
+            assert 'max="256"' in page  # what the scale action takes (MAX_REPLICAS)
             # the cancel form of a waiting task, sent as the browser would
             page = browser.get(f"/tasks/{waiting.id}").text
             (cancel,) = re.findall(r'<form method="post" action="([^"]+/cancel)".*?</form>',
