@@ -96,12 +96,16 @@ def run_until_stopped(app: Any, on_stop: Callable[[], None], *, host: str, port:
               help="Longest a request waits for its task (then 504, the task cancelled).")
 @click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(min=1024),
               help="Largest request body in bytes (larger: 413).")
+@click.option("--origin", default=None, metavar="URL",
+              help="The dashboard's public origin (https://host[:port]) behind a proxy "
+                   "that changes the Host header (else its actions are refused as "
+                   "cross-site).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="uvicorn's log level.")
 @redis_option
 def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_body: int,
-          log_level: str, url: str | None) -> None:
+          origin: str | None, log_level: str, url: str | None) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     /v1/models) over mtq queues, with uvicorn, and the web dashboard at /dashboard.
     See docs/gateway.md and docs/dashboard.md."""
@@ -124,7 +128,8 @@ def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_bod
         # keys are required)
         from mtq.dashboard.web.app import create_dashboard
 
-        dashboard = create_dashboard(client=client, show_previews=not require)
+        dashboard = create_dashboard(client=client, show_previews=not require,
+                                     origin=origin)
         app.mount("/dashboard", dashboard)
     except MtqError as exc:
         fail_on(exc)

@@ -466,6 +466,35 @@ def test_mtq_serve_ends_the_dashboards_streams_at_once_on_sigterm(
         stop_with_open_streams(s, proc, base + "/dashboard/", log)
 
 
+def test_mtq_serve_takes_the_dashboards_public_origin(
+        s: Site, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    """Behind a proxy that changes the Host header the dashboard's actions need its
+    public origin; under ``mtq serve`` there was no way to give it (every sign-in and
+    action was refused as cross-site, the refusal naming a flag of another command)."""
+    from mtq.client import apikeys
+
+    public = "http://ops.example.com:8080"
+    token, key = apikeys.create(s.redis, "ops", admin=True)
+    try:
+        with command(["serve", "--origin", public], subprocess_env,
+                     tmp_path / "serve.log", "/v1/models") as (_, base), \
+                httpx.Client(base_url=base, timeout=10) as browser:
+            page = browser.get("/dashboard/login").text
+            csrf = unescape(re.findall(r'name="csrf" value="([^"]+)"', page)[0])
+            form = {"key": token, "csrf": csrf, "next": "/"}
+            r = browser.post("/dashboard/login", data=form, headers={"Origin": base})
+            assert r.status_code == 403, r.text  # the address it listens on is not it
+            r = browser.post("/dashboard/login", data=form, headers={"Origin": public})
+            assert r.status_code == 303, r.text
+            assert r.headers["location"].startswith("/dashboard/?flash=")
+    finally:
+        apikeys.revoke(s.redis, key.id)
+    bad = subprocess.run([sys.executable, "-m", "mtq", "serve", "--origin", "ops.example.com/x"],
+                         env=subprocess_env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 2 and "give the scheme and host the browser sees" in bad.stderr
+
+
 def test_an_admin_signs_in_with_the_pages_form_and_gets_the_action_forms(
         s: Site, redis_url: str) -> None:
     """The sign-in form of every page and the forms an admin gets, against the real

@@ -21,8 +21,8 @@ Interface used by the pages (:mod:`mtq.dashboard.web.app`):
 * :func:`configure` -- ``configure(app, origin=None)``, called once by
   ``create_dashboard`` on its app: the pre-session cookie's middleware, and the
   dashboard's public origin when it is served behind a proxy that changes the Host
-  header (``create_dashboard(origin=...)``, ``mtq dashboard --web --origin
-  https://ops.example.com``). It is kept in ``app.state.public_origin``; None: the
+  header (``create_dashboard(origin=...)``, ``--origin https://ops.example.com`` of
+  ``mtq dashboard --web`` and ``mtq serve``). It is kept in ``app.state.public_origin``; None: the
   request's own scheme and Host are the dashboard's origin;
 * :func:`routes` -- ``GET /login`` (the sign-in page), ``POST /login`` (field
   ``key``), ``POST /logout`` and the actions of :mod:`mtq.dashboard.web.actions`,
