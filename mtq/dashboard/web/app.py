@@ -328,7 +328,7 @@ class Dashboard:
             task = await asyncio.to_thread(find_task, self.client, task_id, queue)
         except (TaskNotFound, InvalidName) as exc:
             return JSONResponse({"error": "not_found", "detail": str(exc)}, 404)
-        except BrokerError as exc:  # a 503 that says why (it was a 500)
+        except BrokerError as exc:  # a 503 that says why, not a 500
             return JSONResponse({"error": "unavailable", "detail": str(exc)}, 503)
         stream = until_stopped(EventStreamResponse(task, cancel_on_disconnect=False),
                                self.sampler)
