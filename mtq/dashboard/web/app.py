@@ -39,10 +39,11 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from mtq.admin import QueueView
+from mtq.broker.records import TERMINAL
 from mtq.broker.tenants import shown_tenant, top_rows
 from mtq.contrib.asgi import EventStreamResponse
 from mtq.dashboard.web import auth, reads
-from mtq.dashboard.web.charts import TERMINAL, chart, timeline
+from mtq.dashboard.web.charts import chart, timeline
 from mtq.dashboard.web.fmt import FILTERS
 from mtq.dashboard.web.live import FragmentStream, Render, until_stopped
 from mtq.dashboard.web.sampler import Sampler
