@@ -263,6 +263,35 @@ def test_a_task_page_follows_its_task_to_the_end(s: Site, redis_url: str) -> Non
         live.close()
 
 
+def test_a_task_pages_live_sections_do_not_read_its_payload(s: Site, redis_url: str) -> None:
+    """The payload (up to max_payload_bytes) is on the page, not in its live sections:
+    their refreshes must not read and decode it again each time."""
+    t = mtq.Queue(s.sched, redis_url).submit({"big": "p" * 100_000}, tenant="ops")
+    watcher = redis.Redis.from_url(redis_url)
+    seen: list[str] = []
+    try:
+        with watcher.monitor() as m:
+            live = Live(s.base, f"/tasks/{t.id}/events?queue={s.sched}")
+            try:
+                version = s.dashboard.sampler.version
+                wait_for(lambda: s.dashboard.sampler.version >= version + 3, 10,
+                         "no refreshes")
+                wait_for(lambda: live.fragments.get("tstatus"), 10, "no live sections")
+                deadline = time.monotonic() + 1.0
+                for cmd in m.listen():
+                    seen.append(str(cmd["command"]))
+                    if time.monotonic() > deadline:
+                        break
+            finally:
+                live.close()
+    finally:
+        watcher.close()
+        t.cancel()
+    reads = [c for c in seen if c.startswith("HMGET") and t.id in c]
+    assert reads, "the live sections read nothing of the task"
+    assert not [c for c in reads if "payload" in c], reads[:3]
+
+
 def test_one_snapshot_per_refresh_whatever_the_number_of_viewers(s: Site, http: httpx.Client
                                                                   ) -> None:
     sampler = s.dashboard.sampler

@@ -173,9 +173,10 @@ class Dashboard:
 
     async def task(self, task_id: str, queue: str | None, fresh: bool = False
                    ) -> dict[str, Any]:
+        # a page loaded (fresh) shows the payload; its live sections do not read it
         d = await self.once_per_refresh(
-            ("task", task_id, queue), lambda: reads.task_details(self.client, task_id, queue),
-            fresh)
+            ("task", task_id, queue),
+            lambda: reads.task_details(self.client, task_id, queue, payload=fresh), fresh)
         entries = [(e.ts, e.kind, e.detail) for e in d.trace]
         return {"t": d, "timeline": timeline(entries, time.time()),
                 "ended": d.info.status in TERMINAL}
