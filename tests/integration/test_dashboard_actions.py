@@ -450,6 +450,9 @@ def test_sign_in_sets_a_session_cookie_and_keeps_no_token(
     with TestClient(make_app(client), follow_redirects=False) as plain:  # http: no Secure
         sign_in(plain, token)
         assert plain.cookies["mtq_session"]
+    with TestClient(make_app(client), follow_redirects=False) as pasted:
+        sign_in(pasted, f"  {token}\n")  # pasted with the blanks around it
+        assert pasted.cookies["mtq_session"]
 
 
 def test_sign_in_refusals_set_nothing(web: TestClient, client: redis.Redis, tenant: str,

@@ -276,7 +276,8 @@ async def login(request: Request) -> Response:
         nxt = next_path(request, one(form, "next"))
         check_csrf(form, request.cookies.get(LOGIN_COOKIE), "this sign-in form")
         client = sessions.client_of(request)
-        key = await run_in_threadpool(apikeys.authenticate, client, one(form, "key"))
+        token = (one(form, "key") or "").strip()  # pasted with blanks around it
+        key = await run_in_threadpool(apikeys.authenticate, client, token)
         if not key.admin:
             raise Refused(401, f"API key {key.id} is not an admin key: sign in with one "
                           "('mtq keys create --tenant T --admin' makes one)")
