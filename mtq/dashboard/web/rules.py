@@ -63,8 +63,8 @@ def check_origin(request: Request) -> None:
         raise Refused(403, f"this request came from another site ({sent}), not from the "
                       f"dashboard's own pages ({origin_of(request)}): nothing was done. Use "
                       "the dashboard's own forms. Behind a proxy that changes the Host "
-                      "header, give the dashboard its public origin (mtq dashboard --web "
-                      "--origin https://...)")
+                      "header, give the dashboard its public origin (--origin https://... "
+                      "of mtq dashboard --web or mtq serve)")
 
 
 def next_path(request: Request, value: str | None) -> str:
