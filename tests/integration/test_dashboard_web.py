@@ -173,6 +173,23 @@ def test_unknown_queues_tasks_and_pages_are_404_pages_that_say_what_to_do(
     assert "Queues appear once a task is submitted" in text_of(http.get("/queues/x").text)
 
 
+def test_every_answer_forbids_inline_scripts_and_framing(s: Site, http: httpx.Client) -> None:
+    # pages, a 404, the static files, a refusal and a live stream alike
+    answers = [http.get(p) for p in ("/", f"/queues/{s.served}", "/nothing/here",
+                                     "/static/dashboard.js", "/login")]
+    answers.append(http.post(f"/queues/{s.served}/pause", data={}))
+    with http.stream("GET", "/events") as live:
+        answers.append(live)
+    for r in answers:
+        where = f"{r.request.method} {r.request.url.path} ({r.status_code})"
+        csp = r.headers.get("content-security-policy", "")
+        assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp, where
+        assert "unsafe-inline" not in csp.split("script-src")[1].split(";")[0], where
+        assert r.headers.get("x-frame-options") == "DENY", where
+        assert r.headers.get("x-content-type-options") == "nosniff", where
+    assert answers[-2].status_code in (401, 403)
+
+
 def test_a_dead_letter_page_past_the_last_shows_the_last(s: Site, http: httpx.Client) -> None:
     # (it showed "none" under "Dead letters (1)"; a page number past Redis's range: a 500)
     for page in ("7", "99999999999999999999"):

@@ -46,6 +46,7 @@ from mtq.dashboard.web import auth, reads
 from mtq.dashboard.web.charts import chart, timeline
 from mtq.dashboard.web.fmt import FILTERS
 from mtq.dashboard.web.live import FragmentStream, Render, until_stopped
+from mtq.dashboard.web.rules import SecurityHeaders
 from mtq.dashboard.web.sampler import Sampler
 from mtq.errors import BrokerError, InvalidName, TaskNotFound
 
@@ -394,4 +395,5 @@ def create_dashboard(url: str | None = None, *, client: redis.Redis | None = Non
     app.state.dashboard = d
     app.state.client = client
     auth.configure(app, origin=origin)
+    app.add_middleware(SecurityHeaders)
     return app
