@@ -21,6 +21,7 @@ from mtq.errors import DeviceOutOfMemory, LeaseLost, PayloadError
 from mtq.workers import memory
 from mtq.workers.batching import OFFERED, BatchShapeError, BatchSlot
 from mtq.workers.batchlog import BatchLog
+from mtq.workers.claims import ClaimSizer
 from mtq.workers.fetcher import FAST_BATCH_S, Fetcher
 from mtq.workers.generator import Generator
 from mtq.workers.leases import Leases
@@ -67,11 +68,16 @@ class DynamicBatcher:
         self.limit = memory.Limit("batch size", batch_size(), memory.RECOVER_BATCHES)
         #: seconds per item of the recent batches that ran in one call (a decaying mean)
         self.item_s = 0.0
+        #: how many tasks a claim takes, by the measured time per task (set here, before
+        #: the fetcher's first claim: a per-item model starts at one)
+        self.claims = ClaimSizer(slot)
+        self.claims.reset(is_per_item(model()))
 
     def _new_limit(self) -> None:
         """The model's batch size in force from now on (a new model: the configured one)."""
         self.limit = memory.Limit("batch size", self.batch_size(), memory.RECOVER_BATCHES)
         self.item_s = 0.0
+        self.claims.reset(is_per_item(self.current_model()))
 
     def run(self) -> bool:
         """Dynamic batching until stopped (False) or the model changed kind on a
@@ -105,6 +111,7 @@ class DynamicBatcher:
                 if isinstance(model, Generator):
                     slot.hold_running = False
                     slot.reserve(0)
+                    self.claims.reset(False)  # its running batch is its claim
                     return True
                 per_item = is_per_item(model)
                 self._new_limit()
@@ -125,6 +132,7 @@ class DynamicBatcher:
             last = ledger.batch_s
             ledger.batch_s = took if last == float("inf") else max(took, last * BATCH_S_DECAY)
             ledger.batch_n = len(batch)
+            self.claims.observe(len(batch), took)
             if slot.hold_running:
                 slot.reserve(0)
             ledger.set_busy(False, 0)
