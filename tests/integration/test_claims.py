@@ -12,9 +12,11 @@ from typing import Any
 import redis
 
 import mtq
+from mtq.workers.model import FunctionModel
 from mtq.workers.registry import list_workers
 from tests.support.supervisors import StartFn
 from tests.support.waits import wait_for
+from tests.support.workers import FAST, make_worker, serving
 
 NAP = "benchmarks.children.nap:nap"
 REPLICAS = 5
@@ -53,3 +55,34 @@ def test_slow_plain_function_spreads_over_idle_workers_in_order(
     for t in tasks + streamed:
         info = t.info()
         assert info.status == "succeeded" and info.deliveries == 1, info
+
+
+def test_a_fast_function_grows_to_full_claims_and_a_slow_one_claims_one(
+        qname: str, redis_url: str) -> None:
+    """A fresh worker of a plain function claims one task, then claims sized by its
+    measured time per task: a function that returns in microseconds reaches full
+    batches of 64 on a deep backlog (most of its tasks run in them); one that takes
+    50 ms claims one task at a time (CLAIM_AHEAD_S holds less than one)."""
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+    n = 3000
+    q.submit_many([{"i": i} for i in range(n)])
+    w = make_worker(FunctionModel(lambda p: p["i"]), qname, redis_url)
+    assert w.slot.unit() == 1  # not measured yet
+    with serving(w) as run:
+        wait_for(lambda: q.stats()["succeeded"] == n, 60, "the backlog did not drain")
+        run.stop()
+    assert w.hist[64] * 64 >= n * 0.8, f"few full batches: {dict(w.hist)}"
+    assert min(w.hist) == 1  # its first claim
+    assert w.slot.unit() == 64
+
+    slow_q = mtq.Queue(qname + "-slow", redis_url, settings=FAST)
+    tasks = slow_q.submit_many([{"i": i} for i in range(6)])
+    slow = make_worker(FunctionModel(lambda p: time.sleep(0.05) or p["i"]),
+                       qname + "-slow", redis_url)
+    with serving(slow) as run:
+        wait_for(lambda: slow_q.stats()["succeeded"] == 6, 30, "6 slow tasks did not run")
+        run.stop()
+    assert [t.result(timeout=1) for t in tasks] == list(range(6))
+    assert dict(slow.hist) == {1: 6}, "a slow function ran more than one task a batch"
+    assert slow.slot.unit() == 1 and slow.dynamic.claims.task_s is not None \
+        and slow.dynamic.claims.task_s >= 0.04
