@@ -156,6 +156,17 @@ class BatchSlot:
             self.cond.notify_all()
             return []
 
+    def trim(self) -> list[Claimed]:
+        """Take out the tasks beyond what the slot holds now (its claims were made
+        smaller: mtq.workers.claims), from the tail; the caller gives them back."""
+        with self.cond:
+            over = -self._room()
+            if over <= 0 or not self._pending:
+                return []
+            out = [p.task for p in self._pending[-over:]]
+            del self._pending[-over:]
+            return out
+
     def suspected_in(self, tasks: Sequence[Claimed]) -> list[int]:
         """The positions in ``tasks`` of those put back as suspected (see
         :meth:`put_back`), no longer suspected once asked about."""

@@ -18,6 +18,12 @@ The tasks of a batch model's batch start together, in one call: its claims stay
 whole batches (the batch is how it spreads its cost), and its claim-ahead follows
 the time of its batches (:meth:`mtq.workers.fetcher.Fetcher.claim_ahead`).
 
+A worker that took more than that (a burst handed to it while its function looked
+fast) gives the rest back: a task of a per-item batch that runs longer than
+CLAIM_AHEAD_S updates the estimate at once, and if the batch's tasks not started are
+more than a claim of the new size, the batch ends there and those beyond the claims
+the worker now keeps go back to the queue for idle workers (:meth:`ClaimSizer.slow`).
+
 Seconds per task: the time of a batch over its size, taken at once when it is
 longer than the estimate (a slow task makes the claims small from the next one),
 halved towards it when shorter (a fast function's claims double each batch).
@@ -43,22 +49,40 @@ class ClaimSizer:
         self.per_item = False
         #: seconds per task of its recent batches (None: not measured yet)
         self.task_s: float | None = None
+        #: the batch being measured was cut short (see :meth:`slow`)
+        self._cut = False
 
     def reset(self, per_item: bool) -> None:
         """A new model (start, reload): no measurement; a per-item model claims one task
         at a time until it has one, a batch model whole batches."""
         self.per_item = per_item
         self.task_s = None
+        self._cut = False
         self.slot.set_claim_size(1 if per_item else None)
 
     def observe(self, n: int, seconds: float) -> None:
         """A batch of ``n`` tasks ran in ``seconds`` (the model thread, after it)."""
+        if self._cut:
+            self._cut = False
+            return
         if not self.per_item or n <= 0:
             return
         new = max(seconds, 0.0) / n
         last = self.task_s
         self.task_s = new if last is None or new >= last else (last + new) / 2
         self.slot.set_claim_size(self.size())
+
+    def slow(self, seconds: float, rest: int) -> bool:
+        """One task of a per-item batch ran in ``seconds`` with ``rest`` more after it:
+        True when the batch is to be cut short (the task was slower than CLAIM_AHEAD_S
+        and the rest is more than a claim of the size its time now gives), its time
+        taken into the estimate. The batch then counts as measured (:meth:`observe`
+        skips it)."""
+        if seconds <= CLAIM_AHEAD_S or not self.per_item:
+            return False
+        self.observe(1, seconds)
+        self._cut = rest > self.size()
+        return self._cut
 
     def size(self) -> int:
         """Tasks per claim now (before the slot's max_batch_size caps it)."""

@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 import mtq
+from benchmarks.children.nap import nap
 from mtq.workers.model import FunctionModel
 from mtq.workers.registry import list_workers
 from tests.support.supervisors import StartFn
@@ -86,3 +87,37 @@ def test_a_fast_function_grows_to_full_claims_and_a_slow_one_claims_one(
     assert dict(slow.hist) == {1: 6}, "a slow function ran more than one task a batch"
     assert slow.slot.unit() == 1 and slow.dynamic.claims.task_s is not None \
         and slow.dynamic.claims.task_s >= 0.04
+
+
+def test_a_worker_that_took_a_burst_while_fast_gives_back_the_rest_after_a_slow_task(
+        qname: str, redis_url: str) -> None:
+    """A worker whose function looked fast claims (or is handed) a whole burst; after
+    its first slow task it ends that batch and gives back what is beyond its claims
+    now sized to the work: a worker started after the burst runs most of it. Each task
+    runs once (no delivery counted for a give-back)."""
+    q = mtq.Queue(qname, redis_url, settings=FAST)
+
+    def handle(p: dict[str, Any]) -> Any:
+        return nap(p) if p["s"] else p["i"]
+
+    first = make_worker(FunctionModel(handle), qname, redis_url)
+    second = make_worker(FunctionModel(handle), qname, redis_url)
+    with serving(first) as run:
+        warm = q.submit_many([{"i": i, "s": 0} for i in range(200)])
+        assert [t.result(timeout=30) for t in warm] == list(range(200))
+        assert first.slot.unit() == 64
+        burst = q.submit_many([{"i": i, "s": 0.2} for i in range(20)])
+        wait_for(lambda: first.dynamic.claims.task_s is not None
+                 and first.dynamic.claims.task_s > 0.1, 10, "no slow task ran")
+        with serving(second) as run2:
+            done = [t.result(timeout=60) for t in burst]
+            run2.stop()
+        run.stop()
+    pids = Counter(res["pid"] for res in done)
+    assert len(pids) == 1  # (both in this process: counted by the workers below)
+    ran_first = sum(1 for t in burst if t.info().worker == first.worker_id)
+    # two workers: about 10 each (keeping the burst: all 20 on the first)
+    assert ran_first <= 14, f"the first worker kept {ran_first} of 20"
+    for t in burst:
+        info = t.info()
+        assert info.status == "succeeded" and info.deliveries == 1, info

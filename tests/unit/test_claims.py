@@ -46,3 +46,20 @@ def test_the_slot_claims_and_holds_claims_of_its_unit() -> None:
     assert slot.full()  # one claim ahead of one task
     slot.set_claim_size(4)
     assert slot.wait_space() == 3
+
+
+def test_a_slow_task_cuts_a_per_item_batch_and_the_slot_trims_to_its_claims() -> None:
+    slot = BatchSlot(64, 0)
+    sizer = ClaimSizer(slot)
+    sizer.reset(per_item=True)
+    sizer.observe(64, 64e-6)
+    assert slot.unit() == 64
+    assert not sizer.slow(CLAIM_AHEAD_S / 2, 10)  # not slow: the batch goes on
+    assert sizer.slow(0.5, 10)  # ten more of half a second: cut, claims of one
+    assert slot.unit() == 1
+    sizer.observe(11, 0.5)  # the batch's end: measured already, skipped
+    assert sizer.task_s == 0.5
+    assert not sizer.slow(0.5, 1)  # one more: as much as a claim holds, kept
+    slot.put([claimed(i) for i in range(5)], 0.0)
+    assert [t.id for t in slot.trim()] == ["t1", "t2", "t3", "t4"]  # the tail
+    assert [t.id for t in slot.ids()] == ["t0"] and slot.trim() == []
