@@ -74,7 +74,8 @@ def drained_memory(server: Server, tasks: int, streams: int, settings: Mapping[s
     server's."""
     r = redis.Redis.from_url(server.url)
     r.flushall()
-    base = int(r.info("memory")["used_memory"])
+    before = r.info("memory")
+    stats0 = r.memory_stats()
     name = uniq("memory")
     q = mtq.Queue(name, client=r)
     q.configure(**settings)
@@ -85,11 +86,15 @@ def drained_memory(server: Server, tasks: int, streams: int, settings: Mapping[s
         q.submit_many([mtq.Request(None, stream=f"s{(start + i) % streams}")
                        for i in range(n)])
     submitted_s = time.perf_counter() - t0
+    r.config_resetstat()
     p = Proc(["worker", "run", "benchmarks.children.noop:NoopModel", "--queue", name,
               "--redis", server.url, "--batch-size", str(batch)], worker_env(server.url))
     try:
         wait_for("the drain", lambda: q.stats()["succeeded"] >= tasks, timeout, [p], every=0.2)
         drained_s = time.perf_counter() - t0
+        stats = r.info("commandstats")
+        calls = sum(int(v["calls"]) for name, v in stats.items()
+                    if name not in ("cmdstat_info", "cmdstat_config|resetstat"))
         p.stop()
         if p.proc.returncode not in (0, None):
             raise p.fail(f"the worker exited {p.proc.returncode}")
@@ -100,11 +105,24 @@ def drained_memory(server: Server, tasks: int, streams: int, settings: Mapping[s
         True for _ in r.scan_iter(match=task_prefix, count=5000)),
         float(settings.get("retention_s", 3600)) + 60, every=0.5)
     kinds = key_memory(r)
-    used = int(r.info("memory")["used_memory"]) - base
+    records = int(r.llen(q.broker.keys.batches))
+    after = r.info("memory")
+    used = int(after["used_memory"]) - int(before["used_memory"])
+    stats1 = r.memory_stats()
+    # the server's own structures (MEMORY STATS): the keyspace's hash tables (still sized
+    # for the tasks that were there until Redis shrinks them), clients' buffers, scripts
+    db0, db1 = stats0.get("db.0") or {}, stats1.get("db.0") or {}
+    overhead = {"the keyspace's hash tables": sum(
+        int(db1.get(f, 0)) - int(db0.get(f, 0))
+        for f in ("overhead.hashtable.main", "overhead.hashtable.expires"))}
+    for name, f in (("clients' buffers", "clients.normal"),
+                    ("the Lua scripts' cache", "lua.caches")):
+        overhead[name] = int(stats1.get(f, 0)) - int(stats0.get(f, 0))
     mtq.replies.hub_of(r).close_all()
     r.close()
-    return {"kinds": kinds, "used_memory": used, "submit_s": submitted_s,
-            "drain_s": drained_s}
+    return {"kinds": kinds, "used_memory": used, "overhead": overhead,
+            "submit_s": submitted_s, "records": records,
+            "drain_s": drained_s, "commands": calls / tasks}
 
 
 def measure_memory(quick: bool = False, *, tasks: int | None = None,
@@ -127,13 +145,22 @@ def measure_memory(quick: bool = False, *, tasks: int | None = None,
         (f"drained queue: every key left but its settings ({tasks:,} tasks, "
          f"{streams:,} streams)", kept, "bytes", f"target < {target:,}"),
         ("  used_memory above the empty server's", out["used_memory"], "bytes",
-         "INFO memory, same server"),
+         "INFO memory, same server: the keys, and what the server keeps for its clients "
+         "and scripts"),
     ]
+    for name, b in out["overhead"].items():
+        rows.append((f"    of which {name}", b, "bytes", "MEMORY STATS, once per server"))
     for kind, (n, b) in kinds.items():
         rows.append((f"  {kind} ({n} key{'s' if n != 1 else ''})", b, "bytes",
                      "MEMORY USAGE, SAMPLES 0"))
+    rows.append(("  batch records kept (LLEN of the batch log)", out["records"], "records",
+                 "batch_log_max, batch_log_bytes"))
     rows.append(("  drain (submit to last ack)", out["drain_s"], "s", ""))
+    rows.append(("  Redis commands per task over the drain", out["commands"], "commands",
+                 "INFO commandstats from the worker's start (scripts' own commands "
+                 "included; the run's stats polls too)"))
     return {"rows": rows, "kept": kept, "kinds": kinds, "used_memory": out["used_memory"],
+            "commands": out["commands"],
             "targets": [(f"a drained queue keeps < {target / (1 << 20):g} MiB beyond its "
                          "settings", kept < target, f"{kept:,} bytes", True)]}
 
