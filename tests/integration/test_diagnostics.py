@@ -194,3 +194,25 @@ def test_a_drained_queue_keeps_its_diagnostics_under_the_bound():
     assert out["kinds"]["batches"][1] <= budget, out["kinds"]
     assert out["kept"] < budget + 16 * 1024, out["kinds"]
     assert time.monotonic() - t0 < 120
+
+
+def test_a_latency_or_failures_list_a_script_makes_expires(redis_url, r, qname):
+    """The first finished task makes the latency list, the first failure the failures
+    list: each is made with an expiry (the default diagnostics_ttl_s), so a list no
+    worker's beat refreshes is not kept for good; a list that is there keeps its own."""
+    q = mtq.Queue(qname, redis_url, max_retries=0, dead_letter=False)
+    c = mtq.Consumer(qname, redis_url, settings=q.settings, worker_id="w1")
+    k = QueueKeys(qname)
+    day_ms = 24 * 3600 * 1000
+    q.submit_many([{}] * 2)
+    a, b = c.claim(2)
+    c.settle([mtq.Outcome(a, ok=True), mtq.Outcome(b, ok=False, error="boom")])
+    for key in (k.latency, k.failures):
+        assert day_ms - 60_000 < r.pttl(key) <= day_ms, key
+        r.pexpire(key, 50_000)  # as a beat with a shorter setting would
+    q.submit_many([{}] * 2)
+    a, b = c.claim(2)
+    c.settle([mtq.Outcome(a, ok=True), mtq.Outcome(b, ok=False, error="boom")])
+    for key in (k.latency, k.failures):  # pushed onto: the expiry stays
+        assert 0 < r.pttl(key) <= 50_000, key
+    assert r.llen(k.latency) == 4 and r.llen(k.failures) == 2
