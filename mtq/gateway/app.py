@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -88,7 +89,18 @@ def from_mtq(exc: MtqError) -> GatewayError:
     kind = {400: "invalid_request_error", 404: "invalid_request_error",
             413: "invalid_request_error", 429: "rate_limit_error"}.get(err.status,
                                                                       "server_error")
-    return GatewayError(err.status, err.detail, kind, None, err.code, dict(err.headers))
+    headers = dict(err.headers)
+    wait = getattr(exc, "retry_after", None)
+    if isinstance(wait, (int, float)) and wait > 0:
+        headers.update(waits(wait))
+    return GatewayError(err.status, err.detail, kind, None, err.code, headers)
+
+
+def waits(seconds: float) -> dict[str, str]:
+    """``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms`` (the exact
+    wait, which the OpenAI SDKs prefer: their retry comes when it can succeed)."""
+    return {"Retry-After": retry_after(seconds),
+            "retry-after-ms": str(max(1, math.ceil(seconds * 1000)))}
 
 
 def failed(exc: TaskFailed) -> GatewayError:
@@ -221,7 +233,7 @@ class Gateway:
         if wait > 0:
             raise GatewayError(429, f"rate limit of key {key.id} reached: retry in "
                                f"{wait:.1f} s", "rate_limit_error", None,
-                               "rate_limit_exceeded", {"Retry-After": retry_after(wait)})
+                               "rate_limit_exceeded", waits(wait))
 
     # -- models ------------------------------------------------------------------------
     def queue(self, name: str) -> Queue:
