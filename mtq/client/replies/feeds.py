@@ -110,8 +110,38 @@ class AsyncOneShot(Feed):
             return None
 
 
+class AsyncItems:
+    """An :class:`AsyncFeed`'s items: a deque, and the future its one reader waits on
+    (cheaper than an ``asyncio.Queue`` read through ``asyncio.wait_for``, which makes
+    a task and two more turns of the loop for every item of a token stream). Used on
+    its loop's thread only."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[Event | str] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Event | str) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def get_nowait(self) -> Event | str:
+        return self.items.popleft()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class AsyncFeed(Feed):
-    """An asyncio queue, fed from the hub thread through the loop."""
+    """The items of one asyncio reader, fed from the hub thread through the loop."""
 
     __slots__ = ("loop", "queue")
 
@@ -119,7 +149,7 @@ class AsyncFeed(Feed):
                  fail_fast: bool = False, ends: bool = False) -> None:
         super().__init__(key, fail_fast, ends)
         self.loop = loop
-        self.queue: asyncio.Queue[Event | str] = asyncio.Queue()
+        self.queue = AsyncItems()
 
     def push(self, item: Event | str) -> None:
         try:
@@ -128,15 +158,26 @@ class AsyncFeed(Feed):
             pass
 
     async def get(self, timeout: float | None) -> Event | str | None:
-        if not self.queue.empty():  # a token stream mostly finds its next item waiting
-            return self.queue.get_nowait()
-        try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
-        except asyncio.TimeoutError:
+        """The next item, or None after ``timeout`` seconds (0: only one already
+        there)."""
+        q = self.queue
+        if q.items:  # a token stream mostly finds its next item waiting
+            return q.items.popleft()
+        if timeout is not None and timeout <= 0:
             return None
+        waiter: asyncio.Future[None] = self.loop.create_future()
+        q.waiter = waiter
+        timer = None if timeout is None else self.loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            q.waiter = None
+            if timer is not None:
+                timer.cancel()
+        return q.items.popleft() if q.items else None
 
 
-def put_all(items: list[tuple[asyncio.Queue[Event | str], Event | str]]) -> None:
+def put_all(items: list[tuple[AsyncItems, Event | str]]) -> None:
     """Put each item on its asyncio queue: the hub's one call through an event loop
     for all that loop's feeds of a message."""
     for q, item in items:
