@@ -196,6 +196,22 @@ def test_async_client_streams_and_answers(stack: Stack) -> None:
     assert asyncio.run(main()) == ("hi there hi there", "x y", 1)
 
 
+def test_langchain_chat_openai_invokes_and_streams(stack: Stack) -> None:
+    """LangChain's ChatOpenAI (langchain-openai, over the openai SDK), as docs/gateway.md
+    shows it: an answer, a stream, usage."""
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(base_url=stack.base + "/v1", api_key="unused", model=stack.echo,
+                        max_tokens=5, temperature=0, max_retries=0, timeout=30)
+    out = llm.invoke("one two")
+    assert out.content == "one two one two one"
+    assert out.usage_metadata["output_tokens"] == 5  # type: ignore[index]
+    assert out.response_metadata["finish_reason"] == "length"
+    assert stack.task(stack.echo, out.response_metadata["id"]).result(timeout=5)["text"] \
+        == out.content
+    pieces = [ch.content for ch in llm.stream([("system", "be brief"), ("user", "a b")])]
+    assert "".join(pieces) == "a b a b a" and len([p for p in pieces if p]) == 5  # type: ignore[misc]
+
+
 def test_client_closing_mid_stream_cancels_its_task(stack: Stack) -> None:
     start = time.monotonic()
     with stack.client() as c:
