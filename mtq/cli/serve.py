@@ -38,18 +38,20 @@ def parse_models(pairs: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
-def check_protected(client: object, host: str) -> bool:
-    """Whether requests need a key: not on loopback, where at least one key must
-    exist (else GatewayUnprotected)."""
-    if is_loopback(host):
+def check_protected(client: object, host: str, require: bool = False) -> bool:
+    """Whether requests need a key: beyond loopback, or ``require`` (a reverse proxy
+    on the same host: every client then comes from loopback), where at least one key
+    must exist (else GatewayUnprotected)."""
+    if is_loopback(host) and not require:
         return False
     try:  # mtq.gateway.keys: the API keys (imported here, not at start-up)
         keys: Any = importlib.import_module("mtq.gateway.keys")
     except ImportError:
         keys = None
     if keys is None or not keys.any_keys(client):
+        where = "with --require-keys" if is_loopback(host) else "beyond loopback"
         raise GatewayUnprotected(
-            f"refusing to serve on {host}, beyond loopback, without API keys: anyone "
+            f"refusing to serve on {host}, {where}, without API keys: anyone "
             "reaching it could use the models. Create one first ('mtq keys create "
             "--tenant T'), or serve on --host 127.0.0.1")
     return True
@@ -68,12 +70,15 @@ def check_protected(client: object, host: str) -> bool:
               help="Longest a request waits for its task (then 504, the task cancelled).")
 @click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(min=1024),
               help="Largest request body in bytes (larger: 413).")
+@click.option("--require-keys", is_flag=True,
+              help="Require an API key on every request on loopback too: behind a reverse "
+                   "proxy on the same host, whose clients all come from loopback.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="uvicorn's log level.")
 @redis_option
 def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_body: int,
-          log_level: str, url: str | None) -> None:
+          require_keys: bool, log_level: str, url: str | None) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     /v1/models) over mtq queues, with uvicorn. See docs/gateway.md."""
     try:
@@ -88,7 +93,7 @@ def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_bod
         from mtq.broker.connection import connect
 
         client = connect(url, name="mtq-gateway")
-        require = check_protected(client, host)
+        require = check_protected(client, host, require_keys)
         app = create_app(client=client, models=mapping, require_keys=require,
                          timeout_s=timeout, max_body_bytes=max_body)
     except MtqError as exc:

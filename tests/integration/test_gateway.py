@@ -421,14 +421,15 @@ def test_no_answer_in_time_is_504_and_cancels(stack: Stack) -> None:
     assert q.stats()["waiting"] == 0
 
 
-# -- mtq serve refuses to serve beyond loopback without keys -------------------------------
-def test_serve_beyond_loopback_without_keys_refuses(tmp_path: Path) -> None:
+# -- mtq serve refuses to serve beyond loopback (or --require-keys) without keys ----------
+@pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--require-keys"]])
+def test_serve_needing_keys_without_any_refuses(tmp_path: Path, args: list[str]) -> None:
     (tmp_path / "redis").mkdir()
     fresh = RedisServer(tmp_path / "redis")
     fresh.start()
     try:
         env = env_for(fresh.url, tmp_path)
-        proc = subprocess.run([sys.executable, "-m", "mtq", "serve", "--host", "0.0.0.0",
+        proc = subprocess.run([sys.executable, "-m", "mtq", "serve", *args,
                                "--port", str(free_port())], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
     finally:

@@ -304,3 +304,33 @@ def test_a_malformed_request_does_not_count_against_the_key(keyed: Keyed) -> Non
         ok = h.post("/v1/chat/completions", json={"model": keyed.echo, "messages": MSGS,
                                                    "max_tokens": 1})
         assert ok.status_code == 200, ok.text
+
+
+def test_require_keys_on_loopback_behind_a_proxy(keyed: Keyed, tmp_path_factory: Any) -> None:
+    """``mtq serve --require-keys`` on 127.0.0.1 (a reverse proxy's upstream): a request
+    without a key is refused, as beyond loopback."""
+    tmp = tmp_path_factory.mktemp("proxied")
+    port = free_port()
+    proc = serve(env_for(keyed.url, tmp), tmp / "serve.log", port, "--require-keys")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, f"mtq serve --require-keys exited: see {tmp}"
+            try:
+                return httpx.get(base + "/v1/models", headers={
+                    "authorization": f"Bearer {keyed.token}"}).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, 60, "mtq serve --require-keys did not come up")
+        with httpx.Client(base_url=base, timeout=10) as h:
+            body = {"model": keyed.echo, "messages": MSGS, "max_tokens": 1}
+            refused = h.post("/v1/chat/completions", json=body,
+                             headers={"X-Forwarded-For": "203.0.113.9"})
+            assert refused.status_code == 401, refused.text
+            assert refused.json()["error"]["code"] == "missing_api_key"
+            ok = h.post("/v1/chat/completions", json=body,
+                        headers={"authorization": f"Bearer {keyed.token}"})
+            assert ok.status_code == 200, ok.text
+    finally:
+        stop(proc)
