@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Gateway: OpenAI-style streamed chat completions through ``mtq serve``.
 
-    python -m benchmarks.gateway            # ~1 minute on 2 cores, writes the gateway block
+    python -m benchmarks.gateway            # ~80 s on 2 cores, writes the gateway block
     python -m benchmarks.gateway --quick    # ~30 s, prints only (add --docs to write)
 
 One ``mtq serve`` process (uvicorn) in front of ``mtq worker run
@@ -16,8 +16,12 @@ stream must end with ``[DONE]`` and its text equal its task's result. The gatewa
 Redis connections (CLIENT LIST, by its client name) are counted with 1, 50 and N
 streams open. Then the same with the tokens spread over the step (each stream's
 token in one of 10 sub-steps, as streams that did not start in the same instant).
-Last, the N streams again read by httpx's async client (what an
-application would use), whose own CPU on these 2 cores is part of its figure.
+Beside each of those two, the floor: the same streams, pace and client served by
+``benchmarks.children.sse_floor``, a bare Starlette SSE app under uvicorn with no mtq
+and no Redis, whose tokens are made in its own process; its added latency (HTTP
+arrival less the token's hand-over in that process) is what one Python process
+writing these chunks costs. Last, the N streams again read by httpx's async client
+(what an application would use), whose own CPU on these 2 cores is part of its figure.
 """
 
 from __future__ import annotations

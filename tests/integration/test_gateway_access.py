@@ -37,8 +37,8 @@ pytestmark = pytest.mark.timeout(120)
 
 #: the tenant whose requests the echo queue limits (its scheduling's tenant_rpm)
 CAPPED = "capped"
-#: its requests per minute: one every 2 s, a burst of one
-CAPPED_RPM = 30
+#: its requests per minute: one every 3 s, a burst of one
+CAPPED_RPM = 20
 MSGS = [{"role": "user", "content": "x"}]
 
 
@@ -214,7 +214,7 @@ def test_a_key_over_its_tokens_is_429_and_the_sdk_retry_succeeds_after_the_wait(
 
 def test_a_tenant_over_its_queues_rate_limit_is_429_and_the_sdk_retry_succeeds(
         keyed: Keyed) -> None:
-    """The echo queue limits tenant "capped" to 30 requests a minute (its scheduling's
+    """The echo queue limits tenant "capped" to 20 requests a minute (its scheduling's
     tenant_rpm; a burst of one): the key has no limit of its own, the queue refuses
     (mtq.RateLimited), and nothing of the refused request is queued."""
     token, _ = keyed.key(CAPPED)
