@@ -161,16 +161,18 @@ def floor_run(n: int, tokens: int, step_ms: float, every: int, tmp: Path,
 
 
 def floor_rows(res: Results, n: int, tokens: int, step_ms: float, every: int, tmp: Path,
-               env: dict[str, str], add: list[float], gw_cpu_us: float) -> None:
-    """The floor's rows beside the gateway's (section 2 and 2b)."""
+               env: dict[str, str], gwl: list[float], gw_cpu_us: float) -> None:
+    """The floor's rows beside the gateway's (section 2 and 2b); ``gwl``: the gateway's
+    publish -> HTTP arrival, the like of the floor's push -> HTTP arrival."""
     fadd, complete, cpu = floor_run(n, tokens, step_ms, every, tmp, env)
     if complete != n:
         raise SystemExit(f"the floor app completed {complete} of {n} streams")
     res.add("floor: a bare Starlette/uvicorn SSE app (no mtq, no Redis), the same streams, "
             "pace and client: HTTP arrival - in-process push, p50", pct(fadd, 50), "ms",
             f"{ms_stats(fadd)}; what one Python process writing these chunks adds; the "
-            f"gateway above it: p50 {pct(add, 50) - pct(fadd, 50):+.3f} ms, p99 "
-            f"{pct(add, 99) - pct(fadd, 99):+.3f} ms")
+            f"gateway's publish -> arrival above it: p50 {pct(gwl, 50) - pct(fadd, 50):+.3f}"
+            f" ms, p99 {pct(gwl, 99) - pct(fadd, 99):+.3f} ms (Redis and the reply "
+            "subscription included)")
     res.add("  p99", pct(fadd, 99), "ms", f"{complete} of {n} streams complete")
     res.add("  the floor app's CPU per token", cpu / max(len(fadd), 1) * 1e6, "us",
             f"{cpu:.2f} CPU s; mtq serve {gw_cpu_us:.1f} us per token")
@@ -336,7 +338,7 @@ def bench_many(r: redis.Redis, gw: Gateway, q: mtq.Queue, server: Server, s: Siz
     res.add(f"gateway streams ({s.many} raw sockets in one process), publish -> arrival, p50",
             pct(gwl, 50), "ms", ms_stats(gwl))
     judge(res, f"{s.many} streams", add, inproc, gwl)
-    floor_rows(res, s.many, s.many_tokens, s.many_step_ms, 1, tmp, env, add,
+    floor_rows(res, s.many, s.many_tokens, s.many_step_ms, 1, tmp, env, gwl,
                run.cpu_s / max(tokens, 1) * 1e6)
     res.add("mtq serve process CPU per token", run.cpu_s / max(tokens, 1) * 1e6, "us",
             f"{run.cpu_s:.2f} CPU s = {run.cpu_s / run.wall_s:.0%} of a core over "
@@ -384,7 +386,7 @@ def bench_spread(r: redis.Redis, gw: Gateway, q: mtq.Queue, server: Server, s: S
             ms_stats(gwl))
     judge(res, f"{s.many} spread streams", add, inproc, gwl)
     tokens = sum(len(rec["tokens"]) for rec in run.gw)
-    floor_rows(res, s.many, s.many_tokens, s.many_step_ms / every, every, tmp, env, add,
+    floor_rows(res, s.many, s.many_tokens, s.many_step_ms / every, every, tmp, env, gwl,
                run.cpu_s / max(tokens, 1) * 1e6)
 
 

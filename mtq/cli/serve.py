@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import ipaddress
 import socket
@@ -98,5 +99,8 @@ def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_bod
                          timeout_s=timeout, max_body_bytes=max_body)
     except MtqError as exc:
         fail_on(exc)
+    # what start-up made lives as long as the process: out of the collector's sight, a
+    # full collection no longer walks it while 500 streams wait (tens of ms otherwise)
+    gc.freeze()
     uvicorn.run(app, host=host, port=port, log_level=log_level,
                 timeout_graceful_shutdown=5)
