@@ -372,7 +372,7 @@ class InvalidArgument(MtqError, ValueError):
 
 
 class InvalidApiKey(MtqError):
-    """An API key the gateway cannot accept (:mod:`mtq.gateway.keys`): none was sent, it
+    """An API key the gateway cannot accept (:mod:`mtq.client.apikeys`): none was sent, it
     is not an mtq key, no key has its id and secret, or it was revoked. ``reason`` is
     ``missing``, ``malformed``, ``unknown`` or ``revoked``; ``key_id`` the id the token
     names, when it names one. The message never holds the secret."""

@@ -22,7 +22,7 @@ API_KEYS = f"{PREFIX}:apikeys"
 
 
 def api_key(key_id: str) -> str:
-    """The hash of one API key (:mod:`mtq.gateway.keys`): its record and the SHA-256 of
+    """The hash of one API key (:mod:`mtq.client.apikeys`): its record and the SHA-256 of
     its secret, never the secret. Its own hash tag, shared with :func:`api_key_rate`."""
     return f"{PREFIX}:apikey:{{{key_id}}}"
 
@@ -31,6 +31,13 @@ def api_key_rate(key_id: str) -> str:
     """One API key's rate limits' state (hash: ``r``, ``c`` -> when its next request,
     its next token, is due; ms), expiring once the key has been idle a minute."""
     return f"{PREFIX}:apikey:{{{key_id}}}:rate"
+
+
+def dashboard_session(digest: str) -> str:
+    """One web dashboard session (hash: ``key``, the admin key's id; ``csrf``, its forms'
+    token; ``created``), named by the SHA-256 of the session id its cookie holds (never
+    the id itself), expiring with the session. Its own hash tag."""
+    return f"{PREFIX}:dashboard:session:{{{digest}}}"
 
 
 def hub(client_id: str) -> str:

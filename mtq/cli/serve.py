@@ -45,8 +45,8 @@ def check_protected(client: object, host: str, require: bool = False) -> bool:
     must exist (else GatewayUnprotected)."""
     if is_loopback(host) and not require:
         return False
-    try:  # mtq.gateway.keys: the API keys (imported here, not at start-up)
-        keys: Any = importlib.import_module("mtq.gateway.keys")
+    try:  # mtq.client.apikeys: the API keys (imported here, not at start-up)
+        keys: Any = importlib.import_module("mtq.client.apikeys")
     except ImportError:
         keys = None
     if keys is None or not keys.any_keys(client):

@@ -69,9 +69,9 @@ DEFAULT_PRIORITY = "interactive"
 
 
 def _keys() -> Any:
-    """:mod:`mtq.gateway.keys`, imported on first use (None if it is not there)."""
+    """:mod:`mtq.client.apikeys`, imported on first use (None if it is not there)."""
     try:
-        return importlib.import_module("mtq.gateway.keys")
+        return importlib.import_module("mtq.client.apikeys")
     except ImportError:
         return None
 

@@ -19,9 +19,9 @@ import pytest
 import redis
 
 import mtq
+from mtq.client import apikeys
 from tests.support.gateway import (
     env_for,
-    keys_module,
     new_task_keys,
     serve,
     stop,
@@ -79,9 +79,7 @@ class Keyed:
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keyed]:
-    keys = keys_module()
-    if keys is None:
-        pytest.skip("no API keys module")
+    keys = apikeys
     tmp = tmp_path_factory.mktemp("keyed")
     (tmp / "redis").mkdir()
     server = RedisServer(tmp / "redis")
@@ -171,6 +169,13 @@ def test_a_key_revoked_while_in_use_gets_401_on_its_next_request(keyed: Keyed) -
     assert key.id in info.value.body["message"] and "revoked" in info.value.body["message"]  # type: ignore[index]
     assert token.split("-", 2)[2] not in info.value.body["message"]  # type: ignore[index]
     assert new_task_keys(keyed.r, before) == set()
+
+
+def test_an_admin_key_acts_as_its_tenant(keyed: Keyed) -> None:
+    token, _ = keyed.key("ops", admin=True)
+    with keyed.client(token) as c:
+        out = c.completions.create(model=keyed.echo, prompt="admin key", max_tokens=2)
+    assert out.choices[0].text == "admin key" and keyed.tenant_of(out.id) == "ops"
 
 
 # -- rate limits -------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The gateway's API keys (mtq.gateway.keys) and ``mtq keys``, on a real redis-server."""
+"""The API keys (mtq.client.apikeys) and ``mtq keys``, on a real redis-server."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from click.testing import CliRunner
 import mtq
 from mtq.broker.keys import API_KEYS, api_key, api_key_rate
 from mtq.cli.main import cli
+from mtq.client import apikeys as keys
 from mtq.errors import InvalidApiKey, InvalidArgument, InvalidName
-from mtq.gateway import keys
 from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
 
@@ -255,6 +255,38 @@ def test_cli_create_list_revoke(client, redis_url, tenant):
         keys.authenticate(client, token)
     unknown = runner.invoke(cli, ["keys", "revoke", "0123456789ab", "--redis", redis_url])
     assert unknown.exit_code == 3 and "mtq keys list" in unknown.stderr
+
+
+def test_admin_keys(client, redis_url, tenant):
+    token, key = keys.create(client, tenant, admin=True, name="ops")
+    assert key.admin is True
+    assert keys.authenticate(client, token) == key
+    plain_token, plain = keys.create(client, tenant)
+    assert plain.admin is False and keys.authenticate(client, plain_token).admin is False
+    assert {k.id: k.admin for k in keys.list_keys(client, tenant)} == {key.id: True,
+                                                                       plain.id: False}
+    # a record written before keys had the flag reads as not admin
+    client.hdel(api_key(plain.id), "admin")
+    assert keys.authenticate(client, plain_token).admin is False
+
+    runner = CliRunner()
+    made = runner.invoke(cli, ["keys", "create", "--tenant", tenant, "--admin", "--json",
+                               "--redis", redis_url])
+    assert made.exit_code == 0, made.output
+    record = json.loads(made.stdout)
+    assert record["admin"] is True and keys.authenticate(client, record["token"]).admin
+    said = runner.invoke(cli, ["keys", "create", "--tenant", tenant, "--admin",
+                               "--redis", redis_url])
+    assert said.exit_code == 0 and "admin key" in said.stderr, said.output
+    listed = runner.invoke(cli, ["keys", "list", "--tenant", tenant, "--json",
+                                 "--redis", redis_url])
+    assert [r["admin"] for r in json.loads(listed.stdout)] == [True, False, True, True]
+    table = runner.invoke(cli, ["keys", "list", "--tenant", tenant, "--redis", redis_url])
+    assert table.exit_code == 0 and f"{key.id}*" in table.stdout, table.output
+    assert f"{plain.id}*" not in table.stdout and "* an admin key" in table.stdout
+    # an admin key still needs a tenant (it acts as that tenant on the gateway)
+    refused = runner.invoke(cli, ["keys", "create", "--admin", "--redis", redis_url])
+    assert refused.exit_code == 2 and "--tenant" in refused.output
 
 
 @pytest.mark.parametrize("args", [

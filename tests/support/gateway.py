@@ -1,32 +1,19 @@
 """The gateway tests' helpers (tests/integration/test_gateway*.py): ``mtq serve`` and
-``mtq workers start`` as real processes, their environment, the API keys' module, and
-what a refused request must leave unwritten (the task keys in Redis)."""
+``mtq workers start`` as real processes, their environment, and what a refused request
+must leave unwritten (the task keys in Redis)."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import redis
 
 from tests.support.paths import ROOT
-
-
-def keys_module() -> ModuleType | None:
-    """The API keys' module (mtq.client.apikeys, or mtq.gateway.keys where it lived
-    before), None if neither is there."""
-    for name in ("mtq.client.apikeys", "mtq.gateway.keys"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    return None
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -1,4 +1,4 @@
-"""mtq.gateway.keys without Redis: what is refused before Redis is asked, the messages,
+"""mtq.client.apikeys without Redis: what is refused before Redis is asked, the messages,
 and what importing it loads. (The rest, on a real redis-server, is in
 tests/integration/test_gateway_keys.py.)"""
 
@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import mtq
+from mtq.client import apikeys as keys
 from mtq.errors import InvalidApiKey, InvalidArgument, InvalidName
-from mtq.gateway import keys
 
 #: a client that must not be used: each case here is refused before Redis is asked
 NO_REDIS = None
@@ -56,6 +56,8 @@ def test_messages_say_what_to_do_and_name_only_the_id():
     ({"tenant": "acme", "rpm": 10**13}, InvalidArgument),
     ({"tenant": "acme", "name": 7}, InvalidArgument),
     ({"tenant": "acme", "name": "n" * (keys.NAME_MAX + 1)}, InvalidArgument),
+    ({"tenant": "acme", "admin": "yes"}, InvalidArgument),
+    ({"tenant": "acme", "admin": 1}, InvalidArgument),
 ])
 def test_create_refuses_bad_arguments_before_redis(kwargs, error):
     tenant = kwargs.pop("tenant")
@@ -80,11 +82,19 @@ def test_record_as_dict_has_no_secret():
     key = keys.ApiKey("0123456789ab", "acme", "batch", 5, None, "n", 1.0)
     assert key.as_dict() == {"id": "0123456789ab", "tenant": "acme", "priority": "batch",
                              "rpm": 5, "tpm": None, "name": "n", "created": 1.0,
-                             "revoked": None}
+                             "revoked": None, "admin": False}
+    assert keys.ApiKey("0123456789ab", "acme", None, None, None, "", 1.0,
+                       admin=True).as_dict()["admin"] is True
+
+
+def test_the_first_path_is_the_same_module():
+    from mtq.gateway import keys as first
+
+    assert first.ApiKey is keys.ApiKey and first.authenticate is keys.authenticate
 
 
 def test_importing_it_loads_no_web_server_and_no_torch():
-    code = ("import sys, mtq.gateway.keys; "
+    code = ("import sys, mtq.client.apikeys; "
             "print(sorted(m for m in ('torch', 'starlette', 'uvicorn', 'rich') "
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

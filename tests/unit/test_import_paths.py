@@ -43,6 +43,8 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "mtq.workers.fetcher": ("AHEAD_WORK_S", "AHEAD_MOST"),
     "mtq.workers.outlet": (),
     "mtq.broker.embedded": ("EmbeddedServer",),
+    "mtq.client.apikeys": ("ApiKey", "create", "list_keys", "revoke", "any_keys",
+                           "authenticate", "admit"),
     "mtq.gateway.keys": ("ApiKey", "create", "list_keys", "revoke", "any_keys", "authenticate",
                          "admit"),
     "mtq.broker.lane": (),

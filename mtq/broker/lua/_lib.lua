@@ -1,7 +1,8 @@
 --[[ _lib.lua -- shared by every mtq script (pasted in by the loader at "--@include _lib.lua").
 
-KEYS, identical for every script (mtq/broker/keys.py builds them; all carry the
-hash tag {queue}, so every script touches one Redis Cluster slot):
+KEYS, identical for every script of a queue (mtq/broker/keys.py builds them; all carry
+the hash tag {queue}, so every script touches one Redis Cluster slot; admit.lua, of an
+API key and no queue, takes that key's own rate hash instead):
   KEYS[1]  task key prefix    mtq:{q}:task:      (+ id  -> hash)
   KEYS[2]  stream key prefix  mtq:{q}:stream:    (+ name -> list of waiting ids, FIFO)
   KEYS[3]  ready              list: the round-robin ring of claimable streams ('' = stream-less tasks)

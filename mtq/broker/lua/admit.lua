@@ -1,12 +1,16 @@
--- One API key's rate limits (mtq.gateway.keys.admit): requests and tokens per minute,
--- each a GCRA (generic cell rate algorithm) whose burst is a whole minute's budget.
--- KEYS[1]: the key's rate hash ('r', 'c': when its next request, its next token, is
--- due; ms, Redis server time). ARGV: rpm (0: none), tpm (0: none), tokens.
--- Returns '0' (admitted: one request and the tokens are counted) or the milliseconds
--- until the request would be admitted (nothing counted), as text.
+--[[ admit.lua -- count one request against an API key's rate limits
+(mtq.client.apikeys.admit): requests and tokens per minute, each a GCRA (generic cell
+rate algorithm) whose burst is a whole minute's budget.
+KEYS[1] the key's rate hash (mtq:apikey:{<id>}:rate: 'r', 'c' -> when its next
+        request, its next token, is due; ms, Redis server time). An API key belongs
+        to no queue: this script takes this one key, not the queues' twenty-one.
+ARGV[1] rpm (0: none)   ARGV[2] tpm (0: none)   ARGV[3] tokens
+Returns: '0' (admitted: one request and the tokens are counted) or the milliseconds
+until the request would be admitted (nothing counted), as text.
+]]
+--@include _lib.lua
 local rpm, tpm, tokens = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
+local now = now_ms()
 local MINUTE = 60000
 local v = redis.call('HMGET', KEYS[1], 'r', 'c')
 local wait = 0
