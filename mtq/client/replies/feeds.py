@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import queue as queue_mod
 import threading
 from collections.abc import Callable
@@ -135,21 +136,26 @@ class AsyncItems:
         return self.items.popleft()
 
 
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
 class AsyncFeed(Feed):
-    """The items of one asyncio reader, fed from the hub thread through the loop."""
+    """The items of one asyncio reader, fed from the hub thread through the loop.
 
-    __slots__ = ("loop", "queue")
+    A wait's time limit is one timer per feed, moved lazily: a token stream waits
+    about once a token, each time with a limit seconds away (its keep-alive, the
+    safety net's re-read), and a timer made and cancelled per wait costs two pushes
+    on the loop's heap of timers, compared in Python. The timer stays where it was
+    while the limit only moves later; when it fires early it sets itself again for
+    the limit then in force."""
+
+    __slots__ = ("due", "loop", "queue", "timer")
 
     def __init__(self, key: tuple[str, str], loop: asyncio.AbstractEventLoop,
                  fail_fast: bool = False, ends: bool = False) -> None:
         super().__init__(key, fail_fast, ends)
         self.loop = loop
         self.queue = AsyncItems()
+        #: when the present wait ends without an item (loop time; inf: no limit)
+        self.due = math.inf
+        self.timer: asyncio.TimerHandle | None = None
 
     def push(self, item: Event | str) -> None:
         try:
@@ -167,14 +173,36 @@ class AsyncFeed(Feed):
             return None
         waiter: asyncio.Future[None] = self.loop.create_future()
         q.waiter = waiter
-        timer = None if timeout is None else self.loop.call_later(timeout, _wake, waiter)
+        if timeout is None:
+            self.due = math.inf
+        else:
+            self.due = self.loop.time() + timeout
+            timer = self.timer
+            if timer is None or timer.when() > self.due:
+                if timer is not None:
+                    timer.cancel()
+                self.timer = self.loop.call_at(self.due, self._expire)
         try:
             await waiter
         finally:
             q.waiter = None
-            if timer is not None:
-                timer.cancel()
         return q.items.popleft() if q.items else None
+
+    def _expire(self) -> None:
+        self.timer = None
+        waiter = self.queue.waiter
+        if waiter is None or waiter.done() or self.due == math.inf:
+            return  # nobody waits, or without a limit: the next wait sets one if it needs
+        if self.loop.time() >= self.due:
+            waiter.set_result(None)
+        else:  # the limit moved later since this timer was set
+            self.timer = self.loop.call_at(self.due, self._expire)
+
+    def close(self) -> None:
+        """The reader is done: its timer goes."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 def put_all(items: list[tuple[AsyncItems, Event | str]]) -> None:
