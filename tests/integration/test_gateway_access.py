@@ -298,16 +298,21 @@ def test_a_malformed_request_does_not_count_against_the_key(keyed: Keyed) -> Non
     headers = {"authorization": f"Bearer {token}"}
     before = task_keys(keyed.r)
     with httpx.Client(base_url=keyed.base, timeout=10, headers=headers) as h:
+        good = {"model": keyed.echo, "messages": MSGS, "max_tokens": 1}
         for resp in (h.post("/v1/chat/completions", content=b"{oops"),
                      h.post("/v1/chat/completions", json={"model": keyed.echo}),
-                     h.post("/v1/chat/completions", json={"model": keyed.echo,
-                                                           "messages": MSGS, "n": 3})):
+                     h.post("/v1/chat/completions", json={**good, "n": 3}),
+                     h.post("/v1/chat/completions", json=good,
+                            headers={"X-Mtq-Priority": "vip"}),
+                     h.post("/v1/chat/completions", json=good,
+                            headers={"X-Mtq-Deadline": "-5"}),
+                     h.post("/v1/embeddings", json={"model": keyed.echo, "input": "x"},
+                            headers={"X-Mtq-Deadline": "soon"})):
             assert resp.status_code == 400, resp.text
         assert new_task_keys(keyed.r, before) == set()
         assert not keyed.r.exists(f"mtq:apikey:{{{key.id}}}:rate")
         # its one request a minute is still there
-        ok = h.post("/v1/chat/completions", json={"model": keyed.echo, "messages": MSGS,
-                                                   "max_tokens": 1})
+        ok = h.post("/v1/chat/completions", json=good)
         assert ok.status_code == 200, ok.text
 
 
