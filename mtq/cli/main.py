@@ -68,6 +68,7 @@ def cli(verbose: int) -> None:
       mtq workers start my_app.models:Chat -q chat
       mtq submit chat '{"prompt": "hi"}' --follow
       mtq status / mtq dashboard                 what is going on
+      mtq dashboard --web                        the same in the browser
     """
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -125,14 +126,38 @@ def server_status(as_json: bool) -> None:
 # -- dashboard -------------------------------------------------------------------
 @cli.command()
 @click.option("--queue", "-q", "queues", multiple=True,
-              help="Only this queue (repeatable; default: every queue).")
+              help="Only this queue (repeatable; default: every queue). Terminal only.")
 @click.option("--refresh", default=1.0, show_default=True, type=FloatRange(0.2, 60),
               help="Seconds between refreshes.")
-@click.option("--once", is_flag=True, help="Print one frame and exit.")
+@click.option("--once", is_flag=True, help="Print one frame and exit. Terminal only.")
+@click.option("--web", is_flag=True,
+              help="Serve the web dashboard instead (needs the web extra; docs/dashboard.md).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="With --web: address to listen on. Beyond loopback, payloads, results "
+                   "and tokens are shown to signed-in admins only.")
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
+              help="With --web: port to listen on.")
+@click.option("--origin", default=None, metavar="URL",
+              help="With --web: the dashboard's public origin (https://host[:port]) behind "
+                   "a proxy that changes the Host header, for the actions' cross-site check.")
 @redis_option
-def dashboard(queues: tuple[str, ...], refresh: float, once: bool, url: str | None) -> None:
+def dashboard(queues: tuple[str, ...], refresh: float, once: bool, web: bool, host: str,
+              port: int, origin: str | None, url: str | None) -> None:
     """Live view of queues, workers, failures and throughput (q or Ctrl-C quits).
-    Reads one cheap snapshot per refresh, whatever the number of tasks."""
+    Reads one cheap snapshot per refresh, whatever the number of tasks.
+
+    With --web, the same in the browser at http://HOST:PORT/ (charts, tenants,
+    workers, a page per queue and per task, dead letters), live over server-sent
+    events; one snapshot per refresh whatever the number of viewers."""
+    if not web and origin is not None:
+        common.fail("--origin is for the web dashboard (--web)", common.USAGE)
+    if web:
+        if queues or once:
+            common.fail("--queue and --once are for the terminal dashboard; the web one "
+                        "shows every queue, a page each", common.USAGE)
+        from mtq.cli.webdash import run_web
+
+        sys.exit(run_web(running_server(url), host, port, refresh, origin=origin))
     from mtq.dashboard.app import run
 
     url = running_server(url)

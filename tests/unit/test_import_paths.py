@@ -62,6 +62,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
                            "request_priority"),
     "mtq.contrib.django.middleware": ("MtqErrorMiddleware",),
     "mtq.gateway": ("create_app",),
+    "mtq.dashboard.web": ("create_dashboard",),
 }
 
 #: the third-party package a supported module needs (an optional extra)
@@ -71,6 +72,7 @@ NEEDS = {
     "mtq.contrib.django": "django",
     "mtq.contrib.django.middleware": "django",
     "mtq.gateway": "starlette",
+    "mtq.dashboard.web": "jinja2",
 }
 
 
