@@ -344,3 +344,21 @@ def test_require_keys_on_loopback_behind_a_proxy(keyed: Keyed, tmp_path_factory:
             assert ok.status_code == 200, ok.text
     finally:
         stop(proc)
+
+
+def test_the_mounted_dashboard_shows_no_text_of_a_task_to_a_plain_key(keyed: Keyed) -> None:
+    """``/dashboard`` of a gateway that requires keys shows a task's page (its status and
+    timeline, read-only) but its payload, result and tokens to signed-in admins only:
+    another tenant's key, or the owner's, gets none of its text."""
+    other, _ = keyed.key("other")
+    with keyed.client(keyed.token) as c:
+        mine = c.completions.create(model=keyed.echo, prompt="secret words", max_tokens=2)
+    task_id = mine.id.split("-", 1)[1]
+    for token in (other, keyed.token):
+        with httpx.Client(base_url=keyed.base, timeout=10,
+                          headers={"authorization": f"Bearer {token}"}) as h:
+            page = h.get(f"/dashboard/tasks/{task_id}", params={"queue": keyed.echo})
+            assert page.status_code == 200, page.text
+            assert task_id in page.text and "secret" not in page.text
+            tokens = h.get(f"/dashboard/tasks/{task_id}/stream", params={"queue": keyed.echo})
+            assert tokens.status_code == 403 and "secret" not in tokens.text, tokens.text
