@@ -49,7 +49,7 @@ class _HiddenAliases(click.Option):
         finally:
             self.opts = shown_opts
 
-    def get_error_hint(self, ctx: click.Context) -> str:
+    def get_error_hint(self, ctx: click.Context | None) -> str:
         return repr(self.opts[0])
 
 
