@@ -27,6 +27,7 @@ worker (their work is a sleep; one core idles meanwhile).
 
     python -m benchmarks.scheduling           # full run (~4 min), writes its block
     python -m benchmarks.scheduling --quick   # shorter windows (~45 s), prints only
+    python -m benchmarks.scheduling --quick --only fair --only priority   # ~15 s, the tests'
 """
 
 from __future__ import annotations
@@ -591,11 +592,17 @@ def bench_deadlines(server: Server, s: Sizes, res: Results) -> dict[str, float]:
 
 
 # -- the run -------------------------------------------------------------------------------------
+#: the steps, as ``--only`` names them
+STEPS = ("fair", "priority", "redis", "rate", "deadlines")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = cli_parser(__doc__, "~30 s")
     ap.add_argument("--json", type=Path, default=None, help="write the figures there")
+    ap.add_argument("--only", choices=STEPS, action="append",
+                    help="run only this step (repeatable); writes no docs")
     args = ap.parse_args(argv)
-    docs = docs_of(args)
+    docs = None if args.only else docs_of(args)
     s = QUICK if args.quick else FULL
     started = time.perf_counter()
     compile_tree()
@@ -613,6 +620,9 @@ def main(argv: list[str] | None = None) -> int:
             ("rate limit", lambda: data.update(rate=bench_rate(server, s, res))),
             ("deadlines", lambda: data.update(deadlines=bench_deadlines(server, s, res))),
         ]
+        assert [name.split()[0] for name, _ in steps] == list(STEPS)
+        if args.only:
+            steps = [step for step in steps if step[0].split()[0] in args.only]
         meter = CpuMeter()
         meter.run(steps)
         machine = machine_info(r, f"other processes {meter.share():.0%} of the CPU")

@@ -22,8 +22,11 @@ from mtq.settings import RedisSettings
 
 #: redis-py retries a command this many times after a dropped or refused connection
 #: (the first retry at once, then up to 1 s apart: about 5 s in all) before mtq sees
-#: the error, unless the call was made inside :func:`single_attempt`
+#: the error, unless the call was made inside :func:`single_attempt`;
+#: ``MTQ_REDIS_RETRIES`` sets another number for the clients a process opens after
+#: (0: a refused connection is an error at once; the tests of an unreachable Redis use it)
 RETRIES = 10
+RETRIES_ENV = "MTQ_REDIS_RETRIES"
 
 _once = threading.local()
 
@@ -90,10 +93,24 @@ class _Retry(Retry):
                     time.sleep(delay)
 
 
-def retry_policy(retries: int = RETRIES) -> Retry:
+def plain_retries() -> int:
+    """How many times a client of one server retries: :data:`RETRIES`, or what
+    ``MTQ_REDIS_RETRIES`` says (ConfigError if it is not a whole number, 0 or more)."""
+    raw = os.environ.get(RETRIES_ENV, "").strip()
+    if not raw:
+        return RETRIES
+    if not raw.isdigit():
+        raise ConfigError(f"{RETRIES_ENV} must be a whole number of retries (0 or more), "
+                          f"got {raw!r}; unset it for the default, {RETRIES}")
+    return int(raw)
+
+
+def retry_policy(retries: int | None = None) -> Retry:
     """The retry every mtq client uses: a dropped connection is re-opened and the
-    command sent again at once, then with jittered backoff up to 1 s apart."""
-    return _Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01), retries,
+    command sent again at once, then with jittered backoff up to 1 s apart
+    (``retries`` times; None: :func:`plain_retries`)."""
+    return _Retry(ExponentialWithJitterBackoff(cap=1.0, base=0.01),
+                  plain_retries() if retries is None else retries,
                   supported_errors=(redis.exceptions.ConnectionError,))
 
 

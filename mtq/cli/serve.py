@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import ipaddress
+import signal
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -55,6 +57,32 @@ def check_protected(client: object, host: str) -> bool:
     return True
 
 
+def run_until_stopped(app: Any, on_stop: Callable[[], None], *, host: str, port: int,
+                      log_level: str) -> bool:
+    """Run ``app`` under uvicorn until SIGINT or SIGTERM; whether it started. A stop
+    first calls ``on_stop`` (the dashboard's ``sampler.stop_soon``: its live streams
+    end at once, else uvicorn would wait for them until its graceful timeout)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            on_stop()
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                   timeout_graceful_shutdown=5))
+    # uvicorn restores the handlers it found and raises the signal that stopped it
+    # again: found these, a stop asked by SIGINT or SIGTERM is a clean exit
+    previous = {sig: signal.signal(sig, lambda *_: None)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return bool(server.started)
+
+
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on. Beyond loopback, API keys are required and at "
@@ -68,17 +96,21 @@ def check_protected(client: object, host: str) -> bool:
               help="Longest a request waits for its task (then 504, the task cancelled).")
 @click.option("--max-body", default=1 << 20, show_default=True, type=click.IntRange(min=1024),
               help="Largest request body in bytes (larger: 413).")
+@click.option("--origin", default=None, metavar="URL",
+              help="The dashboard's public origin (https://host[:port]) behind a proxy "
+                   "that changes the Host header (else its actions are refused as "
+                   "cross-site).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               help="uvicorn's log level.")
 @redis_option
 def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_body: int,
-          log_level: str, url: str | None) -> None:
+          origin: str | None, log_level: str, url: str | None) -> None:
     """Serve the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings,
     /v1/models) over mtq queues, with uvicorn, and the web dashboard at /dashboard.
     See docs/gateway.md and docs/dashboard.md."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (run_until_stopped's server)
 
         from mtq.gateway import create_app
     except ImportError as exc:
@@ -96,8 +128,11 @@ def serve(host: str, port: int, models: tuple[str, ...], timeout: float, max_bod
         # keys are required)
         from mtq.dashboard.web.app import create_dashboard
 
-        app.mount("/dashboard", create_dashboard(client=client, show_previews=not require))
+        dashboard = create_dashboard(client=client, show_previews=not require,
+                                     origin=origin)
+        app.mount("/dashboard", dashboard)
     except MtqError as exc:
         fail_on(exc)
-    uvicorn.run(app, host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+    if not run_until_stopped(app, dashboard.state.dashboard.sampler.stop_soon, host=host,
+                             port=port, log_level=log_level):
+        raise SystemExit(1)

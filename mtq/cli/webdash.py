@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import signal
-from typing import Any
-
 from mtq.cli.common import USAGE, fail, fail_on, say
 from mtq.errors import MtqError
 
@@ -22,13 +19,13 @@ def run_web(url: str, host: str, port: int, refresh_s: float, *, origin: str | N
     SIGINT or SIGTERM; the exit code (0). Live streams end at once on shutdown.
     ``origin``: its public origin behind a proxy (a malformed one exits 2)."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401  (run_until_stopped's server)
 
         from mtq.dashboard.web.app import create_dashboard
     except ImportError as exc:
         fail(f"mtq dashboard --web needs the web extra ({exc}): pip install 'mtq[web]'", USAGE)
     from mtq.broker.connection import connect, safe_url
-    from mtq.cli.serve import is_loopback
+    from mtq.cli.serve import is_loopback, run_until_stopped
 
     private = is_loopback(host)
     try:
@@ -39,27 +36,8 @@ def run_web(url: str, host: str, port: int, refresh_s: float, *, origin: str | N
         fail_on(exc)
     if not private:
         say(BEYOND_LOOPBACK.format(host=host))
-    sampler = app.state.dashboard.sampler
-
-    class Server(uvicorn.Server):
-        """uvicorn's server, which first ends the dashboard's live streams when asked
-        to stop (else it would wait for them until its graceful timeout)."""
-
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            sampler.stop_soon()
-            super().handle_exit(sig, frame)
-
     shown = f"[{host}]" if ":" in host else host
     say(f"web dashboard of {safe_url(url)} at http://{shown}:{port}/ (Ctrl-C stops it)")
-    server = Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                   timeout_graceful_shutdown=5))
-    # uvicorn restores the handlers it found and raises the signal that stopped it
-    # again: found these, a stop asked by SIGINT or SIGTERM is a clean exit, 0
-    previous = {sig: signal.signal(sig, lambda *_: None)
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0 if server.started else 1
+    started = run_until_stopped(app, app.state.dashboard.sampler.stop_soon, host=host,
+                                port=port, log_level=log_level)
+    return 0 if started else 1

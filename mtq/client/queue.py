@@ -75,12 +75,14 @@ class Queue:
         hub = self._hub
         if hub is None or hub.closed:  # (a closed hub is replaced by hub_of)
             hub = self._hub = hub_of(self.redis)
+            self._reply = None  # the closed hub's channel: nobody reads it any more
         return hub
 
     def reply_channel(self) -> str:
-        """This client's reply channel on the queue, subscribed (once per process)."""
+        """This client's reply channel on the queue, subscribed (once per hub)."""
+        hub = self.hub
         if self._reply is None:
-            self._reply = self.hub.channel(self.name)
+            self._reply = hub.channel(self.name)
         return self._reply
 
     def __repr__(self) -> str:

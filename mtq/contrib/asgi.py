@@ -30,7 +30,7 @@ import contextlib
 import functools
 import json
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -141,6 +141,21 @@ async def serve_event_stream(stream: EventStream, scope: Scope, receive: Receive
             raise
         await _send_error(err, send)
         return
+    gone, failure = await send_event_stream(stream, scope, receive, send, extra_headers)
+    if gone and not stream.finished:
+        await stream.adisconnected()
+    if failure is not None:
+        raise failure
+
+
+async def send_event_stream(chunks: AsyncIterable[bytes], scope: Scope, receive: Receive,
+                            send: Send, extra_headers: Sequence[tuple[bytes, bytes]] = ()
+                            ) -> tuple[bool, BaseException | None]:
+    """Answer one ASGI request with ``chunks`` (an event stream's bytes, 200) until
+    they end or the client goes away, which it notices at once (it listens for
+    ``http.disconnect``, whatever the ASGI spec version); whether the client went
+    away, and what ``chunks`` raised (None: nothing), for the caller to raise once it
+    has done what a client leaving asks. A cancelled request stops both at once."""
     hop = str(scope.get("http_version", "1.1")).startswith("1")
     raw = [(k.lower().encode("latin-1"), v.encode("latin-1"))
            for k, v in headers(hop_by_hop=hop)]
@@ -148,7 +163,7 @@ async def serve_event_stream(stream: EventStream, scope: Scope, receive: Receive
                 "headers": raw + list(extra_headers)})
 
     async def pump() -> None:
-        async for chunk in stream:
+        async for chunk in chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -170,10 +185,7 @@ async def serve_event_stream(stream: EventStream, scope: Scope, receive: Receive
     failure = None if pumping.cancelled() else pumping.exception()
     if isinstance(failure, OSError):  # a server that reports a closed client this way
         gone, failure = True, None
-    if gone and not stream.finished:
-        await stream.adisconnected()
-    if failure is not None:
-        raise failure
+    return gone, failure
 
 
 class EventStreamResponse(Response):

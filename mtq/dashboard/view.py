@@ -41,6 +41,7 @@ from mtq.admin import QueueView, Snapshot
 from mtq.broker.connection import safe_url
 from mtq.dashboard.cells import Column, _cell
 from mtq.dashboard.tenants import tenant_columns, tenant_rows
+from mtq.dashboard.web.fmt import model, who
 
 #: eighths of a bar, lowest first
 BARS = "▁▂▃▄▅▆▇█"
@@ -207,18 +208,6 @@ def _beat(w: dict[str, Any]) -> Text:
     return _cell(f"{age:.1f}s", style)
 
 
-def _who(w: dict[str, Any]) -> str:
-    host = w.get("host") or w.get("id") or "?"
-    return f"{host}:{w['pid']}" if w.get("pid") is not None else str(host)
-
-
-def _model(w: dict[str, Any]) -> str:
-    name, version = w.get("model"), w.get("version")
-    if not name:
-        return DASH
-    return f"{name}/{version}" if version not in (None, "") else str(name)
-
-
 def _batch(w: dict[str, Any]) -> str:
     return f"{w.get('batch', 0)}/{w.get('typical_batch', 0) or DASH}"
 
@@ -231,14 +220,14 @@ def _per_s(w: dict[str, Any]) -> str:
 def worker_columns() -> list[Column]:
     """The workers table: who, what, how busy, how healthy."""
     return [
-        Column("host", lambda w: _cell(_who(w)), 0, "left", squeeze=True),
+        Column("host", lambda w: _cell(who(w)), 0, "left", squeeze=True),
         Column("state", lambda w: _cell(w.get("state", "?"),
                                          _STATE_STYLE.get(w.get("state", ""), "red")), 0, "left"),
         Column("batch", lambda w: _cell(_batch(w)), 1),
         Column("tasks/s", lambda w: _cell(_per_s(w), "green"), 2),
         Column("beat", _beat, 3),
         Column("queue", lambda w: _cell(w.get("queue", DASH)), 4, "left", squeeze=True),
-        Column("model", lambda w: _cell(_model(w)), 5, "left", squeeze=True),
+        Column("model", lambda w: _cell(model(w)), 5, "left", squeeze=True),
         Column("device", lambda w: _cell(w.get("device", DASH)), 6, "left"),
         Column("memory", lambda w: _cell(_memory(w.get("memory"))), 7),
     ]
@@ -403,7 +392,7 @@ class Frame:
         if left >= 1:
             out.append(self.throughput(width))
             left -= 1
-        workers = sorted(snap.workers, key=lambda w: (str(w.get("queue")), _who(w)))
+        workers = sorted(snap.workers, key=lambda w: (str(w.get("queue")), who(w)))
         failures = recent_failures(snap.queues)
         # the workers leave room for the failures' title, column names, rule and a row,
         # for the models' title, column names, rule and up to three rows, and for the

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tests.support.paths import PY
+from tests.support.processes import free_port
 from tests.support.supervisors import LAUNCHER, StartFn, Sup
 
 
@@ -60,3 +61,14 @@ def engine_counters() -> Iterator[None]:
     yield
     for gate in em.GATES.values():
         gate.set()
+
+
+@pytest.fixture
+def unreachable_url(monkeypatch: pytest.MonkeyPatch) -> str:
+    """A Redis URL nothing listens on, with ``MTQ_REDIS_RETRIES=0`` in this test's
+    environment (os.environ: this process's clients, and the subprocesses given it): the
+    refused connection is the error at once, not after the retries (about 5 s) a dropped
+    connection gets, which other tests hold (a Redis restarted, connections killed). A
+    port of its own, so that no client an earlier test cached for its URL is reused."""
+    monkeypatch.setenv("MTQ_REDIS_RETRIES", "0")
+    return f"redis://127.0.0.1:{free_port()}/0"

@@ -119,8 +119,8 @@ def test_submit_invalid_stream_name(runner, redis_url, qname):
     assert "invalid stream" in flat(result.output)
 
 
-def test_submit_unreachable_redis(runner):
-    result = runner.invoke(cli, ["submit", "q", "{}", "--redis", "redis://127.0.0.1:1/0"])
+def test_submit_unreachable_redis(runner, unreachable_url):
+    result = runner.invoke(cli, ["submit", "q", "{}", "--redis", unreachable_url])
     assert result.exit_code != 0
     assert isinstance(result.exception, SystemExit), repr(result.exception)
     assert "cannot reach Redis" in flat(result.output)

@@ -105,6 +105,9 @@ def test_no_input_gets_a_traceback_or_a_partial_write(argv: list[str], stdin: st
                                                       redis_url: str,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MTQ_REDIS_URL", redis_url)
+    # a --redis nothing serves ("redis://": localhost:6379) is refused at once, not
+    # after a dropped connection's retries (about 4 s an example)
+    monkeypatch.setenv("MTQ_REDIS_RETRIES", "0")
     if argv[0] == "queue" or argv[0] == "purge":
         argv = [*argv, "--yes"] if "--yes" not in argv else argv
     before = task_keys(fuzz_redis)

@@ -25,7 +25,6 @@ from tests.support.workers import serving
 
 pytestmark = pytest.mark.timeout(60)
 
-UNREACHABLE = "redis://127.0.0.1:1/0"
 #: a failure dead-letters at once
 NO_RETRY = QueueSettings(max_retries=0, retry_backoff_ms=0, lease_ms=2000)
 
@@ -84,12 +83,13 @@ def test_status_lists_queues_with_counts(runner: CliRunner, redis_url: str, qnam
     assert view["p50_ms"] is not None and view["p50_ms"] >= 0
 
 
-def test_status_errors(runner: CliRunner, redis_url: str, qname: str) -> None:
+def test_status_errors(runner: CliRunner, redis_url: str, qname: str,
+                       unreachable_url: str) -> None:
     res = run(runner, "status", qname, "--redis", redis_url)
     assert res.exit_code == 3 and "unknown queue" in flat(res.output), res.output
     res = run(runner, "status", "bad name!", "--redis", redis_url)
     assert res.exit_code == 2 and "invalid queue name" in flat(res.output), res.output
-    res = run(runner, "status", "--redis", UNREACHABLE)
+    res = run(runner, "status", "--redis", unreachable_url)
     assert res.exit_code == 5 and "cannot reach Redis" in flat(res.output), res.output
     assert "Traceback" not in res.output
 
@@ -119,13 +119,14 @@ def test_task_shows_details_and_a_timeline_across_a_redelivery(
     assert times == sorted(times)
 
 
-def test_task_errors(runner: CliRunner, redis_url: str, qname: str) -> None:
+def test_task_errors(runner: CliRunner, redis_url: str, qname: str,
+                     unreachable_url: str) -> None:
     mtq.Queue(qname, redis_url).submit({})
     res = run(runner, "task", "nosuchtask123", "--redis", redis_url)
     assert res.exit_code == 3 and "no task 'nosuchtask123'" in flat(res.output), res.output
     res = run(runner, "task", "bad id!", "--redis", redis_url)
     assert res.exit_code == 2 and "invalid task id" in flat(res.output), res.output
-    res = run(runner, "task", "abc", "--redis", UNREACHABLE)
+    res = run(runner, "task", "abc", "--redis", unreachable_url)
     assert res.exit_code == 5, res.output
 
 
@@ -200,7 +201,8 @@ def test_dlq_list_retry_and_purge(runner: CliRunner, redis_url: str, qname: str)
         dead[1].status()
 
 
-def test_dlq_errors(runner: CliRunner, redis_url: str, qname: str) -> None:
+def test_dlq_errors(runner: CliRunner, redis_url: str, qname: str,
+                    unreachable_url: str) -> None:
     res = run(runner, "dlq", "list", qname, "--redis", redis_url)
     assert res.exit_code == 3 and "unknown queue" in flat(res.output)
     make_dead(qname, redis_url, 1)
@@ -208,7 +210,7 @@ def test_dlq_errors(runner: CliRunner, redis_url: str, qname: str) -> None:
     assert res.exit_code == 2 and "or --all" in res.output
     res = run(runner, "dlq", "retry", qname, "x1", "--all", "--redis", redis_url)
     assert res.exit_code == 2
-    res = run(runner, "dlq", "list", qname, "--redis", UNREACHABLE)
+    res = run(runner, "dlq", "list", qname, "--redis", unreachable_url)
     assert res.exit_code == 5
 
 

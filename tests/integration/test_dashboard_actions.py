@@ -314,9 +314,33 @@ def test_refused_without_an_admin_key(web: TestClient, client: redis.Redis, qnam
                         ("nonsense", "not an mtq API key")):
         resp = web.post(f"/queues/{qname}/pause", headers={"Authorization": f"Bearer {token}"})
         assert resp.status_code == 401 and said in resp.json()["error"], resp.text
+    # another scheme (a proxy's Basic authentication) is no script's key: a browser's
+    # request, and this one has no session
     resp = web.post(f"/queues/{qname}/pause", headers={"Authorization": "Basic eDp5"})
-    assert resp.status_code == 401 and "Authorization: Bearer" in resp.json()["error"]
+    assert resp.status_code == 401 and "not signed in" in resp.text
     assert listen.messages() == []
+
+
+def test_behind_a_proxys_basic_authentication_an_admin_signs_in_and_acts(
+        client: redis.Redis, qname: str, listen: Listen,
+        admin_key: tuple[str, apikeys.ApiKey]) -> None:
+    """A proxy's own authentication (docs: "the proxy's own authentication") makes the
+    browser send ``Authorization: Basic`` with every request: that is no Bearer key, so
+    the session and its CSRF token decide, as without it (it was taken for a script's
+    key: the pages showed no admin and every sign-in was refused)."""
+    basic = {"Authorization": "Basic b3BzOnNlY3JldA=="}
+    with TestClient(make_app(client), follow_redirects=False, headers=basic) as browser:
+        csrf = sign_in(browser, admin_key[0])
+        assert f"admin {admin_key[1].id}" in browser.get("/queues/q").text
+        resp = browser.post(f"/queues/{qname}/pause", data={"next": "/"},
+                            headers={"Origin": "https://evil.example"})
+        assert resp.status_code == 403  # cross-site, and no CSRF token: refused
+        assert listen.messages() == []
+        resp = browser.post(f"/queues/{qname}/pause", data={"csrf": csrf, "next": "/"})
+        assert resp.status_code == 303, resp.text
+        assert listen.messages() == [{"cmd": "pause"}]
+        resp = browser.post("/logout", data={"csrf": csrf, "next": "/"})
+        assert resp.status_code == 303 and "mtq_session" not in browser.cookies
 
 
 def test_refused_without_the_sessions_csrf_token_or_from_another_site(
@@ -426,6 +450,9 @@ def test_sign_in_sets_a_session_cookie_and_keeps_no_token(
     with TestClient(make_app(client), follow_redirects=False) as plain:  # http: no Secure
         sign_in(plain, token)
         assert plain.cookies["mtq_session"]
+    with TestClient(make_app(client), follow_redirects=False) as pasted:
+        sign_in(pasted, f"  {token}\n")  # pasted with the blanks around it
+        assert pasted.cookies["mtq_session"]
 
 
 def test_sign_in_refusals_set_nothing(web: TestClient, client: redis.Redis, tenant: str,

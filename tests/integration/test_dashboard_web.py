@@ -173,6 +173,43 @@ def test_unknown_queues_tasks_and_pages_are_404_pages_that_say_what_to_do(
     assert "Queues appear once a task is submitted" in text_of(http.get("/queues/x").text)
 
 
+def test_every_answer_forbids_inline_scripts_and_framing(s: Site, http: httpx.Client) -> None:
+    # pages, a 404, the static files, a refusal and a live stream alike
+    answers = [http.get(p) for p in ("/", f"/queues/{s.served}", "/nothing/here",
+                                     "/static/dashboard.js", "/login")]
+    answers.append(http.post(f"/queues/{s.served}/pause", data={}))
+    with http.stream("GET", "/events") as live:
+        answers.append(live)
+    for r in answers:
+        where = f"{r.request.method} {r.request.url.path} ({r.status_code})"
+        csp = r.headers.get("content-security-policy", "")
+        assert "script-src 'self'" in csp and "frame-ancestors 'none'" in csp, where
+        assert "unsafe-inline" not in csp.split("script-src")[1].split(";")[0], where
+        assert r.headers.get("x-frame-options") == "DENY", where
+        assert r.headers.get("x-content-type-options") == "nosniff", where
+    assert answers[-2].status_code in (401, 403)
+
+
+def test_a_dead_letter_page_past_the_last_shows_the_last(s: Site, http: httpx.Client) -> None:
+    # (it showed "none" under "Dead letters (1)"; a page number past Redis's range: a 500)
+    for page in ("7", "99999999999999999999"):
+        r = http.get(f"/queues/{s.served}?page={page}")
+        assert r.status_code == 200, (page, r.text[-500:])
+        assert f'href="/tasks/{s.dead}?queue={s.served}"' in r.text.split('id="dead"')[1]
+
+
+def test_the_live_stream_of_a_task_there_is_not_ends(s: Site) -> None:
+    # (it sent keep-alives for ever, and looked for the task in every queue each refresh)
+    for path in ("/tasks/no-such-task/events", f"/tasks/no-such-task/events?queue={s.gen}",
+                 "/tasks/bad!id/events"):
+        live = Live(s.base, path)
+        try:
+            assert live.ended.wait(10), f"{path}: the stream did not end"
+            assert live.events[-1] == "end" and not live.fragments, (path, live.events)
+        finally:
+            live.close()
+
+
 def test_markup_from_redis_is_escaped_in_every_page_and_fragment(s: Site, http: httpx.Client
                                                                  ) -> None:
     for path in pages(s):
@@ -243,6 +280,35 @@ def test_a_task_page_follows_its_task_to_the_end(s: Site, redis_url: str) -> Non
         live.close()
 
 
+def test_a_task_pages_live_sections_do_not_read_its_payload(s: Site, redis_url: str) -> None:
+    """The payload (up to max_payload_bytes) is on the page, not in its live sections:
+    their refreshes must not read and decode it again each time."""
+    t = mtq.Queue(s.sched, redis_url).submit({"big": "p" * 100_000}, tenant="ops")
+    watcher = redis.Redis.from_url(redis_url)
+    seen: list[str] = []
+    try:
+        with watcher.monitor() as m:
+            live = Live(s.base, f"/tasks/{t.id}/events?queue={s.sched}")
+            try:
+                version = s.dashboard.sampler.version
+                wait_for(lambda: s.dashboard.sampler.version >= version + 3, 10,
+                         "no refreshes")
+                wait_for(lambda: live.fragments.get("tstatus"), 10, "no live sections")
+                deadline = time.monotonic() + 1.0
+                for cmd in m.listen():
+                    seen.append(str(cmd["command"]))
+                    if time.monotonic() > deadline:
+                        break
+            finally:
+                live.close()
+    finally:
+        watcher.close()
+        t.cancel()
+    reads = [c for c in seen if c.startswith("HMGET") and t.id in c]
+    assert reads, "the live sections read nothing of the task"
+    assert not [c for c in reads if "payload" in c], reads[:3]
+
+
 def test_one_snapshot_per_refresh_whatever_the_number_of_viewers(s: Site, http: httpx.Client
                                                                   ) -> None:
     sampler = s.dashboard.sampler
@@ -290,6 +356,8 @@ def test_redis_unreachable_shows_a_banner_and_the_sampler_keeps_going(tmp_path: 
             assert "showing the figures of" in r.text and 'href="/queues/kept"' in r.text
             r = http.get("/queues/kept")
             assert r.status_code == 503 and "Redis unreachable" in r.text
+            r = http.get("/tasks/t-1/stream")  # a task page's EventSource: 503, not 500
+            assert r.status_code == 503 and "cannot reach Redis" in r.json()["detail"]
             reads = app.state.dashboard.sampler.reads
             wait_for(lambda: app.state.dashboard.sampler.reads >= reads + 3, 10,
                      "the sampler stopped trying")
@@ -340,28 +408,35 @@ def command(args: list[str], env: dict[str, str], log: Path, probe: str
             proc.wait(5)
 
 
+def stop_with_open_streams(s: Site, proc: subprocess.Popen[bytes], root: str, log: Path
+                           ) -> None:
+    """SIGTERM to the server of the dashboard at ``root`` with a live stream and a task's
+    token stream open: both end at once and it exits 0."""
+    assert s.streaming is not None
+    live = Live(root, "events")
+    tokens = Live(root, f"tasks/{s.streaming.id}/stream?queue={s.gen}")
+    wait_for(lambda: live.fragments.get("queues") and "token" in tokens.events, 10,
+             "no live fragments or tokens")
+    stopping = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert live.ended.wait(5), "the live stream did not end at shutdown"
+    assert live.events[-1] == "end"
+    assert tokens.ended.wait(5), "the task's token stream did not end at shutdown"
+    assert proc.wait(5) == 0, log.read_text()
+    # at once, not after uvicorn's graceful timeout (5 s)
+    assert time.monotonic() - stopping < 3, log.read_text()
+    live.close()
+    tokens.close()
+    assert s.streaming.status() == "running"  # a viewer leaving cancels nothing
+
+
 def test_the_web_command_serves_and_stops_cleanly(s: Site, subprocess_env: dict[str, str],
                                                   tmp_path: Path) -> None:
     log = tmp_path / "web.log"
     with command(["dashboard", "--web", "--refresh", "0.2"], subprocess_env, log, "/") as (
             proc, base):
         assert s.served in httpx.get(base + "/").text
-        live = Live(base, "/events")
-        assert s.streaming is not None
-        tokens = Live(base, f"/tasks/{s.streaming.id}/stream?queue={s.gen}")
-        wait_for(lambda: live.fragments.get("queues") and "token" in tokens.events, 10,
-                 "no live fragments or tokens")
-        stopping = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert live.ended.wait(5), "the live stream did not end at shutdown"
-        assert live.events[-1] == "end"
-        assert tokens.ended.wait(5), "the task's token stream did not end at shutdown"
-        assert proc.wait(5) == 0, log.read_text()
-        # at once, not after uvicorn's graceful timeout (5 s)
-        assert time.monotonic() - stopping < 3
-        live.close()
-        tokens.close()
-        assert s.streaming.status() == "running"  # a viewer leaving cancels nothing
+        stop_with_open_streams(s, proc, base + "/", log)
     redis_port = s.redis.connection_pool.connection_kwargs["port"]
     assert f"web dashboard of redis://127.0.0.1:{redis_port}/0 at http://127.0.0.1:" in \
         log.read_text()
@@ -412,6 +487,60 @@ def test_mtq_serve_mounts_the_dashboard_at_dashboard(s: Site, subprocess_env: di
         assert http.get("/v1/models").status_code == 200  # the gateway still answers
 
 
+def test_a_tasks_stream_asked_first_under_mtq_serve_leaves_the_gateway_serving(
+        s: Site, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    """Under ``mtq serve`` the mounted dashboard's lifespan never runs: a task's token
+    stream asked before any page must not stall the event loop (it spun at 100 % CPU
+    waiting for a sampler that had never started, and the gateway answered nothing)."""
+    assert s.streaming is not None
+    with command(["serve"], subprocess_env, tmp_path / "serve.log", "/v1/models") as (
+            proc, base):
+        tokens = Live(base, f"/dashboard/tasks/{s.streaming.id}/stream?queue={s.gen}")
+        try:
+            wait_for(lambda: "token" in tokens.events, 10, "no tokens from the task's stream")
+            assert httpx.get(base + "/v1/models", timeout=5).status_code == 200
+            assert httpx.get(base + "/dashboard/", timeout=5).status_code == 200
+        finally:
+            tokens.close()
+
+
+def test_mtq_serve_ends_the_dashboards_streams_at_once_on_sigterm(
+        s: Site, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with command(["serve"], subprocess_env, log, "/v1/models") as (proc, base):
+        assert httpx.get(base + "/dashboard/", timeout=10).status_code == 200
+        stop_with_open_streams(s, proc, base + "/dashboard/", log)
+
+
+def test_mtq_serve_takes_the_dashboards_public_origin(
+        s: Site, subprocess_env: dict[str, str], tmp_path: Path) -> None:
+    """Behind a proxy that changes the Host header the dashboard's actions need its
+    public origin; under ``mtq serve`` there was no way to give it (every sign-in and
+    action was refused as cross-site, the refusal naming a flag of another command)."""
+    from mtq.client import apikeys
+
+    public = "http://ops.example.com:8080"
+    token, key = apikeys.create(s.redis, "ops", admin=True)
+    try:
+        with command(["serve", "--origin", public], subprocess_env,
+                     tmp_path / "serve.log", "/v1/models") as (_, base), \
+                httpx.Client(base_url=base, timeout=10) as browser:
+            page = browser.get("/dashboard/login").text
+            csrf = unescape(re.findall(r'name="csrf" value="([^"]+)"', page)[0])
+            form = {"key": token, "csrf": csrf, "next": "/"}
+            r = browser.post("/dashboard/login", data=form, headers={"Origin": base})
+            assert r.status_code == 403, r.text  # the address it listens on is not it
+            r = browser.post("/dashboard/login", data=form, headers={"Origin": public})
+            assert r.status_code == 303, r.text
+            assert r.headers["location"].startswith("/dashboard/?flash=")
+    finally:
+        apikeys.revoke(s.redis, key.id)
+    bad = subprocess.run([sys.executable, "-m", "mtq", "serve", "--origin", "ops.example.com/x"],
+                         env=subprocess_env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 2 and "give the scheme and host the browser sees" in bad.stderr
+
+
 def test_an_admin_signs_in_with_the_pages_form_and_gets_the_action_forms(
         s: Site, redis_url: str) -> None:
     """The sign-in form of every page and the forms an admin gets, against the real
@@ -443,6 +572,7 @@ def test_an_admin_signs_in_with_the_pages_form_and_gets_the_action_forms(
             assert len(tokens) == 1 and tokens != {csrf.group(1)}  # the session's own
             assert page.count('name="next"') == len(forms)
             assert f'name="id" value="{s.dead}"' in page and 'name="replicas"' in page
+            assert 'max="256"' in page  # what the scale action takes (MAX_REPLICAS)
             # the cancel form of a waiting task, sent as the browser would
             page = browser.get(f"/tasks/{waiting.id}").text
             (cancel,) = re.findall(r'<form method="post" action="([^"]+/cancel)".*?</form>',

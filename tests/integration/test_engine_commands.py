@@ -31,7 +31,6 @@ from mtq.client import engines
 from mtq.errors import ConfigError, EngineTimeout, NoEngine, ResultTimeout
 from mtq.workers import control
 from tests.support.paths import PY
-from tests.support.processes import free_port
 from tests.support.supervisors import StartFn, wait_workers, workers_of
 from tests.support.waits import wait_for
 from tests.support.workers import registered_worker
@@ -230,9 +229,10 @@ def test_a_good_set_passes_and_an_unknown_target_is_left_to_the_engines(
     assert "cannot check the options here" in flat(out.stderr), out.stderr
 
 
-def test_redis_unreachable_exits_5(qname: str, subprocess_env: dict[str, str]) -> None:
-    out = mtq_cli(subprocess_env, "workers", "reset", "-q", qname, "--redis",
-                  f"redis://127.0.0.1:{free_port()}/0")
+def test_redis_unreachable_exits_5(qname: str, subprocess_env: dict[str, str],
+                                   unreachable_url: str) -> None:
+    out = mtq_cli({**subprocess_env, "MTQ_REDIS_RETRIES": "0"}, "workers", "reset", "-q",
+                  qname, "--redis", unreachable_url)
     assert out.returncode == 5, (out.stdout, out.stderr)
     assert "cannot reach Redis" in flat(out.stderr), out.stderr
 

@@ -303,8 +303,8 @@ def test_cli_bad_input_exits_2(redis_url, args):
     assert "Traceback" not in result.output
 
 
-def test_cli_unreachable_redis_exits_5():
-    result = CliRunner().invoke(cli, ["keys", "list", "--redis", "redis://127.0.0.1:1/0"])
+def test_cli_unreachable_redis_exits_5(unreachable_url):
+    result = CliRunner().invoke(cli, ["keys", "list", "--redis", unreachable_url])
     assert result.exit_code == 5, result.output
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import redis
 import mtq
 from mtq import replies
 from mtq.broker.keys import QueueKeys
+from mtq.client import waiting
 from tests.support.processes import gated_task, gated_worker
 from tests.support.waits import wait_for
 
@@ -193,11 +195,28 @@ def test_closing_the_hub_under_a_reading_waiter_ends_its_wait(
     _parked(q, hub, monkeypatch)
     gate, t = gated_task(q, tmp_path, 4)
     waiter, answer = _waiting(t, hub)
+    # the outcome of a task submitted through the closed hub goes to its channel: the
+    # waiter learns it from the stored state, re-read after RESYNC_S without an event
+    monkeypatch.setattr(waiting, "RESYNC_S", 1.0)  # (10 s)
     hub.close_all()
     gate.unlink()  # its result now comes from the stored state, through a new hub
-    waiter.join(30)
+    waiter.join(5)  # the closed hub's read ends at once: no wait on a feed nobody feeds
     assert not waiter.is_alive(), "the waiter hung on a closed hub"
     assert answer and answer[0]["i"] == 4
+
+
+def test_a_queue_whose_hub_was_closed_is_served_at_once_through_a_new_one(
+        qname: str, redis_url: str, client: redis.Redis,
+        worker: subprocess.Popen[bytes]) -> None:
+    """The queue's tasks name the new hub's reply channel, which it subscribes: their
+    outcomes come as events, not only after RESYNC_S (10 s) of silence."""
+    q = mtq.Queue(qname, redis_url, client=client)
+    assert q.submit({"i": 1}).result(timeout=30)["i"] == 1
+    replies.hub_of(client).close_all()
+    start = time.monotonic()
+    for i in range(3):
+        assert q.submit({"i": i}).result(timeout=30)["i"] == i
+    assert time.monotonic() - start < 5, "the outcomes came only from re-reads"
 
 
 def test_a_forked_child_never_reads_its_parents_reply_connection(

@@ -291,6 +291,9 @@ def test_a_failed_flush_loses_nothing_and_doubles_nothing(
     # the heartbeat writes at start, then not again during this test (a beat every
     # 200 s): the test drives the writes itself, around an outage
     monkeypatch.setattr("mtq.workers.heartbeat.BEAT_S", 3600.0)
+    # the flush during the outage fails at once, not after a dropped connection's
+    # retries (about 4 s; the flushes after it are retried by the wait below)
+    monkeypatch.setenv("MTQ_REDIS_RETRIES", "0")
     settings = QueueSettings(lease_ms=600_000, retry_backoff_ms=0)
     n = 9
     running: Running | None = None

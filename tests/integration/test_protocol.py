@@ -564,10 +564,20 @@ def test_garbage_payload_fails_only_that_task(qname: str, redis_url: str, r: red
     assert bad.status() == "failed" and "PayloadError" in (bad.info().error or "")
 
 
-def test_unreachable_redis_is_a_broker_error() -> None:
-    q = mtq.Queue("x", "redis://127.0.0.1:1/0")
+def test_unreachable_redis_is_a_broker_error(unreachable_url: str) -> None:
+    q = mtq.Queue("x", unreachable_url)
     with pytest.raises(mtq.BrokerError, match="cannot reach Redis"):
         q.submit({})
+
+
+def test_a_bad_number_of_retries_is_a_named_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mtq.broker.connection import open_client
+    from mtq.settings import RedisSettings
+
+    for bad in ("-1", "many", "1.5"):
+        monkeypatch.setenv("MTQ_REDIS_RETRIES", bad)
+        with pytest.raises(mtq.ConfigError, match="MTQ_REDIS_RETRIES must be a whole number"):
+            open_client("redis://127.0.0.1:1/0", RedisSettings(), None)
 
 
 # -- regressions found by the stateful test ---------------------------------------------

@@ -242,8 +242,9 @@ def test_manage_py_mtq_status(qname: str, redis_url: str) -> None:
     # the project's MTQ["REDIS_URL"] wins over the environment's
     out = manage(project_env(NOWHERE, MTQ_DJANGO_REDIS_URL=redis_url), "mtq_status", "--json")
     assert out.returncode == 0 and qname in out.stdout, out.stderr
-    # the command line's over the project's; Django's --settings is manage.py's
-    out = manage(project_env(redis_url), "mtq_status", "--redis", NOWHERE,
+    # the command line's over the project's; Django's --settings is manage.py's (NOWHERE
+    # refused at once: no retries)
+    out = manage(project_env(redis_url, MTQ_REDIS_RETRIES="0"), "mtq_status", "--redis", NOWHERE,
                  "--settings", "tests.django_project.settings")
     assert out.returncode == 5 and "cannot reach Redis" in out.stderr, out
     out = manage(project_env(redis_url), "help", "mtq_workers")

@@ -79,8 +79,9 @@ def test_flask_mtq_commands(qname: str, redis_url: str) -> None:
     out = flask("status", "--json", extra={"MTQ_FLASK_REDIS_URL": redis_url,
                                            "MTQ_REDIS_URL": "redis://127.0.0.1:1/0"})
     assert out.returncode == 0 and qname in out.stdout, out.stderr
-    # and the command line's wins over the app's
-    out = flask("status", "--redis", "redis://127.0.0.1:1/0")
+    # and the command line's wins over the app's (refused at once: no retries)
+    out = flask("status", "--redis", "redis://127.0.0.1:1/0",
+                extra={"MTQ_REDIS_RETRIES": "0"})
     assert out.returncode == 5 and "cannot reach Redis" in out.stderr, out
     out = flask("workers", "--help")
     assert out.returncode == 0 and "--queue" in out.stdout and "TARGET" in out.stdout, out

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import msgpack
 import redis
 
 from mtq import serialization
 from mtq.dashboard.web.charts import _nice, chart, timeline
-from mtq.dashboard.web.live import fragments
+from mtq.dashboard.web.live import FragmentStream, fragments
 from mtq.dashboard.web.reads import cap, preview
 from mtq.dashboard.web.sampler import Sampler
 
@@ -89,3 +90,44 @@ def test_the_live_stream_sends_changes_only_keeps_alive_and_ends() -> None:
     assert json.loads(out[4].split(b"data: ")[1]) == {"id": "a", "html": "<p>2</p>"}
     assert out[-1] == b"event: end\ndata: {}\n\n"
     assert not any(b'"id": "b"' in c for c in out[4:])
+
+
+def test_waiting_on_a_sampler_never_started_yields_to_the_loop() -> None:
+    # mounted in an app whose lifespan does not reach it, a stream may wait on a sampler
+    # no request started: the wait must sleep, not return at once (stopped() spun)
+    sampler = Sampler(redis.Redis(port=1, retry=None), refresh_s=0.05)
+
+    async def run() -> bool:
+        waiter = asyncio.ensure_future(sampler.stopped())
+        await asyncio.sleep(0.2)   # runs only if the waiter yields to the loop
+        sampler.stopping = True
+        await asyncio.wait_for(waiter, 2)
+        return waiter.done()
+
+    assert asyncio.run(asyncio.wait_for(run(), 5))
+
+
+def test_a_live_stream_whose_render_fails_counts_its_viewer_out() -> None:
+    sampler = Sampler(redis.Redis(port=1, retry=None), refresh_s=60)
+
+    async def render() -> tuple[dict[str, str], bool]:
+        raise RuntimeError("a template broke")
+
+    async def run() -> str:
+        sent: list[Any] = []
+        never = asyncio.get_running_loop().create_future()
+
+        async def receive() -> dict[str, object]:
+            return await never  # the client stays
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        try:
+            await FragmentStream(sampler, render)({"type": "http"}, receive, send)
+        except RuntimeError as exc:
+            return str(exc)
+        return "nothing raised"
+
+    assert asyncio.run(run()) == "a template broke"
+    assert sampler.viewers == 0

@@ -292,8 +292,9 @@ class Hub:
                 if broken or self._waiting(feed):
                     self._resume = True
                     self._park.notify_all()
-        if broken and not feed.items:
+        if broken and not feed.items and not self._closed.is_set():
             return feed.get(max(0.0, end - time.monotonic()))
+        # (closed: nothing comes to the feed any more; the caller reads the stored state)
         return feed.items[0] if feed.items else None
 
     def _lost(self) -> None:

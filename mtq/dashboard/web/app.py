@@ -39,12 +39,14 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from mtq.admin import QueueView
+from mtq.broker.records import TERMINAL
 from mtq.broker.tenants import shown_tenant, top_rows
 from mtq.contrib.asgi import EventStreamResponse
 from mtq.dashboard.web import auth, reads
-from mtq.dashboard.web.charts import TERMINAL, chart, timeline
+from mtq.dashboard.web.charts import chart, timeline
 from mtq.dashboard.web.fmt import FILTERS
 from mtq.dashboard.web.live import FragmentStream, Render, until_stopped
+from mtq.dashboard.web.rules import SecurityHeaders
 from mtq.dashboard.web.sampler import Sampler
 from mtq.errors import BrokerError, InvalidName, TaskNotFound
 
@@ -172,9 +174,10 @@ class Dashboard:
 
     async def task(self, task_id: str, queue: str | None, fresh: bool = False
                    ) -> dict[str, Any]:
+        # a page loaded (fresh) shows the payload; its live sections do not read it
         d = await self.once_per_refresh(
-            ("task", task_id, queue), lambda: reads.task_details(self.client, task_id, queue),
-            fresh)
+            ("task", task_id, queue),
+            lambda: reads.task_details(self.client, task_id, queue, payload=fresh), fresh)
         entries = [(e.ts, e.kind, e.detail) for e in d.trace]
         return {"t": d, "timeline": timeline(entries, time.time()),
                 "ended": d.info.status in TERMINAL}
@@ -302,7 +305,9 @@ class Dashboard:
         async def build() -> tuple[dict[str, str], bool]:
             try:
                 ctx = await self.task(task_id, queue)
-            except (TaskNotFound, InvalidName, BrokerError):
+            except (TaskNotFound, InvalidName):
+                return {}, True   # none (any more): nothing will change
+            except BrokerError:
                 return {}, False
             return self.sections(TASK, {**base, **ctx}), ctx["ended"]
 
@@ -321,10 +326,13 @@ class Dashboard:
                                  "to read tasks' tokens on this dashboard"}, 403)
         task_id = request.path_params["task_id"]
         queue = request.query_params.get("queue") or None
+        self.sampler.start()  # until_stopped waits on it (mounted: no lifespan started it)
         try:
             task = await asyncio.to_thread(find_task, self.client, task_id, queue)
         except (TaskNotFound, InvalidName) as exc:
             return JSONResponse({"error": "not_found", "detail": str(exc)}, 404)
+        except BrokerError as exc:  # a 503 that says why, not a 500
+            return JSONResponse({"error": "unavailable", "detail": str(exc)}, 503)
         stream = until_stopped(EventStreamResponse(task, cancel_on_disconnect=False),
                                self.sampler)
         return stream  # type: ignore[return-value]
@@ -387,4 +395,5 @@ def create_dashboard(url: str | None = None, *, client: redis.Redis | None = Non
     app.state.dashboard = d
     app.state.client = client
     auth.configure(app, origin=origin)
+    app.add_middleware(SecurityHeaders)
     return app

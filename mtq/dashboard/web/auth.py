@@ -21,8 +21,8 @@ Interface used by the pages (:mod:`mtq.dashboard.web.app`):
 * :func:`configure` -- ``configure(app, origin=None)``, called once by
   ``create_dashboard`` on its app: the pre-session cookie's middleware, and the
   dashboard's public origin when it is served behind a proxy that changes the Host
-  header (``create_dashboard(origin=...)``, ``mtq dashboard --web --origin
-  https://ops.example.com``). It is kept in ``app.state.public_origin``; None: the
+  header (``create_dashboard(origin=...)``, ``--origin https://ops.example.com`` of
+  ``mtq dashboard --web`` and ``mtq serve``). It is kept in ``app.state.public_origin``; None: the
   request's own scheme and Host are the dashboard's origin;
 * :func:`routes` -- ``GET /login`` (the sign-in page), ``POST /login`` (field
   ``key``), ``POST /logout`` and the actions of :mod:`mtq.dashboard.web.actions`,
@@ -74,7 +74,7 @@ from mtq.dashboard.web.rules import (
     root,
     secure,
 )
-from mtq.dashboard.web.sessions import SESSION_COOKIE, SESSION_TTL_S, TOKEN, caller
+from mtq.dashboard.web.sessions import SESSION_COOKIE, SESSION_TTL_S, TOKEN, caller, is_bearer
 from mtq.errors import (
     ConfigError,
     InvalidApiKey,
@@ -266,7 +266,7 @@ async def login_page(request: Request) -> Response:
 
 async def login(request: Request) -> Response:
     """``POST /login``: field ``key``, an admin key's token; makes a session."""
-    if "authorization" in request.headers:
+    if is_bearer(request):
         return JSONResponse({"ok": False, "error": "scripts need no session: send the "
                              "admin key as 'Authorization: Bearer' with each action"}, 400)
     nxt: str | None = None
@@ -276,7 +276,8 @@ async def login(request: Request) -> Response:
         nxt = next_path(request, one(form, "next"))
         check_csrf(form, request.cookies.get(LOGIN_COOKIE), "this sign-in form")
         client = sessions.client_of(request)
-        key = await run_in_threadpool(apikeys.authenticate, client, one(form, "key"))
+        token = (one(form, "key") or "").strip()  # pasted with blanks around it
+        key = await run_in_threadpool(apikeys.authenticate, client, token)
         if not key.admin:
             raise Refused(401, f"API key {key.id} is not an admin key: sign in with one "
                           "('mtq keys create --tenant T --admin' makes one)")
@@ -308,7 +309,7 @@ async def logout(request: Request) -> Response:
     """``POST /logout``: ends the browser's session."""
     nxt: str | None = None
     try:
-        if "authorization" in request.headers:
+        if is_bearer(request):
             raise Refused(400, "a Bearer key has no session to end (revoke the key: "
                           "'mtq keys revoke ID')")
         check_origin(request)
@@ -321,7 +322,7 @@ async def logout(request: Request) -> Response:
                                     found.session.id)
             log.info("dashboard sign-out: admin key %s", found.session.key_id)
     except Refused as exc:
-        return _refusal(request, exc, "authorization" in request.headers, nxt)
+        return _refusal(request, exc, is_bearer(request), nxt)
     except MtqError as exc:
         return _refusal(request, refusal_of(exc), False, nxt)
     resp = _back(request, nxt, "ok", "signed out: the dashboard is read-only")
@@ -331,7 +332,7 @@ async def logout(request: Request) -> Response:
 
 def _action(name: str, prepare: Prepare) -> Any:
     async def endpoint(request: Request) -> Response:
-        bearer = "authorization" in request.headers
+        bearer = is_bearer(request)
         nxt: str | None = None
         try:
             found = await run_in_threadpool(caller, request)

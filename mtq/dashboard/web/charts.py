@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from mtq.broker.records import TERMINAL
+
 Series = Sequence[tuple[float, float | None]]
 
 
@@ -101,7 +103,6 @@ def chart(series: Sequence[tuple[str, str, Series]], *, width: int = 160, height
 #: what a task does after each kind of trace entry ("" : as before)
 _STATE_AFTER = {"queued": "wait", "released": "wait", "retry": "wait", "restarted": "wait",
                 "started": "run"}
-TERMINAL = ("succeeded", "failed", "dead", "cancelled", "expired")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""The templates' filters: figures as short text. Every one returns plain text (the
-template engine escapes it like any other value)."""
+"""The templates' filters: figures as short text (``who`` and ``model`` also name the
+terminal dashboard's workers). Every one returns plain text (the template engine
+escapes it like any other value)."""
 
 from __future__ import annotations
 

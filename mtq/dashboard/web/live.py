@@ -27,7 +27,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mtq.contrib.sse import comment, event_bytes, headers
+from mtq.contrib.asgi import send_event_stream
+from mtq.contrib.sse import comment, event_bytes
 from mtq.dashboard.web.sampler import Sampler
 
 #: seconds without a change after which a ``: keep-alive`` comment is sent
@@ -72,33 +73,14 @@ class FragmentStream:
         self.body = fragments(sampler, render, keepalive_s)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        hop = str(scope.get("http_version", "1.1")).startswith("1")
-        raw = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-               for k, v in headers(hop_by_hop=hop)]
-        await send({"type": "http.response.start", "status": 200, "headers": raw})
-
-        async def pump() -> None:
-            async for chunk in self.body:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        async def listen() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-
-        pumping = asyncio.ensure_future(pump())
-        listening = asyncio.ensure_future(listen())
         self.sampler.viewers += 1
         try:
-            await asyncio.wait({pumping, listening}, return_when=asyncio.FIRST_COMPLETED)
+            _, failure = await send_event_stream(self.body, scope, receive, send)
         finally:  # also when this request itself is cancelled (server shutdown)
-            for t in (pumping, listening):
-                t.cancel()
-            for t in (pumping, listening):
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await t
             await self.body.aclose()  # type: ignore[attr-defined]
             self.sampler.viewers -= 1
+        if failure is not None:
+            raise failure
 
 
 def until_stopped(app: ASGIApp, sampler: Sampler) -> ASGIApp:

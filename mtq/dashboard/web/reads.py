@@ -8,7 +8,8 @@
   length and head task, and the heads of the stream-less free lists. Four round trips
   whatever the queue holds; with more streams than that, the lists are the busiest
   and oldest *of the sample* (the page says so).
-* :func:`dead_page`: one page of the dead-letter list (LRANGE, then one HMGET each).
+* :func:`dead_page`: one page of the dead-letter list (LLEN, LRANGE, then one HMGET
+  each).
 * :func:`task_details`: a task's fields, its trace, and previews of its payload and
   result capped at :data:`PREVIEW_CHARS` (the rest counted, never sent).
 """
@@ -126,13 +127,13 @@ def queue_details(client: redis.Redis, queue: str, top: int = TOP) -> QueueDetai
 
 def dead_page(client: redis.Redis, queue: str, page: int = 1, size: int = DEAD_PAGE
               ) -> tuple[list[dict[str, Any]], int]:
-    """Page ``page`` (from 1) of ``queue``'s dead letters, newest first, and their
-    total."""
+    """Page ``page`` (from 1; one past the last: the last) of ``queue``'s dead
+    letters, newest first, and their total."""
     b = Broker(client, queue, QueueSettings())
-    rows = b.dead_letters((page - 1) * size, size)
     with redis_errors("while counting the dead letters"):
         total = int(b.redis.llen(b.keys.dead))
-    return rows, total
+    page = max(1, min(page, -(-total // size)))
+    return b.dead_letters((page - 1) * size, size), total
 
 
 # -- a task ------------------------------------------------------------------------
@@ -188,22 +189,29 @@ class TaskDetails:
 
 
 def task_details(client: redis.Redis, task_id: str, queue: str | None = None,
-                 limit: int = PREVIEW_CHARS) -> TaskDetails:
-    """The task ``task_id`` (in ``queue`` or any known one). Raises TaskNotFound."""
+                 limit: int = PREVIEW_CHARS, *, payload: bool = True) -> TaskDetails:
+    """The task ``task_id`` (in ``queue`` or any known one). Raises TaskNotFound.
+    ``payload``: read it too (False: ``payload`` is None; the live sections, which do
+    not show it, spare reading and decoding it every refresh). The result is read once
+    the task has succeeded."""
     task = find_task(client, task_id, queue)
     info = task.info()
     trace = task.trace()
     b = Broker(client, task.queue.name, QueueSettings())
+    succeeded = info.status == "succeeded"
     with redis_errors("while reading the task"):
-        payload, result, tenant, band, cost, out = b.redis.hmget(
-            b.keys.task(task.id), "payload", "result", "tenant", "band", "cost", "out")
+        tenant, band, cost, out, *values = b.redis.hmget(
+            b.keys.task(task.id), "tenant", "band", "cost", "out",
+            *(["payload"] if payload else []), *(["result"] if succeeded else []))
+    stored = values[0] if payload else None
+    result = values[-1] if succeeded else None
     fields = {"tenant": _text(tenant) if tenant else "(none)",
               "band": BAND_NAMES.get(_text(band), _text(band)) if band else "standard",
               "cost": _text(cost) if cost else "1"}
     return TaskDetails(
         queue=task.queue.name, info=info, trace=trace, fields=fields,
-        payload=preview(payload, limit),
-        result=preview(result, limit) if info.status == "succeeded" else None,
+        payload=preview(stored, limit),
+        result=preview(result, limit) if succeeded else None,
         traceback=cap(info.traceback, limit) if info.traceback else None,
         error=cap(info.error, limit) if info.error else None,
         streamed=out is not None)

@@ -2,7 +2,8 @@
 raises :class:`Refused` (its status and what to do) before anything is done: where it
 comes from (``Origin``, else ``Referer``: the dashboard's own origin), its CSRF token,
 where it may send the browser back to (``next``: a path of the dashboard, never
-another site), and its body (a form or a JSON object of at most 256 KiB)."""
+another site), and its body (a form or a JSON object of at most 256 KiB); and the
+headers every answer carries (:class:`SecurityHeaders`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 from urllib.parse import parse_qs, urlsplit
 
 from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mtq.dashboard.web.actions import Form
 from mtq.errors import (
@@ -63,8 +65,8 @@ def check_origin(request: Request) -> None:
         raise Refused(403, f"this request came from another site ({sent}), not from the "
                       f"dashboard's own pages ({origin_of(request)}): nothing was done. Use "
                       "the dashboard's own forms. Behind a proxy that changes the Host "
-                      "header, give the dashboard its public origin (mtq dashboard --web "
-                      "--origin https://...)")
+                      "header, give the dashboard its public origin (--origin https://... "
+                      "of mtq dashboard --web or mtq serve)")
 
 
 def next_path(request: Request, value: str | None) -> str:
@@ -131,3 +133,39 @@ def refusal_of(exc: MtqError) -> Refused:
     if isinstance(exc, BrokerError):
         return Refused(503, f"{exc}: nothing was done, try again once Redis is back")
     return Refused(500, f"{type(exc).__name__}: {exc}")
+
+
+#: what every answer of the dashboard carries: scripts only from the dashboard itself
+#: (no inline script: a value that escaped the templates still could not run), no
+#: framing by another site (an admin's buttons cannot be overlaid), no sniffing of
+#: a preview's content type
+SECURITY_HEADERS = (
+    (b"content-security-policy",
+     b"default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+     b"img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'self'; "
+     b"frame-ancestors 'none'"),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"same-origin"),
+)
+
+
+class SecurityHeaders:
+    """ASGI middleware adding :data:`SECURITY_HEADERS` to every HTTP answer (streams
+    included: it only touches the start of the answer)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), *SECURITY_HEADERS]
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+

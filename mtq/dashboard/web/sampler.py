@@ -146,7 +146,8 @@ class Sampler:
         if self.version != version or self.stopping:
             return self.version
         tick = self._tick
-        if tick is None:
+        if tick is None:  # not started: no refresh will wake us, but never spin
+            await asyncio.sleep(min(timeout, self.refresh_s))
             return self.version
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(tick), timeout)

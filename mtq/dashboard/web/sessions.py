@@ -1,5 +1,6 @@
 """Who is behind a request to the web dashboard: an admin key given as ``Authorization:
-Bearer`` (scripts), or a signed-in session (browsers), kept in Redis.
+Bearer`` (scripts), or a signed-in session (browsers, whatever other ``Authorization``
+a proxy in front has them send), kept in Redis.
 
 A session is made when an admin key signs in (:func:`start`). Its id, 256 random bits,
 is the only thing its cookie holds; Redis keeps, under the SHA-256 of that id (so that
@@ -106,9 +107,18 @@ def client_of(request: Request) -> Any:
     return request.app.state.client
 
 
+def is_bearer(request: Request) -> bool:
+    """Whether ``request`` is a script's: ``Authorization: Bearer ...``. Another scheme
+    (``Basic``: a proxy's own authentication, which the browser sends with every
+    request, cross-site forms included) is no key of ours: the request is a browser's,
+    and its session and CSRF token decide."""
+    scheme = request.headers.get("authorization", "").strip().partition(" ")[0]
+    return scheme.lower() == "bearer"
+
+
 def _bearer(client: Any, header: str) -> Caller:
-    scheme, _, token = header.strip().partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
+    token = header.strip().partition(" ")[2]
+    if not token.strip():
         return Caller(None, bearer=True, refusal="send an admin key as 'Authorization: "
                       "Bearer mtq-...'; " + _SIGN_IN)
     try:
@@ -125,9 +135,8 @@ def _bearer(client: Any, header: str) -> Caller:
 
 def _resolve(request: Request) -> Caller:
     client = client_of(request)
-    header = request.headers.get("authorization")
-    if header is not None:
-        return _bearer(client, header)
+    if is_bearer(request):
+        return _bearer(client, request.headers["authorization"])
     session_id = request.cookies.get(SESSION_COOKIE)
     if not session_id:
         return Caller(None, refusal="you are not signed in: " + _SIGN_IN)
