@@ -5,7 +5,8 @@ waiting for the quarantine process. Each of those calls to Redis would, with Red
 gone, retry for seconds (redis-py's retry, then the process's connections looked for
 in ``CLIENT LIST``), one process after another; with Redis hung, wait a socket
 timeout each. So, once a stop began, :class:`Stops` runs them in a thread of its
-own, each command sent once:
+own, which the stop waits for only within its bounds (retried as ever during a
+graceful stop, each command sent once in a forced one):
 
 * The first give-back that cannot reach Redis marks Redis away: that one and every
   later one is left to lease expiry at once (the tasks go back to their queue when
@@ -31,7 +32,7 @@ from typing import Any
 
 from mtq.broker.connection import client_url, open_client, safe_url, single_attempt
 from mtq.broker.consumer import Consumer
-from mtq.errors import BrokerError
+from mtq.errors import BrokerError, RedisUnavailable
 from mtq.settings import RedisSettings
 from mtq.workers import children
 from mtq.workers.children import Child
@@ -173,10 +174,17 @@ class Stops:
             left = bool(self.away)
             if not left:
                 try:
-                    with single_attempt():
+                    if self.forced_at is None:  # retried (a blip): the lease bounds it
                         job()
-                except BrokerError as exc:
+                    else:
+                        with single_attempt():
+                            job()
+                except RedisUnavailable as exc:
                     self._found_away(exc)
+                    left = True
+                except BrokerError:  # Redis answered, with an error: this one only
+                    log.warning("could not give back a stopping process's tasks; they "
+                                "return when their leases expire", exc_info=True)
                     left = True
             with self._lock:
                 self._pending -= 1
