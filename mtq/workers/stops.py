@@ -55,10 +55,12 @@ class Stops:
                  poke: Callable[[], None]) -> None:
         self.consumers = consumers
         self.on_event = on_event
+        #: a graceful stop with Redis away waits at most this long (read at start, and
+        #: again while a graceful stop finds Redis answering)
+        self.lease_s = 0.0
+        self._read_lease()
         #: wakes the supervisor's loop (a give-back ended, Redis was found away)
         self.poke = poke
-        #: a graceful stop with Redis away waits at most this long
-        self.lease_s = max(c.lease_s() for c in consumers)
         self.begun = False
         self.forced_at: float | None = None
         #: a graceful stop found Redis away: it is forced at this time
@@ -74,6 +76,11 @@ class Stops:
         self._pending_tasks = 0
         self._lock = threading.Lock()
         self._jobs: queue.Queue[tuple[Callable[[], Any], int]] = queue.Queue()
+
+    def _read_lease(self) -> None:
+        """The longest lease of its queues (their settings, read from Redis if not read
+        yet or read long ago: call it while Redis answers)."""
+        self.lease_s = max(c.lease_s() for c in self.consumers)
 
     # -- the supervisor's calls --------------------------------------------------------
     def begin(self, force: bool) -> None:
@@ -213,6 +220,7 @@ class Stops:
             try:
                 with single_attempt():
                     client.ping()
+                    self._read_lease()
             except Exception as exc:  # any failure to answer: away
                 self.unreachable = str(exc)
                 self.deadline = time.monotonic() + self.lease_s
