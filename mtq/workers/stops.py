@@ -99,7 +99,8 @@ class Stops:
     def give_back(self, consumers: Sequence[Consumer], c: Child, elsewhere: Collection[str],
                   code: int | None) -> None:
         """Give back a dead process's tasks and drop it from the registry: at once
-        (retried) while no stop runs, else in the stop's thread (each command once)."""
+        (retried) while no stop runs, else in the stop's thread (retried in a graceful
+        stop, each command sent once in a forced one)."""
         if not self.begun:
             children.give_back(consumers, c, elsewhere)
             children.unregister(consumers, c, code)
