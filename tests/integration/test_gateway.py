@@ -61,8 +61,14 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # a Redis of its own: the gateway on loopback checks a key once any key exists
+    # there, and other tests' keys (the dashboard's admins) are none of its business
     tmp = tmp_path_factory.mktemp("gateway")
+    (tmp / "redis").mkdir()
+    server = RedisServer(tmp / "redis")
+    server.start()
+    redis_url = server.url
     env = env_for(redis_url, tmp)
     tag = uuid.uuid4().hex[:6]
     gpt, emb, echo = f"gw-gpt-{tag}", f"gw-emb-{tag}", f"gw-echo-{tag}"
@@ -99,6 +105,7 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         for p in procs:
             stop(p)
         r.close()
+        server.stop()
 
 
 # -- the happy paths -----------------------------------------------------------------------
