@@ -69,6 +69,8 @@ class Stops:
         self.away = ""
         #: why the graceful stop's check could not reach Redis
         self.unreachable = ""
+        #: the error Redis answered a give-back with (that one left to its leases)
+        self.refused = ""
         self._news: list[str] = []
         self.left = 0           # tasks left to their leases
         self.left_from = 0      # processes (or suspect lists) they were held by
@@ -158,13 +160,18 @@ class Stops:
     def finish(self) -> None:
         """The stop ends: one line for the tasks it left to their leases."""
         with self._lock:
-            left, n = self.left + self._pending_tasks, self.left_from + self._pending
+            pending = self._pending
+            left, n = self.left + self._pending_tasks, self.left_from + pending
             self.left = self._pending_tasks = self._pending = 0
         if not n:
             return
         away = self.away or self.unreachable
-        why = f"Redis unreachable: {away}" if away else \
-            f"Redis did not answer within {FORCED_STOP_S:g} s"
+        whys = [f"Redis unreachable: {away}"] if away else []
+        if self.refused:
+            whys.append(f"Redis refused: {self.refused}")
+        if (pending and not away) or not whys:
+            whys.append(f"Redis did not answer within {FORCED_STOP_S:g} s")
+        why = "; ".join(whys)
         self.on_event(f"{left} task(s) of {n} process(es) left to their leases ({why}); "
                       f"they go back to their queue as their leases expire (within "
                       f"{self.lease_s:g} s of Redis answering), that delivery counted")
@@ -190,9 +197,10 @@ class Stops:
                 except RedisUnavailable as exc:
                     self._found_away(exc)
                     left = True
-                except BrokerError:  # Redis answered, with an error: this one only
+                except BrokerError as exc:  # Redis answered, with an error: this one only
                     log.warning("could not give back a stopping process's tasks; they "
                                 "return when their leases expire", exc_info=True)
+                    self.refused = self.refused or str(exc.__cause__ or exc)
                     left = True
             with self._lock:
                 self._pending -= 1

@@ -23,7 +23,8 @@ import pytest
 import redis
 
 import mtq
-from mtq.workers.stops import CHECK_EVERY_S, FORCED_STOP_S
+from mtq.broker.keys import QueueKeys
+from mtq.workers.stops import CHECK_EVERY_S, FORCED_STOP_S, Stops
 from tests.support.paths import PY
 from tests.support.servers import RedisServer
 from tests.support.supervisors import Sup, read_log, wait_workers
@@ -159,3 +160,29 @@ def test_a_graceful_stop_with_redis_gone_says_so_and_ends_within_its_bound(
     assert len(re.findall(r"left to their leases", out)) == 1, out
     wait_for(lambda: not sup.group_alive(), 5, f"processes left after the supervisor\n{out}")
     all_done_after_restart(start, server, qname, tasks, q, kind)
+
+
+def test_a_give_back_redis_refuses_is_named_as_refused_in_the_closing_line(
+        server: RedisServer, qname: str) -> None:
+    """Redis answered the stop's give-back with an error (here its user may no longer
+    run scripts): the closing line says what Redis answered, not that it did not
+    answer in time."""
+    q = mtq.Queue(qname, server.url, lease_ms=LEASE_MS)
+    q.submit({"i": 1})
+    c = mtq.Consumer(qname, server.url)
+    [task] = c.claim(1)
+    r = redis.Redis.from_url(server.url)
+    r.execute_command("ACL", "SETUSER", "default", "-@scripting")  # NOPERM, answered
+    lines: list[str] = []
+    stops = Stops([c], on_event=lines.append, poke=lambda: None)
+    stops.begin(force=True)
+    stops.release(c, [(task.id, task.token)])
+    wait_for(lambda: stops.settled(time.monotonic()) and stops.left, 10,
+             "the give-back refused")
+    stops.finish()
+    assert len(lines) == 1, lines
+    assert "1 task(s) of 1 process(es) left to their leases" in lines[0], lines
+    assert "Redis refused: " in lines[0] and "evalsha" in lines[0], lines
+    assert "did not answer" not in lines[0], lines
+    r.execute_command("ACL", "SETUSER", "default", "+@all")
+    assert r.hget(QueueKeys(qname).task(task.id), "status") == b"running"
