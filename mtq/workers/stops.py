@@ -18,7 +18,8 @@ graceful stop, each command sent once in a forced one):
   every :data:`CHECK_EVERY_S` after. Finding it away, it says so and waits at most one
   lease (the longest ``lease_ms`` of its queues: after that the tasks are another
   worker's anyway) for Redis to come back and its processes to finish, then goes on
-  as a forced stop.
+  as a forced stop. Redis answering again before then lifts that bound (the running
+  batches keep their leases again): it waits for them as with Redis up.
 """
 
 from __future__ import annotations
@@ -217,8 +218,9 @@ class Stops:
 
     def _check(self) -> None:
         """A graceful stop: ask Redis for a PING now and every CHECK_EVERY_S, until
-        the stop is forced or ends (a daemon thread); the first that fails sets the
-        stop's deadline."""
+        the stop is forced or ends (a daemon thread). A failure sets the stop's
+        deadline (one lease from then); an answer after one clears it: the running
+        batches' leases are kept again, so the stop waits for them as ever."""
         client = self.consumers[0].redis
         url = client_url(client)
         if url is not None:
@@ -229,15 +231,24 @@ class Stops:
             try:
                 with single_attempt():
                     client.ping()
-                    self._read_lease()
+                    if self.deadline is None:
+                        self._read_lease()
             except Exception as exc:  # any failure to answer: away
-                self.unreachable = str(exc)
-                self.deadline = time.monotonic() + self.lease_s
-                with self._lock:
-                    self._news.append(
-                        f"stopping with Redis at {where} unreachable ({exc}): waiting at "
-                        f"most {self.lease_s:g} s (the lease) for it and the running "
-                        "batches, then forcing the stop")
-                self.poke()
-                return
+                if self.deadline is None:
+                    self.unreachable = str(exc)
+                    self.deadline = time.monotonic() + self.lease_s
+                    self._say(f"stopping with Redis at {where} unreachable ({exc}): waiting "
+                              f"at most {self.lease_s:g} s (the lease) for it and the "
+                              "running batches, then forcing the stop")
+            else:
+                if self.deadline is not None and self.forced_at is None:
+                    self.deadline = None
+                    self.unreachable = ""
+                    self._say(f"Redis at {where} answers again: waiting for the running "
+                              "batches")
             time.sleep(CHECK_EVERY_S)
+
+    def _say(self, line: str) -> None:
+        with self._lock:
+            self._news.append(line)
+        self.poke()

@@ -186,3 +186,31 @@ def test_a_give_back_redis_refuses_is_named_as_refused_in_the_closing_line(
     assert "did not answer" not in lines[0], lines
     r.execute_command("ACL", "SETUSER", "default", "+@all")
     assert r.hget(QueueKeys(qname).task(task.id), "status") == b"running"
+
+
+def test_a_graceful_stop_waits_for_its_batches_once_redis_is_back(
+        start: Any, server: RedisServer, qname: str, tmp_path: Path) -> None:
+    """Redis away at the signal, back a moment later: the running batch's lease is kept
+    again, so the stop waits for it as a graceful stop does (it is not forced one lease
+    after Redis went away, which would kill it and count a delivery)."""
+    sup = start(qname, "--replicas", "1", "--max-batch-size", "1", "--lease-ms", "6000")
+    r = redis.Redis.from_url(server.url)
+    wait_workers(r, qname, 1, sup)
+    q = mtq.Queue(qname, server.url)
+    t = q.submit({"s": "t", "i": 0, "sleep": 12})
+    wait_for(lambda: any(c.tag == "B" for c in read_log(tmp_path / "calls.log")), 30,
+             f"the task running\n{sup.output()}")
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        sup.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "unreachable" in sup.output(), 10,
+                 f"Redis found away\n{sup.output()}")
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    assert sup.wait_exit(30, "after its batch ended") == 0
+    out = sup.output()
+    assert "answers again" in out, out
+    assert "still unreachable" not in out and "left to their leases" not in out, out
+    assert t.result(timeout=5)["i"] == 0
+    assert (t.status(), t.info().deliveries) == ("succeeded", 1), out
