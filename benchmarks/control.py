@@ -104,7 +104,7 @@ def drained_memory(server: Server, tasks: int, streams: int, settings: Mapping[s
     submitted_s = time.perf_counter() - t0
     r.config_resetstat()
     p = Proc(["worker", "run", "benchmarks.children.noop:NoopModel", "--queue", name,
-              "--redis", server.url, "--batch-size", str(batch)], worker_env(server.url))
+              "--redis", server.url, "--max-batch-size", str(batch)], worker_env(server.url))
     try:
         wait_for("the drain", lambda: q.stats()["succeeded"] >= tasks, timeout, [p], every=0.2)
         drained_s = time.perf_counter() - t0

@@ -18,7 +18,8 @@ graceful stop, each command sent once in a forced one):
   every :data:`CHECK_EVERY_S` after. Finding it away, it says so and waits at most one
   lease (the longest ``lease_ms`` of its queues: after that the tasks are another
   worker's anyway) for Redis to come back and its processes to finish, then goes on
-  as a forced stop.
+  as a forced stop. Redis answering again before then lifts that bound (the running
+  batches keep their leases again): it waits for them as with Redis up.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Stops:
         self.away = ""
         #: why the graceful stop's check could not reach Redis
         self.unreachable = ""
+        #: the error Redis answered a give-back with (that one left to its leases)
+        self.refused = ""
         self._news: list[str] = []
         self.left = 0           # tasks left to their leases
         self.left_from = 0      # processes (or suspect lists) they were held by
@@ -158,13 +161,18 @@ class Stops:
     def finish(self) -> None:
         """The stop ends: one line for the tasks it left to their leases."""
         with self._lock:
-            left, n = self.left + self._pending_tasks, self.left_from + self._pending
+            pending = self._pending
+            left, n = self.left + self._pending_tasks, self.left_from + pending
             self.left = self._pending_tasks = self._pending = 0
         if not n:
             return
         away = self.away or self.unreachable
-        why = f"Redis unreachable: {away}" if away else \
-            f"Redis did not answer within {FORCED_STOP_S:g} s"
+        whys = [f"Redis unreachable: {away}"] if away else []
+        if self.refused:
+            whys.append(f"Redis refused: {self.refused}")
+        if (pending and not away) or not whys:
+            whys.append(f"Redis did not answer within {FORCED_STOP_S:g} s")
+        why = "; ".join(whys)
         self.on_event(f"{left} task(s) of {n} process(es) left to their leases ({why}); "
                       f"they go back to their queue as their leases expire (within "
                       f"{self.lease_s:g} s of Redis answering), that delivery counted")
@@ -190,9 +198,10 @@ class Stops:
                 except RedisUnavailable as exc:
                     self._found_away(exc)
                     left = True
-                except BrokerError:  # Redis answered, with an error: this one only
+                except BrokerError as exc:  # Redis answered, with an error: this one only
                     log.warning("could not give back a stopping process's tasks; they "
                                 "return when their leases expire", exc_info=True)
+                    self.refused = self.refused or str(exc.__cause__ or exc)
                     left = True
             with self._lock:
                 self._pending -= 1
@@ -209,8 +218,9 @@ class Stops:
 
     def _check(self) -> None:
         """A graceful stop: ask Redis for a PING now and every CHECK_EVERY_S, until
-        the stop is forced or ends (a daemon thread); the first that fails sets the
-        stop's deadline."""
+        the stop is forced or ends (a daemon thread). A failure sets the stop's
+        deadline (one lease from then); an answer after one clears it: the running
+        batches' leases are kept again, so the stop waits for them as ever."""
         client = self.consumers[0].redis
         url = client_url(client)
         if url is not None:
@@ -221,15 +231,24 @@ class Stops:
             try:
                 with single_attempt():
                     client.ping()
-                    self._read_lease()
+                    if self.deadline is None:
+                        self._read_lease()
             except Exception as exc:  # any failure to answer: away
-                self.unreachable = str(exc)
-                self.deadline = time.monotonic() + self.lease_s
-                with self._lock:
-                    self._news.append(
-                        f"stopping with Redis at {where} unreachable ({exc}): waiting at "
-                        f"most {self.lease_s:g} s (the lease) for it and the running "
-                        "batches, then forcing the stop")
-                self.poke()
-                return
+                if self.deadline is None:
+                    self.unreachable = str(exc)
+                    self.deadline = time.monotonic() + self.lease_s
+                    self._say(f"stopping with Redis at {where} unreachable ({exc}): waiting "
+                              f"at most {self.lease_s:g} s (the lease) for it and the "
+                              "running batches, then forcing the stop")
+            else:
+                if self.deadline is not None and self.forced_at is None:
+                    self.deadline = None
+                    self.unreachable = ""
+                    self._say(f"Redis at {where} answers again: waiting for the running "
+                              "batches")
             time.sleep(CHECK_EVERY_S)
+
+    def _say(self, line: str) -> None:
+        with self._lock:
+            self._news.append(line)
+        self.poke()

@@ -216,3 +216,39 @@ def test_a_latency_or_failures_list_a_script_makes_expires(redis_url, r, qname):
     for key in (k.latency, k.failures):  # pushed onto: the expiry stays
         assert 0 < r.pttl(key) <= 50_000, key
     assert r.llen(k.latency) == 4 and r.llen(k.failures) == 2
+
+
+@pytest.mark.parametrize(("bounds", "kept"), [
+    ({"batch_log_max": 0}, 0),
+    ({"batch_log_max": 1}, 1),
+    ({"batch_log_max": 2}, 2),
+    ({"batch_log_bytes": 0}, 0),
+    ({"batch_log_bytes": 1}, 0),       # less than one record: none
+    ({"batch_log_bytes": "one"}, 1),   # exactly one record's cost
+])
+def test_the_batch_log_trim_at_its_edges(r, qname, bounds, kept):
+    """The trim at its edges: a bound of 0 (or bytes under one record) keeps no list at
+    all, even one another writer left; 1 keeps the newest record; every write leaves
+    the newest records, newest first."""
+    k = QueueKeys(qname)
+    r.lpush(k.batches, b"left by another writer")
+    log = BatchLog(k.batches, default_worker_id(), qname)
+    ids = [f"t{i}" for i in range(6)]
+    now = time.time()
+    one = entry_bytes(len(log._encode(("batch", now, now + 0.001, [ids[0]]))))
+    if bounds.get("batch_log_bytes") == "one":
+        bounds = {"batch_log_bytes": int(one) + 1}
+    log.settings = log.settings.replace(**bounds)
+    for beat in range(3):  # two records a beat, one task each
+        for i in ids[2 * beat:2 * beat + 2]:
+            log.start([Claimed(id=i, token="t", payload=b"", stream=None, attempts=0,
+                               deliveries=1, retries=None)])
+            log.end()
+        pipe = r.pipeline(transaction=False)
+        log.write(pipe)
+        pipe.execute()
+        log.written()
+        got = [rec["ids"] for rec in _records(r, qname)]
+        newest = [[i] for i in reversed(ids[:2 * beat + 2])]
+        assert got == newest[:kept], (beat, got)
+        assert r.exists(k.batches) == (1 if kept else 0)

@@ -23,7 +23,8 @@ import pytest
 import redis
 
 import mtq
-from mtq.workers.stops import CHECK_EVERY_S, FORCED_STOP_S
+from mtq.broker.keys import QueueKeys
+from mtq.workers.stops import CHECK_EVERY_S, FORCED_STOP_S, Stops
 from tests.support.paths import PY
 from tests.support.servers import RedisServer
 from tests.support.supervisors import Sup, read_log, wait_workers
@@ -159,3 +160,57 @@ def test_a_graceful_stop_with_redis_gone_says_so_and_ends_within_its_bound(
     assert len(re.findall(r"left to their leases", out)) == 1, out
     wait_for(lambda: not sup.group_alive(), 5, f"processes left after the supervisor\n{out}")
     all_done_after_restart(start, server, qname, tasks, q, kind)
+
+
+def test_a_give_back_redis_refuses_is_named_as_refused_in_the_closing_line(
+        server: RedisServer, qname: str) -> None:
+    """Redis answered the stop's give-back with an error (here its user may no longer
+    run scripts): the closing line says what Redis answered, not that it did not
+    answer in time."""
+    q = mtq.Queue(qname, server.url, lease_ms=LEASE_MS)
+    q.submit({"i": 1})
+    c = mtq.Consumer(qname, server.url)
+    [task] = c.claim(1)
+    r = redis.Redis.from_url(server.url)
+    r.execute_command("ACL", "SETUSER", "default", "-@scripting")  # NOPERM, answered
+    lines: list[str] = []
+    stops = Stops([c], on_event=lines.append, poke=lambda: None)
+    stops.begin(force=True)
+    stops.release(c, [(task.id, task.token)])
+    wait_for(lambda: stops.settled(time.monotonic()) and stops.left, 10,
+             "the give-back refused")
+    stops.finish()
+    assert len(lines) == 1, lines
+    assert "1 task(s) of 1 process(es) left to their leases" in lines[0], lines
+    assert "Redis refused: " in lines[0] and "evalsha" in lines[0], lines
+    assert "did not answer" not in lines[0], lines
+    r.execute_command("ACL", "SETUSER", "default", "+@all")
+    assert r.hget(QueueKeys(qname).task(task.id), "status") == b"running"
+
+
+def test_a_graceful_stop_waits_for_its_batches_once_redis_is_back(
+        start: Any, server: RedisServer, qname: str, tmp_path: Path) -> None:
+    """Redis away at the signal, back a moment later: the running batch's lease is kept
+    again, so the stop waits for it as a graceful stop does (it is not forced one lease
+    after Redis went away, which would kill it and count a delivery)."""
+    sup = start(qname, "--replicas", "1", "--max-batch-size", "1", "--lease-ms", "6000")
+    r = redis.Redis.from_url(server.url)
+    wait_workers(r, qname, 1, sup)
+    q = mtq.Queue(qname, server.url)
+    t = q.submit({"s": "t", "i": 0, "sleep": 12})
+    wait_for(lambda: any(c.tag == "B" for c in read_log(tmp_path / "calls.log")), 30,
+             f"the task running\n{sup.output()}")
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        sup.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: "unreachable" in sup.output(), 10,
+                 f"Redis found away\n{sup.output()}")
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    assert sup.wait_exit(30, "after its batch ended") == 0
+    out = sup.output()
+    assert "answers again" in out, out
+    assert "still unreachable" not in out and "left to their leases" not in out, out
+    assert t.result(timeout=5)["i"] == 0
+    assert (t.status(), t.info().deliveries) == ("succeeded", 1), out

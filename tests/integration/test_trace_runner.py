@@ -96,3 +96,32 @@ def test_a_task_handed_directly_to_a_sleeping_worker_is_traced_where_it_ran(
     assert started_on(task) == [w["pid"]] == [ran_on(log, "d:0")]
     assert task.info().worker == w["id"]
     assert w["id"] in json.dumps(shown_by_cli(task, qname, redis_url, subprocess_env))
+
+
+def test_a_handover_under_a_lost_lease_changes_nothing(r: redis.Redis, qname: str,
+                                                        redis_url: str) -> None:
+    """A quarantine run whose lease was lost (the task reaped and claimed by another
+    worker since) does not rename the new owner's start: handover.lua is fenced by the
+    lease token; under the owner's token it names the runner."""
+    q = mtq.Queue(qname, redis_url)
+    t = q.submit({"i": 0}, stream="s")
+    first = mtq.Consumer(qname, redis_url, worker_id="h:1:first")
+    [old] = first.claim(1, lease_ms=50)
+    # its lease expires: reaped, then claimed by another worker
+    wait_for(lambda: first.broker.reap()[0] == 1, 10, "the lease reaped")
+    second = mtq.Consumer(qname, redis_url, worker_id="h:2:second")
+    [new] = wait_for(lambda: second.claim(1), 10, "the task claimed again")
+    assert new.id == old.id and new.token != old.token
+    key = QueueKeys(qname).task(t.id)
+    before = r.hmget(key, "worker", "started", "token")
+    trace_before = [(e.kind, e.detail) for e in t.trace()]
+    assert trace_before[-1] == ("started", "delivery 2 on h:2:second"), trace_before
+    assert first.broker.handover("h:3:quarantine", old.id, old.token) is False
+    assert r.hmget(key, "worker", "started", "token") == before
+    assert [(e.kind, e.detail) for e in t.trace()] == trace_before
+    # under the owner's token: the runner is named, the lease stays the claimer's
+    assert second.broker.handover("h:3:quarantine", new.id, new.token) is True
+    assert r.hmget(key, "worker", "token") == [b"h:3:quarantine", new.token.encode()]
+    after = [(e.kind, e.detail) for e in t.trace()]
+    assert after[:-1] == trace_before[:-1]
+    assert after[-1] == ("started", "delivery 2 on h:3:quarantine"), after
