@@ -13,10 +13,10 @@ The list is bounded by the queue's settings (:class:`~mtq.settings.QueueSettings
 docs/operations.md "Diagnostics kept in Redis"): a beat that writes records trims the
 list (LTRIM) to the fewest of ``batch_log_max`` records and of the records that fit
 in ``batch_log_bytes`` at this writer's mean record size (with Redis's cost of a list
-element: :func:`entry_bytes`), and sets the list's,
-the latency list's and the failures list's expiry to ``diagnostics_ttl_s`` (PEXPIRE):
-an idle queue's diagnostics go once no worker wrote for that long. Three commands a
-beat that ran batches, none a task.
+element: :func:`entry_bytes`), and sets the list's, the latency list's and the
+failures list's expiry to ``diagnostics_ttl_s`` (PEXPIRE): an idle queue's diagnostics
+go once no worker wrote for that long. A few commands (the push, the trim, the
+expiries) in one round trip a beat that ran batches; none a task.
 
 A record is a msgpack array ``[worker id, start ms, duration ms, [task ids]]`` (wall
 clock), followed by its kind when it is not ``batch`` (``prefill``, ``load``), and by
