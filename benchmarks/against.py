@@ -37,10 +37,10 @@ ROWS = (
     ("cpu_us", "Redis CPU per task, submit + drain of 20,000 (us)", "{:.1f}", False),
     ("cmds_drain", "Redis commands per drained task", "{:.2f}", False),
     ("rt_cmds", "Redis commands per round trip", "{:.2f}", False),
-    ("steady1", "steady drain, `--batch-size 1`, 10,000 tasks (tasks/s)", "{:,.0f}", True),
-    ("cpu1_us", "Redis CPU per task, submit + drain of 10,000, `--batch-size 1` (us)",
+    ("steady1", "steady drain, `--max-batch-size 1`, 10,000 tasks (tasks/s)", "{:,.0f}", True),
+    ("cpu1_us", "Redis CPU per task, submit + drain of 10,000, `--max-batch-size 1` (us)",
      "{:.1f}", False),
-    ("cmds1", "Redis commands per drained task, `--batch-size 1`", "{:.2f}", False),
+    ("cmds1", "Redis commands per drained task, `--max-batch-size 1`", "{:.2f}", False),
 )
 
 

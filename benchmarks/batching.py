@@ -172,7 +172,7 @@ def paired(server: Server, r: redis.Redis, texts: list[str], batch: int,
     timings.close()
     out = Paired(batch, len(texts), [], [], [], [])
     proc = Proc(["worker", "run", "benchmarks.children.timed:TimedMiniLM", "--queue", qname,
-                 "--redis", server.url, "--batch-size", str(batch)],
+                 "--redis", server.url, "--max-batch-size", str(batch)],
                 worker_env(server.url, MTQ_BENCH_TIMINGS=timings.name))
     try:
         wait_for("the worker to load the model", lambda: len(list_workers(r, qname)) >= 1,

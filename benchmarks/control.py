@@ -11,24 +11,38 @@ Each section is a function ``measure_<name>(quick) -> dict`` that returns its ro
 detail, comparable)); :func:`main` runs the sections asked for and writes their rows
 into the ``bench:control`` block of docs/benchmarks.md.
 
-spread: slow plain functions spread over idle workers; see
-:mod:`benchmarks.control_spread`.
-
 memory: the Redis memory a drained queue keeps. 200,000 no-op tasks over 10,000
 streams through one ``mtq worker run`` of a batched no-op model (batch 32), with the
 queue's ``retention_s`` set to 2 s for the run (so that finished tasks are gone when it
 is measured); drained, the worker stopped, the task keys expired; then ``MEMORY USAGE``
 (SAMPLES 0) of every key left, summed by kind, and the server's ``used_memory`` against
 the same server's before anything was written.
+
+stop: ``mtq workers start ... --replicas 5`` with five tasks running and its
+redis-server stopped; the time from the second SIGTERM to the supervisor's exit (a
+forced stop), and from a single SIGTERM (a graceful stop, which waits at most one
+lease for Redis, then goes on as a forced stop; ``--lease-ms 2000`` here).
+
+spread: slow plain functions spread over idle workers (20 tasks of 0.5 s over five
+replicas of ``mtq workers start``); see :mod:`benchmarks.control_spread`.
+
+A run of only some sections prints its figures and writes the block only with
+``--docs`` (the block holds every section).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -36,9 +50,11 @@ import redis
 import mtq
 from benchmarks.control_spread import measure_spread
 from benchmarks.harness.meters import machine_info
-from benchmarks.harness.procs import Proc, wait_for, worker_env
+from benchmarks.harness.procs import Proc, kill_group, spawn, wait_for, worker_env
 from benchmarks.harness.report import Results, cli_parser, docs_of, write_block
-from benchmarks.harness.server import Server, compile_tree, uniq
+from benchmarks.harness.server import RedisServer, Server, compile_tree, uniq
+from mtq.replies import hub_of
+from mtq.workers.registry import list_workers
 
 #: the memory target: what a drained queue keeps beyond its settings, in bytes
 MEMORY_TARGET = 1 << 20
@@ -93,7 +109,7 @@ def drained_memory(server: Server, tasks: int, streams: int, settings: Mapping[s
     submitted_s = time.perf_counter() - t0
     r.config_resetstat()
     p = Proc(["worker", "run", "benchmarks.children.noop:NoopModel", "--queue", name,
-              "--redis", server.url, "--batch-size", str(batch)], worker_env(server.url))
+              "--redis", server.url, "--max-batch-size", str(batch)], worker_env(server.url))
     try:
         wait_for("the drain", lambda: q.stats()["succeeded"] >= tasks, timeout, [p], every=0.2)
         drained_s = time.perf_counter() - t0
@@ -170,13 +186,93 @@ def measure_memory(quick: bool = False, *, tasks: int | None = None,
                          "settings", kept < target, f"{kept:,} bytes", True)]}
 
 
+REPLICAS = 5
+LEASE_MS = 2000
+
+
+def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.02)
+
+
+def _one_stop(tmp: Path, signals: int) -> float:
+    """Seconds from the last of ``signals`` SIGTERMs to the supervisor's exit, with five
+    tasks running and Redis stopped just before."""
+    server = RedisServer()
+    server.start()
+    queue = uniq("stop")  # and a log of its own: "stopping" must be this run's
+    mark, log = tmp / f"{queue}.mark", tmp / f"{queue}.log"
+    sup = spawn(["workers", "start", "benchmarks.children.held:hold", "--queue", queue,
+                 "--replicas", str(REPLICAS), "--max-batch-size", "1", "--standby", "0",
+                 "--lease-ms", str(LEASE_MS), "--redis", server.url],
+                worker_env(server.url, MTQ_BENCH_MARK=str(mark)), log=log)
+    try:
+        r = redis.Redis.from_url(server.url)
+        _wait(lambda: len(list_workers(r, queue)) == REPLICAS, 60, "the workers")
+        q = mtq.Queue(queue, client=r, lease_ms=LEASE_MS)
+        q.submit_many([{"s": 600} for _ in range(2 * REPLICAS)])
+        hub_of(r).close_all()  # its reply listener would reconnect, on this CPU
+        _wait(lambda: mark.exists() and len(set(mark.read_text().split())) == REPLICAS, 60,
+              "a task running in every worker")
+        r.close()
+        server.stop()
+        sup.send_signal(signal.SIGTERM)
+        if signals == 2:
+            _wait(lambda: b"stopping" in log.read_bytes(), 10, "the first signal seen")
+            sup.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        try:
+            sup.wait(120)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"the supervisor did not stop in 120 s:\n{log.read_text()}"
+                             ) from None
+        took = time.monotonic() - t0
+        if signals == 2 and took > 2:  # over the target: what the supervisor said
+            print(f"a stop took {took:.2f} s; the supervisor's log ends:\n"
+                  f"{log.read_text(errors='replace')[-2000:]}")
+        return took
+    finally:
+        kill_group(sup)
+        server.stop()
+
+
+def measure_stop(quick: bool = False) -> dict[str, Any]:
+    """The forced and the graceful stop's time with Redis away (seconds)."""
+    runs = 1 if quick else 5
+    with tempfile.TemporaryDirectory(prefix="mtq-bench-stop-") as d:
+        forced = [_one_stop(Path(d), 2) for _ in range(runs)]
+        graceful = [_one_stop(Path(d), 1) for _ in range(max(1, runs // 2))]
+    runs_f = ", ".join(f"{x:.2f}" for x in forced)
+    runs_g = ", ".join(f"{x:.2f}" for x in graceful)
+    return {
+        "forced_s": forced, "graceful_s": graceful,
+        "rows": [
+            (f"forced stop with Redis away, {REPLICAS} replicas busy: second SIGTERM to "
+             f"exit, median of {runs}", statistics.median(forced), "s",
+             f"target <= 2 s; runs {runs_f}"),
+            (f"graceful stop with Redis away (--lease-ms {LEASE_MS}): SIGTERM to exit, "
+             f"median of {len(graceful)}", statistics.median(graceful), "s",
+             f"bound: found away at the signal (1 s checks), one lease, then a forced stop; "
+             f"runs {runs_g}"),
+        ],
+    }
+
+
 #: the sections, by the name --only takes
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "memory": measure_memory,
+    "stop": measure_stop,
     "spread": measure_spread,
 }
 TITLES = {
     "memory": "Redis memory a drained queue keeps (retention_s 2 for the run)",
+    "stop": "Stops with Redis away",
     "spread": "Slow plain functions over idle workers (mtq workers start, default settings)",
 }
 
@@ -186,8 +282,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--only", action="append", choices=sorted(SECTIONS),
                     help="run only this section (repeatable)")
     args = ap.parse_args(argv)
-    docs = docs_of(args)
     names = args.only or list(SECTIONS)
+    # a partial run does not write the shared block unless asked (it would drop the
+    # other sections)
+    docs = docs_of(args) if args.docs or set(names) == set(SECTIONS) else None
     compile_tree()
     results = Results(unjudged=args.quick)
     started = time.time()
@@ -200,8 +298,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.target(what, met, detail, comparable)
     results.print("mtq control benchmark")
     if docs is not None:
-        command = "python -m benchmarks.control" + "".join(f" --only {n}" for n in names)
-        write_block("control", results.markdown(), command, machine_info(),
+        command = "python -m benchmarks.control" + "".join(
+            f" --only {n}" for n in names if set(names) != set(SECTIONS))
+        load = os.getloadavg()[0]
+        write_block("control", results.markdown(), command,
+                    machine_info(None, f"load average {load:.1f} at the end"),
                     time.time() - started, docs)
     return 0 if all(met is not False for _, met, _ in results.targets) else 1
 

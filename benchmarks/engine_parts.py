@@ -27,6 +27,7 @@ from benchmarks.harness.server import Server, uniq
 from benchmarks.harness.streams import wait_ready
 from mtq.broker import answers
 from mtq.broker.keys import QueueKeys
+from mtq.trace import parse_record
 
 FAST = "benchmarks.children.engines:FastGPT"
 SLOW = "benchmarks.children.engines:Slow"
@@ -319,7 +320,7 @@ def load_records(r: redis.Redis, queues: Sequence[str]) -> dict[str, list[tuple[
     """Per queue, the (start, end) unix s of each load an engine did for its tasks."""
     out: dict[str, list[tuple[float, float]]] = {}
     for q in queues:
-        recs = [json.loads(x) for x in r.lrange(QueueKeys(q).batches, 0, -1)]
+        recs = [x for x in map(parse_record, r.lrange(QueueKeys(q).batches, 0, -1)) if x]
         out[q] = [(x["t0"] / 1000, x["t1"] / 1000) for x in recs if x["k"] == "load"]
     return out
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Gateway: OpenAI-style streamed chat completions through ``mtq serve``.
 
-    python -m benchmarks.gateway            # ~1 minute on 2 cores, writes the gateway block
+    python -m benchmarks.gateway            # ~80 s on 2 cores, writes the gateway block
     python -m benchmarks.gateway --quick    # ~30 s, prints only (add --docs to write)
 
 One ``mtq serve`` process (uvicorn) in front of ``mtq worker run
@@ -16,8 +16,12 @@ stream must end with ``[DONE]`` and its text equal its task's result. The gatewa
 Redis connections (CLIENT LIST, by its client name) are counted with 1, 50 and N
 streams open. Then the same with the tokens spread over the step (each stream's
 token in one of 10 sub-steps, as streams that did not start in the same instant).
-Last, the N streams again read by httpx's async client (what an
-application would use), whose own CPU on these 2 cores is part of its figure.
+Beside each of those two, the floor: the same streams, pace and client served by
+``benchmarks.children.sse_floor``, a bare Starlette SSE app under uvicorn with no mtq
+and no Redis, whose tokens are made in its own process; its added latency (HTTP
+arrival less the token's hand-over in that process) is what one Python process
+writing these chunks costs. Last, the N streams again read by httpx's async client
+(what an application would use), whose own CPU on these 2 cores is part of its figure.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ from benchmarks.web import expect
 from mtq.workers.registry import list_workers
 
 TARGET = "benchmarks.children.gw_client:GwPaced"
+#: the floor: the same streams from a bare Starlette SSE app (no mtq, no Redis)
+FLOOR = "benchmarks.children.sse_floor"
 #: the gateway's client name in CLIENT LIST (mtq.cli.serve)
 GATEWAY_NAME = "mtq-gateway"
 #: 2b.: the steps of 2. cut in this many, each stream given a token in one of them
@@ -81,14 +87,7 @@ class Gateway:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.proc = Proc(["serve", "--port", str(self.port), "--log-level", "warning"], env)
-
-        def up() -> bool:
-            try:
-                return httpx.get(self.base + "/v1/models", timeout=2).status_code == 200
-            except httpx.TransportError:
-                return False
-
-        wait_for("mtq serve to answer", up, 30, [self.proc])
+        wait_for("mtq serve to answer", lambda: _answers(self.base), 30, [self.proc])
         self.ps = psutil.Process(self.proc.proc.pid)
 
     def conns(self, r: redis.Redis) -> tuple[int, int]:
@@ -103,6 +102,80 @@ class Gateway:
     def stop(self) -> None:
         self.proc.stop(10)
         self.proc.close()
+
+
+class Floor(Gateway):
+    """The floor: ``benchmarks.children.sse_floor`` (a bare Starlette SSE app under
+    uvicorn: no mtq, no Redis, its tokens made in-process) on a free port."""
+
+    def __init__(self, env: dict[str, str]) -> None:  # (not Gateway's: another program)
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = Proc([str(self.port)], env, [sys.executable, "-m", FLOOR])
+        wait_for("the floor app to answer", lambda: _answers(self.base), 30, [self.proc])
+        self.ps = psutil.Process(self.proc.proc.pid)
+
+
+def _answers(base: str) -> bool:
+    try:
+        return httpx.get(base + "/v1/models", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def floor_run(n: int, tokens: int, step_ms: float, every: int, tmp: Path,
+              env: dict[str, str]) -> tuple[list[float], int, float]:
+    """The same streams, pace and client against the floor app: (ms per token, HTTP
+    arrival less its push in the app; streams complete with every token; the app's
+    CPU s while the tokens flowed)."""
+    fl = Floor(env)
+    gate = tmp / f"gate-{uuid.uuid4().hex[:8]}"
+    out = tmp / f"floor-{uuid.uuid4().hex[:6]}.json"
+    prompt = f"n={tokens} step_ms={step_ms:g} every={every} gate={gate}"
+    client = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.children.gw_client", "raw", fl.base, "floor",
+         prompt, str(n), str(out), str(n)],
+        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        expect(client, f"opened {n}")
+        expect(client, "ids")
+        cpu0 = fl.cpu_s()
+        gate.touch()
+        if client.wait(300):
+            raise SystemExit(f"the floor's client exited with {client.returncode}")
+        cpu = fl.cpu_s() - cpu0
+        pushes = httpx.get(fl.base + "/pushes", timeout=30).json()
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait(10)
+        fl.stop()
+    add: list[float] = []
+    complete = 0
+    for rec in json.loads(out.read_text())["streams"]:
+        pushed = {i: ts for i, ts in pushes.get(rec["id"], [])}
+        complete += bool(rec["complete"] and [i for i, _, _ in rec["tokens"]]
+                         == list(range(tokens)))
+        add += [(arr - pushed[i]) * 1000 for i, arr, _ in rec["tokens"] if i in pushed]
+    return add, complete, cpu
+
+
+def floor_rows(res: Results, n: int, tokens: int, step_ms: float, every: int, tmp: Path,
+               env: dict[str, str], gwl: list[float], gw_cpu_us: float) -> None:
+    """The floor's rows beside the gateway's (section 2 and 2b); ``gwl``: the gateway's
+    publish -> HTTP arrival, the like of the floor's push -> HTTP arrival."""
+    fadd, complete, cpu = floor_run(n, tokens, step_ms, every, tmp, env)
+    if complete != n:
+        raise SystemExit(f"the floor app completed {complete} of {n} streams")
+    res.add("floor: a bare Starlette/uvicorn SSE app (no mtq, no Redis), the same streams, "
+            "pace and client: HTTP arrival - in-process push, p50", pct(fadd, 50), "ms",
+            f"{ms_stats(fadd)}; what one Python process writing these chunks adds; the "
+            f"gateway's publish -> arrival above it: p50 {pct(gwl, 50) - pct(fadd, 50):+.3f}"
+            f" ms, p99 {pct(gwl, 99) - pct(fadd, 99):+.3f} ms (Redis and the reply "
+            "subscription included)")
+    res.add("  p99", pct(fadd, 99), "ms", f"{complete} of {n} streams complete")
+    res.add("  the floor app's CPU per token", cpu / max(len(fadd), 1) * 1e6, "us",
+            f"{cpu:.2f} CPU s; mtq serve {gw_cpu_us:.1f} us per token")
 
 
 @dataclass
@@ -265,6 +338,8 @@ def bench_many(r: redis.Redis, gw: Gateway, q: mtq.Queue, server: Server, s: Siz
     res.add(f"gateway streams ({s.many} raw sockets in one process), publish -> arrival, p50",
             pct(gwl, 50), "ms", ms_stats(gwl))
     judge(res, f"{s.many} streams", add, inproc, gwl)
+    floor_rows(res, s.many, s.many_tokens, s.many_step_ms, 1, tmp, env, gwl,
+               run.cpu_s / max(tokens, 1) * 1e6)
     res.add("mtq serve process CPU per token", run.cpu_s / max(tokens, 1) * 1e6, "us",
             f"{run.cpu_s:.2f} CPU s = {run.cpu_s / run.wall_s:.0%} of a core over "
             f"{run.wall_s:.1f} s (gate open -> last stream done); every step hands all "
@@ -310,6 +385,9 @@ def bench_spread(r: redis.Redis, gw: Gateway, q: mtq.Queue, server: Server, s: S
     res.add("gateway streams (raw sockets), publish -> arrival, p50", pct(gwl, 50), "ms",
             ms_stats(gwl))
     judge(res, f"{s.many} spread streams", add, inproc, gwl)
+    tokens = sum(len(rec["tokens"]) for rec in run.gw)
+    floor_rows(res, s.many, s.many_tokens, s.many_step_ms / every, every, tmp, env, gwl,
+               run.cpu_s / max(tokens, 1) * 1e6)
 
 
 def bench_httpx(r: redis.Redis, gw: Gateway, q: mtq.Queue, server: Server, s: Sizes,

@@ -220,7 +220,7 @@ def bench_batching(server: Server, r: redis.Redis, device: str, s: Sizes, rep: R
                     f"{spec}.predict in this process, {dtype}, {len(payloads)} sentences; "
                     "baseline")
             rep.add(f"{label} through the queue, batch {batch}", served, "tasks/s",
-                    f"one mtq worker run --device {device} --batch-size {batch}, "
+                    f"one mtq worker run --device {device} --max-batch-size {batch}, "
                     f"{len(payloads)} single-sentence tasks submitted first")
             rep.add(f"{label} queue / direct, batch {batch}", served / direct, "x",
                     "through-the-queue throughput as a share of the model called directly")

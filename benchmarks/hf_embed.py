@@ -10,7 +10,7 @@ nothing is downloaded), or ``--model`` (a folder or a hub name). In turns, with 
 same sentences: (a) the model called directly in this process, in batches of 32 (the
 tokenizer padding to each batch's longest, the encoder, mean pooling, L2
 normalisation, the vectors as lists: what ``hf:Embedder`` computes), and (b) one
-``mtq worker run hf:Embedder --batch-size 32`` serving the sentences submitted at once
+``mtq worker run hf:Embedder --max-batch-size 32`` serving the sentences submitted at once
 as single tasks, timed from its first completion to its last on the server's clock
 (the first batch's ramp left out, as in benchmarks/batching.py). The figure is the
 median of the paired ratios (b)/(a); the target is ``targets.HF_EMBEDDER``.
@@ -141,7 +141,7 @@ def run(redis_url: str | None = None, *, model: str | None = None, device: str =
     direct = Direct(path, device)
     direct(texts[:batch])  # warm-up
     proc = Proc(["worker", "run", "hf:Embedder", "--queue", qname, "--redis", redis_url,
-                 "--batch-size", str(batch), "--device", device, "--set", f"model={path}"],
+                 "--max-batch-size", str(batch), "--device", device, "--set", f"model={path}"],
                 worker_env(redis_url))
     rates: list[tuple[float, float, float]] = []  # (direct, queue, foreign share)
     try:

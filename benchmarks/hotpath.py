@@ -7,7 +7,7 @@ redis-server is pinned to one CPU, this driver and the worker to the other.
   is spawned; its handler (``benchmarks.children.noop:marked``) stamps ``time.time()``
   at task 1 and task N. Start-up = spawn to task 1; steady = (N - 1) / (task N - task
   1); Redis commands and CPU per task from INFO over the drain (and the submit) / N.
-  The same with ``--batch-size 1``.
+  The same with ``--max-batch-size 1``.
 * **bare**: the floor under Redis CPU per task: mtq's per-task commands sent as plain
   pipelined commands, and a queue that keeps no record of a task (:func:`bare`).
 * **round trip**: ``q.submit(None).result()`` on a warm worker, idle and under a
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         for i in range(passes):
             results["drain"].append(drain(server, n, worker_cpu))
             results["drain20k"].append(drain(server, 4 * n, worker_cpu))
-            results["drain1"].append(drain(server, 2 * n, worker_cpu, "--batch-size", "1"))
+            results["drain1"].append(drain(server, 2 * n, worker_cpu, "--max-batch-size", "1"))
             results["rt"].append(roundtrips(server, count, worker_cpu))
             half = statistics.median(d["steady"] for d in results["drain20k"]) / 2
             results["load"].append({**roundtrips(server, count, worker_cpu, half),
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
          "their own work (see below)"),
         ("steady drain, 1 worker (tasks/s)", f"{med('drain20k', 'steady'):,.0f}", targets.HOTPATH["steady"],
          f"20,000 tasks; range {rng('drain20k', 'steady')}"),
-        ("steady drain, 1 worker, `--batch-size 1` (tasks/s)",
+        ("steady drain, 1 worker, `--max-batch-size 1` (tasks/s)",
          f"{med('drain1', 'steady'):,.0f}", "",
          f"10,000 tasks, one per `predict`; range {rng('drain1', 'steady')}; Redis commands "
          f"/ CPU per task: {med('drain1', 'cmds_drain'):.2f} / {med('drain1', 'cpu_us'):.1f} "

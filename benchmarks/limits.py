@@ -93,7 +93,7 @@ def deadlines(url: str, warmup_s: float, seconds: float, cost: int = 50,
     q = mtq.Queue(queue, url)
     worker = subprocess.Popen([sys.executable, "-m", "mtq", "worker", "run",
                                "benchmarks.children.costed:work", "--queue", queue,
-                               "--batch-size", "1"],
+                               "--max-batch-size", "1"],
                               env=worker_env(url), cwd=ROOT, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     try:

@@ -1,7 +1,7 @@
 """Scheduling: priority bands and tenants' cost-weighted fair share, each against today's
 round robin in the same run.
 
-One worker slot per queue: ``mtq worker run benchmarks.children.costed:work --batch-size 1``,
+One worker slot per queue: ``mtq worker run benchmarks.children.costed:work --max-batch-size 1``,
 whose work sleeps 0.1 ms per cost unit and logs when each task ran (the worker's own
 clock). Round robin is the same load submitted without tenant and priority, so that the
 queue's scheduling stays off. The queues of one phase run at once, each with its own
@@ -114,7 +114,7 @@ class Lane:
 
     def start(self) -> Proc:
         self.proc = Proc(["worker", "run", TARGET, "--queue", self.q.name, "--redis",
-                          self.server.url, "--batch-size", "1", "--max-wait-ms", "0"],
+                          self.server.url, "--max-batch-size", "1", "--max-wait-ms", "0"],
                          worker_env(self.server.url, MTQ_BENCH_LOG=str(self.log)))
         return self.proc
 

@@ -55,6 +55,8 @@ _MAX_COUNT = 2**53 - 1
 _YEARS_30_S = 30 * 365 * 24 * 3600
 #: most retries a queue or a task may ask for
 MAX_RETRIES = 10_000
+#: most latencies a queue keeps (LATENCY_KEEP in mtq/broker/lua/_lib.lua)
+LATENCY_MAX = 1000
 #: the largest values Redis takes where they end up (EXPIRE, PEXPIRE, a string's size)
 _MAXIMUMS = {
     "max_payload_bytes": 512 * 1024 * 1024,
@@ -62,7 +64,8 @@ _MAXIMUMS = {
     "retry_backoff_max_ms": _YEARS_30_S * 1000, "durable_timeout_ms": _YEARS_30_S * 1000,
     "retention_s": _YEARS_30_S, "dead_retention_s": _YEARS_30_S,
     "idempotency_window_s": _YEARS_30_S, "cache_ttl_s": _YEARS_30_S, "max_retries": MAX_RETRIES, "durable_replicas": 100,
-    "band_min_share": 99,
+    "band_min_share": 99, "latency_keep": LATENCY_MAX, "diagnostics_ttl_s": _YEARS_30_S,
+    "batch_log_bytes": 1 << 30,
 }
 
 
@@ -131,6 +134,15 @@ class QueueSettings:
     #: what a submit over a limit gets: "reject" (RateLimited, HTTP 429) or "hold" (it
     #: is queued, and claims pass its tenant over until its limit allows)
     rate_limit_mode: str = "reject"
+    #: diagnostics (docs/operations.md): the batch log (what `mtq trace` reads) keeps at
+    #: most this many records and this many bytes of them (the newest)
+    batch_log_max: int = 10_000
+    batch_log_bytes: int = 512 * 1024
+    #: latencies kept for the queue's p50/p99 (the newest; at most 1,000)
+    latency_keep: int = 1000
+    #: the queue's diagnostics (batch log, latencies, failures, histograms) are deleted
+    #: once no worker wrote to them for this long
+    diagnostics_ttl_s: int = 24 * 3600
 
     def __post_init__(self) -> None:
         if isinstance(self.tenant_weights, Mapping):
@@ -169,7 +181,8 @@ class QueueSettings:
             "retention_s": 1, "dead_retention_s": 1, "dead_max": 1,
             "idempotency_window_s": 1, "wake_cap": 1, "reap_limit": 1,
             "durable_replicas": 0, "durable_timeout_ms": 1, "cache_ttl_s": 0,
-            "cache_max_entries": 1, "band_min_share": 0,
+            "cache_max_entries": 1, "band_min_share": 0, "batch_log_max": 0,
+            "batch_log_bytes": 0, "latency_keep": 1, "diagnostics_ttl_s": 1,
         }
         for name, low in minimums.items():
             high = _MAXIMUMS.get(name, _MAX_COUNT)
@@ -287,4 +300,9 @@ QUEUE_SETTING_DOCS: dict[str, tuple[str, str]] = {
     "tenant_tpm": ("tenant=N,...", "cost (tokens) per minute each tenant may start"),
     "rate_limit_mode": ("reject/hold", "a submit over a limit is refused (RateLimited, "
                                        "429) or held until its limit allows"),
+    "batch_log_max": ("records", "most batch records kept for `mtq trace` (0: none)"),
+    "batch_log_bytes": ("bytes", "most bytes of batch records kept (0: none)"),
+    "latency_keep": ("tasks", f"latencies kept for p50/p99 (at most {LATENCY_MAX})"),
+    "diagnostics_ttl_s": ("s", "the batch log, latencies, failures and histograms are "
+                               "deleted once no worker wrote to them for this long"),
 }

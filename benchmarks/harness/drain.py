@@ -68,7 +68,7 @@ def drain(server: Server, r: redis.Redis, target: str, payloads: Sequence[Any], 
     redis_cpu = proc_cpu(redis_pid)
     t0 = time.perf_counter()
     p = Proc(["worker", "run", target, "--queue", qname, "--redis", server.url,
-              "--batch-size", str(batch), *(["--burst"] if burst else []), *args],
+              "--max-batch-size", str(batch), *(["--burst"] if burst else []), *args],
              worker_env(server.url, MTQ_BENCH_TIMINGS=timings.name))
     try:
         if not burst:

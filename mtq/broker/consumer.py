@@ -41,7 +41,7 @@ from mtq.broker.outcomes import (
     stream_items,
 )
 from mtq.broker.protocol import LOST, Broker, Claimed, ClaimResult, parse_handed
-from mtq.errors import MtqError, RedisUnavailable
+from mtq.errors import BrokerError, MtqError, RedisUnavailable
 from mtq.settings import QueueSettings
 from mtq.validation import check_queue_name
 
@@ -304,6 +304,17 @@ class Consumer:
         worker's id ``worker`` (:func:`recovery.give_back_all`); call it after
         :meth:`wait_disconnected`."""
         return recovery.give_back_all(self.broker, worker, running, rest, reason, skip)
+
+    def run_here(self, task: Claimed) -> None:
+        """Record that ``task``, claimed by another process, runs in this one (a
+        suspect taken by the quarantine process): its start names this worker. A
+        failure is logged, and the task runs all the same."""
+        try:
+            if not self.broker.handover(self.worker_id, task.id, task.token):
+                log.debug("task %s: lease lost before it was taken over", task.id)
+        except BrokerError:
+            log.warning("could not record that task %s runs in worker %s", task.id,
+                        self.worker_id, exc_info=True)
 
     def wait_disconnected(self, name: str, timeout: float = 1.0) -> bool:
         """Wait until Redis has closed every connection named ``name``

@@ -276,6 +276,13 @@ class Broker:
 
         return self.run(self._call("orphans", [worker, 0], parse))[0]
 
+    def handover(self, worker: str, task_id: str, token: str) -> bool:
+        """Task ``task_id`` (lease ``token``) runs in worker ``worker``'s process, not its
+        claimer's: its start names that worker (see handover.lua). False: the lease is
+        lost."""
+        return self.run(self._call("handover", [worker, task_id, token],
+                                   lambda r: int(r) == 1))[0]
+
     def reap(self) -> tuple[int, int, int]:
         """Reclaim expired leases and promote due retries: (reaped, promoted, next timer ms)."""
         s = self.settings

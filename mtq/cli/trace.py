@@ -26,8 +26,9 @@ def trace_command(queue: str, since: str, output: str, limit: int, url: str | No
     Open it in https://ui.perfetto.dev or chrome://tracing: one track per
     worker process (its batches, its tasks' deliveries, restarts and failures)
     and a 'queue QUEUE' track with each task's wait from submit to start.
-    Reads the workers' batch records (the newest 10 000 batches) and the
-    tasks' timelines, never a scan. A malformed --since exits 2 and writes
+    Reads the workers' batch records (the newest the queue keeps: its
+    batch_log_max and batch_log_bytes settings) and the tasks' timelines,
+    never a scan. A malformed --since exits 2 and writes
     nothing; a queue Redis does not know exits 3."""
     from mtq.broker.connection import connect, redis_errors, safe_url
     from mtq.observe.perfetto import collect, parse_since, queue_exists

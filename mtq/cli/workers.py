@@ -39,6 +39,28 @@ _wait_opt = click.option(
          f"after MTQ_REDIS_WAIT_S, {REACH_TIMEOUT_S:.0f} s unless set, and exit 5).")
 
 
+class _HiddenAliases(click.Option):
+    """An option whose later names are aliases kept working but left out of --help."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        shown_opts, self.opts = self.opts, self.opts[:1]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = shown_opts
+
+    def get_error_hint(self, ctx: click.Context | None) -> str:
+        return repr(self.opts[0])
+
+
+#: the batch size, one name for every command (the model's attribute, the host file's
+#: key); ``--batch-size`` is kept as a hidden alias
+_max_batch_opt = click.option(
+    "--max-batch-size", "--batch-size", "max_batch_size", cls=_HiddenAliases, default=None,
+    type=click.IntRange(1, 100_000),
+    help="Most tasks per batch: overrides the model's max_batch_size.")
+
+
 _set_opt = click.option(
     "--set", "sets", multiple=True, metavar="KEY=VALUE",
     help="A model option the target declares (mtq.Option), e.g. --set model=/srv/minilm; "
@@ -118,8 +140,7 @@ def worker() -> None:
 @click.argument("target")
 @_queue_opt
 @redis_option
-@click.option("--batch-size", default=None, type=click.IntRange(1, 100_000),
-              help="Most tasks per batch (default: the model's max_batch_size).")
+@_max_batch_opt
 @click.option("--max-wait-ms", default=None, type=FloatRange(0, 60_000),
               help="Longest wait for a batch to fill (default: the model's max_wait_ms).")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda:N or mps.")
@@ -130,7 +151,7 @@ def worker() -> None:
 @_set_opt
 @_app_dir_opt
 @_wait_opt
-def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
+def worker_run(target: str, queue: str, url: str | None, max_batch_size: int | None,
                max_wait_ms: float | None, device: str, lease_ms: int | None, burst: bool,
                sets: tuple[str, ...], app_dir: str, wait_for_redis: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr': an mtq.Model subclass or a
@@ -150,7 +171,7 @@ def worker_run(target: str, queue: str, url: str | None, batch_size: int | None,
     url = _reach(url, wait_for_redis)
     try:
         w = Worker(target, queue, url=url, settings=_overrides(lease_ms=lease_ms),
-                   device=device, max_batch_size=batch_size, max_wait_ms=max_wait_ms,
+                   device=device, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                    options=options)
     except MtqError as exc:
         fail(exc, USAGE)  # the target cannot be loaded, or an option is out of range
@@ -207,8 +228,7 @@ _FILE_FLAGS = {"queue": ("--queue", "queue, in each [[engine]]"),
               help="cpu | cuda:0,cuda:1 | all (every GPU, or cpu without one).")
 @click.option("--replicas", default=1, show_default=True, type=click.IntRange(0, 256),
               help="Worker processes per device.")
-@click.option("--max-batch-size", default=None, type=click.IntRange(1, 100_000),
-              help="Override the model's max_batch_size.")
+@_max_batch_opt
 @click.option("--max-wait-ms", default=None, type=FloatRange(0, 60_000),
               help="Override the model's max_wait_ms.")
 @click.option("--timeout", "timeout_s", default=None, type=FloatRange(min=0.001),

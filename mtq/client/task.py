@@ -285,6 +285,7 @@ class Task:
                     yield ev
         finally:
             hub.close(feed)
+            feed.close()
 
     def tokens(self, timeout: float | None = None) -> Iterator[Any]:
         """Iterate over the task's tokens (or chunks), live as they are produced:

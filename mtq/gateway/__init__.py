@@ -1,8 +1,8 @@
 """mtq's OpenAI-compatible gateway (``mtq serve``; the ``web`` extra): a Starlette
 application that answers the OpenAI API over mtq queues. See docs/gateway.md.
 
-``create_app`` is imported on first use, so that ``mtq.gateway.keys`` (the API keys
-of :mod:`mtq.client.apikeys`, at their first path) can be used without Starlette."""
+``create_app`` is imported on first use: importing the package loads no web server.
+The API keys it checks are :mod:`mtq.client.apikeys` (``mtq keys``)."""
 
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -88,7 +89,18 @@ def from_mtq(exc: MtqError) -> GatewayError:
     kind = {400: "invalid_request_error", 404: "invalid_request_error",
             413: "invalid_request_error", 429: "rate_limit_error"}.get(err.status,
                                                                       "server_error")
-    return GatewayError(err.status, err.detail, kind, None, err.code, dict(err.headers))
+    headers = dict(err.headers)
+    wait = getattr(exc, "retry_after", None)
+    if isinstance(wait, (int, float)) and wait > 0:
+        headers.update(waits(wait))
+    return GatewayError(err.status, err.detail, kind, None, err.code, headers)
+
+
+def waits(seconds: float) -> dict[str, str]:
+    """``Retry-After`` (whole seconds, rounded up) and ``retry-after-ms`` (the exact
+    wait, which the OpenAI SDKs prefer: their retry comes when it can succeed)."""
+    return {"Retry-After": retry_after(seconds),
+            "retry-after-ms": str(max(1, math.ceil(seconds * 1000)))}
 
 
 def failed(exc: TaskFailed) -> GatewayError:
@@ -221,7 +233,7 @@ class Gateway:
         if wait > 0:
             raise GatewayError(429, f"rate limit of key {key.id} reached: retry in "
                                f"{wait:.1f} s", "rate_limit_error", None,
-                               "rate_limit_exceeded", {"Retry-After": retry_after(wait)})
+                               "rate_limit_exceeded", waits(wait))
 
     # -- models ------------------------------------------------------------------------
     def queue(self, name: str) -> Queue:
@@ -293,11 +305,22 @@ class Gateway:
         raise self._unknown(name)
 
     # -- submitting --------------------------------------------------------------------
-    async def submit(self, request: Request, q: Queue, payload: Any, key: Any,
-                     user: str | None, streamed: bool = True) -> Task:
-        """One task: in the stream of the request's ``user`` (within its key), else of
-        its key; as the key's tenant; at the key's priority, else the header's, else
-        interactive; with the ``X-Mtq-Deadline`` header's deadline."""
+    @staticmethod
+    def options(request: Request, key: Any) -> dict[str, Any]:
+        """A request's submit options: the key's tenant; the key's priority, else the
+        ``X-Mtq-Priority`` header's, else interactive; the ``X-Mtq-Deadline`` header's
+        deadline. Read before the request is admitted: a bad header (400) costs its
+        key nothing."""
+        return fill_options(
+            {}, request, lambda r: getattr(key, "tenant", None),
+            lambda r: (getattr(key, "priority", None)
+                       or header_priority(r.headers.get(PRIORITY_HEADER)) or DEFAULT_PRIORITY),
+            request.headers.get(DEADLINE_HEADER))
+
+    async def submit(self, q: Queue, payload: Any, key: Any, user: str | None,
+                     options: dict[str, Any], streamed: bool = True) -> Task:
+        """One task, with ``options`` (:meth:`options`): in the stream of the request's
+        ``user`` (within its key), else of its key."""
         key_id = getattr(key, "id", None)
         stream = None
         if streamed:
@@ -305,11 +328,6 @@ class Gateway:
                 stream = stream_name("user", f"{key_id}/{user}" if key_id else user)
             elif key_id is not None:
                 stream = stream_name("key", key_id)
-        options = fill_options(
-            {}, request, lambda r: getattr(key, "tenant", None),
-            lambda r: (getattr(key, "priority", None)
-                       or header_priority(r.headers.get(PRIORITY_HEADER)) or DEFAULT_PRIORITY),
-            request.headers.get(DEADLINE_HEADER))
         return await asyncio.to_thread(q.submit, payload, stream=stream, **options)
 
     async def wait(self, request: Request, tasks: list[Task]) -> list[Any]:
@@ -362,8 +380,9 @@ class Gateway:
         key = await self.key_of(request)
         q, dialect = await self.resolve(model_name(body))
         gen = parse(body, dialect)
+        options = self.options(request, key)
         await self.admit(key, gen.budget)
-        task = await self.submit(request, q, gen.payload, key, gen.user)
+        task = await self.submit(q, gen.payload, key, gen.user, options)
         if gen.stream:
             return StreamResponse(CompletionStream(task, gen, keepalive_s=self.keepalive_s,
                                                    timeout=self.timeout_s))
@@ -381,11 +400,12 @@ class Gateway:
         key = await self.key_of(request)
         model, texts, user, b64 = embedding_inputs(body)
         q, _dialect = await self.resolve(model)
+        options = self.options(request, key)
         await self.admit(key, sum(len(t) // 4 + 1 for t in texts))
         tasks = []
         try:
             for text in texts:  # no stream: the inputs are batched, not run one by one
-                tasks.append(await self.submit(request, q, text, key, user, streamed=False))
+                tasks.append(await self.submit(q, text, key, user, options, streamed=False))
         except BaseException:
             await self._cancel(tasks)
             raise

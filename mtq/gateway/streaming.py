@@ -7,6 +7,7 @@ streams, with OpenAI's framing (no ``event:`` or ``id:`` lines: the SDKs read ev
 from __future__ import annotations
 
 import asyncio
+from json.encoder import encode_basestring
 from typing import Any
 
 from mtq.client import Task
@@ -20,8 +21,22 @@ __all__ = ["CompletionStream"]
 DONE = b"data: [DONE]\n\n"
 
 
+#: a text no token holds (NUL is escaped in JSON): where a chunk's text goes
+_HOLE = "\x00mtq-token\x00"
+
+
 def data(body: Any) -> bytes:
     return f"data: {to_json(body)}\n\n".encode()
+
+
+def template(gen: Generation, task_id: str) -> tuple[bytes, bytes]:
+    """The bytes of a text chunk before and after its text's JSON string: a token's
+    chunk is ``head + json(text) + tail``, the same bytes as :func:`data` of
+    :func:`chunk` (built once per stream, not a dict and a JSON encoding per token)."""
+    whole = data(chunk(gen, task_id, text=_HOLE))
+    head, hole, tail = whole.partition(encode_basestring(_HOLE).encode())
+    assert hole and _HOLE.encode() not in tail, "the chunk template lost its hole"
+    return head, tail
 
 
 def error_data(message: str, kind: str, code: str) -> bytes:
@@ -41,6 +56,7 @@ class CompletionStream(EventStream):
         self.gen = gen
         #: the token events read (the completion's tokens when the result has no usage)
         self.tokens = 0
+        self._head, self._tail = template(gen, task.id)
 
     def _preamble(self) -> bytes:
         if self.gen.kind == "chat":  # OpenAI's first chat chunk: the role, no text yet
@@ -53,7 +69,7 @@ class CompletionStream(EventStream):
             piece = ev.data if isinstance(ev.data, str) else str(ev.data)
             if not piece:  # an end-of-text token, or half a character
                 return None
-            return data(chunk(self.gen, self.task.id, text=piece))
+            return self._head + encode_basestring(piece).encode() + self._tail
         if ev.kind == "idle":
             return comment("keep-alive")
         if not ev.terminal:

@@ -28,6 +28,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import msgpack
+
 from mtq.errors import ConfigError
 
 #: ``--since`` units, in seconds
@@ -53,16 +55,36 @@ def parse_since(text: str) -> float:
 
 
 def parse_record(raw: bytes | str) -> dict[str, Any] | None:
-    """One batch record (see mtq.workers.batchlog), or None if it cannot be read."""
+    """One batch record (see mtq.workers.batchlog: a msgpack array, or the JSON object
+    of an older worker) as ``{"w", "h", "p", "k", "t0", "t1", "ids"}``, or None if it
+    cannot be read."""
     try:
+        if isinstance(raw, bytes) and raw[:1] != b"{":
+            return _unpack_record(msgpack.unpackb(raw, raw=False))
         rec = json.loads(raw)
         if not isinstance(rec, dict):
             return None
         rec["t0"], rec["t1"] = int(rec["t0"]), int(rec["t1"])
         rec["ids"] = [str(i) for i in rec.get("ids") or []]
         return rec
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException):
         return None
+
+
+def _unpack_record(fields: Any) -> dict[str, Any] | None:
+    """``[worker, start ms, duration ms, ids, kind?, host?, pid?]`` as a record."""
+    if not isinstance(fields, list) or len(fields) < 4:
+        return None
+    worker, t0, dt, ids = str(fields[0]), int(fields[1]), int(fields[2]), fields[3]
+    kind = str(fields[4]) if len(fields) > 4 else "batch"
+    if len(fields) > 6:
+        host, pid = str(fields[5]), fields[6]
+    else:  # the id tells them: host:pid:random
+        parts = worker.split(":")
+        host, pid = (parts[0], int(parts[1])) if len(parts) >= 3 and parts[1].isdigit() \
+            else ("?", "?")
+    return {"w": worker, "h": host, "p": pid, "k": kind, "t0": t0, "t1": t0 + dt,
+            "ids": [str(i) for i in ids or []]}
 
 
 def parse_line(raw: bytes | str) -> tuple[int, str, str] | None:

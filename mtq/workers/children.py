@@ -166,20 +166,23 @@ def start(ctx: Any, config: ChildConfig, index: int, device: str, *, spare: bool
                  spare=spare, quarantine=quarantine)
 
 
-def give_back(consumers: Sequence[Consumer], c: Child, elsewhere: Collection[str]) -> None:
+def give_back(consumers: Sequence[Consumer], c: Child, elsewhere: Collection[str], *,
+              strict: bool = False) -> None:
     """Return a dead child's tasks, each engine's with its queue's consumer (in the
     order of ``c.engines``): the running call's items counted, the rest not,
     including those it claimed just before it died and never reported (found in
     Redis by its worker id once its connections are gone). ``elsewhere``: ids
-    another process runs now (suspects in the quarantine process)."""
+    another process runs now (suspects in the quarantine process). ``strict``: a
+    failure to reach Redis raises (:class:`~mtq.errors.BrokerError`) rather than being
+    logged, and the engines after it are not tried (a stop: mtq.workers.stops)."""
     if c.spare:
         return
     for i, e in enumerate(c.engines):
-        _give_back(consumers[i], c, i, e, elsewhere)
+        _give_back(consumers[i], c, i, e, elsewhere, strict)
 
 
 def _give_back(consumer: Consumer, c: Child, i: int, e: Engine,
-               elsewhere: Collection[str]) -> None:
+               elsewhere: Collection[str], strict: bool) -> None:
     if not e.held and not e.worker_id:
         return
     running: list[tuple[str, str]] = []
@@ -201,6 +204,8 @@ def _give_back(consumer: Consumer, c: Child, i: int, e: Engine,
         else:
             consumer.give_back(running, rest, reason)
     except BrokerError:
+        if strict:
+            raise
         log.warning("could not give back the tasks of worker %d (queue %s); they return "
                     "when their leases expire", c.slot, e.queue, exc_info=True)
     e.held.clear()

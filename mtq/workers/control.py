@@ -73,8 +73,8 @@ class Listener:
         self._thread.start()
         self.subscribed.wait(5)
 
-    def close(self) -> None:
-        """Stop listening."""
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop listening (waiting at most ``timeout`` for its thread, a daemon)."""
         self._closed.set()
         ps = self._pubsub
         if ps is not None:
@@ -82,7 +82,7 @@ class Listener:
                 ps.close()
             except Exception:  # closing a broken connection may raise anything
                 pass
-        self._thread.join(timeout=2)
+        self._thread.join(timeout=timeout)
 
     def _run(self) -> None:
         backoff = Backoff()

@@ -229,7 +229,7 @@ class Fetcher:
         batches spread over them; a generator keeps one (its running batch holds places
         in the slot; only dynamic batches set Ledger.batch_s).
 
-        Small batches of a fast model (``--batch-size 1`` of a function that returns
+        Small batches of a fast model (``--max-batch-size 1`` of a function that returns
         in microseconds) would otherwise cost a claim, with its fixed cost in Redis and
         in this process, for every batch or two. With more than two batches ahead the
         fetcher waits until half of them are taken, then claims all the room in one

@@ -74,10 +74,10 @@ class Heartbeat:
                 now = time.monotonic()
                 rate = (totals["tasks"] - last_tasks) / max(now - last_t, 1e-6)
                 last_tasks, last_t = totals["tasks"], now
+                self.read_settings()
                 registry.beat(c.redis, c.worker_id, self.report(rate),
                               ttl_s=max(3 * interval, 5.0), extra=self.batchlog.write)
                 self.batchlog.written()
-                self.read_settings()
                 self.flush_stats()
                 if now - last_reap >= reap_every:
                     c.reap()
@@ -117,13 +117,14 @@ class Heartbeat:
 
     # -- histograms (mtq.observe.histograms) ------------------------------------------------
     def read_settings(self) -> None:
-        """Follow the queue's ``metrics`` and ``max_retries`` settings."""
+        """Follow the queue's ``metrics``, ``max_retries`` and diagnostics settings."""
         try:
             s = self.consumer.settings
         except SETTINGS_UNREAD:  # never read: the defaults stand
             return
         self.stats.enabled = s.metrics
         self.outcomes.max_retries = s.max_retries
+        self.batchlog.settings = s  # the diagnostics' bounds
 
     def flush_stats(self) -> None:
         """Write the histograms gathered since the last write (one MULTI/EXEC: applied
@@ -133,9 +134,12 @@ class Heartbeat:
         try:
             with redis_errors("while writing the histograms"):
                 pipe = c.redis.pipeline(transaction=True)
-                sent = self.stats.flush(pipe, QueueKeys(c.queue).hist)
+                key = QueueKeys(c.queue).hist
+                sent = self.stats.flush(pipe, key)
                 if sent is None:
                     return
+                # an idle queue's histograms go (docs/operations.md, diagnostics)
+                pipe.pexpire(key, self.batchlog.settings.diagnostics_ttl_s * 1000)
                 # a queue deleted under its workers (mtq queue delete --force) stays
                 # deleted: what they observed of it is dropped, not written back
                 if shared(c.redis).sismember(QUEUES, c.queue):

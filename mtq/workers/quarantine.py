@@ -20,9 +20,10 @@ from typing import Any
 from mtq.broker.consumer import Consumer
 from mtq.broker.protocol import Claimed
 from mtq.errors import BrokerError
-from mtq.workers import children, restarts
+from mtq.workers import restarts
 from mtq.workers.children import Child
 from mtq.workers.restarts import backoff
+from mtq.workers.stops import Stops
 
 log = logging.getLogger("mtq.workers.supervisor")  # the supervisor's log, as its users read it
 
@@ -34,8 +35,11 @@ class Quarantine:
     """A supervisor's quarantine process and the suspects waiting for it."""
 
     def __init__(self, consumer: Consumer, *, spawn: Callable[[], Child],
-                 on_event: Callable[[str], None], on_give_up: Callable[[], None]) -> None:
+                 on_event: Callable[[str], None], on_give_up: Callable[[], None],
+                 stops: Stops) -> None:
         self.consumer = consumer
+        #: gives back what it held (bounded once the supervisor stops)
+        self.stops = stops
         #: starts the quarantine process
         self.spawn = spawn
         self.on_event = on_event
@@ -127,13 +131,7 @@ class Quarantine:
             self.suspects = [f for f in self.suspects if f[0] not in gone]
 
     def release(self, suspects: list[list[Any]]) -> None:
-        if not suspects:
-            return
-        try:
-            self.consumer.release_leases([(f[0], f[1]) for f in suspects])
-        except BrokerError:
-            log.warning("could not give back %d suspect(s); they return when their "
-                        "leases expire", len(suspects), exc_info=True)
+        self.stops.release(self.consumer, [(f[0], f[1]) for f in suspects])
 
     def release_all(self) -> None:
         """Stopping: the waiting suspects go back to their streams, unrun."""
@@ -157,8 +155,7 @@ class Quarantine:
         max_deliveries); one that could not set up is tried again later."""
         self.process = None
         self._idle_since = None
-        children.give_back([self.consumer], c, self.elsewhere())
-        children.unregister([self.consumer], c, code)
+        self.stops.give_back([self.consumer], c, self.elsewhere(), code)
         if c.fatal and not stopping:  # cannot load the target: no use trying again
             self._failures = restarts.MAX_SETUP_FAILURES - 1
             self._setup_failed(c, code)

@@ -21,7 +21,7 @@ import socket
 import threading
 from collections.abc import Callable, Iterable
 
-__all__ = ["on_stop_signals"]
+__all__ = ["Wakeup", "on_stop_signals"]
 
 #: the wakeup sockets' write ends, kept open for the process's life
 _open: list[socket.socket] = []
@@ -59,3 +59,42 @@ def on_stop_signals(stop: Callable[[], None], signals: Iterable[int] = (signal.S
 
     _open.append(writer)  # the wakeup fd must stay open as long as the process
     threading.Thread(target=watch, name="mtq-signals", daemon=True).start()
+
+
+class Wakeup:
+    """A supervisor's wake-up socket: its loop waits on :attr:`reader` beside its
+    children's pipes; :meth:`poke` (thread-safe, signal-safe) wakes it, and
+    :meth:`on_signal`, a signal handler, counts a signal and wakes it."""
+
+    def __init__(self) -> None:
+        self.reader, self._writer = socket.socketpair()
+        self.reader.setblocking(False)
+        self._writer.setblocking(False)
+        #: signals received so far (written only by the handler)
+        self.signals = 0
+        self._seen = 0
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        # no lock and no read-modify-write shared with the loop: the handler runs on
+        # the main thread between any two bytecodes
+        self.signals += 1
+        self.poke()
+
+    def new_signals(self) -> int:
+        """How many signals came since the last call (the loop's side)."""
+        received = self.signals
+        pending, self._seen = received - self._seen, received
+        return pending
+
+    def poke(self) -> None:
+        try:
+            self._writer.send(b"x")
+        except (BlockingIOError, OSError):
+            pass  # already pending
+
+    def drain(self) -> None:
+        try:
+            while self.reader.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass

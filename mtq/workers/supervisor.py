@@ -24,7 +24,8 @@ control messages).
   ``setup`` that fails again and again stops it after a few tries, with the error.
 * SIGTERM / SIGINT: graceful drain (every child finishes its running batch and
   gives back what it claimed ahead); a second signal kills the children and gives
-  their tasks back.
+  their tasks back. Either ends within its bound whatever Redis does
+  (:mod:`mtq.workers.stops`).
 * Control messages on the queue's control channel: pause, resume, and the engine
   commands load, unload, reload, reset (to the children, whose engines answer
   them), drain, stop, scale (to the supervisor). A load or reload with new options
@@ -61,7 +62,9 @@ from mtq.workers.children import Child, drop
 from mtq.workers.quarantine import Quarantine
 from mtq.workers.restarts import Slot, Slots
 from mtq.workers.served import Served
+from mtq.workers.signals import Wakeup
 from mtq.workers.standby import Standby
+from mtq.workers.stops import Stops
 
 # the tunables live in the part that reads them (restarts.RESTART_BASE_S,
 # quarantine.QUARANTINE_IDLE_S ...): set them there
@@ -125,21 +128,19 @@ class Supervisor:
         self.error = ""
         self.exit_code = 0
         self._ctx = children.context()
+        self._wake = Wakeup()
+        self.stops = Stops(self.consumers, on_event=self.on_event, poke=self._wake.poke)
         self.standby = Standby(self.devices, standby, on_event=self.on_event,
                                spawn=lambda device: self._spawn(Slot(-1, device), spare=True))
         self.quarantine = Quarantine(
             self.consumer, on_event=self.on_event, on_give_up=self._no_hand_off,
-            spawn=lambda: self._spawn(Slot(-2, self.devices[0]), quarantine=True))
+            spawn=lambda: self._spawn(Slot(-2, self.devices[0]), quarantine=True),
+            stops=self.stops)
         if self.host:
             self.quarantine.hand_off = False  # each process runs its suspects alone
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
         self._inbox: list[dict[str, Any]] = []
         self._inbox_lock = threading.Lock()
         self._signals = 0
-        self._signals_received = 0
-        self._signals_seen = 0
         self.paused = False
         self._listeners: list[control.Listener] = []
         self._resize()
@@ -152,12 +153,13 @@ class Supervisor:
         """Queue a control command for the main loop (thread-safe, signal-safe)."""
         with self._inbox_lock:
             self._inbox.append(msg)
-        self._poke()
+        self._wake.poke()
 
     def run(self) -> int:
         """Supervise until stopped; returns the exit code (0 clean, 2 a target that
         cannot be loaded, 1 set-up failing again and again), as ``mtq --help`` lists."""
-        prev = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        prev = {s: signal.signal(s, self._wake.on_signal) for s in (signal.SIGTERM,
+                                                                     signal.SIGINT)}
         # each queue's commands, tagged with it (a host routes them to its engine)
         self._listeners = [control.Listener(c.redis, c.queue, self._tagged(c.queue))
                            for c in self.consumers]
@@ -166,8 +168,9 @@ class Supervisor:
         try:
             self._loop()
         finally:
-            for listener in self._listeners:
-                listener.close()
+            self.stops.finish()
+            for listener in self._listeners:  # a forced stop does not wait on Redis
+                listener.close(timeout=0.1 if self.stops.forced_at else 2.0)
             for s, h in prev.items():
                 signal.signal(s, h)
         if self.error:
@@ -185,16 +188,21 @@ class Supervisor:
                     self._spawn(slot)
                 self.standby.tick(now, self.slots.used_devices(), self.draining)
             self.quarantine.tick(now, self.stopping, self.draining, bool(self.children))
+            for line in self.stops.news():
+                self.on_event(line)
+            if self.stops.overdue(now):
+                self.on_event("Redis still unreachable: forcing the stop")
+                self._stop_all(force=True)
             if not self.children and not self.standby.spares and \
-                    self.quarantine.process is None and \
+                    self.quarantine.process is None and self.stops.settled(now) and \
                     (self.stopping or (self.draining and not len(self.slots))):
                 return
-            waitables: list[Any] = [self._wake_r]
+            waitables: list[Any] = [self._wake.reader]
             for c in self._all():
                 waitables += [c.conn, c.process.sentinel]
             for ready in wait(waitables, timeout=self._next_deadline()):
-                if ready is self._wake_r:
-                    self._drain_wake()
+                if ready is self._wake.reader:
+                    self._wake.drain()
                     continue
                 for c in self._all():
                     if ready is c.conn:
@@ -220,7 +228,8 @@ class Supervisor:
             out = _earliest(out, self.slots.deadline(now, self.children),
                             self.standby.deadline(now, self.slots.used_devices(),
                                                   self.draining))
-        out = _earliest(out, self.quarantine.deadline(now, self.stopping))
+        out = _earliest(out, self.quarantine.deadline(now, self.stopping),
+                        self.stops.next_in(now))
         return None if out is None else max(out, 0.0)
 
     def _timeout_deadline(self, now: float) -> float | None:
@@ -334,8 +343,7 @@ class Supervisor:
             self.quarantine.reaped(c, code, self.stopping)
             return
         del self.children[c.slot]
-        children.give_back(self.consumers, c, self.quarantine.elsewhere())
-        children.unregister(self.consumers, c, code)
+        self.stops.give_back(self.consumers, c, self.quarantine.elsewhere(), code)
         slot = self.slots.get(c.slot)
         if c.fatal:
             self.error, self.exit_code = c.error, EXIT_BAD_TARGET
@@ -378,6 +386,7 @@ class Supervisor:
 
     def _stop_all(self, force: bool = False) -> None:
         self.stopping = True
+        self.stops.begin(force)  # from now on, give-backs are bounded
         self.quarantine.release_all()
         for c in self._all():
             if force:
@@ -397,8 +406,7 @@ class Supervisor:
                 c.send({"cmd": "stop"})
 
     def _handle_inbox(self) -> None:
-        received = self._signals_received
-        pending, self._signals_seen = received - self._signals_seen, received
+        pending = self._wake.new_signals()
         with self._inbox_lock:
             msgs, self._inbox = self._inbox, []
         msgs += [{"cmd": "signal"}] * pending
@@ -472,22 +480,3 @@ class Supervisor:
             self._resize()
         else:
             log.warning("unknown control command %r ignored", msg)
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        # no lock and no read-modify-write shared with the loop: the handler runs
-        # on the main thread between any two bytecodes
-        self._signals_received += 1
-        self._poke()
-
-    def _poke(self) -> None:
-        try:
-            self._wake_w.send(b"x")
-        except (BlockingIOError, OSError):
-            pass  # already pending
-
-    def _drain_wake(self) -> None:
-        try:
-            while self._wake_r.recv(4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass

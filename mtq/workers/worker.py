@@ -317,6 +317,7 @@ class Worker:
         """A suspect handed over by the supervisor (quarantine): held and run here,
         alone, under the lease its claimer took (fenced by its token as ever)."""
         t = Claimed(*fields)
+        self.consumer.run_here(t)  # its start names this process, not its claimer
         ledger = self.ledger
         with ledger.lock:
             ledger.held[t.id] = t

@@ -197,4 +197,9 @@ def test_a_task_whose_outcome_a_reader_took_is_read_by_the_next(
     tasks = g.submit_many([{"i": i} for i in range(3, 6)])
     assert [r["i"] for r in g.results(timeout=30)] == [3, 4, 5]
     assert [x.result(timeout=5)["i"] for x in tasks] == [3, 4, 5]
-    assert reads.count(t.id) == 1 and len(reads) == 1 + 2 + 3
+    # the stored outcome read at most once per later result() (events() may read it too);
+    # a group's member needs none when its outcome event came after the group's own
+    # read (timing): at most one each
+    assert reads.count(t.id) == 1 and 1 <= reads.count(e.id) <= 2, reads
+    assert all(reads.count(x.id) <= 1 for x in tasks), reads
+    assert set(reads) <= {t.id, e.id, *(x.id for x in tasks)}, reads

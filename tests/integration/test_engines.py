@@ -5,7 +5,6 @@ supervised host processes and the commands' CLI have tests of their own)."""
 
 from __future__ import annotations
 
-import json
 import threading
 from typing import Any
 
@@ -15,6 +14,7 @@ import redis
 import mtq
 from mtq.broker import registry
 from mtq.broker.keys import QueueKeys
+from mtq.trace import parse_record
 from mtq.workers import host as host_module
 from mtq.workers import residency
 from mtq.workers.host import Host
@@ -77,7 +77,7 @@ def test_on_demand_engine_loads_for_its_first_task(qname: str, redis_url: str,
         assert t.result(timeout=10)["x"] == 7
         assert em.SETUPS["a"] == 1 and w.loaded and w.load_s > 0
     # the task's wait for the load is in the batch records (what `mtq trace` reads)
-    records = [json.loads(x) for x in r.lrange(QueueKeys(qname).batches, 0, -1)]
+    records = [parse_record(x) for x in r.lrange(QueueKeys(qname).batches, 0, -1)]
     loads = [rec for rec in records if rec["k"] == "load"]
     assert len(loads) == 1 and loads[0]["ids"] == [t.id]
 

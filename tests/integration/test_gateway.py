@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -26,6 +24,7 @@ import redis
 
 import mtq
 from mtq.broker.registry import list_workers
+from tests.support.gateway import env_for, new_task_keys, serve, stop, task_keys, workers
 from tests.support.paths import ROOT
 from tests.support.processes import free_port
 from tests.support.servers import RedisServer
@@ -45,6 +44,7 @@ class Stack:
     emb: str      # queue of the reference embedder
     echo: str     # queue of tests.models:EchoChat
     idle: str     # a queue no worker serves (mapped as "idle")
+    late: str     # another (mapped as "late"; its settings never change)
     log: Path
 
     def client(self, **kw: object) -> openai.OpenAI:
@@ -60,53 +60,31 @@ class Stack:
         return mtq.Queue(queue, self.url).task(answer_id.split("-", 1)[1])
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def _env(redis_url: str, tmp: Path) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(MTQ_REDIS_URL=redis_url, MTQ_HOME=str(tmp / "home"),
-               MTQ_REFERENCE_WEIGHTS=str(tmp / "tinygpt.pt"),
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
-    return env
-
-
-def serve(env: dict[str, str], log: Path, port: int, *args: str) -> subprocess.Popen[bytes]:
-    with open(log, "ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "mtq", "serve", "--port", str(port),
-                                 "--log-level", "warning", *args], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 @pytest.fixture(scope="module")
-def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # a Redis of its own: the gateway on loopback checks a key once any key exists
+    # there, and other tests' keys (the dashboard's admins) are none of its business
     tmp = tmp_path_factory.mktemp("gateway")
-    env = _env(redis_url, tmp)
+    (tmp / "redis").mkdir()
+    server = RedisServer(tmp / "redis")
+    server.start()
+    redis_url = server.url
+    env = env_for(redis_url, tmp)
     tag = uuid.uuid4().hex[:6]
     gpt, emb, echo = f"gw-gpt-{tag}", f"gw-emb-{tag}", f"gw-echo-{tag}"
-    idle = f"gw-idle-{tag}"
+    idle, late = f"gw-idle-{tag}", f"gw-late-{tag}"
     procs = []
     r = redis.Redis.from_url(redis_url)
     try:
         for target, q in (("mtq.reference.gpt:TinyGPT", gpt),
                           ("mtq.reference.embedder:TinyEmbedder", emb),
                           ("tests.models:EchoChat", echo)):
-            with open(tmp / f"{q}.log", "wb") as out:
-                procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "mtq", "workers", "start", target, "--queue", q,
-                     "--devices", "cpu", "--replicas", "1"], cwd=ROOT, env=env, stdout=out,
-                    stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(workers(env, tmp / f"{q}.log", target, q))
         port = free_port()
         log = tmp / "serve.log"
-        procs.append(serve(env, log, port, "--model", f"tiny={gpt}",
-                           "--model", f"idle={idle}", "--timeout", str(TIMEOUT)))
+        procs.append(serve(env, log, port, "--model", f"tiny={gpt}", "--model",
+                           f"idle={idle}", "--model", f"late={late}", "--timeout",
+                           str(TIMEOUT)))
         base = f"http://127.0.0.1:{port}"
 
         def ready() -> bool:
@@ -122,11 +100,12 @@ def stack(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             return {gpt, emb, echo, "tiny"} <= ids
 
         wait_for(ready, 90, "the workers or the gateway did not come up")
-        yield Stack(base, redis_url, gpt, emb, echo, idle, log)
+        yield Stack(base, redis_url, gpt, emb, echo, idle, late, log)
     finally:
         for p in procs:
-            _stop(p)
+            stop(p)
         r.close()
+        server.stop()
 
 
 # -- the happy paths -----------------------------------------------------------------------
@@ -224,6 +203,22 @@ def test_async_client_streams_and_answers(stack: Stack) -> None:
     assert asyncio.run(main()) == ("hi there hi there", "x y", 1)
 
 
+def test_langchain_chat_openai_invokes_and_streams(stack: Stack) -> None:
+    """LangChain's ChatOpenAI (langchain-openai, over the openai SDK), as docs/gateway.md
+    shows it: an answer, a stream, usage."""
+    lc = pytest.importorskip("langchain_openai")
+    llm = lc.ChatOpenAI(base_url=stack.base + "/v1", api_key="unused", model=stack.echo,
+                        max_tokens=5, temperature=0, max_retries=0, timeout=30)
+    out = llm.invoke("one two")
+    assert out.content == "one two one two one"
+    assert out.usage_metadata["output_tokens"] == 5  # type: ignore[index]
+    assert out.response_metadata["finish_reason"] == "length"
+    assert stack.task(stack.echo, out.response_metadata["id"]).result(timeout=5)["text"] \
+        == out.content
+    pieces = [ch.content for ch in llm.stream([("system", "be brief"), ("user", "a b")])]
+    assert "".join(pieces) == "a b a b a" and len([p for p in pieces if p]) == 5  # type: ignore[misc]
+
+
 def test_client_closing_mid_stream_cancels_its_task(stack: Stack) -> None:
     start = time.monotonic()
     with stack.client() as c:
@@ -290,31 +285,73 @@ def test_unknown_model_is_404(stack: Stack) -> None:
     assert info.value.body["code"] == "model_not_found"  # type: ignore[index]
 
 
-def test_raw_http_errors_in_openai_shape(stack: Stack) -> None:
+def _chunked(size: int) -> Iterator[bytes]:
+    """A body sent chunked (no Content-Length): the gateway must count as it reads."""
+    for _ in range(size // 65536):
+        yield b"x" * 65536
+
+
+def test_bad_input_is_a_named_error_writes_nothing_and_the_gateway_keeps_serving(
+        stack: Stack) -> None:
+    msgs = [{"role": "user", "content": "x"}]
+    chat = {"model": stack.echo, "messages": msgs}
+    r = redis.Redis.from_url(stack.url)
+    q = mtq.Queue(stack.echo, stack.url)
+    before, stats = task_keys(r), q.stats()
     with httpx.Client(base_url=stack.base, timeout=10) as h:
         cases = [
+            # malformed JSON
             (h.post("/v1/chat/completions", content=b"{not json",
                     headers={"content-type": "application/json"}), 400, "invalid_json"),
+            (h.post("/v1/chat/completions", content=b'{"model": "\xc3\x28"}'), 400, "invalid_json"),
+            (h.post("/v1/completions", content=b""), 400, "invalid_json"),
+            # wrong types
             (h.post("/v1/chat/completions", json=[1, 2]), 400, "invalid_type"),
+            (h.post("/v1/chat/completions", json={"model": 5, "messages": msgs}), 400,
+             "invalid_type"),
+            (h.post("/v1/chat/completions", json={"messages": msgs}), 400,
+             "missing_required_parameter"),
+            (h.post("/v1/chat/completions", json={**chat, "messages": "hi"}), 400,
+             "invalid_type"),
+            (h.post("/v1/chat/completions", json={**chat, "max_tokens": "many"}), 400,
+             "invalid_type"),
+            (h.post("/v1/chat/completions", json={**chat, "stream": "yes"}), 400,
+             "invalid_type"),
+            (h.post("/v1/chat/completions", json={**chat, "temperature": "hot"}), 400,
+             "invalid_value"),
             (h.post("/v1/completions", json={"model": stack.echo, "prompt": [1, 2]}), 400,
              "invalid_type"),
+            (h.post("/v1/embeddings", json={"model": stack.emb, "input": [["a"]]}), 400,
+             "invalid_type"),
+            (h.post("/v1/chat/completions", json=chat, headers={"X-Mtq-Priority": "vip"}),
+             400, "bad_priority"),
+            (h.post("/v1/chat/completions", json=chat, headers={"X-Mtq-Deadline": "soon"}),
+             400, "bad_deadline"),
+            # oversized bodies: announced, and sent chunked without a length
             (h.post("/v1/embeddings", content=b"x" * (2 << 20)), 413, "request_too_large"),
+            (h.post("/v1/chat/completions", content=_chunked(2 << 20)), 413,
+             "request_too_large"),
+            # unknown routes, wrong methods
             (h.get("/v1/nothing"), 404, "unknown_url"),
+            (h.post("/v1/responses", json=chat), 404, "unknown_url"),
             (h.get("/v1/chat/completions"), 405, "method_not_allowed"),
-            (h.post("/v1/chat/completions", json={"model": stack.echo, "messages": [
-                {"role": "user", "content": "x"}]}, headers={"X-Mtq-Priority": "vip"}),
-             400, None),
+            (h.delete("/v1/models"), 405, "method_not_allowed"),
         ]
         for resp, status, code in cases:
             assert resp.status_code == status, (resp.request.url, resp.text)
             err = resp.json()["error"]
             assert set(err) == {"message", "type", "param", "code"}, err
-            if code is not None:
-                assert err["code"] == code, err
+            assert err["code"] == code and err["message"], (resp.request.url, err)
+            assert err["type"] == "invalid_request_error", err
+        # nothing was written: no task made, nothing queued
+        assert new_task_keys(r, before) == set()
+        after = q.stats()
+        assert (after["waiting"], after["running"]) == (stats["waiting"], stats["running"])
         # and it keeps serving
         ok = h.post("/v1/completions", json={"model": stack.echo, "prompt": "ok",
                                              "max_tokens": 1})
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"] == "ok"
+    r.close()
 
 
 def test_deadline_header_reaches_the_task(stack: Stack) -> None:
@@ -346,6 +383,39 @@ def test_full_queue_is_503_with_retry_after(stack: Stack) -> None:
         q.configure(max_length=0)
 
 
+def test_a_deadline_that_cannot_be_met_is_503_with_retry_after(stack: Stack) -> None:
+    """The queue's measured service rate is 1 task a second (set as its workers' claims
+    would measure it) and 20 tasks wait ahead in the request's band: it would start in
+    about 22 s (the 10 % margin included), so a 5 s deadline is refused, nothing queued."""
+    q = mtq.Queue(stack.late, stack.url)
+    r = redis.Redis.from_url(stack.url)
+    backlog = [q.submit({"prompt": f"ahead {i}"}, priority="interactive") for i in range(20)]
+    r.hset(q.broker.keys.sched + "vt", "~rate", 1)
+    try:
+        before = task_keys(r)
+        with stack.client(default_headers={"X-Mtq-Deadline": "5"}) as c, \
+                pytest.raises(openai.InternalServerError) as info:
+            c.completions.create(model="late", prompt="late", max_tokens=1)
+        err = info.value
+        assert err.status_code == 503 and err.body["code"] == "would_miss_deadline", err.body  # type: ignore[index]
+        assert err.body["type"] == "server_error"  # type: ignore[index]
+        assert 15 <= int(err.response.headers["retry-after"]) <= 18, err.response.headers
+        assert 15_000 <= int(err.response.headers["retry-after-ms"]) <= 18_000
+        assert new_task_keys(r, before) == set() and q.stats()["waiting"] == 20
+        # a deadline the backlog leaves room for is admitted (and queued)
+        with httpx.Client(base_url=stack.base, timeout=httpx.Timeout(10, read=1)) as h, \
+                pytest.raises(httpx.ReadTimeout):
+            h.post("/v1/completions", json={"model": "late", "prompt": "in time",
+                                            "max_tokens": 1}, headers={"X-Mtq-Deadline": "60"})
+        assert len(new_task_keys(r, before)) == 1
+    finally:
+        r.hdel(q.broker.keys.sched + "vt", "~rate")
+        for t in backlog:
+            t.cancel()
+        wait_for(lambda: q.stats()["waiting"] == 0, 10, "the queue did not empty")
+        r.close()
+
+
 def test_no_answer_in_time_is_504_and_cancels(stack: Stack) -> None:
     with stack.client() as c, pytest.raises(openai.InternalServerError) as info:
         c.completions.create(model="idle", prompt="nobody serves this", max_tokens=1)
@@ -358,14 +428,15 @@ def test_no_answer_in_time_is_504_and_cancels(stack: Stack) -> None:
     assert q.stats()["waiting"] == 0
 
 
-# -- mtq serve refuses to serve beyond loopback without keys -------------------------------
-def test_serve_beyond_loopback_without_keys_refuses(tmp_path: Path) -> None:
+# -- mtq serve refuses to serve beyond loopback (or --require-keys) without keys ----------
+@pytest.mark.parametrize("args", [["--host", "0.0.0.0"], ["--require-keys"]])
+def test_serve_needing_keys_without_any_refuses(tmp_path: Path, args: list[str]) -> None:
     (tmp_path / "redis").mkdir()
     fresh = RedisServer(tmp_path / "redis")
     fresh.start()
     try:
-        env = _env(fresh.url, tmp_path)
-        proc = subprocess.run([sys.executable, "-m", "mtq", "serve", "--host", "0.0.0.0",
+        env = env_for(fresh.url, tmp_path)
+        proc = subprocess.run([sys.executable, "-m", "mtq", "serve", *args,
                                "--port", str(free_port())], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=60)
     finally:
@@ -380,105 +451,3 @@ def test_loopback_needs_no_key(stack: Stack) -> None:
                                                "max_tokens": 1})
     assert resp.status_code == 200, resp.text
     assert json.loads(resp.text)["choices"][0]["text"] == "k"
-
-
-# -- API keys (mtq.client.apikeys): a gateway beyond loopback, on a Redis of its own --------
-# These run once mtq.client.apikeys exists (built alongside the gateway); skipped until then.
-@dataclass
-class Keyed:
-    base: str
-    url: str
-    echo: str
-    token: str       # tenant "acme", no limits
-    key_id: str
-    slow: str        # tenant "slow", rpm=1
-    revoked: str     # a revoked key
-
-    def client(self, token: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.base + "/v1", api_key=token, max_retries=0,
-                             timeout=30)
-
-
-@pytest.fixture(scope="module")
-def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Keyed]:
-    keys = pytest.importorskip("mtq.client.apikeys")
-    tmp = tmp_path_factory.mktemp("keyed")
-    (tmp / "redis").mkdir()
-    server = RedisServer(tmp / "redis")
-    server.start()
-    env = _env(server.url, tmp)
-    r = redis.Redis.from_url(server.url)
-    echo = "gw-keyed-echo"
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        token, key = keys.create(r, "acme", name="test")
-        slow, _ = keys.create(r, "slow", rpm=1)
-        revoked, gone = keys.create(r, "acme")
-        assert keys.revoke(r, gone.id)
-        with open(tmp / "workers.log", "wb") as out:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "mtq", "workers", "start", "tests.models:EchoChat",
-                 "--queue", echo, "--devices", "cpu", "--replicas", "1"], cwd=ROOT, env=env,
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        port = free_port()
-        procs.append(serve(env, tmp / "serve.log", port, "--host", "0.0.0.0"))
-        base = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            for p in procs:
-                assert p.poll() is None, f"{p.args} exited: see {tmp}"
-            try:
-                resp = httpx.get(base + "/v1/models", headers={"authorization": f"Bearer {token}"})
-            except httpx.TransportError:
-                return False
-            return echo in {m["id"] for m in resp.json().get("data", [])}
-
-        wait_for(ready, 90, "the keyed gateway or its worker did not come up")
-        yield Keyed(base, server.url, echo, token, key.id, slow, revoked)
-    finally:
-        for p in procs:
-            _stop(p)
-        r.close()
-        server.stop()
-
-
-def test_keys_missing_or_wrong_is_401(keyed: Keyed) -> None:
-    with httpx.Client(base_url=keyed.base, timeout=10) as h:
-        resp = h.post("/v1/completions", json={"model": keyed.echo, "prompt": "x"})
-    assert resp.status_code == 401 and resp.json()["error"]["code"] == "missing_api_key"
-    for token in ("sk-wrong", keyed.revoked):
-        with keyed.client(token) as c, pytest.raises(openai.AuthenticationError) as info:
-            c.completions.create(model=keyed.echo, prompt="x", max_tokens=1)
-        assert info.value.body["code"] == "invalid_api_key"  # type: ignore[index]
-
-
-def test_a_key_runs_in_its_stream_as_its_tenant(keyed: Keyed) -> None:
-    with keyed.client(keyed.token) as c:
-        out = c.completions.create(model=keyed.echo, prompt="hello key", max_tokens=2)
-    assert out.choices[0].text == "hello key"
-    info = mtq.Queue(keyed.echo, keyed.url).task(out.id.split("-", 1)[1]).info()
-    assert info.stream == f"key:{keyed.key_id}"
-
-
-def test_an_admin_key_acts_as_its_tenant(keyed: Keyed) -> None:
-    from mtq.broker.keys import QueueKeys
-    from mtq.client import apikeys
-
-    r = redis.Redis.from_url(keyed.url)
-    try:
-        token, key = apikeys.create(r, "ops", admin=True)
-        with keyed.client(token) as c:
-            out = c.completions.create(model=keyed.echo, prompt="admin key", max_tokens=2)
-        task_id = out.id.split("-", 1)[1]
-        tenant = r.hget(QueueKeys(keyed.echo).task(task_id), "tenant")
-    finally:
-        r.close()
-    assert out.choices[0].text == "admin key" and tenant == b"ops"
-
-
-def test_a_key_over_its_rate_is_429_with_retry_after(keyed: Keyed) -> None:
-    with keyed.client(keyed.slow) as c:
-        c.completions.create(model=keyed.echo, prompt="one", max_tokens=1)
-        with pytest.raises(openai.RateLimitError) as info:
-            c.completions.create(model=keyed.echo, prompt="two", max_tokens=1)
-    assert 1 <= int(info.value.response.headers["retry-after"]) <= 60

@@ -87,12 +87,6 @@ def test_record_as_dict_has_no_secret():
                        admin=True).as_dict()["admin"] is True
 
 
-def test_the_first_path_is_the_same_module():
-    from mtq.gateway import keys as first
-
-    assert first.ApiKey is keys.ApiKey and first.authenticate is keys.authenticate
-
-
 def test_importing_it_loads_no_web_server_and_no_torch():
     code = ("import sys, mtq.client.apikeys; "
             "print(sorted(m for m in ('torch', 'starlette', 'uvicorn', 'rich') "

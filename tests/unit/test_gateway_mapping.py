@@ -5,6 +5,7 @@ gateway under uvicorn with the openai SDK: tests/integration/test_gateway.py."""
 from __future__ import annotations
 
 import base64
+import json
 import struct
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 from mtq.cli.serve import is_loopback
 from mtq.gateway.mapping import (
     GatewayError,
+    Generation,
     answer,
     chat_payload,
     chunk,
@@ -123,3 +125,20 @@ def test_answers_and_chunks_in_openai_shape() -> None:
 def test_loopback_hosts() -> None:
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3")
+
+
+@pytest.mark.parametrize("kind", ["chat", "text"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_a_streams_chunk_template_gives_the_bytes_of_its_chunk(kind: str,
+                                                               include_usage: bool) -> None:
+    from json.encoder import encode_basestring
+
+    from mtq.gateway.streaming import data, template
+
+    gen = Generation(kind, 'm"odel\u00e9', {}, True, include_usage, None, 10)
+    head, tail = template(gen, "0123abc")
+    for piece in ["hi", 'q"uote\\', "new\nline\t", "\u00e9\u4e2d\U0001f600", "\x00\x01\x7f",
+                  "</script>", "\u2028"]:
+        got = head + encode_basestring(piece).encode() + tail
+        assert got == data(chunk(gen, "0123abc", text=piece)), piece
+        assert json.loads(got[len(b"data: "):]) == chunk(gen, "0123abc", text=piece)

@@ -45,8 +45,6 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "mtq.broker.embedded": ("EmbeddedServer",),
     "mtq.client.apikeys": ("ApiKey", "create", "list_keys", "revoke", "any_keys",
                            "authenticate", "admit"),
-    "mtq.gateway.keys": ("ApiKey", "create", "list_keys", "revoke", "any_keys", "authenticate",
-                         "admit"),
     "mtq.broker.lane": (),
     "mtq.broker.scripts": (),
     "mtq.reference.gpt": ("TinyGPT",),

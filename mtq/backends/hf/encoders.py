@@ -159,8 +159,8 @@ class Embedder(HFOptions, mtq.Model):
     XLM-RoBERTa, DistilBERT ...): mean or CLS pooling, L2-normalised by default.
 
     Each batch is one forward pass, padded to its longest input and truncated at
-    ``max_length``; ``mtq worker run --batch-size`` (``mtq workers start
-    --max-batch-size``) sets how many payloads a batch takes."""
+    ``max_length``; ``--max-batch-size`` (of ``mtq worker run`` and ``mtq workers
+    start``) sets how many payloads a batch takes."""
 
     max_batch_size: ClassVar[int] = 32
     max_wait_ms: ClassVar[float] = 5.0

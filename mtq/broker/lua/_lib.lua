@@ -26,9 +26,10 @@ API key and no queue, takes that key's own rate hash instead):
   KEYS[15] latency            list: submit-to-finish ms of the last LATENCY_KEEP finished
                               tasks, newest first (dashboards: p50/p99 in O(1) of the queue;
                               up to LATENCY_SLACK older ones may follow: read the first
-                              LATENCY_KEEP)
+                              LATENCY_KEEP); expires (see DIAG_TTL_MS)
   KEYS[16] failures           list: JSON {id, status, ts, error} of the last FAILURES_KEEP
-                              tasks that ended failed, dead or expired, newest first
+                              tasks that ended failed, dead or expired, newest first;
+                              expires (see DIAG_TTL_MS)
   KEYS[17] cache prefix       mtq:{q}:cache:     (+ model version .. ':' .. payload digest
                                                   -> a cached result; see submit.lua)
   KEYS[18] cache index        zset: cache entry key -> expiry (ms), bounds the entries
@@ -165,6 +166,9 @@ local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
 local K_CACHE, K_CACHEX, K_MODEL, K_IDLE = KEYS[17], KEYS[18], KEYS[19], KEYS[20]
 local K_SCHED = KEYS[21]
 local LATENCY_KEEP, LATENCY_SLACK, FAILURES_KEEP = 1000, 200, 100
+-- the expiry of a latency or failures list a script makes: diagnostics_ttl_s's default
+-- (mtq/settings.py); the beats of the queue's workers set the queue's own
+local DIAG_TTL_MS = 86400000
 local EVENTS, CONTROL = ARGV[1], ARGV[2]
 local FREE = ''
 -- results up to this size ride in the done message; larger ones are read from the task
@@ -305,14 +309,20 @@ local function flush_replies()
   if SCH then SCH.flush() end
   if #LATENCIES > 0 then
     -- trimmed back to LATENCY_KEEP once it is LATENCY_SLACK longer (readers read the
-    -- first LATENCY_KEEP): one command per call, not two
-    if redis.call('LPUSH', K_LATENCY, unpack(LATENCIES)) > LATENCY_KEEP + LATENCY_SLACK then
+    -- first LATENCY_KEEP): one command per call, not two. A list this call made gets
+    -- the default expiry of diagnostics (a worker's beat sets the queue's own)
+    local n = redis.call('LPUSH', K_LATENCY, unpack(LATENCIES))
+    if n > LATENCY_KEEP + LATENCY_SLACK then
       redis.call('LTRIM', K_LATENCY, 0, LATENCY_KEEP - 1)
+    elseif n == #LATENCIES then
+      redis.call('PEXPIRE', K_LATENCY, DIAG_TTL_MS)
     end
     LATENCIES = {}
   end
   if #FAILURES > 0 then
-    redis.call('LPUSH', K_FAILURES, unpack(FAILURES))
+    if redis.call('LPUSH', K_FAILURES, unpack(FAILURES)) == #FAILURES then
+      redis.call('PEXPIRE', K_FAILURES, DIAG_TTL_MS)
+    end
     redis.call('LTRIM', K_FAILURES, 0, FAILURES_KEEP - 1)
     FAILURES = {}
   end

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import queue as queue_mod
 import threading
 from collections.abc import Callable
@@ -110,16 +111,51 @@ class AsyncOneShot(Feed):
             return None
 
 
-class AsyncFeed(Feed):
-    """An asyncio queue, fed from the hub thread through the loop."""
+class AsyncItems:
+    """An :class:`AsyncFeed`'s items: a deque, and the future its one reader waits on
+    (cheaper than an ``asyncio.Queue`` read through ``asyncio.wait_for``, which makes
+    a task and two more turns of the loop for every item of a token stream). Used on
+    its loop's thread only."""
 
-    __slots__ = ("loop", "queue")
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: collections.deque[Event | str] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Event | str) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self.items
+
+    def get_nowait(self) -> Event | str:
+        return self.items.popleft()
+
+
+class AsyncFeed(Feed):
+    """The items of one asyncio reader, fed from the hub thread through the loop.
+
+    A wait's time limit is one timer per feed, moved lazily: a token stream waits
+    about once a token, each time with a limit seconds away (its keep-alive, the
+    safety net's re-read), and a timer made and cancelled per wait costs two pushes
+    on the loop's heap of timers, compared in Python. The timer stays where it was
+    while the limit only moves later; when it fires early it sets itself again for
+    the limit then in force."""
+
+    __slots__ = ("due", "loop", "queue", "timer")
 
     def __init__(self, key: tuple[str, str], loop: asyncio.AbstractEventLoop,
                  fail_fast: bool = False, ends: bool = False) -> None:
         super().__init__(key, fail_fast, ends)
         self.loop = loop
-        self.queue: asyncio.Queue[Event | str] = asyncio.Queue()
+        self.queue = AsyncItems()
+        #: when the present wait ends without an item (loop time; inf: no limit)
+        self.due = math.inf
+        self.timer: asyncio.TimerHandle | None = None
 
     def push(self, item: Event | str) -> None:
         try:
@@ -128,15 +164,48 @@ class AsyncFeed(Feed):
             pass
 
     async def get(self, timeout: float | None) -> Event | str | None:
-        if not self.queue.empty():  # a token stream mostly finds its next item waiting
-            return self.queue.get_nowait()
-        try:
-            return await asyncio.wait_for(self.queue.get(), timeout)
-        except asyncio.TimeoutError:
+        """The next item, or None after ``timeout`` seconds (0: only one already
+        there)."""
+        q = self.queue
+        if q.items:  # a token stream mostly finds its next item waiting
+            return q.items.popleft()
+        if timeout is not None and timeout <= 0:
             return None
+        waiter: asyncio.Future[None] = self.loop.create_future()
+        q.waiter = waiter
+        if timeout is None:
+            self.due = math.inf
+        else:
+            self.due = self.loop.time() + timeout
+            timer = self.timer
+            if timer is None or timer.when() > self.due:
+                if timer is not None:
+                    timer.cancel()
+                self.timer = self.loop.call_at(self.due, self._expire)
+        try:
+            await waiter
+        finally:
+            q.waiter = None
+        return q.items.popleft() if q.items else None
+
+    def _expire(self) -> None:
+        self.timer = None
+        waiter = self.queue.waiter
+        if waiter is None or waiter.done() or self.due == math.inf:
+            return  # nobody waits, or without a limit: the next wait sets one if it needs
+        if self.loop.time() >= self.due:
+            waiter.set_result(None)
+        else:  # the limit moved later since this timer was set
+            self.timer = self.loop.call_at(self.due, self._expire)
+
+    def close(self) -> None:
+        """The reader is done: its timer goes."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
-def put_all(items: list[tuple[asyncio.Queue[Event | str], Event | str]]) -> None:
+def put_all(items: list[tuple[AsyncItems, Event | str]]) -> None:
     """Put each item on its asyncio queue: the hub's one call through an event loop
     for all that loop's feeds of a message."""
     for q, item in items:
