@@ -3,6 +3,7 @@
 
     python -m benchmarks.control                  # every section, writes the control block
     python -m benchmarks.control --only memory    # one section (repeat --only for more)
+    python -m benchmarks.control --only spread    # slow functions over idle workers
     python -m benchmarks.control --quick          # smaller sizes, prints only
 
 Each section is a function ``measure_<name>(quick) -> dict`` that returns its rows
@@ -21,6 +22,9 @@ stop: ``mtq workers start ... --replicas 5`` with five tasks running and its
 redis-server stopped; the time from the second SIGTERM to the supervisor's exit (a
 forced stop), and from a single SIGTERM (a graceful stop, which waits at most one
 lease for Redis, then goes on as a forced stop; ``--lease-ms 2000`` here).
+
+spread: slow plain functions spread over idle workers (20 tasks of 0.5 s over five
+replicas of ``mtq workers start``); see :mod:`benchmarks.control_spread`.
 
 A run of only some sections prints its figures and writes the block only with
 ``--docs`` (the block holds every section).
@@ -44,6 +48,7 @@ from typing import Any
 import redis
 
 import mtq
+from benchmarks.control_spread import measure_spread
 from benchmarks.harness.meters import machine_info
 from benchmarks.harness.procs import Proc, kill_group, spawn, wait_for, worker_env
 from benchmarks.harness.report import Results, cli_parser, docs_of, write_block
@@ -263,10 +268,12 @@ def measure_stop(quick: bool = False) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "memory": measure_memory,
     "stop": measure_stop,
+    "spread": measure_spread,
 }
 TITLES = {
     "memory": "Redis memory a drained queue keeps (retention_s 2 for the run)",
     "stop": "Stops with Redis away",
+    "spread": "Slow plain functions over idle workers (mtq workers start, default settings)",
 }
 
 

@@ -80,6 +80,10 @@ class BatchSlot:
         #: n > 0: it waits until the slot has room for n tasks, then claims all the room
         #: (many small batches in one claim: see :meth:`claim_ahead`)
         self.refill = 0
+        #: tasks per claim, at most max_batch_size (None: max_batch_size): a model that
+        #: runs its tasks one after another claims about as many as it starts soon
+        #: (mtq.workers.claims); the slot holds :attr:`ahead` claims of this size
+        self.claim_size: int | None = None
         #: who waits on Redis for work while the worker is idle: None (the fetcher),
         #: "offered" (the fetcher offers it to the model thread), "taken" (the model
         #: thread waits; see :meth:`offer_wait`)
@@ -104,6 +108,21 @@ class BatchSlot:
         with self.cond:
             self.max_batch_size = max_batch_size
             self.cond.notify_all()
+
+    def set_claim_size(self, n: int | None) -> None:
+        """Tasks per claim from now on (None: max_batch_size; see mtq.workers.claims)."""
+        with self.cond:
+            if n != self.claim_size:
+                grew = n is None or (self.claim_size is not None and n > self.claim_size)
+                self.claim_size = n
+                if grew:
+                    self.cond.notify_all()  # a fetcher waiting for room may have it now
+
+    def unit(self) -> int:
+        """Tasks per claim now: :attr:`claim_size`, at most max_batch_size."""
+        n = self.claim_size
+        b = self.max_batch_size
+        return b if n is None or n > b else n
 
     def run_alone(self, ids: Sequence[str]) -> None:
         """These tasks ran out of memory alone: when they come back, they run alone (a
@@ -136,6 +155,17 @@ class BatchSlot:
                 del self._suspected[next(iter(self._suspected))]
             self.cond.notify_all()
             return []
+
+    def trim(self) -> list[Claimed]:
+        """Take out the tasks beyond what the slot holds now (its claims were made
+        smaller: mtq.workers.claims), from the tail; the caller gives them back."""
+        with self.cond:
+            over = -self._room()
+            if over <= 0 or not self._pending:
+                return []
+            out = [p.task for p in self._pending[-over:]]
+            del self._pending[-over:]
+            return out
 
     def suspected_in(self, tasks: Sequence[Claimed]) -> list[int]:
         """The positions in ``tasks`` of those put back as suspected (see
@@ -177,20 +207,20 @@ class BatchSlot:
                 self.cond.notify_all()  # a fetcher waiting for room may have it now
 
     def _room(self) -> int:
-        return self.ahead * self.max_batch_size - len(self._pending) - self._reserved
+        return self.ahead * self.unit() - len(self._pending) - self._reserved
 
     def wait_space(self) -> int:
         """Block until the slot has room (for :attr:`refill` tasks, if set) and is not
-        paused; returns how many tasks to claim (at most a batch, or all the room with
-        :attr:`refill`), or 0 once the slot is closed. The slot holds up to
-        :attr:`ahead` batches."""
+        paused; returns how many tasks to claim (at most a claim's :meth:`unit`, or all
+        the room with :attr:`refill`), or 0 once the slot is closed. The slot holds up
+        to :attr:`ahead` claims of that size."""
         with self.cond:
             while not self.closed and (self.paused or self._room() < max(1, self.refill)):
                 self.cond.wait()
             if self.closed:
                 return 0
             room = self._room()
-            return room if self.refill else min(self.max_batch_size, room)
+            return room if self.refill else min(self.unit(), room)
 
     def full(self) -> bool:
         """The slot holds all it may: :meth:`wait_space` waits for room."""
@@ -295,7 +325,8 @@ class BatchSlot:
                     if suspect is not None:
                         return self._running([suspect])
                     b = self.max_batch_size
-                    wait = 0.0 if len(pending) >= b else \
+                    # (all a claim brings: as full as the batch gets)
+                    wait = 0.0 if len(pending) >= min(b, self.unit()) else \
                         min(p.ready_at for p in pending) - time.monotonic()
                     if wait <= 0:
                         return self._running(self._pop(b))

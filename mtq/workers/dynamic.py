@@ -21,6 +21,7 @@ from mtq.errors import DeviceOutOfMemory, LeaseLost, PayloadError
 from mtq.workers import memory
 from mtq.workers.batching import OFFERED, BatchShapeError, BatchSlot
 from mtq.workers.batchlog import BatchLog
+from mtq.workers.claims import ClaimSizer
 from mtq.workers.fetcher import FAST_BATCH_S, Fetcher
 from mtq.workers.generator import Generator
 from mtq.workers.leases import Leases
@@ -67,11 +68,16 @@ class DynamicBatcher:
         self.limit = memory.Limit("batch size", batch_size(), memory.RECOVER_BATCHES)
         #: seconds per item of the recent batches that ran in one call (a decaying mean)
         self.item_s = 0.0
+        #: how many tasks a claim takes, by the measured time per task (set here, before
+        #: the fetcher's first claim: a per-item model starts at one)
+        self.claims = ClaimSizer(slot)
+        self.claims.reset(is_per_item(model()))
 
     def _new_limit(self) -> None:
         """The model's batch size in force from now on (a new model: the configured one)."""
         self.limit = memory.Limit("batch size", self.batch_size(), memory.RECOVER_BATCHES)
         self.item_s = 0.0
+        self.claims.reset(is_per_item(self.current_model()))
 
     def run(self) -> bool:
         """Dynamic batching until stopped (False) or the model changed kind on a
@@ -105,6 +111,7 @@ class DynamicBatcher:
                 if isinstance(model, Generator):
                     slot.hold_running = False
                     slot.reserve(0)
+                    self.claims.reset(False)  # its running batch is its claim
                     return True
                 per_item = is_per_item(model)
                 self._new_limit()
@@ -125,6 +132,7 @@ class DynamicBatcher:
             last = ledger.batch_s
             ledger.batch_s = took if last == float("inf") else max(took, last * BATCH_S_DECAY)
             ledger.batch_n = len(batch)
+            self.claims.observe(len(batch), took)  # (a batch cut short: measured already)
             if slot.hold_running:
                 slot.reserve(0)
             ledger.set_busy(False, 0)
@@ -196,12 +204,20 @@ class DynamicBatcher:
                 publish(done)
             ran: list[tuple[Outcome, float, float | None]] = []
             submitted = self.ledger.submitted
+            claims = self.claims
             for j, i in enumerate(index):
+                t_item = time.perf_counter()
                 o = book.outcome(batch[i], run_one(call, j))
+                # a slow task with more after it: the rest may go to idle workers
+                rest = len(index) - j - 1
+                cut = rest > 0 and claims.slow(time.perf_counter() - t_item, rest)
                 if o is not None:
                     # its submit time, before the publisher settles it and forgets it
                     ran.append((o, time.monotonic(), submitted.get(o.task.id)))
-                    publish([o], last=j == len(index) - 1)
+                    publish([o], last=j == len(index) - 1 or cut)
+                if cut:
+                    self.cut([batch[k] for k in index[j + 1:]])
+                    break
             book.observe_items(ran, start_mono)
         else:
             calls: list[tuple[list[int], str]] = []
@@ -226,6 +242,16 @@ class DynamicBatcher:
         self.batchlog.end()  # (per item: after the last one)
         tally.timing["predict_s"] += in_predict
         tally.timing["overhead_s"] += time.perf_counter() - start - in_predict
+
+    def cut(self, rest: list[Claimed]) -> None:
+        """A per-item batch cut short after a slow task (ClaimSizer.slow): its tasks not
+        started go back into the slot, first, and what the slot holds beyond the claims
+        now sized to the work goes back to the queue, to the head of its streams, for
+        idle workers to take (not counted as deliveries)."""
+        self.tally.totals["tasks"] -= len(rest)
+        self.fetcher.give_back(self.slot.put_back(rest))
+        self.slot.claim_ahead(1)  # (as the fetcher sets it for a slow model)
+        self.fetcher.give_back(self.slot.trim())
 
     def stream(self, gen: Any, tasks: list[Claimed]) -> list[Any]:
         """Run a streaming predict: hand each ``(i, chunk)`` it yields to the publisher

@@ -95,9 +95,10 @@ class Fetcher:
                     if in_doubt:
                         self.release_unknown()
                         in_doubt = False
-                    # registered (it took all there was) with the room of one batch at
-                    # most, however many it claims ahead (see claim_ahead)
-                    tasks = c.claim(need, room=slot.max_batch_size)
+                    # registered (it took all there was) with the room of one claim at
+                    # most, however many it claims ahead (see claim_ahead), sized to
+                    # its work (mtq.workers.claims)
+                    tasks = c.claim(need, room=slot.unit())
                     now = time.monotonic()
                     backoff.reset()
                 except Exception as exc:  # Redis unreachable, or a reply we did not expect
@@ -235,12 +236,16 @@ class Fetcher:
         call (the slot's refill); one that comes back short registers the worker idle
         with the room of one batch, as any other claim (the most one submit hands it).
         The work held stays under AHEAD_WORK_S beyond the two batches, so the last
-        tasks of a queue still spread over its workers."""
+        tasks of a queue still spread over its workers.
+
+        A "batch" here is a claim of :meth:`BatchSlot.unit` tasks: for a model that runs
+        its tasks one after another, as many as hold about CLAIM_AHEAD_S of its work
+        (mtq.workers.claims), one task of a slow function."""
         batch_s = self.ledger.batch_s
         if not (full and batch_s < FAST_BATCH_S):
             self.slot.claim_ahead(1)
             return
-        size = self.slot.max_batch_size
+        size = self.slot.unit()  # a claim's size (mtq.workers.claims)
         fit = AHEAD_MOST if batch_s <= 0 else \
             min(AHEAD_MOST, int(AHEAD_WORK_S * self.ledger.batch_n / batch_s))
         ahead = max(2, fit // size)
