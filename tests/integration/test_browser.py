@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +37,7 @@ import redis
 import mtq
 from mtq.broker.keys import QueueKeys
 from mtq.workers.registry import list_workers
+from tests.support.browser import headless_chromium
 from tests.support.paths import ROOT
 from tests.support.processes import free_port
 from tests.support.waits import wait_for
@@ -45,14 +45,11 @@ from tests.support.waits import wait_for
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed "
                                 "(pip install -e '.[dev]')")
 from selenium.common.exceptions import TimeoutException  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 STEP_MS = 25
 PROMPT = "Once upon a time"
 
@@ -183,22 +180,8 @@ def server(example: Example, env: dict[str, str], supervisor: Path,
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        pytest.skip(f"no Chromium ({CHROMIUM}) or chromedriver ({CHROMEDRIVER}): install "
-                    "Debian's chromium and chromium-driver (scripts/install-system-deps)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(30)
-    try:
+    with headless_chromium(tmp_path_factory.mktemp("chromium")) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture

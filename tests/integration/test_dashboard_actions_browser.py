@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.server
 import os
-import shutil
 import subprocess
 import threading
 import uuid
@@ -23,6 +22,7 @@ import pytest
 import redis
 
 from mtq.client import apikeys
+from tests.support.browser import headless_chromium
 from tests.support.paths import PY, ROOT
 from tests.support.processes import free_port
 from tests.support.supervisors import Sup, wait_workers, workers_of
@@ -34,14 +34,11 @@ from selenium.common.exceptions import (  # noqa: E402
     NoSuchElementException,
     StaleElementReferenceException,
 )
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
 
 def tail(path: Path) -> str:
@@ -91,22 +88,8 @@ def world(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        pytest.skip(f"no Chromium ({CHROMIUM}) or chromedriver ({CHROMEDRIVER}): install "
-                    "Debian's chromium and chromium-driver (scripts/install-system-deps)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(30)
-    try:
+    with headless_chromium(tmp_path_factory.mktemp("chromium")) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 import mtq
+from tests.support.browser import headless_chromium
 from tests.support.dashboard import EVIL, EVIL_STREAM, STORY, Site, site, traffic
 from tests.support.paths import ROOT
 from tests.support.waits import wait_for
@@ -24,13 +24,10 @@ from tests.support.waits import wait_for
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed "
                                 "(pip install -e '.[dev]')")
 from selenium.common.exceptions import NoAlertPresentException, TimeoutException  # noqa: E402
-from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 DOCS_IMG = ROOT / "docs" / "img"
 SCREENSHOTS = os.environ.get("MTQ_SCREENSHOTS") == "1"
 #: chart points to wait for before a screenshot (more for the docs' images)
@@ -39,26 +36,9 @@ POINTS = 40 if SCREENSHOTS else 4
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        pytest.skip(f"no Chromium ({CHROMIUM}) or chromedriver ({CHROMEDRIVER}): install "
-                    "Debian's chromium and chromium-driver (scripts/install-system-deps)")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--disable-quic", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--window-size=1280,900",
-                 "--hide-scrollbars", f"--user-data-dir={tmp_path_factory.mktemp('chromium')}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
-    driver.set_page_load_timeout(30)
-    # a 1280x800 viewport: what the screenshots show
-    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                           {"width": 1280, "height": 800, "deviceScaleFactor": 1,
-                            "mobile": False})
-    try:
+    with headless_chromium(tmp_path_factory.mktemp("chromium"), "--window-size=1280,900",
+                           "--hide-scrollbars") as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture(scope="module")
