@@ -190,17 +190,6 @@ REPLICAS = 5
 LEASE_MS = 2000
 
 
-def _wait(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(0.02)
-
-
 def _one_stop(tmp: Path, signals: int) -> float:
     """Seconds from the last of ``signals`` SIGTERMs to the supervisor's exit, with five
     tasks running and Redis stopped just before."""
@@ -214,17 +203,17 @@ def _one_stop(tmp: Path, signals: int) -> float:
                 worker_env(server.url, MTQ_BENCH_MARK=str(mark)), log=log)
     try:
         r = redis.Redis.from_url(server.url)
-        _wait(lambda: len(list_workers(r, queue)) == REPLICAS, 60, "the workers")
+        wait_for("the workers", lambda: len(list_workers(r, queue)) == REPLICAS, 60)
         q = mtq.Queue(queue, client=r, lease_ms=LEASE_MS)
         q.submit_many([{"s": 600} for _ in range(2 * REPLICAS)])
         hub_of(r).close_all()  # its reply listener would reconnect, on this CPU
-        _wait(lambda: mark.exists() and len(set(mark.read_text().split())) == REPLICAS, 60,
-              "a task running in every worker")
+        wait_for("a task running in every worker", lambda: mark.exists() and len(
+            set(mark.read_text().split())) == REPLICAS, 60)
         r.close()
         server.stop()
         sup.send_signal(signal.SIGTERM)
         if signals == 2:
-            _wait(lambda: b"stopping" in log.read_bytes(), 10, "the first signal seen")
+            wait_for("the first signal seen", lambda: b"stopping" in log.read_bytes(), 10)
             sup.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         try:
