@@ -21,7 +21,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from mtq.broker.consumer import OUTCOME_COUNTERS
 from mtq.broker.protocol import Claimed
@@ -57,6 +57,13 @@ class Monitor:
         """A reload (or a load) swapped the model in; its timeout may have changed.
         ``options``: every model option it was loaded with (text, as ``--set``);
         None when not known. A supervisor starts its later processes with them."""
+
+    def aborted(self, reasons: Mapping[str, str], grace_s: float) -> None:
+        """Every task of the running predict call was cancelled or timed out
+        (``reasons``: task id -> ``"cancel"`` or ``"timeout"``): a supervisor kills the
+        process if that call still runs ``grace_s`` from now, settles these tasks as
+        their reasons say, and gives the rest of what the process held back uncounted.
+        The next :meth:`call` or :meth:`idle` clears it. Alone, nothing can stop it."""
 
     def quarantine(self, task: Claimed) -> bool:
         """A claimed task is a suspect (a process died while running it): True if the
