@@ -142,7 +142,7 @@ def test_an_out_of_range_setting_writes_nothing(bad: dict[str, int], redis_url: 
                                                 qname: str, r: redis.Redis) -> None:
     with pytest.raises(mtq.ConfigError, match=next(iter(bad))):
         mtq.Queue(qname, redis_url, **bad).submit({"x": 1}, stream="s", key="k")
-    assert list(r.scan_iter(match=f"mtq:{{{qname}}}:*")) == []
+    assert list(r.scan_iter(match=f"mtq:{{{qname}}}:*", count=10_000)) == []
 
 
 @pytest.mark.parametrize("kwargs", [{"ttl": 1e12}, {"ttl": float("inf")},
@@ -152,7 +152,7 @@ def test_a_bad_argument_to_submit_writes_nothing(kwargs: dict[str, Any], redis_u
                                                  qname: str, r: redis.Redis) -> None:
     with pytest.raises((mtq.ConfigError, mtq.InvalidName)):
         mtq.Queue(qname, redis_url).submit({"x": 1}, **kwargs)
-    assert list(r.scan_iter(match=f"mtq:{{{qname}}}:*")) == []
+    assert list(r.scan_iter(match=f"mtq:{{{qname}}}:*", count=10_000)) == []
 
 
 @pytest.mark.parametrize("argv", [["submit", QUEUE, "-"],

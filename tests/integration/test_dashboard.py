@@ -201,7 +201,7 @@ def test_live_figures_redis_restart_and_q(tmp_path: Path, subprocess_env: dict[s
              "--redis", server.url], env=env, cwd=ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # ~40 tasks/s (4 per 0.1 s batch) for ~5 s: several refreshes see them
-        queue.submit_many([{"i": i, "sleep": 0.025} for i in range(200)])
+        burst = queue.submit_many([{"i": i, "sleep": 0.025} for i in range(200)])
         screen = t.wait_screen("probe/h-", timeout=30)  # the workers table (version computed)
         assert "cpu" in screen
         seen: set[str] = set()  # the waiting figures shown
@@ -221,6 +221,8 @@ def test_live_figures_redis_restart_and_q(tmp_path: Path, subprocess_env: dict[s
         spark = next(x for x in screen.splitlines() if x.startswith("throughput"))
         assert any(b in spark for b in "▂▃▄▅▆▇█"), spark
 
+        for task in burst:  # all done: none is claimed ahead, to be given back at the stop
+            task.result(timeout=30)
         worker.terminate()
         worker.wait(20)
         queue.hub.close_all()  # its reply listener would complain of the stop

@@ -441,7 +441,7 @@ def test_sign_in_sets_a_session_cookie_and_keeps_no_token(
         sid = web.cookies["mtq_session"]
         assert token not in " ".join(cookies) and token.split("-", 2)[2] not in sid
         # Redis holds the session under a digest of its id, never the id or the token
-        names = [n.decode() for n in client.scan_iter(dashboard_session("*"))]
+        names = [n.decode() for n in client.scan_iter(dashboard_session("*"), count=10_000)]
         mine = [n for n in names if client.hget(n, "key") == key.id.encode()]
         assert len(mine) == 1 and sid not in mine[0]
         assert 0 < client.ttl(mine[0]) <= sessions.SESSION_TTL_S

@@ -275,7 +275,7 @@ def test_no_route_reads_a_task_by_id_not_even_another_tenants(keyed: Keyed) -> N
 def test_refused_keys_write_nothing_and_the_gateway_keeps_serving(keyed: Keyed) -> None:
     body = {"model": keyed.echo, "messages": MSGS, "max_tokens": 1}
     before = task_keys(keyed.r)
-    rates = set(keyed.r.scan_iter(match="mtq:apikey:*:rate"))
+    rates = set(keyed.r.scan_iter(match="mtq:apikey:*:rate", count=10_000))
     with httpx.Client(base_url=keyed.base, timeout=10) as h:
         for auth, code in [(None, "missing_api_key"), ("Bearer", "missing_api_key"),
                            ("Basic dXNlcjpwdw==", "missing_api_key"),
@@ -287,7 +287,7 @@ def test_refused_keys_write_nothing_and_the_gateway_keeps_serving(keyed: Keyed) 
             assert resp.status_code == 401, (auth, resp.text)
             assert resp.json()["error"]["code"] == code, (auth, resp.text)
         assert new_task_keys(keyed.r, before) == set()
-        assert set(keyed.r.scan_iter(match="mtq:apikey:*:rate")) == rates
+        assert set(keyed.r.scan_iter(match="mtq:apikey:*:rate", count=10_000)) == rates
         ok = h.post("/v1/chat/completions", json=body,
                     headers={"authorization": f"Bearer {keyed.token}"})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "x"

