@@ -51,7 +51,7 @@ from mtq.workers.options import Option
 __version__ = "0.1.0"
 
 _MORE_ERRORS = frozenset({"BatchArityError", "BatchShapeError", "EngineTimeout",
-                          "InvalidApiKey", "InvalidArgument", "JobRefused", "NoEngine",
+                          "InvalidApiKey", "InvalidArgument", "JobRefused", "LocalError", "NoEngine",
                           "ResultNotStorable", "TaskFinished", "UsageError"})
 
 
@@ -59,7 +59,7 @@ def __getattr__(name: str) -> object:
     """``mtq.rq`` (``@mtq.rq.batched`` for RQ job modules) without an explicit import,
     loaded on first use (it imports no part of the rq package itself); likewise
     ``mtq.replies`` and ``mtq.group``, which ``import mtq`` alone has always made
-    reachable (``mtq.replies.INBOX_MAX = ...``)."""
+    reachable (``mtq.replies.INBOX_MAX = ...``); and ``mtq.local``."""
     import importlib
 
     if name == "rq":
@@ -68,6 +68,8 @@ def __getattr__(name: str) -> object:
         return importlib.import_module("mtq.replies")
     if name == "group":
         return importlib.import_module("mtq.group")
+    if name == "local":  # mtq.local(target, replicas=N): loaded on first use
+        return importlib.import_module("mtq.workers.local").local
     if name in _MORE_ERRORS:  # in mtq.errors' tree, not in __all__
         from mtq import errors
 
@@ -122,4 +124,5 @@ __all__ = [
     "TaskNotFound",
     "WouldMissDeadline",
     "__version__",
+    "local",
 ]
