@@ -131,6 +131,7 @@ class Local:
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._readers: list[threading.Thread] = []
         self._stopping = threading.Event()  # the supervisor took the first SIGTERM
+        self._abandoned = False  # an async start was cancelled: stop once started
         self._lock = threading.Lock()
 
     # -- the block ---------------------------------------------------------------------
@@ -142,7 +143,15 @@ class Local:
         self.stop(force=exc_type is not None)
 
     async def __aenter__(self) -> Any:
-        return await asyncio.to_thread(self.start)  # (a cancelled start is stopped by stop)
+        try:
+            return await asyncio.to_thread(self.start)
+        except asyncio.CancelledError:
+            # the start runs on in its thread: whichever of it and this stop takes the
+            # lock second stops what it started
+            self._abandoned = True
+            threading.Thread(target=self.stop, kwargs={"force": True},
+                             name="mtq-local-abandoned", daemon=True).start()
+            raise
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -182,6 +191,8 @@ class Local:
                 raise LocalError("this mtq.local(...) is already started; make another one")
             try:
                 self._start()
+                if self._abandoned:
+                    raise LocalError("mtq.local(...): its start was cancelled")
             except BaseException:
                 self._teardown(force=True)
                 raise
@@ -193,8 +204,10 @@ class Local:
         from mtq.client.queue import Queue
         from mtq.settings import RedisSettings
 
-        self.state_dir = Path(tempfile.mkdtemp(prefix="mtq-local-"))
+        self._stopping.clear()
+        self._tail.clear()
         if not self._given_url:
+            self.state_dir = Path(tempfile.mkdtemp(prefix="mtq-local-"))
             self.server = EmbeddedServer(self.state_dir)
             self.url = self.server.start()
         assert self.url is not None
@@ -309,12 +322,14 @@ class Local:
             self._client.close()
             self._client = None
         self._queue = None
-        if self.server is not None:
-            self.server.stop()
+        try:
+            if self.server is not None:
+                self.server.stop()
+        finally:
             self.server = None
-        if self.state_dir is not None:
-            shutil.rmtree(self.state_dir, ignore_errors=True)
-            self.state_dir = None
+            if self.state_dir is not None:
+                shutil.rmtree(self.state_dir, ignore_errors=True)
+                self.state_dir = None
 
 
 # -- targets ---------------------------------------------------------------------------

@@ -110,6 +110,34 @@ def test_async_with_gives_the_same_queue() -> None:
     assert not localmode._live
 
 
+@pytest.mark.slow
+def test_an_async_start_cancelled_midway_leaves_nothing(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    localmode.tempfile.tempdir = None
+    lm = mtq.local("tests.handlers:record", replicas=2)
+
+    async def main() -> None:
+        async def enter() -> None:
+            async with lm:
+                pytest.fail("the block ran")
+
+        task = asyncio.ensure_future(enter())
+        while lm.process is None:  # the start is under way in its thread
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        localmode.tempfile.tempdir = None
+    wait_for(lambda: not list(tmp_path.glob("mtq-local-*")) and not _holding(str(tmp_path))
+             and not localmode._live, 30, "the cancelled start to be stopped")
+    assert lm.process is None
+
+
 def test_a_bad_target_fails_at_enter_and_leaves_nothing(tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TMPDIR", str(tmp_path))
