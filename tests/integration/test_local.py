@@ -184,6 +184,26 @@ def test_a_script_target_is_imported_from_its_file(tmp_path: Path) -> None:
         localmode._main_spec(mod, "handle")
 
 
+def test_a_model_class_or_instance_of_a_script_is_named_by_the_script(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "served.py"
+    script.write_text("")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(script)
+
+    class Echo(mtq.Model):
+        def predict(self, batch: list[Any]) -> list[Any]:
+            return batch
+
+    Echo.__module__, Echo.__qualname__ = "__main__", "Echo"  # as if the script defined it
+    main.Echo, main.echo = Echo, Echo()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert localmode.target_spec(Echo) == ("served:Echo", str(tmp_path))
+    assert localmode.target_spec(main.echo) == ("served:echo", str(tmp_path))  # type: ignore[attr-defined]
+    with pytest.raises(mtq.TargetError, match="has no name in module '__main__'"):
+        localmode.target_spec(Echo())
+
+
 def _doc_example() -> str:
     text = (ROOT / "docs" / "workers.md").read_text()
     section = text[text.index("## Local mode"):]
@@ -224,8 +244,10 @@ def test_without_the_main_guard_the_start_fails_and_says_why(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-def test_a_killed_script_leaves_nothing(tmp_path: Path) -> None:
-    """SIGKILL of the script: the runner sees its stdin close and stops everything."""
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "kill-9"])
+def test_a_script_interrupted_or_killed_leaves_nothing(tmp_path: Path, sig: int) -> None:
+    """Ctrl-C (SIGINT: KeyboardInterrupt leaves the block), or SIGKILL (the runner sees
+    its stdin close and stops everything itself)."""
     script = tmp_path / "killed.py"
     script.write_text("import sys, time\nimport mtq\n\ndef handle(p):\n    return p\n\n"
                       "if __name__ == '__main__':\n"
@@ -234,16 +256,20 @@ def test_a_killed_script_leaves_nothing(tmp_path: Path) -> None:
                       "        time.sleep(120)\n")
     env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "7"
     assert len(_holding(str(tmp_path))) >= 4  # runner, fork server, 2 workers, redis
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
+    proc.send_signal(sig)
+    code = proc.wait(30)
+    if sig == signal.SIGINT:
+        assert proc.stderr is not None and "KeyboardInterrupt" in proc.stderr.read()
+        assert code == -signal.SIGINT  # (python exits "by" the signal after a KeyboardInterrupt)
+        assert not _holding(str(tmp_path)), "left behind by the block's exit"
     wait_for(lambda: not _holding(str(tmp_path)), 30,
              "the runner to stop every process and the server after the script died")
     wait_for(lambda: not list(tmp_path.glob("mtq-local-*")), 10,
-             "the runner to remove the temporary directory")
+             "the temporary directory to be removed")
 
 
 @pytest.mark.slow
