@@ -4,6 +4,9 @@ FIFO order per stream, fair round robin across streams, batched claims and acks,
 leases with fencing tokens, and nothing lost when a worker dies.
 """
 
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
 from mtq.broker.consumer import Consumer, Outcome
 from mtq.broker.protocol import Claimed
 from mtq.client.group import Group
@@ -48,7 +51,22 @@ from mtq.workers.generator import Generation, Generator
 from mtq.workers.model import Model, Progress
 from mtq.workers.options import Option
 
+if _TYPE_CHECKING:
+    from mtq.workers.local import Local
+
 __version__ = "0.1.0"
+
+
+def local(target: _Any, replicas: int = 1, **options: _Any) -> "Local":
+    """Serve ``target`` (``"package.module:attr"``, or a function or ``Model`` worker
+    processes can import by name) with ``replicas`` processes per device, on a Redis
+    of its own, for the length of a ``with`` (or ``async with``) block, which gets a
+    :class:`Queue` bound to it; leaving the block stops everything it started. The
+    options are :class:`mtq.workers.local.Local`'s (docs/workers.md, "Local mode")."""
+    from mtq.workers.local import Local  # (subprocess and friends: on first use)
+
+    return Local(target, replicas, **options)
+
 
 _MORE_ERRORS = frozenset({"BatchArityError", "BatchShapeError", "EngineTimeout",
                           "InvalidApiKey", "InvalidArgument", "JobRefused", "LocalError", "NoEngine",
@@ -59,7 +77,7 @@ def __getattr__(name: str) -> object:
     """``mtq.rq`` (``@mtq.rq.batched`` for RQ job modules) without an explicit import,
     loaded on first use (it imports no part of the rq package itself); likewise
     ``mtq.replies`` and ``mtq.group``, which ``import mtq`` alone has always made
-    reachable (``mtq.replies.INBOX_MAX = ...``); and ``mtq.local``."""
+    reachable (``mtq.replies.INBOX_MAX = ...``)."""
     import importlib
 
     if name == "rq":
@@ -68,8 +86,6 @@ def __getattr__(name: str) -> object:
         return importlib.import_module("mtq.replies")
     if name == "group":
         return importlib.import_module("mtq.group")
-    if name == "local":  # mtq.local(target, replicas=N): loaded on first use
-        return importlib.import_module("mtq.workers.local").local
     if name in _MORE_ERRORS:  # in mtq.errors' tree, not in __all__
         from mtq import errors
 

@@ -51,7 +51,7 @@ from mtq.errors import ConfigError, LocalError, MtqError, OptionError, TargetErr
 from mtq.validation import check_queue_name
 from mtq.workers.localproc import forward_stdout, group_members, stop_group
 
-__all__ = ["Local", "local"]
+__all__ = ["Local", "target_spec"]
 
 log = logging.getLogger("mtq.local")
 
@@ -62,13 +62,6 @@ INSIDE_ENV = "MTQ_LOCAL_RUNNER"
 TAIL_LINES = 40
 
 _live: weakref.WeakSet[Local] = weakref.WeakSet()
-
-
-def local(target: Any, replicas: int = 1, **options: Any) -> Local:
-    """Serve ``target`` with ``replicas`` worker processes per device on a private
-    Redis, for the length of a ``with`` (or ``async with``) block, which gets a
-    :class:`~mtq.client.queue.Queue` bound to it. See :class:`Local` for the options."""
-    return Local(target, replicas, **options)
 
 
 class Local:

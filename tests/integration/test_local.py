@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 import mtq
 from mtq.workers import local as localmode
@@ -56,8 +58,9 @@ def _left_by(lm: localmode.Local, pids: list[int], sock: Path, state_dir: Path) 
     assert not alive, f"processes left running after mtq.local: {alive}"
     assert not _holding(str(state_dir)), _holding(str(state_dir))
     assert not sock.exists(), f"the unix socket {sock} is still there"
-    with pytest.raises(redis.exceptions.ConnectionError):
-        redis.Redis(unix_socket_path=str(sock), socket_connect_timeout=1).ping()
+    with pytest.raises(redis.exceptions.ConnectionError):  # (no retries: it is gone)
+        redis.Redis(unix_socket_path=str(sock), socket_connect_timeout=1,
+                    retry=Retry(NoBackoff(), 0)).ping()
     assert not state_dir.exists(), f"{state_dir} was not removed"
 
 
