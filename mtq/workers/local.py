@@ -44,12 +44,15 @@ import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from mtq.broker.embedded import EmbeddedServer
 from mtq.errors import ConfigError, LocalError, MtqError, OptionError, TargetError
 from mtq.validation import check_queue_name
 from mtq.workers.localproc import forward_stdout, group_members, stop_group
+
+if TYPE_CHECKING:
+    from mtq.client.queue import Queue
 
 __all__ = ["Local", "target_spec"]
 
@@ -97,9 +100,18 @@ class Local:
             raise ConfigError(f"replicas must be an int in 1..256, got {replicas!r}")
         if standby not in (0, 1):
             raise ConfigError(f"standby must be 0 or 1, got {standby!r}")
-        for name, value in (("ready_timeout", ready_timeout), ("stop_timeout", stop_timeout)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        for name, value in (("ready_timeout", ready_timeout), ("stop_timeout", stop_timeout),
+                            ("timeout_s", timeout_s)):
+            if name == "timeout_s" and value is None:
+                continue
+            if not _number(value, 0, float("inf")) or value == 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name, value, lo, hi, whole in (("max_batch_size", max_batch_size, 1, 100_000, True),
+                                           ("max_wait_ms", max_wait_ms, 0, 60_000, False),
+                                           ("lease_ms", lease_ms, 100, 2**31, True)):
+            if value is not None and not _number(value, lo, hi, whole):
+                raise ConfigError(f"{name} must be {'an int' if whole else 'a number'} in "
+                                  f"{lo}..{hi}, got {value!r}")
         spec = devices if isinstance(devices, str) else ",".join(devices)
         self.devices = parse_devices(spec)
         self.target, self._root = target_spec(target)
@@ -119,7 +131,7 @@ class Local:
         self.state_dir: Path | None = None
         self.server: EmbeddedServer | None = None
         self.process: subprocess.Popen[bytes] | None = None
-        self._queue: Any = None
+        self._queue: Queue | None = None
         self._client: Any = None
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self._readers: list[threading.Thread] = []
@@ -128,14 +140,14 @@ class Local:
         self._lock = threading.Lock()
 
     # -- the block ---------------------------------------------------------------------
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Queue:
         return self.start()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop(force=exc_type is not None)
 
-    async def __aenter__(self) -> Any:
+    async def __aenter__(self) -> Queue:
         try:
             return await asyncio.to_thread(self.start)
         except asyncio.CancelledError:
@@ -151,7 +163,7 @@ class Local:
         await asyncio.to_thread(self.stop, force=exc_type is not None)
 
     @property
-    def queue(self) -> Any:
+    def queue(self) -> Queue:
         """The :class:`~mtq.client.queue.Queue` bound to the private Redis (once started)."""
         if self._queue is None:
             raise LocalError("mtq.local(...) is not started: use it in a with block, or "
@@ -168,7 +180,7 @@ class Local:
         return [] if self.pgid is None else group_members(self.pgid)
 
     # -- start -------------------------------------------------------------------------
-    def start(self) -> Any:
+    def start(self) -> Queue:
         """Start the server and the supervisor, wait until every worker process is set
         up, and return the Queue. Raises TargetError (a target that cannot be served),
         LocalError (set-up failed, or not ready within ``ready_timeout``),
@@ -190,7 +202,7 @@ class Local:
                 self._teardown(force=True)
                 raise
             _live.add(self)
-            return self._queue
+            return self.queue
 
     def _start(self) -> None:
         from mtq.broker.connection import open_client
@@ -274,7 +286,8 @@ class Local:
                     if ln.startswith(("stopped: ", "error: ")) and ": " in ln), "")
         where = f"mtq.local({self.target!r})"
         if code == 2:
-            cls = OptionError if why.startswith("OptionError") else TargetError
+            cls = {"OptionError": OptionError, "ConfigError": ConfigError}.get(
+                why.partition(":")[0], TargetError)
             return cls(f"{where}: {why or 'the target cannot be served'}"
                        + ("" if why else f"; the supervisor's last lines:\n{self._tail_text()}"))
         return LocalError(f"{where}: the supervisor exited with code {code} before its "
@@ -397,6 +410,11 @@ def _main_spec(main: Any, qualname: str) -> tuple[str, str | None]:
             f"module {stem!r}, which is {'not a module name' if not stem.isidentifier() else 'the name of another module'}: "
             "rename the script, or move the target into a module of its own")
     return f"{stem}:{qualname}", str(path.parent)
+
+
+def _number(value: Any, lo: float, hi: float, whole: bool = False) -> bool:
+    kinds = (int,) if whole else (int, float)
+    return isinstance(value, kinds) and not isinstance(value, bool) and lo <= value <= hi
 
 
 def _queue_for(spec: str) -> str:

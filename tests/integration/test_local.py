@@ -173,6 +173,10 @@ def test_targets_no_process_can_import_are_named_at_once() -> None:
         mtq.local("tests.handlers:record", replicas=0)
     with pytest.raises(mtq.ConfigError, match="bad device"):
         mtq.local("tests.handlers:record", devices="gpu")
+    for bad in ({"max_batch_size": 0}, {"max_wait_ms": -1}, {"lease_ms": 50},
+                {"timeout_s": 0}, {"ready_timeout": "60"}):
+        with pytest.raises(mtq.ConfigError, match=next(iter(bad))):
+            mtq.local("tests.handlers:record", **bad)
 
 
 def test_a_script_target_is_imported_from_its_file(tmp_path: Path) -> None:
