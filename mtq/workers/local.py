@@ -40,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -64,7 +63,9 @@ INSIDE_ENV = "MTQ_LOCAL_RUNNER"
 #: lines of the runner's stderr kept for error messages
 TAIL_LINES = 40
 
-_live: weakref.WeakSet[Local] = weakref.WeakSet()
+#: the started ones, held until stopped (``q = mtq.local(f).start()`` keeps no reference
+#: to its Local, whose collection would close the runner's stdin) and stopped at exit
+_live: set[Local] = set()
 
 
 class Local:

@@ -280,6 +280,20 @@ def test_a_script_interrupted_or_killed_leaves_nothing(tmp_path: Path, sig: int)
 
 
 @pytest.mark.slow
+def test_a_started_one_is_held_until_stopped() -> None:
+    """``q = mtq.local(...).start()`` keeps no reference to the Local: it lives on (until
+    stop(), or the interpreter's exit) rather than being collected with its runner."""
+    import gc
+
+    q = mtq.local("tests.handlers:record").start()
+    gc.collect()
+    assert q.submit(5).result(timeout=30)["payload"] == 5
+    (lm,) = [x for x in localmode._live if x.queue is q]
+    lm.stop()
+    assert not localmode._live
+
+
+@pytest.mark.slow
 def test_not_ready_in_time_or_setup_failing_is_a_local_error() -> None:
     with pytest.raises(mtq.LocalError, match="setup exploded") as failed:
         mtq.local("tests.models:SetupFails").start()
