@@ -4,6 +4,9 @@ FIFO order per stream, fair round robin across streams, batched claims and acks,
 leases with fencing tokens, and nothing lost when a worker dies.
 """
 
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
+
 from mtq.broker.consumer import Consumer, Outcome
 from mtq.broker.protocol import Claimed
 from mtq.client.group import Group
@@ -48,10 +51,25 @@ from mtq.workers.generator import Generation, Generator
 from mtq.workers.model import Model, Progress
 from mtq.workers.options import Option
 
+if _TYPE_CHECKING:
+    from mtq.workers.local import Local
+
 __version__ = "0.1.0"
 
+
+def local(target: _Any, replicas: int = 1, **options: _Any) -> "Local":
+    """Serve ``target`` (``"package.module:attr"``, or a function or ``Model`` worker
+    processes can import by name) with ``replicas`` processes per device, on a Redis
+    of its own, for the length of a ``with`` (or ``async with``) block, which gets a
+    :class:`Queue` bound to it; leaving the block stops everything it started. The
+    options are :class:`mtq.workers.local.Local`'s (docs/workers.md, "Local mode")."""
+    from mtq.workers.local import Local  # (subprocess and friends: on first use)
+
+    return Local(target, replicas, **options)
+
+
 _MORE_ERRORS = frozenset({"BatchArityError", "BatchShapeError", "EngineTimeout",
-                          "InvalidApiKey", "InvalidArgument", "JobRefused", "NoEngine",
+                          "InvalidApiKey", "InvalidArgument", "JobRefused", "LocalError", "NoEngine",
                           "ResultNotStorable", "TaskFinished", "UsageError"})
 
 
@@ -122,4 +140,5 @@ __all__ = [
     "TaskNotFound",
     "WouldMissDeadline",
     "__version__",
+    "local",
 ]

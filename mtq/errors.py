@@ -26,6 +26,7 @@
     │   └── TaskCancelled           the task was cancelled
     ├── ResultTimeout               the task did not finish in time (also a TimeoutError)
     │   └── EngineTimeout           engines did not all answer a load/unload/reload/reset in time
+    ├── LocalError                  ``mtq.local`` could not start its workers (or not in time)
     ├── NoEngine                    no engine serves the queue (for load/unload/reload/reset)
     ├── LeaseLost                   a worker's lease on a task expired; another owns it
     ├── TargetError                 a worker target (``module:attr``) cannot be loaded
@@ -73,6 +74,7 @@ __all__ = [
     "InvalidName",
     "JobRefused",
     "LeaseLost",
+    "LocalError",
     "MtqError",
     "NoEngine",
     "NotDurable",
@@ -324,6 +326,17 @@ class LeaseLost(MtqError):
             f"lease lost on {len(task_ids)} task(s) ({', '.join(task_ids[:5])}...): "
             "they were reclaimed after their lease expired; raise lease_ms if tasks run long"
         )
+
+
+class LocalError(MtqError):
+    """``mtq.local(...)`` could not start: its supervisor stopped (set-up failed again
+    and again, its message says why) or its workers were not ready within
+    ``ready_timeout`` (:attr:`timed_out` is then True). Nothing it started is left
+    running. A target that cannot be served is a :class:`TargetError` instead."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class TargetError(MtqError):

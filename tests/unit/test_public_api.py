@@ -56,6 +56,7 @@ EXPECTED_ALL = [
     "TaskNotFound",
     "WouldMissDeadline",
     "__version__",
+    "local",
 ]
 
 
