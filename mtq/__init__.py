@@ -40,10 +40,12 @@ from mtq.errors import (
     TaskCancelled,
     TaskFailed,
     TaskNotFound,
+    TaskTimeout,
     WouldMissDeadline,
 )
 from mtq.settings import QueueSettings, RedisSettings
 from mtq.workers.batching import Costed
+from mtq.workers.current import CurrentTask, current_task
 from mtq.workers.generator import Generation, Generator
 from mtq.workers.model import Model, Progress
 from mtq.workers.options import Option
@@ -120,6 +122,9 @@ __all__ = [
     "TaskFailed",
     "TaskInfo",
     "TaskNotFound",
+    "TaskTimeout",
     "WouldMissDeadline",
+    "CurrentTask",
+    "current_task",
     "__version__",
 ]
