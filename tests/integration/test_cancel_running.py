@@ -14,6 +14,8 @@ import pytest
 import redis
 
 import mtq
+import mtq.workers.ledger
+import mtq.workers.worker
 from mtq.broker.keys import QueueKeys
 from mtq.broker.protocol import TERMINAL
 from mtq.settings import QueueSettings
@@ -246,3 +248,127 @@ def test_ack_of_a_task_with_a_cancel_request_ends_it_cancelled(qname: str, r: re
     assert r.hget(QueueKeys(qname).task(t.id), "result") is None
     with pytest.raises(mtq.TaskCancelled):
         t.result(timeout=1)
+
+
+# -- bad input, the queue's default ----------------------------------------------------------
+
+def test_a_bad_timeout_is_refused_before_anything_is_written(
+        qname: str, redis_url: str, r: redis.Redis) -> None:
+    from click.testing import CliRunner
+
+    from mtq.cli.main import cli
+
+    q = mtq.Queue(qname, redis_url)
+    for bad in (0, -1, float("nan"), float("inf"), True, "1", 1e12):
+        with pytest.raises(mtq.ConfigError, match="timeout must be a number of seconds"):
+            q.submit({}, timeout=bad)
+        with pytest.raises(mtq.ConfigError, match="timeout"):
+            q.submit_many([{}, {}], timeout=bad)
+        with pytest.raises(mtq.ConfigError, match="timeout"):
+            q.submit_many([{}, mtq.Request({}, timeout=bad)])
+    assert not r.keys(f"mtq:{{{qname}}}:task:*"), "a refused submit wrote a task"
+    for bad in ("0", "-1", "nan", "x"):
+        res = CliRunner().invoke(cli, ["submit", qname, "{}", "--run-timeout", bad,
+                                       "--redis", redis_url])
+        assert res.exit_code == 2 and "Traceback" not in res.output, (bad, res.output)
+    for bad in ("-1", "x", "nan", "1e12"):
+        res = CliRunner().invoke(cli, ["queue", "config", qname, "task_timeout_s", bad,
+                                       "--redis", redis_url])
+        assert res.exit_code == 2 and "Traceback" not in res.output, (bad, res.output)
+    assert not r.keys(f"mtq:{{{qname}}}:task:*")
+    assert not r.hgetall(f"mtq:{{{qname}}}:config"), "a refused setting was stored"
+    with pytest.raises(mtq.ConfigError, match="cancel_grace_s"):
+        QueueSettings(cancel_grace_s=-1)
+
+
+def test_a_run_timeout_rides_on_the_task_only_when_given(qname: str, redis_url: str,
+                                                         r: redis.Redis) -> None:
+    from click.testing import CliRunner
+
+    from mtq.cli.main import cli
+
+    q = mtq.Queue(qname, redis_url)
+    plain, timed = q.submit({}), q.submit({}, timeout=1.5)
+    many = q.submit_many([{}, mtq.Request({}, timeout=3)], timeout=2)
+    res = CliRunner().invoke(cli, ["submit", qname, "{}", "--run-timeout", "4",
+                                   "--redis", redis_url])
+    assert res.exit_code == 0, res.output
+    k = QueueKeys(qname)
+    stored = [r.hget(k.task(t), "timeout") for t in
+              (plain.id, timed.id, many[0].id, many[1].id, res.output.strip())]
+    assert stored == [None, b"1500", b"2000", b"3000", b"4000"]
+    c = mtq.Consumer(qname, redis_url, settings=FAST)
+    got = {t.id: t.timeout_ms for t in c.claim(10)}
+    assert got[plain.id] == 0 and got[timed.id] == 1500 and got[many[1].id] == 3000
+
+
+def test_the_queues_task_timeout_applies_to_tasks_without_their_own(
+        qname: str, redis_url: str) -> None:
+    from click.testing import CliRunner
+
+    from mtq.cli.main import cli
+
+    res = CliRunner().invoke(cli, ["queue", "config", qname, "task_timeout_s", "0.2",
+                                   "max_retries", "0", "dead_letter", "false",
+                                   "--redis", redis_url])
+    assert res.exit_code == 0, res.output
+
+    def work(p: dict[str, Any]) -> str:
+        for _ in range(int(p["steps"])):
+            mtq.current_task().raise_if_cancelled()
+            time.sleep(0.005)
+        return "ok"
+
+    q = mtq.Queue(qname, redis_url)
+    w = mtq.workers.worker.Worker(FunctionModel(work), qname, url=redis_url,  # stored settings
+                                  settings={"lease_ms": 1500})
+    with serving(w):
+        long, own, short = q.submit({"steps": 2000}), q.submit({"steps": 100}, timeout=5), \
+            q.submit({"steps": 1})
+        assert ended(long).error.startswith("TaskTimeout: ")  # type: ignore[union-attr]
+        assert own.result(timeout=10) == "ok" and short.result(timeout=10) == "ok"
+
+
+# -- the supervisor's hook ----------------------------------------------------------------------
+
+class Told(mtq.workers.ledger.Monitor):
+    def __init__(self) -> None:
+        self.aborted_calls: list[tuple[dict[str, str], float]] = []
+        self.cleared = 0
+
+    def aborted(self, reasons: Any, grace_s: float) -> None:
+        self.aborted_calls.append((dict(reasons), grace_s))
+
+    def idle(self) -> None:
+        self.cleared += 1
+
+
+def test_a_call_that_does_not_stop_is_reported_to_the_monitor_once(
+        qname: str, redis_url: str) -> None:
+    gate = threading.Event()
+
+    def deaf(p: dict[str, Any]) -> str:
+        assert gate.wait(20)
+        return "done"
+
+    told = Told()
+    settings = QueueSettings(lease_ms=1500, retry_backoff_ms=0, max_retries=0,
+                             dead_letter=False, cancel_grace_s=0.5)
+    q = mtq.Queue(qname, redis_url)
+    with serving(make_worker(FunctionModel(deaf), qname, redis_url, settings=settings,
+                             monitor=told), gate):
+        a = q.submit({}, timeout=0.2)
+        running(a)
+        wait_for(lambda: told.aborted_calls, 5, "the monitor was never told")
+        assert told.aborted_calls == [({a.id: "timeout"}, 0.5)]
+        gate.set()
+        assert ended(a).status == "failed"
+        gate.clear()
+        b = q.submit({})
+        running(b)
+        b.cancel()
+        wait_for(lambda: len(told.aborted_calls) == 2, 5, "the cancel was never reported")
+        assert told.aborted_calls[1] == ({b.id: "cancel"}, 0.5)
+        gate.set()
+        assert ended(b).status == "cancelled"
+    assert len(told.aborted_calls) == 2, told.aborted_calls
