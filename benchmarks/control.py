@@ -4,6 +4,7 @@
     python -m benchmarks.control                  # every section, writes the control block
     python -m benchmarks.control --only memory    # one section (repeat --only for more)
     python -m benchmarks.control --only spread    # slow functions over idle workers
+    python -m benchmarks.control --only cancel    # cancel and timeouts of running work
     python -m benchmarks.control --quick          # smaller sizes, prints only
 
 Each section is a function ``measure_<name>(quick) -> dict`` that returns its rows
@@ -25,6 +26,10 @@ lease for Redis, then goes on as a forced stop; ``--lease-ms 2000`` here).
 
 spread: slow plain functions spread over idle workers (20 tasks of 0.5 s over five
 replicas of ``mtq workers start``); see :mod:`benchmarks.control_spread`.
+
+cancel: the time from ``Task.cancel()`` to the task's end for a plain generator, an
+``mtq.Generator`` request and a cooperative function, and how late a ``timeout=1``
+stops a cooperative function; see :mod:`benchmarks.control_cancel`.
 
 A run of only some sections prints its figures and writes the block only with
 ``--docs`` (the block holds every section).
@@ -48,6 +53,7 @@ from typing import Any
 import redis
 
 import mtq
+from benchmarks.control_cancel import measure_cancel
 from benchmarks.control_spread import measure_spread
 from benchmarks.harness.meters import machine_info
 from benchmarks.harness.procs import Proc, kill_group, spawn, wait_for, worker_env
@@ -258,11 +264,13 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "memory": measure_memory,
     "stop": measure_stop,
     "spread": measure_spread,
+    "cancel": measure_cancel,
 }
 TITLES = {
     "memory": "Redis memory a drained queue keeps (retention_s 2 for the run)",
     "stop": "Stops with Redis away",
     "spread": "Slow plain functions over idle workers (mtq workers start, default settings)",
+    "cancel": "Cancel and timeouts of running work (bare mtq worker run, one per kind)",
 }
 
 

@@ -83,6 +83,7 @@ __all__ = [
     "ConfigError",
     "Consumer",
     "Costed",
+    "CurrentTask",
     "DeviceOutOfMemory",
     "DuplicateTask",
     "EncodeError",
@@ -124,7 +125,6 @@ __all__ = [
     "TaskNotFound",
     "TaskTimeout",
     "WouldMissDeadline",
-    "CurrentTask",
     "current_task",
     "__version__",
 ]

@@ -18,14 +18,22 @@ cancelled or TaskTimeout, and the others keep their results.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from mtq.errors import TaskCancelled, TaskTimeout
 
-if TYPE_CHECKING:
-    from mtq.workers.aborts import Aborts
-
 _local = threading.local()
+
+
+class Aborts(Protocol):
+    """What a CurrentTask reads of its worker's :class:`mtq.workers.aborts.Aborts`."""
+
+    @property
+    def call(self) -> tuple[str, ...]: ...
+    def stopped(self, ids: Sequence[str]) -> list[str]: ...
+    def reason(self, task_id: str) -> str | None: ...
+    def timeout_of(self, task_id: str) -> float | None: ...
 
 
 class CurrentTask:
