@@ -72,11 +72,15 @@ class Aborts:
         with led.lock:
             added = False
             for t in tasks:
-                if t.id not in led.deadlines:
+                dl = led.deadlines.get(t.id)
+                if dl is None or dl[2] != t.token:  # (a retry claimed here again before
+                    led.timed_out.discard(t.id)     # its last delivery was forgotten)
                     s = t.timeout_ms / 1000 if t.timeout_ms else default
                     if s > 0:
-                        led.deadlines[t.id] = (now + s, s)
+                        led.deadlines[t.id] = (now + s, s, t.token)
                         added = True
+                    elif dl is not None:
+                        del led.deadlines[t.id]
             self.call = tuple(t.id for t in tasks)
             self.reported = False
             if added or led.cancel:
@@ -152,7 +156,7 @@ class Aborts:
                     return
                 now = time.monotonic()
                 wait = float("inf")
-                for i, (dl, _s) in led.deadlines.items():
+                for i, (dl, _s, _token) in led.deadlines.items():
                     if i in led.timed_out:
                         continue
                     if dl <= now:
@@ -170,7 +174,7 @@ class Aborts:
             with self._report:  # (outside the ledger's lock: the monitor may write a pipe)
                 if self.call is call and not self.reported:
                     self.reported = True
-                    log.info("every task of the running call was cancelled or timed out "
+                    log.debug("every task of the running call was cancelled or timed out "
                              "(%s)", ", ".join(f"{i}: {r}" for i, r in reasons.items()))
                     try:
                         self.monitor.aborted(reasons, self.grace_s)

@@ -119,9 +119,10 @@ class Ledger:
         #: running tasks whose lease was lost: a generator stops generating them
         self.lost: set[str] = set()
         #: running tasks past their run timeout, and task id -> (monotonic deadline, its
-        #: timeout in s) of those with one that started running (mtq.workers.aborts)
+        #: timeout in s, lease token) of those with one that started running
+        #: (mtq.workers.aborts)
         self.timed_out: set[str] = set()
-        self.deadlines: dict[str, tuple[float, float]] = {}
+        self.deadlines: dict[str, tuple[float, float, str]] = {}
         #: notified (under :attr:`lock`) when a cancel mark or a run deadline is added:
         #: the aborts thread waits on it
         self.changed = threading.Condition(self.lock)
