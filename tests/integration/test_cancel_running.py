@@ -206,6 +206,20 @@ def test_a_cancelled_batch_member_ends_cancelled_and_the_whole_batch_stops(
     assert len(model.batches) == 1, "the batch ran again after it was stopped"
 
 
+def test_one_cancelled_batch_member_ends_cancelled_the_other_succeeds(
+        qname: str, redis_url: str) -> None:
+    model = Batch()
+    q = mtq.Queue(qname, redis_url)
+    with serving(make_worker(model, qname, redis_url)):
+        a, b = q.submit_many([{"v": 1, "steps": 60}, {"v": 2, "steps": 60}])
+        assert model.started.wait(10)
+        running(a)
+        a.cancel()
+        assert ended(a, 5).status == "cancelled"
+        assert b.result(timeout=10) == 2
+    assert model.skipped == {a.id} and model.batches == [2], (model.skipped, model.batches)
+
+
 # -- a success after the stop -----------------------------------------------------------------
 
 def test_a_function_that_never_checks_ends_cancelled_not_succeeded(
