@@ -262,6 +262,14 @@ def test_ack_of_a_task_with_a_cancel_request_ends_it_cancelled(qname: str, r: re
     assert r.hget(QueueKeys(qname).task(t.id), "result") is None
     with pytest.raises(mtq.TaskCancelled):
         t.result(timeout=1)
+    # a task a scheduling claim charged leaves its lane's running count as it ends
+    u = q.submit({"x": 2}, tenant="acme")
+    (claimed,) = c.claim(1)
+    assert claimed.id == u.id and u.cancel() is False
+    count = f"mtq:{{{qname}}}:sched:count"
+    assert int(r.hget(count, "s:acme|r") or 0) == 1
+    c.settle([mtq.Outcome(claimed, ok=True, value="late")])
+    assert u.status() == "cancelled" and int(r.hget(count, "s:acme|r") or 0) == 0
 
 
 # -- bad input, the queue's default ----------------------------------------------------------
