@@ -89,7 +89,7 @@ class Aborts:
                         added = True
                     elif dl is not None:
                         del led.deadlines[t.id]
-            if added or led.cancel:
+            if added or led.cancel or led.timed_out:  # (a call on stopped tasks is told)
                 led.changed.notify_all()
 
     @property
