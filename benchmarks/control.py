@@ -5,6 +5,7 @@
     python -m benchmarks.control --only memory    # one section (repeat --only for more)
     python -m benchmarks.control --only spread    # slow functions over idle workers
     python -m benchmarks.control --only local     # mtq.local's start and stop
+    python -m benchmarks.control --only cancel    # cancel and timeouts of running work
     python -m benchmarks.control --quick          # smaller sizes, prints only
 
 Each section is a function ``measure_<name>(quick) -> dict`` that returns its rows
@@ -29,6 +30,9 @@ replicas of ``mtq workers start``); see :mod:`benchmarks.control_spread`.
 
 local: the start and stop of ``mtq.local`` (a private Redis and a supervisor inside a
 script); see :mod:`benchmarks.control_local`.
+cancel: the time from ``Task.cancel()`` to the task's end for a plain generator, an
+``mtq.Generator`` request and a cooperative function, and how late a ``timeout=1``
+stops a cooperative function; see :mod:`benchmarks.control_cancel`.
 
 A run of only some sections prints its figures and writes the block only with
 ``--docs`` (the block holds every section).
@@ -52,6 +56,7 @@ from typing import Any
 import redis
 
 import mtq
+from benchmarks.control_cancel import measure_cancel
 from benchmarks.control_local import measure_local
 from benchmarks.control_spread import measure_spread
 from benchmarks.harness.meters import machine_info
@@ -264,12 +269,14 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "stop": measure_stop,
     "spread": measure_spread,
     "local": measure_local,
+    "cancel": measure_cancel,
 }
 TITLES = {
     "memory": "Redis memory a drained queue keeps (retention_s 2 for the run)",
     "stop": "Stops with Redis away",
     "spread": "Slow plain functions over idle workers (mtq workers start, default settings)",
     "local": "mtq.local: a private Redis and workers inside a script, started and stopped",
+    "cancel": "Cancel and timeouts of running work (bare mtq worker run, one per kind)",
 }
 
 

@@ -43,10 +43,12 @@ from mtq.errors import (
     TaskCancelled,
     TaskFailed,
     TaskNotFound,
+    TaskTimeout,
     WouldMissDeadline,
 )
 from mtq.settings import QueueSettings, RedisSettings
 from mtq.workers.batching import Costed
+from mtq.workers.current import CurrentTask, current_task
 from mtq.workers.generator import Generation, Generator
 from mtq.workers.model import Model, Progress
 from mtq.workers.options import Option
@@ -99,6 +101,7 @@ __all__ = [
     "ConfigError",
     "Consumer",
     "Costed",
+    "CurrentTask",
     "DeviceOutOfMemory",
     "DuplicateTask",
     "EncodeError",
@@ -138,7 +141,9 @@ __all__ = [
     "TaskFailed",
     "TaskInfo",
     "TaskNotFound",
+    "TaskTimeout",
     "WouldMissDeadline",
+    "current_task",
     "__version__",
     "local",
 ]
