@@ -188,6 +188,8 @@ class DynamicBatcher:
             t0 = time.perf_counter()
             aborts.begin(tasks)  # their run timeouts start; mtq.current_task() is theirs
             try:
+                if aborts.stopped_all(tasks):  # (cancelled while waiting in this batch)
+                    return [aborts.error(t.id) for t in tasks]
                 out = model.predict(payloads[lo:hi] if hi - lo == len(items)  # type: ignore[union-attr]
                                     else [payloads[j] for j in items])
                 if inspect.isgenerator(out):

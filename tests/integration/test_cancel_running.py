@@ -394,3 +394,32 @@ def test_a_call_that_does_not_stop_is_reported_to_the_monitor_once(
         gate.set()
         assert ended(b).status == "cancelled"
     assert len(told.aborted_calls) == 2, told.aborted_calls
+
+
+def test_a_task_cancelled_before_its_call_began_is_not_run(qname: str, redis_url: str) -> None:
+    # a per-item batch of two: the second, cancelled while the first runs, is held by
+    # the model thread (not in the slot): its function is never called
+    gate = threading.Event()
+    calls: list[int] = []
+
+    def deaf(p: dict[str, Any]) -> int:
+        calls.append(p["i"])
+        if p["i"] == 1:
+            assert gate.wait(20)
+        return p["i"]
+
+    q = mtq.Queue(qname, redis_url)
+    w = make_worker(FunctionModel(deaf), qname, redis_url, settings=NO_RETRY)
+    with serving(w, gate):
+        for t in q.submit_many([{"i": 0}] * 4):  # fast: the worker claims more than one
+            t.result(timeout=10)
+        del calls[:]
+        a, b = q.submit_many([{"i": 1}, {"i": 2}])
+        running(a)
+        wait_for(lambda: b.status() == "running", 10, "the second was not claimed with it")
+        b.cancel()
+        wait_for(lambda: b.id in w.ledger.cancel, 5, "the worker never heard of the cancel")
+        gate.set()
+        assert ended(b).status == "cancelled"
+        assert ended(a).status == "succeeded"
+    assert calls == [1], calls
