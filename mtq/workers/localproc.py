@@ -109,8 +109,16 @@ def serve(config_json: str) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)  # nobody reads our pipes any more
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-        for _ in range(2):
-            os.kill(os.getpid(), signal.SIGTERM)
+        # a forced stop: two SIGTERMs, to the main thread (one this thread took would
+        # not wake the supervisor's wait), the second once the first was taken (two
+        # at once run its handler once: a graceful stop, waiting for running tasks)
+        main = threading.main_thread().ident
+        assert main is not None
+        signal.pthread_kill(main, signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not sup.stopping and time.monotonic() < deadline:
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGTERM)
 
     def say(line: str) -> None:
         try:

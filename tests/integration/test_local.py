@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -302,3 +301,30 @@ def test_not_ready_in_time_or_setup_failing_is_a_local_error() -> None:
         mtq.local("tests.handlers:record", ready_timeout=0.2).start()
     assert late.value.timed_out
     assert not localmode._live
+
+
+def test_a_script_killed_while_a_task_runs_leaves_nothing_at_once(tmp_path: Path) -> None:
+    """The runner's stop after the script died is a forced one: a running task is not
+    waited for (two SIGTERMs sent together counted as one: a graceful stop that waited
+    for the task, however long)."""
+    script = tmp_path / "killed_busy.py"
+    script.write_text("import time\nimport mtq\n\ndef handle(p):\n    time.sleep(p)\n"
+                      "    return p\n\n"
+                      "if __name__ == '__main__':\n"
+                      "    with mtq.local(handle) as q:\n"
+                      "        t = q.submit(120)\n"
+                      "        while t.status() != 'running':\n"
+                      "            time.sleep(0.02)\n"
+                      "        print('running', flush=True)\n"
+                      "        time.sleep(120)\n")
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "running"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    wait_for(lambda: not _holding(str(tmp_path)), 15,
+             f"the runner to stop every process and the server: {_holding(str(tmp_path))}")
+    wait_for(lambda: not list(tmp_path.glob("mtq-local-*")), 10,
+             "the temporary directory to be removed")
