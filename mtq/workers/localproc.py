@@ -102,6 +102,9 @@ def serve(config_json: str) -> int:
     cfg = json.loads(config_json)
     orphaned = threading.Event()
 
+    def ignore(_signum: int, _frame: object) -> None:
+        pass
+
     def watch() -> None:
         while os.read(0, 4096):  # b"" at EOF: the parent closed it or died (the raw fd:
             pass                 # a daemon thread in a buffered read aborts at exit)
@@ -114,6 +117,10 @@ def serve(config_json: str) -> int:
         # at once run its handler once: a graceful stop, waiting for running tasks)
         main = threading.main_thread().ident
         assert main is not None
+        deadline = time.monotonic() + 10  # (the parent died at once: the supervisor's
+        while signal.getsignal(signal.SIGTERM) is ignore and \
+                time.monotonic() < deadline:  # handler first, or nothing would stop)
+            time.sleep(0.01)
         signal.pthread_kill(main, signal.SIGTERM)
         deadline = time.monotonic() + 5
         while not sup.stopping and time.monotonic() < deadline:
@@ -143,6 +150,10 @@ def serve(config_json: str) -> int:
         # the fork server starts with the first process, so this list is the one it uses
         multiprocessing.get_context("forkserver").set_forkserver_preload(
             ["mtq.workers.child", *cfg["preload"]])
+    # a SIGTERM outside the supervisor's run (its handler, in place meanwhile, is set
+    # back to this one after it) does not kill the runner before it shuts the server
+    # down: the watch's second one may come after a stop that had nothing to wait for
+    signal.signal(signal.SIGTERM, ignore)
     threading.Thread(target=watch, name="mtq-local-watch", daemon=True).start()
     code = sup.run()
     if orphaned.is_set() and cfg.get("state_dir"):

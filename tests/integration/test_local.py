@@ -6,6 +6,7 @@ process, no socket, no directory. The docs' example runs as a script."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -330,3 +331,33 @@ def test_a_script_killed_while_a_task_runs_leaves_nothing_at_once(tmp_path: Path
              f"the runner to stop every process and the server: {_holding(str(tmp_path))}")
     wait_for(lambda: not list(tmp_path.glob("mtq-local-*")), 10,
              "the temporary directory to be removed")
+
+
+def test_a_runner_whose_parent_died_during_the_start_still_shuts_the_server_down(
+        tmp_path: Path) -> None:
+    """The parent gone before the supervisor runs (its stdin at EOF from the start): the
+    runner's stop must not be a SIGTERM that kills it before it shuts the server down
+    (it did, 3 runs in 5), nor one its supervisor's stop outlived."""
+    from mtq.broker.embedded import EmbeddedServer
+
+    code = "import sys; from mtq.workers.localproc import serve; sys.exit(serve(sys.argv[1]))"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    for n in range(3):
+        state = tmp_path / f"mtq-local-{n}"
+        state.mkdir()
+        server = EmbeddedServer(state)
+        url = server.start()
+        cfg = {"target": "tests.handlers:gated", "queue": "orphan", "devices": "cpu",
+               "replicas": 1, "standby": 0, "max_batch_size": None, "max_wait_ms": None,
+               "timeout_s": None, "lease_ms": None, "options": {}, "url": url,
+               "preload": [], "state_dir": str(state)}
+        try:
+            out = subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], env=env,
+                                 stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+                                 start_new_session=True)
+            assert out.returncode == 0, (n, out.returncode, out.stderr[-2000:])
+            assert not state.exists(), f"run {n}: {state} was left"
+            assert not _holding(str(state)), _holding(str(state))
+        finally:
+            if state.exists():
+                server.stop()
