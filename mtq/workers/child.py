@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -37,14 +37,20 @@ EXIT_TARGET = 3   # the target cannot be loaded: do not restart, report
 EXIT_SETUP = 4    # setup() raised: restart with backoff, give up after a few in a row
 
 # shared array layout, per engine: predict call started at (time.monotonic(), 0 = idle),
-# first, end item
-STARTED, LO, HI = 0, 1, 2
-SLOTS = 3
+# first, end item, its lease (s, 0 = not known yet); after the engines', the process's
+# last sign of life (time.monotonic(): mtq.workers.fencing)
+STARTED, LO, HI, LEASE = 0, 1, 2, 3
+SLOTS = 4
 
 
 def at(engine: int, slot: int) -> int:
-    """The index in the shared array of ``slot`` (STARTED, LO, HI) of ``engine``."""
+    """The index in the shared array of ``slot`` (STARTED, LO, HI, LEASE) of ``engine``."""
     return SLOTS * engine + slot
+
+
+def beat_at(engines: int) -> int:
+    """The index of the process's sign of life, in a process of ``engines`` engines."""
+    return SLOTS * engines
 
 log = logging.getLogger("mtq.workers.child")
 
@@ -204,6 +210,11 @@ def _engine(config: ChildConfig, spec: Mapping[str, Any], monitor: PipeMonitor,
                   memory_bytes=spec.get("memory"))
 
 
+def _lease_of(w: Worker) -> Callable[[], float]:
+    """The lease ``w``'s heartbeat last extended with (s; no Redis asked)."""
+    return lambda: w.heartbeat.lease_s
+
+
 def _describe(w: Worker) -> str:
     return "/".join(w.model.describe())
 
@@ -219,7 +230,12 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
     pipe = Pipe(conn)
 
     from mtq.errors import MtqError, TargetError
+    from mtq.workers.fencing import Beat
     from mtq.workers.host import Host
+
+    # its sign of life, from the start (set-up included), to the supervisor's fence
+    beat = Beat(shared, len(config.engine_list()))
+    beat.start()
 
     workers: list[Worker] = []
     for i, spec in enumerate(config.engine_list()):
@@ -233,6 +249,7 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
             sys.exit(EXIT_SETUP)
         pipe.send("hello", i, w.worker_id)
         workers.append(w)
+        beat.leases.append(_lease_of(w))
     specs = config.engine_list()
 
     def rebuild(i: int, options: dict[str, str]) -> Worker:
@@ -240,6 +257,7 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
         w = _engine(config, {**specs[i], "options": options}, PipeMonitor(pipe, shared, i),
                     first=False)
         pipe.send("hello", i, w.worker_id)
+        beat.leases[i] = _lease_of(w)
         return w
 
     host = Host(workers, memory_budget=config.memory_budget, max_loaded=config.max_loaded,

@@ -63,6 +63,7 @@ class Child:
     forced: bool = False    # killed on the operator's order: nothing it ran counts
     spare: bool = False     # a warm standby: set up, claiming nothing until promoted
     quarantine: bool = False  # runs the suspects its siblings hand over, one at a time
+    bye: bool = False       # it said goodbye: it exits (no longer fenced)
 
     # engine 0's, for the parts that know processes of one worker (quarantine, standby)
     @property
@@ -147,7 +148,7 @@ def start(ctx: Any, config: ChildConfig, index: int, device: str, *, spare: bool
         forkserver.ensure_running()
     parent, kid = ctx.Pipe()
     engines = [Engine(e["queue"]) for e in config.engine_list()]
-    shared = ctx.RawArray("d", child.SLOTS * len(engines))
+    shared = ctx.RawArray("d", child.beat_at(len(engines)) + 1)
     env = dict(config.env)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the spawned interpreter starts with this environment

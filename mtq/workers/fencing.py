@@ -1,0 +1,143 @@
+"""Fencing: the supervisor kills a child that no longer answers for its calls.
+
+Two things end a child from outside, each without asking Redis:
+
+* **An overrun.** A predict call that runs past its engine's ``timeout_s`` (the
+  shared array says when it started): a hung kernel cannot be interrupted from a
+  thread.
+* **A freeze.** Each child proves it is alive with a thread of its own
+  (:class:`Beat`) that writes ``time.monotonic()`` into the shared array every
+  :data:`BEAT_EVERY_S`, and its engines' leases beside it; it touches no Redis and
+  no lock of the worker's, so a Redis outage or a long CPU-bound predict (the
+  interpreter switches threads every few milliseconds) does not stop it. A child
+  whose beat is older than its fence (:func:`fence_s`: :data:`FENCE_FRACTION` of
+  the smallest lease of its engines, at least :data:`FENCE_FLOOR_S`) is frozen:
+  stopped (SIGSTOP, a paused cgroup), or inside a call that holds the interpreter
+  (a hung driver call), or starved of CPU. The supervisor kills it (SIGKILL) and
+  handles it as a death: its tasks go back at once, the running call's counted
+  (the call may be what hung the driver: a request that does so every time ends
+  dead-lettered after ``max_deliveries``), and the process is replaced.
+
+Why half a lease. A worker extends its leases every ``min(1 s, lease/3)``, so a
+process frozen at time F last extended at F - lease/3 at worst, and Redis may give
+its tasks to another worker from F + 2/3 lease on. The fence comes at F + lease/2
+(plus up to one beat), which leaves a sixth of the lease (1.3 s at the default
+8 s) for the kill and the give-back, which take milliseconds. A process that really
+holds the interpreter for half a lease could not have extended its leases on time
+either. The floor keeps a scheduling hiccup from killing a process under short
+leases; with a lease under 1.5 s it may leave less than 0.25 s for the kill, and
+under 1 s the fence can come after the reclaim.
+
+Only a child that reported itself ready is fenced (it holds no task before), and
+not a warm standby (it holds none), nor one that said goodbye or was already
+killed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from mtq.workers import child
+from mtq.workers.children import Child
+
+#: how often a child's beat thread writes its sign of life
+BEAT_EVERY_S = 0.1
+#: a child whose beat is older than this share of its smallest lease is killed
+FENCE_FRACTION = 0.5
+#: ... but never one whose beat is younger than this (s)
+FENCE_FLOOR_S = 0.5
+
+
+def fence_s(lease_s: float) -> float:
+    """How old a child's beat may be before it is killed, given its smallest lease."""
+    return max(FENCE_FLOOR_S, FENCE_FRACTION * lease_s)
+
+
+class Beat:
+    """A child's sign of life: a daemon thread writing ``time.monotonic()`` into its
+    slot of the shared array, and each engine's lease (``leases[i]()``, seconds; 0:
+    not known yet) into that engine's slot."""
+
+    def __init__(self, shared: Any, engines: int) -> None:
+        self.shared = shared
+        self.index = child.beat_at(engines)
+        self.leases: list[Callable[[], float]] = []
+
+    def start(self) -> None:
+        self.shared[self.index] = time.monotonic()
+        threading.Thread(target=self._loop, name="mtq-beat", daemon=True).start()
+
+    def _loop(self) -> None:
+        shared, index = self.shared, self.index
+        while True:
+            shared[index] = time.monotonic()
+            for i, lease in enumerate(self.leases):
+                shared[child.at(i, child.LEASE)] = lease()
+            time.sleep(BEAT_EVERY_S)
+
+
+class Fence:
+    """The supervisor's side: when each running child is next due a look, and the
+    kill of one that overran its timeout or froze."""
+
+    def __init__(self, lease_s: float, host: bool, on_event: Callable[[str], None]) -> None:
+        #: the lease assumed for a child that has not told its own yet (the smallest
+        #: of the supervisor's queues, read at its start)
+        self.lease_s = lease_s
+        self.host = host
+        self.on_event = on_event
+
+    def child_fence_s(self, c: Child) -> float:
+        """``c``'s fence: from the smallest lease of its engines."""
+        leases = [x for i in range(len(c.engines))
+                  if (x := float(c.shared[child.at(i, child.LEASE)])) > 0]
+        return fence_s(min(leases, default=self.lease_s))
+
+    @staticmethod
+    def beat(c: Child) -> float:
+        """When ``c`` last proved it was alive (monotonic)."""
+        return float(c.shared[child.beat_at(len(c.engines))]) or c.started
+
+    @staticmethod
+    def guarded(c: Child) -> bool:
+        return c.ready and not c.killed_for and not c.forced and not c.bye
+
+    def deadline(self, now: float, running: Iterable[Child]) -> float | None:
+        """Seconds until a running child may overrun its timeout or be due its fence."""
+        out: float | None = None
+        for c in running:
+            if c.killed_for:  # a killed one is waited for by its sentinel
+                continue
+            d = c.next_timeout(now)
+            if self.guarded(c):
+                f = self.beat(c) + self.child_fence_s(c) - now
+                d = f if d is None else min(d, f)
+            if d is not None:
+                out = d if out is None else min(out, d)
+        return out
+
+    def check(self, now: float, running: Iterable[Child]) -> None:
+        """Kill the children whose predict call overran its timeout, or that froze."""
+        for c in running:
+            if c.killed_for:
+                continue
+            who = "the quarantine process" if c.quarantine else f"worker {c.slot}"
+            i = c.overrunning(now)
+            if i is not None:
+                e = c.engines[i]
+                of = f" of queue {e.queue!r}" if self.host else ""
+                c.killed_for, c.overran = f"predict{of} ran past its {e.timeout_s:g} s timeout", i
+                self.on_event(f"{who} ({e.worker_id}): {c.killed_for}; killing it")
+                c.process.kill()
+                continue
+            if not self.guarded(c):
+                continue
+            age, fence = now - self.beat(c), self.child_fence_s(c)
+            if age > fence:
+                # one line: the reap says it (the process dies at once, stopped or not)
+                c.killed_for = (f"frozen: no sign of life for {age:.2f} s, past its fence of "
+                                f"{fence:g} s; killed, its tasks given back")
+                c.process.kill()
