@@ -4,6 +4,7 @@
     python -m benchmarks.control                  # every section, writes the control block
     python -m benchmarks.control --only memory    # one section (repeat --only for more)
     python -m benchmarks.control --only spread    # slow functions over idle workers
+    python -m benchmarks.control --only frozen    # a frozen child under load
     python -m benchmarks.control --quick          # smaller sizes, prints only
 
 Each section is a function ``measure_<name>(quick) -> dict`` that returns its rows
@@ -25,6 +26,10 @@ lease for Redis, then goes on as a forced stop; ``--lease-ms 2000`` here).
 
 spread: slow plain functions spread over idle workers (20 tasks of 0.5 s over five
 replicas of ``mtq workers start``); see :mod:`benchmarks.control_spread`.
+
+frozen: a supervised worker under load on 8 streams with one child SIGSTOPped for
+three leases, then SIGCONT: overlapping calls per stream, lost, twice, time to the
+fence and to recovery; see :mod:`benchmarks.control_frozen`.
 
 A run of only some sections prints its figures and writes the block only with
 ``--docs`` (the block holds every section).
@@ -48,6 +53,7 @@ from typing import Any
 import redis
 
 import mtq
+from benchmarks.control_frozen import measure_frozen
 from benchmarks.control_spread import measure_spread
 from benchmarks.harness.meters import machine_info
 from benchmarks.harness.procs import Proc, kill_group, spawn, wait_for, worker_env
@@ -258,11 +264,13 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "memory": measure_memory,
     "stop": measure_stop,
     "spread": measure_spread,
+    "frozen": measure_frozen,
 }
 TITLES = {
     "memory": "Redis memory a drained queue keeps (retention_s 2 for the run)",
     "stop": "Stops with Redis away",
     "spread": "Slow plain functions over idle workers (mtq workers start, default settings)",
+    "frozen": "A frozen child under load (mtq workers start --replicas 2, SIGSTOP for 3 leases)",
 }
 
 

@@ -28,6 +28,11 @@ either. The floor keeps a scheduling hiccup from killing a process under short
 leases; with a lease under 1.5 s it may leave less than 0.25 s for the kill, and
 under 1 s the fence can come after the reclaim.
 
+A supervisor that wakes up late (stopped or starved itself: a whole host frozen,
+supervisor included) gives its children :data:`GRACE_S` to beat again before it
+judges them: they were frozen with it, and their leases, if lost, are dealt with by
+the lease checks before every call (see docs/guarantees.md for what remains).
+
 Only a child that reported itself ready is fenced (it holds no task before), and
 not a warm standby (it holds none), nor one that said goodbye or was already
 killed.
@@ -49,6 +54,11 @@ BEAT_EVERY_S = 0.1
 FENCE_FRACTION = 0.5
 #: ... but never one whose beat is younger than this (s)
 FENCE_FLOOR_S = 0.5
+#: the supervisor itself woke this much later than it asked (it was stopped or
+#: starved, with its children: a whole host frozen) ...
+LATE_S = 0.25
+#: ... so it gives its children this long to beat again before it judges them
+GRACE_S = 3 * BEAT_EVERY_S
 
 
 def fence_s(lease_s: float) -> float:
@@ -89,6 +99,10 @@ class Fence:
         self.lease_s = lease_s
         self.host = host
         self.on_event = on_event
+        #: when the loop asked to be woken for a fence (monotonic), and until when
+        #: the fences wait, after a wake-up that came late
+        self._due: float | None = None
+        self._grace_until = 0.0
 
     def child_fence_s(self, c: Child) -> float:
         """``c``'s fence: from the smallest lease of its engines."""
@@ -113,14 +127,25 @@ class Fence:
                 continue
             d = c.next_timeout(now)
             if self.guarded(c):
-                f = self.beat(c) + self.child_fence_s(c) - now
+                f = max(self.beat(c) + self.child_fence_s(c), self._grace_until) - now
                 d = f if d is None else min(d, f)
             if d is not None:
                 out = d if out is None else min(out, d)
+        self._due = None if out is None else now + max(out, 0.0)
         return out
+
+    def _late(self, now: float) -> bool:
+        """Whether the supervisor woke late (it was frozen or starved itself, as a whole
+        frozen host is): its children, frozen with it, get :data:`GRACE_S` to beat
+        again before they are judged."""
+        if self._due is not None and now > self._due + LATE_S:
+            self._grace_until = now + GRACE_S
+        self._due = None
+        return now < self._grace_until
 
     def check(self, now: float, running: Iterable[Child]) -> None:
         """Kill the children whose predict call overran its timeout, or that froze."""
+        late = self._late(now)
         for c in running:
             if c.killed_for:
                 continue
@@ -133,7 +158,7 @@ class Fence:
                 self.on_event(f"{who} ({e.worker_id}): {c.killed_for}; killing it")
                 c.process.kill()
                 continue
-            if not self.guarded(c):
+            if late or not self.guarded(c):
                 continue
             age, fence = now - self.beat(c), self.child_fence_s(c)
             if age > fence:
