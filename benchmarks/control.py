@@ -5,6 +5,7 @@
     python -m benchmarks.control --only memory    # one section (repeat --only for more)
     python -m benchmarks.control --only spread    # slow functions over idle workers
     python -m benchmarks.control --only frozen    # a frozen child under load
+    python -m benchmarks.control --only cancel    # cancel and timeouts of running work
     python -m benchmarks.control --quick          # smaller sizes, prints only
 
 Each section is a function ``measure_<name>(quick) -> dict`` that returns its rows
@@ -30,6 +31,9 @@ replicas of ``mtq workers start``); see :mod:`benchmarks.control_spread`.
 frozen: a supervised worker under load on 8 streams with one child SIGSTOPped for
 three leases, then SIGCONT: overlapping calls per stream, lost, twice, time to the
 fence and to recovery; see :mod:`benchmarks.control_frozen`.
+cancel: the time from ``Task.cancel()`` to the task's end for a plain generator, an
+``mtq.Generator`` request and a cooperative function, and how late a ``timeout=1``
+stops a cooperative function; see :mod:`benchmarks.control_cancel`.
 
 A run of only some sections prints its figures and writes the block only with
 ``--docs`` (the block holds every section).
@@ -53,6 +57,7 @@ from typing import Any
 import redis
 
 import mtq
+from benchmarks.control_cancel import measure_cancel
 from benchmarks.control_frozen import measure_frozen
 from benchmarks.control_spread import measure_spread
 from benchmarks.harness.meters import machine_info
@@ -265,12 +270,14 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "stop": measure_stop,
     "spread": measure_spread,
     "frozen": measure_frozen,
+    "cancel": measure_cancel,
 }
 TITLES = {
     "memory": "Redis memory a drained queue keeps (retention_s 2 for the run)",
     "stop": "Stops with Redis away",
     "spread": "Slow plain functions over idle workers (mtq workers start, default settings)",
     "frozen": "A frozen child under load (mtq workers start --replicas 2, SIGSTOP for 3 leases)",
+    "cancel": "Cancel and timeouts of running work (bare mtq worker run, one per kind)",
 }
 
 

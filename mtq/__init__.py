@@ -40,10 +40,12 @@ from mtq.errors import (
     TaskCancelled,
     TaskFailed,
     TaskNotFound,
+    TaskTimeout,
     WouldMissDeadline,
 )
 from mtq.settings import QueueSettings, RedisSettings
 from mtq.workers.batching import Costed
+from mtq.workers.current import CurrentTask, current_task
 from mtq.workers.generator import Generation, Generator
 from mtq.workers.model import Model, Progress
 from mtq.workers.options import Option
@@ -81,6 +83,7 @@ __all__ = [
     "ConfigError",
     "Consumer",
     "Costed",
+    "CurrentTask",
     "DeviceOutOfMemory",
     "DuplicateTask",
     "EncodeError",
@@ -120,6 +123,8 @@ __all__ = [
     "TaskFailed",
     "TaskInfo",
     "TaskNotFound",
+    "TaskTimeout",
     "WouldMissDeadline",
+    "current_task",
     "__version__",
 ]

@@ -33,6 +33,7 @@
     ├── PermanentError              raised or returned by a model: fail at once, no retry
     │   └── BadRequest              a payload the model cannot take (fails alone)
     ├── DeviceOutOfMemory           a task ran out of device memory on its own (retried)
+    ├── TaskTimeout                 a task ran past its run timeout and was stopped (retried)
     ├── InvalidArgument             an argument that is not allowed (a script's, a priority, a cost)
     ├── InvalidApiKey               a gateway API key that is missing, malformed, unknown or revoked
     ├── TaskFinished                the task had already ended: nothing was changed
@@ -94,6 +95,7 @@ __all__ = [
     "TaskFailed",
     "TaskFinished",
     "TaskNotFound",
+    "TaskTimeout",
     "WouldMissDeadline",
 ]
 
@@ -364,6 +366,22 @@ class DeviceOutOfMemory(MtqError):
             "needs more memory than the device has free: ask for less (a shorter input, "
             "fewer tokens), lower the model's memory per request, or serve it on a device "
             "with more memory")
+
+
+class TaskTimeout(MtqError):
+    """A task ran past its run timeout (``submit(..., timeout=S)``, or the queue's
+    ``task_timeout_s``), measured from when its predict call or generator step started
+    running it, and was stopped: the error its worker records for it (``TaskTimeout:
+    ...``). Retried like any failure until its retries run out. Raised inside a worker by
+    ``mtq.current_task().raise_if_cancelled()`` once every task of the running call is
+    past its time. Give the task a longer timeout, or make it do less."""
+
+    def __init__(self, timeout_s: float | None = None, detail: str = "") -> None:
+        self.timeout_s = timeout_s
+        what = f"its timeout of {timeout_s:g} s" if timeout_s else "its timeout"
+        super().__init__(detail or f"the task ran past {what} and was stopped; give it a "
+                                   "longer timeout (submit's timeout=, the queue's "
+                                   "task_timeout_s) or make it do less")
 
 
 class InvalidArgument(MtqError, ValueError):

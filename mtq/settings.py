@@ -143,6 +143,13 @@ class QueueSettings:
     #: the queue's diagnostics (batch log, latencies, failures, histograms) are deleted
     #: once no worker wrote to them for this long
     diagnostics_ttl_s: int = 24 * 3600
+    #: how long a task may run once started, in seconds, unless it gives its own
+    #: (``submit(..., timeout=S)``): past it, it is stopped and fails with TaskTimeout
+    #: (retried under its retry policy); 0: no limit
+    task_timeout_s: float = 0.0
+    #: a supervisor kills a process whose running call's every task was cancelled or
+    #: timed out, if that call still runs this many seconds later (docs/workers.md)
+    cancel_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         if isinstance(self.tenant_weights, Mapping):
@@ -163,6 +170,15 @@ class QueueSettings:
         if self.rate_limit_mode not in ("reject", "hold"):
             raise ConfigError(f"rate_limit_mode takes reject or hold, got "
                               f"{self.rate_limit_mode!r}")
+        for name in ("task_timeout_s", "cancel_grace_s"):
+            value = getattr(self, name)
+            if isinstance(value, int) and not isinstance(value, bool):
+                object.__setattr__(self, name, float(value))
+                value = float(value)
+            if not isinstance(value, float) or not 0 <= value <= _YEARS_30_S:
+                raise ConfigError(f"{name} must be a number of seconds in [0, {_YEARS_30_S}] "
+                                  f"(0: {'no limit' if name == 'task_timeout_s' else 'at once'}"
+                                  f"), got {value!r}")
         if not isinstance(self.default_cost, float):
             raise ConfigError(f"default_cost must be a number, got {self.default_cost!r}")
         try:
@@ -305,4 +321,8 @@ QUEUE_SETTING_DOCS: dict[str, tuple[str, str]] = {
     "latency_keep": ("tasks", f"latencies kept for p50/p99 (at most {LATENCY_MAX})"),
     "diagnostics_ttl_s": ("s", "the batch log, latencies, failures and histograms are "
                                "deleted once no worker wrote to them for this long"),
+    "task_timeout_s": ("s", "how long a task may run once started unless it gives its own "
+                            "timeout; past it, it fails with TaskTimeout (0: no limit)"),
+    "cancel_grace_s": ("s", "a supervisor kills a process whose running call was wholly "
+                            "cancelled or timed out if it still runs this long after"),
 }

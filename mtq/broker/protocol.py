@@ -123,8 +123,10 @@ class Broker:
         s = self.settings
         # the scheduling fields only when a task of the call has one (see submit.lua)
         sched = any(t.band != "s" or t.tenant or t.cost is not None or t.admit for t in tasks)
+        # a run timeout closes each group only when a task of the call has one
+        timed = any(t.timeout_ms for t in tasks)
         args: list[Any] = [s.max_length, s.wake_cap, s.idempotency_window_s, reply, len(tasks),
-                           12 if sched else 8, s.retention_s, s.cache_ttl_s,
+                           (12 if sched else 8) + timed, s.retention_s, s.cache_ttl_s,
                            s.cache_max_entries, RUN_TTL_S, s.tenant_weights, s.tenant_rpm,
                            s.tenant_tpm, s.rate_limit_mode]
         for t in tasks:
@@ -133,6 +135,8 @@ class Broker:
             if sched:
                 args += [t.band, t.tenant, "" if t.cost is None else repr(t.cost),
                          "1" if t.admit else ""]
+            if timed:
+                args.append(t.timeout_ms or "")
         return self._call("submit", args, parse_submit)
 
     def submit(self, tasks: Sequence[NewTask], reply: str = "") -> Answer:

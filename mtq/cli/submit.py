@@ -54,6 +54,11 @@ FILE_CHUNK = 500
 @click.option("--key", default=None, help="Idempotency key (one task per key per hour).")
 @click.option("--ttl", type=FloatRange(min=0.001, max=MAX_TTL_S), default=None,
               help="Seconds after which the task, if not started, expires unrun.")
+@click.option("--run-timeout", "run_timeout", type=FloatRange(min=0.001, max=MAX_TTL_S),
+              default=None, metavar="SECONDS",
+              help="Longest a run of the task may take once started: past it, it is "
+                   "stopped and fails with TaskTimeout (retried under its retry policy). "
+                   "Default: the queue's task_timeout_s.")
 @click.option("--wait", "wait", is_flag=True,
               help="Wait for the result(s) and print them (the task id goes to stderr "
                    "first).")
@@ -85,7 +90,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
            stream_from: str | None, key: str | None, ttl: float | None, wait: bool,
            follow: bool, timeout: float | None, raw: bool, no_cache: bool,
            priority: str | None, tenant: str | None, cost: float | None, url: str | None,
-           as_json: bool) -> None:
+           as_json: bool, run_timeout: float | None = None) -> None:
     """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
 
     Prints the task id; with --wait, the result; with --follow, the tokens as
@@ -104,7 +109,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
             fail("--follow and --key take one task; drop them with --file", USAGE)
         _submit_file(queue, file, stream, stream_from, ttl,
                      (math.inf if timeout is None else timeout) if wait else None, url,
-                     as_json, not no_cache, priority=priority, tenant=tenant, cost=cost)
+                     as_json, not no_cache, priority=priority, tenant=tenant, cost=cost,
+                     run_timeout=run_timeout)
         return
     if stream_from:
         fail("--stream-from goes with --file", USAGE)
@@ -120,7 +126,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     q = open_queue(queue, url)
     try:
         task = q.submit(value, stream=stream, key=key, ttl=ttl, cache=not no_cache,
-                        priority=priority, tenant=tenant, cost=cost)
+                        priority=priority, tenant=tenant, cost=cost, timeout=run_timeout)
     except MtqError as exc:
         fail_on(exc)
     if not wait:
@@ -225,7 +231,8 @@ def _follow(task: Any, timeout: float | None, as_json: bool, raw: bool = False) 
 def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str | None,
                  ttl: float | None, wait: float | None, url: str | None, as_json: bool,
                  cache: bool = True, *, priority: str | None = None,
-                 tenant: str | None = None, cost: float | None = None) -> None:
+                 tenant: str | None = None, cost: float | None = None,
+                 run_timeout: float | None = None) -> None:
     from mtq.client import Request
 
     items: list[Request] = []
@@ -254,7 +261,7 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
                 errors.append(f"line {n}: no field {stream_from!r} to take the stream from")
                 continue
             s = str(value[stream_from])
-        items.append(Request(value, stream=s, ttl=ttl))
+        items.append(Request(value, stream=s, ttl=ttl, timeout=run_timeout))
     if errors:  # nothing is sent when any line is bad
         shown = "\n  ".join(errors[:10])
         more = f"\n  ... and {len(errors) - 10} more" if len(errors) > 10 else ""

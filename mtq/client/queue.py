@@ -91,10 +91,11 @@ class Queue:
     def _new(self, payload: Any, stream: str | None, key: str | None, ttl: float | None,
              retries: int | None, task_id: str | None, cache: bool = True,
              priority: str | None = None, tenant: str | None = None,
-             cost: float | None = None, deadline: Any = None) -> NewTask:
+             cost: float | None = None, deadline: Any = None,
+             timeout: float | None = None) -> NewTask:
         return new_task(self.settings, payload, stream, key, ttl, retries, task_id,
                         cache, priority=priority, tenant=tenant, cost=cost,
-                        deadline=deadline)
+                        deadline=deadline, timeout=timeout)
 
     def _send(self, tasks: list[NewTask]) -> list[Task]:
         if tracing.api() is not None:  # cached: one check without OpenTelemetry
@@ -113,7 +114,8 @@ class Queue:
                ttl: float | None = None, retries: int | None = None,
                id: str | None = None, cache: bool = True, priority: str | None = None,
                tenant: str | None = None, cost: float | None = None,
-               deadline: float | datetime | None = None) -> Task:
+               deadline: float | datetime | None = None,
+               timeout: float | None = None) -> Task:
         """Submit one task (one round trip) and return its handle.
 
         ``stream``: tasks of one stream run one at a time in submit order.
@@ -130,16 +132,22 @@ class Queue:
         from now or an aware datetime by which it must start: a ttl that is checked at
         once, refused with WouldMissDeadline if the work ahead would make it late. See
         docs/scheduling.md.
+        ``timeout``: seconds a run of it may take once started (from when its predict
+        call or generator step began running it; ``ttl`` covers the wait before): past
+        it, it is stopped and fails with TaskTimeout, retried under its retry policy
+        (default: the queue's ``task_timeout_s``; see docs/workers.md, "Timeouts and
+        cancel"). A bad value raises ConfigError before anything is sent.
         Raises InvalidName, InvalidArgument, PayloadTooLarge, EncodeError, QueueFull,
         RateLimited, WouldMissDeadline, DuplicateTask, BrokerError.
         """
         return self._send([self._new(payload, stream, key, ttl, retries, id, cache,
-                                     priority, tenant, cost, deadline)])[0]
+                                     priority, tenant, cost, deadline, timeout)])[0]
 
     def submit_many(self, items: Iterable[Any], *, stream: str | None = None,
                     ttl: float | None = None, retries: int | None = None,
                     cache: bool = True, priority: str | None = None,
-                    tenant: str | None = None, cost: float | None = None) -> list[Task]:
+                    tenant: str | None = None, cost: float | None = None,
+                    timeout: float | None = None) -> list[Task]:
         """Submit many tasks, up to 1 000 per round trip, and return their handles.
 
         Items are payloads, or :class:`Request` objects for per-task options
@@ -149,13 +157,14 @@ class Queue:
         Request's ``cache=False``) bypasses the result cache.
         """
         tasks = self.prepare(items, stream=stream, ttl=ttl, retries=retries, cache=cache,
-                             priority=priority, tenant=tenant, cost=cost)
+                             priority=priority, tenant=tenant, cost=cost, timeout=timeout)
         return self.send(tasks) if tasks else []
 
     def prepare(self, items: Iterable[Any], *, stream: str | None = None,
                 ttl: float | None = None, retries: int | None = None,
                 cache: bool = True, priority: str | None = None,
-                tenant: str | None = None, cost: float | None = None) -> list[NewTask]:
+                tenant: str | None = None, cost: float | None = None,
+                timeout: float | None = None) -> list[NewTask]:
         """Validate and encode items for :meth:`send` (ids are chosen here)."""
         tasks = []
         for item in items:
@@ -167,10 +176,11 @@ class Queue:
                     cache and item.cache,
                     item.priority if item.priority is not None else priority,
                     item.tenant if item.tenant is not None else tenant,
-                    item.cost if item.cost is not None else cost, item.deadline))
+                    item.cost if item.cost is not None else cost, item.deadline,
+                    item.timeout if item.timeout is not None else timeout))
             else:
                 tasks.append(self._new(item, stream, None, ttl, retries, None, cache,
-                                       priority, tenant, cost))
+                                       priority, tenant, cost, timeout=timeout))
         return tasks
 
     def send(self, tasks: list[NewTask]) -> list[Task]:

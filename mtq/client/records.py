@@ -46,6 +46,8 @@ class Request:
     #: seconds from now, or an aware datetime, by which it must start (see
     #: Queue.submit): refused at once if the work ahead would make it late
     deadline: Any = None
+    #: seconds a run may take once started (see Queue.submit): past it, TaskTimeout
+    timeout: float | None = None
 
 
 @dataclass(frozen=True)

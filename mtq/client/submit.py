@@ -103,12 +103,14 @@ def _tokens(prompt: Any) -> int:
 def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str | None,
              ttl: float | None, retries: int | None, task_id: str | None,
              cache: bool = True, *, priority: str | None = None, tenant: str | None = None,
-             cost: float | None = None, deadline: float | datetime | None = None) -> NewTask:
+             cost: float | None = None, deadline: float | datetime | None = None,
+             timeout: float | None = None) -> NewTask:
     """One task validated and encoded for :func:`send` (its id chosen here unless
     given). ``priority``, ``tenant``, ``cost``, ``deadline``: see docs/scheduling.md
     (cost: the given one, else the payload's estimate, else the queue's
     ``default_cost``; deadline: seconds from now or an aware datetime, a ttl that is
-    checked at once: refused with WouldMissDeadline if it would be missed).
+    checked at once: refused with WouldMissDeadline if it would be missed); timeout:
+    seconds a run may take once started (TaskTimeout past it).
     Raises InvalidName, InvalidArgument, PayloadTooLarge, EncodeError, ConfigError."""
     band = check_priority(priority)
     admit = deadline is not None
@@ -135,6 +137,11 @@ def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str
                             or not 0 < ttl <= MAX_TTL_S):
         raise ConfigError(f"ttl must be a number of seconds in (0, {MAX_TTL_S:.0e}], "
                           f"got {ttl!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not 0 < timeout <= MAX_TTL_S or not math.isfinite(timeout)):
+        raise ConfigError(f"timeout must be a number of seconds in (0, {MAX_TTL_S:.0e}] (how "
+                          f"long a run may take once started; leave it out for the queue's "
+                          f"task_timeout_s), got {timeout!r}")
     if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int)
                                 or not 0 <= retries <= MAX_RETRIES):
         raise ConfigError(f"retries must be an integer in [0, {MAX_RETRIES}], got "
@@ -149,6 +156,7 @@ def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str
         retries=retries,
         digest=cache_digest(payload, data) if cache and settings.cache_ttl_s > 0 else "",
         band=band, tenant=tenant, cost=cost, admit=admit,
+        timeout_ms=max(1, int(timeout * 1000)) if timeout is not None else 0,
     )
 
 

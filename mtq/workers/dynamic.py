@@ -17,7 +17,7 @@ from typing import Any
 from mtq import serialization
 from mtq.broker.consumer import Chunk, Outcome
 from mtq.broker.protocol import Claimed
-from mtq.errors import DeviceOutOfMemory, LeaseLost, PayloadError
+from mtq.errors import DeviceOutOfMemory, LeaseLost, PayloadError, TaskCancelled, TaskTimeout
 from mtq.workers import memory
 from mtq.workers.batching import OFFERED, BatchShapeError, BatchSlot
 from mtq.workers.batchlog import BatchLog
@@ -158,6 +158,7 @@ class DynamicBatcher:
         leases = self.leases
         publish = self.publisher.publish
         book = self.outcomes
+        aborts = book.aborts
 
         start = time.perf_counter()
         start_mono = time.monotonic()
@@ -185,13 +186,20 @@ class DynamicBatcher:
                               [(t.id, t.token) for i, t in enumerate(batch) if i not in inside])
                 monitor.call(0, len(items))
             t0 = time.perf_counter()
+            aborts.begin(tasks)  # their run timeouts start; mtq.current_task() is theirs
             try:
                 out = model.predict(payloads[lo:hi] if hi - lo == len(items)  # type: ignore[union-attr]
                                     else [payloads[j] for j in items])
                 if inspect.isgenerator(out):
                     out = self.stream(out, tasks)
                 return out
+            except (TaskCancelled, TaskTimeout):
+                # (raise_if_cancelled): each task ends as its own stop says, unsplit
+                if aborts.stopped_all(tasks):
+                    return [aborts.error(t.id) for t in tasks]
+                raise
             finally:
+                aborts.end()
                 in_predict += time.perf_counter() - t0
                 monitor.idle()
 
@@ -260,7 +268,15 @@ class DynamicBatcher:
         counters = [0] * len(tasks)
         chunks: list[list[Any]] = [[] for _ in tasks]
         publish = self.publisher.publish
+        aborts = self.outcomes.aborts
+        ids = [t.id for t in tasks]
         while True:
+            # between two steps: a call of which nothing is wanted any more (each task
+            # cancelled or past its run timeout) stops here, its generator closed
+            stopped = aborts.stopped(ids)
+            if stopped and len(stopped) == len(ids):
+                gen.close()
+                return [aborts.error(i) for i in ids]
             try:
                 item = next(gen)
             except StopIteration as stop:
@@ -270,6 +286,8 @@ class DynamicBatcher:
                 raise BatchShapeError(f"a streaming predict must yield (item index, chunk) "
                                       f"with an index in 0..{len(tasks) - 1}, got {item!r:.80}")
             i, value = item
+            if stopped and ids[i] in stopped:  # (its outcome will be the stop's)
+                continue
             if isinstance(value, Progress):
                 publish([Chunk(tasks[i], -1, value.value)])
                 continue

@@ -129,11 +129,13 @@ class GenerationEngine:
     def _call(self, fn: Any, reqs: list[_Request]) -> Any:
         w = self.w
         w.monitor.call(0, len(reqs))
+        w.aborts.begin([r.task for r in reqs])  # run timeouts start at a request's prefill
         t0 = time.perf_counter()
         try:
             return fn([r.gen for r in reqs])
         finally:
             w.tally.timing["predict_s"] += time.perf_counter() - t0
+            w.aborts.end()
             w.monitor.idle()
 
     # -- the loop ------------------------------------------------------------------
@@ -236,9 +238,12 @@ class GenerationEngine:
 
     def _drop_aborted(self) -> None:
         ledger = self.w.ledger
-        if not ledger.cancel and not ledger.lost:  # most steps (a set's truth needs no lock)
-            return
+        if not ledger.cancel and not ledger.lost and not ledger.deadlines:  # most steps
+            return  # (a set's truth needs no lock)
         cancel, lost = ledger.take_aborted()
+        aborts = self.w.aborts
+        timed = set(aborts.stopped([r.task.id for r in self.running])) - cancel
+        cancel |= timed
         if not cancel and not lost:
             return
         gone = [r for r in self.running if r.task.id in cancel or r.task.id in lost]
@@ -250,7 +255,8 @@ class GenerationEngine:
         self.waiting = collections.deque(r for r in self.waiting if r.task.id not in ids)
         self._release(gone)
         self._monitor()
-        cancelled = [Outcome(r.task, ok=False, cancelled=True, cost=_cost(r.gen)) for r in gone
+        cancelled = [aborts.outcome(r.task, "timeout" if r.task.id in timed else "cancel",
+                                    _cost(r.gen)) for r in gone
                      if r.task.id in cancel and r.task.id not in lost]
         self._send([], cancelled)
         ledger.forget([(r.task.id, r.task.token) for r in gone if r.task.id in lost])
@@ -331,6 +337,10 @@ class GenerationEngine:
 
     def _finish(self, r: _Request, outcomes: list[Outcome]) -> None:
         g = r.gen
+        stop = self.w.aborts.reason(r.task.id)
+        if stop is not None:  # (cancelled or timed out as it finished: never a success)
+            outcomes.append(self.w.aborts.outcome(r.task, stop, _cost(g)))
+            return
         try:
             value = g.given_result if g.has_result else self.model.result(g)
             o = Outcome(r.task, ok=True, value=value, cost=_cost(g))

@@ -111,8 +111,7 @@ class Heartbeat:
         lost, cancel = self.consumer.extend(tasks)
         tokens = {t.id: t.token for t in tasks}
         if cancel:
-            with ledger.lock:
-                ledger.cancel.update(cancel)
+            ledger.add_cancel(cancel)
             dropped = self.slot.remove(set(cancel), tokens)
             if dropped:  # not started: settle them as cancelled now
                 self.publish([Outcome(t, ok=False, cancelled=True) for t in dropped])
@@ -129,6 +128,7 @@ class Heartbeat:
             return
         self.stats.enabled = s.metrics
         self.outcomes.max_retries = s.max_retries
+        self.outcomes.aborts.configure(s)  # run timeouts, the grace of an aborted call
         self.batchlog.settings = s  # the diagnostics' bounds
 
     def flush_stats(self) -> None:

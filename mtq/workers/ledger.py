@@ -104,8 +104,8 @@ class Tally:
 class Ledger:
     """The tasks a worker process holds, and their leases.
 
-    :attr:`lock` guards ``held``, ``cancel``, ``lost``, ``busy``, ``current`` and
-    ``unsettled`` (the engine reads a set's truth without it, on its hot path); the
+    :attr:`lock` guards ``held``, ``cancel``, ``lost``, ``timed_out``, ``deadlines``,
+    ``busy``, ``current`` and ``unsettled`` (the engine reads a set's truth without it, on its hot path); the
     other fields are written by one side at a time, as noted on each.
     """
 
@@ -118,6 +118,14 @@ class Ledger:
         self.cancel: set[str] = set()
         #: running tasks whose lease was lost: a generator stops generating them
         self.lost: set[str] = set()
+        #: running tasks past their run timeout, and task id -> (monotonic deadline, its
+        #: timeout in s, lease token) of those with one that started running
+        #: (mtq.workers.aborts)
+        self.timed_out: set[str] = set()
+        self.deadlines: dict[str, tuple[float, float, str]] = {}
+        #: notified (under :attr:`lock`) when a cancel mark or a run deadline is added:
+        #: the aborts thread waits on it
+        self.changed = threading.Condition(self.lock)
         #: task id -> when it was submitted, on this process's monotonic clock (its
         #: age at claim, server clock, taken from the time of the claim); added by the
         #: side that takes tasks in, removed by forget()
@@ -162,9 +170,17 @@ class Ledger:
                 self.submitted.pop(i, None)
                 self.cancel.discard(i)
                 self.lost.discard(i)
+                self.timed_out.discard(i)
+                self.deadlines.pop(i, None)
                 gone.append((i, token))
         if gone:
             self.monitor.settled(gone)
+
+    def add_cancel(self, ids: Iterable[str]) -> None:
+        """A cancel was requested for these held tasks."""
+        with self.lock:
+            self.cancel.update(ids)
+            self.changed.notify_all()
 
     def mark_lost(self, ids: Iterable[str]) -> None:
         """These tasks' leases were lost (or their streams cannot go on): a generator

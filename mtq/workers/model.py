@@ -119,15 +119,18 @@ class FunctionModel(Model):
         for i, p in enumerate(batch):
             chunks: list[Any] = []
             gen = self.func(p)
-            while True:
-                try:
-                    chunk = next(gen)
-                except StopIteration as stop:
-                    results.append(chunks if stop.value is None else stop.value)
-                    break
-                if not isinstance(chunk, Progress):
-                    chunks.append(chunk)
-                yield i, chunk
+            try:
+                while True:
+                    try:
+                        chunk = next(gen)
+                    except StopIteration as stop:
+                        results.append(chunks if stop.value is None else stop.value)
+                        break
+                    if not isinstance(chunk, Progress):
+                        chunks.append(chunk)
+                    yield i, chunk
+            finally:
+                gen.close()  # (stopped between two steps: a cancel, a run timeout)
         return results
 
     def describe(self) -> tuple[str, str]:

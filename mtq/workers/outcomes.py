@@ -19,6 +19,7 @@ from mtq.errors import InvalidArgument, LeaseLost, PayloadError, PermanentError
 from mtq.observe.histograms import Histograms
 from mtq.settings import QueueSettings
 from mtq.validation import check_cost
+from mtq.workers.aborts import Aborts
 from mtq.workers.batching import Costed
 from mtq.workers.ledger import Ledger
 from mtq.workers.splitting import ItemResult
@@ -29,8 +30,9 @@ log = logging.getLogger("mtq.workers.worker")
 class Outcomes:
     """Builds and observes outcomes for one worker (model thread)."""
 
-    def __init__(self, ledger: Ledger, stats: Histograms) -> None:
+    def __init__(self, ledger: Ledger, stats: Histograms, aborts: Aborts) -> None:
         self.ledger = ledger
+        self.aborts = aborts
         self.stats = stats
         #: the queue's max_retries as the heartbeat last read it (the model thread
         #: tells a retry from a failure that ends the task without asking Redis)
@@ -39,13 +41,16 @@ class Outcomes:
         self._last_traceback = ""
 
     def outcome(self, task: Claimed, r: ItemResult) -> Outcome | None:
+        if isinstance(r.error, LeaseLost):  # not ours any more: nothing to settle
+            return None
+        # a task cancelled or past its run timeout ends so, whatever its call gave
+        if self.aborts.stopped((task.id,)):
+            return self.aborts.outcome(task, self.aborts.reason(task.id) or "cancel")
         if r.ok:
             if isinstance(r.value, Costed):
                 return Outcome(task, ok=True, value=r.value.value, cost=_cost(r.value.cost))
             return Outcome(task, ok=True, value=r.value)
         exc = r.error
-        if isinstance(exc, LeaseLost):  # not ours any more: nothing to settle
-            return None
         cancelled = self.ledger.cancelled(task.id)
         if exc is None:
             return Outcome(task, ok=False, error="error", cancelled=cancelled)

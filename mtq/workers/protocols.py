@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from mtq.broker.consumer import Chunk, Outcome, SettleReport
     from mtq.broker.protocol import Claimed
     from mtq.observe.histograms import Histograms
+    from mtq.workers.aborts import Aborts
     from mtq.workers.batching import BatchSlot
     from mtq.workers.batchlog import BatchLog
     from mtq.workers.ledger import Lease, Ledger, Lifecycle, Monitor, Tally
@@ -71,6 +72,8 @@ class EngineHost(Protocol):
     def batchlog(self) -> BatchLog: ...
     @property
     def stats(self) -> Histograms: ...
+    @property
+    def aborts(self) -> Aborts: ...
     @property
     def abandon(self) -> bool:
         """An ``unload --now`` is due: give the running requests back."""

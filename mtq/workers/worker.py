@@ -42,6 +42,7 @@ from mtq.broker.protocol import Claimed
 from mtq.errors import BrokerError
 from mtq.observe.histograms import Histograms
 from mtq.workers import devices
+from mtq.workers.aborts import Aborts
 from mtq.workers.batching import BatchSlot
 from mtq.workers.batchlog import BatchLog
 from mtq.workers.dynamic import DynamicBatcher
@@ -144,7 +145,8 @@ class Worker:
         #: histograms for the exporter (mtq.observe.histograms), written once per beat
         self.stats = Histograms()
         # the parts
-        self.outcomes = Outcomes(self.ledger, self.stats)
+        self.aborts = Aborts(self.ledger, self.monitor)  # run timeouts, cancels
+        self.outcomes = Outcomes(self.ledger, self.stats, self.aborts)
         self.fetcher = Fetcher(self.consumer, self.ledger, self.life, self.slot, self.monitor,
                                self.stats, quarantine=quarantine, hand_off=hand_off,
                                on_drained=self._drained)
@@ -300,15 +302,14 @@ class Worker:
 
     def _cancel_running(self, ids: Sequence[str]) -> None:
         """A cancel was requested for tasks this worker may hold: those waiting in the
-        slot are settled cancelled now; a generator drops running ones at its next
-        step; a batch model's result for them is discarded if it fails."""
+        slot are settled cancelled now; running ones are stopped (mtq.workers.aborts)."""
         ledger = self.ledger
         with ledger.lock:
             mine = {i for i in ids if isinstance(i, str) and i in ledger.held}
-            ledger.cancel.update(mine)
             tokens = {i: ledger.held[i].token for i in mine}
         if not mine:
             return
+        ledger.add_cancel(mine)
         dropped = self.slot.remove(mine, tokens)
         if dropped:
             self.publish([Outcome(t, ok=False, cancelled=True) for t in dropped])
@@ -366,6 +367,7 @@ class Worker:
             t = threading.Thread(target=fn, name=f"mtq-{name}", daemon=True)
             t.start()
             self._threads.append(t)
+        self.aborts.start()
         try:
             self._model_loop()
         finally:
@@ -384,6 +386,7 @@ class Worker:
             self.heartbeat.stop.set()
             self._threads[2].join(timeout=5)
             self.heartbeat.flush_stats()
+            self.aborts.close()
             try:
                 self.batchlog.flush(self.consumer.redis)  # the last batch records
                 registry.remove(self.consumer.redis, self.worker_id)

@@ -15,6 +15,7 @@ EXPECTED_ALL = [
     "ConfigError",
     "Consumer",
     "Costed",
+    "CurrentTask",
     "DeviceOutOfMemory",
     "DuplicateTask",
     "EncodeError",
@@ -54,7 +55,9 @@ EXPECTED_ALL = [
     "TaskFailed",
     "TaskInfo",
     "TaskNotFound",
+    "TaskTimeout",
     "WouldMissDeadline",
+    "current_task",
     "__version__",
 ]
 

@@ -7,7 +7,10 @@ ARGV[6 + 3n] the model version the acking worker serves ('' = not known here, as
   generator's outlet process: only the queue's model record is checked)
 ARGV[7 + 3n] the costs the tasks really had, "index=cost,..." (index from 1; absent or
   '': none reported): settled against what their claim charged (see _lib.lua)
-Returns: one code per task: 1 = recorded; E_LEASE_LOST = the task is not running
+A task with a cancel request (cancel.lua set 'cancel' while it ran: the request may
+reach Redis after its worker's last lease extend) never ends succeeded: it ends
+cancelled, its result dropped (read in the HMGET done anyway: no extra command).
+Returns: one code per task: 1 = recorded (or cancelled, as above); E_LEASE_LOST = the task is not running
   under this token any more (its lease expired and it was reclaimed, or it was
   already finished): nothing is changed, the result of the current owner stands.
 Result cache (see submit.lua): a task that owns a cache entry ('cache' = version ..
@@ -25,6 +28,7 @@ local reported = ARGV[7 + 3 * n]
 local costs = (reported and reported ~= '') and sch().costs_of(reported) or false
 local now = now_ms()
 local codes, done, woken = {}, {}, 0
+local cancelled = {}  -- a cancel request came first (see the header)
 local ended = nil  -- the charge ('weight') of each task a scheduling claim charged -> how many
 -- A succeeded task's entry may answer identical requests (see the header) if this is
 -- true, its result is small enough, and its entry's version is the queue's model
@@ -42,9 +46,16 @@ for i = 0, n - 1 do
   -- reply, created, trace, out first: finish() takes them as they are (no table a task);
   -- 'weight': a claim with scheduling on charged it (its lane counts it running)
   local f = redis.call('HMGET', K_TASK .. id, 'reply', 'created', 'trace', 'out', 'status', 'token',
-    'stream', 'cache', 'weight')
+    'stream', 'cache', 'weight', 'cancel')
   if f[5] ~= 'running' or f[6] ~= token then
     codes[i + 1] = E_LEASE_LOST
+  elseif f[10] then
+    if f[9] then sch().uncount(f[9]) end
+    finish(id, 'cancelled', now, ttl, nil, nil, f[8] or false, f)
+    if f[7] then woken = woken + release_stream(f[7]) end
+    redis.call('ZREM', K_LEASES, id)
+    cancelled[#cancelled + 1] = id
+    codes[i + 1] = 1
   else
     local keep, own, result = ttl, f[8] or false, ARGV[b + 2]
     -- find, plain, not sub: no new string per task
@@ -71,6 +82,10 @@ if #done > 0 then
   end
   redis.call('HINCRBY', K_STATS, 'succeeded', #done)
   event('succeeded', now, {ids = done})
+end
+if #cancelled > 0 then
+  redis.call('HINCRBY', K_STATS, 'cancelled', #cancelled)
+  event('cancelled', now, {ids = cancelled})
 end
 if ended then
   for charged, k in pairs(ended) do sch().uncount(charged, k) end

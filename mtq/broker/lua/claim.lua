@@ -23,7 +23,9 @@ Returns: {next_timer_ms, reaped, inbox, scheduling (1: the queue schedules; see
   _lib.lua), then 9 entries per claimed task:
   id, lease token, payload, stream ('' = none), attempts, deliveries, retries ('' = default),
   age ms (time since it was submitted, server clock; the dynamic batcher's deadline),
-  traceparent (W3C trace context stored by submit, '' = none; see mtq.tracing)}
+  traceparent (W3C trace context stored by submit, '' = none; see mtq.tracing), with
+  '|' and its run timeout in ms after it when the task has one (submit's timeout: the
+  entry a task carries only when given, so the reply keeps its shape for older workers)}
   inbox is the list of claim replies handed to the worker (see submit.lua), each a
   msgpack array of 9 entries per task as above; empty unless ARGV[12] is '1'.
   next_timer_ms is the time until the earliest lease deadline, due retry, deadline of
@@ -116,10 +118,10 @@ local function take(id, s, lb, lt)
   local f
   if lb then
     f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries',
-      'created', 'reply', 'traceparent', 'trace', 'band', 'tenant', 'cost')
+      'created', 'reply', 'traceparent', 'trace', 'timeout', 'band', 'tenant', 'cost')
   else
     f = redis.call('HMGET', tk, 'status', 'payload', 'deadline', 'deliveries', 'attempts', 'retries',
-      'created', 'reply', 'traceparent', 'trace')
+      'created', 'reply', 'traceparent', 'trace', 'timeout')
   end
   if f[1] ~= 'queued' then
     -- a cancelled or expired tombstone: its retention starts now that it left the list
@@ -131,7 +133,7 @@ local function take(id, s, lb, lt)
   end
   local cost, weight, tb, tt = true, nil, nil, nil
   if lb then
-    tb, tt = f[11] or 's', f[12] or ''
+    tb, tt = f[12] or 's', f[13] or ''
     if s and (tb ~= lb or tt ~= lt) then
       -- its stream is in the ring of another lane (a task of an older producer or
       -- worker put it in K_READY, or a tombstone was its head): move it to its own
@@ -142,7 +144,7 @@ local function take(id, s, lb, lt)
       PICK[tb] = nil  -- its tenant may be new to the band: read it again
       return false
     end
-    cost = tonumber(f[13] or '1')
+    cost = tonumber(f[14] or '1')
     weight = RUN.charge
   end
   taken = taken + 1
@@ -178,7 +180,7 @@ local function take(id, s, lb, lt)
   out[o + 1] = id; out[o + 2] = token; out[o + 3] = f[2]; out[o + 4] = s or ''
   out[o + 5] = f[5] or '0'; out[o + 6] = deliveries; out[o + 7] = f[6] or ''
   out[o + 8] = math.max(0, now - tonumber(f[7] or now))
-  out[o + 9] = f[9] or ''
+  out[o + 9] = f[11] and (f[9] or '') .. '|' .. f[11] or f[9] or ''
   claimed[n] = id
   reply('started', f[8], id, deliveries)
   return cost

@@ -3,7 +3,8 @@ KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
 ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
-ARGV[7] n   ARGV[8] G, the ARGV per task: 8, or 12 with the scheduling fields
+ARGV[7] n   ARGV[8] G, the ARGV per task: 8, or 12 with the scheduling fields; one more
+  (9 or 13) with a run timeout, last in each group
 ARGV[9] retention s (of a task answered from the result cache)
 ARGV[10] result cache TTL s   ARGV[11] most cache entries
 ARGV[12] how long an entry may point at a task still queued or running (s)
@@ -17,7 +18,8 @@ ARGV[17...] n groups of G: id, payload, stream ('' = none), key ('' = none),
         traceparent (W3C trace context of the submitting request, '' = none);
         with G = 12, then: band ('i', 's' or 'b'), tenant ('' = none), cost ('' = 1),
         admit ('1': its deadline is one to keep: refuse it if it would be missed)
-        (G = 8: band 's', no tenant, cost 1, no deadline to keep)
+        (G = 8: band 's', no tenant, cost 1, no deadline to keep); with G = 9 or 13,
+        last: timeout (ms a run may take once started, '' = none; stored as 'timeout')
 Returns {handed, answer}: how many of the tasks went to a sleeping worker (direct
   delivery, below; the client then yields its CPU once, so that a worker it shares
   the CPU with runs the task before the client's own bookkeeping), and the answer: a
@@ -69,7 +71,8 @@ if max_length > 0 then
   local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
   if waiting + n > max_length then return {0, {E_QUEUE_FULL, waiting}} end
 end
-local sched_args = G == 12
+local sched_args = G >= 12
+local timed = G == 9 or G == 13  -- each group ends with a run timeout
 local rpm, tpm, hold, limited = nil, nil, false, false
 if sched_args then
   rpm, tpm = sch().limits_of(ARGV[14]), SCH.limits_of(ARGV[15])
@@ -248,7 +251,7 @@ local function charge(b, t, cost)
 end
 
 -- Write task id (fields f) running under worker w, as a claim of it would leave it.
-local function hand(w, id, s, f, payload, retries, traceparent, lb, lt, cost)
+local function hand(w, id, s, f, payload, retries, traceparent, timeout, lb, lt, cost)
   if not base then base = redis.call('INCRBY', K_SEQ, n) - n end  -- n tokens, for this call
   handed = handed + 1
   local token = tostring(base + handed)
@@ -268,7 +271,8 @@ local function hand(w, id, s, f, payload, retries, traceparent, lb, lt, cost)
   local r = w[4]
   local o = #r
   r[o + 1] = id; r[o + 2] = token; r[o + 3] = payload; r[o + 4] = s
-  r[o + 5] = '0'; r[o + 6] = 1; r[o + 7] = retries; r[o + 8] = 0; r[o + 9] = traceparent
+  r[o + 5] = '0'; r[o + 6] = 1; r[o + 7] = retries; r[o + 8] = 0
+  r[o + 9] = timeout ~= '' and traceparent .. '|' .. timeout or traceparent  -- (as claim.lua)
   w[5][#w[5] + 1] = id
   w[3] = w[3] - 1
   -- no 'started' message: its one reply channel is the submitter's, which has no feed of
@@ -309,6 +313,7 @@ for i = 0, n - 1 do
   local b = A + i * G
   local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
   local digest, traceparent = ARGV[b + 6], ARGV[b + 7]
+  local timeout = timed and ARGV[b + G - 1] or ''
   local band, tenant, cost = 's', '', ''
   if sched_args then band, tenant, cost = ARGV[b + 8], ARGV[b + 9], ARGV[b + 10] end
   -- rate limits held: a task of a tenant over its limit waits for a claim to allow it
@@ -362,6 +367,7 @@ for i = 0, n - 1 do
     if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
     if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
     if traceparent ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = traceparent end
+    if timeout ~= '' then f[#f + 1] = 'timeout'; f[#f + 1] = timeout end
     if band ~= 's' then f[#f + 1] = 'band'; f[#f + 1] = band end
     if tenant ~= '' then f[#f + 1] = 'tenant'; f[#f + 1] = tenant end
     -- its cost matters to scheduling alone: stored if it is a lane's or the queue schedules
@@ -389,7 +395,7 @@ for i = 0, n - 1 do
       sch().lane_count(band, tenant, 1, tonumber(cost) or 1, 0)
     end
     if handing then
-      hand(w, id, s, f, payload, retries, traceparent, band, tenant, tonumber(cost) or 1)
+      hand(w, id, s, f, payload, retries, traceparent, timeout, band, tenant, tonumber(cost) or 1)
       if hold and limited then SCH.rate_charge(tenant, 1, tonumber(cost) or 1, now, rpm, tpm) end
     else
       if ttl ~= '0' then
