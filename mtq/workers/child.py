@@ -136,6 +136,9 @@ class PipeMonitor(Monitor):
         self.pipe = pipe
         self.shared = shared
         self.engine = engine
+        #: its worker's ledger (set once the worker is made): what an aborted call's
+        #: tasks are, for the supervisor to settle them
+        self.ledger: Any = None
 
     def send(self, kind: str, body: Any = None) -> None:
         self.pipe.send(kind, self.engine, body)
@@ -163,6 +166,29 @@ class PipeMonitor(Monitor):
                  options: dict[str, str] | None = None) -> None:
         self.send("reloaded", {"timeout_s": timeout_s, "model": model,
                                "options": None if options is None else dict(options)})
+
+    def aborted(self, reasons: Mapping[str, str], grace_s: float) -> None:
+        """Tell the supervisor, with what it needs to settle them if it kills the
+        process: each task's lease, attempts, deliveries, retries, reason and (a
+        timeout) its error; and which call it is (its start, as in the shared array:
+        the next call or idle changes it)."""
+        from mtq.errors import TaskTimeout
+
+        tasks: list[list[Any]] = []
+        ledger = self.ledger
+        if ledger is not None:
+            with ledger.lock:
+                for i, why in reasons.items():
+                    t = ledger.held.get(i)
+                    if t is None:
+                        continue
+                    dl = ledger.deadlines.get(i)
+                    error = f"TaskTimeout: {TaskTimeout(dl[1] if dl else None)}" \
+                        if why == "timeout" else ""
+                    tasks.append([t.id, t.token, t.attempts, t.deliveries, t.retries, why,
+                                  error])
+        self.send("aborted", {"tasks": tasks, "grace_s": float(grace_s),
+                              "started": float(self.shared[at(self.engine, STARTED)])})
 
     def quarantine(self, task: Any) -> bool:
         self.send("quarantine", [task.id, task.token, task.payload, task.stream, task.attempts,
@@ -202,12 +228,14 @@ def _engine(config: ChildConfig, spec: Mapping[str, Any], monitor: PipeMonitor,
     consumer = Consumer(spec["queue"], settings=from_wire(spec.get("settings")),
                         worker_id=worker_id,
                         client=connect(config.url, name=connection_name(worker_id)))
-    return Worker(spec["target"], spec["queue"], device=config.device, monitor=monitor,
-                  supervisor=config.supervisor, consumer=consumer,
-                  quarantine=config.quarantine, hand_off=config.hand_off,
-                  options=dict(spec.get("options") or {}), **dict(spec.get("overrides") or {}),
-                  on_demand=bool(spec.get("on_demand")), idle_unload_s=spec.get("idle_unload_s"),
-                  memory_bytes=spec.get("memory"))
+    w = Worker(spec["target"], spec["queue"], device=config.device, monitor=monitor,
+               supervisor=config.supervisor, consumer=consumer,
+               quarantine=config.quarantine, hand_off=config.hand_off,
+               options=dict(spec.get("options") or {}), **dict(spec.get("overrides") or {}),
+               on_demand=bool(spec.get("on_demand")), idle_unload_s=spec.get("idle_unload_s"),
+               memory_bytes=spec.get("memory"))
+    monitor.ledger = w.ledger
+    return w
 
 
 def _lease_of(w: Worker) -> Callable[[], float]:

@@ -1,6 +1,6 @@
 """Fencing: the supervisor kills a child that no longer answers for its calls.
 
-Two things end a child from outside, each without asking Redis:
+Three things end a child from outside, each without asking Redis:
 
 * **An overrun.** A predict call that runs past its engine's ``timeout_s`` (the
   shared array says when it started): a hung kernel cannot be interrupted from a
@@ -17,6 +17,16 @@ Two things end a child from outside, each without asking Redis:
   handles it as a death: its tasks go back at once, the running call's counted
   (the call may be what hung the driver: a request that does so every time ends
   dead-lettered after ``max_deliveries``), and the process is replaced.
+
+* **An abandoned call.** Every task of an engine's running call was cancelled or
+  timed out, and the worker said so (:meth:`PipeMonitor.aborted
+  <mtq.workers.child.PipeMonitor.aborted>`, with the grace, the queue's
+  ``cancel_grace_s``); the call still runs when the grace ends (the shared array
+  shows the same call start: a later call or idle clears it). The process is
+  killed; those tasks end as their stops say (cancelled; a TaskTimeout failure,
+  retried under the task's retry policy: as the worker would have settled them),
+  and everything else it held goes back uncounted: it was not their fault
+  (:func:`mtq.workers.children.give_back`).
 
 Why half a lease. A worker extends its leases every ``min(1 s, lease/3)``, so a
 process frozen at time F last extended at F - lease/3 at worst, and Redis may give
@@ -46,7 +56,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from mtq.workers import child
-from mtq.workers.children import Child
+from mtq.workers.children import Abort, Child
 
 #: how often a child's beat thread writes its sign of life
 BEAT_EVERY_S = 0.1
@@ -119,13 +129,45 @@ class Fence:
     def guarded(c: Child) -> bool:
         return c.ready and not c.killed_for and not c.forced and not c.bye
 
+    # -- an aborted call: every task of it cancelled or timed out ----------------------
+    @staticmethod
+    def aborted(c: Child, i: int, body: dict[str, Any], now: float) -> None:
+        """Engine ``i`` of ``c`` said its running call was wholly cancelled or timed
+        out: it is killed if that call still runs ``grace_s`` from now."""
+        grace = float(body.get("grace_s") or 0.0)
+        c.engines[i].aborted = Abort(list(body.get("tasks") or []), now + grace, grace,
+                                     float(body.get("started") or 0.0))
+
+    @staticmethod
+    def abandoned(c: Child, now: float | None = None) -> tuple[int, float | None]:
+        """(an engine whose aborted call still runs past its grace, or -1; seconds
+        until the next such grace ends, or None). An aborted call that ended (its
+        engine's call start changed) is forgotten."""
+        nxt: float | None = None
+        for i, e in enumerate(c.engines):
+            a = e.aborted
+            if a is None:
+                continue
+            if c.predict_started(i) != a.started:  # that call ended: nothing to kill
+                e.aborted = None
+                continue
+            if now is not None and now >= a.until:
+                return i, 0.0
+            if now is not None:
+                nxt = a.until - now if nxt is None else min(nxt, a.until - now)
+        return -1, nxt
+
     def deadline(self, now: float, running: Iterable[Child]) -> float | None:
-        """Seconds until a running child may overrun its timeout or be due its fence."""
+        """Seconds until a running child may overrun its timeout, be due its fence, or
+        end the grace of an aborted call."""
         out: float | None = None
         for c in running:
             if c.killed_for:  # a killed one is waited for by its sentinel
                 continue
             d = c.next_timeout(now)
+            _, grace = self.abandoned(c, now)
+            if grace is not None:
+                d = grace if d is None else min(d, grace)
             if self.guarded(c):
                 f = max(self.beat(c) + self.child_fence_s(c), self._grace_until) - now
                 d = f if d is None else min(d, f)
@@ -156,6 +198,18 @@ class Fence:
                 of = f" of queue {e.queue!r}" if self.host else ""
                 c.killed_for, c.overran = f"predict{of} ran past its {e.timeout_s:g} s timeout", i
                 self.on_event(f"{who} ({e.worker_id}): {c.killed_for}; killing it")
+                c.process.kill()
+                continue
+            j, _ = self.abandoned(c, now)
+            if j >= 0 and not c.forced:
+                a = c.engines[j].aborted
+                assert a is not None
+                whys = {t[5] for t in a.tasks}
+                what = "cancelled or timed out" if len(whys) > 1 else \
+                    "timed out" if whys == {"timeout"} else "cancelled"
+                c.killed_for = (f"its call of {len(a.tasks)} task(s), all {what}, still ran "
+                                f"{a.grace_s:g} s later; killed")
+                c.abandoned = True
                 c.process.kill()
                 continue
             if late or not self.guarded(c):

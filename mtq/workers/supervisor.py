@@ -305,6 +305,8 @@ class Supervisor:
             self._adopt_options(i, body.get("options"))
         elif kind == "bye":
             c.bye = True
+        elif kind == "aborted" and e is not None:  # killed if that call outlives the grace
+            self.fence.aborted(c, i, dict(body), time.monotonic())
         elif kind in ("fatal", "setup_failed"):
             c.fatal = c.fatal or kind == "fatal"
             c.error = f"queue {e.queue!r}: {body}" if self.host and e is not None else body

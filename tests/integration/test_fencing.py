@@ -165,3 +165,73 @@ def test_a_supervisor_frozen_with_its_children_kills_none_of_them(
     assert res["pid"] == w["pid"] and task.info().deliveries == 1, (res, task.info())
     assert "frozen: no sign of life" not in sup.output(), sup.output()
     assert pid_exists(w["pid"])
+
+
+# -- an abandoned call: every task of it cancelled or timed out, and it runs on ---------
+@pytest.mark.parametrize("how", ["cancel", pytest.param("timeout", marks=pytest.mark.slow)])
+def test_a_call_that_ignores_its_stop_is_killed_after_the_grace(
+        how: str, supervise: StartFn, qname: str, redis_url: str, r: redis.Redis,
+        tmp_path: Path) -> None:
+    grace = 0.5
+    log = tmp_path / "calls.log"
+    settings: dict[str, Any] = {"lease_ms": 2000, "cancel_grace_s": grace, "dead_letter": False,
+                                "max_retries": 1 if how == "timeout" else 0}
+    q = mtq.Queue(qname, redis_url, **settings)
+    # a plain function that ignores cancel (time.sleep), first of a batch of 4 claimed
+    # at once (submitted before the worker starts)
+    slow = q.submit({"s": "x", "i": 0, "sleep": 60},
+                    **({"timeout": 0.3} if how == "timeout" else {}))
+    rest = q.submit_many([{"s": "x", "i": i, "sleep": 0.01} for i in (1, 2, 3)])
+    sup = supervise("tests.handlers:logged", qname, settings=settings, replicas=1,
+                    max_batch_size=4, env={"MTQ_TEST_LOG": str(log)})
+    first = wait_for(lambda: next((c.pid for c in read_log(log) if c.tag == "B"), None), 30,
+                     f"the slow call started\n{sup.output()}")
+    assert r.hget(f"mtq:{{{qname}}}:task:{rest[0].id}", "status") == b"running", \
+        "the other tasks were not claimed with it"
+    if how == "cancel":
+        slow.cancel()
+    stopped_at = time.time()
+    wait_for(lambda: slow.status() in ("cancelled", "failed", "dead"), 30,
+             f"the slow task ended: {slow.info()}\n{sup.output()[-4000:]}")
+    info = slow.info()
+    if how == "cancel":
+        assert info.status == "cancelled", info
+        # killed after the grace, not before (and not much after)
+        assert grace <= time.time() - stopped_at < grace + 5, info
+    else:  # TaskTimeout, retried once under its policy (killed again), then failed
+        assert info.status == "failed" and (info.error or "").startswith("TaskTimeout: "), info
+        assert info.attempts == 2, info
+    for i, t in enumerate(rest, start=1):
+        res = t.result(timeout=30)
+        assert res["i"] == i and res["pid"] != first, res
+        assert t.info().deliveries == 1, t.info()  # given back uncounted
+    out = sup.output()
+    kills = 2 if how == "timeout" else 1
+    what = "timed out" if how == "timeout" else "cancelled"
+    assert out.count(f"all {what}, still ran {grace:g} s later; killed") == kills, out
+    assert gone(first)
+    # a new process serves
+    assert q.submit({"s": "y", "i": 9}).result(timeout=30)["pid"] != first
+
+
+@pytest.mark.slow
+def test_a_stopped_call_that_returns_within_the_grace_is_not_killed(
+        supervise: StartFn, qname: str, redis_url: str, tmp_path: Path) -> None:
+    grace = 1.5
+    log = tmp_path / "calls.log"
+    settings: dict[str, Any] = {"lease_ms": 2000, "cancel_grace_s": grace}
+    q = mtq.Queue(qname, redis_url, **settings)
+    task = q.submit({"s": "x", "i": 0, "sleep": 0.5})  # ignores the cancel, returns in time
+    sup = supervise("tests.handlers:logged", qname, settings=settings, replicas=1,
+                    standby=0, env={"MTQ_TEST_LOG": str(log)})
+    pid = wait_for(lambda: next((c.pid for c in read_log(log) if c.tag == "B"), None), 30,
+                   f"the call started\n{sup.output()}")
+    task.cancel()
+    cancelled_at = time.monotonic()
+    wait_for(lambda: task.status() == "cancelled", 10, f"cancelled: {task.info()}")
+    # the next call, and idle, ended that aborted call: nothing happens when its grace
+    # would have ended (what is tested is that nothing happens: hence the wait)
+    assert q.submit({"s": "y", "i": 1}).result(timeout=10)["pid"] == pid
+    time.sleep(max(0.0, cancelled_at + grace + 0.5 - time.monotonic()))
+    assert q.submit({"s": "y", "i": 2}).result(timeout=10)["pid"] == pid
+    assert "killed" not in sup.output(), sup.output()
