@@ -179,8 +179,7 @@ def test_a_call_that_ignores_its_stop_is_killed_after_the_grace(
     q = mtq.Queue(qname, redis_url, **settings)
     # a plain function that ignores cancel (time.sleep), first of a batch of 4 claimed
     # at once (submitted before the worker starts)
-    slow = q.submit({"s": "x", "i": 0, "sleep": 60},
-                    **({"timeout": 0.3} if how == "timeout" else {}))
+    slow = q.submit({"s": "x", "i": 0, "sleep": 60}, timeout=0.3 if how == "timeout" else None)
     rest = q.submit_many([{"s": "x", "i": i, "sleep": 0.01} for i in (1, 2, 3)])
     sup = supervise("tests.handlers:logged", qname, settings=settings, replicas=1,
                     max_batch_size=4, env={"MTQ_TEST_LOG": str(log)})
