@@ -258,11 +258,11 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
     pipe = Pipe(conn)
 
     from mtq.errors import MtqError, TargetError
-    from mtq.workers.fencing import Beat
+    from mtq.workers.beat import Beat
     from mtq.workers.host import Host
 
     # its sign of life, from the start (set-up included), to the supervisor's fence
-    beat = Beat(shared, len(config.engine_list()))
+    beat = Beat(shared, beat_at(len(config.engine_list())), lambda i: at(i, LEASE))
     beat.start()
 
     workers: list[Worker] = []

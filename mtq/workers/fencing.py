@@ -6,7 +6,7 @@ Three things end a child from outside, each without asking Redis:
   shared array says when it started): a hung kernel cannot be interrupted from a
   thread.
 * **A freeze.** Each child proves it is alive with a thread of its own
-  (:class:`Beat`) that writes ``time.monotonic()`` into the shared array every
+  (:class:`mtq.workers.beat.Beat`) that writes ``time.monotonic()`` into the shared array every
   :data:`BEAT_EVERY_S`, and its engines' leases beside it; it touches no Redis and
   no lock of the worker's, so a Redis outage or a long CPU-bound predict (the
   interpreter switches threads every few milliseconds) does not stop it. A child
@@ -50,16 +50,13 @@ killed.
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from mtq.workers import child
+from mtq.workers.beat import BEAT_EVERY_S
 from mtq.workers.children import Abort, Child
 
-#: how often a child's beat thread writes its sign of life
-BEAT_EVERY_S = 0.1
 #: a child whose beat is older than this share of its smallest lease is killed
 FENCE_FRACTION = 0.5
 #: ... but never one whose beat is younger than this (s)
@@ -74,29 +71,6 @@ GRACE_S = 3 * BEAT_EVERY_S
 def fence_s(lease_s: float) -> float:
     """How old a child's beat may be before it is killed, given its smallest lease."""
     return max(FENCE_FLOOR_S, FENCE_FRACTION * lease_s)
-
-
-class Beat:
-    """A child's sign of life: a daemon thread writing ``time.monotonic()`` into its
-    slot of the shared array, and each engine's lease (``leases[i]()``, seconds; 0:
-    not known yet) into that engine's slot."""
-
-    def __init__(self, shared: Any, engines: int) -> None:
-        self.shared = shared
-        self.index = child.beat_at(engines)
-        self.leases: list[Callable[[], float]] = []
-
-    def start(self) -> None:
-        self.shared[self.index] = time.monotonic()
-        threading.Thread(target=self._loop, name="mtq-beat", daemon=True).start()
-
-    def _loop(self) -> None:
-        shared, index = self.shared, self.index
-        while True:
-            shared[index] = time.monotonic()
-            for i, lease in enumerate(self.leases):
-                shared[child.at(i, child.LEASE)] = lease()
-            time.sleep(BEAT_EVERY_S)
 
 
 class Fence:
