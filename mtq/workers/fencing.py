@@ -7,7 +7,7 @@ Three things end a child from outside, each without asking Redis:
   thread.
 * **A freeze.** Each child proves it is alive with a thread of its own
   (:class:`mtq.workers.beat.Beat`) that writes ``time.monotonic()`` into the shared array every
-  :data:`BEAT_EVERY_S`, and its engines' leases beside it; it touches no Redis and
+  :data:`~mtq.workers.beat.BEAT_EVERY_S`, and its engines' leases beside it; it touches no Redis and
   no lock of the worker's, so a Redis outage or a long CPU-bound predict (the
   interpreter switches threads every few milliseconds) does not stop it. A child
   whose beat is older than its fence (:func:`fence_s`: :data:`FENCE_FRACTION` of
@@ -39,9 +39,10 @@ leases; with a lease under 1.5 s it may leave less than 0.25 s for the kill, and
 under 1 s the fence can come after the reclaim.
 
 A supervisor that wakes up late (stopped or starved itself: a whole host frozen,
-supervisor included) gives its children :data:`GRACE_S` to beat again before it
-judges them: they were frozen with it, and their leases, if lost, are dealt with by
-the lease checks before every call (see docs/guarantees.md for what remains).
+supervisor included) does not count its own gap against its children: their beats
+are judged from when it resumed, so each gets a whole fence to beat again. They
+were frozen with it, and their leases, if lost, are dealt with by the lease checks
+before every call (see docs/guarantees.md for what remains).
 
 Only a child that reported itself ready is fenced (it holds no task before), and
 not a warm standby (it holds none), nor one that said goodbye or was already
@@ -54,18 +55,16 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from mtq.workers import child
-from mtq.workers.beat import BEAT_EVERY_S
 from mtq.workers.children import Abort, Child
 
 #: a child whose beat is older than this share of its smallest lease is killed
 FENCE_FRACTION = 0.5
 #: ... but never one whose beat is younger than this (s)
 FENCE_FLOOR_S = 0.5
-#: the supervisor itself woke this much later than it asked (it was stopped or
-#: starved, with its children: a whole host frozen) ...
+#: the supervisor itself woke this much later than it asked: it was stopped or
+#: starved, with its children (a whole host frozen), whose beats are then judged
+#: from when it resumed
 LATE_S = 0.25
-#: ... so it gives its children this long to beat again before it judges them
-GRACE_S = 3 * BEAT_EVERY_S
 
 
 def fence_s(lease_s: float) -> float:
@@ -83,10 +82,10 @@ class Fence:
         self.lease_s = lease_s
         self.host = host
         self.on_event = on_event
-        #: when the loop asked to be woken for a fence (monotonic), and until when
-        #: the fences wait, after a wake-up that came late
+        #: when the loop asked to be woken for a fence (monotonic), and when it last
+        #: woke late (its children's beats count from then at the oldest)
         self._due: float | None = None
-        self._grace_until = 0.0
+        self._resumed = 0.0
 
     def child_fence_s(self, c: Child) -> float:
         """``c``'s fence: from the smallest lease of its engines."""
@@ -143,25 +142,28 @@ class Fence:
             if grace is not None:
                 d = grace if d is None else min(d, grace)
             if self.guarded(c):
-                f = max(self.beat(c) + self.child_fence_s(c), self._grace_until) - now
+                f = self.last(c) + self.child_fence_s(c) - now
                 d = f if d is None else min(d, f)
             if d is not None:
                 out = d if out is None else min(out, d)
         self._due = None if out is None else now + max(out, 0.0)
         return out
 
-    def _late(self, now: float) -> bool:
-        """Whether the supervisor woke late (it was frozen or starved itself, as a whole
-        frozen host is): its children, frozen with it, get :data:`GRACE_S` to beat
-        again before they are judged."""
+    def last(self, c: Child) -> float:
+        """``c``'s last sign of life as the fence judges it: its beat, or when the
+        supervisor last resumed from a freeze of its own, whichever is later."""
+        return max(self.beat(c), self._resumed)
+
+    def _late(self, now: float) -> None:
+        """Note a wake-up that came late (the supervisor was frozen or starved itself,
+        as a whole frozen host is): its children, frozen with it, are judged from now."""
         if self._due is not None and now > self._due + LATE_S:
-            self._grace_until = now + GRACE_S
+            self._resumed = now
         self._due = None
-        return now < self._grace_until
 
     def check(self, now: float, running: Iterable[Child]) -> None:
         """Kill the children whose predict call overran its timeout, or that froze."""
-        late = self._late(now)
+        self._late(now)
         for c in running:
             if c.killed_for:
                 continue
@@ -186,9 +188,9 @@ class Fence:
                 c.abandoned = True
                 c.process.kill()
                 continue
-            if late or not self.guarded(c):
+            if not self.guarded(c):
                 continue
-            age, fence = now - self.beat(c), self.child_fence_s(c)
+            age, fence = now - self.last(c), self.child_fence_s(c)
             if age > fence:
                 # one line: the reap says it (the process dies at once, stopped or not)
                 c.killed_for = (f"frozen: no sign of life for {age:.2f} s, past its fence of "

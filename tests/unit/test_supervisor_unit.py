@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from mtq.workers.children import drop as _drop
-from mtq.workers.fencing import FENCE_FLOOR_S, GRACE_S, Fence, fence_s
+from mtq.workers.fencing import FENCE_FLOOR_S, Fence, fence_s
 
 
 def test_a_settle_read_after_the_task_was_held_again_leaves_the_new_lease() -> None:
@@ -65,13 +65,17 @@ def test_a_child_whose_beat_is_older_than_its_fence_is_killed_a_fresh_one_is_not
         f.check(now, [fresh, stale])
         assert not fresh.killed_for and stale.killed_for.startswith("frozen: no sign of life")
         assert stale.process.wait(5) == -signal.SIGKILL
-        # a supervisor that woke up late (a host frozen with it) judges no one at once
+        # a supervisor that woke up late (a host frozen with it) judges its children
+        # from when it resumed: each gets a whole fence to beat again
         late = _child(1, [2.0], now - 5.0)
         try:
             f.deadline(now - 10.0, [late])  # it asked to be woken long ago
             f.check(now, [late])
             assert not late.killed_for
-            f.check(now + GRACE_S + 0.01, [late])  # it had its grace, and did not beat
+            assert f.deadline(now, [late]) == pytest.approx(1.0)
+            f.check(now + 0.9, [late])
+            assert not late.killed_for
+            f.check(now + 1.01, [late])  # a whole fence since, and no beat
             assert late.killed_for
         finally:
             late.process.kill()
