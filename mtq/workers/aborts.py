@@ -48,9 +48,9 @@ class Aborts:
         #: the queue's task_timeout_s and cancel_grace_s (the heartbeat sets them)
         self.default_s = QueueSettings.task_timeout_s
         self.grace_s = QueueSettings.cancel_grace_s
-        #: the ids of the call running now (model thread writes), and whether the
+        #: the tasks of the call running now (model thread writes), and whether the
         #: monitor was told it is wholly aborted
-        self.call: tuple[str, ...] = ()
+        self.call: Sequence[Claimed] = ()
         self.reported = False
         #: held while the monitor is told: a call that ended is never reported after
         self._report = threading.Lock()
@@ -68,6 +68,14 @@ class Aborts:
         run timeouts of those it runs for the first time start now."""
         led = self.ledger
         default = self.default_s
+        self.reported = False
+        self.call = tasks
+        current.enter(self.view)
+        if not (default > 0 or led.deadlines or any(t.timeout_ms for t in tasks)):
+            if led.cancel:  # (most calls take no lock: no timeouts, no cancels)
+                with led.lock:
+                    led.changed.notify_all()
+            return
         now = time.monotonic()
         with led.lock:
             added = False
@@ -81,11 +89,13 @@ class Aborts:
                         added = True
                     elif dl is not None:
                         del led.deadlines[t.id]
-            self.call = tuple(t.id for t in tasks)
-            self.reported = False
-            if added or led.cancel:
+            if added or led.cancel or led.timed_out:  # (a call on stopped tasks is told)
                 led.changed.notify_all()
-        current.enter(self.view)
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """The ids of the running call's tasks."""
+        return tuple(t.id for t in self.call)
 
     def end(self) -> None:
         """The call returned (or raised)."""
@@ -164,10 +174,11 @@ class Aborts:
                     else:
                         wait = min(wait, dl - now)
                 call = self.call
+                ids = [t.id for t in call]
                 reasons = None
-                if call and not self.reported and \
-                        all(i in led.cancel or i in led.timed_out for i in call):
-                    reasons = {i: CANCEL if i in led.cancel else TIMEOUT for i in call}
+                if ids and not self.reported and \
+                        all(i in led.cancel or i in led.timed_out for i in ids):
+                    reasons = {i: CANCEL if i in led.cancel else TIMEOUT for i in ids}
                 else:
                     led.changed.wait(None if wait == float("inf") else wait)
                     continue
@@ -175,7 +186,7 @@ class Aborts:
                 if self.call is call and not self.reported:
                     self.reported = True
                     log.debug("every task of the running call was cancelled or timed out "
-                             "(%s)", ", ".join(f"{i}: {r}" for i, r in reasons.items()))
+                              "(%s)", ", ".join(f"{i}: {r}" for i, r in reasons.items()))
                     try:
                         self.monitor.aborted(reasons, self.grace_s)
                     except Exception:

@@ -193,7 +193,7 @@ class PipeMonitor(Monitor):
     def quarantine(self, task: Any) -> bool:
         self.send("quarantine", [task.id, task.token, task.payload, task.stream, task.attempts,
                                  task.deliveries, task.retries, task.age_ms, task.live_until,
-                                 task.traceparent, task.claimed_at])
+                                 task.traceparent, task.claimed_at, task.timeout_ms])
         return True
 
 

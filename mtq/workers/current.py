@@ -30,7 +30,7 @@ class Aborts(Protocol):
     """What a CurrentTask reads of its worker's :class:`mtq.workers.aborts.Aborts`."""
 
     @property
-    def call(self) -> tuple[str, ...]: ...
+    def ids(self) -> tuple[str, ...]: ...
     def stopped(self, ids: Sequence[str]) -> list[str]: ...
     def reason(self, task_id: str) -> str | None: ...
     def timeout_of(self, task_id: str) -> float | None: ...
@@ -48,7 +48,7 @@ class CurrentTask:
     def ids(self) -> tuple[str, ...]:
         """The ids of the tasks of the running call, in batch order (() outside a
         worker)."""
-        return self._aborts.call if self._aborts is not None else ()
+        return self._aborts.ids if self._aborts is not None else ()
 
     @property
     def id(self) -> str | None:

@@ -2,8 +2,8 @@
 each other about them.
 
 A worker process runs four threads (model, fetcher, publisher, heartbeat; see
-:mod:`mtq.workers.worker`), and a generator's engine and outlet act on the same
-tasks. What they share lives here, in three small classes that every part
+:mod:`mtq.workers.worker`) and one that keeps run timeouts (:mod:`mtq.workers.aborts`),
+and a generator's engine and outlet act on the same tasks. What they share lives here, in three small classes that every part
 receives, each with the lock it needs:
 
 * :class:`Ledger`: the held tasks (claimed or handed over, not settled yet) with

@@ -206,6 +206,20 @@ def test_a_cancelled_batch_member_ends_cancelled_and_the_whole_batch_stops(
     assert len(model.batches) == 1, "the batch ran again after it was stopped"
 
 
+def test_one_cancelled_batch_member_ends_cancelled_the_other_succeeds(
+        qname: str, redis_url: str) -> None:
+    model = Batch()
+    q = mtq.Queue(qname, redis_url)
+    with serving(make_worker(model, qname, redis_url)):
+        a, b = q.submit_many([{"v": 1, "steps": 60}, {"v": 2, "steps": 60}])
+        assert model.started.wait(10)
+        running(a)
+        a.cancel()
+        assert ended(a, 5).status == "cancelled"
+        assert b.result(timeout=10) == 2
+    assert model.skipped == {a.id} and model.batches == [2], (model.skipped, model.batches)
+
+
 # -- a success after the stop -----------------------------------------------------------------
 
 def test_a_function_that_never_checks_ends_cancelled_not_succeeded(
@@ -248,6 +262,14 @@ def test_ack_of_a_task_with_a_cancel_request_ends_it_cancelled(qname: str, r: re
     assert r.hget(QueueKeys(qname).task(t.id), "result") is None
     with pytest.raises(mtq.TaskCancelled):
         t.result(timeout=1)
+    # a task a scheduling claim charged leaves its lane's running count as it ends
+    u = q.submit({"x": 2}, tenant="acme")
+    (claimed,) = c.claim(1)
+    assert claimed.id == u.id and u.cancel() is False
+    count = f"mtq:{{{qname}}}:sched:count"
+    assert int(r.hget(count, "s:acme|r") or 0) == 1
+    c.settle([mtq.Outcome(claimed, ok=True, value="late")])
+    assert u.status() == "cancelled" and int(r.hget(count, "s:acme|r") or 0) == 0
 
 
 # -- bad input, the queue's default ----------------------------------------------------------

@@ -50,6 +50,9 @@ for i = 0, n - 1 do
   if f[5] ~= 'running' or f[6] ~= token then
     codes[i + 1] = E_LEASE_LOST
   elseif f[10] then
+    if costs and costs[i + 1] then
+      sch().settle_cost(f[9], redis.call('HGET', K_TASK .. id, 'cost'), costs[i + 1])
+    end
     if f[9] then sch().uncount(f[9]) end
     finish(id, 'cancelled', now, ttl, nil, nil, f[8] or false, f)
     if f[7] then woken = woken + release_stream(f[7]) end

@@ -7,9 +7,11 @@ Returns: {1, previous status} cancelled now (it was queued or waiting for a retr
   O(1) and the tasks behind it are not held up; its hash starts its retention
   only when claim pops the tombstone, so the id cannot be reused before);
   {2, 'running'} a running task: a cancel is requested and its worker is told at
-  once on the control channel ({"cmd": "cancel", "ids": [id], "worker": w}); a
-  generator drops it at its next step, a batch model's result is discarded; a
-  worker that missed the message learns it on its next heartbeat (extend);
+  once on the control channel ({"cmd": "cancel", "ids": [id], "worker": w}); it
+  stops the work (a generator at its next step, a function or model that checks
+  mtq.current_task() at its next check) and never records a success for it (nor
+  does ack.lua, which ends a task with 'cancel' set cancelled); a worker that
+  missed the message learns it on its next heartbeat (extend);
   {E_NOT_FOUND, ''} no such task (never existed, or its retention ran out);
   {E_FINISHED, status} already in a terminal state; nothing changed.
 ]]
