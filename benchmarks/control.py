@@ -5,6 +5,8 @@
     python -m benchmarks.control --only memory    # one section (repeat --only for more)
     python -m benchmarks.control --only spread    # slow functions over idle workers
     python -m benchmarks.control --only local     # mtq.local's start and stop
+    python -m benchmarks.control --only frozen    # a frozen child under load
+    python -m benchmarks.control --only kill      # a stopped call killed after the grace
     python -m benchmarks.control --only cancel    # cancel and timeouts of running work
     python -m benchmarks.control --quick          # smaller sizes, prints only
 
@@ -30,6 +32,15 @@ replicas of ``mtq workers start``); see :mod:`benchmarks.control_spread`.
 
 local: the start and stop of ``mtq.local`` (a private Redis and a supervisor inside a
 script); see :mod:`benchmarks.control_local`.
+
+frozen: a supervised worker under load on 8 streams with one child SIGSTOPped for
+three leases, then SIGCONT: overlapping calls per stream, lost, twice, time to the
+fence and to recovery; see :mod:`benchmarks.control_frozen`.
+
+kill: the time from ``Task.cancel()`` to ``cancelled`` for a supervised plain function
+that ignores it (the grace, then the kill), and the same for a timeout; see
+:mod:`benchmarks.control_kill`.
+
 cancel: the time from ``Task.cancel()`` to the task's end for a plain generator, an
 ``mtq.Generator`` request and a cooperative function, and how late a ``timeout=1``
 stops a cooperative function; see :mod:`benchmarks.control_cancel`.
@@ -57,6 +68,8 @@ import redis
 
 import mtq
 from benchmarks.control_cancel import measure_cancel
+from benchmarks.control_frozen import measure_frozen
+from benchmarks.control_kill import measure_kill
 from benchmarks.control_local import measure_local
 from benchmarks.control_spread import measure_spread
 from benchmarks.harness.meters import machine_info
@@ -269,6 +282,8 @@ SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "stop": measure_stop,
     "spread": measure_spread,
     "local": measure_local,
+    "frozen": measure_frozen,
+    "kill": measure_kill,
     "cancel": measure_cancel,
 }
 TITLES = {
@@ -276,6 +291,8 @@ TITLES = {
     "stop": "Stops with Redis away",
     "spread": "Slow plain functions over idle workers (mtq workers start, default settings)",
     "local": "mtq.local: a private Redis and workers inside a script, started and stopped",
+    "frozen": "A frozen child under load (mtq workers start --replicas 2, SIGSTOP for 3 leases)",
+    "kill": "A plain function that ignores its stop, killed after the grace (mtq workers start)",
     "cancel": "Cancel and timeouts of running work (bare mtq worker run, one per kind)",
 }
 

@@ -7,6 +7,7 @@ pytest and without the test package's conftest. torch is imported only in
 Payloads are dicts; these fields steer :class:`Probe` inside ``predict``:
 
 * ``"sleep": s``  sleep s seconds for this item
+* ``"spin": s``  busy-loop s seconds in Python for this item (CPU-bound)
 * ``"exit": true``  ``os._exit(1)`` (a crash the worker cannot catch)
 * ``"hang": true``  sleep forever (only the supervisor's timeout ends it)
 * ``"hang_here": true``  sleep forever in a process whose ``MTQ_TEST_HANG`` is set
@@ -82,6 +83,10 @@ class Probe(mtq.Model):
                     time.sleep(3600)
             if p.get("sleep"):
                 time.sleep(float(p["sleep"]))
+            if p.get("spin"):  # CPU-bound Python, holding the interpreter but for its switches
+                until = time.monotonic() + float(p["spin"])
+                while time.monotonic() < until:
+                    pass
             out.append({"pid": os.getpid(), "s": p.get("s"), "i": p.get("i"),
                         "version": self.version, "t": time.time(),
                         "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),

@@ -23,7 +23,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -37,14 +37,20 @@ EXIT_TARGET = 3   # the target cannot be loaded: do not restart, report
 EXIT_SETUP = 4    # setup() raised: restart with backoff, give up after a few in a row
 
 # shared array layout, per engine: predict call started at (time.monotonic(), 0 = idle),
-# first, end item
-STARTED, LO, HI = 0, 1, 2
-SLOTS = 3
+# first, end item, its lease (s, 0 = not known yet); after the engines', the process's
+# last sign of life (time.monotonic(): mtq.workers.fencing)
+STARTED, LO, HI, LEASE = 0, 1, 2, 3
+SLOTS = 4
 
 
 def at(engine: int, slot: int) -> int:
-    """The index in the shared array of ``slot`` (STARTED, LO, HI) of ``engine``."""
+    """The index in the shared array of ``slot`` (STARTED, LO, HI, LEASE) of ``engine``."""
     return SLOTS * engine + slot
+
+
+def beat_at(engines: int) -> int:
+    """The index of the process's sign of life, in a process of ``engines`` engines."""
+    return SLOTS * engines
 
 log = logging.getLogger("mtq.workers.child")
 
@@ -130,6 +136,9 @@ class PipeMonitor(Monitor):
         self.pipe = pipe
         self.shared = shared
         self.engine = engine
+        #: its worker's ledger (set once the worker is made): what an aborted call's
+        #: tasks are, for the supervisor to settle them
+        self.ledger: Any = None
 
     def send(self, kind: str, body: Any = None) -> None:
         self.pipe.send(kind, self.engine, body)
@@ -157,6 +166,29 @@ class PipeMonitor(Monitor):
                  options: dict[str, str] | None = None) -> None:
         self.send("reloaded", {"timeout_s": timeout_s, "model": model,
                                "options": None if options is None else dict(options)})
+
+    def aborted(self, reasons: Mapping[str, str], grace_s: float) -> None:
+        """Tell the supervisor, with what it needs to settle them if it kills the
+        process: each task's lease, attempts, deliveries, retries, reason and (a
+        timeout) its error; and which call it is (its start, as in the shared array:
+        the next call or idle changes it)."""
+        from mtq.errors import TaskTimeout
+
+        tasks: list[list[Any]] = []
+        ledger = self.ledger
+        if ledger is not None:
+            with ledger.lock:
+                for i, why in reasons.items():
+                    t = ledger.held.get(i)
+                    if t is None:
+                        continue
+                    dl = ledger.deadlines.get(i)
+                    error = f"TaskTimeout: {TaskTimeout(dl[1] if dl else None)}" \
+                        if why == "timeout" else ""
+                    tasks.append([t.id, t.token, t.attempts, t.deliveries, t.retries, why,
+                                  error])
+        self.send("aborted", {"tasks": tasks, "grace_s": float(grace_s),
+                              "started": float(self.shared[at(self.engine, STARTED)])})
 
     def quarantine(self, task: Any) -> bool:
         self.send("quarantine", [task.id, task.token, task.payload, task.stream, task.attempts,
@@ -196,12 +228,19 @@ def _engine(config: ChildConfig, spec: Mapping[str, Any], monitor: PipeMonitor,
     consumer = Consumer(spec["queue"], settings=from_wire(spec.get("settings")),
                         worker_id=worker_id,
                         client=connect(config.url, name=connection_name(worker_id)))
-    return Worker(spec["target"], spec["queue"], device=config.device, monitor=monitor,
-                  supervisor=config.supervisor, consumer=consumer,
-                  quarantine=config.quarantine, hand_off=config.hand_off,
-                  options=dict(spec.get("options") or {}), **dict(spec.get("overrides") or {}),
-                  on_demand=bool(spec.get("on_demand")), idle_unload_s=spec.get("idle_unload_s"),
-                  memory_bytes=spec.get("memory"))
+    w = Worker(spec["target"], spec["queue"], device=config.device, monitor=monitor,
+               supervisor=config.supervisor, consumer=consumer,
+               quarantine=config.quarantine, hand_off=config.hand_off,
+               options=dict(spec.get("options") or {}), **dict(spec.get("overrides") or {}),
+               on_demand=bool(spec.get("on_demand")), idle_unload_s=spec.get("idle_unload_s"),
+               memory_bytes=spec.get("memory"))
+    monitor.ledger = w.ledger
+    return w
+
+
+def _lease_of(w: Worker) -> Callable[[], float]:
+    """The lease ``w``'s heartbeat last extended with (s; no Redis asked)."""
+    return lambda: w.heartbeat.lease_s
 
 
 def _describe(w: Worker) -> str:
@@ -219,7 +258,12 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
     pipe = Pipe(conn)
 
     from mtq.errors import MtqError, TargetError
+    from mtq.workers.beat import Beat
     from mtq.workers.host import Host
+
+    # its sign of life, from the start (set-up included), to the supervisor's fence
+    beat = Beat(shared, beat_at(len(config.engine_list())), lambda i: at(i, LEASE))
+    beat.start()
 
     workers: list[Worker] = []
     for i, spec in enumerate(config.engine_list()):
@@ -233,6 +277,7 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
             sys.exit(EXIT_SETUP)
         pipe.send("hello", i, w.worker_id)
         workers.append(w)
+        beat.leases.append(_lease_of(w))
     specs = config.engine_list()
 
     def rebuild(i: int, options: dict[str, str]) -> Worker:
@@ -240,6 +285,7 @@ def main(wire: Mapping[str, Any], conn: Connection, shared: Any) -> None:
         w = _engine(config, {**specs[i], "options": options}, PipeMonitor(pipe, shared, i),
                     first=False)
         pipe.send("hello", i, w.worker_id)
+        beat.leases[i] = _lease_of(w)
         return w
 
     host = Host(workers, memory_budget=config.memory_budget, max_loaded=config.max_loaded,

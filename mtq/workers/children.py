@@ -19,12 +19,37 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mtq.broker import registry
-from mtq.broker.consumer import Consumer, connection_name
+from mtq.broker.consumer import Consumer, Outcome, connection_name
+from mtq.broker.records import Claimed
 from mtq.errors import BrokerError
 from mtq.workers import child
 from mtq.workers.child import ChildConfig
 
 log = logging.getLogger("mtq.workers.supervisor")  # the supervisor's log, as its users read it
+
+
+@dataclass
+class Abort:
+    """A running call whose every task was cancelled or timed out (the child's
+    "aborted"): the supervisor kills the process if it still runs at ``until``."""
+
+    #: per task: id, token, attempts, deliveries, retries, reason ("cancel" or
+    #: "timeout"), error (a timeout's "TaskTimeout: ...")
+    tasks: list[list[Any]]
+    until: float
+    grace_s: float
+    #: the call's start, as in the shared array (another value: that call ended)
+    started: float
+
+    def outcomes(self) -> list[Outcome]:
+        """How its tasks end: cancelled, or a retryable TaskTimeout failure (their
+        retry policy applies), as the worker would have settled them."""
+        out = []
+        for t_id, token, attempts, deliveries, retries, why, error in self.tasks:
+            t = Claimed(t_id, token, b"", None, attempts, deliveries, retries)
+            out.append(Outcome(t, ok=False, cancelled=True) if why == "cancel" else
+                       Outcome(t, ok=False, error=error or "TaskTimeout", retryable=True))
+        return out
 
 
 @dataclass
@@ -39,6 +64,8 @@ class Engine:
     model: str = ""
     held: dict[str, str] = field(default_factory=dict)   # id -> token
     batch: list[tuple[str, str]] = field(default_factory=list)
+    #: its running call was wholly cancelled or timed out (mtq.workers.fencing)
+    aborted: Abort | None = None
 
 
 @dataclass
@@ -63,6 +90,10 @@ class Child:
     forced: bool = False    # killed on the operator's order: nothing it ran counts
     spare: bool = False     # a warm standby: set up, claiming nothing until promoted
     quarantine: bool = False  # runs the suspects its siblings hand over, one at a time
+    bye: bool = False       # it said goodbye: it exits (no longer fenced)
+    #: killed because an aborted call ran past its grace: those tasks are settled as
+    #: their stops say, everything else it held goes back uncounted
+    abandoned: bool = False
 
     # engine 0's, for the parts that know processes of one worker (quarantine, standby)
     @property
@@ -147,7 +178,7 @@ def start(ctx: Any, config: ChildConfig, index: int, device: str, *, spare: bool
         forkserver.ensure_running()
     parent, kid = ctx.Pipe()
     engines = [Engine(e["queue"]) for e in config.engine_list()]
-    shared = ctx.RawArray("d", child.SLOTS * len(engines))
+    shared = ctx.RawArray("d", child.beat_at(len(engines)) + 1)
     env = dict(config.env)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the spawned interpreter starts with this environment
@@ -188,11 +219,13 @@ def _give_back(consumer: Consumer, c: Child, i: int, e: Engine,
     running: list[tuple[str, str]] = []
     started = c.shared[child.at(i, child.STARTED)]
     # it died inside predict: those items are suspects (unless it was killed on order,
-    # or for another engine's call that overran)
-    if started and e.batch and not c.forced and c.overran in (None, i):
+    # for another engine's call that overran, or for a call nobody wanted any more)
+    if started and e.batch and not c.forced and not c.abandoned and c.overran in (None, i):
         lo, hi = int(c.shared[child.at(i, child.LO)]), int(c.shared[child.at(i, child.HI)])
         running = [(t_id, t) for t_id, t in e.batch[lo:hi] if e.held.get(t_id) == t]
-    counted = {t_id for t_id, _ in running}
+    # the abandoned call's tasks end as their stops say (cancelled, TaskTimeout)
+    stopped = e.aborted.outcomes() if c.abandoned and e.aborted is not None else []
+    counted = {t_id for t_id, _ in running} | {o.task.id for o in stopped}
     rest = [(t_id, t) for t_id, t in e.held.items() if t_id not in counted]
     reason = c.killed_for or "worker process died"
     try:
@@ -200,8 +233,13 @@ def _give_back(consumer: Consumer, c: Child, i: int, e: Engine,
             if not consumer.wait_disconnected(connection_name(e.worker_id)):
                 log.debug("worker %s: its Redis connections did not close (or CLIENT "
                           "LIST is not allowed); sweeping its tasks now", e.worker_id)
-            consumer.give_back_all(e.worker_id, running, rest, reason, skip=elsewhere)
+            if stopped:
+                consumer.settle(stopped)
+            consumer.give_back_all(e.worker_id, running, rest, reason,
+                                   skip={*elsewhere, *counted})
         else:
+            if stopped:
+                consumer.settle(stopped)
             consumer.give_back(running, rest, reason)
     except BrokerError:
         if strict:

@@ -56,6 +56,10 @@ class Heartbeat:
         self.tick = tick
         #: set once the running batch is settled: leases are extended until then
         self.stop = threading.Event()
+        #: the lease it last extended with (s; 0 before its first beat): the child's
+        #: beat tells it to the supervisor, which fences off a frozen process within
+        #: part of it (mtq.workers.fencing)
+        self.lease_s = 0.0
 
     def loop(self) -> None:
         last_reap = time.monotonic()
@@ -66,6 +70,7 @@ class Heartbeat:
             # the queue's lease may change while it runs (mtq queue config): the beat
             # follows it, or leases shortened under it would expire
             lease_ms = self.lease_ms()
+            self.lease_s = lease_ms / 1000
             interval = min(BEAT_S, lease_ms / 3000)
             reap_every = max(interval, lease_ms / 2000)
             try:

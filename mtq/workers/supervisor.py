@@ -19,7 +19,10 @@ control messages).
   serving process that claims it: the supervisor runs it alone in a quarantine
   process, so that a poison request kills a serving process at most once.
 * A child whose predict call runs past the model's ``timeout_s`` is killed (a
-  hung kernel cannot be interrupted from a thread) and handled as above.
+  hung kernel cannot be interrupted from a thread) and handled as above; so is one
+  that froze (its beat, written without Redis, older than half its lease), before
+  another worker can take its tasks; and one whose call, every task of it cancelled
+  or timed out, still runs ``cancel_grace_s`` later (:mod:`mtq.workers.fencing`).
 * A target that cannot be loaded stops the supervisor at once with the error; a
   ``setup`` that fails again and again stops it after a few tries, with the error.
 * SIGTERM / SIGINT: graceful drain (every child finishes its running batch and
@@ -59,6 +62,7 @@ from mtq.errors import ConfigError
 from mtq.workers import children, control, devices
 from mtq.workers.child import ChildConfig
 from mtq.workers.children import Child, drop
+from mtq.workers.fencing import Fence
 from mtq.workers.quarantine import Quarantine
 from mtq.workers.restarts import Slot, Slots
 from mtq.workers.served import Served
@@ -143,6 +147,8 @@ class Supervisor:
         self._signals = 0
         self.paused = False
         self._listeners: list[control.Listener] = []
+        #: kills a child whose call overran its timeout, or that froze
+        self.fence = Fence(min(c.lease_s() for c in self.consumers), self.host, self.on_event)
         self._resize()
 
     # -- public ------------------------------------------------------------------
@@ -209,7 +215,7 @@ class Supervisor:
                         self._read(c)
                     elif ready == c.process.sentinel:
                         self._reap(c)
-            self._check_timeouts()
+            self.fence.check(time.monotonic(), self._running())
 
     def _all(self) -> list[Child]:
         q = self.quarantine.process
@@ -223,7 +229,7 @@ class Supervisor:
 
     def _next_deadline(self) -> float | None:
         now = time.monotonic()
-        out = self._timeout_deadline(now)
+        out = self.fence.deadline(now, self._running())
         if not self.stopping:
             out = _earliest(out, self.slots.deadline(now, self.children),
                             self.standby.deadline(now, self.slots.used_devices(),
@@ -231,24 +237,6 @@ class Supervisor:
         out = _earliest(out, self.quarantine.deadline(now, self.stopping),
                         self.stops.next_in(now))
         return None if out is None else max(out, 0.0)
-
-    def _timeout_deadline(self, now: float) -> float | None:
-        """Seconds until a running predict call overruns its timeout."""
-        # a killed one is waited for by its sentinel
-        return min((d for c in self._running() if not c.killed_for
-                    for d in [c.next_timeout(now)] if d is not None), default=None)
-
-    def _check_timeouts(self) -> None:
-        now = time.monotonic()
-        for c in self._running():
-            i = c.overrunning(now)
-            if i is not None and not c.killed_for:
-                e = c.engines[i]
-                of = f" of queue {e.queue!r}" if self.host else ""
-                c.killed_for, c.overran = f"predict{of} ran past its {e.timeout_s:g} s timeout", i
-                who = "the quarantine process" if c.quarantine else f"worker {c.slot}"
-                self.on_event(f"{who} ({e.worker_id}): {c.killed_for}; killing it")
-                c.process.kill()
 
     # -- children ----------------------------------------------------------------
     def _spawn(self, slot: Slot, spare: bool = False, quarantine: bool = False) -> Child:
@@ -316,6 +304,10 @@ class Supervisor:
             of = f" queue {e.queue!r}" if self.host else ""
             self.on_event(f"worker {c.slot}{of} reloaded ({e.model})")
             self._adopt_options(i, body.get("options"))
+        elif kind == "bye":
+            c.bye = True
+        elif kind == "aborted" and e is not None:  # killed if that call outlives the grace
+            self.fence.aborted(c, i, dict(body), time.monotonic())
         elif kind in ("fatal", "setup_failed"):
             c.fatal = c.fatal or kind == "fatal"
             c.error = f"queue {e.queue!r}: {body}" if self.host and e is not None else body

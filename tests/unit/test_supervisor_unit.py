@@ -1,8 +1,16 @@
-"""The supervisor's book of what each child holds (mtq.workers.supervisor)."""
+"""The supervisor's book of what each child holds (mtq.workers.supervisor), and its
+fence (mtq.workers.fencing)."""
 
 from __future__ import annotations
 
+import signal
+import time
+from typing import Any
+
+import pytest
+
 from mtq.workers.children import drop as _drop
+from mtq.workers.fencing import FENCE_FLOOR_S, Fence, fence_s
 
 
 def test_a_settle_read_after_the_task_was_held_again_leaves_the_new_lease() -> None:
@@ -11,3 +19,66 @@ def test_a_settle_read_after_the_task_was_held_again_leaves_the_new_lease() -> N
     assert held == {"a": "t2"}
     _drop(held, [["a", "t2"]])
     assert held == {}
+
+
+# -- the fence (mtq.workers.fencing) ---------------------------------------------------
+def _child(engines: int, leases: list[float], beat: float) -> Any:
+    """A Child whose shared array says these leases and this last beat, around a real
+    (sleeping) process the fence may kill."""
+    import multiprocessing as mp
+    import subprocess
+    import sys
+
+    from mtq.workers import child
+    from mtq.workers.children import Child, Engine
+
+    shared = mp.RawArray("d", child.beat_at(engines) + 1)
+    for i, lease in enumerate(leases):
+        shared[child.at(i, child.LEASE)] = lease
+    shared[child.beat_at(engines)] = beat
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    return Child(0, "cpu", proc, None, shared, time.monotonic(),  # type: ignore[arg-type]
+                 engines=[Engine(f"q{i}") for i in range(engines)], ready=True)
+
+
+def test_the_fence_is_half_the_smallest_lease_of_a_process_at_least_the_floor() -> None:
+    assert fence_s(8.0) == 4.0 and fence_s(0.4) == FENCE_FLOOR_S
+    f = Fence(8.0, host=True, on_event=lambda m: None)
+    c = _child(3, [8.0, 2.0, 0.0], time.monotonic())  # 0: not told yet
+    try:
+        assert f.child_fence_s(c) == 1.0
+        none_told = _child(1, [0.0], time.monotonic())
+        try:
+            assert f.child_fence_s(none_told) == 4.0  # the supervisor's own reading
+        finally:
+            none_told.process.kill()
+    finally:
+        c.process.kill()
+
+
+def test_a_child_whose_beat_is_older_than_its_fence_is_killed_a_fresh_one_is_not() -> None:
+    now = time.monotonic()
+    f = Fence(2.0, host=False, on_event=lambda m: None)
+    fresh, stale = _child(1, [2.0], now - 0.5), _child(1, [2.0], now - 1.5)
+    try:
+        assert f.deadline(now, [fresh, stale]) == pytest.approx(-0.5)
+        f.check(now, [fresh, stale])
+        assert not fresh.killed_for and stale.killed_for.startswith("frozen: no sign of life")
+        assert stale.process.wait(5) == -signal.SIGKILL
+        # a supervisor that woke up late (a host frozen with it) judges its children
+        # from when it resumed: each gets a whole fence to beat again
+        late = _child(1, [2.0], now - 5.0)
+        try:
+            f.deadline(now - 10.0, [late])  # it asked to be woken long ago
+            f.check(now, [late])
+            assert not late.killed_for
+            assert f.deadline(now, [late]) == pytest.approx(1.0)
+            f.check(now + 0.9, [late])
+            assert not late.killed_for
+            f.check(now + 1.01, [late])  # a whole fence since, and no beat
+            assert late.killed_for
+        finally:
+            late.process.kill()
+    finally:
+        fresh.process.kill()
+        stale.process.kill()
