@@ -48,6 +48,10 @@ class Request:
     deadline: Any = None
     #: seconds a run may take once started (see Queue.submit): past it, TaskTimeout
     timeout: float | None = None
+    #: seconds to wait, or an aware datetime, before it is queued (see Queue.submit);
+    #: either replaces both of submit_many's defaults
+    delay: float | None = None
+    at: Any = None
 
 
 @dataclass(frozen=True)
