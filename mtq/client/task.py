@@ -93,8 +93,8 @@ class Task:
         return codes.error(Code.NOT_FOUND, queue=self.queue.name, task_id=self.id)
 
     def status(self) -> str:
-        """The task's state: queued, running, delayed, succeeded, failed, dead,
-        cancelled or expired. Raises TaskNotFound."""
+        """The task's state: queued, running, delayed (a retry's or a submit's delay),
+        succeeded, failed, dead, cancelled or expired. Raises TaskNotFound."""
         (status,) = self._hmget("status")
         if status is None:
             raise self._not_found()
