@@ -248,3 +248,72 @@ def test_a_delayed_task_survives_a_redis_restart_with_aof(qname: str,
         c.close()
     finally:
         server.stop()
+
+
+def _commands_per_task(url: str, name: str, delayed: bool) -> float:
+    """Redis commands (those the scripts run included) per task for 40 tasks on 8
+    streams submitted, claimed and acked; ``delayed``: one task of the queue waits in the
+    delayed set (not due) meanwhile."""
+    r = redis.Redis.from_url(url)
+    try:
+        q = mtq.Queue(name, client=r)
+        c = Consumer(name, url)
+        if delayed:
+            q.submit("later", delay=3600)
+        done(c, c.claim(8) or [])
+        q.submit("warm")
+        done(c, c.claim(8))
+        r.config_resetstat()
+        for i in range(40):
+            q.submit(i, stream=f"s{i % 8}")
+        n = 0
+        while n < 40:
+            got = c.claim(8)
+            assert got, "the tasks are claimable"
+            n += len(got)
+            done(c, got)
+        stats = r.info("commandstats")
+        skip = {"cmdstat_info", "cmdstat_config|resetstat"}
+        return sum(v["calls"] for k, v in stats.items() if k not in skip) / 40
+    finally:
+        mtq.replies.hub_of(r).close_all()
+        r.close()
+
+
+def test_a_waiting_delayed_task_adds_no_redis_command_to_the_hot_path(tmp_path: Path) -> None:
+    """Submit, claim and ack cost the same commands per task whether a delayed task
+    waits in the queue or none ever did (the claim reads the delayed set's first entry
+    for retries anyway)."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        plain = _commands_per_task(server.url, "plain", delayed=False)
+        with_one = _commands_per_task(server.url, "with-delayed", delayed=True)
+    finally:
+        server.stop()
+    assert plain == with_one, (plain, with_one)
+
+
+def test_a_delayed_task_of_a_tenant_joins_its_lane_when_due(qname: str, client: redis.Redis,
+                                                             redis_url: str) -> None:
+    """Scheduling on: a delayed task of a tenant and band is queued in its lane when due,
+    counted there, and claimed; its lane's counts go back to zero when it is done."""
+    q = mtq.Queue(qname, client=client)
+    task = q.submit("t", tenant="acme", priority="interactive", delay=0.2, cost=3)
+    free = q.submit("f", tenant="acme", priority="interactive", stream="s", delay=0.1)
+    keys = QueueKeys(qname)
+    count = f"{keys.base}sched:count"
+    assert client.hget(count, "i:acme|w") in (None, b"0"), "not counted waiting yet"
+    c = Consumer(qname, redis_url)
+    seen: list[str] = []
+
+    def drain() -> bool:
+        got = c.claim(8)
+        seen.extend(t.id for t in got)
+        done(c, got)
+        return len(seen) == 2
+
+    wait_for(lambda: drain() or (c.wait(0.2) and False), 5, "both delayed tasks run")
+    assert seen == [free.id, task.id], "in due order"
+    assert client.hget(count, "i:acme|w") in (None, b"0")
+    assert q.stats()["waiting"] == 0 and q.stats()["delayed"] == 0
