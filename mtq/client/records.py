@@ -72,3 +72,5 @@ class TaskInfo:
     cancel_requested: bool
     #: the traceback of the last exception the task's handler raised (bounded)
     traceback: str | None = None
+    #: while it waits for its submit's delay: when it is due (None once queued)
+    due: int | None = None

@@ -195,10 +195,14 @@ def test_cli_submit_delay_and_at(qname: str, redis_url: str, client: redis.Redis
     res = CliRunner().invoke(cli, ["submit", qname, '{"x": 2}', "--redis", redis_url,
                                    "--at", at])
     assert res.exit_code == 0, res.output
-    due = client.hget(QueueKeys(qname).task(res.output.strip()), "due")
+    task = q.task(res.output.strip())
+    due = task.info().due
     assert due is not None
-    assert abs(int(due) / 1000 - datetime.fromisoformat(at).timestamp()) < 2
+    assert abs(due / 1000 - datetime.fromisoformat(at).timestamp()) < 2
     assert q.stats()["delayed"] == 2
+    res = CliRunner().invoke(cli, ["task", task.id, "--redis", redis_url])
+    assert res.exit_code == 0, res.output
+    assert "due (delayed)" in res.output and "delayed" in res.output
 
 
 def test_a_delayed_task_survives_a_worker_kill(qname: str, redis_url: str,
