@@ -145,7 +145,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         return
     try:
         # the id first, so that a user who stops waiting can find or cancel the task
-        err_console.print(f"task {task.id} queued on {queue!r}", markup=False,
+        how = "delayed" if delay or at is not None else "queued"
+        err_console.print(f"task {task.id} {how} on {queue!r}", markup=False,
                           highlight=False)
         _hint_if_unserved(q)
         if follow:
