@@ -137,6 +137,8 @@ class Broker:
                          "1" if t.admit else ""]
             if timed:
                 args.append(t.timeout_ms or "")
+        if any(t.delay_ms for t in tasks):  # the delays, after the groups (submit.lua)
+            args.append(",".join(str(t.delay_ms) for t in tasks))
         return self._call("submit", args, parse_submit)
 
     def submit(self, tasks: Sequence[NewTask], reply: str = "") -> Answer:

@@ -209,6 +209,8 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
     table.add_row("attempts / deliveries", f"{info.attempts} / {info.deliveries}")
     table.add_row("created / started / finished",
                   f"{when(info.created)} / {when(info.started)} / {when(info.finished)}")
+    if info.due is not None:
+        table.add_row("due (delayed)", when(info.due))
     if info.worker:
         table.add_row("worker", shown(info.worker))
     if info.error:

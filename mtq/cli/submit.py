@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import time
+from datetime import datetime
 from typing import IO, Any
 
 import click
@@ -59,6 +60,13 @@ FILE_CHUNK = 500
               help="Longest a run of the task may take once started: past it, it is "
                    "stopped and fails with TaskTimeout (retried under its retry policy). "
                    "Default: the queue's task_timeout_s.")
+@click.option("--delay", type=FloatRange(min=0, max=MAX_TTL_S), default=None,
+              metavar="SECONDS",
+              help="Queue the task SECONDS from now: until then it waits in Redis "
+                   "(delayed), then joins the tail of its stream.")
+@click.option("--at", "at_text", default=None, metavar="DATETIME",
+              help="Queue the task at this ISO 8601 time, with its time zone "
+                   "(2030-01-01T09:00:00+01:00, or ...Z); a past time is due now.")
 @click.option("--wait", "wait", is_flag=True,
               help="Wait for the result(s) and print them (the task id goes to stderr "
                    "first).")
@@ -90,7 +98,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
            stream_from: str | None, key: str | None, ttl: float | None, wait: bool,
            follow: bool, timeout: float | None, raw: bool, no_cache: bool,
            priority: str | None, tenant: str | None, cost: float | None, url: str | None,
-           as_json: bool, run_timeout: float | None = None) -> None:
+           as_json: bool, run_timeout: float | None = None, delay: float | None = None,
+           at_text: str | None = None) -> None:
     """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
 
     Prints the task id; with --wait, the result; with --follow, the tokens as
@@ -102,6 +111,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     mtq submit embed --file requests.jsonl --stream-from user --wait --timeout 60
     """
     wait = wait or follow or timeout is not None
+    at = _parse_at(at_text, delay)
     if file is not None:
         if payload is not None:
             fail("give PAYLOAD or --file, not both", USAGE)
@@ -110,7 +120,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         _submit_file(queue, file, stream, stream_from, ttl,
                      (math.inf if timeout is None else timeout) if wait else None, url,
                      as_json, not no_cache, priority=priority, tenant=tenant, cost=cost,
-                     run_timeout=run_timeout)
+                     run_timeout=run_timeout, delay=delay, at=at)
         return
     if stream_from:
         fail("--stream-from goes with --file", USAGE)
@@ -126,7 +136,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     q = open_queue(queue, url)
     try:
         task = q.submit(value, stream=stream, key=key, ttl=ttl, cache=not no_cache,
-                        priority=priority, tenant=tenant, cost=cost, timeout=run_timeout)
+                        priority=priority, tenant=tenant, cost=cost, timeout=run_timeout,
+                        delay=delay, at=at)
     except MtqError as exc:
         fail_on(exc)
     if not wait:
@@ -134,7 +145,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         return
     try:
         # the id first, so that a user who stops waiting can find or cancel the task
-        err_console.print(f"task {task.id} queued on {queue!r}", markup=False,
+        how = "delayed" if delay or at is not None else "queued"
+        err_console.print(f"task {task.id} {how} on {queue!r}", markup=False,
                           highlight=False)
         _hint_if_unserved(q)
         if follow:
@@ -228,11 +240,30 @@ def _follow(task: Any, timeout: float | None, as_json: bool, raw: bool = False) 
     return FAILED
 
 
+def _parse_at(text: str | None, delay: float | None) -> datetime | None:
+    """``--at``'s datetime (aware); exits 2 for both --delay and --at, a text that is
+    no ISO 8601 time, or one without its time zone."""
+    if text is None:
+        return None
+    if delay is not None:
+        fail("give --delay or --at, not both; nothing was submitted", USAGE)
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        fail(f"--at {text!r} is not an ISO 8601 time (2030-01-01T09:00:00+01:00); nothing "
+             "was submitted", USAGE)
+    if at.tzinfo is None:
+        fail(f"--at {text!r} has no time zone: add one (+01:00, or Z for UTC); nothing "
+             "was submitted", USAGE)
+    return at
+
+
 def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str | None,
                  ttl: float | None, wait: float | None, url: str | None, as_json: bool,
                  cache: bool = True, *, priority: str | None = None,
                  tenant: str | None = None, cost: float | None = None,
-                 run_timeout: float | None = None) -> None:
+                 run_timeout: float | None = None, delay: float | None = None,
+                 at: datetime | None = None) -> None:
     from mtq.client import Request
 
     items: list[Request] = []
@@ -272,7 +303,8 @@ def _submit_file(queue: str, file: IO[str], stream: str | None, stream_from: str
     q = open_queue(queue, url)
     try:
         # validates and encodes every request first
-        tasks = q.prepare(items, cache=cache, priority=priority, tenant=tenant, cost=cost)
+        tasks = q.prepare(items, cache=cache, priority=priority, tenant=tenant, cost=cost,
+                          delay=delay, at=at)
     except MtqError as exc:
         fail_on(exc)
     sent: list[Any] = []

@@ -92,10 +92,11 @@ class Queue:
              retries: int | None, task_id: str | None, cache: bool = True,
              priority: str | None = None, tenant: str | None = None,
              cost: float | None = None, deadline: Any = None,
-             timeout: float | None = None) -> NewTask:
+             timeout: float | None = None, delay: float | None = None,
+             at: datetime | None = None) -> NewTask:
         return new_task(self.settings, payload, stream, key, ttl, retries, task_id,
                         cache, priority=priority, tenant=tenant, cost=cost,
-                        deadline=deadline, timeout=timeout)
+                        deadline=deadline, timeout=timeout, delay=delay, at=at)
 
     def _send(self, tasks: list[NewTask]) -> list[Task]:
         if tracing.api() is not None:  # cached: one check without OpenTelemetry
@@ -115,7 +116,8 @@ class Queue:
                id: str | None = None, cache: bool = True, priority: str | None = None,
                tenant: str | None = None, cost: float | None = None,
                deadline: float | datetime | None = None,
-               timeout: float | None = None) -> Task:
+               timeout: float | None = None, delay: float | None = None,
+               at: datetime | None = None) -> Task:
         """Submit one task (one round trip) and return its handle.
 
         ``stream``: tasks of one stream run one at a time in submit order.
@@ -137,38 +139,51 @@ class Queue:
         it, it is stopped and fails with TaskTimeout, retried under its retry policy
         (default: the queue's ``task_timeout_s``; see docs/workers.md, "Timeouts and
         cancel"). A bad value raises ConfigError before anything is sent.
+        ``delay``: seconds, or ``at``: an aware datetime, before which it is not queued:
+        it waits in Redis (status ``delayed``, counted in ``delayed``, not ``waiting``),
+        then joins the tail of its stream at its due time; ``ttl`` counts from then; it
+        can be cancelled meanwhile. Not with ``deadline``; no result cache. A naive
+        datetime, a negative, infinite or too large delay, or both raise InvalidArgument
+        (docs/scheduling.md, "Delayed tasks").
         Raises InvalidName, InvalidArgument, PayloadTooLarge, EncodeError, QueueFull,
         RateLimited, WouldMissDeadline, DuplicateTask, BrokerError.
         """
         return self._send([self._new(payload, stream, key, ttl, retries, id, cache,
-                                     priority, tenant, cost, deadline, timeout)])[0]
+                                     priority, tenant, cost, deadline, timeout, delay,
+                                     at)])[0]
 
     def submit_many(self, items: Iterable[Any], *, stream: str | None = None,
                     ttl: float | None = None, retries: int | None = None,
                     cache: bool = True, priority: str | None = None,
                     tenant: str | None = None, cost: float | None = None,
-                    timeout: float | None = None) -> list[Task]:
+                    timeout: float | None = None, delay: float | None = None,
+                    at: datetime | None = None) -> list[Task]:
         """Submit many tasks, up to 1 000 per round trip, and return their handles.
 
         Items are payloads, or :class:`Request` objects for per-task options
         (their fields override the keyword defaults). Every item is validated and
         encoded before anything is sent; with max_length set, each chunk of up to
         1 000 is admitted whole or refused whole (QueueFull). ``cache=False`` (or a
-        Request's ``cache=False``) bypasses the result cache.
+        Request's ``cache=False``) bypasses the result cache. ``delay`` / ``at`` (or a
+        Request's own) delay the tasks (see :meth:`submit`).
         """
         tasks = self.prepare(items, stream=stream, ttl=ttl, retries=retries, cache=cache,
-                             priority=priority, tenant=tenant, cost=cost, timeout=timeout)
+                             priority=priority, tenant=tenant, cost=cost, timeout=timeout,
+                             delay=delay, at=at)
         return self.send(tasks) if tasks else []
 
     def prepare(self, items: Iterable[Any], *, stream: str | None = None,
                 ttl: float | None = None, retries: int | None = None,
                 cache: bool = True, priority: str | None = None,
                 tenant: str | None = None, cost: float | None = None,
-                timeout: float | None = None) -> list[NewTask]:
+                timeout: float | None = None, delay: float | None = None,
+                at: datetime | None = None) -> list[NewTask]:
         """Validate and encode items for :meth:`send` (ids are chosen here)."""
         tasks = []
         for item in items:
             if isinstance(item, Request):
+                # its own delay or at replaces both defaults
+                own = item.delay is not None or item.at is not None
                 tasks.append(self._new(
                     item.payload, item.stream if item.stream is not None else stream, item.key,
                     item.ttl if item.ttl is not None else ttl,
@@ -177,10 +192,12 @@ class Queue:
                     item.priority if item.priority is not None else priority,
                     item.tenant if item.tenant is not None else tenant,
                     item.cost if item.cost is not None else cost, item.deadline,
-                    item.timeout if item.timeout is not None else timeout))
+                    item.timeout if item.timeout is not None else timeout,
+                    item.delay if own else delay, item.at if own else at))
             else:
                 tasks.append(self._new(item, stream, None, ttl, retries, None, cache,
-                                       priority, tenant, cost, timeout=timeout))
+                                       priority, tenant, cost, timeout=timeout,
+                                       delay=delay, at=at))
         return tasks
 
     def send(self, tasks: list[NewTask]) -> list[Task]:

@@ -48,6 +48,10 @@ class Request:
     deadline: Any = None
     #: seconds a run may take once started (see Queue.submit): past it, TaskTimeout
     timeout: float | None = None
+    #: seconds to wait, or an aware datetime, before it is queued (see Queue.submit);
+    #: either replaces both of submit_many's defaults
+    delay: float | None = None
+    at: Any = None
 
 
 @dataclass(frozen=True)
@@ -68,3 +72,5 @@ class TaskInfo:
     cancel_requested: bool
     #: the traceback of the last exception the task's handler raised (bounded)
     traceback: str | None = None
+    #: while it waits for its submit's delay: when it is due (None once queued)
+    due: int | None = None

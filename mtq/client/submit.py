@@ -104,16 +104,23 @@ def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str
              ttl: float | None, retries: int | None, task_id: str | None,
              cache: bool = True, *, priority: str | None = None, tenant: str | None = None,
              cost: float | None = None, deadline: float | datetime | None = None,
-             timeout: float | None = None) -> NewTask:
+             timeout: float | None = None, delay: float | None = None,
+             at: datetime | None = None) -> NewTask:
     """One task validated and encoded for :func:`send` (its id chosen here unless
     given). ``priority``, ``tenant``, ``cost``, ``deadline``: see docs/scheduling.md
     (cost: the given one, else the payload's estimate, else the queue's
     ``default_cost``; deadline: seconds from now or an aware datetime, a ttl that is
     checked at once: refused with WouldMissDeadline if it would be missed); timeout:
-    seconds a run may take once started (TaskTimeout past it).
+    seconds a run may take once started (TaskTimeout past it); delay, at: see
+    :func:`delay_ms` (no result cache, no deadline with one).
     Raises InvalidName, InvalidArgument, PayloadTooLarge, EncodeError, ConfigError."""
+    wait_ms = delay_ms(delay, at)
     band = check_priority(priority)
     admit = deadline is not None
+    if wait_ms and admit:
+        raise InvalidArgument("give delay/at or deadline, not both (a deadline is checked "
+                              "against the work ahead now; give a ttl, counted from the "
+                              "task's due time)")
     if admit:
         if ttl is not None:
             raise InvalidArgument("give ttl or deadline, not both (a deadline is a ttl "
@@ -154,10 +161,41 @@ def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str
         key=check_stream_name(key, "idempotency key") if key is not None else "",
         ttl_ms=max(1, int(ttl * 1000)) if ttl is not None else 0,
         retries=retries,
-        digest=cache_digest(payload, data) if cache and settings.cache_ttl_s > 0 else "",
+        digest=cache_digest(payload, data) if cache and settings.cache_ttl_s > 0
+        and not wait_ms else "",
         band=band, tenant=tenant, cost=cost, admit=admit,
         timeout_ms=max(1, int(timeout * 1000)) if timeout is not None else 0,
+        delay_ms=wait_ms,
     )
+
+
+def delay_ms(delay: object, at: object) -> int:
+    """A submit's ``delay`` (seconds, in [0, MAX_TTL_S]) or ``at`` (an aware datetime)
+    as ms from now (0: queued at once; an ``at`` in the past is due now). Raises
+    InvalidArgument for both given, a delay that is not a finite number in range (a
+    bool included), an ``at`` that is not a datetime or is naive."""
+    if delay is not None and at is not None:
+        raise InvalidArgument("give delay or at, not both (delay: seconds from now; at: "
+                              "an aware datetime)")
+    if at is not None:
+        if not isinstance(at, datetime):
+            raise InvalidArgument(f"at takes an aware datetime, got {at!r}")
+        if at.tzinfo is None or at.utcoffset() is None:
+            raise InvalidArgument("at is a naive datetime: give it a time zone "
+                                  "(datetime(2030, 1, 1, 9, tzinfo=ZoneInfo('Europe/Paris')), "
+                                  "or datetime.now(timezone.utc) + timedelta(minutes=5))")
+        left = (at - datetime.now(timezone.utc)).total_seconds()
+        if left > MAX_TTL_S:
+            raise InvalidArgument(f"at is {left:.0f} s from now, over the longest delay "
+                                  f"({MAX_TTL_S:.0e} s)")
+        return max(0, math.ceil(left * 1000))
+    if delay is None:
+        return 0
+    if isinstance(delay, bool) or not isinstance(delay, (int, float)) \
+            or not math.isfinite(delay) or not 0 <= delay <= MAX_TTL_S:
+        raise InvalidArgument(f"delay must be a number of seconds in [0, {MAX_TTL_S:.0e}] "
+                              f"(how long the task waits before it is queued), got {delay!r}")
+    return math.ceil(delay * 1000)
 
 
 def _seconds_until(deadline: object) -> float:

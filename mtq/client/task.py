@@ -93,8 +93,8 @@ class Task:
         return codes.error(Code.NOT_FOUND, queue=self.queue.name, task_id=self.id)
 
     def status(self) -> str:
-        """The task's state: queued, running, delayed, succeeded, failed, dead,
-        cancelled or expired. Raises TaskNotFound."""
+        """The task's state: queued, running, delayed (a retry's or a submit's delay),
+        succeeded, failed, dead, cancelled or expired. Raises TaskNotFound."""
         (status,) = self._hmget("status")
         if status is None:
             raise self._not_found()
@@ -103,7 +103,7 @@ class Task:
     def info(self) -> TaskInfo:
         """Everything stored about the task except payload and result. Raises TaskNotFound."""
         names = ("status", "stream", "attempts", "deliveries", "created", "started",
-                 "finished", "deadline", "worker", "error", "cancel", "traceback")
+                 "finished", "deadline", "worker", "error", "cancel", "traceback", "due")
         v = dict(zip(names, self._hmget(*names)))
         if v["status"] is None:
             raise self._not_found()
@@ -113,6 +113,7 @@ class Task:
             created=_i(v["created"]), started=_i(v["started"]), finished=_i(v["finished"]),
             deadline=_i(v["deadline"]), worker=_s(v["worker"]), error=_s(v["error"]),
             cancel_requested=v["cancel"] is not None, traceback=_s(v["traceback"]),
+            due=_i(v["due"]) if v["status"] == b"delayed" else None,
         )
 
     def trace(self) -> list[TraceEntry]:

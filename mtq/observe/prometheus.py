@@ -89,7 +89,8 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 GAUGES = {
     "mtq_queue_waiting_tasks": ("waiting", "Tasks waiting to be claimed."),
     "mtq_queue_running_tasks": ("running", "Tasks claimed by a worker (leased)."),
-    "mtq_queue_delayed_tasks": ("delayed", "Tasks waiting for a retry's delay."),
+    "mtq_queue_delayed_tasks": ("delayed", "Tasks waiting for a retry's delay or a delayed "
+                                "submit's due time."),
     "mtq_queue_dead_tasks": ("dead", "Dead letters kept (see mtq dlq list)."),
     "mtq_queue_streams": ("streams", "Streams with waiting tasks."),
     "mtq_queue_busy_streams": ("busy_streams", "Streams with a running task."),

@@ -7,9 +7,11 @@ API key and no queue, takes that key's own rate hash instead):
   KEYS[2]  stream key prefix  mtq:{q}:stream:    (+ name -> list of waiting ids, FIFO)
   KEYS[3]  ready              list: the round-robin ring of claimable streams ('' = stream-less tasks)
   KEYS[4]  busy               set: streams with a task running or waiting to be retried
+                              (not one submitted with a delay: it holds nothing up)
   KEYS[5]  leases             zset: running id -> lease deadline (ms, server time), and
                               LEASE_MARK -> +inf (see below)
-  KEYS[6]  delayed            zset: id waiting for a retry -> due time (ms)
+  KEYS[6]  delayed            zset: id waiting for a retry, or submitted with a delay
+                              ('due' in its hash), -> due time (ms)
   KEYS[7]  dead               list: dead-letter ids, newest first
   KEYS[8]  wake               list: markers sleeping workers BLPOP on
   KEYS[9]  stats              hash: O(1) counters
@@ -560,15 +562,41 @@ local function reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
   return #ids
 end
 
--- Move retries that are due back to the head of their stream.
+-- A task submitted with a delay ('due' in its hash) is due: queued at the tail of its
+-- stream (or of the free list) as a submit at its due time would have queued it, and
+-- counted waiting; its deadline (due + its ttl, see submit.lua) joins the deadlines'
+-- index. Returns 1 if its stream or the free list became claimable (wake a worker).
+local function enqueue_due(id, s)
+  local tk = K_TASK .. id
+  local f = redis.call('HMGET', tk, 'band', 'tenant', 'cost', 'deadline')
+  local b, t = f[1] or 's', f[2] or ''
+  redis.call('HSET', tk, 'status', 'queued')
+  redis.call('HDEL', tk, 'due')  -- (a retry of it later goes back to the head)
+  if sched_on() then sch().lane_count(b, t, 1, tonumber(f[3] or '1'), 0) end
+  local claimable, new_stream = push_tail(id, s or '', b, t)
+  if new_stream == 1 then redis.call('HINCRBY', K_STATS, 'streams', 1) end
+  redis.call('HINCRBY', K_STATS, 'waiting', 1)
+  if f[4] then
+    redis.call('ZADD', K_SCHED .. 'deadlines', f[4], id)
+    if redis.call('HGET', K_STATS, 'dl') ~= '1' then redis.call('HSET', K_STATS, 'dl', '1') end
+  end
+  return claimable
+end
+
+-- Move what is due in the delayed set on: a retry back to the head of its stream (which
+-- it kept busy), a delayed submit to the tail of its stream (enqueue_due). Returns how
+-- many entries were due, and how many streams or free lists became claimable.
 local function promote_due(now, limit)
   local ids = redis.call('ZRANGEBYSCORE', K_DELAYED, '-inf', now, 'LIMIT', 0, limit)
+  local woken = 0
   for _, id in ipairs(ids) do
     redis.call('ZREM', K_DELAYED, id)
-    local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream')
-    if f[1] == 'delayed' then requeue_head(id, f[2]) end
+    local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream', 'due')
+    if f[1] == 'delayed' then
+      if f[3] then woken = woken + enqueue_due(id, f[2]) else requeue_head(id, f[2]) end
+    end
   end
-  return #ids
+  return #ids, woken
 end
 
 -- Milliseconds until the entry ZRANGE key 0 0 WITHSCORES returned is due (0: due now);

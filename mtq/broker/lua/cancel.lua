@@ -2,7 +2,8 @@
 KEYS: the standard twenty-one (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] task id   ARGV[4] retention s
-Returns: {1, previous status} cancelled now (it was queued or waiting for a retry;
+Returns: {1, previous status} cancelled now (it was queued, or waiting for a retry or
+  its delay (out of the delayed set);
   a queued id stays in its list as a tombstone that claim skips, so cancelling is
   O(1) and the tasks behind it are not held up; its hash starts its retention
   only when claim pops the tombstone, so the id cannot be reused before);
@@ -18,7 +19,7 @@ Returns: {1, previous status} cancelled now (it was queued or waiting for a retr
 --@include _lib.lua
 local id, ttl = ARGV[3], tonumber(ARGV[4])
 local now = now_ms()
-local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream', 'worker')
+local f = redis.call('HMGET', K_TASK .. id, 'status', 'stream', 'worker', 'due')
 local status, s = f[1], f[2]
 if not status then return {E_NOT_FOUND, ''} end
 if status == 'queued' then
@@ -29,7 +30,8 @@ if status == 'queued' then
   end
 elseif status == 'delayed' then
   redis.call('ZREM', K_DELAYED, id)
-  if s and release_stream(s) == 1 then nudge() end
+  -- a retry kept its stream busy; a delayed submit ('due') holds nothing up
+  if s and not f[4] and release_stream(s) == 1 then nudge() end
 elseif status == 'running' then
   redis.call('HSET', K_TASK .. id, 'cancel', '1')
   note(id, now, 'cancel requested', 'its worker is told')

@@ -80,8 +80,9 @@ if due_in(first_lease, now) == 0 then
   reaped = reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
   first_lease = false
 end
+local promoted = 0  -- streams or free lists a due delayed submit made claimable
 if due_in(first_retry, now) == 0 then
-  promote_due(now, limit)
+  promoted = select(2, promote_due(now, limit))
   first_retry = false
 end
 local first_deadline = nil
@@ -561,7 +562,7 @@ elseif registered then
 end
 -- Work left over: wake one more worker to help (it will chain on if still more).
 -- No work left: drop stale markers so sleepers do not wake for nothing.
-if marked == 1 or (not ring_empty and ((sched and B > 0) or redis.call('LLEN', K_READY) > 0)) then
+if marked == 1 or (not ring_empty and ((sched and (B > 0 or promoted > 0)) or redis.call('LLEN', K_READY) > 0)) then
   nudge()
 else
   redis.call('DEL', K_WAKE)

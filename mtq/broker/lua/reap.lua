@@ -12,7 +12,7 @@ local max_deliveries, limit, ttl = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumbe
 local dead_ttl, dead_max, cap = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local now = now_ms()
 local reaped = reap_expired(now, limit, max_deliveries, ttl, dead_ttl, dead_max)
-local promoted = promote_due(now, limit)
+local promoted = promote_due(now, limit)  -- (wakes as many: a retry's stream is busy)
 if reaped + promoted > 0 then wake(reaped + promoted, cap) end
 flush_replies()
 return {reaped, promoted, next_timer(now)}

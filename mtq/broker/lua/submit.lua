@@ -20,6 +20,8 @@ ARGV[17...] n groups of G: id, payload, stream ('' = none), key ('' = none),
         admit ('1': its deadline is one to keep: refuse it if it would be missed)
         (G = 8: band 's', no tenant, cost 1, no deadline to keep); with G = 9 or 13,
         last: timeout (ms a run may take once started, '' = none; stored as 'timeout')
+ARGV[17 + n * G] (present when a task of the call has a delay) the tasks' delays in ms,
+  comma separated, one per task (0 = none): see "Delayed submits"
 Returns {handed, answer}: how many of the tasks went to a sleeping worker (direct
   delivery, below; the client then yields its CPU once, so that a worker it shares
   the CPU with runs the task before the client's own bookkeeping), and the answer: a
@@ -45,6 +47,14 @@ worker did not come back to its BLPOP: it died, or is frozen or busy).
 It is not counted waiting, sends the events channel 'started' ({ids, worker}) but its
 client nothing (see hand()), and costs no wake-up marker.
 
+Delayed submits: a task with a delay is not queued, handed nor counted waiting: its
+hash is written as for a queued task but 'delayed', with 'due' (now + delay) and a
+deadline of due + ttl, and it enters K_DELAYED, the retries' set, which claim.lua and
+reap.lua promote from (enqueue_due in _lib.lua: when due it joins the tail of its
+stream). A call that makes the set's first entry earlier wakes a sleeper, which then
+reads the new timer. The client sends no digest (no result cache) and no deadline to
+keep with a delay.
+
 Result cache (see docs/operations.md): a digest is 'c' or 'u' (the payload has no
 integer seed) then the hex digest of the payload. It is used only if the queue's
 model record (K_MODEL) has a version, and, for a generator, the request is seeded
@@ -66,6 +76,17 @@ local cache_max, run_ttl = tonumber(ARGV[11]), tonumber(ARGV[12])
 local A = 17  -- the first task's ARGV
 local weights = nil  -- tenant -> weight, read at the first hand-off with scheduling on
 local now = now_ms()
+-- the tasks' delays (ms, by task index from 0), when the call has any (see the header)
+local delays = nil
+if ARGV[A + n * G] and ARGV[A + n * G] ~= '' then
+  delays = {}
+  local i = 0
+  for x in string.gmatch(ARGV[A + n * G], '[^,]+') do
+    delays[i] = tonumber(x) or 0
+    i = i + 1
+  end
+end
+local due = {}  -- score, member pairs for K_DELAYED
 -- (a refused call writes nothing: checked before scheduling is turned on)
 if max_length > 0 then
   local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
@@ -313,6 +334,7 @@ for i = 0, n - 1 do
   local b = A + i * G
   local id, payload, s, key, ttl, retries = ARGV[b], ARGV[b + 1], ARGV[b + 2], ARGV[b + 3], ARGV[b + 4], ARGV[b + 5]
   local digest, traceparent = ARGV[b + 6], ARGV[b + 7]
+  local delay = delays and delays[i] or 0
   local timeout = timed and ARGV[b + G - 1] or ''
   local band, tenant, cost = 's', '', ''
   if sched_args then band, tenant, cost = ARGV[b + 8], ARGV[b + 9], ARGV[b + 10] end
@@ -363,7 +385,11 @@ for i = 0, n - 1 do
       f[#f + 1] = 'key'; f[#f + 1] = key
       redis.call('SET', K_IDEM .. key, id, 'EX', window)
     end
-    if ttl ~= '0' then f[#f + 1] = 'deadline'; f[#f + 1] = now + tonumber(ttl) end
+    if delay > 0 then
+      f[4] = 'delayed'
+      f[#f + 1] = 'due'; f[#f + 1] = now + delay
+    end
+    if ttl ~= '0' then f[#f + 1] = 'deadline'; f[#f + 1] = now + delay + tonumber(ttl) end
     if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
     if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
     if traceparent ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = traceparent end
@@ -384,6 +410,11 @@ for i = 0, n - 1 do
       indexed[#indexed + 1] = suffix
       misses = misses + 1
     end
+    if delay > 0 then
+      redis.call('HSET', tk, unpack(f))
+      due[#due + 1] = now + delay
+      due[#due + 1] = id
+    else
     local w = not held and (idle == nil or idle[at]) and idle_worker()
     local handing = w and deliverable(s, band, tenant)
     if handing then
@@ -411,6 +442,7 @@ for i = 0, n - 1 do
         local claimable, new_stream = push_tail(id, s, band, tenant)
         newly, new_streams = newly + claimable, new_streams + new_stream
       end
+    end
     end
     added = added + 1
     out[i + 1] = id
@@ -474,8 +506,19 @@ if handed > 0 then
   end
   if #ended > 0 then redis.call('HDEL', K_IDLE, unpack(ended)) end
 end
+if #due > 0 then
+  -- earlier than the set's first entry: a sleeper's timer is too long, wake one
+  local first = redis.call('ZRANGE', K_DELAYED, 0, 0, 'WITHSCORES')
+  local earliest = due[1]
+  for j = 3, #due, 2 do earliest = math.min(earliest, due[j]) end
+  for j = 1, #due, 4000 do
+    redis.call('ZADD', K_DELAYED, unpack(due, j, math.min(j + 3999, #due)))
+  end
+  if not first[2] or earliest < tonumber(first[2]) then nudge() end
+end
 if added > 0 then
-  if added > handed then redis.call('HINCRBY', K_STATS, 'waiting', added - handed) end
+  local queued = added - handed - #due / 2
+  if queued > 0 then redis.call('HINCRBY', K_STATS, 'waiting', queued) end
   redis.call('HINCRBY', K_STATS, 'submitted', added)
   if new_streams > 0 then redis.call('HINCRBY', K_STATS, 'streams', new_streams) end
   wake(newly, cap)

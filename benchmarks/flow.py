@@ -1,0 +1,173 @@
+#!/usr/bin/env python
+"""Time and flow: one section per measured figure.
+
+    python -m benchmarks.flow                  # every section, writes the flow block
+    python -m benchmarks.flow --only delay     # how late a delayed task starts
+    python -m benchmarks.flow --quick          # smaller sizes, prints only
+
+Each section is a function ``measure_<name>(quick) -> dict`` that returns its rows
+(``rows``: (measurement, figure, unit, note)) and targets (``targets``: (what, met,
+detail, comparable)); :func:`main` runs the sections asked for and writes their rows
+into the ``bench:flow`` block of docs/benchmarks.md.
+
+delay: how late a task submitted with ``delay=`` starts after its due time. One bare
+``mtq worker run benchmarks.children.nap:nap`` (a plain function, one task at a time);
+N tasks (``{"s": 0}``, a no-op) submitted at once with delays spread evenly over
+0.1-2 s, each task's lateness its ``started`` minus (``created`` + its delay), both
+Redis server time, so no clock of a client enters it. Idle: the worker has nothing
+else to do, and sleeps in its claim wait (BLPOP) until the first task is due (the
+submit woke it to read the new timer). Busy: the worker runs a backlog of 20 ms tasks
+on one stream throughout; a due task is queued at the tail of the stream-less list and
+starts at the worker's next claim, after the running task. Idle again with the server at
+``hz 100``: a blocked client's timeout is checked at each of Redis's timer ticks
+(``hz``, 10 by default: every 100 ms), which bounds the idle worker's lateness.
+
+A run of only some sections prints its figures and writes the block only with
+``--docs`` (the block holds every section).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import redis
+
+import mtq
+from benchmarks.harness.meters import machine_info
+from benchmarks.harness.procs import Proc, wait_for, worker_env
+from benchmarks.harness.report import Results, cli_parser, docs_of, write_block
+from benchmarks.harness.server import Server, compile_tree, uniq
+from mtq.workers.registry import list_workers
+
+NAP = "benchmarks.children.nap:nap"
+#: the delays measured, seconds: spread evenly over this range
+DELAY_RANGE = (0.1, 2.0)
+#: lateness a delayed task may have on an idle worker (target): Redis's timer
+#: resolution (hz 10: a blocked client's timeout is checked every 100 ms) and a claim
+LATE_P99_MS = 150.0
+
+
+def _pct(xs: Sequence[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))]
+
+
+def _running(q: mtq.Queue) -> bool:
+    return q.stats()["running"] > 0
+
+
+def _lateness(q: mtq.Queue, n: int) -> list[float]:
+    """Submit n no-op tasks with delays spread over DELAY_RANGE; wait for them; their
+    lateness in ms (server time)."""
+    lo, hi = DELAY_RANGE
+    delays = [lo + (hi - lo) * i / max(1, n - 1) for i in range(n)]
+    tasks = q.submit_many([mtq.Request({"s": 0}, delay=d) for d in delays])
+    out = []
+    for t, d in zip(tasks, delays):
+        t.result(timeout=hi + 60)
+        info = t.info()
+        assert info.created is not None and info.started is not None
+        out.append(info.started - (info.created + d * 1000))
+    return out
+
+
+def measure_delay(quick: bool = False) -> dict[str, Any]:
+    n = 20 if quick else 100
+    rows: list[tuple[str, float | None, str, str]] = []
+    targets: list[tuple[str, bool | None, str, bool]] = []
+    figures: dict[str, list[float]] = {}
+    for mode in ("idle", "busy", "idle, hz 100"):
+        server = Server(args=("--hz", "100") if "hz" in mode else ())
+        server.start()
+        r = redis.Redis.from_url(server.url)
+        try:
+            name = uniq("delay")
+            p = Proc(["worker", "run", NAP, "--queue", name, "--redis", server.url],
+                     worker_env(server.url))
+            try:
+                wait_for(f"a worker of {NAP}", partial(list_workers, r, name), 120, [p])
+                q = mtq.Queue(name, client=r)
+                q.submit({"s": 0}).result(timeout=30)  # warm: imported, claiming
+                backlog: list[mtq.Task] = []
+                if mode == "busy":  # 20 ms tasks on one stream, outlasting the delays
+                    count = int((DELAY_RANGE[1] + 2) / 0.02)
+                    backlog = q.submit_many([{"s": 0.02}] * count, stream="bg")
+                    wait_for("the backlog running", partial(_running, q), 30, [p])
+                late = _lateness(q, n)
+                if backlog and backlog[-1].status() not in ("queued", "running"):
+                    raise SystemExit("the backlog ran out before the delayed tasks: "
+                                     "lengthen it")
+            finally:
+                p.stop()
+                p.close()
+            figures[mode] = late
+            what = {"idle": "idle worker (asleep in its claim wait)",
+                    "busy": "busy worker (a backlog of 20 ms tasks on another stream)",
+                    "idle, hz 100": "idle worker, redis-server --hz 100"}[mode]
+            note = (f"p99 {_pct(late, 99):.0f} ms, max {max(late):.0f} ms, min "
+                    f"{min(late):.0f} ms; {n} tasks, delays {DELAY_RANGE[0]}-"
+                    f"{DELAY_RANGE[1]} s")
+            rows.append((f"delayed task's start past its due time, {what}: p50",
+                         statistics.median(late), "ms", note))
+            rows.append((f"delayed task's start past its due time, {what}: p99",
+                         _pct(late, 99), "ms", ""))
+            if mode == "idle":
+                targets.append((f"p99 lateness on an idle worker under {LATE_P99_MS:.0f} ms",
+                                _pct(late, 99) < LATE_P99_MS,
+                                f"p99 {_pct(late, 99):.0f} ms", not quick))
+            if min(late) < 0:
+                targets.append(("no delayed task starts before its due time", False,
+                                f"one started {-min(late):.0f} ms early", True))
+        finally:
+            mtq.replies.hub_of(r).close_all()
+            r.close()
+            server.stop()
+    return {"rows": rows, "targets": targets, "figures": figures}
+
+
+SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "delay": measure_delay,
+}
+TITLES = {
+    "delay": "Delayed tasks: start past their due time (bare mtq worker run, a no-op function)",
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = cli_parser(__doc__, "about 15 s")
+    ap.add_argument("--only", action="append", choices=sorted(SECTIONS),
+                    help="run only this section (repeatable)")
+    args = ap.parse_args(argv)
+    names = args.only or list(SECTIONS)
+    # a partial run does not write the shared block unless asked (it would drop the
+    # other sections)
+    docs = docs_of(args) if args.docs or set(names) == set(SECTIONS) else None
+    compile_tree()
+    results = Results(unjudged=args.quick)
+    started = time.time()
+    for name in names:
+        results.section = TITLES.get(name, name)
+        section = SECTIONS[name](args.quick)
+        for row in section["rows"]:
+            results.add(*row)
+        for what, met, detail, comparable in section.get("targets", ()):
+            results.target(what, met, detail, comparable)
+    results.print("mtq flow benchmark")
+    if docs is not None:
+        command = "python -m benchmarks.flow" + "".join(
+            f" --only {n}" for n in names if set(names) != set(SECTIONS))
+        load = os.getloadavg()[0]
+        write_block("flow", results.markdown(), command,
+                    machine_info(None, f"load average {load:.1f} at the end"),
+                    time.time() - started, docs)
+    return 0 if all(met is not False for _, met, _ in results.targets) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
