@@ -135,7 +135,7 @@ class Fence:
         end the grace of an aborted call."""
         out: float | None = None
         for c in running:
-            if c.killed_for:  # a killed one is waited for by its sentinel
+            if c.killed_for or c.forced:  # a killed one is waited for by its sentinel
                 continue
             d = c.next_timeout(now)
             _, grace = self.abandoned(c, now)

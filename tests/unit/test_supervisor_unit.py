@@ -82,3 +82,25 @@ def test_a_child_whose_beat_is_older_than_its_fence_is_killed_a_fresh_one_is_not
     finally:
         fresh.process.kill()
         stale.process.kill()
+
+
+def test_a_forced_child_with_an_aborted_call_past_its_grace_asks_for_no_timer() -> None:
+    """A forced stop killed it (not marked killed_for: its sentinel ends it): its
+    aborted call's grace, ended, must not wake the loop at once again and again (a
+    busy loop until the process is gone: seconds for one tearing down a device)."""
+    from mtq.workers import child
+    from mtq.workers.children import Abort
+
+    now = time.monotonic()
+    f = Fence(2.0, host=False, on_event=lambda m: None)
+    c = _child(1, [2.0], now)
+    try:
+        c.shared[child.at(0, child.STARTED)] = now - 3.0
+        c.engines[0].aborted = Abort([], now - 1.0, 1.0, now - 3.0)
+        c.forced = True
+        c.process.kill()
+        assert f.deadline(now, [c]) is None
+        f.check(now, [c])
+        assert not c.killed_for and not c.abandoned
+    finally:
+        c.process.kill()
