@@ -135,6 +135,7 @@ class Fence:
         """Seconds until a running child may overrun its timeout, be due its fence, or
         end the grace of an aborted call."""
         out: float | None = None
+        due: float | None = None  # (without the looks below: what lateness is judged by)
         for c in running:
             if c.killed_for or c.forced:  # a killed one is waited for by its sentinel
                 continue
@@ -142,12 +143,18 @@ class Fence:
             _, grace = self.abandoned(c, now)
             if grace is not None:
                 d = grace if d is None else min(d, grace)
+            look = d
             if self.guarded(c):
                 f = self.last(c) + self.child_fence_s(c) - now
                 d = f if d is None else min(d, f)
+                # looked at again within the floor at most: a lease shortened meanwhile
+                # (mtq queue config) is fenced by the new one, not the one slept on
+                look = min(d, FENCE_FLOOR_S)
             if d is not None:
-                out = d if out is None else min(out, d)
-        self._due = None if out is None else now + max(out, 0.0)
+                due = d if due is None else min(due, d)
+            if look is not None:
+                out = look if out is None else min(out, look)
+        self._due = None if due is None else now + max(due, 0.0)
         return out
 
     def last(self, c: Child) -> float:
