@@ -31,12 +31,13 @@ Three things end a child from outside, each without asking Redis:
 Why half a lease. A worker extends its leases every ``min(1 s, lease/3)``, so a
 process frozen at time F last extended at F - lease/3 at worst, and Redis may give
 its tasks to another worker from F + 2/3 lease on. The fence comes at F + lease/2
-(plus up to one beat), which leaves a sixth of the lease (1.3 s at the default
-8 s) for the kill and the give-back, which take milliseconds. A process that really
-holds the interpreter for half a lease could not have extended its leases on time
-either. The floor keeps a scheduling hiccup from killing a process under short
-leases; with a lease under 1.5 s it may leave less than 0.25 s for the kill, and
-under 1 s the fence can come after the reclaim.
+at the latest (its last beat is at F or just before), which leaves a sixth of the
+lease at least (3 s at the default 8 s) for the kill and the give-back, which take
+milliseconds. A process that holds the interpreter for half a lease is killed too,
+though its leases would have held until lease - min(1 s, lease/3): from outside it
+cannot be told from a frozen one. The floor keeps a scheduling hiccup from killing a
+process under short leases; with a lease under 1.5 s it may leave less than 0.25 s
+for the kill, and under 1 s the fence can come after the reclaim.
 
 A supervisor that wakes up late (stopped or starved itself: a whole host frozen,
 supervisor included) does not count its own gap against its children: their beats
@@ -134,19 +135,26 @@ class Fence:
         """Seconds until a running child may overrun its timeout, be due its fence, or
         end the grace of an aborted call."""
         out: float | None = None
+        due: float | None = None  # (without the looks below: what lateness is judged by)
         for c in running:
-            if c.killed_for:  # a killed one is waited for by its sentinel
+            if c.killed_for or c.forced:  # a killed one is waited for by its sentinel
                 continue
             d = c.next_timeout(now)
             _, grace = self.abandoned(c, now)
             if grace is not None:
                 d = grace if d is None else min(d, grace)
+            look = d
             if self.guarded(c):
                 f = self.last(c) + self.child_fence_s(c) - now
                 d = f if d is None else min(d, f)
+                # looked at again within the floor at most: a lease shortened meanwhile
+                # (mtq queue config) is fenced by the new one, not the one slept on
+                look = min(d, FENCE_FLOOR_S)
             if d is not None:
-                out = d if out is None else min(out, d)
-        self._due = None if out is None else now + max(out, 0.0)
+                due = d if due is None else min(due, d)
+            if look is not None:
+                out = look if out is None else min(out, look)
+        self._due = None if due is None else now + max(due, 0.0)
         return out
 
     def last(self, c: Child) -> float:

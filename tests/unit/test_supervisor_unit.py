@@ -72,8 +72,8 @@ def test_a_child_whose_beat_is_older_than_its_fence_is_killed_a_fresh_one_is_not
             f.deadline(now - 10.0, [late])  # it asked to be woken long ago
             f.check(now, [late])
             assert not late.killed_for
-            assert f.deadline(now, [late]) == pytest.approx(1.0)
-            f.check(now + 0.9, [late])
+            assert f.deadline(now, [late]) == pytest.approx(FENCE_FLOOR_S)  # (a look)
+            f.check(now + 0.9, [late])  # (late for the look, not for the fence)
             assert not late.killed_for
             f.check(now + 1.01, [late])  # a whole fence since, and no beat
             assert late.killed_for
@@ -82,3 +82,50 @@ def test_a_child_whose_beat_is_older_than_its_fence_is_killed_a_fresh_one_is_not
     finally:
         fresh.process.kill()
         stale.process.kill()
+
+
+def test_a_forced_child_with_an_aborted_call_past_its_grace_asks_for_no_timer() -> None:
+    """A forced stop killed it (not marked killed_for: its sentinel ends it): its
+    aborted call's grace, ended, must not wake the loop at once again and again (a
+    busy loop until the process is gone: seconds for one tearing down a device)."""
+    from mtq.workers import child
+    from mtq.workers.children import Abort
+
+    now = time.monotonic()
+    f = Fence(2.0, host=False, on_event=lambda m: None)
+    c = _child(1, [2.0], now)
+    try:
+        c.shared[child.at(0, child.STARTED)] = now - 3.0
+        c.engines[0].aborted = Abort([], now - 1.0, 1.0, now - 3.0)
+        c.forced = True
+        c.process.kill()
+        assert f.deadline(now, [c]) is None
+        f.check(now, [c])
+        assert not c.killed_for and not c.abandoned
+    finally:
+        c.process.kill()
+
+
+def test_a_lease_shortened_while_the_supervisor_sleeps_is_fenced_by_the_new_one() -> None:
+    """``mtq queue config Q lease_ms`` lowered under a running process: its beat tells
+    the new lease at once, but a supervisor asleep on the old fence (30 s for a 60 s
+    lease) would only look again then, long after Redis gave a process frozen
+    meanwhile's tasks to another worker."""
+    from mtq.workers import child
+
+    now = time.monotonic()
+    f = Fence(60.0, host=False, on_event=lambda m: None)
+    c = _child(1, [60.0], now)
+    try:
+        timer = f.deadline(now, [c])
+        assert timer is not None and timer <= FENCE_FLOOR_S, timer
+        # the lease is now 1 s (fence 0.5 s), and the process froze just after: the
+        # supervisor, awake again within its timer, kills it by the new fence
+        c.shared[child.at(0, child.LEASE)] = 1.0
+        f.check(now + timer, [c])
+        assert not c.killed_for
+        assert f.deadline(now + timer, [c]) == pytest.approx(0.5 - timer)
+        f.check(now + 0.51, [c])
+        assert c.killed_for.startswith("frozen: no sign of life")
+    finally:
+        c.process.kill()
