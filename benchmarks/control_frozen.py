@@ -8,7 +8,8 @@ sent SIGCONT. From the model's call log (each call's start and return, with the 
 of its batch) and the queue: calls per stream that started while an earlier call of the
 stream still ran (a call that never returned ran until its process was stopped: it was
 killed before it could run again), tasks lost, tasks run to the end twice, the time from
-the SIGSTOP to the process's death (the fence: half the lease plus up to one beat), and
+the SIGSTOP to the process's death (its fence, mtq.workers.fencing.fence_s, plus up to
+one beat), and
 from its death to the first call of any task of the frozen call running again (suspects,
 run alone in the quarantine process) and of any of its streams' tasks.
 
@@ -34,6 +35,7 @@ from benchmarks.children.calllog import LOG_ENV
 from benchmarks.harness import procs
 from benchmarks.harness.procs import Proc, worker_env
 from benchmarks.harness.server import Server, uniq
+from mtq.workers.fencing import fence_s
 from mtq.workers.registry import list_workers
 
 #: (pid, start, end or None: it never returned, stream keys "s:i")
@@ -187,6 +189,7 @@ def measure_frozen(quick: bool = False, *, lease_ms: int = 2000,
         return statistics.median(xs) if xs else None
 
     n = len(figs)
+    reclaim = lease_ms / 1000 - min(1.0, lease_ms / 3000)  # the earliest, after a freeze
     rows: list[tuple[str, float | None, str, str]] = [
         (f"one of 2 processes SIGSTOPped mid-call for 3 leases (--lease-ms {lease_ms}), "
          f"8 streams x 12 tasks: calls overlapping on a stream", max(overlaps), "calls",
@@ -194,9 +197,8 @@ def measure_frozen(quick: bool = False, *, lease_ms: int = 2000,
         ("  tasks lost / run to the end twice", max(f["lost"] + f["twice"] for f in figs),
          "tasks", f"most of {n} runs"),
         ("  SIGSTOP to the process killed (the fence)", med(fence), "s",
-         f"median of {n}: {runs(fence)}; fence {lease_ms / 2000:g} s (half the lease) plus "
-         f"up to a 0.1 s beat; a reclaim could come {lease_ms / 1000 * 2 / 3:.2f} s after "
-         "the last extend"),
+         f"median of {n}: {runs(fence)}; fence {fence_s(lease_ms / 1000):g} s plus up to a "
+         f"0.1 s beat; a reclaim could come {reclaim:.2f} s after the last extend"),
         ("  kill to its streams running again", med(back), "s",
          f"median of {n}: {runs(back)}"),
         ("  kill to the frozen call's tasks running again (suspects: each alone)",

@@ -10,8 +10,9 @@ Three things end a child from outside, each without asking Redis:
   :data:`~mtq.workers.beat.BEAT_EVERY_S`, and its engines' leases beside it; it touches no Redis and
   no lock of the worker's, so a Redis outage or a long CPU-bound predict (the
   interpreter switches threads every few milliseconds) does not stop it. A child
-  whose beat is older than its fence (:func:`fence_s`: :data:`FENCE_FRACTION` of
-  the smallest lease of its engines, at least :data:`FENCE_FLOOR_S`) is frozen:
+  whose beat is older than its fence (:func:`fence_s`: :data:`MARGIN_S` before the
+  earliest its leases could run out, and at least half the smallest lease of its
+  engines and :data:`FENCE_FLOOR_S`) is frozen:
   stopped (SIGSTOP, a paused cgroup), or inside a call that holds the interpreter
   (a hung driver call), or starved of CPU. The supervisor kills it (SIGKILL) and
   handles it as a death: its tasks go back at once, the running call's counted
@@ -28,16 +29,19 @@ Three things end a child from outside, each without asking Redis:
   and everything else it held goes back uncounted: it was not their fault
   (:func:`mtq.workers.children.give_back`).
 
-Why half a lease. A worker extends its leases every ``min(1 s, lease/3)``, so a
-process frozen at time F last extended at F - lease/3 at worst, and Redis may give
-its tasks to another worker from F + 2/3 lease on. The fence comes at F + lease/2
-at the latest (its last beat is at F or just before), which leaves a sixth of the
-lease at least (3 s at the default 8 s) for the kill and the give-back, which take
-milliseconds. A process that holds the interpreter for half a lease is killed too,
-though its leases would have held until lease - min(1 s, lease/3): from outside it
-cannot be told from a frozen one. The floor keeps a scheduling hiccup from killing a
-process under short leases; with a lease under 1.5 s it may leave less than 0.25 s
-for the kill, and under 1 s the fence can come after the reclaim.
+Why this fence. A worker extends its leases every ``min(1 s, lease/3)``, so a
+process frozen at time F last extended at F - min(1 s, lease/3) at worst, and Redis
+may give its tasks to another worker from F + lease - min(1 s, lease/3) on (7 s at
+the default 8 s lease). The fence comes :data:`MARGIN_S` before that (6 s), so a
+process that merely holds the interpreter for a long call (a huge ``json.loads``)
+is killed only when its leases were about to go anyway: from outside it cannot be
+told from a frozen one. The margin is for the supervisor's own latency (its timer,
+a loaded machine); the kill itself and the give-back take milliseconds. Under short
+leases the margin would eat the fence, so the fence is never under half a lease
+(2/3 of a lease is the earliest reclaim there, a sixth of it is left), nor under the
+floor, which keeps a scheduling hiccup from killing a process: with a lease under
+1.5 s it may leave less than 0.25 s for the kill, and under 1 s the fence can come
+after the reclaim.
 
 A supervisor that wakes up late (stopped or starved itself: a whole host frozen,
 supervisor included) does not count its own gap against its children: their beats
@@ -58,9 +62,12 @@ from typing import Any
 from mtq.workers import child
 from mtq.workers.children import Abort, Child
 
-#: a child whose beat is older than this share of its smallest lease is killed
+#: a child whose beat is older than its fence is killed: this long (s) before the
+#: earliest its leases could run out (lease - min(1 s, lease/3) after its last beat) ...
+MARGIN_S = 1.0
+#: ... but never before this share of its smallest lease ...
 FENCE_FRACTION = 0.5
-#: ... but never one whose beat is younger than this (s)
+#: ... nor before this (s)
 FENCE_FLOOR_S = 0.5
 #: the supervisor itself woke this much later than it asked: it was stopped or
 #: starved, with its children (a whole host frozen), whose beats are then judged
@@ -70,7 +77,8 @@ LATE_S = 0.25
 
 def fence_s(lease_s: float) -> float:
     """How old a child's beat may be before it is killed, given its smallest lease."""
-    return max(FENCE_FLOOR_S, FENCE_FRACTION * lease_s)
+    reclaim = lease_s - min(1.0, lease_s / 3)  # the earliest its tasks can go elsewhere
+    return max(FENCE_FLOOR_S, FENCE_FRACTION * lease_s, reclaim - MARGIN_S)
 
 
 class Fence:

@@ -20,7 +20,7 @@ control messages).
   process, so that a poison request kills a serving process at most once.
 * A child whose predict call runs past the model's ``timeout_s`` is killed (a
   hung kernel cannot be interrupted from a thread) and handled as above; so is one
-  that froze (its beat, written without Redis, older than half its lease), before
+  that froze (its beat, written without Redis, older than its fence), before
   another worker can take its tasks; and one whose call, every task of it cancelled
   or timed out, still runs ``cancel_grace_s`` later (:mod:`mtq.workers.fencing`).
 * A target that cannot be loaded stops the supervisor at once with the error; a

@@ -41,15 +41,18 @@ def _child(engines: int, leases: list[float], beat: float) -> Any:
                  engines=[Engine(f"q{i}") for i in range(engines)], ready=True)
 
 
-def test_the_fence_is_half_the_smallest_lease_of_a_process_at_least_the_floor() -> None:
-    assert fence_s(8.0) == 4.0 and fence_s(0.4) == FENCE_FLOOR_S
+def test_the_fence_comes_a_margin_before_the_smallest_lease_could_run_out() -> None:
+    # 8 s: leases extended every 1 s, lost 7 s after a freeze at the earliest: 6 s
+    assert fence_s(8.0) == 6.0 and fence_s(60.0) == 58.0
+    # short leases: never under half a lease, nor under the floor
+    assert fence_s(2.0) == 1.0 and fence_s(0.4) == FENCE_FLOOR_S
     f = Fence(8.0, host=True, on_event=lambda m: None)
     c = _child(3, [8.0, 2.0, 0.0], time.monotonic())  # 0: not told yet
     try:
         assert f.child_fence_s(c) == 1.0
         none_told = _child(1, [0.0], time.monotonic())
         try:
-            assert f.child_fence_s(none_told) == 4.0  # the supervisor's own reading
+            assert f.child_fence_s(none_told) == 6.0  # the supervisor's own reading
         finally:
             none_told.process.kill()
     finally:
