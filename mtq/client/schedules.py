@@ -27,11 +27,11 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from mtq.broker.cluster import shared
 from mtq.broker.keys import PREFIX
-from mtq.errors import InvalidName, PayloadError, ScheduleError
+from mtq.errors import PayloadError, ScheduleError
 from mtq.validation import check_queue_name, check_stream_name, check_tenant
 
-__all__ = ["CATCH_UP", "Schedule", "add", "get", "list_schedules", "next_after",
-           "occurrences", "remove", "task_id"]
+__all__ = ["CATCH_UP", "Schedule", "add", "check", "cursors", "get", "list_schedules",
+           "next_after", "occurrences", "put", "remove", "task_id"]
 
 _TAG = "{schedules}"
 DEFS = f"{PREFIX}:{_TAG}:defs"
@@ -51,6 +51,13 @@ _ADD = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+local v = redis.call('INCR', KEYS[3])
+redis.call('PUBLISH', ARGV[4], v)
+return 1
+"""
+_PUT = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3])
 local v = redis.call('INCR', KEYS[3])
 redis.call('PUBLISH', ARGV[4], v)
 return 1
@@ -121,7 +128,7 @@ def task_id(name: str, occurrence: float) -> str:
     return f"s-{name}-{int(occurrence)}"
 
 
-def _check(name: object, queue: object, cron: object, payload: object,
+def check(name: object, queue: object, cron: object, payload: object,
            stream: object, tenant: object, tz: object, catch_up: object) -> None:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ScheduleError(f"a schedule name is 1 to 40 letters, digits, '_' or '-' "
@@ -162,7 +169,7 @@ def add(client: Any, name: str, queue: str, cron: str, payload: Any, *,
     """Add a schedule; its first occurrence is the first after now. Raises
     ScheduleError (bad cron, zone, name or policy; the name taken), InvalidName (queue,
     stream, tenant) or PayloadError (not JSON), writing nothing."""
-    _check(name, queue, cron, payload, stream, tenant, tz, catch_up)
+    check(name, queue, cron, payload, stream, tenant, tz, catch_up)
     now = time.time()
     sched = Schedule(name=name, queue=queue, cron=cron, payload=payload, stream=stream,
                      tenant=tenant, tz=tz, catch_up=catch_up, created=now)
@@ -172,6 +179,26 @@ def add(client: Any, name: str, queue: str, cron: str, payload: Any, *,
     if not int(done):
         raise ScheduleError(f"a schedule named {name!r} exists: remove it first ('mtq "
                             f"schedule remove {name}') or choose another name")
+    return sched
+
+
+def put(client: Any, name: str, queue: str, cron: str, payload: Any, *,
+        stream: str | None = None, tenant: str | None = None, tz: str = "UTC",
+        catch_up: str = "latest") -> Schedule:
+    """Add the schedule, or replace the one of that name (a host file's
+    ``[[schedule]]``, applied at every ``mtq workers start``): left as it is when the
+    same; else replaced, keeping its cursor (no occurrence submitted twice). Raises as
+    :func:`add` does, writing nothing."""
+    check(name, queue, cron, payload, stream, tenant, tz, catch_up)
+    c = shared(client)
+    old = get(c, name)
+    sched = Schedule(name=name, queue=queue, cron=cron, payload=payload, stream=stream,
+                     tenant=tenant, tz=tz, catch_up=catch_up,
+                     created=old.created if old is not None else time.time())
+    if old == sched:
+        return old
+    c.eval(_PUT, 3, DEFS, CURSOR, VERSION, name, json.dumps(sched.as_dict()),
+           str(int(time.time())), CHANNEL)
     return sched
 
 
@@ -197,10 +224,7 @@ def get(client: Any, name: str) -> Schedule | None:
 def list_schedules(client: Any, queue: str | None = None) -> list[Schedule]:
     """Every schedule (of ``queue`` if given), by name."""
     if queue is not None:
-        try:
-            check_queue_name(queue)
-        except InvalidName:
-            raise
+        check_queue_name(queue)
     rows = [_parse(v) for v in shared(client).hgetall(DEFS).values()]
     return sorted((s for s in rows if queue is None or s.queue == queue),
                   key=lambda s: s.name)

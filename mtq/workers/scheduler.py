@@ -20,6 +20,8 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mtq.broker.cluster import shared
@@ -207,3 +209,24 @@ def start_thread(url: str | None = None, **kw: Any) -> tuple[Scheduler, threadin
     t = threading.Thread(target=s.run, name="mtq-scheduler", daemon=True)
     t.start()
     return s, t
+
+
+@contextmanager
+def alongside(url: str | None, enabled: bool = True,
+              schedules: tuple[dict[str, Any], ...] = ()) -> Iterator[Scheduler | None]:
+    """``mtq workers start``'s scheduler: a host file's ``schedules`` put (added or
+    replaced) in Redis, then, if ``enabled``, a scheduler thread while the block runs."""
+    client = connect(url)
+    for entry in schedules:
+        args = dict(entry)
+        sch.put(client, args.pop("name"), args.pop("queue"), args.pop("cron"),
+                args.pop("payload"), **args)
+    if not enabled:
+        yield None
+        return
+    sched, t = start_thread(client=client)
+    try:
+        yield sched
+    finally:
+        sched.stop()
+        t.join(2.0)

@@ -191,3 +191,64 @@ def test_two_scheduler_processes_leader_sigkilled_no_occurrence_lost_or_doubled(
     got = seconds(r, qname, "beat")
     assert got == list(range(got[0], got[-1] + 1)), f"an occurrence was lost: {got}"
     assert r.get(sch.LEASE) is None  # the survivor released it on SIGTERM
+
+
+def host_text(qname: str, schedule: str) -> str:
+    return (f'[host]\nstandby = 0\n\n[[engine]]\nqueue = "{qname}"\n'
+            f'target = "tests.models:Probe"\n\n[[schedule]]\n{schedule}')
+
+
+def test_a_host_files_schedules_are_checked_with_their_line(qname):
+    from mtq.errors import HostFileError
+    from mtq.workers.hostfile import parse
+
+    spec = parse(host_text(qname, f'name = "h1"\nqueue = "{qname}"\ncron = "* * * * *"\n'
+                                  'payload = { a = 1 }\ntz = "Europe/Paris"\n'))
+    assert spec.schedules == ({"name": "h1", "queue": qname, "cron": "* * * * *",
+                               "payload": {"a": 1}, "tz": "Europe/Paris", "stream": None,
+                               "tenant": None, "catch_up": "latest"},)
+    for body, says in ((f'name = "h1"\nqueue = "{qname}"\ncron = "nope"\npayload = 1\n',
+                        "host.toml:8: bad cron expression 'nope'"),
+                       (f'name = "h1"\nqueue = "{qname}"\ncron = "* * * * *"\n',
+                        "host.toml:8: [[schedule]] 1 has no payload"),
+                       (f'name = "h1"\nqueue = "{qname}"\ncron = "* * * * *"\npayload = 1\n'
+                        'zone = "UTC"\n', "host.toml:13: unknown key 'zone'")):
+        with pytest.raises(HostFileError) as err:
+            parse(host_text(qname, body))
+        assert says in str(err.value)
+
+
+def test_put_replaces_a_schedule_and_keeps_its_cursor(client, qname, r):
+    a = sch.put(client, "p", qname, "* * * * *", 1)
+    version = r.get(sch.VERSION)
+    assert sch.put(client, "p", qname, "* * * * *", 1) == a
+    assert r.get(sch.VERSION) == version  # the same: nothing written
+    r.hset(sch.CURSOR, "p", 5)
+    b = sch.put(client, "p", qname, "*/2 * * * *", 2)
+    assert (b.cron, b.payload, b.created) == ("*/2 * * * *", 2, a.created)
+    assert r.hget(sch.CURSOR, "p") == b"5" and r.get(sch.VERSION) != version
+
+
+def test_workers_start_runs_its_host_files_schedule(client, qname, r, subprocess_env,
+                                                    tmp_path):
+    from tests.support.supervisors import Sup
+
+    path = tmp_path / "host.toml"
+    path.write_text(host_text(qname, f'name = "hb"\nqueue = "{qname}"\n'
+                                     'cron = "* * * * * *"\npayload = { n = 1 }\n'
+                                     'catch_up = "none"\n'))
+    log = tmp_path / "sup.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([PY, "-m", "mtq", "workers", "start", "--config", str(path)],
+                                env=subprocess_env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    sup = Sup(proc, log)
+    try:
+        q = mtq.Queue(qname, client=client)
+        wait_for(lambda: q.stats()["succeeded"] >= 2, 20,
+                 f"the host's scheduler thread ran no occurrence: {log.read_text()}")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        sup.kill()
+    assert r.get(sch.LEASE) is None  # its thread released the lease on the way out
