@@ -161,34 +161,40 @@ class Scheduler:
         return ok
 
     def run(self) -> None:
-        """Lead or wait until :meth:`stop`; releases the lease on the way out."""
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        pubsub.subscribe(sch.CHANNEL)
+        """Lead or wait until :meth:`stop`; releases the lease on the way out. Redis
+        errors (a restart, a dropped connection) are logged and retried after a
+        renewal's time; they never end the loop."""
+        pubsub: Any = None
         renew_s = self.lease_ms / 3000
         try:
             while not self._stop.is_set():
                 try:
+                    if pubsub is None:
+                        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                        pubsub.subscribe(sch.CHANNEL)
+                        self._version = None  # changes may have been missed meanwhile
                     if self._lead():
                         wake = min(self.tick(time.time()), time.time() + renew_s)
                     else:
                         ttl = self.redis.pttl(sch.LEASE)
                         wake = time.time() + (max(ttl, 1) / 1000 if ttl > 0 else 0.0)
-                except MtqError as exc:
-                    log.warning("scheduler: %s", exc)
-                    wake = time.time() + renew_s
-                except Exception as exc:  # Redis down: retry after a renewal's time
+                    self._sleep(pubsub, wake)
+                except Exception as exc:  # Redis down, a queue refusing: retry later
                     if self._stop.is_set():
                         break
                     log.warning("scheduler: %s", exc)
-                    wake = time.time() + renew_s
-                self._sleep(pubsub, wake)
+                    if pubsub is not None:
+                        _close(pubsub)
+                        pubsub = None
+                    self._stop.wait(renew_s)
         finally:
-            try:
-                pubsub.close()
-                if self.leader:
+            if pubsub is not None:
+                _close(pubsub)
+            if self.leader:
+                try:
                     self.redis.eval(_RELEASE, 1, sch.LEASE, self.token, sch.CHANNEL)
-            except Exception:  # best effort on the way out
-                pass
+                except Exception:  # best effort on the way out: the lease lapses anyway
+                    log.debug("scheduler %s: lease not given back", self.token)
 
     def _sleep(self, pubsub: Any, wake: float) -> None:
         """Wait on the channel until ``wake`` (a change wakes it sooner); stop() is seen
@@ -201,6 +207,13 @@ class Scheduler:
             if msg is not None:
                 self._version = None
                 return
+
+
+def _close(pubsub: Any) -> None:
+    try:
+        pubsub.close()
+    except Exception:  # a connection already gone
+        log.debug("scheduler: closing its subscription failed")
 
 
 def start_thread(url: str | None = None, **kw: Any) -> tuple[Scheduler, threading.Thread]:

@@ -252,3 +252,29 @@ def test_workers_start_runs_its_host_files_schedule(client, qname, r, subprocess
     finally:
         sup.kill()
     assert r.get(sch.LEASE) is None  # its thread released the lease on the way out
+
+
+def test_the_scheduler_rides_through_its_connections_killed(redis_url, client, qname, r):
+    import redis as redis_py
+
+    own = redis_py.Redis.from_url(redis_url, client_name="mtqsched-kill")
+    sch.add(client, "ride", qname, "* * * * * *", "x", catch_up="all")
+    s = Scheduler(client=own, lease_ms=600)
+    t = threading.Thread(target=s.run, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: len(seconds(r, qname, "ride")) >= 1, 5, "no first occurrence")
+        for kind in ("pubsub", "normal"):
+            for c in r.client_list(_type=kind):
+                if c.get("name") == "mtqsched-kill" or kind == "pubsub":
+                    r.client_kill_filter(_id=c["id"])
+        killed = time.time()
+        wait_for(lambda: seconds(r, qname, "ride")[-1] >= killed + 1, 6,
+                 "the scheduler stopped submitting after its connections were killed")
+        assert t.is_alive()
+    finally:
+        s.stop()
+        t.join(5)
+        own.close()
+    got = seconds(r, qname, "ride")
+    assert got == list(range(got[0], got[-1] + 1)), got
