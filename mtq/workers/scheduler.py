@@ -177,7 +177,9 @@ class Scheduler:
                         wake = min(self.tick(time.time()), time.time() + renew_s)
                     else:
                         ttl = self.redis.pttl(sch.LEASE)
-                        wake = time.time() + (max(ttl, 1) / 1000 if ttl > 0 else 0.0)
+                        # -2: no lease (take it now); -1: one without expiry (not ours)
+                        wait = ttl / 1000 if ttl > 0 else (0.0 if ttl == -2 else renew_s)
+                        wake = time.time() + wait
                     self._sleep(pubsub, wake)
                 except Exception as exc:  # Redis down, a queue refusing: retry later
                     if self._stop.is_set():
