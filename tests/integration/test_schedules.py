@@ -191,6 +191,22 @@ def test_two_scheduler_processes_leader_sigkilled_no_occurrence_lost_or_doubled(
     got = seconds(r, qname, "beat")
     assert got == list(range(got[0], got[-1] + 1)), f"an occurrence was lost: {got}"
     assert r.get(sch.LEASE) is None  # the survivor released it on SIGTERM
+    assert procs[1 - leader].returncode == 0
+
+
+def test_time_zones_and_daylight_saving_days():
+    from datetime import datetime, timezone
+
+    def utc(expr: str, zone: str, day: str) -> list[str]:
+        start = datetime.fromisoformat(day + "T00:00:00+00:00").timestamp() - 6 * 3600
+        return [datetime.fromtimestamp(t, timezone.utc).strftime("%m-%d %H:%M")
+                for t in sch.occurrences(expr, zone, start, start + 24 * 3600)]
+
+    assert utc("30 2 * * *", "UTC", "2026-03-29") == ["03-29 02:30"]
+    # clocks go forward at 02:00 in Paris: 02:30 does not exist, it runs once at 03:00
+    assert utc("30 2 * * *", "Europe/Paris", "2026-03-29") == ["03-29 01:00"]
+    # clocks go back at 03:00: 02:30 happens twice (CEST, then CET), it runs twice
+    assert utc("30 2 * * *", "Europe/Paris", "2026-10-25") == ["10-25 00:30", "10-25 01:30"]
 
 
 def host_text(qname: str, schedule: str) -> str:
