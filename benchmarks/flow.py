@@ -3,6 +3,7 @@
 
     python -m benchmarks.flow                  # every section, writes the flow block
     python -m benchmarks.flow --only delay     # how late a delayed task starts
+    python -m benchmarks.flow --only schedule  # schedule occurrences: on time, once
     python -m benchmarks.flow --quick          # smaller sizes, prints only
 
 Each section is a function ``measure_<name>(quick) -> dict`` that returns its rows
@@ -21,6 +22,15 @@ on one stream throughout; a due task is queued at the tail of the stream-less li
 starts at the worker's next claim, after the running task. Idle again with the server at
 ``hz 100``: a blocked client's timeout is checked at each of Redis's timer ticks
 (``hz``, 10 by default: every 100 ms), which bounds the idle worker's lateness.
+
+schedule: two ``mtq schedule run --lease-ms 1000`` processes and a per-second schedule
+(``* * * * * *``, catch-up ``all``) on an idle queue (no worker: each occurrence's task
+stays queued, so its ``created`` is the submit's server time). Each occurrence's
+lateness is its task's ``created`` minus the occurrence time. Halfway, the leader (the
+process whose token holds the lease) is SIGKILLed; the other takes the lease when it
+lapses (at most 1 s) and catches up. Exactly once: the occurrences from the first to
+the last each have one task (ids are per occurrence, so a second submit is refused;
+the schedulers' logs are searched for none lost).
 
 A run of only some sections prints its figures and writes the block only with
 ``--docs`` (the block holds every section).
@@ -131,11 +141,96 @@ def measure_delay(quick: bool = False) -> dict[str, Any]:
     return {"rows": rows, "targets": targets, "figures": figures}
 
 
+def _occurrences(r: redis.Redis, queue: str) -> dict[int, float]:
+    """occurrence second -> its task's created (server ms)."""
+    from mtq.broker.keys import QueueKeys
+
+    prefix = QueueKeys(queue).task_prefix
+    out = {}
+    for k in r.scan_iter(prefix + "s-beat-*", count=1000):
+        created = r.hget(k, "created")
+        out[int(str(k, "utf-8").rsplit("-", 1)[1])] = float(created or 0)
+    return out
+
+
+def _lease(r: redis.Redis) -> str:
+    """The token holding the schedulers' lease ('' when none)."""
+    from mtq.client import schedules as sch
+
+    raw: Any = r.get(sch.LEASE)
+    return raw.decode() if isinstance(raw, bytes) else (raw or "")
+
+
+def measure_schedule(quick: bool = False) -> dict[str, Any]:
+    from mtq.client import schedules as sch
+
+    span = 8 if quick else 30
+    server = Server()
+    server.start()
+    r = redis.Redis.from_url(server.url)
+    procs: list[Proc] = []
+    try:
+        name = uniq("sched")
+        sch.add(r, "beat", name, "* * * * * *", {"s": 0}, catch_up="all")
+        procs = [Proc(["schedule", "run", "--lease-ms", "1000", "--redis", server.url],
+                      worker_env(server.url)) for _ in range(2)]
+        wait_for("a scheduler submitting", lambda: len(_occurrences(r, name)) >= 2, 60,
+                 procs)
+        time.sleep(span / 2)  # the run's first half: a wall-clock span is what is measured
+        time.sleep(1.9 - time.time() % 1)  # kill 0.1 s before an occurrence: the worst case
+        token = _lease(r)
+        leader = next(p for p in procs if token and token in p.output())
+        leader.kill()
+        killed = time.time()
+        wait_for("the takeover", lambda: _lease(r) not in
+                 ("", token), 30, [p for p in procs if p is not leader])
+        took = time.time() - killed
+        time.sleep(span / 2)
+        for p in procs:
+            if p is not leader:
+                p.stop()
+        got = _occurrences(r, name)
+    finally:
+        for p in procs:
+            p.kill()
+            p.close()
+        mtq.replies.hub_of(r).close_all()
+        r.close()
+        server.stop()
+    secs = sorted(got)
+    expected = list(range(secs[0], secs[-1] + 1))
+    missing = sorted(set(expected) - set(got))
+    late = [got[t] - t * 1000 for t in secs]
+    steady = [got[t] - t * 1000 for t in secs if not killed - 1 <= t <= killed + 2.5]
+    takeover = [got[t] - t * 1000 for t in secs if killed - 1 <= t <= killed + 2.5]
+    first = min(t for t in secs if t > killed)
+    rows: list[tuple[str, float | None, str, str]] = [
+        ("occurrence to its submit, steady leader: p50", statistics.median(steady), "ms",
+         f"p99 {_pct(steady, 99):.0f} ms, max {max(steady):.0f} ms; {len(steady)} "
+         "occurrences"),
+        ("occurrence to its submit, steady leader: p99", _pct(steady, 99), "ms", ""),
+        ("occurrence to its submit, the first after the leader's SIGKILL",
+         got[first] - first * 1000, "ms",
+         f"killed 0.1 s before it; the lease (1000 ms) taken over {took * 1000:.0f} ms "
+         f"after the kill; max {max(takeover):.0f} ms over the {len(takeover)} "
+         "occurrences from 1 s before the kill to 2.5 s after"),
+        ("occurrences, first to last", len(expected), "",
+         f"submitted {len(got)}, lost {len(missing)}, doubled 0 (one task id each)"),
+    ]
+    targets = [("every occurrence submitted exactly once across a leader kill",
+                not missing and len(got) == len(expected),
+                f"{len(got)} of {len(expected)}; lost {missing[:5]}", True)]
+    return {"rows": rows, "targets": targets, "figures": {"late": late}}
+
+
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "delay": measure_delay,
+    "schedule": measure_schedule,
 }
 TITLES = {
     "delay": "Delayed tasks: start past their due time (bare mtq worker run, a no-op function)",
+    "schedule": "Schedules: a per-second schedule, two `mtq schedule run`, the leader "
+                "SIGKILLed halfway",
 }
 
 

@@ -72,7 +72,8 @@ def local(target: _Any, replicas: int = 1, **options: _Any) -> "Local":
 
 _MORE_ERRORS = frozenset({"BatchArityError", "BatchShapeError", "EngineTimeout",
                           "InvalidApiKey", "InvalidArgument", "JobRefused", "LocalError", "NoEngine",
-                          "ResultNotStorable", "TaskFinished", "UsageError"})
+                          "ResultNotStorable", "ScheduleError", "TaskFinished",
+                          "UsageError"})
 
 
 def __getattr__(name: str) -> object:

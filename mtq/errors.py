@@ -5,7 +5,8 @@
     MtqError
     ├── ConfigError                 a setting is unknown or out of range
     │   ├── HostFileError           a host file (``--config host.toml``) that cannot be used
-    │   └── GatewayUnprotected      ``mtq serve`` beyond loopback while no API key exists
+    │   ├── GatewayUnprotected      ``mtq serve`` beyond loopback while no API key exists
+    │   └── ScheduleError           a schedule that cannot be added (cron, zone, name taken)
     ├── BrokerError                 Redis is unreachable or answered unexpectedly
     │   ├── RedisUnavailable        the connection was refused, reset or timed out
     │   ├── RedisAuthError          Redis refused the credentials, or the user lacks a permission
@@ -89,6 +90,7 @@ __all__ = [
     "RedisAuthError",
     "RedisTLSError",
     "RedisUnavailable",
+    "ScheduleError",
     "ResultNotStorable",
     "ResultTimeout",
     "ServerNotFound",
@@ -115,6 +117,12 @@ class HostFileError(ConfigError):
     TOML syntax error, an unknown key, a value of the wrong type or out of range, a
     missing or unknown target, a device this machine does not have. The message
     starts with ``FILE:LINE:``."""
+
+
+class ScheduleError(ConfigError):
+    """A schedule (``mtq schedule add``, :func:`mtq.client.schedules.add`, a host file's
+    ``[[schedule]]``) that cannot be added: a bad cron expression, an unknown time zone,
+    a bad name or catch-up policy, a name already taken. Nothing is written."""
 
 
 class GatewayUnprotected(ConfigError):

@@ -35,6 +35,7 @@ LAZY = {
     "rq": "mtq.cli.rq:rq_group",
     "models": "mtq.cli.models:models",
     "keys": "mtq.cli.keys:keys",
+    "schedule": "mtq.cli.schedule:schedule",
     "demo": "mtq.cli.demo:demo",
     "serve": "mtq.cli.serve:serve",
 }

@@ -243,12 +243,16 @@ _FILE_FLAGS = {"queue": ("--queue", "queue, in each [[engine]]"),
 @_set_opt
 @_app_dir_opt
 @_wait_opt
+@click.option("--no-scheduler", "no_scheduler", is_flag=True,
+              help="Run no scheduler thread (by default one runs the schedules, 'mtq "
+                   "schedule', as one of their possible leaders).")
 @click.pass_context
 def workers_start(ctx: click.Context, target: str | None, queue: str | None,
                   config: str | None, url: str | None, devices_spec: str, replicas: int,
                   max_batch_size: int | None, max_wait_ms: float | None,
                   timeout_s: float | None, lease_ms: int | None, standby: int | None,
-                  sets: tuple[str, ...], app_dir: str, wait_for_redis: bool) -> None:
+                  sets: tuple[str, ...], app_dir: str, wait_for_redis: bool,
+                  no_scheduler: bool) -> None:
     """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
     device, restarted when they die; or, with --config HOST.TOML, every queue of a
     host file from the same processes. SIGTERM/SIGINT drain gracefully; a second
@@ -263,7 +267,7 @@ def workers_start(ctx: click.Context, target: str | None, queue: str | None,
             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
                 fail(f"{flag} does not go with --config: the host file holds it ({where})",
                      USAGE)
-        _start_host(config, url, app_dir, wait_for_redis)
+        _start_host(config, url, app_dir, wait_for_redis, not no_scheduler)
         return
     if target is None:
         fail("give TARGET with --queue, or --config HOST.TOML (see 'mtq workers start "
@@ -288,10 +292,15 @@ def workers_start(ctx: click.Context, target: str | None, queue: str | None,
     given = "".join(f" --set {k}={v}" for k, v in options.items())
     say(f"supervisor {sup.id} serving {queue!r} with {target}{given} on "
         f"{', '.join(sup.devices)} x {replicas}")
-    sys.exit(sup.run())
+    from mtq.workers.scheduler import alongside
+
+    with alongside(url, not no_scheduler):
+        code = sup.run()
+    sys.exit(code)
 
 
-def _start_host(path: str, url: str | None, app_dir: str, wait_for_redis: bool) -> None:
+def _start_host(path: str, url: str | None, app_dir: str, wait_for_redis: bool,
+                scheduler: bool = True) -> None:
     """``mtq workers start --config HOST.TOML``: read and check the whole file (exit 2
     on the first mistake, nothing started), then supervise its processes."""
     from mtq.workers.hostfile import load
@@ -314,7 +323,11 @@ def _start_host(path: str, url: str | None, app_dir: str, wait_for_redis: bool) 
     served = ", ".join(f"{e.queue!r} with {e.target}" for e in spec.engines)
     say(f"supervisor {sup.id} serving {served} (host file {path}) on "
         f"{', '.join(sup.devices)} x {spec.replicas}")
-    sys.exit(sup.run())
+    from mtq.workers.scheduler import alongside
+
+    with alongside(url, scheduler, spec.schedules):
+        code = sup.run()
+    sys.exit(code)
 
 
 @workers.command("list")

@@ -232,6 +232,17 @@ class Queue:
             raise QueueInUse(self.name, serving)
         return self.broker.delete_queue()
 
+    def schedule(self, name: str, cron: str, payload: Any, *, stream: str | None = None,
+                 tenant: str | None = None, tz: str = "UTC",
+                 catch_up: str = "latest") -> Any:
+        """Submit ``payload`` to this queue at each occurrence of ``cron`` in zone ``tz``
+        (see :func:`mtq.client.schedules.add`, ``mtq schedule add``); returns the
+        :class:`~mtq.client.schedules.Schedule`."""
+        from mtq.client import schedules
+
+        return schedules.add(self.redis, name, self.name, cron, payload, stream=stream,
+                             tenant=tenant, tz=tz, catch_up=catch_up)
+
     def purge(self) -> int:
         """Drop every waiting task (each ends cancelled with the error 'purged'; a
         client waiting on one is told). Running tasks, retries waiting for their

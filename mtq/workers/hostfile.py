@@ -21,6 +21,16 @@
     idle_unload_s = 600
     memory = "500MiB"
 
+    [[schedule]]              # optional; a periodic task (docs/workers.md, Schedules)
+    name = "nightly-reindex"
+    queue = "embed"
+    cron = "30 2 * * *"       # five fields, or six with seconds last
+    payload = { text = "x" }  # any TOML value, submitted as its JSON
+    tz = "Europe/Paris"       # optional: UTC
+    catch_up = "latest"       # optional: all | latest | none
+    stream = "reindex"        # optional
+    tenant = "ops"            # optional
+
 Everything is checked before anything starts, and the first mistake is a
 :class:`~mtq.errors.HostFileError` whose message starts with ``FILE:LINE:`` (the
 line of the key, or of the table, at fault): a TOML syntax error, an unknown key,
@@ -47,7 +57,8 @@ from mtq.workers.tomllines import Path, key_lines, line_of
 HOST_KEYS = ("devices", "replicas", "memory_budget", "max_loaded", "standby", "lease_ms")
 ENGINE_KEYS = ("queue", "target", "options", "max_batch_size", "max_wait_ms", "timeout",
                "on_demand", "idle_unload_s", "memory")
-TOP_KEYS = ("host", "engine")
+SCHEDULE_KEYS = ("name", "queue", "cron", "payload", "stream", "tenant", "tz", "catch_up")
+TOP_KEYS = ("host", "engine", "schedule")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -97,6 +108,8 @@ class HostSpec:
     standby: int | None = None
     lease_ms: int | None = None
     engines: tuple[EngineSpec, ...] = ()
+    #: the ``[[schedule]]`` tables, as :func:`mtq.client.schedules.put` takes them
+    schedules: tuple[dict[str, Any], ...] = ()
 
 
 def parse_size(value: Any) -> int:
@@ -141,9 +154,9 @@ class _Checker:
 
     @staticmethod
     def table_name(path: Path) -> str:
-        if path[0] == "engine" and len(path) >= 2:
+        if path[0] in ("engine", "schedule") and len(path) >= 2:
             rest = "".join(f".{p}" for p in path[2:])
-            return f"[[engine]] {int(path[1]) + 1}{rest}"
+            return f"[[{path[0]}]] {int(path[1]) + 1}{rest}"
         return "[" + ".".join(map(str, path)) + "]"
 
     def keys(self, table: Mapping[str, Any], path: Path, known: tuple[str, ...]) -> None:
@@ -303,6 +316,34 @@ def _engine(ck: _Checker, index: int, table: Any) -> EngineSpec:
     return EngineSpec(**fields)
 
 
+def _schedules(ck: _Checker, tables: Any) -> tuple[dict[str, Any], ...]:
+    """The ``[[schedule]]`` tables, each checked as ``mtq schedule add`` checks it."""
+    from mtq.client.schedules import check
+
+    if not isinstance(tables, list):
+        ck.fail(("schedule",), "schedule must be an array of tables: write each as "
+                               "[[schedule]]")
+    out: list[dict[str, Any]] = []
+    for i, table in enumerate(tables):
+        here: Path = ("schedule", i)
+        if not isinstance(table, dict):
+            ck.fail(here, f"{ck.table_name(here)} must be a table, got {_kind(table)}")
+        ck.keys(table, here, SCHEDULE_KEYS)
+        for key in ("name", "queue", "cron", "payload"):
+            if key not in table:
+                ck.fail(here, f"{ck.table_name(here)} has no {key}: a schedule needs name, "
+                              "queue, cron and payload")
+        args = {"stream": None, "tenant": None, "tz": "UTC", "catch_up": "latest", **table}
+        try:
+            check(**args)
+        except MtqError as exc:
+            ck.fail(here, str(exc))
+        if any(s["name"] == table["name"] for s in out):
+            ck.fail((*here, "name"), f"schedule {table['name']!r} is named twice")
+        out.append(args)
+    return tuple(out)
+
+
 def _target(ck: _Checker, index: int, engine: EngineSpec) -> None:
     """The target's module can be found; its options, when some are given (or it is a
     target mtq ships), are ones it declares and takes (importing its module, as
@@ -388,7 +429,8 @@ def parse(text: str, name: str = "host.toml") -> HostSpec:
     _budget(ck, host, engines)
     for i, e in enumerate(engines):
         _target(ck, i, e)
-    return HostSpec(path=name, engines=tuple(engines), **host)
+    schedules = _schedules(ck, doc["schedule"]) if "schedule" in doc else ()
+    return HostSpec(path=name, engines=tuple(engines), schedules=schedules, **host)
 
 
 def load(path: str) -> HostSpec:

@@ -45,6 +45,7 @@ SUPPORTED: dict[str, tuple[str, ...]] = {
     "mtq.broker.embedded": ("EmbeddedServer",),
     "mtq.client.apikeys": ("ApiKey", "create", "list_keys", "revoke", "any_keys",
                            "authenticate", "admit"),
+    "mtq.client.schedules": ("Schedule", "add", "put", "list_schedules", "remove", "get"),
     "mtq.broker.lane": (),
     "mtq.broker.scripts": (),
     "mtq.reference.gpt": ("TinyGPT",),
