@@ -384,20 +384,20 @@ def test_the_default_model_loads_the_shipped_weights_and_writes_english(
     m.setup("cpu")
     assert not (tmp_path / "home").exists(), "the shipped weights need no file of their own"
     prompts = ["Once upon a time", "Hello there", "Tell me a story", "She said"]
-    payloads = [{"prompt": p, "max_tokens": 160, "stop_at_eos": False} for p in prompts]
+    payloads = [{"prompt": p, "max_tokens": 64, "stop_at_eos": False} for p in prompts]
     seeds = [1, 2, 3, 4]
     alone = [generate(m, [p], [s])[0] for p, s in zip(payloads, seeds)]
     assert generate(m, payloads, seeds) == alone  # batched: the same tokens
     assert generate(trained, payloads[::-1], seeds[::-1]) == alone[::-1]
     assert generate(m, payloads[:1], [5]) != alone[:1]  # the seed matters
     text = "".join(r["text"] for r in alone)
-    assert all(len(r["tokens"]) == 160 for r in alone) and len(text) >= 4 * 150
+    assert all(len(r["tokens"]) == 64 for r in alone) and len(text) >= 4 * 56
     assert "\ufffd" not in text
     plain = sum(c.isascii() and (c.isalnum() or c in " \n.,;:!?'\"-()") for c in text)
     assert plain >= 0.95 * len(text), text
     words = re.findall(r"[a-z]+", text.lower())
     vocab = set(re.findall(r"[a-z]+", train.CORPUS.read_text().lower()))
-    assert len(words) >= 80, text
+    assert len(words) >= 32, text
     assert sum(w in vocab for w in words) >= 0.8 * len(words), text  # real words
     assert sum(w in COMMON for w in words) >= 0.2 * len(words), text  # English ones
     # it predicts English it never saw far better than chance (ln 258 = 5.55 nats)
