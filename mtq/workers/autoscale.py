@@ -211,9 +211,15 @@ class Autoscaler:
         if current == 0 and backlog == 0:
             # asleep: a submit that finds no sleeping worker pushes a wake marker
             got = self.client.blpop([self.keys.wake], timeout=IDLE_WAIT_S)
-            if got is not None and not self._closed.is_set():
-                self._woke_at, self._settled_at_wake = time.monotonic(), settled
-                self._scale(max(1, self.policy.low), "woken from zero by a submit")
+            if got is None or self._closed.is_set():
+                return
+            woke = time.monotonic()
+            waiting, running, due, settled = read_backlog(self.client, self.queue)
+            if waiting + running + due == 0:
+                return  # a marker left by a release or retry, no work: sleep again
+            self._woke_at, self._settled_at_wake = woke, settled
+            self._scale(max(1, self.policy.low), "woken from zero by a submit")
+            self._closed.wait(0.05)
             return
         rate = measured_rate(self.client, self.queue) if backlog else None
         n = self.decider.decide(now, backlog, rate, current)
@@ -224,7 +230,9 @@ class Autoscaler:
                 self._woke_at, self._settled_at_wake = now, settled
                 why = f"woken from zero: {why}"
             self._scale(n, why)
-        self._closed.wait(0.1 if self._woke_at is not None else self.policy.tick_s)
+            if n == 0:
+                return  # straight to the blocked wait: the next task wakes it at once
+        self._closed.wait(0.05 if self._woke_at is not None else self.policy.tick_s)
 
     def _scale(self, n: int, why: str) -> None:
         replicas = math.ceil(n / self.ndev)
