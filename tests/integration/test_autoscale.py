@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -128,3 +130,13 @@ def test_autoscale_adds_capacity_for_a_step_of_load_then_scales_down(
     ups = [ln for ln in sup.output().splitlines() if "autoscale:" in ln and "-> " in ln]
     assert len(ups) <= 4, ups  # up (maybe in two steps) and down once: no flapping
     assert added < 30, added
+
+
+def test_a_bad_autoscale_exits_2_naming_it(redis_url: str,
+                                          subprocess_env: dict[str, str]) -> None:
+    for value, says in (("3:1", "MIN <= MAX"), ("0:4,speed=2", "drain=SECONDS")):
+        out = subprocess.run(
+            [sys.executable, "-m", "mtq", "workers", "start", "tests.models:Probe", "-q",
+             "x", "--redis", redis_url, "--autoscale", value],
+            env=subprocess_env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and says in out.stderr, (out.returncode, out.stderr)
