@@ -32,6 +32,14 @@ lapses (at most 1 s) and catches up. Exactly once: the occurrences from the firs
 the last each have one task (ids are per occurrence, so a second submit is refused;
 the schedulers' logs are searched for none lost).
 
+autoscale: ``mtq workers start benchmarks.children.nap:nap --autoscale 0:4,drain=1,
+cooldown=2`` (docs/autoscaling.md). The first task's wait from zero processes: a no-op
+submitted to the supervisor at zero, its submit to its start (its ``created`` and
+``started``, Redis server time), and the supervisor's own figure (``cold_start_ms``: its wake to the first claim), over a few
+rounds, each after it went back to zero. Then the time to add capacity under a step
+of load: 400 tasks of 20 ms submitted at once at zero, the time until 1, 2 and 4
+processes are serving (registered), and how many scale changes the run logged.
+
 A run of only some sections prints its figures and writes the block only with
 ``--docs`` (the block holds every section).
 """
@@ -53,6 +61,7 @@ from benchmarks.harness.meters import machine_info
 from benchmarks.harness.procs import Proc, wait_for, worker_env
 from benchmarks.harness.report import Results, cli_parser, docs_of, write_block
 from benchmarks.harness.server import Server, compile_tree, uniq
+from mtq.broker.keys import QueueKeys
 from mtq.workers.registry import list_workers
 
 NAP = "benchmarks.children.nap:nap"
@@ -221,16 +230,89 @@ def measure_schedule(quick: bool = False) -> dict[str, Any]:
                 not missing and len(got) == len(expected),
                 f"{len(got)} of {len(expected)}; lost {missing[:5]}", True)]
     return {"rows": rows, "targets": targets, "figures": {"late": late}}
+def _serving(r: redis.Redis, name: str) -> int:
+    return sum(w.get("role", "serving") == "serving" for w in list_workers(r, name))
+
+
+def measure_autoscale(quick: bool = False) -> dict[str, Any]:
+    rounds = 1 if quick else 3
+    rows: list[tuple[str, float | None, str, str]] = []
+    server = Server()
+    server.start()
+    r = redis.Redis.from_url(server.url)
+    try:
+        name = uniq("autoscale")
+        p = Proc(["workers", "start", NAP, "--queue", name, "--redis", server.url,
+                  "--standby", "0", "--autoscale", "0:4,drain=1,cooldown=2"],
+                 worker_env(server.url))
+        try:
+            q = mtq.Queue(name, client=r)
+            stats = QueueKeys(name).stats
+            waits, colds = [], []
+            for _ in range(rounds):
+                wait_for("no serving process", lambda: _serving(r, name) == 0 or None,
+                         60, [p])
+                # (not synchronisation: a pause so the wake comes through the wake
+                # list the supervisor blocks on at zero, not its next backlog read)
+                time.sleep(0.5)
+                r.hdel(stats, "cold_start_ms")
+                task = q.submit({"s": 0})
+                task.result(timeout=60)
+                info = task.info()
+                assert info.created is not None and info.started is not None
+                waits.append((info.started - info.created) / 1000)
+                colds.append(int(wait_for("the cold start recorded",
+                                          lambda: r.hget(stats, "cold_start_ms"), 10, [p]))
+                             / 1000)
+            note = f"{rounds} round(s): " + ", ".join(f"{w:.2f}" for w in waits)
+            rows.append(("first task's wait from zero processes: submit to start",
+                         statistics.median(waits), "s", note))
+            rows.append(("the supervisor's figure: wake to the first claim (cold_start_ms)",
+                         statistics.median(colds), "s",
+                         ", ".join(f"{c:.2f}" for c in colds)))
+            wait_for("back to zero", lambda: _serving(r, name) == 0 or None, 60, [p])
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            tasks = q.submit_many([{"s": 0.02}] * 400)
+            reached: dict[int, float] = {}
+            while len(reached) < 3 and time.monotonic() - t0 < 60:
+                n = _serving(r, name)
+                for k in (1, 2, 4):
+                    if n >= k and k not in reached:
+                        reached[k] = time.monotonic() - t0
+                time.sleep(0.02)
+            for t in tasks:
+                t.result(timeout=120)
+            drained = time.monotonic() - t0
+            for k in (1, 2, 4):
+                rows.append((f"step of 400 x 20 ms tasks at zero: {k} process(es) serving",
+                             reached.get(k), "s", "from the submit; drain=1 s, MAX 4"
+                             if k == 1 else ""))
+            rows.append(("step of 400 x 20 ms tasks: all done", drained, "s", ""))
+        finally:
+            p.stop()
+            out = p.output()
+            p.close()
+        changes = sum("autoscale:" in ln and "->" in ln for ln in out.splitlines())
+        rows.append(("scale changes logged over the run", changes, "",
+                     f"{rounds} wake(s) and return(s) to zero, then the step up and down"))
+    finally:
+        mtq.replies.hub_of(r).close_all()
+        r.close()
+        server.stop()
+    return {"rows": rows, "targets": []}
 
 
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "delay": measure_delay,
     "schedule": measure_schedule,
+    "autoscale": measure_autoscale,
 }
 TITLES = {
     "delay": "Delayed tasks: start past their due time (bare mtq worker run, a no-op function)",
     "schedule": "Schedules: a per-second schedule, two `mtq schedule run`, the leader "
                 "SIGKILLed halfway",
+    "autoscale": "Autoscaling (mtq workers start --autoscale 0:4, a 20 ms function)",
 }
 
 

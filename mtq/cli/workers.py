@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -240,6 +241,10 @@ _FILE_FLAGS = {"queue": ("--queue", "queue, in each [[engine]]"),
               help="A warm spare process per device that takes over at once when a worker "
                    "process dies (default: 1 on the CPU, 0 on a GPU, where it holds a "
                    "second copy of the model in device memory).")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="Scale the process count from the queue's backlog and measured service "
+                   "time, between MIN and MAX (0:N scales to zero); ',drain=S' (default 10) "
+                   "and ',cooldown=S' (default 30) after it (see docs/autoscaling.md).")
 @_set_opt
 @_app_dir_opt
 @_wait_opt
@@ -252,11 +257,13 @@ def workers_start(ctx: click.Context, target: str | None, queue: str | None,
                   max_batch_size: int | None, max_wait_ms: float | None,
                   timeout_s: float | None, lease_ms: int | None, standby: int | None,
                   sets: tuple[str, ...], app_dir: str, wait_for_redis: bool,
-                  no_scheduler: bool) -> None:
+                  no_scheduler: bool, autoscale: str | None = None) -> None:
     """Serve QUEUE with TARGET ('package.module:attr') in REPLICAS processes per
     device, restarted when they die; or, with --config HOST.TOML, every queue of a
     host file from the same processes. SIGTERM/SIGINT drain gracefully; a second
     signal forces."""
+    from mtq.workers.autoscale import Autoscaler, parse_range
+    from mtq.workers.devices import parse_devices
     from mtq.workers.supervisor import Supervisor
     from mtq.workers.target import find_target_module
 
@@ -267,6 +274,8 @@ def workers_start(ctx: click.Context, target: str | None, queue: str | None,
             if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
                 fail(f"{flag} does not go with --config: the host file holds it ({where})",
                      USAGE)
+        if autoscale:
+            fail("--autoscale serves one queue: give TARGET and --queue, not --config", USAGE)
         _start_host(config, url, app_dir, wait_for_redis, not no_scheduler)
         return
     if target is None:
@@ -282,11 +291,16 @@ def workers_start(ctx: click.Context, target: str | None, queue: str | None,
     options = _model_options(target, sets)
     url = _reach(url, wait_for_redis)
     try:
+        policy = parse_range(autoscale) if autoscale else None
+        if policy is not None:  # it starts at MIN processes (per device: see docs/autoscaling.md)
+            replicas = math.ceil(policy.low / len(parse_devices(devices_spec)))
         sup = Supervisor(target, queue, url=url, devices_spec=devices_spec, replicas=replicas,
                          settings=_overrides(lease_ms=lease_ms),
                          max_batch_size=max_batch_size, max_wait_ms=max_wait_ms,
                          timeout_s=timeout_s, standby=standby, options=options,
                          on_event=say)
+        if policy is not None:
+            sup.autoscaler = Autoscaler(sup, policy)
     except MtqError as exc:
         fail(exc, 2)
     given = "".join(f" --set {k}={v}" for k, v in options.items())

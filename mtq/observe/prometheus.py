@@ -13,6 +13,8 @@ Metrics (see docs/operations.md for the table):
 - per queue (label ``queue``): gauges ``mtq_queue_waiting_tasks``,
   ``mtq_queue_running_tasks`` (leased), ``mtq_queue_delayed_tasks`` (waiting for a
   retry's delay), ``mtq_queue_dead_tasks`` (dead letters kept),
+  ``mtq_queue_backlog_tasks`` and ``mtq_queue_backlog_cost`` (waiting + running +
+  due: :mod:`mtq.observe.backlog`), ``mtq_queue_cold_start_seconds`` (--autoscale),
   ``mtq_queue_streams`` (streams with waiting work), ``mtq_queue_busy_streams``
   (streams with a running task); counters ``mtq_tasks_<event>_total`` for
   submitted, succeeded, failed, retried, expired, cancelled, dead_lettered and
@@ -77,6 +79,7 @@ from mtq.broker.registry import list_workers
 from mtq.broker.scrape import ScrapeReader
 from mtq.broker.tenants import DEFAULT_TOP, TenantRow, parse_rows, top_tenants
 from mtq.errors import BrokerError
+from mtq.observe.backlog import backlog
 from mtq.observe.histograms import BOUNDS
 from mtq.observe.tenants import tenant_families
 
@@ -92,6 +95,12 @@ GAUGES = {
     "mtq_queue_delayed_tasks": ("delayed", "Tasks waiting for a retry's delay or a delayed "
                                 "submit's due time."),
     "mtq_queue_dead_tasks": ("dead", "Dead letters kept (see mtq dlq list)."),
+    "mtq_queue_backlog_tasks": ("backlog", "Tasks waiting, running, or delayed and due: "
+                                "what workers have yet to finish (docs/scaling.md)."),
+    "mtq_queue_backlog_cost": ("backlog_cost", "The backlog in cost (scheduling's costs; "
+                               "without scheduling, each task costs 1)."),
+    "mtq_queue_cold_start_seconds": ("cold_start", "--autoscale: from the submit that woke "
+                                     "a supervisor at zero processes to the first claim."),
     "mtq_queue_streams": ("streams", "Streams with waiting tasks."),
     "mtq_queue_busy_streams": ("busy_streams", "Streams with a running task."),
     "mtq_cache_entries": ("cache_entries", "Entries the result cache holds (about 150 bytes "
@@ -115,7 +124,7 @@ COUNTERS = {
 #: the queue's stats fields read (every other one is ignored)
 _STAT_FIELDS = ("waiting", "streams", "submitted", "succeeded", "failed", "dead_total",
                 "cancelled", "expired", "retried", "redelivered", "cache_hits",
-                "cache_misses", "cache_joined")
+                "cache_misses", "cache_joined", "cold_start_ms")
 _STAT_KEYS = {f.encode(): f for f in _STAT_FIELDS}
 _ZERO: dict[str, int | float] = dict.fromkeys(_STAT_FIELDS, 0)
 #: histogram metric of mtq.observe.histograms -> (family name, help)
@@ -244,7 +253,7 @@ class MtqCollector(Collector):
         fresh: dict[str, tuple[tuple[Any, ...], dict[str, tuple[list[int], float]]]] = {}
         tenants_kept: dict[str, tuple[tuple[Any, ...], list[TenantRow]]] = {}
         for name, (counters, running, delayed, dead, busy, hist, cached, count,
-                   served) in zip(names, self._reader.read(names)):
+                   served, due) in zip(names, self._reader.read(names)):
             if count or served:  # scheduling on; parsed again only when it changed
                 raw_t = (tuple(count.items()), tuple(served.items()))
                 prev_t = self._tenants.get(name)
@@ -254,8 +263,10 @@ class MtqCollector(Collector):
                 tenants_kept[name] = prev_t
             st: dict[str, int | float] = {**zero, **{
                 keys[k]: int(v) for k, v in counters.items() if k in keys}}
+            tasks, cost = backlog(int(st["waiting"]), running, due, count)
             st.update(running=running, delayed=delayed, dead=dead, busy_streams=busy,
-                      cache_entries=cached)
+                      cache_entries=cached, backlog=tasks, backlog_cost=cost,
+                      cold_start=st["cold_start_ms"] / 1000)
             stats[name] = st
             if hist:
                 raw = tuple(hist.items())

@@ -149,6 +149,8 @@ class Supervisor:
         self._listeners: list[control.Listener] = []
         #: kills a child whose call overran its timeout, or that froze
         self.fence = Fence(min(c.lease_s() for c in self.consumers), self.host, self.on_event)
+        #: the --autoscale thread (mtq.workers.autoscale.Autoscaler), set before run()
+        self.autoscaler: Any = None
         self._resize()
 
     # -- public ------------------------------------------------------------------
@@ -171,9 +173,13 @@ class Supervisor:
                            for c in self.consumers]
         for listener in self._listeners:
             listener.start()
+        if self.autoscaler is not None:
+            self.autoscaler.start()
         try:
             self._loop()
         finally:
+            if self.autoscaler is not None:
+                self.autoscaler.close()
             self.stops.finish()
             for listener in self._listeners:  # a forced stop does not wait on Redis
                 listener.close(timeout=0.1 if self.stops.forced_at else 2.0)
