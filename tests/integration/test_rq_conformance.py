@@ -39,6 +39,7 @@ def run_conformance(tmp_path: Path, *args: str) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow  # ~80 s: the default suite holds mtq rq worker to RQ's semantics itself
 @pytest.mark.timeout(900)
 def test_rqs_own_suite_less_its_slow_tests_fails_only_the_listed_tests(tmp_path: Path) -> None:
     """As RQ's own default run: its 14 @slow tests (shutdowns, the work horse's death,
