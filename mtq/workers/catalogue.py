@@ -25,7 +25,7 @@ from typing import Any
 
 from mtq.broker import catalogue as broker_catalogue
 from mtq.broker.consumer import Consumer
-from mtq.errors import BrokerError
+from mtq.errors import BrokerError, RedisUnavailable
 from mtq.workers.generator import Generator
 from mtq.workers.model import FunctionModel
 from mtq.workers.options import given, given_json
@@ -131,5 +131,6 @@ def record_event(consumer: Consumer, queue: str, event: str, *, spec: str | None
             consumer.redis, queue, fields,
             model_record(model, target, version, loaded=now, **where) if model is not None
             else None)
-    except BrokerError:
-        log.warning("could not write the model catalogue", exc_info=True)
+    except BrokerError as exc:
+        log.warning("could not write the model catalogue (%s)", exc,
+                    exc_info=not isinstance(exc, RedisUnavailable))

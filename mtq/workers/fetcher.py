@@ -60,8 +60,9 @@ class Fetcher:
     def interrupt(self) -> None:
         try:
             self.consumer.interrupt()
-        except BrokerError:
-            log.warning("could not wake the fetcher", exc_info=True)
+        except BrokerError as exc:
+            log.warning("could not wake the fetcher (%s)", exc,
+                        exc_info=not isinstance(exc, RedisUnavailable))
 
     def wake_if_draining(self) -> None:
         """After a settle: a draining worker's fetcher checks whether a stream's next
@@ -283,9 +284,10 @@ class Fetcher:
             return
         try:
             handed = self.consumer.retire()
-        except BrokerError:
-            log.warning("could not take back the idle registration; tasks handed to this "
-                        "worker as it stopped return when their leases expire", exc_info=True)
+        except BrokerError as exc:
+            log.warning("could not take back the idle registration (%s); tasks handed to "
+                        "this worker as it stopped return when their leases expire", exc,
+                        exc_info=not isinstance(exc, RedisUnavailable))
             return
         self.give_back(handed)
 
@@ -295,7 +297,7 @@ class Fetcher:
             return
         try:
             self.consumer.release(tasks)
-        except BrokerError:
-            log.warning("could not give back %d task(s); they return when their leases "
-                        "expire", len(tasks), exc_info=True)
+        except BrokerError as exc:
+            log.warning("could not give back %d task(s) (%s); they return when their leases "
+                        "expire", len(tasks), exc, exc_info=not isinstance(exc, RedisUnavailable))
         self.ledger.forget([(t.id, t.token) for t in tasks])

@@ -34,12 +34,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from mtq.broker import answers, registry
+from mtq.broker import answers
 from mtq.broker.config import SettingsSpec
 from mtq.broker.connection import client_url
 from mtq.broker.consumer import Chunk, Consumer, Outcome
 from mtq.broker.protocol import Claimed
-from mtq.errors import BrokerError
 from mtq.observe.histograms import Histograms
 from mtq.workers import devices
 from mtq.workers.aborts import Aborts
@@ -60,6 +59,7 @@ from mtq.workers.outlet import Outlet
 from mtq.workers.publisher import Publisher
 from mtq.workers.residency import FAILED, LOADED, OPS, UNLOADED, EngineOp, Residency
 from mtq.workers.target import BatchPolicy, Target, load_model
+from mtq.workers.winddown import wind_down
 
 # the tunables live in the part that reads them (fetcher.FAST_BATCH_S, heartbeat.BEAT_S,
 # leases.REVALIDATE_BELOW ...): set them there
@@ -245,8 +245,9 @@ class Worker:
 
     @property
     def threads(self) -> tuple[threading.Thread, ...]:
-        """The threads :meth:`run` started (fetcher, publisher, heartbeat, ...): all of
-        them have ended once it returns."""
+        """The threads :meth:`run` started (fetcher, publisher, heartbeat, ...): all have
+        ended once it returns, but a publisher still trying to reach a Redis that was
+        away for the whole wind-down (:mod:`mtq.workers.winddown`)."""
         return tuple(self._threads)
 
     def command(self, msg: dict[str, Any]) -> None:
@@ -376,25 +377,7 @@ class Worker:
                 left, self.ops._pending = self.ops._pending, []
             for op in left:
                 self.ops.answer(op, ok=False, error="the engine stopped before carrying it out")
-            for t in self._threads[:1]:  # the fetcher may hold a claim in flight
-                t.join(timeout=10)
-            self.fetcher.retire()
-            if self.outlet is not None:
-                self.outlet.close()
-            self.publisher.close()
-            self._threads[1].join(timeout=30)
-            self.heartbeat.stop.set()
-            self._threads[2].join(timeout=5)
-            self.heartbeat.flush_stats()
-            self.aborts.close()
-            try:
-                self.batchlog.flush(self.consumer.redis)  # the last batch records
-                registry.remove(self.consumer.redis, self.worker_id)
-                self.consumer.clear_interrupts()
-            except BrokerError:
-                log.warning("could not leave the worker registry", exc_info=True)
-            if self._ready:
-                self.ops.catalogue("stopped")
+            wind_down(self)  # bounded by one lease when Redis is away (mtq.workers.winddown)
             self.loaded = False
             self.residency.notify()
         return dict(self.totals)

@@ -214,3 +214,48 @@ def test_a_graceful_stop_waits_for_its_batches_once_redis_is_back(
     assert "still unreachable" not in out and "left to their leases" not in out, out
     assert t.result(timeout=5)["i"] == 0
     assert (t.status(), t.info().deliveries) == ("succeeded", 1), out
+
+
+def test_a_bare_worker_stopped_with_redis_gone_says_so_once_and_ends_within_a_lease(
+        server: RedisServer, subprocess_env: dict[str, str], qname: str,
+        tmp_path: Path) -> None:
+    """``mtq worker run`` (no supervisor): one SIGTERM with Redis gone ends the running
+    call, then waits at most one lease to record its result, then exits, in one line
+    and no traceback; the task comes back from its lease once Redis is back."""
+    q = mtq.Queue(qname, server.url)
+    log = (tmp_path / "worker.log").open("w+")
+    proc = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.models:Probe", "-q",
+                             qname, "--redis", server.url, "--lease-ms", str(LEASE_MS),
+                             "--max-batch-size", "1"],
+                            env=subprocess_env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        task = q.submit({"s": "a", "i": 0, "sleep": 1.0})
+        wait_for(lambda: task.status() == "running", 30, "the task never started")
+        q.hub.close_all()
+        server.stop()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        bound = 1.0 + LEASE_MS / 1000 + 2.0  # the call, the lease, the listener's close
+        proc.wait(bound + MARGIN_S)
+        took = time.monotonic() - t0
+        log.seek(0)
+        out = log.read()
+        assert took < bound + MARGIN_S, (took, out)
+        assert len(re.findall(r"stopping with Redis at \S+ unreachable .* waiting at most "
+                              r"2 s \(the lease\)", out)) == 1, out
+        assert "Traceback" not in out, out
+        server.start()
+        w = subprocess.Popen([PY, "-m", "mtq", "worker", "run", "tests.models:Probe", "-q",
+                              qname, "--redis", server.url, "--burst"], env=subprocess_env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            back = mtq.Queue(qname, server.url).task(task.id)
+            assert back.result(timeout=30)["i"] == 0  # its lease expired: run again
+        finally:
+            w.kill()
+            w.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
