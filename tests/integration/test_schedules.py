@@ -294,3 +294,23 @@ def test_the_scheduler_rides_through_its_connections_killed(redis_url, client, q
         own.close()
     got = seconds(r, qname, "ride")
     assert got == list(range(got[0], got[-1] + 1)), got
+
+
+@pytest.mark.parametrize(("policy", "expect"), [("all", sch.CATCH_UP_MAX), ("latest", 1)])
+def test_catch_up_after_a_gap_longer_than_the_bound_is_bounded_and_ends_at_now(
+        client, qname, r, policy, expect):
+    """A gap of 3000 occurrences: one tick submits at most CATCH_UP_MAX (all) or the
+    very latest one (latest), and the cursor reaches now: the next tick submits none
+    of the gap."""
+    sch.add(client, "long", qname, "* * * * * *", "x", catch_up=policy)
+    now = float(int(time.time()))
+    r.hset(sch.CURSOR, "long", int(now) - 3000)
+    s = Scheduler(client=client, lease_ms=5000, grace_s=0.5)
+    assert s._lead()
+    s.tick(now + 0.9)
+    got = seconds(r, qname, "long")
+    assert len(got) == expect
+    assert got[-1] == int(now), "the latest missed occurrence is now's"
+    assert float(r.hget(sch.CURSOR, "long")) == now
+    s.tick(now + 0.9)
+    assert len(seconds(r, qname, "long")) == expect
