@@ -314,3 +314,18 @@ def test_catch_up_after_a_gap_longer_than_the_bound_is_bounded_and_ends_at_now(
     assert float(r.hget(sch.CURSOR, "long")) == now
     s.tick(now + 0.9)
     assert len(seconds(r, qname, "long")) == expect
+
+
+def test_a_schedule_removed_mid_catch_up_stops_firing(client, qname, r):
+    """Removed while the leader catches up (after it read the cursors): the cursor's
+    advance finds it gone, and the rest of its occurrences are not submitted."""
+    sch.add(client, "gone", qname, "* * * * * *", "x", catch_up="all")
+    now = float(int(time.time()))
+    s = Scheduler(client=client, lease_ms=5000, grace_s=60)
+    assert s._lead()
+    sched = sch.get(client, "gone")
+    assert sched is not None
+    assert sch.remove(client, "gone")
+    s._run_one(sched, now - 20, now)  # what the tick read before the removal
+    assert len(seconds(r, qname, "gone")) <= 1
+    assert r.hget(sch.CURSOR, "gone") is None and s.leader
