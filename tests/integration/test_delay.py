@@ -323,15 +323,16 @@ def test_a_delayed_task_of_a_tenant_joins_its_lane_when_due(qname: str, client: 
     assert q.stats()["waiting"] == 0 and q.stats()["delayed"] == 0
 
 
+@pytest.mark.parametrize("limit", [100, 7])
 def test_delayed_tasks_of_a_stream_due_at_the_same_time_keep_their_submit_order(
-        qname: str, client: redis.Redis, redis_url: str) -> None:
+        qname: str, client: redis.Redis, redis_url: str, limit: int) -> None:
     """Due at the same ms (one submit_many): the delayed set orders ties by member, and
-    ids are random, so promotion must not follow the set's order. Two streams of 40, so
-    a claim's promotion limit cuts a tie."""
+    ids are random, so promotion must not follow the set's order; nor may a claim's
+    promotion limit (reap_limit 7) cut the tie."""
     q = mtq.Queue(qname, client=client)
     s = q.submit_many([mtq.Request(f"s{i}", stream="s") for i in range(40)]
                       + [mtq.Request(f"t{i}", stream="t") for i in range(40)], delay=0.2)
-    c = Consumer(qname, redis_url)
+    c = Consumer(qname, redis_url, settings=QueueSettings(reap_limit=limit))
     order: dict[str, list[str]] = {"s": [], "t": []}
 
     def drain() -> bool:
