@@ -329,3 +329,27 @@ def test_a_schedule_removed_mid_catch_up_stops_firing(client, qname, r):
     s._run_one(sched, now - 20, now)  # what the tick read before the removal
     assert len(seconds(r, qname, "gone")) <= 1
     assert r.hget(sch.CURSOR, "gone") is None and s.leader
+
+
+def test_workers_starts_scheduler_leaves_at_once_with_redis_hung(tmp_path):
+    """``mtq workers start``'s scheduler thread (alongside) must not lengthen its stop
+    when Redis answers nothing (frozen): the supervisor's forced stop is bounded (2 s in
+    all: test_stops.py) and the thread only gives its lease back on a best effort."""
+    from mtq.workers.scheduler import alongside
+    from tests.support.servers import RedisServer
+
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        with alongside(server.url) as sched:
+            assert sched is not None
+            wait_for(lambda: sched.leader, 10, "the scheduler thread leads")
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+        took = time.monotonic() - t0
+        assert took < 1.0, f"the scheduler thread held the stop {took:.2f} s"
+    finally:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)
+        server.stop()
