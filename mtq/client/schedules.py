@@ -18,6 +18,7 @@ a no-op. The cursor advances only after the submit, and only under the lease's t
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 from dataclasses import dataclass
@@ -112,15 +113,26 @@ def next_after(expr: str, zone: str, ts: float) -> float:
 
 def occurrences(expr: str, zone: str, after: float, until: float,
                 most: int = CATCH_UP_MAX + 1) -> list[float]:
-    """The occurrences in (after, until], oldest first, at most ``most``."""
+    """The occurrences in (after, until], oldest first: the latest ``most`` of them."""
     it = _croniter(expr, zone, after)
     out: list[float] = []
     while len(out) < most:
         t = float(it.get_next(float))
         if t > until:
+            return out
+        out.append(t)
+    if float(_croniter(expr, zone, out[-1]).get_next(float)) > until:
+        return out
+    # more than ``most``: the latest ones, read back from until (occurrences are whole
+    # seconds, so those before floor(until) + 1 are those at or before until)
+    back = _croniter(expr, zone, math.floor(until) + 1)
+    out = []
+    while len(out) < most:
+        t = float(back.get_prev(float))
+        if t <= after:
             break
         out.append(t)
-    return out
+    return out[::-1]
 
 
 def task_id(name: str, occurrence: float) -> str:

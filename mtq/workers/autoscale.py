@@ -36,7 +36,7 @@ import redis
 from mtq.broker import cluster
 from mtq.broker.keys import QueueKeys
 from mtq.broker.registry import list_workers
-from mtq.errors import ConfigError
+from mtq.errors import BrokerError, ConfigError
 
 __all__ = ["Autoscaler", "Decider", "Policy", "parse_range", "read_backlog"]
 
@@ -189,7 +189,7 @@ class Autoscaler:
         while not self._closed.is_set():
             try:
                 self._step()
-            except (redis.RedisError, OSError) as exc:
+            except (redis.RedisError, OSError, BrokerError) as exc:
                 log.warning("autoscale: cannot read the backlog (%s); trying again", exc)
                 self._closed.wait(self.policy.tick_s)
 

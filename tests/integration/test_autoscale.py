@@ -140,3 +140,37 @@ def test_a_bad_autoscale_exits_2_naming_it(redis_url: str,
              "x", "--redis", redis_url, "--autoscale", value],
             env=subprocess_env, capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and says in out.stderr, (out.returncode, out.stderr)
+
+
+def test_the_autoscaler_thread_outlives_a_broker_error_in_its_tick(
+        client: redis.Redis, r: redis.Redis, qname: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The registry read (measured_rate) wraps redis-py's errors in mtq's BrokerError
+    (RedisUnavailable for Redis gone mid-tick): the thread logs it and ticks on, as it
+    does for the backlog's read, instead of ending and leaving the host unscaled. The
+    registry is made unreadable here by a worker entry of the wrong type."""
+    from types import SimpleNamespace
+
+    from mtq.broker import keys
+    from mtq.workers.autoscale import Autoscaler, Policy
+
+    asked: list[int] = []
+    sup = SimpleNamespace(queue=qname, consumer=SimpleNamespace(redis=client),
+                          devices=["cpu"], replicas=0, stopping=False, draining=False,
+                          on_event=lambda line: None,
+                          request=lambda msg: asked.append(msg["replicas"]))
+    r.zadd(keys.WORKERS, {"bogus": time.time()})
+    r.set(keys.worker("bogus"), "not a hash")
+    mtq.Queue(qname, client=client).submit("x")
+    scaler = Autoscaler(sup, Policy(0, 2, tick_s=0.05))
+    scaler.start()
+    try:
+        wait_for(lambda: "worker registry" in caplog.text or not scaler._thread.is_alive(),
+                 5, "a tick into the registry's error")
+        assert scaler._thread.is_alive(), "the autoscaler thread ended on a BrokerError"
+        r.delete(keys.worker("bogus"))
+        r.zrem(keys.WORKERS, "bogus")
+        wait_for(lambda: asked, 5, "a scale up once the registry reads again")
+        assert asked[0] == 1
+    finally:
+        scaler.close()

@@ -321,3 +321,27 @@ def test_a_delayed_task_of_a_tenant_joins_its_lane_when_due(qname: str, client: 
     assert seen == [free.id, task.id], "in due order"
     assert client.hget(count, "i:acme|w") in (None, b"0")
     assert q.stats()["waiting"] == 0 and q.stats()["delayed"] == 0
+
+
+@pytest.mark.parametrize("limit", [100, 7])
+def test_delayed_tasks_of_a_stream_due_at_the_same_time_keep_their_submit_order(
+        qname: str, client: redis.Redis, redis_url: str, limit: int) -> None:
+    """Due at the same ms (one submit_many): the delayed set orders ties by member, and
+    ids are random, so promotion must not follow the set's order; nor may a claim's
+    promotion limit (reap_limit 7) cut the tie."""
+    q = mtq.Queue(qname, client=client)
+    s = q.submit_many([mtq.Request(f"s{i}", stream="s") for i in range(40)]
+                      + [mtq.Request(f"t{i}", stream="t") for i in range(40)], delay=0.2)
+    c = Consumer(qname, redis_url, settings=QueueSettings(reap_limit=limit))
+    order: dict[str, list[str]] = {"s": [], "t": []}
+
+    def drain() -> bool:
+        got = c.claim(8)
+        for t in got:
+            order[t.stream].append(t.id)
+        done(c, got)
+        return len(order["s"]) + len(order["t"]) == 80
+
+    wait_for(lambda: drain() or (c.wait(0.2) and False), 10, "the 80 tasks run")
+    assert order["s"] == [t.id for t in s[:40]]
+    assert order["t"] == [t.id for t in s[40:]]

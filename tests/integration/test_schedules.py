@@ -294,3 +294,62 @@ def test_the_scheduler_rides_through_its_connections_killed(redis_url, client, q
         own.close()
     got = seconds(r, qname, "ride")
     assert got == list(range(got[0], got[-1] + 1)), got
+
+
+@pytest.mark.parametrize(("policy", "expect"), [("all", sch.CATCH_UP_MAX), ("latest", 1)])
+def test_catch_up_after_a_gap_longer_than_the_bound_is_bounded_and_ends_at_now(
+        client, qname, r, policy, expect):
+    """A gap of 3000 occurrences: one tick submits at most CATCH_UP_MAX (all) or the
+    very latest one (latest), and the cursor reaches now: the next tick submits none
+    of the gap."""
+    sch.add(client, "long", qname, "* * * * * *", "x", catch_up=policy)
+    now = float(int(time.time()))
+    r.hset(sch.CURSOR, "long", int(now) - 3000)
+    s = Scheduler(client=client, lease_ms=5000, grace_s=0.5)
+    assert s._lead()
+    s.tick(now + 0.9)
+    got = seconds(r, qname, "long")
+    assert len(got) == expect
+    assert got[-1] == int(now), "the latest missed occurrence is now's"
+    assert float(r.hget(sch.CURSOR, "long")) == now
+    s.tick(now + 0.9)
+    assert len(seconds(r, qname, "long")) == expect
+
+
+def test_a_schedule_removed_mid_catch_up_stops_firing(client, qname, r):
+    """Removed while the leader catches up (after it read the cursors): the cursor's
+    advance finds it gone, and the rest of its occurrences are not submitted."""
+    sch.add(client, "gone", qname, "* * * * * *", "x", catch_up="all")
+    now = float(int(time.time()))
+    s = Scheduler(client=client, lease_ms=5000, grace_s=60)
+    assert s._lead()
+    sched = sch.get(client, "gone")
+    assert sched is not None
+    assert sch.remove(client, "gone")
+    s._run_one(sched, now - 20, now)  # what the tick read before the removal
+    assert len(seconds(r, qname, "gone")) <= 1
+    assert r.hget(sch.CURSOR, "gone") is None and s.leader
+
+
+def test_workers_starts_scheduler_leaves_at_once_with_redis_hung(tmp_path):
+    """``mtq workers start``'s scheduler thread (alongside) must not lengthen its stop
+    when Redis answers nothing (frozen): the supervisor's forced stop is bounded (2 s in
+    all: test_stops.py) and the thread only gives its lease back on a best effort."""
+    from mtq.workers.scheduler import alongside
+    from tests.support.servers import RedisServer
+
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        with alongside(server.url) as sched:
+            assert sched is not None
+            wait_for(lambda: sched.leader, 10, "the scheduler thread leads")
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+        took = time.monotonic() - t0
+        assert took < 1.0, f"the scheduler thread held the stop {took:.2f} s"
+    finally:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)
+        server.stop()

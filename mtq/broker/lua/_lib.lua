@@ -571,7 +571,7 @@ local function enqueue_due(id, s)
   local f = redis.call('HMGET', tk, 'band', 'tenant', 'cost', 'deadline')
   local b, t = f[1] or 's', f[2] or ''
   redis.call('HSET', tk, 'status', 'queued')
-  redis.call('HDEL', tk, 'due')  -- (a retry of it later goes back to the head)
+  redis.call('HDEL', tk, 'due', 'dseq')  -- (a retry of it later goes back to the head)
   if sched_on() then sch().lane_count(b, t, 1, tonumber(f[3] or '1'), 0) end
   local claimable, new_stream = push_tail(id, s or '', b, t)
   if new_stream == 1 then redis.call('HINCRBY', K_STATS, 'streams', 1) end
@@ -587,7 +587,27 @@ end
 -- it kept busy), a delayed submit to the tail of its stream (enqueue_due). Returns how
 -- many entries were due, and how many streams or free lists became claimable.
 local function promote_due(now, limit)
-  local ids = redis.call('ZRANGEBYSCORE', K_DELAYED, '-inf', now, 'LIMIT', 0, limit)
+  local got = redis.call('ZRANGEBYSCORE', K_DELAYED, '-inf', now, 'WITHSCORES', 'LIMIT', 0, limit)
+  if #got == 2 * limit then
+    -- the last due time's entries whole: a tie cut here would let a later one go first
+    local all = redis.call('ZRANGEBYSCORE', K_DELAYED, got[#got], got[#got], 'WITHSCORES')
+    while #got > 0 and got[#got] == all[2] do got[#got] = nil; got[#got] = nil end
+    for j = 1, #all do got[#got + 1] = all[j] end
+  end
+  -- ties (one submit_many, the same at=) go in submit order ('dseq'), not the set's
+  -- order of random ids
+  local ids, key = {}, {}
+  for j = 1, #got, 2 do
+    local id = got[j]
+    ids[#ids + 1] = id
+    key[id] = {tonumber(got[j + 1]), tonumber(redis.call('HGET', K_TASK .. id, 'dseq') or '0')}
+  end
+  table.sort(ids, function(a, b)
+    local x, y = key[a], key[b]
+    if x[1] ~= y[1] then return x[1] < y[1] end
+    if x[2] ~= y[2] then return x[2] < y[2] end
+    return a < b
+  end)
   local woken = 0
   for _, id in ipairs(ids) do
     redis.call('ZREM', K_DELAYED, id)

@@ -87,6 +87,7 @@ if ARGV[A + n * G] and ARGV[A + n * G] ~= '' then
   end
 end
 local due = {}  -- score, member pairs for K_DELAYED
+local dseq = nil  -- the call's first submit-order number for delayed tasks
 -- (a refused call writes nothing: checked before scheduling is turned on)
 if max_length > 0 then
   local waiting = tonumber(redis.call('HGET', K_STATS, 'waiting') or '0')
@@ -388,6 +389,9 @@ for i = 0, n - 1 do
     if delay > 0 then
       f[4] = 'delayed'
       f[#f + 1] = 'due'; f[#f + 1] = now + delay
+      -- its place among tasks due at the same ms (promote_due): this call's block of seq
+      if not dseq then dseq = redis.call('INCRBY', K_SEQ, n) - n end
+      f[#f + 1] = 'dseq'; f[#f + 1] = dseq + i + 1
     end
     if ttl ~= '0' then f[#f + 1] = 'deadline'; f[#f + 1] = now + delay + tonumber(ttl) end
     if retries ~= '' then f[#f + 1] = 'retries'; f[#f + 1] = retries end
