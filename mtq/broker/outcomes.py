@@ -217,6 +217,8 @@ def stream_items(chunks: Sequence[Chunk]) -> tuple[list[EmitItem], list[Outcome]
 
 
 _COUNTED = {RETRY: "retried", FAIL: "failed", DEAD: "dead", CANCEL: "cancelled"}
+#: ack.lua's code for a success that ended cancelled: a cancel request came first
+ENDED_CANCELLED = 2
 
 
 def count(acks: Sequence[AckItem], nacks: Sequence[NackItem], ack_codes: Sequence[int],
@@ -228,6 +230,8 @@ def count(acks: Sequence[AckItem], nacks: Sequence[NackItem], ack_codes: Sequenc
     for (task_id, _, _), code in zip(acks, ack_codes):
         if code == Code.LEASE_LOST:
             report.lost.append(task_id)
+        elif code == ENDED_CANCELLED:  # a cancel request reached Redis first (ack.lua)
+            report.cancelled += 1
         else:
             report.succeeded += 1
     for (task_id, _, action, _), code in zip(nacks, nack_codes):

@@ -256,7 +256,7 @@ def test_ack_of_a_task_with_a_cancel_request_ends_it_cancelled(qname: str, r: re
     (claimed,) = c.claim(1)
     assert t.cancel() is False  # running: requested
     report = c.settle([mtq.Outcome(claimed, ok=True, value="late")])
-    assert not report.lost
+    assert not report.lost and (report.succeeded, report.cancelled) == (0, 1), report
     info = t.info()
     assert info.status == "cancelled", info
     assert r.hget(QueueKeys(qname).task(t.id), "result") is None

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import mtq
+from tests.support.processes import ctrl_c_default
 from tests.support.waits import wait_for
 
 PY = sys.executable
@@ -38,7 +39,7 @@ def test_timeout_prints_the_id_first_and_exits_6(how: list[str], redis_url: str,
 def test_ctrl_c_stops_waiting_with_exit_130(redis_url: str, qname: str) -> None:
     proc = subprocess.Popen([PY, "-m", "mtq", "submit", qname, "{}", "--wait", "--redis",
                              redis_url], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=ctrl_c_default)
     assert proc.stderr is not None
     ready, _, _ = select.select([proc.stderr], [], [], 30)
     assert ready, "no line from mtq submit within 30 s"
@@ -70,7 +71,7 @@ def test_ctrl_c_while_waiting_for_a_file_exits_130(redis_url: str, qname: str,
     f.write_text('{"a": 1}\n{"a": 2}\n')
     proc = subprocess.Popen([PY, "-m", "mtq", "submit", qname, "--file", str(f), "--wait",
                              "--json", "--redis", redis_url], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_default)
     q = mtq.Queue(qname, redis_url)
     wait_for(lambda: q.stats()["waiting"] == 2, 20, "the tasks were not queued")
     proc.send_signal(signal.SIGINT)
@@ -93,7 +94,7 @@ def test_ctrl_c_while_submitting_a_file_says_what_was_submitted_and_exits_130(
     f.write_text('{"a": 1}\n' * total)
     proc = subprocess.Popen([PY, "-m", "mtq", "submit", qname, "--file", str(f), "--json",
                              "--redis", redis_url], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ctrl_c_default)
     q = mtq.Queue(qname, redis_url)
     # the second chunk's script runs only once the first one's reply is read: from then
     # on, the client knows at least one chunk is in

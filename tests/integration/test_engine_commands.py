@@ -31,6 +31,7 @@ from mtq.client import engines
 from mtq.errors import ConfigError, EngineTimeout, NoEngine, ResultTimeout
 from mtq.workers import control
 from tests.support.paths import PY
+from tests.support.processes import ctrl_c_default
 from tests.support.supervisors import StartFn, wait_workers, workers_of
 from tests.support.waits import wait_for
 from tests.support.workers import registered_worker
@@ -279,7 +280,8 @@ def test_ctrl_c_while_waiting_exits_130_and_says_the_command_goes_on(
         err = tmp_path / "cli.err"
         with open(err, "wb") as f:
             cmd = subprocess.Popen([PY, "-m", "mtq", "workers", "reset", "-q", qname],
-                                   env=subprocess_env, stdout=subprocess.PIPE, stderr=f)
+                                   env=subprocess_env, stdout=subprocess.PIPE, stderr=f,
+                                   preexec_fn=ctrl_c_default)
         try:
             wait_for(lambda: "waiting up to 600 s" in flat(err.read_text()), 30,
                      "the command never started waiting")

@@ -163,8 +163,12 @@ class BrokerMachine(RuleBasedStateMachine):
         report = self.c.settle([mtq.Outcome(t, ok=True, value=t.id, cost=cost)])
         self.settled(t, cost)
         del self.running[t.id]
-        self.status[t.id] = "succeeded"
-        assert report.succeeded == 1
+        if t.id in self.cancel_requested:  # a cancel asked while it ran: never succeeded
+            self.status[t.id] = "cancelled"
+            assert report.succeeded == 0, report
+        else:
+            self.status[t.id] = "succeeded"
+            assert report.succeeded == 1, report
 
     @precondition(_has_live)
     @rule(data=st.data())

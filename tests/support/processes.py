@@ -58,3 +58,11 @@ def gated_task(q: Any, tmp_path: Path, i: int, gate: str = "gate") -> tuple[Path
     path = tmp_path / gate
     path.touch()
     return path, q.submit({"i": i, "gate": str(path)})
+
+
+def ctrl_c_default() -> None:
+    """``preexec_fn`` of a process a test sends Ctrl-C (SIGINT) to: SIGINT back to its
+    default, as in a terminal. A test run started in the background by a shell without
+    job control inherits SIGINT ignored, and so would the process, which would then
+    never see the Ctrl-C the test sends."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

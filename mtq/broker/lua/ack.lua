@@ -10,7 +10,8 @@ ARGV[7 + 3n] the costs the tasks really had, "index=cost,..." (index from 1; abs
 A task with a cancel request (cancel.lua set 'cancel' while it ran: the request may
 reach Redis after its worker's last lease extend) never ends succeeded: it ends
 cancelled, its result dropped (read in the HMGET done anyway: no extra command).
-Returns: one code per task: 1 = recorded (or cancelled, as above); E_LEASE_LOST = the task is not running
+Returns: one code per task: 1 = recorded; 2 = ended cancelled instead (as above);
+  E_LEASE_LOST = the task is not running
   under this token any more (its lease expired and it was reclaimed, or it was
   already finished): nothing is changed, the result of the current owner stands.
 Result cache (see submit.lua): a task that owns a cache entry ('cache' = version ..
@@ -58,7 +59,7 @@ for i = 0, n - 1 do
     if f[7] then woken = woken + release_stream(f[7]) end
     redis.call('ZREM', K_LEASES, id)
     cancelled[#cancelled + 1] = id
-    codes[i + 1] = 1
+    codes[i + 1] = 2
   else
     local keep, own, result = ttl, f[8] or false, ARGV[b + 2]
     -- find, plain, not sub: no new string per task
