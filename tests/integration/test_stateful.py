@@ -346,6 +346,10 @@ class SchedMachine(BrokerMachine):
             assert weight is None and t.id not in self.charged
             return
         lane = self.lane[t.id]
+        # a cost given with no band or tenant before the queue scheduled is not stored:
+        # the task counts 1, as the turn-on counted it (submit.lua)
+        stored = self.r.hget(self.keys.task(t.id), "cost")
+        self.cost[t.id] = 1.0 if stored is None else float(stored)
         self.want[lane] = self.want.get(lane, 0.0) + self.cost[t.id]
         self.charged.add(t.id)
         # the charge its claim stored: "weight|band|tenant"
