@@ -51,7 +51,6 @@ A run of only some sections prints its figures and writes the block only with
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import statistics
@@ -72,10 +71,9 @@ from benchmarks.control_frozen import measure_frozen
 from benchmarks.control_kill import measure_kill
 from benchmarks.control_local import measure_local
 from benchmarks.control_spread import measure_spread
-from benchmarks.harness.meters import machine_info
 from benchmarks.harness.procs import Proc, kill_group, spawn, wait_for, worker_env
-from benchmarks.harness.report import Results, cli_parser, docs_of, write_block
-from benchmarks.harness.server import RedisServer, Server, compile_tree, uniq
+from benchmarks.harness.sections import run_sections
+from benchmarks.harness.server import RedisServer, Server, uniq
 from mtq.replies import hub_of
 from mtq.workers.registry import list_workers
 
@@ -298,33 +296,7 @@ TITLES = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = cli_parser(__doc__, "about a minute")
-    ap.add_argument("--only", action="append", choices=sorted(SECTIONS),
-                    help="run only this section (repeatable)")
-    args = ap.parse_args(argv)
-    names = args.only or list(SECTIONS)
-    # a partial run does not write the shared block unless asked (it would drop the
-    # other sections)
-    docs = docs_of(args) if args.docs or set(names) == set(SECTIONS) else None
-    compile_tree()
-    results = Results(unjudged=args.quick)
-    started = time.time()
-    for name in names:
-        results.section = TITLES.get(name, name)
-        section = SECTIONS[name](args.quick)
-        for row in section["rows"]:
-            results.add(*row)
-        for what, met, detail, comparable in section.get("targets", ()):
-            results.target(what, met, detail, comparable)
-    results.print("mtq control benchmark")
-    if docs is not None:
-        command = "python -m benchmarks.control" + "".join(
-            f" --only {n}" for n in names if set(names) != set(SECTIONS))
-        load = os.getloadavg()[0]
-        write_block("control", results.markdown(), command,
-                    machine_info(None, f"load average {load:.1f} at the end"),
-                    time.time() - started, docs)
-    return 0 if all(met is not False for _, met, _ in results.targets) else 1
+    return run_sections("control", __doc__, "about a minute", SECTIONS, TITLES, argv)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,6 @@ A run of only some sections prints its figures and writes the block only with
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -57,10 +56,9 @@ from typing import Any
 import redis
 
 import mtq
-from benchmarks.harness.meters import machine_info
 from benchmarks.harness.procs import Proc, wait_for, worker_env
-from benchmarks.harness.report import Results, cli_parser, docs_of, write_block
-from benchmarks.harness.server import Server, compile_tree, uniq
+from benchmarks.harness.sections import run_sections
+from benchmarks.harness.server import Server, uniq
 from mtq.broker.keys import QueueKeys
 from mtq.workers.registry import list_workers
 
@@ -317,33 +315,7 @@ TITLES = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = cli_parser(__doc__, "about 15 s")
-    ap.add_argument("--only", action="append", choices=sorted(SECTIONS),
-                    help="run only this section (repeatable)")
-    args = ap.parse_args(argv)
-    names = args.only or list(SECTIONS)
-    # a partial run does not write the shared block unless asked (it would drop the
-    # other sections)
-    docs = docs_of(args) if args.docs or set(names) == set(SECTIONS) else None
-    compile_tree()
-    results = Results(unjudged=args.quick)
-    started = time.time()
-    for name in names:
-        results.section = TITLES.get(name, name)
-        section = SECTIONS[name](args.quick)
-        for row in section["rows"]:
-            results.add(*row)
-        for what, met, detail, comparable in section.get("targets", ()):
-            results.target(what, met, detail, comparable)
-    results.print("mtq flow benchmark")
-    if docs is not None:
-        command = "python -m benchmarks.flow" + "".join(
-            f" --only {n}" for n in names if set(names) != set(SECTIONS))
-        load = os.getloadavg()[0]
-        write_block("flow", results.markdown(), command,
-                    machine_info(None, f"load average {load:.1f} at the end"),
-                    time.time() - started, docs)
-    return 0 if all(met is not False for _, met, _ in results.targets) else 1
+    return run_sections("flow", __doc__, "about 15 s", SECTIONS, TITLES, argv)
 
 
 if __name__ == "__main__":
