@@ -17,15 +17,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 from mtq.broker import registry
 from mtq.broker.connection import client_url, open_client, safe_url, single_attempt
 from mtq.errors import BrokerError
 from mtq.settings import RedisSettings
-
-if TYPE_CHECKING:
-    from mtq.workers.worker import Worker
 
 log = logging.getLogger("mtq.workers.worker")
 
@@ -33,7 +30,7 @@ log = logging.getLogger("mtq.workers.worker")
 CHECK_TIMEOUT_S = 0.5
 
 
-def redis_away(w: Worker) -> str:
+def redis_away(w: Any) -> str:
     """Why Redis does not answer now ('' if it does): one PING, sent once."""
     client = w.consumer.redis
     url = client_url(client)
@@ -51,8 +48,9 @@ def redis_away(w: Worker) -> str:
     return ""
 
 
-def wind_down(w: Worker) -> None:
-    """After the model loop: join the threads, give back, write the last records."""
+def wind_down(w: Any) -> None:
+    """After the model loop of ``w`` (a :class:`mtq.workers.worker.Worker`, which
+    imports this module): join its threads, give back, write the last records."""
     threads = w.threads
     deadline: float | None = None
     away = redis_away(w)

@@ -69,12 +69,13 @@ def test_a_waiter_reads_its_own_result_and_the_listener_reads_again_when_none_do
     before = hub.read_by_callers
     for i in range(50):
         assert q.submit({"i": i}).result(timeout=30)["i"] == i
-    assert hub.read_by_callers >= before + 50, "a waiter in a loop did not read its own"
+    after = hub.read_by_callers  # (a waiter may read twice for one result under load)
+    assert after >= before + 50, "a waiter in a loop did not read its own"
     # nobody waits now: the listener reads again within PARK_S, and an outcome that comes
     # meanwhile reaches the inbox (no round trip for the result() that comes later)
     t = q.submit({"i": 7})
     wait_for(lambda: hub.kept() == 1, 10, "the outcome nobody waited for was not read")
-    assert hub.read_by_callers == before + 50
+    assert hub.read_by_callers == after  # the listener read it, no caller
     assert t.result(timeout=5)["i"] == 7
 
 
