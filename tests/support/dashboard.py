@@ -189,6 +189,7 @@ class Live:
         self.status: int | None = None
         self._http = httpx.Client(base_url=base, timeout=httpx.Timeout(10, read=30))
         self._resp: httpx.Response | None = None
+        self._opened = threading.Event()  # the response is there (or the reader ended)
         self._stop = False
         self.thread = threading.Thread(target=self._read, args=(path,), daemon=True)
         self.thread.start()
@@ -197,6 +198,7 @@ class Live:
         try:
             with self._http.stream("GET", path) as resp:
                 self._resp = resp
+                self._opened.set()
                 self.status = resp.status_code
                 for ev in events(resp):
                     if self._stop:
@@ -210,6 +212,7 @@ class Live:
         except httpx.HTTPError:
             pass
         finally:
+            self._opened.set()
             self.ended.set()
 
     def latest(self, section: str) -> str:
@@ -218,6 +221,9 @@ class Live:
 
     def close(self) -> None:
         self._stop = True
+        # the server may count the stream before its headers reach the reader: a close
+        # before then would leave the connection open until the next keep-alive
+        self._opened.wait(10)
         if self._resp is not None:
             self._resp.close()
         self._http.close()
