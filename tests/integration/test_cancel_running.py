@@ -170,9 +170,17 @@ class Batch(mtq.Model):
         self.batches.append(len(batch))
         self.started.set()
         cur = mtq.current_task()
+        # "until_stopped": step on until a member is stopped, then a few more steps, so
+        # that a slow machine cannot finish the batch before the cancel arrives.
+        until_stopped = any(p.get("until_stopped") for p in batch)
+        after = 5
         for _ in range(int(max(p.get("steps", 0) for p in batch))):
             cur.raise_if_cancelled()
             self.skipped |= cur.stopped
+            if until_stopped and cur.stopped:
+                after -= 1
+                if after == 0:
+                    break
             time.sleep(0.005)
         return [p.get("v") for p in batch]
 
@@ -211,7 +219,8 @@ def test_one_cancelled_batch_member_ends_cancelled_the_other_succeeds(
     model = Batch()
     q = mtq.Queue(qname, redis_url)
     with serving(make_worker(model, qname, redis_url)):
-        a, b = q.submit_many([{"v": 1, "steps": 60}, {"v": 2, "steps": 60}])
+        a, b = q.submit_many([{"v": 1, "steps": 4000, "until_stopped": True},
+                              {"v": 2, "steps": 4000}])
         assert model.started.wait(10)
         running(a)
         a.cancel()
