@@ -22,9 +22,10 @@ from benchmarks.hotpath import drain, roundtrips
 def batch1(server: Any, queue: str, target: str, cpu: int | None, env: dict[str, str],
            *extra: str) -> subprocess.Popen[bytes]:
     """``hotpath.spawn_worker`` with ``--max-batch-size 1``, for a tree whose ``drain()``
-    takes no more of the worker's command line."""
+    takes no more of the worker's command line. ``--batch-size``: the name every tree
+    takes (later trees keep it as an alias of ``--max-batch-size``)."""
     cmd = [sys.executable, "-m", "mtq", "worker", "run", target, "--queue", queue,
-           "--max-batch-size", "1"]
+           "--batch-size", "1"]
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu), *cmd]
     return subprocess.Popen(cmd, env=env, cwd=hotpath.ROOT, stdout=subprocess.DEVNULL,

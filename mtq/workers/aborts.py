@@ -71,11 +71,15 @@ class Aborts:
         self.reported = False
         self.call = tasks
         current.enter(self.view)
-        if not (default > 0 or led.deadlines or any(t.timeout_ms for t in tasks)):
-            if led.cancel:  # (most calls take no lock: no timeouts, no cancels)
-                with led.lock:
-                    led.changed.notify_all()
-            return
+        if default <= 0 and not led.deadlines:  # (most calls: no timeouts, no cancels)
+            for t in tasks:
+                if t.timeout_ms:
+                    break
+            else:
+                if led.cancel:  # (a call on cancelled tasks is told; no lock otherwise)
+                    with led.lock:
+                        led.changed.notify_all()
+                return
         now = time.monotonic()
         with led.lock:
             added = False
@@ -100,7 +104,11 @@ class Aborts:
     def end(self) -> None:
         """The call returned (or raised)."""
         current.leave()
-        with self._report:
+        led = self.ledger
+        if led.cancel or led.timed_out:  # the aborts thread may be reporting this call
+            with self._report:
+                self.call = ()
+        else:  # (nothing to report: a task leaves those sets only once settled)
             self.call = ()
 
     def reason(self, task_id: str) -> str | None:
@@ -125,6 +133,9 @@ class Aborts:
     def stopped_all(self, tasks: Sequence[Claimed]) -> bool:
         """Every one of ``tasks`` is cancelled or past its run timeout: nothing of the
         call is still wanted."""
+        led = self.ledger
+        if not (led.cancel or led.timed_out or led.deadlines):  # most calls
+            return False
         return bool(tasks) and len(self.stopped([t.id for t in tasks])) == len(tasks)
 
     def error(self, task_id: str) -> BaseException:

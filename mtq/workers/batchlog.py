@@ -80,6 +80,12 @@ class BatchLog:
         self.settings = QueueSettings()
         #: mean bytes of a record (:func:`entry_bytes`) this process wrote; 0: none yet
         self.mean_bytes = 0.0
+        #: one packer, reused (heartbeat thread: :meth:`write`; a Packer per record cost
+        #: as much as the rest of a beat with batches of one task)
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        #: held by :meth:`write` (the heartbeat's, or a stop's flush if the heartbeat
+        #: thread did not end in time): one packer, one _inflight
+        self._writing = threading.Lock()
         self._lock = threading.Lock()
         #: (kind, start, end, task ids) of the batches not written yet (see end)
         self._pending: list[tuple[Kind, float, float, list[str]]] = []
@@ -132,7 +138,7 @@ class BatchLog:
             fields.append(kind)
         if self._where:
             fields.extend(self._where)
-        return msgpack.packb(fields, use_bin_type=True)
+        return self._pack(fields)
 
     def keep(self) -> int:
         """How many records the list keeps: the fewest of ``batch_log_max`` and of the
@@ -167,8 +173,15 @@ class BatchLog:
     def write(self, pipe: Any) -> None:
         """Queue the records gathered since the last beat on ``pipe`` (and those of a
         beat that failed); :meth:`written` once the pipeline ran."""
+        with self._writing:
+            self._write(pipe)
+
+    def _write(self, pipe: Any) -> None:
         with self._lock:
             fresh, self._pending = self._pending, []
+        # only what the list keeps is encoded: the newest records (the rest would be
+        # trimmed at once; with batches of one task a beat gathers thousands)
+        fresh = fresh[-min(BUFFER_MAX, max(1, self.keep())):]
         records = (self._inflight + [self._encode(r) for r in fresh])[-BUFFER_MAX:]
         self._inflight = records
         if not records:

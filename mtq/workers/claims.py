@@ -67,10 +67,12 @@ class ClaimSizer:
             return
         if not self.per_item or n <= 0:
             return
-        new = max(seconds, 0.0) / n
+        new = seconds / n if seconds > 0 else 0.0
         last = self.task_s
-        self.task_s = new if last is None or new >= last else (last + new) / 2
-        self.slot.set_claim_size(self.size())
+        self.task_s = new if last is None or new >= last else (last + new) * 0.5
+        size = self.size()
+        if size != self.slot.claim_size:  # (once a batch: no lock when it stays)
+            self.slot.set_claim_size(size)
 
     def slow(self, seconds: float, rest: int) -> bool:
         """One task of a per-item batch ran in ``seconds`` with ``rest`` more after it:
@@ -86,8 +88,10 @@ class ClaimSizer:
 
     def size(self) -> int:
         """Tasks per claim now (before the slot's max_batch_size caps it)."""
-        if not self.per_item or self.task_s is None:
-            return 1 if self.per_item else self.slot.max_batch_size
-        if self.task_s <= 0:
-            return self.slot.max_batch_size
-        return max(1, min(self.slot.max_batch_size, math.ceil(CLAIM_AHEAD_S / self.task_s)))
+        b = self.slot.max_batch_size
+        task_s = self.task_s
+        if not self.per_item or task_s is None:
+            return 1 if self.per_item else b
+        if task_s * b <= CLAIM_AHEAD_S:  # (a fast function: whole batches)
+            return b
+        return max(1, min(b, math.ceil(CLAIM_AHEAD_S / task_s)))
