@@ -137,8 +137,13 @@ class Broker:
                          "1" if t.admit else ""]
             if timed:
                 args.append(t.timeout_ms or "")
-        if any(t.delay_ms for t in tasks):  # the delays, after the groups (submit.lua)
-            args.append(",".join(str(t.delay_ms) for t in tasks))
+        chained = any(t.chain for t in tasks)
+        if chained or any(t.delay_ms for t in tasks):  # after the groups (submit.lua)
+            args.append(",".join(str(t.delay_ms) for t in tasks)
+                        if any(t.delay_ms for t in tasks) else "")
+        if chained:  # two per task: its chain fields (submit.lua)
+            for t in tasks:
+                args += [t.chain, t.then]
         return self._call("submit", args, parse_submit)
 
     def submit(self, tasks: Sequence[NewTask], reply: str = "") -> Answer:

@@ -1,0 +1,246 @@
+"""Chains: the hand-off of a succeeded step's result to the next step's queue.
+
+A chain (``Queue.submit(..., then=[...])``, docs/streaming.md, "Chains") is a series of
+tasks, each on a queue of its own. Every step's hash holds ``chain`` (msgpack: the
+chain's id, which is its first task's id, the step's index and every step's queue) and,
+while steps follow it, ``then`` (msgpack: those steps' specs, below). A step's id is
+derived from the chain id and its index (:func:`step_id`), so a second submit of it is
+refused as a duplicate id: the hand-off is idempotent.
+
+Exactly once, on a Redis Cluster too: ack.lua cannot submit to another queue (another
+hash slot), so in the call that ends the step succeeded it records the pending
+hand-off in the step's own queue (``mtq:{q}:handoffs``, id -> ms) and answers code 3.
+The worker then submits the next step (:func:`hand_off`) and removes the record; a
+worker killed between the two leaves the record, which the periodic reaper of any
+worker of the queue completes once it is a lease old (:func:`recover`). Two hand-offs
+racing (a slow worker and a recoverer) submit one task: the second is a duplicate id.
+
+A step's spec (a dict, msgpack; built and checked by ``mtq.client.chains``): ``q`` its
+queue, ``p`` the base payload (None: none), ``f`` the field the previous result goes
+under (None: the payload is the previous result), ``k`` the key of a dict result to
+take (None: all of it), ``s`` stream, ``t`` tenant, ``b`` band letter, ``l`` ttl ms,
+``o`` run timeout ms, ``y`` retries, ``d`` deadline (unix ms: past it, the step
+expires unrun). Everything is data: no code travels.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import msgpack
+
+from mtq import serialization
+from mtq.broker.cluster import for_queue, sharded, shared
+from mtq.broker.codes import Code
+from mtq.broker.config import SettingsSource
+from mtq.broker.connection import redis_errors
+from mtq.broker.keys import QueueKeys
+from mtq.broker.protocol import Broker
+from mtq.broker.records import NewTask
+from mtq.errors import MtqError
+
+log = logging.getLogger(__name__)
+
+#: most steps in a chain (its first task included)
+MAX_STEPS = 16
+#: the longest id a chain's first task may have: its steps' ids add "-<index>"
+MAX_CHAIN_ID = 61
+#: ack.lua's code for "recorded; a chain hand-off is pending"
+CHAINED = 3
+#: records older than this many leases are completed by the reaper (the worker that
+#: acked is taken to be dead)
+RECOVER_AFTER_LEASES = 1.0
+#: most records one recovery round completes
+RECOVER_BATCH = 100
+#: test only: a worker process exits right after an ack that recorded a hand-off,
+#: before it submits the next step (tests/integration/test_chains_kill.py)
+EXIT_AFTER_ACK_ENV = "MTQ_TEST_EXIT_AFTER_CHAIN_ACK"
+
+
+class BuildError(MtqError):
+    """The next step's payload cannot be built from the previous result (a ``pick``
+    key the result lacks, a result too large). Recorded on the previous step
+    (``chainerr``); the chain's reader raises it as ChainFailed."""
+
+
+def step_id(chain_id: str, index: int) -> str:
+    """The id of step ``index`` (0: the chain's first task, whose id is the chain's)."""
+    return chain_id if index == 0 else f"{chain_id}-{index}"
+
+
+def info(chain_id: str, index: int, queues: list[str]) -> bytes:
+    """A step's ``chain`` field."""
+    return serialization.dumps({"c": chain_id, "i": index, "q": queues})
+
+
+def read_info(raw: bytes) -> tuple[str, int, list[str]]:
+    """(chain id, step index, every step's queue) of a ``chain`` field."""
+    d = serialization.loads(raw)
+    return str(d["c"]), int(d["i"]), [str(q) for q in d["q"]]
+
+
+def build(step: dict[str, Any], result: bytes) -> Any:
+    """The payload of ``step`` from the previous step's encoded result. Raises
+    BuildError."""
+    value = serialization.loads(result)
+    pick = step.get("k")
+    if pick is not None:
+        if not isinstance(value, dict) or pick not in value:
+            got = f"keys {sorted(map(str, value))[:10]}" if isinstance(value, dict) \
+                else type(value).__name__
+            raise BuildError(f"step {step['q']!r} picks key {pick!r} of the previous "
+                             f"result, which has none ({got})")
+        value = value[pick]
+    field = step.get("f")
+    if field is None:
+        return value
+    base = dict(step.get("p") or {})
+    base[field] = value
+    return base
+
+
+def _replies(reply: bytes | None, src: QueueKeys, dst: QueueKeys) -> str:
+    """The reply channels of the previous step (its submitter's and its watchers'),
+    moved to the next step's queue: whoever follows the chain hears every step."""
+    if not reply:
+        return ""
+    head = src.reply("")
+    out = []
+    for ch in reply.decode().split():
+        if ch.startswith(head):
+            out.append(dst.reply(ch[len(head):]))
+    return " ".join(out)
+
+
+class HandOff:
+    """Submits the next steps of the chained tasks one worker's acks recorded."""
+
+    def __init__(self, client: Any, queue: str) -> None:
+        self.client = shared(client)
+        self.keys = QueueKeys(queue)
+        self.redis = for_queue(self.client, queue)
+        self._brokers: dict[str, Broker] = {}
+
+    def broker(self, queue: str) -> Broker:
+        b = self._brokers.get(queue)
+        if b is None:
+            c = for_queue(self.client, queue)
+            b = self._brokers[queue] = Broker(c, queue, SettingsSource.shared(c, queue, None))
+        return b
+
+    def run(self, ids: list[str]) -> int:
+        """Submit the next step of each succeeded task ``ids`` whose hand-off is
+        recorded, and remove the records; returns how many were completed. A step a
+        queue refuses for now (full, rate limited, Redis away) keeps its record for
+        the next try (:func:`recover`)."""
+        fields = ("then", "chain", "reply", "result", "chainstop")
+        with redis_errors("while reading a chain's next step"):
+            pipe = self.redis.pipeline(transaction=False)
+            for tid in ids:
+                pipe.hmget(self.keys.task(tid), fields)
+            rows = pipe.execute()
+        done = []
+        for tid, (then, chain, reply, result, stop) in zip(ids, rows):
+            if then is None or chain is None or result is None:
+                done.append(tid)  # gone, or not chained
+                continue
+            if stop is not None:  # its chain was cancelled
+                self._tell(chain, then, reply, "cancelled", "the chain was cancelled")
+                done.append(tid)
+                continue
+            try:
+                if self._submit(tid, then, chain, reply, result):
+                    done.append(tid)
+            except BuildError as exc:
+                log.warning("chain step after %s: %s", tid, exc)
+                with redis_errors():
+                    self.redis.hset(self.keys.task(tid), "chainerr", str(exc))
+                self._tell(chain, then, reply, "failed", str(exc))
+                done.append(tid)
+        if done:
+            with redis_errors("while removing chain hand-off records"):
+                self.redis.zrem(self.keys.handoffs, *done)
+        return len(done)
+
+    def _tell(self, chain: bytes, then: bytes, reply: bytes | None, status: str,
+              error: str) -> None:
+        """Tell whoever follows the chain that its next step will never run, as that
+        step's done message would (status, error): its reader's wait ends now. The
+        record on the previous step (``chainstop``, ``chainerr``) is what a later
+        reader reads."""
+        chain_id, index, _ = read_info(chain)
+        queue = serialization.loads(then)[0]["q"]
+        channels = _replies(reply, self.keys, QueueKeys(queue))
+        if not channels:
+            return
+        nxt = step_id(chain_id, index + 1)
+        msg = msgpack.packb(["done", int(time.time() * 1e6), [nxt, status, error.encode()]])
+        c = for_queue(self.client, queue)
+        try:
+            with redis_errors():
+                for ch in channels.split():
+                    if sharded(c):
+                        c.spublish(ch, msg)
+                    else:
+                        c.publish(ch, msg)
+        except MtqError as exc:  # the reader finds the record when it looks
+            log.info("could not tell the chain's readers (%s)", exc)
+
+    def _submit(self, tid: str, then: bytes, chain: bytes, reply: bytes | None,
+                result: bytes) -> bool:
+        chain_id, index, queues = read_info(chain)
+        steps = serialization.loads(then)
+        step, rest = steps[0], steps[1:]
+        nxt = index + 1
+        payload = serialization.dumps(build(step, result))
+        b = self.broker(step["q"])
+        if len(payload) > b.settings.max_payload_bytes:
+            raise BuildError(f"the payload built for step {nxt} ({step['q']!r}) is "
+                             f"{len(payload)} bytes, over its queue's max_payload_bytes")
+        ttl_ms = step.get("l") or 0
+        if step.get("d"):
+            left = int(step["d"] - time.time() * 1000)
+            ttl_ms = max(1, min(ttl_ms, left) if ttl_ms else left)  # past it: expires
+        new = NewTask(
+            id=step_id(chain_id, nxt), payload=payload, stream=step.get("s") or "",
+            ttl_ms=ttl_ms, retries=step.get("y"), band=step.get("b") or "s",
+            tenant=step.get("t") or "", timeout_ms=step.get("o") or 0,
+            chain=info(chain_id, nxt, queues),
+            then=serialization.dumps(rest) if rest else b"")
+        answer = b.submit([new], _replies(reply, self.keys, b.keys))
+        first = answer[0] if answer else None
+        if first in (Code.QUEUE_FULL, Code.RATE_LIMITED, Code.WOULD_MISS):
+            log.info("chain step %s: queue %r refused it for now (code %s); retried "
+                     "later", new.id, step["q"], first)
+            return False
+        # its id, or DUPLICATE_ID: submitted before (a hand-off raced this one)
+        with redis_errors():
+            stopped = self.redis.hexists(self.keys.task(tid), "chainstop")
+        if stopped and first == new.id:  # cancelled while it was being submitted
+            b.cancel(new.id)
+        return True
+
+
+def exit_after_ack_if_asked() -> None:
+    """Test only (:data:`EXIT_AFTER_ACK_ENV`): die as a worker killed right after an ack
+    that recorded a hand-off, before it submits the next step, would."""
+    if os.environ.get(EXIT_AFTER_ACK_ENV) == "1":
+        os._exit(17)
+
+
+def recover(h: HandOff, lease_ms: int) -> int:
+    """Complete hand-offs recorded more than a lease ago (the worker that acked died
+    before it submitted the next step): one round trip when there are none."""
+    with redis_errors("while reading chain hand-offs"):
+        pipe = h.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(h.keys.handoffs, 0, RECOVER_BATCH - 1, withscores=True)
+        (sec, usec), rows = pipe.execute()
+    if not rows:
+        return 0
+    now = sec * 1000 + usec // 1000
+    due = [m.decode() for m, score in rows if score <= now - lease_ms * RECOVER_AFTER_LEASES]
+    return h.run(due) if due else 0
