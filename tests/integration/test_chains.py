@@ -343,3 +343,12 @@ def test_plain_tasks_cost_the_same_redis_commands(tmp_path: Any) -> None:
     finally:
         server.stop()
     assert plain == after, (plain, after)
+
+
+def test_submit_many_takes_chains_in_requests(redis_url: str, client: redis.Redis) -> None:
+    a, b = names(2)
+    tasks = mtq.Queue(a, client=client).submit_many(
+        [mtq.Request(i, then=[b]) for i in range(5)] + [7])
+    with workers(redis_url, (a, lambda p: p * 2), (b, lambda p: p + 1)):
+        assert [t.chain().result(timeout=10) for t in tasks[:5]] == [1, 3, 5, 7, 9]
+        assert tasks[5].result(timeout=10) == 14 and tasks[5].chain() is None
