@@ -58,6 +58,7 @@ A run of only some sections prints its figures and writes the block only with
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -317,7 +318,7 @@ def _chain_times(chain: mtq.Chain) -> list[tuple[int, int, int]]:
     """(previous finished, created, started) of each step after the first (server ms)."""
     infos = [t.info() for t in chain.tasks]
     out = []
-    for prev, cur in zip(infos, infos[1:]):
+    for prev, cur in itertools.pairwise(infos):
         assert prev.finished is not None and cur.created is not None \
             and cur.started is not None
         out.append((prev.finished, cur.created, cur.started))
@@ -334,13 +335,13 @@ def measure_chain(quick: bool = False) -> dict[str, Any]:
         names = [uniq(f"chain{i}") for i in range(3)]
         procs = [Proc(["worker", "run", NAP, "--queue", q, "--redis", server.url],
                       worker_env(server.url)) for q in names]
-        for q in names:
-            wait_for(f"a worker of {NAP} on {q}", partial(list_workers, r, q), 120, procs)
-        qs = [mtq.Queue(q, client=r) for q in names]
+        for name in names:
+            wait_for(f"a worker of {NAP} on {name}", partial(list_workers, r, name), 120, procs)
+        qs = [mtq.Queue(name, client=r) for name in names]
         for q in qs:
             q.submit({"s": 0}).result(timeout=30)  # warm: imported, claiming
         # nap returns its payload's "i": each step's result holds the one before it
-        steps = [mtq.Step(q, payload={"s": 0}, field="i") for q in names[1:]]
+        steps = [mtq.Step(name, payload={"s": 0}, field="i") for name in names[1:]]
         start = time.monotonic()
         hand, submit, queue, gaps = [], [], [], []
         for _ in range(n):

@@ -50,6 +50,11 @@ MAX_STEPS = 16
 MAX_CHAIN_ID = 61
 #: ack.lua's code for "recorded; a chain hand-off is pending"
 CHAINED = 3
+#: a submit's answers that refuse the whole call for now: the record stays
+REFUSED = (Code.QUEUE_FULL, Code.RATE_LIMITED, Code.WOULD_MISS)
+#: what ack.lua answers for a task whose hand-off it recorded, with the result the
+#: worker sent: its ``then``, ``chain``, ``reply`` (None: none) and result
+Known = tuple[bytes | None, bytes | None, bytes | None, bytes]
 #: records older than this many leases are completed by the reaper (the worker that
 #: acked is taken to be dead)
 RECOVER_AFTER_LEASES = 1.0
@@ -131,38 +136,66 @@ class HandOff:
             b = self._brokers[queue] = Broker(c, queue, SettingsSource.shared(c, queue, None))
         return b
 
-    def run(self, ids: list[str]) -> int:
+    def run(self, ids: list[str], known: dict[str, Known] | None = None) -> int:
         """Submit the next step of each succeeded task ``ids`` whose hand-off is
-        recorded, and remove the records; returns how many were completed. A step a
-        queue refuses for now (full, rate limited, Redis away) keeps its record for
-        the next try (:func:`recover`)."""
-        fields = ("then", "chain", "reply", "result", "chainstop")
-        with redis_errors("while reading a chain's next step"):
-            pipe = self.redis.pipeline(transaction=False)
-            for tid in ids:
-                pipe.hmget(self.keys.task(tid), fields)
-            rows = pipe.execute()
-        done = []
-        for tid, (then, chain, reply, result, stop) in zip(ids, rows):
+        recorded, and remove the records; returns how many were completed. ``known``:
+        what ack.lua answered for some of them (their ``then``, ``chain``, ``reply``,
+        and the result the worker sent), which saves reading them. A step a queue
+        refuses for now (full, rate limited) keeps its record for the next try
+        (:func:`recover`). One round trip per next queue, one to read what is not
+        known, and one to remove the records."""
+        rows: dict[str, tuple[bytes | None, ...]] = dict(known or {})
+        missing = [tid for tid in ids if tid not in rows]
+        if missing:
+            fields = ("then", "chain", "reply", "result", "chainstop")
+            with redis_errors("while reading a chain's next step"):
+                pipe = self.redis.pipeline(transaction=False)
+                for tid in missing:
+                    pipe.hmget(self.keys.task(tid), fields)
+                rows.update(zip(missing, (tuple(r) for r in pipe.execute())))
+        done: list[str] = []
+        groups: dict[tuple[str, str], list[tuple[str, NewTask]]] = {}
+        for tid in ids:
+            then, chain, reply, result, *more = rows[tid]
             if then is None or chain is None or result is None:
                 done.append(tid)  # gone, or not chained
-                continue
-            if stop is not None:  # its chain was cancelled
+            elif more and more[0] is not None:  # its chain was cancelled
                 self._tell(chain, then, reply, "cancelled", "the chain was cancelled")
                 done.append(tid)
-                continue
-            try:
-                if self._submit(tid, then, chain, reply, result):
+            else:
+                try:
+                    queue, new = self._next(then, chain, result)
+                except BuildError as exc:
+                    log.warning("chain step after %s: %s", tid, exc)
+                    with redis_errors():
+                        self.redis.hset(self.keys.task(tid), "chainerr", str(exc))
+                    self._tell(chain, then, reply, "failed", str(exc))
                     done.append(tid)
-            except BuildError as exc:
-                log.warning("chain step after %s: %s", tid, exc)
-                with redis_errors():
-                    self.redis.hset(self.keys.task(tid), "chainerr", str(exc))
-                self._tell(chain, then, reply, "failed", str(exc))
-                done.append(tid)
-        if done:
+                    continue
+                replies = _replies(reply, self.keys, QueueKeys(queue))
+                groups.setdefault((queue, replies), []).append((tid, new))
+        submitted: list[tuple[str, str, str]] = []  # (task, its next step, next queue)
+        for (queue, replies), items in groups.items():
+            answer = self.broker(queue).submit([new for _, new in items], replies)
+            if answer and answer[0] in REFUSED:  # the call's: nothing went in
+                log.info("chain steps %s: queue %r refused them for now (code %s); "
+                         "retried later", [n.id for _, n in items], queue, answer[0])
+                continue
+            for (tid, new), got in zip(items, answer):
+                done.append(tid)  # its id, or DUPLICATE_ID: a hand-off raced this one
+                if got == new.id:
+                    submitted.append((tid, new.id, queue))
+        if done or submitted:
             with redis_errors("while removing chain hand-off records"):
-                self.redis.zrem(self.keys.handoffs, *done)
+                pipe = self.redis.pipeline(transaction=False)
+                for tid, _, _ in submitted:
+                    pipe.hexists(self.keys.task(tid), "chainstop")
+                if done:
+                    pipe.zrem(self.keys.handoffs, *done)
+                stops = pipe.execute()
+            for (_, nxt, queue), stop in zip(submitted, stops):
+                if stop:  # the chain was cancelled while its next step was submitted
+                    self.broker(queue).cancel(nxt)
         return len(done)
 
     def _tell(self, chain: bytes, then: bytes, reply: bytes | None, status: str,
@@ -189,8 +222,9 @@ class HandOff:
         except MtqError as exc:  # the reader finds the record when it looks
             log.info("could not tell the chain's readers (%s)", exc)
 
-    def _submit(self, tid: str, then: bytes, chain: bytes, reply: bytes | None,
-                result: bytes) -> bool:
+    def _next(self, then: bytes, chain: bytes, result: bytes) -> tuple[str, NewTask]:
+        """The next step's queue and task, its payload built from ``result``. Raises
+        BuildError."""
         chain_id, index, queues = read_info(chain)
         steps = serialization.loads(then)
         step, rest = steps[0], steps[1:]
@@ -204,24 +238,12 @@ class HandOff:
         if step.get("d"):
             left = int(step["d"] - time.time() * 1000)
             ttl_ms = max(1, min(ttl_ms, left) if ttl_ms else left)  # past it: expires
-        new = NewTask(
+        return step["q"], NewTask(
             id=step_id(chain_id, nxt), payload=payload, stream=step.get("s") or "",
             ttl_ms=ttl_ms, retries=step.get("y"), band=step.get("b") or "s",
             tenant=step.get("t") or "", timeout_ms=step.get("o") or 0,
             chain=info(chain_id, nxt, queues),
             then=serialization.dumps(rest) if rest else b"")
-        answer = b.submit([new], _replies(reply, self.keys, b.keys))
-        first = answer[0] if answer else None
-        if first in (Code.QUEUE_FULL, Code.RATE_LIMITED, Code.WOULD_MISS):
-            log.info("chain step %s: queue %r refused it for now (code %s); retried "
-                     "later", new.id, step["q"], first)
-            return False
-        # its id, or DUPLICATE_ID: submitted before (a hand-off raced this one)
-        with redis_errors():
-            stopped = self.redis.hexists(self.keys.task(tid), "chainstop")
-        if stopped and first == new.id:  # cancelled while it was being submitted
-            b.cancel(new.id)
-        return True
 
 
 def exit_after_ack_if_asked() -> None:

@@ -279,7 +279,7 @@ class Consumer:
         nack_codes = replies.pop(0) if nacks else []
         report = count(acks, nacks, ack_codes, nack_codes)
         if chains.CHAINED in ack_codes:
-            self._hand_off([a[0] for a, c in zip(acks, ack_codes) if c == chains.CHAINED])
+            self._hand_off(acks, ack_codes)
         lost = {i[0] for i, c in zip(items, emit_codes) if c == Code.LEASE_LOST}
         report.stream_lost = sorted(lost | bad)
         report.streamed = sum(1 for i, c in zip(items, emit_codes) if c == 1 and i[2] >= 0)
@@ -292,12 +292,16 @@ class Consumer:
             self._handoff = chains.HandOff(self.redis, self.queue)
         return self._handoff
 
-    def _hand_off(self, ids: list[str]) -> None:
-        """Submit the next steps of the chained tasks just acked (see mtq.broker.chains);
-        a failure leaves their records for the reaper's recovery."""
+    def _hand_off(self, acks: Sequence[tuple[str, str, bytes]], codes: Sequence[int]) -> None:
+        """Submit the next steps of the chained tasks just acked (see mtq.broker.chains),
+        from what ack.lua answered for them and the results sent; a failure leaves their
+        records for the reaper's recovery."""
         chains.exit_after_ack_if_asked()
+        ids = [a[0] for a, c in zip(acks, codes) if c == chains.CHAINED]
+        told = getattr(codes, "chained", {})
+        known = {a[0]: (*told[a[0]], a[2]) for a in acks if a[0] in told}
         try:
-            self.handoff.run(ids)
+            self.handoff.run(ids, known)
         except MtqError as exc:
             log.warning("chain hand-off of %d task(s) failed (%s); the reaper completes "
                         "it", len(ids), exc)

@@ -39,6 +39,7 @@ from mtq.broker.records import (
     NewTask,
     Snapshot,
     Submitted,
+    parse_ack,
     parse_claim,
     parse_codes,
     parse_handed,
@@ -235,7 +236,7 @@ class Broker:
             args += [task_id, token, result]
         args += [s.cache_ttl_s, self.model_version,
                  _costs([r[0] for r in results], costs) if costs else ""]
-        return self._call("ack", args, parse_codes)
+        return self._call("ack", args, parse_ack)
 
     def ack(self, results: Sequence[tuple[str, str, bytes]],
             costs: Mapping[str, float] | None = None) -> list[int]:

@@ -200,6 +200,25 @@ def parse_submit(raw: list[Any]) -> Answer:
     return out
 
 
+class AckCodes(list[int]):
+    """ack.lua's answer: one code per task, and ``chained``: for each task whose chain
+    hand-off it recorded (code 3), its id -> (``then``, ``chain``, ``reply`` or None)."""
+
+    __slots__ = ("chained",)
+
+    def __init__(self, codes: Sequence[int] = (),
+                 chained: dict[str, tuple[bytes, bytes, bytes | None]] | None = None) -> None:
+        super().__init__(codes)
+        self.chained = chained or {}
+
+
+def parse_ack(raw: list[Any]) -> AckCodes:
+    """ack.lua's codes, then an entry per chained task (see AckCodes)."""
+    codes = [int(c) for c in raw if not isinstance(c, list)]
+    chained = {e[0].decode(): (e[1], e[2], e[3] or None) for e in raw if isinstance(e, list)}
+    return AckCodes(codes, chained)
+
+
 def parse_codes(raw: list[Any]) -> list[int]:
     """One code per item (ack, nack, emit, extend: see mtq.broker.codes)."""
     return [int(c) for c in raw]
