@@ -66,9 +66,15 @@ EXIT_AFTER_ACK_ENV = "MTQ_TEST_EXIT_AFTER_CHAIN_ACK"
 
 
 class BuildError(MtqError):
-    """The next step's payload cannot be built from the previous result (a ``pick``
-    key the result lacks, a result too large). Recorded on the previous step
-    (``chainerr``); the chain's reader raises it as ChainFailed."""
+    """The next step cannot be submitted: its payload cannot be built from the previous
+    result (a ``pick`` key the result lacks, a result too large; ``status`` failed), or
+    its deadline passed (``status`` expired: never run). Recorded on the previous step
+    (``chainerr``, and ``chainend`` its status); the chain's reader raises it as
+    ChainFailed."""
+
+    def __init__(self, message: str, status: str = "failed") -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def step_id(chain_id: str, index: int) -> str:
@@ -168,8 +174,9 @@ class HandOff:
                 except BuildError as exc:
                     log.warning("chain step after %s: %s", tid, exc)
                     with redis_errors():
-                        self.redis.hset(self.keys.task(tid), "chainerr", str(exc))
-                    self._tell(chain, then, reply, "failed", str(exc))
+                        self.redis.hset(self.keys.task(tid), mapping={
+                            "chainerr": str(exc), "chainend": exc.status})
+                    self._tell(chain, then, reply, exc.status, str(exc))
                     done.append(tid)
                     continue
                 replies = _replies(reply, self.keys, QueueKeys(queue))
@@ -237,7 +244,10 @@ class HandOff:
         ttl_ms = step.get("l") or 0
         if step.get("d"):
             left = int(step["d"] - time.time() * 1000)
-            ttl_ms = max(1, min(ttl_ms, left) if ttl_ms else left)  # past it: expires
+            if left <= 0:  # (a task submitted with it would be handed to a worker at once)
+                raise BuildError(f"step {nxt} ({step['q']!r}) was due to start by its "
+                                 f"deadline, {-left} ms ago", "expired")
+            ttl_ms = min(ttl_ms, left) if ttl_ms else left
         return step["q"], NewTask(
             id=step_id(chain_id, nxt), payload=payload, stream=step.get("s") or "",
             ttl_ms=ttl_ms, retries=step.get("y"), band=step.get("b") or "s",

@@ -231,11 +231,11 @@ class Chain:
         for i, s in enumerate(self.steps()):
             if s.status == "pending":
                 if i > 0:
-                    stop, err = self._fields(i - 1, "chainstop", "chainerr")
+                    stop, err, end = self._fields(i - 1, "chainstop", "chainerr", "chainend")
                     if stop:
                         return "cancelled"
                     if err:
-                        return "failed"
+                        return (end or b"failed").decode()
                 return "running"
             if s.status in ("failed", "dead", "cancelled", "expired"):
                 return s.status
@@ -246,7 +246,8 @@ class Chain:
     def _stopped(self, i: int) -> None:
         """Raise ChainFailed if step ``i`` (not submitted) never will be: the chain was
         cancelled, or its payload could not be built."""
-        status, stop, err = self._fields(i - 1, "status", "chainstop", "chainerr")
+        status, stop, err, end = self._fields(i - 1, "status", "chainstop", "chainerr",
+                                              "chainend")
         t = self.tasks[i]
         if status is None:
             raise TaskNotFound(f"step {i - 1} of chain {self.id} is gone (its retention "
@@ -254,7 +255,7 @@ class Chain:
         if stop:
             raise ChainFailed(i, t.queue.name, t.id, "cancelled", "the chain was cancelled")
         if err:
-            raise ChainFailed(i, t.queue.name, t.id, "failed", err.decode())
+            raise ChainFailed(i, t.queue.name, t.id, (end or b"failed").decode(), err.decode())
 
     def _exists(self, i: int) -> bool:
         t = self.tasks[i]

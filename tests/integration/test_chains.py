@@ -352,3 +352,32 @@ def test_submit_many_takes_chains_in_requests(redis_url: str, client: redis.Redi
     with workers(redis_url, (a, lambda p: p * 2), (b, lambda p: p + 1)):
         assert [t.chain().result(timeout=10) for t in tasks[:5]] == [1, 3, 5, 7, 9]
         assert tasks[5].result(timeout=10) == 14 and tasks[5].chain() is None
+
+
+def test_steps_keep_their_stream_order_and_a_passed_deadline_expires_a_step(
+        redis_url: str, client: redis.Redis) -> None:
+    a, b = names(2)
+    order: list[int] = []
+
+    def record(p: int) -> int:
+        order.append(p)
+        return p
+
+    q = mtq.Queue(a, client=client)
+    tasks = [q.submit(i, stream="user-7", then=[b]) for i in range(4)]
+    late = q.submit({"slow": 1}, then=[mtq.Step(b, deadline=0.05)])
+
+    def first(p: Any) -> Any:
+        if isinstance(p, dict):
+            import time
+
+            time.sleep(0.2)  # past the next step's deadline (a function's own work)
+        return p
+
+    with workers(redis_url, (a, first), (b, record)):
+        assert [t.chain().result(timeout=10) for t in tasks] == [0, 1, 2, 3]
+        with pytest.raises(ChainFailed) as e:
+            late.chain().result(timeout=10)
+    assert order == [0, 1, 2, 3]  # one stream: in submit order on the next queue too
+    assert {t.chain().tasks[1].info().stream for t in tasks} == {"user-7"}
+    assert e.value.step == 1 and e.value.status == "expired"
