@@ -19,6 +19,7 @@ from typing import Any
 
 from mtq import serialization
 from mtq.broker import chains
+from mtq.broker.cluster import shared
 from mtq.broker.connection import Backoff, redis_errors
 from mtq.broker.records import NewTask
 from mtq.client.replies.events import Event
@@ -184,7 +185,7 @@ class Chain:
     def __init__(self, first: Any, chain_id: str, queues: list[str]) -> None:
         self.id = chain_id
         self.queues = queues
-        client = first.queue.redis
+        client = shared(first.queue.redis)  # (a cluster's: a slot's client is one slot's)
         qs = {first.queue.name: first.queue}
         for name in queues:
             if name not in qs:

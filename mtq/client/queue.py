@@ -11,7 +11,7 @@ from typing import Any
 import redis
 
 from mtq.broker import chains
-from mtq.broker.cluster import for_queue
+from mtq.broker.cluster import for_queue, shared
 from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import connect
 from mtq.broker.protocol import Broker, NewTask
@@ -120,6 +120,11 @@ class Queue:
         """Subscribe this client's replies on every queue of the chains in ``tasks``
         before they are submitted: the hand-off carries the first task's reply channels
         to each step, so every step's events come here (docs/streaming.md, "Chains")."""
+        if shared(self.redis) is not self.redis:
+            # a cluster: each queue's replies come to a hub of its slot's own client,
+            # which the hand-off's channels do not name; a chain's reader reads each
+            # step's state instead (docs/streaming.md, "Chains", limits)
+            return
         hub = self.hub
         for t in tasks:
             if not t.chain:
