@@ -4,6 +4,7 @@
     python -m benchmarks.flow                  # every section, writes the flow block
     python -m benchmarks.flow --only delay     # how late a delayed task starts
     python -m benchmarks.flow --only schedule  # schedule occurrences: on time, once
+    python -m benchmarks.flow --only chain     # the hand-off time between chain steps
     python -m benchmarks.flow --quick          # smaller sizes, prints only
 
 Each section is a function ``measure_<name>(quick) -> dict`` that returns its rows
@@ -40,12 +41,24 @@ rounds, each after it went back to zero. Then the time to add capacity under a s
 of load: 400 tasks of 20 ms submitted at once at zero, the time until 1, 2 and 4
 processes are serving (registered), and how many scale changes the run logged.
 
+chain: three bare ``mtq worker run benchmarks.children.nap:nap`` processes, one per
+queue, and N three-step chains of no-op tasks (``{"s": 0}``, each step's payload that
+dict with the previous result under ``prev``), one chain at a time (each waited for
+through ``Chain.result``). A hand-off's time is the next step's ``started`` minus the
+previous step's ``finished`` (its ack), both Redis server time (ms): the worker's read
+of the chain spec, its submit of the next step to the next queue (where a worker sleeps
+registered for direct delivery, or is woken), the record's removal, and the next
+worker's start. Split into ack to the next step's ``created`` (the hand-off's submit)
+and ``created`` to ``started`` (the next queue). The baseline, measured in the same run
+on the same workers: a plain ``submit`` of one no-op to its ``started``, one at a time.
+
 A run of only some sections prints its figures and writes the block only with
 ``--docs`` (the block holds every section).
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 import time
@@ -301,16 +314,102 @@ def measure_autoscale(quick: bool = False) -> dict[str, Any]:
     return {"rows": rows, "targets": []}
 
 
+def _chain_times(chain: mtq.Chain) -> list[tuple[int, int, int]]:
+    """(previous finished, created, started) of each step after the first (server ms)."""
+    infos = [t.info() for t in chain.tasks]
+    out = []
+    for prev, cur in itertools.pairwise(infos):
+        assert prev.finished is not None and cur.created is not None \
+            and cur.started is not None
+        out.append((prev.finished, cur.created, cur.started))
+    return out
+
+
+def measure_chain(quick: bool = False) -> dict[str, Any]:
+    n = 40 if quick else 200
+    server = Server()
+    server.start()
+    r = redis.Redis.from_url(server.url)
+    procs: list[Proc] = []
+    try:
+        names = [uniq(f"chain{i}") for i in range(3)]
+        procs = [Proc(["worker", "run", NAP, "--queue", q, "--redis", server.url],
+                      worker_env(server.url)) for q in names]
+        for name in names:
+            wait_for(f"a worker of {NAP} on {name}", partial(list_workers, r, name), 120, procs)
+        qs = [mtq.Queue(name, client=r) for name in names]
+        for q in qs:
+            q.submit({"s": 0}).result(timeout=30)  # warm: imported, claiming
+        # nap returns its payload's "i": each step's result holds the one before it
+        steps = [mtq.Step(name, payload={"s": 0}, field="i") for name in names[1:]]
+        start = time.monotonic()
+        hand, submit, queue, gaps = [], [], [], []
+        for _ in range(n):
+            task = qs[0].submit({"s": 0}, then=steps)
+            chain = task.chain()
+            last = chain.result(timeout=30)
+            for fin, created, started in _chain_times(chain):
+                hand.append(started - fin)
+                submit.append(created - fin)
+                queue.append(started - created)
+            while last.get("i"):  # a function's end to the next one's start (us)
+                gaps.append((last["start"] - last["i"]["end"]) * 1e6)
+                last = last["i"]
+        chains_s = time.monotonic() - start
+        base, base_us = [], []
+        for _ in range(n):
+            sent = time.time()
+            t = qs[1].submit({"s": 0})
+            got = t.result(timeout=30)
+            base_us.append((got["start"] - sent) * 1e6)
+            info = t.info()
+            assert info.created is not None and info.started is not None
+            base.append(info.started - info.created)
+        left = sum(int(r.zcard(QueueKeys(q).handoffs)) for q in names)
+    finally:
+        for p in procs:
+            p.stop()
+            p.close()
+        mtq.replies.hub_of(r).close_all()
+        r.close()
+        server.stop()
+    note = (f"{n} chains of 3 no-op steps one at a time ({len(hand)} hand-offs), "
+            f"{chains_s:.1f} s; Redis server ms")
+    rows = [
+        ("hand-off: previous step's ack to the next step's start, p50",
+         statistics.median(hand), "ms", note),
+        ("hand-off: previous step's ack to the next step's start, p99", _pct(hand, 99), "ms",
+         f"max {max(hand)} ms"),
+        ("of which ack to the next step's submit (created), p50 / p99",
+         statistics.median(submit), "ms", f"p99 {_pct(submit, 99)} ms"),
+        ("of which the next step's submit to its start, p50 / p99",
+         statistics.median(queue), "ms", f"p99 {_pct(queue, 99)} ms"),
+        ("baseline: plain submit to start of one no-op, p50", statistics.median(base), "ms",
+         f"{n} tasks one at a time, same run and workers; p99 {_pct(base, 99)} ms"),
+        ("hand-off, a step's function end to the next one's start, p50",
+         statistics.median(gaps), "us", f"p99 {_pct(gaps, 99):.0f} us (time.time() in the "
+         "workers, one host): the ack's round trip included"),
+        ("baseline: the client's submit call to the function's start, p50",
+         statistics.median(base_us), "us", f"p99 {_pct(base_us, 99):.0f} us"),
+        ("hand-off records left at the end", left, "", "all completed"),
+    ]
+    return {"rows": rows, "targets": [("every hand-off record completed", left == 0,
+                                       f"{left} left", True)]}
+
+
 SECTIONS: dict[str, Callable[[bool], dict[str, Any]]] = {
     "delay": measure_delay,
     "schedule": measure_schedule,
     "autoscale": measure_autoscale,
+    "chain": measure_chain,
 }
 TITLES = {
     "delay": "Delayed tasks: start past their due time (bare mtq worker run, a no-op function)",
     "schedule": "Schedules: a per-second schedule, two `mtq schedule run`, the leader "
                 "SIGKILLed halfway",
     "autoscale": "Autoscaling (mtq workers start --autoscale 0:4, a 20 ms function)",
+    "chain": "Chains: the hand-off between steps (three bare mtq worker run, one per queue, "
+             "a no-op function)",
 }
 
 

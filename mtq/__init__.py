@@ -9,6 +9,7 @@ from typing import Any as _Any
 
 from mtq.broker.consumer import Consumer, Outcome
 from mtq.broker.protocol import Claimed
+from mtq.client.chains import Chain, Step
 from mtq.client.group import Group
 from mtq.client.queue import Queue
 from mtq.client.records import Request, TaskInfo
@@ -17,6 +18,8 @@ from mtq.client.task import Task
 from mtq.errors import (
     BadRequest,
     BrokerError,
+    ChainError,
+    ChainFailed,
     ConfigError,
     DeviceOutOfMemory,
     DuplicateTask,
@@ -98,6 +101,9 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "BadRequest",
     "BrokerError",
+    "Chain",
+    "ChainError",
+    "ChainFailed",
     "Claimed",
     "ConfigError",
     "Consumer",
@@ -134,6 +140,7 @@ __all__ = [
     "QueueSettings",
     "RedisSettings",
     "Request",
+    "Step",
     "ResultTimeout",
     "ServerNotFound",
     "TargetError",

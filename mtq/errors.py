@@ -6,7 +6,8 @@
     ├── ConfigError                 a setting is unknown or out of range
     │   ├── HostFileError           a host file (``--config host.toml``) that cannot be used
     │   ├── GatewayUnprotected      ``mtq serve`` beyond loopback while no API key exists
-    │   └── ScheduleError           a schedule that cannot be added (cron, zone, name taken)
+    │   ├── ScheduleError           a schedule that cannot be added (cron, zone, name taken)
+    │   └── ChainError              a chain's steps that cannot be submitted (``then=``)
     ├── BrokerError                 Redis is unreachable or answered unexpectedly
     │   ├── RedisUnavailable        the connection was refused, reset or timed out
     │   ├── RedisAuthError          Redis refused the credentials, or the user lacks a permission
@@ -24,7 +25,8 @@
     ├── DuplicateTask               a task with this id already exists
     ├── TaskNotFound                no such task (or its retention ran out)
     ├── TaskFailed                  the task ended failed, dead or expired
-    │   └── TaskCancelled           the task was cancelled
+    │   ├── TaskCancelled           the task was cancelled
+    │   └── ChainFailed             a step of a chain did not succeed (.step, .queue, .task_id)
     ├── ResultTimeout               the task did not finish in time (also a TimeoutError)
     │   └── EngineTimeout           engines did not all answer a load/unload/reload/reset in time
     ├── LocalError                  ``mtq.local`` could not start its workers (or not in time)
@@ -64,6 +66,8 @@ __all__ = [
     "BatchArityError",
     "BatchShapeError",
     "BrokerError",
+    "ChainError",
+    "ChainFailed",
     "ConfigError",
     "DeviceOutOfMemory",
     "DuplicateTask",
@@ -117,6 +121,11 @@ class HostFileError(ConfigError):
     TOML syntax error, an unknown key, a value of the wrong type or out of range, a
     missing or unknown target, a device this machine does not have. The message
     starts with ``FILE:LINE:``."""
+
+
+class ChainError(ConfigError):
+    """A chain (``submit(..., then=[...])``) that cannot be submitted: a bad step, too
+    many steps, an id too long to derive its steps' ids from. Nothing was written."""
 
 
 class ScheduleError(ConfigError):
@@ -273,6 +282,21 @@ class TaskFailed(MtqError):
 
 class TaskCancelled(TaskFailed):
     """The task was cancelled before it could finish."""
+
+
+class ChainFailed(TaskFailed):
+    """A step of a chain did not succeed, so the chain stopped there: ``step`` (its
+    index, 0 the first task), ``queue``, ``task_id`` and ``status`` name it, ``error`` is
+    its own error text, and ``cause`` the step's TaskFailed (or TaskCancelled), if it
+    ran. No later step was submitted."""
+
+    def __init__(self, step: int, queue: str, task_id: str, status: str,
+                 error: str | None = None, cause: TaskFailed | None = None) -> None:
+        self.step, self.queue, self.cause = step, queue, cause
+        TaskFailed.__init__(self, task_id, status, error)
+        detail = f": {error}" if error else ""
+        self.args = (f"chain stopped at step {step} (queue {queue!r}, task {task_id}), "
+                     f"which ended {status}{detail}",)
 
 
 class ResultTimeout(MtqError, TimeoutError):

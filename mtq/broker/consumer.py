@@ -21,7 +21,7 @@ from collections.abc import Collection, Sequence
 
 import redis
 
-from mtq.broker import recovery
+from mtq.broker import chains, recovery
 from mtq.broker.cluster import for_queue
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource, SettingsSpec
@@ -93,6 +93,8 @@ class Consumer:
         #: None when it is not
         self._registered: tuple[float, int, int, int] | None = None
         self._rng = random.Random()
+        #: submits the next steps of chained tasks this consumer acks (made at first use)
+        self._handoff: chains.HandOff | None = None
 
     @property
     def settings(self) -> QueueSettings:
@@ -276,11 +278,33 @@ class Consumer:
         ack_codes = replies.pop(0) if acks else []
         nack_codes = replies.pop(0) if nacks else []
         report = count(acks, nacks, ack_codes, nack_codes)
+        if chains.CHAINED in ack_codes:
+            self._hand_off(acks, ack_codes)
         lost = {i[0] for i, c in zip(items, emit_codes) if c == Code.LEASE_LOST}
         report.stream_lost = sorted(lost | bad)
         report.streamed = sum(1 for i, c in zip(items, emit_codes) if c == 1 and i[2] >= 0)
         claimed = self._claimed(replies[0], sent, lease_ms) if batch_size > 0 else []
         return report, claimed
+
+    @property
+    def handoff(self) -> chains.HandOff:
+        if self._handoff is None:
+            self._handoff = chains.HandOff(self.redis, self.queue)
+        return self._handoff
+
+    def _hand_off(self, acks: Sequence[tuple[str, str, bytes]], codes: Sequence[int]) -> None:
+        """Submit the next steps of the chained tasks just acked (see mtq.broker.chains),
+        from what ack.lua answered for them and the results sent; a failure leaves their
+        records for the reaper's recovery."""
+        chains.exit_after_ack_if_asked()
+        ids = [a[0] for a, c in zip(acks, codes) if c == chains.CHAINED]
+        told = getattr(codes, "chained", {})
+        known = {a[0]: (*told[a[0]], a[2]) for a in acks if a[0] in told}
+        try:
+            self.handoff.run(ids, known)
+        except MtqError as exc:
+            log.warning("chain hand-off of %d task(s) failed (%s); the reaper completes "
+                        "it", len(ids), exc)
 
     def release(self, tasks: Sequence[Claimed]) -> int:
         """Give claimed but unstarted tasks back to the head of their streams,
@@ -353,6 +377,10 @@ class Consumer:
         """Reclaim expired leases and promote due retries now; returns leases reclaimed."""
         reaped, _promoted, nxt = self.broker.reap()
         self.next_timer_ms = nxt
+        try:  # chain hand-offs a dead worker left (one round trip when there are none)
+            chains.recover(self.handoff, self.settings.lease_ms)
+        except MtqError as exc:
+            log.warning("recovering chain hand-offs failed (%s); will retry", exc)
         return reaped
 
 

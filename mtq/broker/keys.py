@@ -80,6 +80,7 @@ class QueueKeys:
         "events",
         "failures",
         "free",
+        "handoffs",
         "hist",
         "idem_prefix",
         "idle",
@@ -141,11 +142,15 @@ class QueueKeys:
         #: scheduling's keys (lanes, tenants' virtual times, served cost: see _lib.lua
         #: and docs/scheduling.md) are this prefix and a suffix
         self.sched = self.base + "sched:"
+        #: chains (docs/streaming.md, "Chains"): id of a succeeded chained task whose next
+        #: step is still to be submitted -> when it succeeded (ms, server time)
+        self.handoffs = self.base + "handoffs"
         self.script_keys = [
             self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
             self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,
             self.seq, self.out_prefix, self.trace_prefix, self.latency, self.failures,
             self.cache_prefix, self.cache_index, self.model, self.idle, self.sched,
+            self.handoffs,
         ]
         #: ARGV[1] and ARGV[2] of every script
         self.channels = [self.events, self.control]

@@ -39,6 +39,7 @@ from mtq.broker.records import (
     NewTask,
     Snapshot,
     Submitted,
+    parse_ack,
     parse_claim,
     parse_codes,
     parse_handed,
@@ -137,8 +138,13 @@ class Broker:
                          "1" if t.admit else ""]
             if timed:
                 args.append(t.timeout_ms or "")
-        if any(t.delay_ms for t in tasks):  # the delays, after the groups (submit.lua)
-            args.append(",".join(str(t.delay_ms) for t in tasks))
+        chained = any(t.chain for t in tasks)
+        if chained or any(t.delay_ms for t in tasks):  # after the groups (submit.lua)
+            args.append(",".join(str(t.delay_ms) for t in tasks)
+                        if any(t.delay_ms for t in tasks) else "")
+        if chained:  # two per task: its chain fields (submit.lua)
+            for t in tasks:
+                args += [t.chain, t.then]
         return self._call("submit", args, parse_submit)
 
     def submit(self, tasks: Sequence[NewTask], reply: str = "") -> Answer:
@@ -230,7 +236,7 @@ class Broker:
             args += [task_id, token, result]
         args += [s.cache_ttl_s, self.model_version,
                  _costs([r[0] for r in results], costs) if costs else ""]
-        return self._call("ack", args, parse_codes)
+        return self._call("ack", args, parse_ack)
 
     def ack(self, results: Sequence[tuple[str, str, bytes]],
             costs: Mapping[str, float] | None = None) -> list[int]:

@@ -195,11 +195,15 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
         info = t.info()
         trace = t.trace()
         result = t.result(timeout=0) if info.status == "succeeded" else None
+        chain = t.chain()
+        steps = chain.steps() if chain is not None else []
     except MtqError as exc:
         fail_on(exc)
+    chained = {"id": chain.id, "status": chain.status(),
+               "steps": [asdict(s) for s in steps]} if chain is not None else None
     if as_json:
         echo_json({**asdict(info), "queue": t.queue.name, "result": result,
-                   "timeline": [asdict(e) for e in trace]})
+                   "timeline": [asdict(e) for e in trace], "chain": chained})
         return
     table = Table(title=f"task {t.id}", show_header=False)
     table.add_row("queue", t.queue.name)
@@ -221,6 +225,8 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
         text = json.dumps(result, default=repr, ensure_ascii=False)
         table.add_row("result", shown(text if len(text) <= 300 else text[:300] + " ..."))
     console.print(table)
+    if chained is not None:
+        _chain_table(chained)
     timeline = Table(title="timeline")
     for col in ("time", "+ms", "event", "detail"):
         timeline.add_column(col)
@@ -233,3 +239,17 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
         console.print("traceback (the last exception its handler raised):")
         console.print(printable(info.traceback), markup=False, highlight=False,
                       soft_wrap=True)
+
+
+def _chain_table(chained: dict[str, Any]) -> None:
+    """Every step of the chain a task is a step of (``pending``: not submitted yet)."""
+    style = {"succeeded": "green", "failed": "red", "dead": "red", "running": "yellow",
+             "cancelled": "red", "expired": "red"}
+    t = Table(title=f"chain {chained['id']} ({chained['status']})")
+    for col in ("step", "queue", "task", "status", "error"):
+        t.add_column(col)
+    for s in chained["steps"]:
+        t.add_row(str(s["step"]), escape(s["queue"]), s["id"],
+                  f"[{style.get(s['status'], 'white')}]{s['status']}[/]",
+                  shown(s["error"] or "-"))
+    console.print(t)

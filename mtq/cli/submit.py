@@ -67,6 +67,9 @@ FILE_CHUNK = 500
 @click.option("--at", "at_text", default=None, metavar="DATETIME",
               help="Queue the task at this ISO 8601 time, with its time zone "
                    "(2030-01-01T09:00:00+01:00, or ...Z); a past time is due now.")
+@click.option("--then", "then", multiple=True, metavar="QUEUE",
+              help="A chain: when the task succeeds, submit its result to QUEUE "
+                   "(repeat for more steps; mtq task ID shows every step).")
 @click.option("--wait", "wait", is_flag=True,
               help="Wait for the result(s) and print them (the task id goes to stderr "
                    "first).")
@@ -99,7 +102,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
            follow: bool, timeout: float | None, raw: bool, no_cache: bool,
            priority: str | None, tenant: str | None, cost: float | None, url: str | None,
            as_json: bool, run_timeout: float | None = None, delay: float | None = None,
-           at_text: str | None = None) -> None:
+           at_text: str | None = None, then: tuple[str, ...] = ()) -> None:
     """Submit a task to QUEUE. PAYLOAD is JSON ('-' reads it from stdin).
 
     Prints the task id; with --wait, the result; with --follow, the tokens as
@@ -115,8 +118,8 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     if file is not None:
         if payload is not None:
             fail("give PAYLOAD or --file, not both", USAGE)
-        if follow or key:
-            fail("--follow and --key take one task; drop them with --file", USAGE)
+        if follow or key or then:
+            fail("--follow, --key and --then take one task; drop them with --file", USAGE)
         _submit_file(queue, file, stream, stream_from, ttl,
                      (math.inf if timeout is None else timeout) if wait else None, url,
                      as_json, not no_cache, priority=priority, tenant=tenant, cost=cost,
@@ -126,6 +129,9 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         fail("--stream-from goes with --file", USAGE)
     if raw and not follow:
         fail("--raw goes with --follow", USAGE)
+    if then and follow:
+        fail("--follow takes one task; with --then, use --wait (the last step's result)",
+             USAGE)
     if payload is None:
         fail("give a PAYLOAD (JSON), '-' to read it from stdin, or --file FILE", USAGE)
     try:
@@ -137,7 +143,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     try:
         task = q.submit(value, stream=stream, key=key, ttl=ttl, cache=not no_cache,
                         priority=priority, tenant=tenant, cost=cost, timeout=run_timeout,
-                        delay=delay, at=at)
+                        delay=delay, at=at, then=list(then) or None)
     except MtqError as exc:
         fail_on(exc)
     if not wait:
@@ -151,7 +157,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
         _hint_if_unserved(q)
         if follow:
             sys.exit(_follow(task, timeout, as_json, raw))
-        result = task.result(timeout=timeout)
+        result = task.chain().result(timeout=timeout) if then else task.result(timeout=timeout)
     except KeyboardInterrupt:
         err_console.print(f"\nstopped waiting; task {task.id} goes on (mtq task {task.id}, "
                           f"mtq cancel {task.id})", markup=False, highlight=False)

@@ -3,17 +3,20 @@ delete, dead letters). The submit protocol itself is :mod:`mtq.client.submit`.""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import partial
 from typing import Any
 
 import redis
 
-from mtq.broker.cluster import for_queue
+from mtq.broker import chains
+from mtq.broker.cluster import for_queue, shared
 from mtq.broker.config import SettingsSource, SettingsSpec
 from mtq.broker.connection import connect
 from mtq.broker.protocol import Broker, NewTask
+from mtq.client import chains as chain_steps
+from mtq.client.chains import Step
 from mtq.client.group import Group
 from mtq.client.records import Request
 from mtq.client.replies.hub import Hub, hub_of
@@ -109,7 +112,32 @@ class Queue:
             self._registered = True
         reply = self.reply_channel()
         epoch = self.hub.epoch(self.name)  # before the submit: see Task._open_own
+        if any(t.chain for t in tasks):
+            self._chain_replies(tasks)
         return send(self, tasks, reply, epoch, partial(Task, self))
+
+    def _chain_replies(self, tasks: list[NewTask]) -> None:
+        """Subscribe this client's replies on every queue of the chains in ``tasks``
+        before they are submitted: the hand-off carries the first task's reply channels
+        to each step, so every step's events come here (docs/streaming.md, "Chains")."""
+        if shared(self.redis) is not self.redis:
+            # a cluster: each queue's replies come to a hub of its slot's own client,
+            # which the hand-off's channels do not name; a chain's reader reads each
+            # step's state instead (docs/streaming.md, "Chains", limits)
+            return
+        hub = self.hub
+        for t in tasks:
+            if not t.chain:
+                continue
+            epochs: dict[str, int] = {}
+            for q in chains.read_info(t.chain)[2]:
+                if q not in epochs:
+                    hub.channel(q)
+                    epochs[q] = hub.epoch(q)
+            chain_steps.remember(hub.id, t.id, epochs)
+
+    def _chained(self, task: NewTask, then: Sequence[Step | str] | None) -> NewTask:
+        return task if then is None else chain_steps.prepare(task, then, self.name)
 
     def submit(self, payload: Any, *, stream: str | None = None, key: str | None = None,
                ttl: float | None = None, retries: int | None = None,
@@ -117,7 +145,8 @@ class Queue:
                tenant: str | None = None, cost: float | None = None,
                deadline: float | datetime | None = None,
                timeout: float | None = None, delay: float | None = None,
-               at: datetime | None = None) -> Task:
+               at: datetime | None = None,
+               then: Sequence[Step | str] | None = None) -> Task:
         """Submit one task (one round trip) and return its handle.
 
         ``stream``: tasks of one stream run one at a time in submit order.
@@ -145,12 +174,17 @@ class Queue:
         can be cancelled meanwhile. Not with ``deadline``; no result cache. A naive
         datetime, a negative, infinite or too large delay, or both raise InvalidArgument
         (docs/scheduling.md, "Delayed tasks").
+        ``then``: the steps of a chain that follow this task (:class:`mtq.Step`, or a
+        queue name): each is a task of its own on its queue, submitted once the one
+        before it succeeded, its payload built from that one's result; a failure stops
+        the chain. ``task.chain()`` follows every step (docs/streaming.md, "Chains").
+        Bad steps raise ChainError before anything is written.
         Raises InvalidName, InvalidArgument, PayloadTooLarge, EncodeError, QueueFull,
         RateLimited, WouldMissDeadline, DuplicateTask, BrokerError.
         """
-        return self._send([self._new(payload, stream, key, ttl, retries, id, cache,
-                                     priority, tenant, cost, deadline, timeout, delay,
-                                     at)])[0]
+        return self._send([self._chained(
+            self._new(payload, stream, key, ttl, retries, id, cache, priority, tenant,
+                      cost, deadline, timeout, delay, at), then)])[0]
 
     def submit_many(self, items: Iterable[Any], *, stream: str | None = None,
                     ttl: float | None = None, retries: int | None = None,
@@ -184,7 +218,7 @@ class Queue:
             if isinstance(item, Request):
                 # its own delay or at replaces both defaults
                 own = item.delay is not None or item.at is not None
-                tasks.append(self._new(
+                tasks.append(self._chained(self._new(
                     item.payload, item.stream if item.stream is not None else stream, item.key,
                     item.ttl if item.ttl is not None else ttl,
                     item.retries if item.retries is not None else retries, item.id,
@@ -193,7 +227,7 @@ class Queue:
                     item.tenant if item.tenant is not None else tenant,
                     item.cost if item.cost is not None else cost, item.deadline,
                     item.timeout if item.timeout is not None else timeout,
-                    item.delay if own else delay, item.at if own else at))
+                    item.delay if own else delay, item.at if own else at), item.then))
             else:
                 tasks.append(self._new(item, stream, None, ttl, retries, None, cache,
                                        priority, tenant, cost, timeout=timeout,

@@ -52,6 +52,8 @@ class Request:
     #: either replaces both of submit_many's defaults
     delay: float | None = None
     at: Any = None
+    #: the steps of a chain that follow it (see Queue.submit's ``then``)
+    then: Any = None
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,14 @@ class Task:
             self.status()  # raises TaskNotFound if it does not exist
         return entries
 
+    def chain(self) -> Any:
+        """The :class:`~mtq.client.chains.Chain` this task is a step of (submitted with
+        ``then=``): every step's queue, task id and status, the last step's result,
+        every step's tokens, cancel; None if it is not a chain's. Raises TaskNotFound."""
+        from mtq.client.chains import of  # (chains.py imports this module)
+
+        return of(self)
+
     def cancel(self) -> bool:
         """Cancel the task. Returns True if it is cancelled now (it was waiting),
         False if it is running and its worker has been asked to stop it.

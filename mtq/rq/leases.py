@@ -16,7 +16,7 @@ order. Keys (next to RQ's own, under ``mtq:rq:``):
 
 The scripts are in ``mtq/rq/lua/`` rather than ``mtq/broker/lua/``: they work on RQ's
 key space (rq's own keys are not hash-tagged, so, like RQ itself, this bridge does not
-run on Redis Cluster), not on the twenty-one keys that every script of mtq's broker shares.
+run on Redis Cluster), not on the twenty-two keys that every script of mtq's broker shares.
 """
 
 from __future__ import annotations

@@ -165,6 +165,24 @@ def test_submit_work_and_results_on_queues_of_every_shard(the_cluster: Cluster, 
         assert name in out.stdout
 
 
+def test_a_chain_across_three_shards_hands_off_and_streams(the_cluster: Cluster, url: str,
+                                                           workers: Workers) -> None:
+    """A chain whose three queues live on three primaries: each hand-off's record is in
+    its acked task's slot, the next step goes to its own shard, and the streaming step's
+    tokens reach the chain's reader (docs/streaming.md, "Chains")."""
+    a, b, c = queue_on_each_shard(the_cluster)
+    workers.start("tests.handlers:identity", a)
+    workers.start("tests.handlers:chunks", b)
+    workers.start("tests.handlers:identity", c)
+    task = mtq.Queue(a, url).submit({"words": ["x", "y"]}, stream="u1", then=[
+        mtq.Step(b, pick="words", field="chunks"), c])
+    chain = task.chain()
+    assert list(chain.tokens(timeout=60)) == ["x", "y"]
+    assert chain.result(timeout=30) == 2
+    assert [s.status for s in chain.steps()] == ["succeeded"] * 3
+    assert [t.info().stream for t in chain.tasks] == ["u1"] * 3
+
+
 def test_order_per_stream_holds_with_two_workers(the_cluster: Cluster, url: str,
                                                  workers: Workers, tmp_path: Path) -> None:
     name = queue_on_each_shard(the_cluster, 1)[0]

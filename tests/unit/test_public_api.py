@@ -11,6 +11,9 @@ import mtq.errors as errors
 EXPECTED_ALL = [
     "BadRequest",
     "BrokerError",
+    "Chain",
+    "ChainError",
+    "ChainFailed",
     "Claimed",
     "ConfigError",
     "Consumer",
@@ -47,6 +50,7 @@ EXPECTED_ALL = [
     "QueueSettings",
     "RedisSettings",
     "Request",
+    "Step",
     "ResultTimeout",
     "ServerNotFound",
     "TargetError",

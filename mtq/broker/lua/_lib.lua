@@ -43,6 +43,10 @@ API key and no queue, takes that key's own rate hash instead):
                               K_IDLE .. ':' .. worker id is its inbox, a list of claim
                               replies a submit handed to it (see "Direct delivery")
   KEYS[21] scheduling prefix  mtq:{q}:sched:     (+ the keys of "Scheduling" below)
+  KEYS[22] handoffs           zset: id of a succeeded task of a chain whose next step is
+                              still to be submitted -> when it succeeded (ms); written by
+                              ack.lua, emptied by the worker that submits the next step
+                              (mtq/broker/chains.py)
 ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
 the rest is per script.
 
@@ -166,7 +170,7 @@ local K_LEASES, K_DELAYED, K_DEAD, K_WAKE = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[12], KEYS[13]
 local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
 local K_CACHE, K_CACHEX, K_MODEL, K_IDLE = KEYS[17], KEYS[18], KEYS[19], KEYS[20]
-local K_SCHED = KEYS[21]
+local K_SCHED, K_HANDOFFS = KEYS[21], KEYS[22]
 local LATENCY_KEEP, LATENCY_SLACK, FAILURES_KEEP = 1000, 200, 100
 -- the expiry of a latency or failures list a script makes: diagnostics_ttl_s's default
 -- (mtq/settings.py); the beats of the queue's workers set the queue's own

@@ -1,5 +1,5 @@
 --[[ ack.lua -- record the results of a batch, fenced by lease token.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] n, then n groups of 3: id, lease token, result (msgpack)
 ARGV[5 + 3n] result cache TTL s (0 = off)
@@ -11,6 +11,13 @@ A task with a cancel request (cancel.lua set 'cancel' while it ran: the request 
 reach Redis after its worker's last lease extend) never ends succeeded: it ends
 cancelled, its result dropped (read in the HMGET done anyway: no extra command).
 Returns: one code per task: 1 = recorded; 2 = ended cancelled instead (as above);
+  3 = recorded, and the task is a step of a chain with a step after it ('then' in its
+  hash): its id entered K_HANDOFFS (scored now) in this same call, so the next step is
+  submitted exactly once even if the worker dies before it does so itself (see
+  mtq/broker/chains.py: the worker submits it and removes the record; recovery
+  completes records a dead worker left); after the n codes, one entry per such task:
+  {id, its 'then', its 'chain', its 'reply' or ''}, what the worker's hand-off needs
+  (it has the result: it sent it);
   E_LEASE_LOST = the task is not running
   under this token any more (its lease expired and it was reclaimed, or it was
   already finished): nothing is changed, the result of the current owner stands.
@@ -30,6 +37,7 @@ local costs = (reported and reported ~= '') and sch().costs_of(reported) or fals
 local now = now_ms()
 local codes, done, woken = {}, {}, 0
 local cancelled = {}  -- a cancel request came first (see the header)
+local chained = {}  -- {id, then, chain, reply} of each task whose hand-off is recorded
 local ended = nil  -- the charge ('weight') of each task a scheduling claim charged -> how many
 -- A succeeded task's entry may answer identical requests (see the header) if this is
 -- true, its result is small enough, and its entry's version is the queue's model
@@ -47,7 +55,7 @@ for i = 0, n - 1 do
   -- reply, created, trace, out first: finish() takes them as they are (no table a task);
   -- 'weight': a claim with scheduling on charged it (its lane counts it running)
   local f = redis.call('HMGET', K_TASK .. id, 'reply', 'created', 'trace', 'out', 'status', 'token',
-    'stream', 'cache', 'weight', 'cancel')
+    'stream', 'cache', 'weight', 'cancel', 'then', 'chain')
   if f[5] ~= 'running' or f[6] ~= token then
     codes[i + 1] = E_LEASE_LOST
   elseif f[10] then
@@ -76,7 +84,13 @@ for i = 0, n - 1 do
     end
     finish(id, 'succeeded', now, keep, 'result', result, own, f)
     if f[7] then woken = woken + release_stream(f[7]) end
-    codes[i + 1] = 1
+    if f[11] then  -- a chain's step with one after it (one field more in the HMGET above)
+      redis.call('ZADD', K_HANDOFFS, now, id)
+      codes[i + 1] = 3
+      chained[#chained + 1] = {id, f[11], f[12] or '', f[1] or ''}
+    else
+      codes[i + 1] = 1
+    end
     done[#done + 1] = id
   end
 end
@@ -96,4 +110,5 @@ if ended then
 end
 if woken > 0 then nudge() end
 flush_replies()
+for _, c in ipairs(chained) do codes[#codes + 1] = c end
 return codes

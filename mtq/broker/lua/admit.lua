@@ -3,7 +3,7 @@
 rate algorithm) whose burst is a whole minute's budget.
 KEYS[1] the key's rate hash (mtq:apikey:{<id>}:rate: 'r', 'c' -> when its next
         request, its next token, is due; ms, Redis server time). An API key belongs
-        to no queue: this script takes this one key, not the queues' twenty-one.
+        to no queue: this script takes this one key, not the queues' twenty-two.
 ARGV[1] rpm (0: none)   ARGV[2] tpm (0: none)   ARGV[3] tokens
 Returns: '0' (admitted: one request and the tokens are counted) or the milliseconds
 until the request would be admitted (nothing counted), as text.

@@ -1,5 +1,5 @@
 --[[ cancel.lua -- cancel one task.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] task id   ARGV[4] retention s
 Returns: {1, previous status} cancelled now (it was queued, or waiting for a retry or

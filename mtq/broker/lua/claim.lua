@@ -1,5 +1,5 @@
 --[[ claim.lua -- reap, promote due retries, then claim up to B tasks.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] worker id   ARGV[4] B (0 = only reap and promote)   ARGV[5] lease ms
 ARGV[6] max deliveries   ARGV[7] reap/promote limit per call

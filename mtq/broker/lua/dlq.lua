@@ -1,5 +1,5 @@
 --[[ dlq.lua -- retry or purge dead letters.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] action: 'retry' | 'purge'   ARGV[4] limit   ARGV[5] wake cap
 ARGV[6] n, then n ids (n = 0: the oldest `limit` dead letters)

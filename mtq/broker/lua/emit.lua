@@ -1,5 +1,5 @@
 --[[ emit.lua -- stream tokens (chunks) and progress of running tasks to their clients.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] msgpack array of items {id, lease token, index (-1 = progress), data (msgpack bytes)}
   (one argument, not four per item: a publisher trip of 32 tokens costs the

@@ -1,5 +1,5 @@
 --[[ extend.lua -- extend the leases of running tasks (the worker heartbeat).
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] lease ms   ARGV[4] n, then n pairs: id, lease token
 Returns: one code per task: 1 = extended; 2 = extended, and a cancel was

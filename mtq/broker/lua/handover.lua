@@ -1,6 +1,6 @@
 --[[ handover.lua -- a running task now runs in another process than the one that
 claimed it: its start names that process.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] the worker id of the process that runs it   ARGV[4] task id   ARGV[5] lease token
 Returns: 1, or E_LEASE_LOST (not running under this token: nothing changed).

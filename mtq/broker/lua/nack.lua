@@ -1,5 +1,5 @@
 --[[ nack.lua -- settle tasks that did not succeed, fenced by lease token.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] retention s   ARGV[4] dead-letter retention s   ARGV[5] dead-letter max length
 ARGV[6] n, then n groups of 4: id, lease token, action, delay ms / error

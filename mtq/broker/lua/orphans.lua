@@ -1,5 +1,5 @@
 --[[ orphans.lua -- the tasks still running under a worker id (read only).
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] worker id   ARGV[4] most leases to scan (0 = all)
 Returns: a flat list id, lease token, id, lease token, ... of every task in the lease

@@ -1,5 +1,5 @@
 --[[ purge.lua -- drop up to `limit` waiting (queued) tasks of the queue.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] limit   ARGV[4] retention s
 Each purged task ends 'cancelled' with the error 'purged' (its waiting client is

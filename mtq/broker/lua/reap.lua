@@ -1,5 +1,5 @@
 --[[ reap.lua -- reclaim expired leases and promote due retries without claiming.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max deliveries   ARGV[4] limit per call   ARGV[5] retention s
 ARGV[6] dead-letter retention s   ARGV[7] dead-letter max length   ARGV[8] wake cap

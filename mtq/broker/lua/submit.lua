@@ -1,5 +1,5 @@
 --[[ submit.lua -- enqueue one or many tasks in one call.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] max_length (0 = unbounded)   ARGV[4] wake cap   ARGV[5] idempotency window (s)
 ARGV[6] reply channel of the submitting client ('' = none; stored in each task)
@@ -20,8 +20,12 @@ ARGV[17...] n groups of G: id, payload, stream ('' = none), key ('' = none),
         admit ('1': its deadline is one to keep: refuse it if it would be missed)
         (G = 8: band 's', no tenant, cost 1, no deadline to keep); with G = 9 or 13,
         last: timeout (ms a run may take once started, '' = none; stored as 'timeout')
-ARGV[17 + n * G] (present when a task of the call has a delay) the tasks' delays in ms,
-  comma separated, one per task (0 = none): see "Delayed submits"
+ARGV[17 + n * G] (present when a task of the call has a delay or a chain; '' = none)
+  the tasks' delays in ms, comma separated, one per task (0 = none): see "Delayed submits"
+ARGV[18 + n * G ...] (present when a task of the call is a step of a chain) two per task:
+  its 'chain' field (msgpack: the chain's id, the step's index, every step's queue) and
+  its 'then' field (msgpack: the steps after it), '' for none; stored as they are (see
+  ack.lua and mtq/broker/chains.py)
 Returns {handed, answer}: how many of the tasks went to a sleeping worker (direct
   delivery, below; the client then yields its CPU once, so that a worker it shares
   the CPU with runs the task before the client's own bookkeeping), and the answer: a
@@ -86,6 +90,7 @@ if ARGV[A + n * G] and ARGV[A + n * G] ~= '' then
     i = i + 1
   end
 end
+local chained = ARGV[A + n * G + 1] ~= nil  -- the call's tasks have chain fields
 local due = {}  -- score, member pairs for K_DELAYED
 local dseq = nil  -- the call's first submit-order number for delayed tasks
 -- (a refused call writes nothing: checked before scheduling is turned on)
@@ -398,6 +403,11 @@ for i = 0, n - 1 do
     if reply_to ~= '' then f[#f + 1] = 'reply'; f[#f + 1] = reply_to end
     if traceparent ~= '' then f[#f + 1] = 'traceparent'; f[#f + 1] = traceparent end
     if timeout ~= '' then f[#f + 1] = 'timeout'; f[#f + 1] = timeout end
+    if chained then
+      local c, nxt = ARGV[A + n * G + 1 + 2 * i], ARGV[A + n * G + 2 + 2 * i]
+      if c ~= '' then f[#f + 1] = 'chain'; f[#f + 1] = c end
+      if nxt ~= '' then f[#f + 1] = 'then'; f[#f + 1] = nxt end
+    end
     if band ~= 's' then f[#f + 1] = 'band'; f[#f + 1] = band end
     if tenant ~= '' then f[#f + 1] = 'tenant'; f[#f + 1] = tenant end
     -- its cost matters to scheduling alone: stored if it is a lane's or the queue schedules

@@ -1,5 +1,5 @@
 --[[ trace.lua -- read tasks' traces (read only).
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3..] task ids
 Returns: one list per id of its trace lines, "ms|kind|detail", oldest first: the

@@ -1,5 +1,5 @@
 --[[ watch.lua -- read a task's state and stored output, and make sure its events reach a client.
-KEYS: the standard twenty-one (see _lib.lua).
+KEYS: the standard twenty-two (see _lib.lua).
 ARGV[1] events channel   ARGV[2] control channel
 ARGV[3] task id   ARGV[4] the client's reply channel   ARGV[5] first output index to
   return (-1: none)   ARGV[6] most reply channels a task may carry

@@ -1,0 +1,278 @@
+"""Chains: the hand-off of a succeeded step's result to the next step's queue.
+
+A chain (``Queue.submit(..., then=[...])``, docs/streaming.md, "Chains") is a series of
+tasks, each on a queue of its own. Every step's hash holds ``chain`` (msgpack: the
+chain's id, which is its first task's id, the step's index and every step's queue) and,
+while steps follow it, ``then`` (msgpack: those steps' specs, below). A step's id is
+derived from the chain id and its index (:func:`step_id`), so a second submit of it is
+refused as a duplicate id: the hand-off is idempotent.
+
+Exactly once, on a Redis Cluster too: ack.lua cannot submit to another queue (another
+hash slot), so in the call that ends the step succeeded it records the pending
+hand-off in the step's own queue (``mtq:{q}:handoffs``, id -> ms) and answers code 3.
+The worker then submits the next step (:func:`hand_off`) and removes the record; a
+worker killed between the two leaves the record, which the periodic reaper of any
+worker of the queue completes once it is a lease old (:func:`recover`). Two hand-offs
+racing (a slow worker and a recoverer) submit one task: the second is a duplicate id.
+
+A step's spec (a dict, msgpack; built and checked by ``mtq.client.chains``): ``q`` its
+queue, ``p`` the base payload (None: none), ``f`` the field the previous result goes
+under (None: the payload is the previous result), ``k`` the key of a dict result to
+take (None: all of it), ``s`` stream, ``t`` tenant, ``b`` band letter, ``l`` ttl ms,
+``o`` run timeout ms, ``y`` retries, ``d`` deadline (unix ms: past it, the step
+expires unrun). Everything is data: no code travels.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import msgpack
+
+from mtq import serialization
+from mtq.broker.cluster import for_queue, sharded, shared
+from mtq.broker.codes import Code
+from mtq.broker.config import SettingsSource
+from mtq.broker.connection import redis_errors
+from mtq.broker.keys import QueueKeys
+from mtq.broker.protocol import Broker
+from mtq.broker.records import NewTask
+from mtq.errors import MtqError
+
+log = logging.getLogger(__name__)
+
+#: most steps in a chain (its first task included)
+MAX_STEPS = 16
+#: the longest id a chain's first task may have: its steps' ids add "-<index>"
+MAX_CHAIN_ID = 61
+#: ack.lua's code for "recorded; a chain hand-off is pending"
+CHAINED = 3
+#: a submit's answers that refuse the whole call for now: the record stays
+REFUSED = (Code.QUEUE_FULL, Code.RATE_LIMITED, Code.WOULD_MISS)
+#: what ack.lua answers for a task whose hand-off it recorded, with the result the
+#: worker sent: its ``then``, ``chain``, ``reply`` (None: none) and result
+Known = tuple[bytes | None, bytes | None, bytes | None, bytes]
+#: records older than this many leases are completed by the reaper (the worker that
+#: acked is taken to be dead)
+RECOVER_AFTER_LEASES = 1.0
+#: most records one recovery round completes
+RECOVER_BATCH = 100
+#: test only: a worker process exits right after an ack that recorded a hand-off,
+#: before it submits the next step (tests/integration/test_chains_kill.py)
+EXIT_AFTER_ACK_ENV = "MTQ_TEST_EXIT_AFTER_CHAIN_ACK"
+
+
+class BuildError(MtqError):
+    """The next step cannot be submitted: its payload cannot be built from the previous
+    result (a ``pick`` key the result lacks, a result too large; ``status`` failed), or
+    its deadline passed (``status`` expired: never run). Recorded on the previous step
+    (``chainerr``, and ``chainend`` its status); the chain's reader raises it as
+    ChainFailed."""
+
+    def __init__(self, message: str, status: str = "failed") -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def step_id(chain_id: str, index: int) -> str:
+    """The id of step ``index`` (0: the chain's first task, whose id is the chain's)."""
+    return chain_id if index == 0 else f"{chain_id}-{index}"
+
+
+def info(chain_id: str, index: int, queues: list[str]) -> bytes:
+    """A step's ``chain`` field."""
+    return serialization.dumps({"c": chain_id, "i": index, "q": queues})
+
+
+def read_info(raw: bytes) -> tuple[str, int, list[str]]:
+    """(chain id, step index, every step's queue) of a ``chain`` field."""
+    d = serialization.loads(raw)
+    return str(d["c"]), int(d["i"]), [str(q) for q in d["q"]]
+
+
+def build(step: dict[str, Any], result: bytes) -> Any:
+    """The payload of ``step`` from the previous step's encoded result. Raises
+    BuildError."""
+    value = serialization.loads(result)
+    pick = step.get("k")
+    if pick is not None:
+        if not isinstance(value, dict) or pick not in value:
+            got = f"keys {sorted(map(str, value))[:10]}" if isinstance(value, dict) \
+                else type(value).__name__
+            raise BuildError(f"step {step['q']!r} picks key {pick!r} of the previous "
+                             f"result, which has none ({got})")
+        value = value[pick]
+    field = step.get("f")
+    if field is None:
+        return value
+    base = dict(step.get("p") or {})
+    base[field] = value
+    return base
+
+
+def _replies(reply: bytes | None, src: QueueKeys, dst: QueueKeys) -> str:
+    """The reply channels of the previous step (its submitter's and its watchers'),
+    moved to the next step's queue: whoever follows the chain hears every step."""
+    if not reply:
+        return ""
+    head = src.reply("")
+    out = []
+    for ch in reply.decode().split():
+        if ch.startswith(head):
+            out.append(dst.reply(ch[len(head):]))
+    return " ".join(out)
+
+
+class HandOff:
+    """Submits the next steps of the chained tasks one worker's acks recorded."""
+
+    def __init__(self, client: Any, queue: str) -> None:
+        self.client = shared(client)
+        self.keys = QueueKeys(queue)
+        self.redis = for_queue(self.client, queue)
+        self._brokers: dict[str, Broker] = {}
+
+    def broker(self, queue: str) -> Broker:
+        b = self._brokers.get(queue)
+        if b is None:
+            c = for_queue(self.client, queue)
+            b = self._brokers[queue] = Broker(c, queue, SettingsSource.shared(c, queue, None))
+        return b
+
+    def run(self, ids: list[str], known: dict[str, Known] | None = None) -> int:
+        """Submit the next step of each succeeded task ``ids`` whose hand-off is
+        recorded, and remove the records; returns how many were completed. ``known``:
+        what ack.lua answered for some of them (their ``then``, ``chain``, ``reply``,
+        and the result the worker sent), which saves reading them. A step a queue
+        refuses for now (full, rate limited) keeps its record for the next try
+        (:func:`recover`). One round trip per next queue, one to read what is not
+        known, and one to remove the records."""
+        rows: dict[str, tuple[bytes | None, ...]] = dict(known or {})
+        missing = [tid for tid in ids if tid not in rows]
+        if missing:
+            fields = ("then", "chain", "reply", "result", "chainstop")
+            with redis_errors("while reading a chain's next step"):
+                pipe = self.redis.pipeline(transaction=False)
+                for tid in missing:
+                    pipe.hmget(self.keys.task(tid), fields)
+                rows.update(zip(missing, (tuple(r) for r in pipe.execute())))
+        done: list[str] = []
+        groups: dict[tuple[str, str], list[tuple[str, NewTask]]] = {}
+        for tid in ids:
+            then, chain, reply, result, *more = rows[tid]
+            if then is None or chain is None or result is None:
+                done.append(tid)  # gone, or not chained
+            elif more and more[0] is not None:  # its chain was cancelled
+                self._tell(chain, then, reply, "cancelled", "the chain was cancelled")
+                done.append(tid)
+            else:
+                try:
+                    queue, new = self._next(then, chain, result)
+                except BuildError as exc:
+                    log.warning("chain step after %s: %s", tid, exc)
+                    with redis_errors():
+                        self.redis.hset(self.keys.task(tid), mapping={
+                            "chainerr": str(exc), "chainend": exc.status})
+                    self._tell(chain, then, reply, exc.status, str(exc))
+                    done.append(tid)
+                    continue
+                replies = _replies(reply, self.keys, QueueKeys(queue))
+                groups.setdefault((queue, replies), []).append((tid, new))
+        submitted: list[tuple[str, str, str]] = []  # (task, its next step, next queue)
+        for (queue, replies), items in groups.items():
+            answer = self.broker(queue).submit([new for _, new in items], replies)
+            if answer and answer[0] in REFUSED:  # the call's: nothing went in
+                log.info("chain steps %s: queue %r refused them for now (code %s); "
+                         "retried later", [n.id for _, n in items], queue, answer[0])
+                continue
+            for (tid, new), got in zip(items, answer):
+                done.append(tid)  # its id, or DUPLICATE_ID: a hand-off raced this one
+                if got == new.id:
+                    submitted.append((tid, new.id, queue))
+        if done or submitted:
+            with redis_errors("while removing chain hand-off records"):
+                pipe = self.redis.pipeline(transaction=False)
+                for tid, _, _ in submitted:
+                    pipe.hexists(self.keys.task(tid), "chainstop")
+                if done:
+                    pipe.zrem(self.keys.handoffs, *done)
+                stops = pipe.execute()
+            for (_, nxt, queue), stop in zip(submitted, stops):
+                if stop:  # the chain was cancelled while its next step was submitted
+                    self.broker(queue).cancel(nxt)
+        return len(done)
+
+    def _tell(self, chain: bytes, then: bytes, reply: bytes | None, status: str,
+              error: str) -> None:
+        """Tell whoever follows the chain that its next step will never run, as that
+        step's done message would (status, error): its reader's wait ends now. The
+        record on the previous step (``chainstop``, ``chainerr``) is what a later
+        reader reads."""
+        chain_id, index, _ = read_info(chain)
+        queue = serialization.loads(then)[0]["q"]
+        channels = _replies(reply, self.keys, QueueKeys(queue))
+        if not channels:
+            return
+        nxt = step_id(chain_id, index + 1)
+        msg = msgpack.packb(["done", int(time.time() * 1e6), [nxt, status, error.encode()]])
+        c = for_queue(self.client, queue)
+        try:
+            with redis_errors():
+                for ch in channels.split():
+                    if sharded(c):
+                        c.spublish(ch, msg)
+                    else:
+                        c.publish(ch, msg)
+        except MtqError as exc:  # the reader finds the record when it looks
+            log.info("could not tell the chain's readers (%s)", exc)
+
+    def _next(self, then: bytes, chain: bytes, result: bytes) -> tuple[str, NewTask]:
+        """The next step's queue and task, its payload built from ``result``. Raises
+        BuildError."""
+        chain_id, index, queues = read_info(chain)
+        steps = serialization.loads(then)
+        step, rest = steps[0], steps[1:]
+        nxt = index + 1
+        payload = serialization.dumps(build(step, result))
+        b = self.broker(step["q"])
+        if len(payload) > b.settings.max_payload_bytes:
+            raise BuildError(f"the payload built for step {nxt} ({step['q']!r}) is "
+                             f"{len(payload)} bytes, over its queue's max_payload_bytes")
+        ttl_ms = step.get("l") or 0
+        if step.get("d"):
+            left = int(step["d"] - time.time() * 1000)
+            if left <= 0:  # (a task submitted with it would be handed to a worker at once)
+                raise BuildError(f"step {nxt} ({step['q']!r}) was due to start by its "
+                                 f"deadline, {-left} ms ago", "expired")
+            ttl_ms = min(ttl_ms, left) if ttl_ms else left
+        return step["q"], NewTask(
+            id=step_id(chain_id, nxt), payload=payload, stream=step.get("s") or "",
+            ttl_ms=ttl_ms, retries=step.get("y"), band=step.get("b") or "s",
+            tenant=step.get("t") or "", timeout_ms=step.get("o") or 0,
+            chain=info(chain_id, nxt, queues),
+            then=serialization.dumps(rest) if rest else b"")
+
+
+def exit_after_ack_if_asked() -> None:
+    """Test only (:data:`EXIT_AFTER_ACK_ENV`): die as a worker killed right after an ack
+    that recorded a hand-off, before it submits the next step, would."""
+    if os.environ.get(EXIT_AFTER_ACK_ENV) == "1":
+        os._exit(17)
+
+
+def recover(h: HandOff, lease_ms: int) -> int:
+    """Complete hand-offs recorded more than a lease ago (the worker that acked died
+    before it submitted the next step): one round trip when there are none."""
+    with redis_errors("while reading chain hand-offs"):
+        pipe = h.redis.pipeline(transaction=False)
+        pipe.time()
+        pipe.zrange(h.keys.handoffs, 0, RECOVER_BATCH - 1, withscores=True)
+        (sec, usec), rows = pipe.execute()
+    if not rows:
+        return 0
+    now = sec * 1000 + usec // 1000
+    due = [m.decode() for m, score in rows if score <= now - lease_ms * RECOVER_AFTER_LEASES]
+    return h.run(due) if due else 0
