@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from contextlib import ExitStack
 from typing import Any
 
 import click
@@ -339,7 +340,11 @@ def _start_host(path: str, url: str | None, app_dir: str, wait_for_redis: bool,
         f"{', '.join(sup.devices)} x {spec.replicas}")
     from mtq.workers.scheduler import alongside
 
-    with alongside(url, scheduler, spec.schedules):
+    with ExitStack() as stack:
+        try:  # the host file's schedules written (Redis may have gone since it answered)
+            stack.enter_context(alongside(url, scheduler, spec.schedules))
+        except MtqError as exc:
+            fail_on(exc)
         code = sup.run()
     sys.exit(code)
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from mtq.broker.cluster import shared
-from mtq.broker.connection import connect
+from mtq.broker.connection import connect, redis_errors
 from mtq.client import schedules as sch
 from mtq.errors import DuplicateTask, MtqError
 
@@ -232,10 +232,11 @@ def alongside(url: str | None, enabled: bool = True,
     """``mtq workers start``'s scheduler: a host file's ``schedules`` put (added or
     replaced) in Redis, then, if ``enabled``, a scheduler thread while the block runs."""
     client = connect(url)
-    for entry in schedules:
-        args = dict(entry)
-        sch.put(client, args.pop("name"), args.pop("queue"), args.pop("cron"),
-                args.pop("payload"), **args)
+    with redis_errors("while writing the host file's schedules"):
+        for entry in schedules:
+            args = dict(entry)
+            sch.put(client, args.pop("name"), args.pop("queue"), args.pop("cron"),
+                    args.pop("payload"), **args)
     if not enabled:
         yield None
         return

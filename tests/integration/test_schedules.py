@@ -353,3 +353,25 @@ def test_workers_starts_scheduler_leaves_at_once_with_redis_hung(tmp_path):
         if server.proc is not None:
             server.proc.send_signal(signal.SIGCONT)
         server.stop()
+
+
+def test_workers_start_says_redis_refused_its_host_files_schedules(qname, r, redis_url,
+                                                                    subprocess_env, tmp_path):
+    """Redis answers, then refuses the schedules' write (a user without EVAL): the
+    named error and exit 5, not a traceback; no process is left serving."""
+    path = tmp_path / "host.toml"
+    path.write_text(host_text(qname, f'name = "hb"\nqueue = "{qname}"\n'
+                                     'cron = "* * * * *"\npayload = 1\n'))
+    user = f"noeval-{qname}"
+    r.acl_setuser(user, enabled=True, passwords=["+pw"], keys=["*"], channels=["*"],
+                  commands=["+@all", "-eval", "-evalsha"])
+    try:
+        url = redis_url.replace("redis://", f"redis://{user}:pw@")
+        out = subprocess.run([PY, "-m", "mtq", "workers", "start", "--config", str(path),
+                              "--redis", url], env=subprocess_env, capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        r.acl_deluser(user)
+    assert out.returncode == 5, out.stderr
+    assert "Traceback" not in out.stderr and "may not do this" in out.stderr, out.stderr
+    assert r.hlen(sch.DEFS) == 0
