@@ -40,7 +40,7 @@ from mtq.broker.connection import redis_errors
 from mtq.broker.keys import QueueKeys
 from mtq.broker.protocol import Broker
 from mtq.broker.records import NewTask
-from mtq.errors import MtqError
+from mtq.errors import BrokerError, MtqError
 
 log = logging.getLogger(__name__)
 
@@ -182,16 +182,21 @@ class HandOff:
                 replies = _replies(reply, self.keys, QueueKeys(queue))
                 groups.setdefault((queue, replies), []).append((tid, new))
         submitted: list[tuple[str, str, str]] = []  # (task, its next step, next queue)
+        refused: list[str] = []  # records kept: their next queue refused them for now
         for (queue, replies), items in groups.items():
             answer = self.broker(queue).submit([new for _, new in items], replies)
             if answer and answer[0] in REFUSED:  # the call's: nothing went in
                 log.info("chain steps %s: queue %r refused them for now (code %s); "
-                         "retried later", [n.id for _, n in items], queue, answer[0])
+                         "retried a lease later", [n.id for _, n in items], queue,
+                         answer[0])
+                refused += [tid for tid, _ in items]
                 continue
             for (tid, new), got in zip(items, answer):
                 done.append(tid)  # its id, or DUPLICATE_ID: a hand-off raced this one
                 if got == new.id:
                     submitted.append((tid, new.id, queue))
+        if refused:
+            self._later(refused)
         if done or submitted:
             with redis_errors("while removing chain hand-off records"):
                 pipe = self.redis.pipeline(transaction=False)
@@ -205,14 +210,25 @@ class HandOff:
                     self.broker(queue).cancel(nxt)
         return len(done)
 
+    def _later(self, ids: list[str]) -> None:
+        """Score the records ``ids`` now (server time; those still there): the reaper
+        tries them again a lease later, and takes the others before them."""
+        with redis_errors("while putting back refused chain hand-offs"):
+            sec, usec = self.redis.time()
+            now = sec * 1000 + usec // 1000
+            self.redis.zadd(self.keys.handoffs, dict.fromkeys(ids, now), xx=True)
+
     def _tell(self, chain: bytes, then: bytes, reply: bytes | None, status: str,
               error: str) -> None:
         """Tell whoever follows the chain that its next step will never run, as that
         step's done message would (status, error): its reader's wait ends now. The
         record on the previous step (``chainstop``, ``chainerr``) is what a later
         reader reads."""
-        chain_id, index, _ = read_info(chain)
-        queue = serialization.loads(then)[0]["q"]
+        try:
+            chain_id, index, queues = read_info(chain)
+            queue = queues[index + 1]
+        except (LookupError, TypeError, ValueError):  # (PayloadError too) unreadable
+            return
         channels = _replies(reply, self.keys, QueueKeys(queue))
         if not channels:
             return
@@ -231,7 +247,17 @@ class HandOff:
 
     def _next(self, then: bytes, chain: bytes, result: bytes) -> tuple[str, NewTask]:
         """The next step's queue and task, its payload built from ``result``. Raises
-        BuildError."""
+        BuildError (a record that cannot be read too: it never will be), BrokerError."""
+        try:
+            return self._build_next(then, chain, result)
+        except (BuildError, BrokerError):
+            raise
+        except Exception as exc:  # a corrupt field, a spec of another version, bad settings
+            raise BuildError(f"the chain's next step cannot be read from its record "
+                             f"({type(exc).__name__}: {exc}); the chain stops here: are "
+                             "all its clients and workers of one mtq version?") from exc
+
+    def _build_next(self, then: bytes, chain: bytes, result: bytes) -> tuple[str, NewTask]:
         chain_id, index, queues = read_info(chain)
         steps = serialization.loads(then)
         step, rest = steps[0], steps[1:]
