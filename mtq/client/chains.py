@@ -23,7 +23,7 @@ from mtq.broker.cluster import shared
 from mtq.broker.connection import Backoff, redis_errors
 from mtq.broker.records import NewTask
 from mtq.client.replies.events import Event
-from mtq.client.replies.feeds import SyncFeed
+from mtq.client.replies.feeds import AsyncFeed, SyncFeed
 from mtq.errors import (
     ChainError,
     ChainFailed,
@@ -333,8 +333,55 @@ class Chain:
         return value
 
     async def aresult(self, timeout: float | None = None) -> Any:
-        """:meth:`result` for asyncio (the wait runs in a thread)."""
-        return await asyncio.to_thread(self.result, timeout)
+        """:meth:`result` for asyncio: each step's wait is its task's ``aresult`` (no
+        thread; a cancel ends the wait at once). Raises as :meth:`result`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        epochs = self._take_own()
+        value = None
+        for i in range(len(self.tasks)):
+            value = await self._astep_result(i, deadline, epochs)
+        return value
+
+    async def _astep_result(self, i: int, deadline: float | None,
+                            epochs: dict[str, int] | None) -> Any:
+        """:meth:`_step_result` for asyncio."""
+        t = self.tasks[i]
+        epoch = epochs.get(t.queue.name) if epochs and i > 0 else None
+        try:
+            try:
+                return await self._make(t.queue, t.id, epoch=epoch).aresult(
+                    self._left(deadline))
+            except TaskNotFound:
+                if i == 0:
+                    raise
+            await self._await_submitted_async(i, deadline)
+            return await self._make(t.queue, t.id).aresult(self._left(deadline))
+        except ChainFailed:
+            raise
+        except TaskFailed as exc:
+            raise self._failed(i, exc) from exc
+
+    async def _await_submitted_async(self, i: int, deadline: float | None) -> None:
+        """:meth:`_await_submitted` for asyncio."""
+        t = self.tasks[i]
+        t.queue.reply_channel()
+        hub = t.queue.hub
+        feed = AsyncFeed((t.queue.name, t.id), asyncio.get_running_loop())
+        hub.open(feed)
+        backoff = Backoff()
+        try:
+            while not self._exists(i):
+                self._stopped(i)
+                wait = min(max(backoff.next(), 0.01), LOOK_MAX_S)
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ResultTimeout(t.id, 0.0, "pending")
+                    wait = min(wait, left)
+                await feed.get(wait)
+        finally:
+            hub.close(feed)
+            feed.close()
 
     def events(self, timeout: float | None = None, *, tokens: bool = True) -> Iterator[Event]:
         """Every step's events in order (each ``Event.task_id`` names its step's task),
