@@ -246,10 +246,15 @@ class Chain:
 
     def _stopped(self, i: int) -> None:
         """Raise ChainFailed if step ``i`` (not submitted) never will be: the chain was
-        cancelled, or its payload could not be built."""
-        status, stop, err, end = self._fields(i - 1, "status", "chainstop", "chainerr",
-                                              "chainend")
-        t = self.tasks[i]
+        cancelled, or its payload could not be built; TaskNotFound if it was submitted
+        and is gone (deleted with its queue, its retention over)."""
+        p, t = self.tasks[i - 1], self.tasks[i]
+        keys = p.queue.broker.keys
+        with redis_errors():
+            pipe = p.queue.redis.pipeline(transaction=False)
+            pipe.hmget(keys.task(p.id), ("status", "chainstop", "chainerr", "chainend"))
+            pipe.zscore(keys.handoffs, p.id)
+            (status, stop, err, end), record = pipe.execute()
         if status is None:
             raise TaskNotFound(f"step {i - 1} of chain {self.id} is gone (its retention "
                                f"ran out) and step {i} ({t.id}) was never submitted")
@@ -257,6 +262,14 @@ class Chain:
             raise ChainFailed(i, t.queue.name, t.id, "cancelled", "the chain was cancelled")
         if err:
             raise ChainFailed(i, t.queue.name, t.id, (end or b"failed").decode(), err.decode())
+        # succeeded with no hand-off left to make (ack.lua records it in the call that
+        # ends the step; it goes once the step is submitted): a step not there now was
+        # submitted and is gone, or a worker without chains acked the step before it
+        if status == b"succeeded" and record is None and not self._exists(i):
+            raise TaskNotFound(f"step {i} of chain {self.id} ({t.id}, queue "
+                               f"{t.queue.name!r}) is gone: it was submitted and its "
+                               "queue was deleted or its retention ran out (or a worker "
+                               f"without chains ran step {i - 1})")
 
     def _exists(self, i: int) -> bool:
         t = self.tasks[i]

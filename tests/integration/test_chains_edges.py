@@ -22,7 +22,7 @@ from mtq.broker import chains
 from mtq.broker.codes import Code
 from mtq.broker.consumer import Consumer
 from mtq.broker.keys import QueueKeys
-from mtq.errors import ChainFailed, ResultTimeout
+from mtq.errors import ChainFailed, ResultTimeout, TaskNotFound
 from tests.integration.test_chains import ack_without_hand_off, workers
 from tests.support.waits import wait_for
 
@@ -214,3 +214,20 @@ def test_aresult_of_a_late_follower_waits_through_a_pending_hand_off(
 
     with workers(redis_url, (b, lambda p: p * 2)):
         assert asyncio.run(main()) == "rr"
+
+
+def test_a_step_submitted_and_then_gone_ends_the_wait(redis_url: str,
+                                                      client: redis.Redis) -> None:
+    """Step 1 was submitted (its record removed) and is gone (its queue deleted, its
+    retention over): a reader raises TaskNotFound at once, not waits until its time
+    limit for a step that will never come."""
+    a, b = names(2)
+    task = mtq.Queue(a, client=client).submit("x", then=[b])
+    tid = ack_without_hand_off(redis_url, a)
+    assert chains.HandOff(client, a).run([tid]) == 1
+    mtq.Queue(b, client=client).delete()
+    chain = mtq.Queue(a, client=redis.Redis.from_url(redis_url)).task(task.id).chain()
+    t0 = time.monotonic()  # (a reader of its own chain hears no end first: 10 s at most)
+    with pytest.raises(TaskNotFound, match="gone"):
+        chain.result(timeout=5)
+    assert time.monotonic() - t0 < 1.0
