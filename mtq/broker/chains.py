@@ -103,7 +103,8 @@ def build(step: dict[str, Any], result: bytes) -> Any:
             got = f"keys {sorted(map(str, value))[:10]}" if isinstance(value, dict) \
                 else type(value).__name__
             raise BuildError(f"step {step['q']!r} picks key {pick!r} of the previous "
-                             f"result, which has none ({got})")
+                             f"result, which has none ({got}): make the step before "
+                             "return a dict with that key, or change the step's pick=")
         value = value[pick]
     field = step.get("f")
     if field is None:

@@ -434,6 +434,8 @@ class Chain:
                 # its previous step succeeded and its hand-off is pending: stop it (the
                 # hand-off reads the mark before and after its submit)
                 p = self.tasks[i - 1]
+                if self._fields(i - 1, "chainerr")[0] is not None:
+                    return None  # the chain already ended at this hand-off
                 with redis_errors():
                     p.queue.redis.hset(p.queue.broker.keys.task(p.id), "chainstop", "1")
                 if self._exists(i):

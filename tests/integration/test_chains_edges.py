@@ -231,3 +231,15 @@ def test_a_step_submitted_and_then_gone_ends_the_wait(redis_url: str,
     with pytest.raises(TaskNotFound, match="gone"):
         chain.result(timeout=5)
     assert time.monotonic() - t0 < 1.0
+
+
+def test_cancel_after_the_chain_failed_at_a_hand_off_changes_nothing(
+        redis_url: str, client: redis.Redis) -> None:
+    a, b = names(2)
+    task = mtq.Queue(a, client=client).submit({"u": 1}, then=[mtq.Step(b, pick="t")])
+    tid = ack_without_hand_off(redis_url, a, {"u": 1})
+    chains.HandOff(client, a).run([tid])  # the pick fails: the chain ends failed
+    chain = task.chain()
+    assert chain.status() == "failed"
+    assert chain.cancel() is None, "nothing was left to cancel"
+    assert chain.status() == "failed"
