@@ -185,15 +185,28 @@ class HandOff:
         submitted: list[tuple[str, str, str]] = []  # (task, its next step, next queue)
         refused: list[str] = []  # records kept: their next queue refused them for now
         for (queue, replies), items in groups.items():
-            answer = self.broker(queue).submit([new for _, new in items], replies)
+            b, tasks = self.broker(queue), [new for _, new in items]
+            unconfirmed = False
+            if b.settings.durable_replicas:  # as a client's submit to it would
+                answer, acks = b.submit_durable(tasks, replies)
+                # not confirmed: the record stays, so a step a failover lost is submitted
+                # again (a later try that finds it there, a duplicate id, is done)
+                unconfirmed = 0 <= acks < b.settings.durable_replicas
+            else:
+                answer = b.submit(tasks, replies)
             if answer and answer[0] in REFUSED:  # the call's: nothing went in
                 log.info("chain steps %s: queue %r refused them for now (code %s); "
                          "retried a lease later", [n.id for _, n in items], queue,
                          answer[0])
                 refused += [tid for tid, _ in items]
                 continue
+            if unconfirmed:
+                log.info("chain steps %s: queue %r's replicas did not confirm them; "
+                         "their records stay", [n.id for _, n in items], queue)
             for (tid, new), got in zip(items, answer):
-                done.append(tid)  # its id, or DUPLICATE_ID: a hand-off raced this one
+                # its id, or DUPLICATE_ID: a hand-off raced this one (or an unconfirmed
+                # try wrote it, and it is still there on the primary that serves now)
+                (refused if unconfirmed and got == new.id else done).append(tid)
                 if got == new.id:
                     submitted.append((tid, new.id, queue))
         if refused:

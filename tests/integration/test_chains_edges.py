@@ -243,3 +243,21 @@ def test_cancel_after_the_chain_failed_at_a_hand_off_changes_nothing(
     assert chain.status() == "failed"
     assert chain.cancel() is None, "nothing was left to cancel"
     assert chain.status() == "failed"
+
+
+def test_a_hand_off_to_a_durable_queue_waits_for_its_replicas(redis_url: str,
+                                                              client: redis.Redis) -> None:
+    """The next queue has ``durable_replicas``: the step's submit waits for them, and a
+    submit they did not confirm keeps the record (a failover may have lost the step);
+    the next try finds the step there (a duplicate id) and removes it."""
+    a, b = names(2)
+    mtq.Queue(b, client=client).configure(durable_replicas=1, durable_timeout_ms=20)
+    task = mtq.Queue(a, client=client).submit("x", then=[b])
+    tid = ack_without_hand_off(redis_url, a)
+    h = chains.HandOff(client, a)
+    assert h.run([tid]) == 0  # this server has no replica: not confirmed
+    assert client.exists(QueueKeys(b).task(chains.step_id(task.id, 1)))
+    assert client.zcard(QueueKeys(a).handoffs) == 1, "kept until the step is durable"
+    assert chains.recover(h, 0) == 1
+    assert client.zcard(QueueKeys(a).handoffs) == 0
+    assert mtq.Queue(b, client=client).stats()["submitted"] == 1
