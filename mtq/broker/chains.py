@@ -165,6 +165,10 @@ class HandOff:
         for tid in ids:
             then, chain, reply, result, *more = rows[tid]
             if then is None or chain is None or result is None:
+                if then is None and chain is None and result is None:
+                    log.warning("chain hand-off after %s dropped: the task is gone (its "
+                                "retention ran out) before its next step could be "
+                                "submitted", tid)
                 done.append(tid)  # gone, or not chained
             elif more and more[0] is not None:  # its chain was cancelled
                 self._tell(chain, then, reply, "cancelled", "the chain was cancelled")
