@@ -26,7 +26,6 @@ expires unrun). Everything is data: no code travels.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -60,10 +59,6 @@ Known = tuple[bytes | None, bytes | None, bytes | None, bytes]
 RECOVER_AFTER_LEASES = 1.0
 #: most records one recovery round completes
 RECOVER_BATCH = 100
-#: test only: a worker process exits right after an ack that recorded a hand-off,
-#: before it submits the next step (tests/integration/test_chains_kill.py)
-EXIT_AFTER_ACK_ENV = "MTQ_TEST_EXIT_AFTER_CHAIN_ACK"
-
 
 class BuildError(MtqError):
     """The next step cannot be submitted: its payload cannot be built from the previous
@@ -298,13 +293,6 @@ class HandOff:
             tenant=step.get("t") or "", timeout_ms=step.get("o") or 0,
             chain=info(chain_id, nxt, queues),
             then=serialization.dumps(rest) if rest else b"")
-
-
-def exit_after_ack_if_asked() -> None:
-    """Test only (:data:`EXIT_AFTER_ACK_ENV`): die as a worker killed right after an ack
-    that recorded a hand-off, before it submits the next step, would."""
-    if os.environ.get(EXIT_AFTER_ACK_ENV) == "1":
-        os._exit(17)
 
 
 def recover(h: HandOff, lease_ms: int) -> int:
