@@ -26,7 +26,6 @@ expires unrun). Everything is data: no code travels.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -40,7 +39,7 @@ from mtq.broker.connection import redis_errors
 from mtq.broker.keys import QueueKeys
 from mtq.broker.protocol import Broker
 from mtq.broker.records import NewTask
-from mtq.errors import MtqError
+from mtq.errors import BrokerError, MtqError
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +59,6 @@ Known = tuple[bytes | None, bytes | None, bytes | None, bytes]
 RECOVER_AFTER_LEASES = 1.0
 #: most records one recovery round completes
 RECOVER_BATCH = 100
-#: test only: a worker process exits right after an ack that recorded a hand-off,
-#: before it submits the next step (tests/integration/test_chains_kill.py)
-EXIT_AFTER_ACK_ENV = "MTQ_TEST_EXIT_AFTER_CHAIN_ACK"
-
 
 class BuildError(MtqError):
     """The next step cannot be submitted: its payload cannot be built from the previous
@@ -103,7 +98,8 @@ def build(step: dict[str, Any], result: bytes) -> Any:
             got = f"keys {sorted(map(str, value))[:10]}" if isinstance(value, dict) \
                 else type(value).__name__
             raise BuildError(f"step {step['q']!r} picks key {pick!r} of the previous "
-                             f"result, which has none ({got})")
+                             f"result, which has none ({got}): make the step before "
+                             "return a dict with that key, or change the step's pick=")
         value = value[pick]
     field = step.get("f")
     if field is None:
@@ -164,6 +160,10 @@ class HandOff:
         for tid in ids:
             then, chain, reply, result, *more = rows[tid]
             if then is None or chain is None or result is None:
+                if then is None and chain is None and result is None:
+                    log.warning("chain hand-off after %s dropped: the task is gone (its "
+                                "retention ran out) before its next step could be "
+                                "submitted", tid)
                 done.append(tid)  # gone, or not chained
             elif more and more[0] is not None:  # its chain was cancelled
                 self._tell(chain, then, reply, "cancelled", "the chain was cancelled")
@@ -182,16 +182,34 @@ class HandOff:
                 replies = _replies(reply, self.keys, QueueKeys(queue))
                 groups.setdefault((queue, replies), []).append((tid, new))
         submitted: list[tuple[str, str, str]] = []  # (task, its next step, next queue)
+        refused: list[str] = []  # records kept: their next queue refused them for now
         for (queue, replies), items in groups.items():
-            answer = self.broker(queue).submit([new for _, new in items], replies)
+            b, tasks = self.broker(queue), [new for _, new in items]
+            unconfirmed = False
+            if b.settings.durable_replicas:  # as a client's submit to it would
+                answer, acks = b.submit_durable(tasks, replies)
+                # not confirmed: the record stays, so a step a failover lost is submitted
+                # again (a later try that finds it there, a duplicate id, is done)
+                unconfirmed = 0 <= acks < b.settings.durable_replicas
+            else:
+                answer = b.submit(tasks, replies)
             if answer and answer[0] in REFUSED:  # the call's: nothing went in
                 log.info("chain steps %s: queue %r refused them for now (code %s); "
-                         "retried later", [n.id for _, n in items], queue, answer[0])
+                         "retried a lease later", [n.id for _, n in items], queue,
+                         answer[0])
+                refused += [tid for tid, _ in items]
                 continue
+            if unconfirmed:
+                log.info("chain steps %s: queue %r's replicas did not confirm them; "
+                         "their records stay", [n.id for _, n in items], queue)
             for (tid, new), got in zip(items, answer):
-                done.append(tid)  # its id, or DUPLICATE_ID: a hand-off raced this one
+                # its id, or DUPLICATE_ID: a hand-off raced this one (or an unconfirmed
+                # try wrote it, and it is still there on the primary that serves now)
+                (refused if unconfirmed and got == new.id else done).append(tid)
                 if got == new.id:
                     submitted.append((tid, new.id, queue))
+        if refused:
+            self._later(refused)
         if done or submitted:
             with redis_errors("while removing chain hand-off records"):
                 pipe = self.redis.pipeline(transaction=False)
@@ -205,14 +223,25 @@ class HandOff:
                     self.broker(queue).cancel(nxt)
         return len(done)
 
+    def _later(self, ids: list[str]) -> None:
+        """Score the records ``ids`` now (server time; those still there): the reaper
+        tries them again a lease later, and takes the others before them."""
+        with redis_errors("while putting back refused chain hand-offs"):
+            sec, usec = self.redis.time()
+            now = sec * 1000 + usec // 1000
+            self.redis.zadd(self.keys.handoffs, dict.fromkeys(ids, now), xx=True)
+
     def _tell(self, chain: bytes, then: bytes, reply: bytes | None, status: str,
               error: str) -> None:
         """Tell whoever follows the chain that its next step will never run, as that
         step's done message would (status, error): its reader's wait ends now. The
         record on the previous step (``chainstop``, ``chainerr``) is what a later
         reader reads."""
-        chain_id, index, _ = read_info(chain)
-        queue = serialization.loads(then)[0]["q"]
+        try:
+            chain_id, index, queues = read_info(chain)
+            queue = queues[index + 1]
+        except (LookupError, TypeError, ValueError):  # (PayloadError too) unreadable
+            return
         channels = _replies(reply, self.keys, QueueKeys(queue))
         if not channels:
             return
@@ -231,7 +260,17 @@ class HandOff:
 
     def _next(self, then: bytes, chain: bytes, result: bytes) -> tuple[str, NewTask]:
         """The next step's queue and task, its payload built from ``result``. Raises
-        BuildError."""
+        BuildError (a record that cannot be read too: it never will be), BrokerError."""
+        try:
+            return self._build_next(then, chain, result)
+        except (BuildError, BrokerError):
+            raise
+        except Exception as exc:  # a corrupt field, a spec of another version, bad settings
+            raise BuildError(f"the chain's next step cannot be read from its record "
+                             f"({type(exc).__name__}: {exc}); the chain stops here: are "
+                             "all its clients and workers of one mtq version?") from exc
+
+    def _build_next(self, then: bytes, chain: bytes, result: bytes) -> tuple[str, NewTask]:
         chain_id, index, queues = read_info(chain)
         steps = serialization.loads(then)
         step, rest = steps[0], steps[1:]
@@ -254,13 +293,6 @@ class HandOff:
             tenant=step.get("t") or "", timeout_ms=step.get("o") or 0,
             chain=info(chain_id, nxt, queues),
             then=serialization.dumps(rest) if rest else b"")
-
-
-def exit_after_ack_if_asked() -> None:
-    """Test only (:data:`EXIT_AFTER_ACK_ENV`): die as a worker killed right after an ack
-    that recorded a hand-off, before it submits the next step, would."""
-    if os.environ.get(EXIT_AFTER_ACK_ENV) == "1":
-        os._exit(17)
 
 
 def recover(h: HandOff, lease_ms: int) -> int:

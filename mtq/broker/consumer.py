@@ -296,7 +296,6 @@ class Consumer:
         """Submit the next steps of the chained tasks just acked (see mtq.broker.chains),
         from what ack.lua answered for them and the results sent; a failure leaves their
         records for the reaper's recovery."""
-        chains.exit_after_ack_if_asked()
         ids = [a[0] for a, c in zip(acks, codes) if c == chains.CHAINED]
         told = getattr(codes, "chained", {})
         known = {a[0]: (*told[a[0]], a[2]) for a in acks if a[0] in told}

@@ -23,7 +23,7 @@ from mtq.broker.cluster import shared
 from mtq.broker.connection import Backoff, redis_errors
 from mtq.broker.records import NewTask
 from mtq.client.replies.events import Event
-from mtq.client.replies.feeds import SyncFeed
+from mtq.client.replies.feeds import AsyncFeed, SyncFeed
 from mtq.errors import (
     ChainError,
     ChainFailed,
@@ -246,10 +246,15 @@ class Chain:
 
     def _stopped(self, i: int) -> None:
         """Raise ChainFailed if step ``i`` (not submitted) never will be: the chain was
-        cancelled, or its payload could not be built."""
-        status, stop, err, end = self._fields(i - 1, "status", "chainstop", "chainerr",
-                                              "chainend")
-        t = self.tasks[i]
+        cancelled, or its payload could not be built; TaskNotFound if it was submitted
+        and is gone (deleted with its queue, its retention over)."""
+        p, t = self.tasks[i - 1], self.tasks[i]
+        keys = p.queue.broker.keys
+        with redis_errors():
+            pipe = p.queue.redis.pipeline(transaction=False)
+            pipe.hmget(keys.task(p.id), ("status", "chainstop", "chainerr", "chainend"))
+            pipe.zscore(keys.handoffs, p.id)
+            (status, stop, err, end), record = pipe.execute()
         if status is None:
             raise TaskNotFound(f"step {i - 1} of chain {self.id} is gone (its retention "
                                f"ran out) and step {i} ({t.id}) was never submitted")
@@ -257,6 +262,14 @@ class Chain:
             raise ChainFailed(i, t.queue.name, t.id, "cancelled", "the chain was cancelled")
         if err:
             raise ChainFailed(i, t.queue.name, t.id, (end or b"failed").decode(), err.decode())
+        # succeeded with no hand-off left to make (ack.lua records it in the call that
+        # ends the step; it goes once the step is submitted): a step not there now was
+        # submitted and is gone, or a worker without chains acked the step before it
+        if status == b"succeeded" and record is None and not self._exists(i):
+            raise TaskNotFound(f"step {i} of chain {self.id} ({t.id}, queue "
+                               f"{t.queue.name!r}) is gone: it was submitted and its "
+                               "queue was deleted or its retention ran out (or a worker "
+                               f"without chains ran step {i - 1})")
 
     def _exists(self, i: int) -> bool:
         t = self.tasks[i]
@@ -333,8 +346,55 @@ class Chain:
         return value
 
     async def aresult(self, timeout: float | None = None) -> Any:
-        """:meth:`result` for asyncio (the wait runs in a thread)."""
-        return await asyncio.to_thread(self.result, timeout)
+        """:meth:`result` for asyncio: each step's wait is its task's ``aresult`` (no
+        thread; a cancel ends the wait at once). Raises as :meth:`result`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        epochs = self._take_own()
+        value = None
+        for i in range(len(self.tasks)):
+            value = await self._astep_result(i, deadline, epochs)
+        return value
+
+    async def _astep_result(self, i: int, deadline: float | None,
+                            epochs: dict[str, int] | None) -> Any:
+        """:meth:`_step_result` for asyncio."""
+        t = self.tasks[i]
+        epoch = epochs.get(t.queue.name) if epochs and i > 0 else None
+        try:
+            try:
+                return await self._make(t.queue, t.id, epoch=epoch).aresult(
+                    self._left(deadline))
+            except TaskNotFound:
+                if i == 0:
+                    raise
+            await self._await_submitted_async(i, deadline)
+            return await self._make(t.queue, t.id).aresult(self._left(deadline))
+        except ChainFailed:
+            raise
+        except TaskFailed as exc:
+            raise self._failed(i, exc) from exc
+
+    async def _await_submitted_async(self, i: int, deadline: float | None) -> None:
+        """:meth:`_await_submitted` for asyncio."""
+        t = self.tasks[i]
+        t.queue.reply_channel()
+        hub = t.queue.hub
+        feed = AsyncFeed((t.queue.name, t.id), asyncio.get_running_loop())
+        hub.open(feed)
+        backoff = Backoff()
+        try:
+            while not self._exists(i):
+                self._stopped(i)
+                wait = min(max(backoff.next(), 0.01), LOOK_MAX_S)
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ResultTimeout(t.id, 0.0, "pending")
+                    wait = min(wait, left)
+                await feed.get(wait)
+        finally:
+            hub.close(feed)
+            feed.close()
 
     def events(self, timeout: float | None = None, *, tokens: bool = True) -> Iterator[Event]:
         """Every step's events in order (each ``Event.task_id`` names its step's task),
@@ -374,6 +434,8 @@ class Chain:
                 # its previous step succeeded and its hand-off is pending: stop it (the
                 # hand-off reads the mark before and after its submit)
                 p = self.tasks[i - 1]
+                if self._fields(i - 1, "chainerr")[0] is not None:
+                    return None  # the chain already ended at this hand-off
                 with redis_errors():
                     p.queue.redis.hset(p.queue.broker.keys.task(p.id), "chainstop", "1")
                 if self._exists(i):
