@@ -46,7 +46,10 @@ API key and no queue, takes that key's own rate hash instead):
   KEYS[22] handoffs           zset: id of a succeeded task of a chain whose next step is
                               still to be submitted -> when it succeeded (ms); written by
                               ack.lua, emptied by the worker that submits the next step
-                              (mtq/broker/chains.py)
+                              (mtq/broker/chains.py) through handed.lua;
+                              K_HANDOFFS .. ':streams' (K_HELD), hash: id -> the stream of
+                              such a task, which stays busy (held, as if the task still
+                              ran) until handed.lua removes the record and releases it
 ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
 the rest is per script.
 
@@ -171,6 +174,7 @@ local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[
 local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
 local K_CACHE, K_CACHEX, K_MODEL, K_IDLE = KEYS[17], KEYS[18], KEYS[19], KEYS[20]
 local K_SCHED, K_HANDOFFS = KEYS[21], KEYS[22]
+local K_HELD = K_HANDOFFS .. ':streams'
 local LATENCY_KEEP, LATENCY_SLACK, FAILURES_KEEP = 1000, 200, 100
 -- the expiry of a latency or failures list a script makes: diagnostics_ttl_s's default
 -- (mtq/settings.py); the beats of the queue's workers set the queue's own
