@@ -194,3 +194,21 @@ def test_with_scheduling_the_charge_is_settled_at_the_ack_and_only_the_stream_he
     assert chains.HandOff(client, a).run([first.id]) == 1
     assert claim_ids(ca) == [after.id]
     assert client.hget(count, "s:t1|r") == b"1"
+
+
+def test_a_purge_while_the_stream_is_held(redis_url: str, client: redis.Redis) -> None:
+    """A purge drops the tasks waiting behind a held stream and leaves the hold; the
+    hand-off then releases an empty stream, and the stream's next submit runs."""
+    a, b = names(2)
+    qa = mtq.Queue(a, client=client)
+    first = qa.submit("x", stream="u", then=[b])
+    behind = qa.submit("y", stream="u")
+    ca = Consumer(a, redis_url)
+    got = ca.claim(4)
+    assert ack(ca, first.id, got[0].token) == [chains.CHAINED]
+    assert qa.purge() == 1 and behind.status() == "cancelled"
+    assert held(client, a, "u") and qa.stats()["busy_streams"] == 1
+    assert chains.recover(chains.HandOff(client, a), 0) == 1
+    assert not held(client, a, "u") and qa.stats()["busy_streams"] == 0
+    again = qa.submit("z", stream="u")
+    assert claim_ids(ca) == [again.id]

@@ -7,7 +7,8 @@ API key and no queue, takes that key's own rate hash instead):
   KEYS[2]  stream key prefix  mtq:{q}:stream:    (+ name -> list of waiting ids, FIFO)
   KEYS[3]  ready              list: the round-robin ring of claimable streams ('' = stream-less tasks)
   KEYS[4]  busy               set: streams with a task running or waiting to be retried
-                              (not one submitted with a delay: it holds nothing up)
+                              (not one submitted with a delay: it holds nothing up), or
+                              held until a chain step's hand-off is complete (K_HELD)
   KEYS[5]  leases             zset: running id -> lease deadline (ms, server time), and
                               LEASE_MARK -> +inf (see below)
   KEYS[6]  delayed            zset: id waiting for a retry, or submitted with a delay
