@@ -73,9 +73,10 @@ msgpack: {kind, server time in us, items}, items flat per task:
 The result is written to the task before the message is queued, so a client that
 missed the message reads it from the task.
 
-Prefix keys are the one place where Lua appends to a key name: ids are only
-known inside the script (claim pops them). The hash tag sits in the prefix, so
-the result always hashes to the queue's slot.
+Prefix keys are where Lua appends to a key name: ids are only known inside the
+script (claim pops them); besides them, a worker's inbox (K_IDLE .. ':' .. worker) and
+K_HELD (K_HANDOFFS .. ':streams'). The hash tag sits in the prefix, so the result
+always hashes to the queue's slot.
 
 Trace: a task on the happy path (queued, started once, ended) has no trace list: its
 lines are read from its own fields (created, started, deliveries, worker, finished,
