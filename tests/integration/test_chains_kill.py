@@ -65,6 +65,7 @@ def test_a_worker_killed_between_the_ack_and_the_next_submit(
     # the later chain's first step started once the hand-off had put the step in
     step_a, step_b = qb.task(nxt).info(), qb.task(chains.step_id(later.id, 1)).info()
     assert later.info().started >= step_a.created
+    assert task.info().deliveries == 1, "the reaper re-ran nothing (no lease left at the ack)"
     assert step_a.finished <= step_b.started  # in submit order on the next queue
     wait_for(lambda: client.zcard(QueueKeys(a).handoffs) == 0, 5, "the records removed")
     assert not client.sismember(QueueKeys(a).busy, "u")
