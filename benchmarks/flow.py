@@ -51,6 +51,10 @@ registered for direct delivery, or is woken), the record's removal, and the next
 worker's start. Split into ack to the next step's ``created`` (the hand-off's submit)
 and ``created`` to ``started`` (the next queue). The baseline, measured in the same run
 on the same workers: a plain ``submit`` of one no-op to its ``started``, one at a time.
+Then what a stream's order across queues costs: N two-step chains on one stream,
+submitted at once, each one's function start minus the end of the one before it on the
+first queue (the stream is held until the hand-off went in), against N plain tasks on
+one stream (released at the ack).
 
 A run of only some sections prints its figures and writes the block only with
 ``--docs`` (the block holds every section).
@@ -325,6 +329,13 @@ def _chain_times(chain: mtq.Chain) -> list[tuple[int, int, int]]:
     return out
 
 
+def _stream_gaps(tasks: list[mtq.Task]) -> list[float]:
+    """Each task's function start minus the end of the one before it (us; the tasks of
+    one stream, in their order), once all ended."""
+    got = [t.result(timeout=60) for t in tasks]
+    return [(b["start"] - a["end"]) * 1e6 for a, b in itertools.pairwise(got)]
+
+
 def measure_chain(quick: bool = False) -> dict[str, Any]:
     n = 40 if quick else 200
     server = Server()
@@ -365,6 +376,12 @@ def measure_chain(quick: bool = False) -> dict[str, Any]:
             info = t.info()
             assert info.created is not None and info.started is not None
             base.append(info.started - info.created)
+        # one stream: its tasks one after another on the first queue, submitted at once;
+        # a chained one's stream is held until its hand-off went in (the stream's order
+        # across queues), a plain one's is released at its ack
+        held_us = _stream_gaps([qs[0].submit({"s": 0}, stream="held", then=steps[:1])
+                                for _ in range(n)])
+        plain_us = _stream_gaps([qs[0].submit({"s": 0}, stream="plain") for _ in range(n)])
         left = sum(int(r.zcard(QueueKeys(q).handoffs)) for q in names)
     finally:
         for p in procs:
@@ -391,6 +408,13 @@ def measure_chain(quick: bool = False) -> dict[str, Any]:
          "workers, one host): the ack's round trip included"),
         ("baseline: the client's submit call to the function's start, p50",
          statistics.median(base_us), "us", f"p99 {_pct(base_us, 99):.0f} us"),
+        ("one stream: a chained task's end to the next task's start, p50",
+         statistics.median(held_us), "us", f"{n} chains of 2 steps on one stream, submitted "
+         f"at once: the stream is held until the hand-off; p99 {_pct(held_us, 99):.0f} us"),
+        ("baseline: one stream, a plain task's end to the next one's, p50",
+         statistics.median(plain_us),
+         "us", f"{n} plain tasks on one stream, submitted at once; p99 "
+         f"{_pct(plain_us, 99):.0f} us"),
         ("hand-off records left at the end", left, "", "all completed"),
     ]
     return {"rows": rows, "targets": [("every hand-off record completed", left == 0,

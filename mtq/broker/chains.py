@@ -15,6 +15,13 @@ worker killed between the two leaves the record, which the periodic reaper of an
 worker of the queue completes once it is a lease old (:func:`recover`). Two hand-offs
 racing (a slow worker and a recoverer) submit one task: the second is a duplicate id.
 
+A stream's order across steps: the ack does not release the step's stream; it stays
+held (busy, as if the step still ran) until its record is removed (handed.lua, through
+:meth:`HandOff.complete`), which releases it once, whoever removes it. So the stream's
+next task cannot run, end and hand off before this one's hand-off went in: the next
+queue gets a stream's steps in the order they were submitted. A refused hand-off (next
+queue full) holds the stream until it goes through: backpressure.
+
 A step's spec (a dict, msgpack; built and checked by ``mtq.client.chains``): ``q`` its
 queue, ``p`` the base payload (None: none), ``f`` the field the previous result goes
 under (None: the payload is the previous result), ``k`` the key of a dict result to
@@ -27,11 +34,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgpack
 
 from mtq import serialization
+from mtq.broker import scripts
 from mtq.broker.cluster import for_queue, sharded, shared
 from mtq.broker.codes import Code
 from mtq.broker.config import SettingsSource
@@ -211,17 +220,22 @@ class HandOff:
         if refused:
             self._later(refused)
         if done or submitted:
-            with redis_errors("while removing chain hand-off records"):
-                pipe = self.redis.pipeline(transaction=False)
-                for tid, _, _ in submitted:
-                    pipe.hexists(self.keys.task(tid), "chainstop")
-                if done:
-                    pipe.zrem(self.keys.handoffs, *done)
-                stops = pipe.execute()
+            stops = self.complete(done, [tid for tid, _, _ in submitted])
             for (_, nxt, queue), stop in zip(submitted, stops):
                 if stop:  # the chain was cancelled while its next step was submitted
                     self.broker(queue).cancel(nxt)
         return len(done)
+
+    def complete(self, done: Sequence[str], look: Sequence[str] = ()) -> list[bool]:
+        """Remove the records ``done`` (their hand-offs are complete) and release the
+        streams their acks held, each once however many completers race (handed.lua);
+        returns, for each of ``look``, whether its chain was cancelled (``chainstop``).
+        One round trip."""
+        call = scripts.Call(scripts.script("handed"), self.keys.script_keys,
+                            [*self.keys.channels, len(done), *done, *look],
+                            lambda r: [bool(int(x)) for x in r[2:]])
+        with redis_errors("while removing chain hand-off records"):
+            return list(scripts.run(self.redis, call)[0])
 
     def _later(self, ids: list[str]) -> None:
         """Score the records ``ids`` now (server time; those still there): the reaper

@@ -26,7 +26,7 @@ from mtq.broker.connection import redis_errors, single_attempt
 from mtq.errors import BrokerError
 
 NAMES = ("submit", "claim", "ack", "nack", "extend", "cancel", "reap", "emit", "watch", "purge",
-         "dlq", "orphans", "trace", "admit", "handover")
+         "dlq", "orphans", "trace", "admit", "handover", "handed")
 
 
 @dataclass(frozen=True)

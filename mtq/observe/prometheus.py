@@ -102,7 +102,8 @@ GAUGES = {
     "mtq_queue_cold_start_seconds": ("cold_start", "--autoscale: from the submit that woke "
                                      "a supervisor at zero processes to the first claim."),
     "mtq_queue_streams": ("streams", "Streams with waiting tasks."),
-    "mtq_queue_busy_streams": ("busy_streams", "Streams with a running task."),
+    "mtq_queue_busy_streams": ("busy_streams", "Streams with a running task (or a "
+                               "retry waiting, or a chain step's hand-off pending)."),
     "mtq_cache_entries": ("cache_entries", "Entries the result cache holds (about 150 bytes "
                                            "each, naming the task that holds the result, at "
                                            "most 64 KiB); capped by cache_max_entries."),

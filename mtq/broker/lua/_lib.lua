@@ -7,7 +7,8 @@ API key and no queue, takes that key's own rate hash instead):
   KEYS[2]  stream key prefix  mtq:{q}:stream:    (+ name -> list of waiting ids, FIFO)
   KEYS[3]  ready              list: the round-robin ring of claimable streams ('' = stream-less tasks)
   KEYS[4]  busy               set: streams with a task running or waiting to be retried
-                              (not one submitted with a delay: it holds nothing up)
+                              (not one submitted with a delay: it holds nothing up), or
+                              held until a chain step's hand-off is complete (K_HELD)
   KEYS[5]  leases             zset: running id -> lease deadline (ms, server time), and
                               LEASE_MARK -> +inf (see below)
   KEYS[6]  delayed            zset: id waiting for a retry, or submitted with a delay
@@ -46,7 +47,10 @@ API key and no queue, takes that key's own rate hash instead):
   KEYS[22] handoffs           zset: id of a succeeded task of a chain whose next step is
                               still to be submitted -> when it succeeded (ms); written by
                               ack.lua, emptied by the worker that submits the next step
-                              (mtq/broker/chains.py)
+                              (mtq/broker/chains.py) through handed.lua;
+                              K_HANDOFFS .. ':streams' (K_HELD), hash: id -> the stream of
+                              such a task, which stays busy (held, as if the task still
+                              ran) until handed.lua removes the record and releases it
 ARGV[1] events channel (dashboards, JSON), ARGV[2] control channel (workers, JSON);
 the rest is per script.
 
@@ -69,9 +73,10 @@ msgpack: {kind, server time in us, items}, items flat per task:
 The result is written to the task before the message is queued, so a client that
 missed the message reads it from the task.
 
-Prefix keys are the one place where Lua appends to a key name: ids are only
-known inside the script (claim pops them). The hash tag sits in the prefix, so
-the result always hashes to the queue's slot.
+Prefix keys are where Lua appends to a key name: ids are only known inside the
+script (claim pops them); besides them, a worker's inbox (K_IDLE .. ':' .. worker) and
+K_HELD (K_HANDOFFS .. ':streams'). The hash tag sits in the prefix, so the result
+always hashes to the queue's slot.
 
 Trace: a task on the happy path (queued, started once, ended) has no trace list: its
 lines are read from its own fields (created, started, deliveries, worker, finished,
@@ -171,6 +176,7 @@ local K_STATS, K_FREE, K_IDEM, K_SEQ, K_OUT = KEYS[9], KEYS[10], KEYS[11], KEYS[
 local K_TRACE, K_LATENCY, K_FAILURES = KEYS[14], KEYS[15], KEYS[16]
 local K_CACHE, K_CACHEX, K_MODEL, K_IDLE = KEYS[17], KEYS[18], KEYS[19], KEYS[20]
 local K_SCHED, K_HANDOFFS = KEYS[21], KEYS[22]
+local K_HELD = K_HANDOFFS .. ':streams'
 local LATENCY_KEEP, LATENCY_SLACK, FAILURES_KEEP = 1000, 200, 100
 -- the expiry of a latency or failures list a script makes: diagnostics_ttl_s's default
 -- (mtq/settings.py); the beats of the queue's workers set the queue's own

@@ -15,7 +15,11 @@ Returns: one code per task: 1 = recorded; 2 = ended cancelled instead (as above)
   hash): its id entered K_HANDOFFS (scored now) in this same call, so the next step is
   submitted exactly once even if the worker dies before it does so itself (see
   mtq/broker/chains.py: the worker submits it and removes the record; recovery
-  completes records a dead worker left); after the n codes, one entry per such task:
+  completes records a dead worker left); its stream (if it has one) is not released:
+  it stays busy, as if the task still ran, until handed.lua completes the record, so
+  that no later task of the stream runs (and hands off) before this one's hand-off
+  (K_HELD, id -> stream, says what to release); after the n codes,
+  one entry per such task:
   {id, its 'then', its 'chain', its 'reply' or ''}, what the worker's hand-off needs
   (it has the result: it sent it);
   E_LEASE_LOST = the task is not running
@@ -83,12 +87,15 @@ for i = 0, n - 1 do
       ended[f[9]] = (ended[f[9]] or 0) + 1
     end
     finish(id, 'succeeded', now, keep, 'result', result, own, f)
-    if f[7] then woken = woken + release_stream(f[7]) end
     if f[11] then  -- a chain's step with one after it (one field more in the HMGET above)
       redis.call('ZADD', K_HANDOFFS, now, id)
+      -- its stream stays held (busy: not claimable) until its hand-off is complete
+      -- (handed.lua releases it), so the next queue gets the stream's steps in order
+      if f[7] then redis.call('HSET', K_HELD, id, f[7]) end
       codes[i + 1] = 3
       chained[#chained + 1] = {id, f[11], f[12] or '', f[1] or ''}
     else
+      if f[7] then woken = woken + release_stream(f[7]) end
       codes[i + 1] = 1
     end
     done[#done + 1] = id

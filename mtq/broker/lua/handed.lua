@@ -1,0 +1,37 @@
+--[[ handed.lua -- chain hand-offs are complete: their records go, their streams are released.
+KEYS: the standard twenty-two (see _lib.lua).
+ARGV[1] events channel   ARGV[2] control channel
+ARGV[3] n, then n ids of succeeded chained tasks whose hand-off is complete (the next
+  step submitted, or the chain ended there: its task gone, its chain cancelled, its
+  next step impossible to build)
+ARGV[4 + n]... ids whose 'chainstop' to report (the steps just submitted: a chain
+  cancelled while its next step went in has that step cancelled by the caller)
+Returns: {removed, released, then one flag per id of ARGV[4 + n]...: 1 if its task
+  has 'chainstop'}: removed, how many of the n records were still there (ZREM);
+  released, how many streams that made claimable again.
+Each record removed here releases the stream its ack held (K_HELD: see ack.lua and
+_lib.lua), once: a record already gone (another completer came first: a slow worker
+and a recoverer, a removal sent again) releases nothing. A task without a stream held
+nothing. A sleeping worker is woken when a stream with work became claimable.
+Cost: O(n).
+]]
+--@include _lib.lua
+local n = tonumber(ARGV[3])
+local removed, released = 0, 0
+for i = 4, 3 + n do
+  local id = ARGV[i]
+  if redis.call('ZREM', K_HANDOFFS, id) == 1 then
+    removed = removed + 1
+    local s = redis.call('HGET', K_HELD, id)
+    if s then
+      redis.call('HDEL', K_HELD, id)
+      released = released + release_stream(s)
+    end
+  end
+end
+local out = {removed, released}
+for i = 4 + n, #ARGV do
+  out[#out + 1] = redis.call('HEXISTS', K_TASK .. ARGV[i], 'chainstop')
+end
+if released > 0 then nudge() end
+return out
