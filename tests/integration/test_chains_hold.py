@@ -81,3 +81,36 @@ def test_a_chain_from_a_queue_to_itself_on_one_stream(redis_url: str,
     assert order.index("1+") < order.index("2+")
     assert not held(client, a, "u")
     assert client.hlen(QueueKeys(a).handoffs + ":streams") == 0
+
+
+def test_an_id_reused_while_its_old_record_waits_releases_the_old_hold(
+        redis_url: str, client: redis.Redis) -> None:
+    """A step's hand-off is refused (next queue full) until its task's retention runs
+    out; before the reaper drops the record, the id is submitted again (a client that
+    names its tasks) on another stream, as a chain, and acked: its hold replaced the
+    old one in the hash, and the old stream stayed held with nothing to release it.
+    The ack releases the old hold it replaces."""
+    a, b = names(2)
+    qb = mtq.Queue(b, client=client)
+    qb.configure(max_length=1)
+    blocker = qb.submit("first")  # b is full
+    qa = mtq.Queue(a, client=client)
+    old = qa.submit("x", stream="u", then=[b], id=f"req-{uuid.uuid4().hex[:8]}")
+    behind = qa.submit("y", stream="u")
+    ca = Consumer(a, redis_url)
+    (got,) = ca.claim(4)
+    assert ca.broker.ack([(old.id, got.token, serialization.dumps("r"))]) == [chains.CHAINED]
+    h = chains.HandOff(client, a)
+    assert h.run([old.id]) == 0  # refused: the record and the hold stay
+    client.delete(QueueKeys(a).task(old.id))  # its retention ran out
+    again = qa.submit("x2", stream="w", then=[b], id=old.id)
+    (got,) = ca.claim(4)
+    assert got.id == again.id
+    assert ca.broker.ack([(again.id, got.token, serialization.dumps("r2"))]) \
+        == [chains.CHAINED]
+    assert not held(client, a, "u"), "the hold the ack replaced is released"
+    assert [t.id for t in ca.claim(4)] == [behind.id]
+    blocker.cancel()
+    assert chains.recover(h, 0) == 1  # the new step goes in; its own hold released
+    assert not held(client, a, "w")
+    assert client.hlen(chains.held_key(QueueKeys(a))) == 0
