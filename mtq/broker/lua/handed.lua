@@ -32,7 +32,9 @@ if n < 0 then  -- the sweep (see the header): removed counts the holds dropped
       local s = redis.call('HGET', K_HELD, id)
       redis.call('HDEL', K_HELD, id)
       removed = removed + 1
-      released = released + release_stream(s)
+      -- (a stream no longer busy, its busy set deleted by hand, is not pushed on a ring
+      -- it may already be on)
+      if redis.call('SISMEMBER', K_BUSY, s) == 1 then released = released + release_stream(s) end
     end
   end
 end
