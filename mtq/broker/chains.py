@@ -332,7 +332,7 @@ def recover(h: HandOff, lease_ms: int) -> int:
     """Complete hand-offs recorded more than a lease ago (the worker that acked died
     before it submitted the next step): one round trip when there are none. Also the
     sweep: more streams held than records means a record went without handed.lua
-    (an operator's ZREM, a script of another version), its stream held with nothing
+    (an operator's ZREM or DEL of the records), its stream held with nothing
     left to release it: :meth:`HandOff.sweep` releases it. (A hold without its record
     while other records are there is found once they are gone.)"""
     with redis_errors("while reading chain hand-offs"):

@@ -30,8 +30,8 @@ def held(client: redis.Redis, queue: str, stream: str) -> bool:
 
 def test_a_record_removed_behind_the_hand_off_s_back_is_swept_by_recovery(
         redis_url: str, client: redis.Redis) -> None:
-    """A record removed by anything but handed.lua (an operator's ZREM, a script of
-    another version) left its stream held with nothing to release it: every later task
+    """A record removed by anything but handed.lua (an operator's ZREM or DEL of the
+    records) left its stream held with nothing to release it: every later task
     of the stream stalled silently. Recovery finds the hold whose record is gone and
     releases it, once; a hold whose record is there is left alone."""
     a, b = names(2)

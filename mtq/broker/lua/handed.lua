@@ -8,7 +8,7 @@ ARGV[4 + n]... ids whose 'chainstop' to report (the steps just submitted: a chai
   cancelled while its next step went in has that step cancelled by the caller)
 ARGV[3] = -1 instead: the sweep (recovery, when it counts more holds than records): each
   hold in K_HELD whose record is gone from K_HANDOFFS (removed by anything but this
-  script: an operator's ZREM, a script of another version) is dropped and its stream
+  script: an operator's ZREM or DEL of the records) is dropped and its stream
   released, so no stream stays held with nothing left to release it. ack.lua writes a
   hold and its record in one call and this script removes both in one, so a hold
   without its record is never one a completer will still release: nothing is released
