@@ -33,6 +33,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
+from mtq.broker import chains
 from mtq.client import Queue, Request, Task
 from mtq.errors import MtqError
 
@@ -221,7 +222,9 @@ def run(url: str, *, users: int = 24, chats_per_user: int = 3, embeds_per_user: 
     embed_q = Queue(EMBED_QUEUE, url, retention_s=900)
     for q in (chat_q, embed_q):  # a clean slate: counters and lists of an earlier run
         q.purge()
-        q.redis.delete(*q.broker.keys.script_keys[2:])
+        # (with the streams held for chain hand-offs: a hold left after its record and
+        # busy set were deleted would be swept later, releasing a stream then running)
+        q.redis.delete(*q.broker.keys.script_keys[2:], chains.held_key(q.broker.keys))
     log = Path(tempfile.mkstemp(prefix="mtq-demo-", suffix=".log")[1])
     sups = _Supervisors(url, log)
     events: list[str] = []

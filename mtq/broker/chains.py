@@ -69,6 +69,13 @@ RECOVER_AFTER_LEASES = 1.0
 #: most records one recovery round completes
 RECOVER_BATCH = 100
 
+
+def held_key(keys: QueueKeys) -> str:
+    """The hash of the streams held for pending hand-offs: id -> stream (K_HELD in
+    the scripts)."""
+    return keys.handoffs + ":streams"
+
+
 class BuildError(MtqError):
     """The next step cannot be submitted: its payload cannot be built from the previous
     result (a ``pick`` key the result lacks, a result too large; ``status`` failed), or
@@ -237,6 +244,18 @@ class HandOff:
         with redis_errors("while removing chain hand-off records"):
             return list(scripts.run(self.redis, call)[0])
 
+    def sweep(self) -> int:
+        """Release the streams held for records that are gone (handed.lua's sweep);
+        returns how many holds it dropped."""
+        call = scripts.Call(scripts.script("handed"), self.keys.script_keys,
+                            [*self.keys.channels, -1], lambda r: int(r[0]))
+        with redis_errors("while sweeping chain hand-off holds"):
+            dropped = int(scripts.run(self.redis, call)[0])
+        if dropped:
+            log.warning("chain hand-offs: %d stream(s) held for a record that is gone "
+                        "(removed without handed.lua) released", dropped)
+        return dropped
+
     def _later(self, ids: list[str]) -> None:
         """Score the records ``ids`` now (server time; those still there): the reaper
         tries them again a lease later, and takes the others before them."""
@@ -311,12 +330,20 @@ class HandOff:
 
 def recover(h: HandOff, lease_ms: int) -> int:
     """Complete hand-offs recorded more than a lease ago (the worker that acked died
-    before it submitted the next step): one round trip when there are none."""
+    before it submitted the next step): one round trip when there are none. Also the
+    sweep: more streams held than records means a record went without handed.lua
+    (an operator's ZREM or DEL of the records), its stream held with nothing
+    left to release it: :meth:`HandOff.sweep` releases it. (A hold without its record
+    while other records are there is found once they are gone.)"""
     with redis_errors("while reading chain hand-offs"):
         pipe = h.redis.pipeline(transaction=False)
         pipe.time()
         pipe.zrange(h.keys.handoffs, 0, RECOVER_BATCH - 1, withscores=True)
-        (sec, usec), rows = pipe.execute()
+        pipe.hlen(held_key(h.keys))
+        pipe.zcard(h.keys.handoffs)
+        (sec, usec), rows, holds, records = pipe.execute()
+    if holds > records:
+        h.sweep()
     if not rows:
         return 0
     now = sec * 1000 + usec // 1000

@@ -105,7 +105,7 @@ def test_a_queue_page_shows_charts_streams_waits_failures_and_dead_letters(
     seen = text_of(r.text)
     # the busiest streams and the longest waits: acme's 4 tasks in the markup stream
     # first, then user-1's; the oldest waiting tasks first
-    assert f"Busiest streams stream waiting running {EVIL_STREAM} 4 user-1 1" in seen
+    assert f"Busiest streams stream waiting busy {EVIL_STREAM} 4 user-1 1" in seen
     waits = re.findall(r'href="/tasks/([\w-]+)\?queue=', r.text.split("Longest waits")[1])
     assert len(waits) >= 3
     assert "acme batch" in seen and "bob interactive" in seen

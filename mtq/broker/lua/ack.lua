@@ -91,7 +91,16 @@ for i = 0, n - 1 do
       redis.call('ZADD', K_HANDOFFS, now, id)
       -- its stream stays held (busy: not claimable) until its hand-off is complete
       -- (handed.lua releases it), so the next queue gets the stream's steps in order
-      if f[7] then redis.call('HSET', K_HELD, id, f[7]) end
+      -- (HSETNX: the same one command; an id reused after its task's retention ran out
+      -- while its old record waited replaces that record, and releases its hold: the
+      -- reaper would have dropped it, and nothing would release it once replaced)
+      if f[7] and redis.call('HSETNX', K_HELD, id, f[7]) == 0 then
+        local was = redis.call('HGET', K_HELD, id)
+        if was ~= f[7] then
+          redis.call('HSET', K_HELD, id, f[7])
+          woken = woken + release_stream(was)
+        end
+      end
       codes[i + 1] = 3
       chained[#chained + 1] = {id, f[11], f[12] or '', f[1] or ''}
     else
