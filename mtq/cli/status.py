@@ -215,6 +215,10 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
                   f"{when(info.created)} / {when(info.started)} / {when(info.finished)}")
     if info.due is not None:
         table.add_row("due (delayed)", when(info.due))
+    if info.deadline is not None:
+        table.add_row("start by (ttl, deadline)", when(info.deadline))
+    if info.timeout is not None:
+        table.add_row("run timeout", f"{info.timeout:g} s")
     if info.worker:
         table.add_row("worker", shown(info.worker))
     if info.error:

@@ -76,3 +76,6 @@ class TaskInfo:
     traceback: str | None = None
     #: while it waits for its submit's delay: when it is due (None once queued)
     due: int | None = None
+    #: its run timeout in seconds when its submit gave one (None: the queue's
+    #: ``task_timeout_s`` applies)
+    timeout: float | None = None

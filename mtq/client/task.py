@@ -103,7 +103,8 @@ class Task:
     def info(self) -> TaskInfo:
         """Everything stored about the task except payload and result. Raises TaskNotFound."""
         names = ("status", "stream", "attempts", "deliveries", "created", "started",
-                 "finished", "deadline", "worker", "error", "cancel", "traceback", "due")
+                 "finished", "deadline", "worker", "error", "cancel", "traceback", "due",
+                 "timeout")
         v = dict(zip(names, self._hmget(*names)))
         if v["status"] is None:
             raise self._not_found()
@@ -114,6 +115,7 @@ class Task:
             deadline=_i(v["deadline"]), worker=_s(v["worker"]), error=_s(v["error"]),
             cancel_requested=v["cancel"] is not None, traceback=_s(v["traceback"]),
             due=_i(v["due"]) if v["status"] == b"delayed" else None,
+            timeout=int(v["timeout"]) / 1000 if v["timeout"] else None,
         )
 
     def trace(self) -> list[TraceEntry]:

@@ -119,6 +119,22 @@ def test_task_shows_details_and_a_timeline_across_a_redelivery(
     assert times == sorted(times)
 
 
+def test_task_shows_its_run_timeout_and_start_by(runner: CliRunner, redis_url: str,
+                                                 qname: str) -> None:
+    q = mtq.Queue(qname, redis_url)
+    t = q.submit({"x": 1}, timeout=2.5, ttl=60)
+    plain = q.submit({"x": 2})
+    info = t.info()
+    assert info.timeout == 2.5 and info.deadline is not None and plain.info().timeout is None
+    out = flat(run(runner, "task", t.id, "--queue", qname, "--redis", redis_url).output)
+    assert "│ run timeout │ 2.5 s │" in out and "start by (ttl, deadline)" in out, out
+    out = flat(run(runner, "task", plain.id, "--queue", qname, "--redis", redis_url).output)
+    assert "run timeout" not in out and "start by" not in out, out
+    data = json.loads(run(runner, "task", t.id, "--queue", qname, "--json",
+                          "--redis", redis_url).output)
+    assert data["timeout"] == 2.5
+
+
 def test_task_errors(runner: CliRunner, redis_url: str, qname: str,
                      unreachable_url: str) -> None:
     mtq.Queue(qname, redis_url).submit({})
