@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.clusters import Cluster
 from tests.support.paths import PY
 from tests.support.processes import free_port
 from tests.support.supervisors import LAUNCHER, StartFn, Sup
@@ -72,3 +73,15 @@ def unreachable_url(monkeypatch: pytest.MonkeyPatch) -> str:
     port of its own, so that no client an earlier test cached for its URL is reused."""
     monkeypatch.setenv("MTQ_REDIS_RETRIES", "0")
     return f"redis://127.0.0.1:{free_port()}/0"
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """A Redis Cluster (3 primaries, a replica each) for the session: test_cluster.py's
+    and test_gateway_keys.py's tests share it (each its own queue names and tenants),
+    rather than paying for a cluster's creation in each module. A test that kills or
+    restarts nodes makes a cluster of its own (test_cluster_failover.py)."""
+    c = Cluster(tmp_path_factory.mktemp("cluster"))
+    c.start()
+    yield c
+    c.stop()

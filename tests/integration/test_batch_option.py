@@ -43,7 +43,11 @@ def test_worker_run_takes_both_names(name: str, qname: str, r: redis.Redis,
         kill_process(proc)
 
 
-@NAMES
+# one click option serves both commands (mtq/cli/workers.py, _max_batch_opt): the alias
+# reaches a worker of `mtq worker run` above; `mtq workers start` with the alias is a
+# slow test
+@pytest.mark.parametrize("name", ["--max-batch-size",
+                                  pytest.param("--batch-size", marks=pytest.mark.slow)])
 def test_workers_start_takes_both_names(name: str, supervise: StartFn, qname: str,
                                         r: redis.Redis) -> None:
     sup = supervise("tests.models:Probe", qname, "--standby", "0", name, "3")

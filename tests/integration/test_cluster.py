@@ -36,12 +36,10 @@ from tests.support.waits import wait_for
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def the_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("cluster"))
-    c.start()
-    yield c
-    c.stop()
+@pytest.fixture
+def the_cluster(redis_cluster: Cluster) -> Cluster:
+    """The session's cluster (tests/integration/conftest.py): nodes are not killed here."""
+    return redis_cluster
 
 
 @pytest.fixture

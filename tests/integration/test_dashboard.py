@@ -189,10 +189,14 @@ def test_live_figures_redis_restart_and_q(tmp_path: Path, subprocess_env: dict[s
     worker: subprocess.Popen[bytes] | None = None
     try:
         queue.submit_many([{"i": i} for i in range(20)])
-        t = Tmux(tmp_path, env, 120, 40, ["--redis", server.url])
+        # refreshes twice a second (the default, once a second: test_once_prints_one_frame);
+        # no retries of a refused connection (MTQ_REDIS_RETRIES=0), so Redis stopped is
+        # on screen at the next refresh rather than after the retries' ~3 s
+        t = Tmux(tmp_path, {**env, "MTQ_REDIS_RETRIES": "0"}, 120, 40,
+                 ["--redis", server.url, "--refresh", "0.5"])
         tmux_dashboard.append(t)
         screen = t.wait_screen(qname)
-        assert "refresh every 1 s" in screen and "q quits" in screen
+        assert "refresh every 0.5 s" in screen and "q quits" in screen
         first = queue_row(screen, qname)
         assert (first["waiting"], first["workers"]) == ("20", "0"), first
 
@@ -200,8 +204,8 @@ def test_live_figures_redis_restart_and_q(tmp_path: Path, subprocess_env: dict[s
             [PY, "-m", "mtq", "worker", "run", "tests.models:Probe", "--queue", qname,
              "--redis", server.url], env=env, cwd=ROOT,
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # ~40 tasks/s (4 per 0.1 s batch) for ~5 s: several refreshes see them
-        burst = queue.submit_many([{"i": i, "sleep": 0.025} for i in range(200)])
+        # ~40 tasks/s (4 per 0.1 s batch) for ~3 s: several refreshes see them
+        burst = queue.submit_many([{"i": i, "sleep": 0.025} for i in range(120)])
         screen = t.wait_screen("probe/h-", timeout=30)  # the workers table (version computed)
         assert "cpu" in screen
         seen: set[str] = set()  # the waiting figures shown

@@ -12,9 +12,11 @@ tests/support/doc_commands.py) say what does not run:
 - ``needs: gpu|docker|zsh`` and ``not run: installs``: skipped;
 - ``runs: service``: a long-running command. A worker (``mtq workers start``,
   ``mtq worker run``) is started in the background when a later line of its page
-  runs (that line may need it: "in another shell"), and only then; the test waits
-  until it serves its queue, and at the end of the page stops it with SIGTERM, upon
-  which it must exit 0. Other services (the live dashboard) are not run.
+  runs (that line may need it: "in another shell"), and only then; before the next
+  line that is not a service runs, the test waits until it serves its queue (services
+  on consecutive lines start side by side), and at the end of the page stops it with
+  SIGTERM, upon which it must exit 0. Web servers on their ports likewise. Other
+  services (the live dashboard) are not run.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,7 @@ class Page:
         self.tmp, self.env = tmp, env
         self.client = redis.Redis.from_url(url)
         self.services: list[tuple[Command, subprocess.Popen[bytes], Path]] = []
+        self.starting: list[Callable[[], None]] = []
         self.ran: list[str] = []
 
     def run(self, cmd: Command) -> None:
@@ -184,14 +187,19 @@ class Page:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self.services.append((cmd, proc, log))
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not all(list_workers(self.client, queue) for queue in queues):
-            if proc.poll() is not None:
-                pytest.fail(f"{cmd.where}: `{cmd.code}` exited {proc.returncode} before "
-                            f"serving queues {queues}; its output:\n{tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{cmd.where}: `{cmd.code}` registered no worker on each of "
-                            f"{queues} within {READY_TIMEOUT_S:g} s; its output:\n{tail(log)}")
-            time.sleep(0.05)
+
+        def ready() -> None:
+            while not all(list_workers(self.client, queue) for queue in queues):
+                if proc.poll() is not None:
+                    pytest.fail(f"{cmd.where}: `{cmd.code}` exited {proc.returncode} before "
+                                f"serving queues {queues}; its output:\n{tail(log)}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{cmd.where}: `{cmd.code}` registered no worker on each of "
+                                f"{queues} within {READY_TIMEOUT_S:g} s; its output:\n"
+                                f"{tail(log)}")
+                time.sleep(0.05)
+
+        self.starting.append(ready)
         self.ran.append(cmd.code + "  (started)")
 
     def start_web(self, cmd: Command, port: int) -> None:
@@ -206,23 +214,38 @@ class Page:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
         self.services.append((cmd, proc, log))
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not accepts(port):
-            if proc.poll() is not None:
-                pytest.fail(f"{cmd.where}: `{cmd.code}` exited {proc.returncode} before "
-                            f"listening on port {port}; its output:\n{tail(log)}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"{cmd.where}: `{cmd.code}` did not listen on port {port} "
-                            f"within {READY_TIMEOUT_S:g} s; its output:\n{tail(log)}")
-            time.sleep(0.05)
+
+        def ready() -> None:
+            while not accepts(port):
+                if proc.poll() is not None:
+                    pytest.fail(f"{cmd.where}: `{cmd.code}` exited {proc.returncode} before "
+                                f"listening on port {port}; its output:\n{tail(log)}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{cmd.where}: `{cmd.code}` did not listen on port {port} "
+                                f"within {READY_TIMEOUT_S:g} s; its output:\n{tail(log)}")
+                time.sleep(0.05)
+
+        self.starting.append(ready)
         self.ran.append(cmd.code + "  (started)")
 
+    def wait_ready(self) -> None:
+        """Wait until each service started since the last call serves (a worker: in
+        the registry on each of its queues; a web server: its port accepts): services
+        on consecutive lines start side by side, and each is ready before the next
+        command line runs."""
+        while self.starting:
+            self.starting.pop(0)()
+
     def stop_services(self) -> None:
-        """SIGTERM each service, newest first: each must exit 0."""
+        """SIGTERM each service, newest first, all at once (each drains and exits on
+        its own, so they stop side by side): each must exit 0."""
+        for _cmd, proc, _log in reversed(self.services):
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         while self.services:
             cmd, proc, log = self.services.pop()
-            proc.send_signal(signal.SIGTERM)
             try:
-                rc = proc.wait(STOP_TIMEOUT_S)
+                rc = proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
@@ -251,7 +274,16 @@ def page_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.stop()
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+#: README.md's commands that run (the quick start: a supervisor, ``mtq submit --follow``,
+#: ``mtq status``) are run by tests/integration/test_readme.py's
+#: test_the_quick_start_works too, which asserts what they print and the Ctrl-C drain
+#: besides: the page's run here is a slow test (make test-slow)
+SLOW_PAGES = {"README.md"}
+
+
+@pytest.mark.parametrize("page", [
+    pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW_PAGES and p.parent == ROOT else p
+    for p in PAGES], ids=[str(p.relative_to(ROOT)) for p in PAGES])
 def test_the_commands_of_the_page_run(page: Path, page_redis: RedisServer,
                                       tmp_path: Path) -> None:
     cmds = commands(page)
@@ -263,7 +295,9 @@ def test_the_commands_of_the_page_run(page: Path, page_redis: RedisServer,
                 if any(runnable(later) for later in cmds[i + 1:]):
                     run.start(cmd)
             elif runnable(cmd):
+                run.wait_ready()
                 run.run(cmd)
+        run.wait_ready()
         run.stop_services()
     finally:
         run.kill_all()

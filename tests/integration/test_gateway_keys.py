@@ -326,28 +326,25 @@ def test_cli_list_without_a_server_exits_3():
 
 # -- Redis Cluster -----------------------------------------------------------------------
 @pytest.mark.timeout(180)
-def test_keys_work_on_a_redis_cluster(tmp_path):
+def test_keys_work_on_a_redis_cluster(redis_cluster):
     """Each key's hash is in a slot of its own: every call goes through the cluster
-    client (shared()), also when it is given a queue's slot client."""
+    client (shared()), also when it is given a queue's slot client. The session's
+    cluster (tests/integration/conftest.py), a tenant of this test's own."""
     from mtq.broker.cluster import for_queue
     from mtq.broker.connection import connect
-    from tests.support.clusters import Cluster
 
-    c = Cluster(tmp_path / "cluster")
-    c.start()
-    try:
-        whole = connect(c.url)
-        slot_client = for_queue(whole, "chat")  # what a gateway holding a queue has
-        made = [keys.create(slot_client if i % 2 else whole, "acme", rpm=2) for i in range(6)]
-        assert len({c.owner(api_key(k.id)).port for _, k in made}) > 1, "all on one node"
-        assert {k.id for k in keys.list_keys(slot_client, "acme")} == {k.id for _, k in made}
-        for token, key in made:
-            assert keys.authenticate(slot_client, token) == key
-            assert keys.admit(slot_client, key, 0) == 0.0
-            assert keys.admit(whole, key, 0) == 0.0
-            assert 29 < keys.admit(slot_client, key, 0) <= 30
-        assert keys.revoke(slot_client, made[0][1].id) and keys.any_keys(slot_client)
-        with pytest.raises(InvalidApiKey):
-            keys.authenticate(whole, made[0][0])
-    finally:
-        c.stop()
+    c = redis_cluster
+    tenant = "acme-" + uuid.uuid4().hex[:8]
+    whole = connect(c.url)
+    slot_client = for_queue(whole, "chat")  # what a gateway holding a queue has
+    made = [keys.create(slot_client if i % 2 else whole, tenant, rpm=2) for i in range(6)]
+    assert len({c.owner(api_key(k.id)).port for _, k in made}) > 1, "all on one node"
+    assert {k.id for k in keys.list_keys(slot_client, tenant)} == {k.id for _, k in made}
+    for token, key in made:
+        assert keys.authenticate(slot_client, token) == key
+        assert keys.admit(slot_client, key, 0) == 0.0
+        assert keys.admit(whole, key, 0) == 0.0
+        assert 29 < keys.admit(slot_client, key, 0) <= 30
+    assert keys.revoke(slot_client, made[0][1].id) and keys.any_keys(slot_client)
+    with pytest.raises(InvalidApiKey):
+        keys.authenticate(whole, made[0][0])

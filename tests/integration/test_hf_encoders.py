@@ -387,6 +387,11 @@ def test_both_backends_in_bfloat16_on_the_device(qname: str, redis_url: str,
 
 
 # -- the example -------------------------------------------------------------------------
+# slow (about 10 s here: a Python, a worker process and transformers twice): the default
+# suite runs the example end to end in test_docs_run (docs/models.md's
+# `python examples/hf_embeddings.py`, its default model), and tests truncation and a bad
+# payload failing alone through a worker above
+@pytest.mark.slow
 def test_the_example_serves_a_local_folder_end_to_end(subprocess_env: dict[str, str],
                                                       encoder_path: str) -> None:
     out = subprocess.run([PY, str(ROOT / "examples" / "hf_embeddings.py"), "--model", encoder_path],

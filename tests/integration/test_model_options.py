@@ -49,21 +49,33 @@ def models_json(env: dict[str, str], qname: str) -> dict[str, Any]:
 
 
 # -- refused before anything starts ------------------------------------------------------
-@pytest.mark.parametrize("command", COMMANDS, ids=["worker-run", "workers-start"])
-@pytest.mark.parametrize("sets,says", [
-    (["--set", "model=/a", "--set", "poolng=cls"],
-     "'tests.models:Configured' has no option 'poolng' (did you mean 'pooling'?); its "
-     "options: model (str, required)"),
-    (["--set", "model"], "--set takes KEY=VALUE, got 'model'"),
-    (["--set", "model=/a", "--set", "model=/b"], "--set model is given twice"),
-    (["--set", "layers=3"], "'tests.models:Configured': option 'model' is required: give "
-                            "it with --set model=VALUE"),
-    (["--set", "model=/a", "--set", "layers=many"],
-     "option 'layers' takes an integer, got 'many'"),
-    (["--set", "model=/a", "--set", "layers=9"], "option 'layers' must be >= 1 and <= 8"),
-    (["--set", "model=/a", "--set", "normalize=perhaps"],
-     "option 'normalize' takes true or false"),
-], ids=["unknown", "malformed", "twice", "required", "type", "range", "bool"])
+BAD_SETS = {
+    "unknown": (["--set", "model=/a", "--set", "poolng=cls"],
+                "'tests.models:Configured' has no option 'poolng' (did you mean "
+                "'pooling'?); its options: model (str, required)"),
+    "malformed": (["--set", "model"], "--set takes KEY=VALUE, got 'model'"),
+    "twice": (["--set", "model=/a", "--set", "model=/b"], "--set model is given twice"),
+    "required": (["--set", "layers=3"], "'tests.models:Configured': option 'model' is "
+                                        "required: give it with --set model=VALUE"),
+    "type": (["--set", "model=/a", "--set", "layers=many"],
+             "option 'layers' takes an integer, got 'many'"),
+    "range": (["--set", "model=/a", "--set", "layers=9"],
+              "option 'layers' must be >= 1 and <= 8"),
+    "bool": (["--set", "model=/a", "--set", "normalize=perhaps"],
+             "option 'normalize' takes true or false"),
+}
+#: both commands check --set with the same function (mtq/cli/workers.py, _model_options):
+#: the default run gives `mtq worker run` every case and `mtq workers start` one of each
+#: kind (parse, target's options, required); its other cases are slow tests
+START_CASES = ("unknown", "malformed", "required")
+
+
+@pytest.mark.parametrize("command,sets,says", [
+    pytest.param(command, sets, says, id=f"{case}-{cid}",
+                 marks=[pytest.mark.slow] if cid == "workers-start"
+                 and case not in START_CASES else [])
+    for case, (sets, says) in BAD_SETS.items()
+    for command, cid in zip(COMMANDS, ("worker-run", "workers-start"))])
 def test_a_bad_option_exits_2_before_redis_is_reached(command: list[str], sets: list[str],
                                                       says: str, qname: str,
                                                       subprocess_env: dict[str, str]) -> None:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 import mtq
 from tests.support.servers import RedisServer
@@ -41,7 +43,9 @@ class SecuredServer(RedisServer):
 
         def up() -> bool:
             try:
-                redis.Redis(port=self.port, socket_connect_timeout=1).ping()
+                # no retries: redis-py retries a refused handshake for ~4 s otherwise
+                redis.Redis(port=self.port, socket_connect_timeout=1,
+                            retry=Retry(NoBackoff(), 0)).ping()
             except redis.exceptions.AuthenticationError:
                 return True  # it answers, and wants a password
             except redis.exceptions.ConnectionError:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 import mtq
 from tests.support.processes import free_port
@@ -70,7 +72,8 @@ class TLSServer(RedisServer):
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         probe = redis.Redis(port=self.port, ssl=True, ssl_ca_certs=str(c / "ca.crt"),
                             ssl_certfile=str(c / "client.crt"),
-                            ssl_keyfile=str(c / "client.key"), socket_connect_timeout=1)
+                            ssl_keyfile=str(c / "client.key"), socket_connect_timeout=1,
+                            retry=Retry(NoBackoff(), 0))  # polled: no retries of its own
 
         def up() -> bool:
             try:

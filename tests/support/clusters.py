@@ -19,6 +19,8 @@ import subprocess
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from tests.support.servers import find_redis7
 
@@ -66,7 +68,8 @@ class Node:
             [self.binary, *self.args, "--port", str(self.port), "--bind", "127.0.0.1",
              *data, "--dir", str(self.dir), "--logfile", "redis.log"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        probe = redis.Redis(port=self.port, socket_timeout=2)
+        # polled: no retries of its own (redis-py backs off for seconds between them)
+        probe = redis.Redis(port=self.port, socket_timeout=2, retry=Retry(NoBackoff(), 0))
 
         def up() -> bool:
             try:
