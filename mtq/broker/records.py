@@ -214,6 +214,8 @@ class AckCodes(list[int]):
 
 def parse_ack(raw: list[Any]) -> AckCodes:
     """ack.lua's codes, then an entry per chained task (see AckCodes)."""
+    if not raw or not isinstance(raw[-1], list):  # (no chained task: most acks)
+        return AckCodes([int(c) for c in raw], {})
     codes = [int(c) for c in raw if not isinstance(c, list)]
     chained = {e[0].decode(): (e[1], e[2], e[3] or None) for e in raw if isinstance(e, list)}
     return AckCodes(codes, chained)

@@ -63,23 +63,27 @@ class Aborts:
         self.default_s, self.grace_s = s.task_timeout_s, s.cancel_grace_s
 
     # -- the model thread -------------------------------------------------------------
-    def begin(self, tasks: Sequence[Claimed]) -> None:
+    def begin(self, tasks: Sequence[Claimed]) -> bool:
         """A call (predict, a generator's prefill or step) starts on ``tasks``: the
-        run timeouts of those it runs for the first time start now."""
+        run timeouts of those it runs for the first time start now, and
+        ``mtq.current_task()`` in this thread is theirs until :meth:`end`. True when
+        nothing of the call is wanted already (each task cancelled or past its run
+        timeout while it waited: the caller skips the call, then calls :meth:`end`)."""
         led = self.ledger
         default = self.default_s
         self.reported = False
         self.call = tasks
-        current.enter(self.view)
+        current.local.task = self.view
         if default <= 0 and not led.deadlines:  # (most calls: no timeouts, no cancels)
             for t in tasks:
                 if t.timeout_ms:
                     break
             else:
-                if led.cancel:  # (a call on cancelled tasks is told; no lock otherwise)
-                    with led.lock:
-                        led.changed.notify_all()
-                return
+                if not (led.cancel or led.timed_out):
+                    return False  # (no lock, no list: the hot path)
+                with led.lock:  # (a call on cancelled tasks is told)
+                    led.changed.notify_all()
+                return self.stopped_all(tasks)
         now = time.monotonic()
         with led.lock:
             added = False
@@ -95,6 +99,7 @@ class Aborts:
                         del led.deadlines[t.id]
             if added or led.cancel or led.timed_out:  # (a call on stopped tasks is told)
                 led.changed.notify_all()
+        return self.stopped_all(tasks)
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -102,8 +107,8 @@ class Aborts:
         return tuple(t.id for t in self.call)
 
     def end(self) -> None:
-        """The call returned (or raised)."""
-        current.leave()
+        """The call returned (or raised): ``mtq.current_task()`` in this thread is
+        inert from now on (its view reads the call, now none)."""
         led = self.ledger
         if led.cancel or led.timed_out:  # the aborts thread may be reporting this call
             with self._report:

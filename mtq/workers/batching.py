@@ -326,7 +326,7 @@ class BatchSlot:
                         return self._running([suspect])
                     b = self.max_batch_size
                     # (all a claim brings: as full as the batch gets)
-                    wait = 0.0 if len(pending) >= min(b, self.unit()) else \
+                    wait = 0.0 if len(pending) >= b or len(pending) >= self.unit() else \
                         min(p.ready_at for p in pending) - time.monotonic()
                     if wait <= 0:
                         return self._running(self._pop(b))

@@ -23,7 +23,9 @@ from typing import Protocol
 
 from mtq.errors import TaskCancelled, TaskTimeout
 
-_local = threading.local()
+#: the calling thread's view (a worker's model thread sets it at each call:
+#: :meth:`mtq.workers.aborts.Aborts.begin`)
+local = threading.local()
 
 
 class Aborts(Protocol):
@@ -93,12 +95,4 @@ def current_task() -> CurrentTask:
     """The task(s) the calling thread runs for a worker now, to check for a cancel
     or a run timeout (``mtq.current_task().raise_if_cancelled()`` between two steps of
     long work). Outside a worker's call: an inert one (no ids, never cancelled)."""
-    return getattr(_local, "task", INERT)
-
-
-def enter(view: CurrentTask) -> None:
-    _local.task = view
-
-
-def leave() -> None:
-    _local.task = INERT
+    return getattr(local, "task", INERT)

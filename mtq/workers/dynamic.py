@@ -21,7 +21,7 @@ from mtq.errors import DeviceOutOfMemory, LeaseLost, PayloadError, TaskCancelled
 from mtq.workers import memory
 from mtq.workers.batching import OFFERED, BatchShapeError, BatchSlot
 from mtq.workers.batchlog import BatchLog
-from mtq.workers.claims import ClaimSizer
+from mtq.workers.claims import CLAIM_AHEAD_S, ClaimSizer
 from mtq.workers.fetcher import FAST_BATCH_S, Fetcher
 from mtq.workers.generator import Generator
 from mtq.workers.leases import Leases
@@ -186,9 +186,10 @@ class DynamicBatcher:
                               [(t.id, t.token) for i, t in enumerate(batch) if i not in inside])
                 monitor.call(0, len(items))
             t0 = time.perf_counter()
-            aborts.begin(tasks)  # their run timeouts start; mtq.current_task() is theirs
+            # their run timeouts start; mtq.current_task() is theirs
+            unwanted = aborts.begin(tasks)
             try:
-                if aborts.stopped_all(tasks):  # (cancelled while waiting in this batch)
+                if unwanted:  # (each cancelled while waiting in this batch)
                     return [aborts.error(t.id) for t in tasks]
                 out = model.predict(payloads[lo:hi] if hi - lo == len(items)  # type: ignore[union-attr]
                                     else [payloads[j] for j in items])
@@ -215,16 +216,18 @@ class DynamicBatcher:
             ran: list[tuple[Outcome, float, float | None]] = []
             submitted = self.ledger.submitted
             claims = self.claims
+            last = len(index) - 1
+            t_item = time.monotonic()  # (one clock read an item: its end, the next start)
             for j, i in enumerate(index):
-                t_item = time.perf_counter()
                 o = book.outcome(batch[i], run_one(call, j))
+                now = time.monotonic()
+                took, t_item = now - t_item, now
                 # a slow task with more after it: the rest may go to idle workers
-                rest = len(index) - j - 1
-                cut = rest > 0 and claims.slow(time.perf_counter() - t_item, rest)
+                cut = took > CLAIM_AHEAD_S and j < last and claims.slow(took, last - j)
                 if o is not None:
                     # its submit time, before the publisher settles it and forgets it
-                    ran.append((o, time.monotonic(), submitted.get(o.task.id)))
-                    publish([o], last=j == len(index) - 1 or cut)
+                    ran.append((o, now, submitted.get(o.task.id)))
+                    publish([o], last=j == last or cut)
                 if cut:
                     self.cut([batch[k] for k in index[j + 1:]])
                     break
