@@ -290,13 +290,7 @@ class Chain:
         try:
             while not self._exists(i):
                 self._stopped(i)
-                wait = min(max(backoff.next(), 0.01), LOOK_MAX_S)
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise ResultTimeout(t.id, 0.0, "pending")
-                    wait = min(wait, left)
-                feed.get(wait)
+                feed.get(_look_wait(backoff, deadline, t.id))
         finally:
             hub.close(feed)
 
@@ -385,13 +379,7 @@ class Chain:
         try:
             while not self._exists(i):
                 self._stopped(i)
-                wait = min(max(backoff.next(), 0.01), LOOK_MAX_S)
-                if deadline is not None:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise ResultTimeout(t.id, 0.0, "pending")
-                    wait = min(wait, left)
-                await feed.get(wait)
+                await feed.get(_look_wait(backoff, deadline, t.id))
         finally:
             hub.close(feed)
             feed.close()
@@ -464,3 +452,16 @@ def of(task: Any) -> Chain | None:
 
 
 __all__ = ["Chain", "ChainFailed", "Step", "StepStatus", "TaskCancelled"]
+
+
+def _look_wait(backoff: Backoff, deadline: float | None, task_id: str) -> float:
+    """How long a wait for a step not yet submitted sleeps before it looks again: the
+    backoff's next step (at least 10 ms, at most LOOK_MAX_S), cut to the time left.
+    Raises ResultTimeout once none is left."""
+    wait = min(max(backoff.next(), 0.01), LOOK_MAX_S)
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ResultTimeout(task_id, 0.0, "pending")
+        wait = min(wait, left)
+    return wait
