@@ -66,7 +66,8 @@ class ClaimSizer:
             self._cut = False
             return
         if not self.per_item or n <= 0 or self.slot.max_batch_size == 1:
-            return  # (nothing to size: a batch model's claims are whole batches)
+            return  # (nothing to size: a batch model claims whole batches, and a batch of
+            # one task is one task a claim)
         new = seconds / n if seconds > 0 else 0.0
         last = self.task_s
         self.task_s = new if last is None or new >= last else (last + new) * 0.5
