@@ -36,6 +36,7 @@ from typing import Any
 from mtq.broker import chains
 from mtq.client import Queue, Request, Task
 from mtq.errors import MtqError
+from mtq.workers.localproc import wait_exit
 
 CHAT_QUEUE = "mtq-demo-chat"
 EMBED_QUEUE = "mtq-demo-embed"
@@ -190,12 +191,9 @@ class _Supervisors:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
         # the workers' outlets exit once their worker has: give them a moment
-        deadline = time.monotonic() + 10
-        while (left := [pid for pid in self.seen if _alive(pid)]) and \
-                time.monotonic() < deadline:
-            time.sleep(0.05)  # they are not our children: nothing to wait on but /proc
+        wait_exit([pid for pid in self.seen if _alive(pid)], 10)
         self.log.close()
-        return sorted(left)
+        return sorted(pid for pid in self.seen if _alive(pid))
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from typing import IO
 from mtq.broker.embedded import EmbeddedServer
 from mtq.errors import MtqError
 
-__all__ = ["forward_stdout", "group_members", "serve", "stop_group"]
+__all__ = ["forward_stdout", "group_members", "serve", "stop_group", "wait_exit"]
 
 
 # -- processes -------------------------------------------------------------------------
@@ -39,6 +40,45 @@ def group_members(pgid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             out.append(int(entry))
     return out
+
+
+def wait_exit(pids: list[int], timeout: float) -> None:
+    """Block until each of ``pids`` (processes that need not be this one's children)
+    has exited, or ``timeout`` seconds: a wait on their pidfds, readable once the
+    process ends (a zombie counts as ended). Where pidfds are missing (not Linux 5.3+)
+    it looks every 20 ms instead."""
+    deadline = time.monotonic() + timeout
+    fds: list[int] = []
+    try:
+        for pid in pids:
+            try:
+                fds.append(os.pidfd_open(pid))
+            except ProcessLookupError:
+                continue  # gone already
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        left = len(fds)
+        while left and (ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            for fd, _event in poller.poll(ms):
+                poller.unregister(fd)
+                left -= 1
+    except (AttributeError, OSError):  # no pidfd_open here: look at /proc
+        while any(Path(f"/proc/{pid}").exists() for pid in pids) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def wait_group(pgid: int, timeout: float) -> list[int]:
+    """Wait (at most ``timeout`` s) until process group ``pgid`` has no live member,
+    blocking on its members' exits (:func:`wait_exit`); returns those left."""
+    deadline = time.monotonic() + timeout
+    while (members := group_members(pgid)) and (left := deadline - time.monotonic()) > 0:
+        wait_exit(members, left)
+    return group_members(pgid)
 
 
 def stop_group(p: subprocess.Popen[bytes], force: bool, timeout: float,
@@ -63,14 +103,9 @@ def stop_group(p: subprocess.Popen[bytes], force: bool, timeout: float,
     if p.poll() is None:
         _killpg(p.pid)
         p.wait(5)
-    deadline = time.monotonic() + 5  # outlets and the fork server follow their parents
-    while group_members(p.pid) and time.monotonic() < deadline:
-        time.sleep(0.02)  # not our children: nothing to wait on but /proc
-    if group_members(p.pid):
+    if wait_group(p.pid, 5):  # outlets and the fork server follow their parents
         _killpg(p.pid)
-        deadline = time.monotonic() + 2
-        while group_members(p.pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_group(p.pid, 2)
 
 
 def _killpg(pgid: int) -> None:
