@@ -36,7 +36,7 @@ from typing import Any
 from mtq.broker import chains
 from mtq.client import Queue, Request, Task
 from mtq.errors import MtqError
-from mtq.workers.localproc import wait_exit
+from mtq.workers.localproc import alive, wait_exit
 
 CHAT_QUEUE = "mtq-demo-chat"
 EMBED_QUEUE = "mtq-demo-embed"
@@ -139,14 +139,6 @@ def _descendants(pid: int) -> set[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 class _Supervisors:
     """The demo's ``mtq workers start`` processes, and everything under them."""
 
@@ -191,9 +183,9 @@ class _Supervisors:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(5)
         # the workers' outlets exit once their worker has: give them a moment
-        wait_exit([pid for pid in self.seen if _alive(pid)], 10)
+        wait_exit([pid for pid in self.seen if alive(pid)], 10)
         self.log.close()
-        return sorted(pid for pid in self.seen if _alive(pid))
+        return sorted(pid for pid in self.seen if alive(pid))
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -139,9 +139,9 @@ class Broker:
             if timed:
                 args.append(t.timeout_ms or "")
         chained = any(t.chain for t in tasks)
-        if chained or any(t.delay_ms for t in tasks):  # after the groups (submit.lua)
-            args.append(",".join(str(t.delay_ms) for t in tasks)
-                        if any(t.delay_ms for t in tasks) else "")
+        delayed = any(t.delay_ms for t in tasks)
+        if chained or delayed:  # after the groups (submit.lua)
+            args.append(",".join(str(t.delay_ms) for t in tasks) if delayed else "")
         if chained:  # two per task: its chain fields (submit.lua)
             for t in tasks:
                 args += [t.chain, t.then]

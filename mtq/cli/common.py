@@ -276,3 +276,15 @@ def with_defaults(command: click.Command, name: str, **defaults: Callable[[], An
         params.append(p)
     cmd.params = params
     return cmd
+
+
+def connect_client(url: str | None, *, start: bool) -> Any:
+    """A client of ``url``; ``start``: the embedded server is started if it is the one
+    meant and not running (the command brings work), else exit 3 (see
+    :func:`running_server`)."""
+    from mtq.broker.connection import connect
+
+    try:
+        return connect(url if start else running_server(url))
+    except MtqError as exc:
+        fail_on(exc)

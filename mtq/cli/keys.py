@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
 
 import click
 
 from mtq.cli.common import (
     NOT_FOUND,
+    connect_client,
     console,
     echo_json,
     fail,
@@ -16,7 +16,6 @@ from mtq.cli.common import (
     json_option,
     printable,
     redis_option,
-    running_server,
     shown,
 )
 from mtq.errors import MtqError
@@ -26,18 +25,6 @@ from mtq.errors import MtqError
 def keys() -> None:
     """API keys of the OpenAI-compatible gateway ('mtq serve') and, with --admin, of the
     web dashboard's actions: Redis keeps a digest of each, never the key itself."""
-
-
-def _client(url: str | None, *, start: bool) -> Any:
-    """A client of ``url``; ``start``: the embedded server is started if it is the one
-    meant and not running (making a key brings work), else exit 3 (see
-    :func:`mtq.cli.common.running_server`)."""
-    from mtq.broker.connection import connect
-
-    try:
-        return connect(url if start else running_server(url))
-    except MtqError as exc:
-        fail_on(exc)
 
 
 def _stamp(ts: float | None) -> str:
@@ -63,7 +50,7 @@ def keys_create(tenant: str, priority: str | None, rpm: int | None, tpm: int | N
     """Make an API key for a tenant and print it, once: only its digest is kept."""
     from mtq.client import apikeys as api
 
-    client = _client(url, start=True)
+    client = connect_client(url, start=True)
     try:
         token, key = api.create(client, tenant, priority=priority, rpm=rpm, tpm=tpm,
                                 name=name, admin=admin)
@@ -88,7 +75,7 @@ def keys_list(tenant: str | None, url: str | None, as_json: bool) -> None:
 
     from mtq.client import apikeys as api
 
-    client = _client(url, start=False)
+    client = connect_client(url, start=False)
     try:
         rows = api.list_keys(client, tenant)
     except MtqError as exc:
@@ -121,7 +108,7 @@ def keys_revoke(key_id: str, url: str | None) -> None:
     Exit code 3 if no key has that id."""
     from mtq.client import apikeys as api
 
-    client = _client(url, start=False)
+    client = connect_client(url, start=False)
     try:
         found = api.revoke(client, key_id)
     except MtqError as exc:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import signal
 from datetime import datetime
-from typing import Any
 
 import click
 
 from mtq.cli.common import (
     NOT_FOUND,
     USAGE,
+    connect_client,
     console,
     echo_json,
     fail,
@@ -20,7 +20,6 @@ from mtq.cli.common import (
     json_option,
     printable,
     redis_option,
-    running_server,
     shown,
 )
 from mtq.errors import MtqError
@@ -31,15 +30,6 @@ def schedule() -> None:
     """Schedules: a task submitted to a queue at each occurrence of a cron expression,
     run by one leader among any number of 'mtq schedule run' (and 'mtq workers start')
     processes, each occurrence once."""
-
-
-def _client(url: str | None, *, start: bool) -> Any:
-    from mtq.broker.connection import connect
-
-    try:
-        return connect(url if start else running_server(url))
-    except MtqError as exc:
-        fail_on(exc)
 
 
 def _stamp(ts: float | None, tz: str = "UTC") -> str:
@@ -82,7 +72,7 @@ def schedule_add(queue: str, cron: str, payload: str, stream: str | None,
         fail(f"PAYLOAD must be JSON (quote a string: '\"text\"'): {exc}", USAGE)
     if name is None:
         name = f"{queue}-{secrets.token_hex(4)}".replace(".", "-")[-40:].lstrip("-_")
-    client = _client(url, start=True)
+    client = connect_client(url, start=True)
     try:
         s = api.add(client, name, queue, cron, value, stream=stream, tenant=tenant, tz=tz,
                     catch_up=catch_up)
@@ -109,7 +99,7 @@ def schedule_list(queue: str | None, url: str | None, as_json: bool) -> None:
 
     from mtq.client import schedules as api
 
-    client = _client(url, start=False)
+    client = connect_client(url, start=False)
     try:
         rows = api.list_schedules(client, queue)
         cursors = api.cursors(client)
@@ -145,7 +135,7 @@ def schedule_remove(name: str, url: str | None) -> None:
     there is none."""
     from mtq.client import schedules as api
 
-    client = _client(url, start=False)
+    client = connect_client(url, start=False)
     try:
         found = api.remove(client, name)
     except MtqError as exc:
@@ -166,7 +156,7 @@ def schedule_run(lease_ms: int, url: str | None) -> None:
     lease if it dies."""
     from mtq.workers.scheduler import Scheduler
 
-    client = _client(url, start=True)
+    client = connect_client(url, start=True)
     s = Scheduler(client=client, lease_ms=lease_ms)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: s.stop())

@@ -197,10 +197,10 @@ def task(task_id: str, queue: str | None, url: str | None, as_json: bool) -> Non
         result = t.result(timeout=0) if info.status == "succeeded" else None
         chain = t.chain()
         steps = chain.steps() if chain is not None else []
+        chained = {"id": chain.id, "status": chain.status(steps),
+                   "steps": [asdict(s) for s in steps]} if chain is not None else None
     except MtqError as exc:
         fail_on(exc)
-    chained = {"id": chain.id, "status": chain.status(),
-               "steps": [asdict(s) for s in steps]} if chain is not None else None
     if as_json:
         echo_json({**asdict(info), "queue": t.queue.name, "result": result,
                    "timeline": [asdict(e) for e in trace], "chain": chained})

@@ -225,11 +225,12 @@ class Chain:
                                   (error or chainerr or b"").decode() or None))
         return out
 
-    def status(self) -> str:
+    def status(self, steps: list[StepStatus] | None = None) -> str:
         """The chain's state: ``succeeded`` (its last step did), ``failed`` /
         ``cancelled`` / ``dead`` / ``expired`` (a step ended so, or its payload could
-        not be built: ``failed``), else ``running``."""
-        for i, s in enumerate(self.steps()):
+        not be built: ``failed``), else ``running``. ``steps``: what :meth:`steps`
+        just gave, not read again."""
+        for i, s in enumerate(self.steps() if steps is None else steps):
             if s.status == "pending":
                 if i > 0:
                     stop, err, end = self._fields(i - 1, "chainstop", "chainerr", "chainend")

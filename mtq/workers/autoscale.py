@@ -28,7 +28,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -103,14 +103,12 @@ class Decider:
     policy: Policy
     _below_since: float | None = None
     _below_peak: int = 0
-    changes: list[tuple[float, int]] = field(default_factory=list)
 
     def decide(self, now: float, backlog: float, rate: float | None,
                current: int) -> int | None:
         want = self.policy.target(backlog, rate, current)
         if want > current:
             self._below_since = None
-            self.changes.append((now, want))
             return want
         if want == current:
             self._below_since = None
@@ -122,7 +120,6 @@ class Decider:
         if now - self._below_since < self.policy.cooldown_s:
             return None
         self._below_since = None
-        self.changes.append((now, self._below_peak))
         return self._below_peak
 
 
@@ -168,8 +165,6 @@ class Autoscaler:
         self.keys = QueueKeys(self.queue)
         self.on_event = on_event or supervisor.on_event
         self.ndev = max(len(supervisor.devices), 1)
-        #: seconds from each wake at zero to the first claim after it
-        self.cold_starts: list[float] = []
         self._woke_at: float | None = None
         self._settled_at_wake = 0
         self._closed = threading.Event()
@@ -204,7 +199,6 @@ class Autoscaler:
         if self._woke_at is not None and (running > 0 or settled > self._settled_at_wake):
             wait_s = now - self._woke_at
             self._woke_at = None
-            self.cold_starts.append(wait_s)
             self.client.hset(self.keys.stats, "cold_start_ms", int(wait_s * 1000))
             self.on_event(f"autoscale: the first task after scaling from zero was claimed "
                           f"{wait_s:.2f} s after it woke the supervisor")

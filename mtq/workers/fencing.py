@@ -121,7 +121,7 @@ class Fence:
                                      float(body.get("started") or 0.0))
 
     @staticmethod
-    def abandoned(c: Child, now: float | None = None) -> tuple[int, float | None]:
+    def abandoned(c: Child, now: float) -> tuple[int, float | None]:
         """(an engine whose aborted call still runs past its grace, or -1; seconds
         until the next such grace ends, or None). An aborted call that ended (its
         engine's call start changed) is forgotten."""
@@ -133,10 +133,9 @@ class Fence:
             if c.predict_started(i) != a.started:  # that call ended: nothing to kill
                 e.aborted = None
                 continue
-            if now is not None and now >= a.until:
+            if now >= a.until:
                 return i, 0.0
-            if now is not None:
-                nxt = a.until - now if nxt is None else min(nxt, a.until - now)
+            nxt = a.until - now if nxt is None else min(nxt, a.until - now)
         return -1, nxt
 
     def deadline(self, now: float, running: Iterable[Child]) -> float | None:

@@ -19,7 +19,7 @@ from typing import IO
 from mtq.broker.embedded import EmbeddedServer
 from mtq.errors import MtqError
 
-__all__ = ["forward_stdout", "group_members", "serve", "stop_group", "wait_exit"]
+__all__ = ["alive", "forward_stdout", "group_members", "serve", "stop_group", "wait_exit"]
 
 
 # -- processes -------------------------------------------------------------------------
@@ -40,6 +40,15 @@ def group_members(pgid: int) -> list[int]:
         if fields[0] != "Z" and int(fields[2]) == pgid:
             out.append(int(entry))
     return out
+
+
+def alive(pid: int) -> bool:
+    """Process ``pid`` exists and has not ended (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def wait_exit(pids: list[int], timeout: float) -> None:
@@ -64,8 +73,7 @@ def wait_exit(pids: list[int], timeout: float) -> None:
                 poller.unregister(fd)
                 left -= 1
     except (AttributeError, OSError):  # no pidfd_open here: look at /proc
-        while any(Path(f"/proc/{pid}").exists() for pid in pids) and \
-                time.monotonic() < deadline:
+        while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
         for fd in fds:

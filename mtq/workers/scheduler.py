@@ -147,7 +147,8 @@ class Scheduler:
                 pass  # submitted before (a killed or stale leader): done once already
             if not self._advance(s.name, t):
                 return
-        self._advance(s.name, due[-1])
+        if not run:  # (else its last is due[-1]: the cursor is there already)
+            self._advance(s.name, due[-1])
 
     def _advance_ok(self) -> bool:
         return self.leader and not self._stop.is_set()

@@ -605,19 +605,26 @@ local function promote_due(now, limit)
     for j = 1, #all do got[#got + 1] = all[j] end
   end
   -- ties (one submit_many, the same at=) go in submit order ('dseq'), not the set's
-  -- order of random ids
-  local ids, key = {}, {}
+  -- order of random ids; the set's order (score, then id) stands when no two entries
+  -- share a due time, and their 'dseq' is read only when two do
+  local ids, tied = {}, false
   for j = 1, #got, 2 do
-    local id = got[j]
-    ids[#ids + 1] = id
-    key[id] = {tonumber(got[j + 1]), tonumber(redis.call('HGET', K_TASK .. id, 'dseq') or '0')}
+    ids[#ids + 1] = got[j]
+    if j > 1 and got[j + 1] == got[j - 1] then tied = true end
   end
-  table.sort(ids, function(a, b)
-    local x, y = key[a], key[b]
-    if x[1] ~= y[1] then return x[1] < y[1] end
-    if x[2] ~= y[2] then return x[2] < y[2] end
-    return a < b
-  end)
+  if tied then
+    local key = {}
+    for j = 1, #got, 2 do
+      local id = got[j]
+      key[id] = {tonumber(got[j + 1]), tonumber(redis.call('HGET', K_TASK .. id, 'dseq') or '0')}
+    end
+    table.sort(ids, function(a, b)
+      local x, y = key[a], key[b]
+      if x[1] ~= y[1] then return x[1] < y[1] end
+      if x[2] ~= y[2] then return x[2] < y[2] end
+      return a < b
+    end)
+  end
   local woken = 0
   for _, id in ipairs(ids) do
     redis.call('ZREM', K_DELAYED, id)
