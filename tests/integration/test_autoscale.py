@@ -63,7 +63,9 @@ def test_the_backlog_follows_a_load_through_a_kill_and_cancels(
     cancelled = [t for t in tasks[-20:] if t.cancel()]
     assert cancelled, "some of the last tasks were still waiting"
     killed = False
+    deadline = time.monotonic() + 60
     while True:
+        assert time.monotonic() < deadline, f"the backlog never drained: {sup.output()[-3000:]}"
         before = figure(r, qname)[0]
         truth = true_backlog(r, qname, tasks)
         after = figure(r, qname)[0]

@@ -180,17 +180,22 @@ def test_racing_recoverers_submit_the_next_step_once(redis_url: str,
     assert client.zrange(QueueKeys(a).handoffs, 0, -1) == [tid.encode()]
     barrier = threading.Barrier(4)
     done: list[int] = []
+    errors: list[BaseException] = []
 
     def recoverer() -> None:
-        h = chains.HandOff(redis.Redis.from_url(redis_url), a)
-        barrier.wait(5)
-        done.append(chains.recover(h, 0))  # a record of any age is due
+        try:
+            h = chains.HandOff(redis.Redis.from_url(redis_url), a)
+            barrier.wait(5)
+            done.append(chains.recover(h, 0))  # a record of any age is due
+        except BaseException as exc:
+            errors.append(exc)
 
     threads = [threading.Thread(target=recoverer) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(10)
+    assert not errors and not any(t.is_alive() for t in threads), errors
     assert sum(done) >= 1
     qb = mtq.Queue(b, client=client)
     assert qb.stats()["submitted"] == 1  # one task, whoever came second found it there

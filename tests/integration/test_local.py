@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,9 @@ def test_an_async_start_cancelled_midway_leaves_nothing(tmp_path: Path,
                 pytest.fail("the block ran")
 
         task = asyncio.ensure_future(enter())
+        deadline = time.monotonic() + 10
         while lm.process is None:  # the start is under way in its thread
+            assert time.monotonic() < deadline, "the runner process never started"
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from mtq.workers.localproc import wait_exit, wait_group
 
@@ -20,6 +21,11 @@ def test_it_returns_when_a_process_that_is_not_a_child_exits() -> None:
     wait_exit([pid], 10)
     took = time.monotonic() - t
     assert 0.1 < took < 5, took
+    try:  # ended: gone, or a zombie its shell has not reaped yet
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        state = "gone"
+    assert state in ("gone", "Z", "X"), state
     sh.wait(5)
 
 
