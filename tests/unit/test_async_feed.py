@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from mtq.client.replies.feeds import AsyncFeed, put_all
+from mtq.client.replies.feeds import AsyncFeed, AsyncOneShot, put_all
 
 
 def _run(coro_fn):  # type: ignore[no-untyped-def]
@@ -90,5 +90,27 @@ def test_a_cancelled_wait_leaves_its_items() -> None:
         await asyncio.sleep(0)
         assert await feed.get(1) == "z"
         feed.close()
+
+    _run(main)
+
+
+def test_a_one_shot_wait_cancelled_as_its_item_comes_is_cancelled_and_a_timeout_leaves_it() -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        one = AsyncOneShot(("q", "t"), loop)
+        waiter = asyncio.ensure_future(one.get(30))
+        await asyncio.sleep(0)
+        one._set("done")
+        waiter.cancel()  # in the same turn of the loop as the item
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), 5)
+        except asyncio.CancelledError:
+            pass
+        assert waiter.cancelled(), "the cancel was lost: the wait returned the item"
+        assert await one.get(1) == "done"
+        late = AsyncOneShot(("q", "u"), loop)
+        assert await late.get(0.01) is None
+        late._set("late")  # a timed-out wait leaves the future to a second one
+        assert await late.get(1) == "late"
 
     _run(main)

@@ -131,3 +131,27 @@ def test_a_live_stream_whose_render_fails_counts_its_viewer_out() -> None:
 
     assert asyncio.run(run()) == "a template broke"
     assert sampler.viewers == 0
+
+
+def test_a_stream_cancelled_as_the_refresh_comes_ends() -> None:
+    # a client leaving at a refresh: its stream is cancelled in the same turn of the
+    # loop as the tick wakes it. The cancel must win (asyncio.wait_for before 3.12
+    # returned the tick instead, and the stream went on sending to nobody)
+    sampler = Sampler(redis.Redis(port=1, retry=None), refresh_s=60)
+
+    async def run() -> bool:
+        sampler.start()
+        await asyncio.sleep(0)  # the sampler's first (failing) refresh
+        waiter = asyncio.ensure_future(sampler.wait(sampler.version, 30))
+        await asyncio.sleep(0)  # the waiter waits on the tick
+        sampler._wake()
+        waiter.cancel()
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), 5)
+        except asyncio.CancelledError:
+            pass
+        cancelled = waiter.cancelled()
+        await sampler.stop()
+        return cancelled
+
+    assert asyncio.run(run()), "the cancel was lost: the wait returned the refresh"

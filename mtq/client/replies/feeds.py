@@ -105,10 +105,11 @@ class AsyncOneShot(Feed):
 
     async def get(self, timeout: float | None) -> Event | str | None:
         """The first item pushed, or None after ``timeout`` seconds."""
-        try:
-            return await asyncio.wait_for(self.future, timeout)
-        except asyncio.TimeoutError:
-            return None
+        # asyncio.wait, not wait_for: wait_for (before Python 3.12) drops a cancel
+        # that lands as the item comes, and cancels the future on a timeout (a second
+        # get would raise)
+        await asyncio.wait((self.future,), timeout=timeout)
+        return self.future.result() if self.future.done() else None
 
 
 class AsyncItems:

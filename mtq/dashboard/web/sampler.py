@@ -149,8 +149,10 @@ class Sampler:
         if tick is None:  # not started: no refresh will wake us, but never spin
             await asyncio.sleep(min(timeout, self.refresh_s))
             return self.version
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(tick), timeout)
+        # asyncio.wait, not wait_for: wait_for (before Python 3.12) returns the result
+        # and drops a cancel that lands as the tick fires, so a stream whose client
+        # left at a refresh would go on sending to nobody, never ending
+        await asyncio.wait((tick,), timeout=timeout)
         return self.version
 
     async def stopped(self) -> None:
