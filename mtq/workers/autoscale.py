@@ -203,8 +203,10 @@ class Autoscaler:
             self.on_event(f"autoscale: the first task after scaling from zero was claimed "
                           f"{wait_s:.2f} s after it woke the supervisor")
         if current == 0 and backlog == 0:
-            # asleep: a submit that finds no sleeping worker pushes a wake marker
-            got = self.client.blpop([self.keys.wake], timeout=IDLE_WAIT_S)
+            # asleep: a submit that finds no sleeping worker pushes a wake marker, and
+            # one that makes the delayed set's first entry earlier does too: the wait
+            # ends by the first delayed task's due time
+            got = self.client.blpop([self.keys.wake], timeout=self._sleep_s())
             if got is None or self._closed.is_set():
                 return
             woke = time.monotonic()
@@ -227,6 +229,14 @@ class Autoscaler:
             if n == 0:
                 return  # straight to the blocked wait: the next task wakes it at once
         self._closed.wait(0.05 if self._woke_at is not None else self.policy.tick_s)
+
+    def _sleep_s(self) -> float:
+        """How long to wait asleep: until the first delayed task is due, at most
+        :data:`IDLE_WAIT_S`."""
+        first = self.client.zrange(self.keys.delayed, 0, 0, withscores=True)
+        if not first:
+            return IDLE_WAIT_S
+        return min(IDLE_WAIT_S, max(0.01, first[0][1] / 1000 - time.time()))
 
     def _scale(self, n: int, why: str) -> None:
         replicas = math.ceil(n / self.ndev)

@@ -113,6 +113,23 @@ def test_autoscale_from_zero_wakes_on_the_first_task_and_returns_to_zero(
              f"each wake's first wait logged: {sup.output()}")
 
 
+def test_at_zero_a_delayed_task_wakes_the_autoscaler_when_it_falls_due(
+        supervise: StartFn, r: redis.Redis, qname: str, redis_url: str) -> None:
+    # the delayed submit pushes a wake marker (its due time is the set's first): the
+    # autoscaler wakes, finds nothing to do yet, and must sleep only until the task is
+    # due, not its whole idle wait (5 s)
+    q = mtq.Queue(qname, redis_url)
+    sup = supervise("tests.models:Probe", qname, "--autoscale", "0:1,drain=1,cooldown=1",
+                    "--standby", "0")
+    wait_for(lambda: "supervisor" in sup.output(), 20, f"started: {sup.output()}")
+    t0 = time.monotonic()
+    task = q.submit({"i": 7}, delay=1.0)
+    assert task.result(timeout=30)["i"] == 7
+    took = time.monotonic() - t0
+    assert 1.0 <= took < 4.0, (took, sup.output()[-2000:])
+    assert "woken from zero" in sup.output(), sup.output()
+
+
 @pytest.mark.slow
 def test_autoscale_adds_capacity_for_a_step_of_load_then_scales_down(
         supervise: StartFn, r: redis.Redis, qname: str, redis_url: str) -> None:
