@@ -60,6 +60,9 @@ MAX_CHAIN_ID = 61
 CHAINED = 3
 #: a submit's answers that refuse the whole call for now: the record stays
 REFUSED = (Code.QUEUE_FULL, Code.RATE_LIMITED, Code.WOULD_MISS)
+#: those of them that may refuse a call for one of its tasks (one tenant's limit, one
+#: task's deadline): the call's steps are then submitted one by one
+PER_TASK = (Code.RATE_LIMITED, Code.WOULD_MISS)
 #: what ack.lua answers for a task whose hand-off it recorded, with the result the
 #: worker sent: its ``then``, ``chain``, ``reply`` (None: none) and result
 Known = tuple[bytes | None, bytes | None, bytes | None, bytes]
@@ -160,8 +163,10 @@ class HandOff:
         what ack.lua answered for some of them (their ``then``, ``chain``, ``reply``,
         and the result the worker sent), which saves reading them. A step a queue
         refuses for now (full, rate limited) keeps its record for the next try
-        (:func:`recover`). One round trip per next queue, one to read what is not
-        known, and one to remove the records."""
+        (:func:`recover`); a call refused for one tenant's limit or one deadline is
+        tried again step by step, so the other steps go in. One round trip per next
+        queue (and per step of a call so refused), one to read what is not known, and
+        one to remove the records."""
         rows: dict[str, tuple[bytes | None, ...]] = dict(known or {})
         missing = [tid for tid in ids if tid not in rows]
         if missing:
@@ -199,7 +204,9 @@ class HandOff:
                 groups.setdefault((queue, replies), []).append((tid, new))
         submitted: list[tuple[str, str, str]] = []  # (task, its next step, next queue)
         refused: list[str] = []  # records kept: their next queue refused them for now
-        for (queue, replies), items in groups.items():
+        pending = list(groups.items())
+        while pending:
+            (queue, replies), items = pending.pop(0)
             b, tasks = self.broker(queue), [new for _, new in items]
             unconfirmed = False
             if b.settings.durable_replicas:  # as a client's submit to it would
@@ -210,6 +217,11 @@ class HandOff:
             else:
                 answer = b.submit(tasks, replies)
             if answer and answer[0] in REFUSED:  # the call's: nothing went in
+                if len(items) > 1 and answer[0] in PER_TASK:
+                    # one tenant over its limit (or one deadline) refuses the call:
+                    # each step alone, so that only those refused wait a lease
+                    pending[:0] = [((queue, replies), [item]) for item in items]
+                    continue
                 log.info("chain steps %s: queue %r refused them for now (code %s); "
                          "retried a lease later", [n.id for _, n in items], queue,
                          answer[0])

@@ -55,6 +55,27 @@ def test_a_full_next_queue_keeps_the_record_and_it_is_retried(
         assert task.chain().result(timeout=10) == "done!"
 
 
+def test_one_tenant_over_its_limit_keeps_only_its_own_step_back(
+        redis_url: str, client: redis.Redis) -> None:
+    """Two chains' steps handed off in one round to a queue where one tenant is over
+    its rate limit: the next queue refuses the whole call, so the steps are tried one
+    by one, and only that tenant's waits."""
+    a, b = names(2)
+    qb = mtq.Queue(b, client=client)
+    qb.configure(tenant_rpm="acme=60")  # a burst of one
+    qb.submit("first", tenant="acme")  # acme is at its limit on b
+    q = mtq.Queue(a, client=client)
+    limited = q.submit("x", tenant="acme", then=[b])
+    free = q.submit("y", tenant="beta", then=[b])
+    ids = [ack_without_hand_off(redis_url, a), ack_without_hand_off(redis_url, a)]
+    assert set(ids) == {limited.id, free.id}
+    h = chains.HandOff(client, a)
+    assert h.run(ids) == 1  # beta's step went in, in the same round
+    assert client.exists(QueueKeys(b).task(chains.step_id(free.id, 1)))
+    assert not client.exists(QueueKeys(b).task(chains.step_id(limited.id, 1)))
+    assert client.zrange(QueueKeys(a).handoffs, 0, -1) == [limited.id.encode()]
+
+
 def test_a_refused_record_is_retried_a_lease_later_and_holds_up_no_other(
         redis_url: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """A record the next queue refuses goes to the back (scored now): the next round
