@@ -43,6 +43,29 @@ from mtq.validation import BANDS
 FILE_CHUNK = 500
 
 
+def _steps(then: tuple[str, ...]) -> list[Any]:
+    """``--then`` values: a queue name, or a JSON object of :class:`mtq.Step` fields
+    (its ``deadline`` in seconds). A bad one exits 2 before anything is written."""
+    from dataclasses import fields
+
+    from mtq.client.chains import Step
+
+    names = {f.name for f in fields(Step)}
+    out: list[Any] = []
+    for i, text in enumerate(then, 1):
+        if not text.lstrip().startswith("{"):
+            out.append(text)  # a queue name (checked with the rest of the chain)
+            continue
+        spec = parse_json(text, f"--then #{i}")
+        unknown = sorted(set(spec) - names) if isinstance(spec, dict) else []
+        if not isinstance(spec, dict) or "queue" not in spec or unknown:
+            fail(f"--then #{i}: a step is a queue name or a JSON object with \"queue\" "
+                 f"and any of {', '.join(sorted(names - {'queue'}))}"
+                 + (f" (unknown: {', '.join(unknown)})" if unknown else ""), USAGE)
+        out.append(Step(**spec))
+    return out
+
+
 @click.command()
 @click.argument("queue")
 @click.argument("payload", required=False)
@@ -67,9 +90,11 @@ FILE_CHUNK = 500
 @click.option("--at", "at_text", default=None, metavar="DATETIME",
               help="Queue the task at this ISO 8601 time, with its time zone "
                    "(2030-01-01T09:00:00+01:00, or ...Z); a past time is due now.")
-@click.option("--then", "then", multiple=True, metavar="QUEUE",
+@click.option("--then", "then", multiple=True, metavar="QUEUE|STEP",
               help="A chain: when the task succeeds, submit its result to QUEUE "
-                   "(repeat for more steps; mtq task ID shows every step).")
+                   "(repeat for more steps; mtq task ID shows every step). STEP is a "
+                   "JSON object of a step's fields: '{\"queue\": \"tts\", \"pick\": "
+                   "\"text\", \"field\": \"text\", \"payload\": {\"voice\": \"en\"}}'.")
 @click.option("--wait", "wait", is_flag=True,
               help="Wait for the result(s) and print them (the task id goes to stderr "
                    "first).")
@@ -143,7 +168,7 @@ def submit(queue: str, payload: str | None, stream: str | None, file: IO[str] | 
     try:
         task = q.submit(value, stream=stream, key=key, ttl=ttl, cache=not no_cache,
                         priority=priority, tenant=tenant, cost=cost, timeout=run_timeout,
-                        delay=delay, at=at, then=list(then) or None)
+                        delay=delay, at=at, then=_steps(then) or None)
     except MtqError as exc:
         fail_on(exc)
     if not wait:

@@ -8,6 +8,7 @@ ack and the next submit is tests/integration/test_chains_kill.py."""
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from collections.abc import Iterator
@@ -287,8 +288,6 @@ def test_cli_submit_then_and_task_show_every_step(redis_url: str, client: redis.
     tid = out.output.strip().split()[-1]
     shown = runner.invoke(cli, ["task", tid, "-q", a, "--json"], env=env)
     assert shown.exit_code == 0, shown.output
-    import json
-
     steps = json.loads(shown.output)["chain"]["steps"]
     assert [(s["queue"], s["status"]) for s in steps] == [(a, "queued"), (b, "pending")]
     with workers(redis_url, (a, str.upper), (b, lambda p: p + "!")):
@@ -300,6 +299,26 @@ def test_cli_submit_then_and_task_show_every_step(redis_url: str, client: redis.
     assert "chain" in text.output and a in text.output and "succeeded" in text.output
 
 
+
+
+def test_cli_then_takes_a_steps_fields_as_json(redis_url: str, client: redis.Redis) -> None:
+    runner = CliRunner()
+    env = {"MTQ_REDIS_URL": redis_url}
+    a, b = names(2)
+    for bad, says in ((json.dumps({"queue": b, "bogus": 1}), "unknown: bogus"),
+                      ('{"pick": "text"}', 'with "queue"'),
+                      (json.dumps({"queue": b, "pick": 5}), "pick"),
+                      ('{"queue": ', "not valid JSON")):
+        out = runner.invoke(cli, ["submit", a, '"x"', "--then", bad], env=env)
+        assert out.exit_code == 2, (bad, out.output)
+        assert says in out.output, (bad, out.output)
+        assert not client.exists(QueueKeys(a).stats), bad
+    step = json.dumps({"queue": b, "pick": "text", "field": "prompt", "payload": {"n": 1}})
+    with workers(redis_url, (a, lambda p: {"text": p.upper()}), (b, lambda p: p)):
+        out = runner.invoke(cli, ["submit", a, '"hi"', "--then", step, "--wait",
+                                  "--timeout", "20"], env=env)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.output.strip().splitlines()[-1]) == {"n": 1, "prompt": "HI"}
 
 
 def _commands_per_task(url: str, name: str, chained_before: bool) -> float:
