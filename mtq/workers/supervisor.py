@@ -351,6 +351,10 @@ class Supervisor:
             if slot is not None and (self.draining or c.retiring):
                 self.slots.remove(c.slot)
             return
+        if c.abandoned or c.overran is not None:
+            # killed on purpose to stop a call past its timeout or that nobody wanted
+            # any more: its tasks settled (TaskTimeout, cancelled), not a crash in a row
+            slot.progress = True
         delay = self.slots.crashed(slot, c.ready)
         if delay is None:
             self.error = (f"worker {c.slot} failed during setup {slot.crashes} times in a "

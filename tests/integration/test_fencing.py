@@ -10,6 +10,7 @@ stream keys of its batch, from which the overlaps per stream are read.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -214,6 +215,31 @@ def test_a_call_that_ignores_its_stop_is_killed_after_the_grace(
     assert gone(first)
     # a new process serves
     assert q.submit({"s": "y", "i": 9}).result(timeout=30)["pid"] != first
+
+
+def test_kills_that_stop_cancelled_calls_do_not_back_the_restarts_off(
+        supervise: StartFn, qname: str, redis_url: str, tmp_path: Path) -> None:
+    """Three non-cooperative calls cancelled one after another, each killed after the
+    grace in a process that settled nothing else: each restart comes after the base
+    delay, not 0.1, 0.2, 0.4 s as crashes in a row would."""
+    grace = 0.3
+    log = tmp_path / "calls.log"
+    settings: dict[str, Any] = {"lease_ms": 2000, "cancel_grace_s": grace,
+                                "dead_letter": False, "max_retries": 0}
+    q = mtq.Queue(qname, redis_url, **settings)
+    sup = supervise("tests.handlers:logged", qname, settings=settings, replicas=1,
+                    standby=0, env={"MTQ_TEST_LOG": str(log)})
+    for n in range(1, 4):
+        slow = q.submit({"s": "x", "i": n, "sleep": 60})
+        # its call started (a cancel before the call would drop it unrun: no kill)
+        wait_for(lambda n=n: sum(c.tag == "B" for c in read_log(log)) == n, 30,
+                 f"call {n} started\n{sup.output()[-3000:]}")
+        slow.cancel()
+        wait_for(lambda n=n: sup.output().count("restarting in") >= n, 30,
+                 f"kill {n} and its restart\n{sup.output()[-3000:]}")
+        assert slow.status() == "cancelled", slow.info()
+    delays = re.findall(r"restarting in ([0-9.]+) s", sup.output())
+    assert delays == ["0.1"] * 3, sup.output()[-3000:]
 
 
 @pytest.mark.slow
