@@ -58,7 +58,10 @@ return 1
 """
 _PUT = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3])
+local cur = tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '')
+if not cur or (ARGV[5] == '1' and tonumber(ARGV[3]) > cur) then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+end
 local v = redis.call('INCR', KEYS[3])
 redis.call('PUBLISH', ARGV[4], v)
 return 1
@@ -199,8 +202,10 @@ def put(client: Any, name: str, queue: str, cron: str, payload: Any, *,
         catch_up: str = "latest") -> Schedule:
     """Add the schedule, or replace the one of that name (a host file's
     ``[[schedule]]``, applied at every ``mtq workers start``): left as it is when the
-    same; else replaced, keeping its cursor (no occurrence submitted twice). Raises as
-    :func:`add` does, writing nothing."""
+    same; else replaced. A new cron or zone starts from now, as an added schedule does
+    (the old cursor would make the new expression's occurrences before now look
+    missed, and caught up); other changes keep the cursor (no occurrence submitted
+    twice). Raises as :func:`add` does, writing nothing."""
     check(name, queue, cron, payload, stream, tenant, tz, catch_up)
     c = shared(client)
     old = get(c, name)
@@ -209,8 +214,9 @@ def put(client: Any, name: str, queue: str, cron: str, payload: Any, *,
                      created=old.created if old is not None else time.time())
     if old == sched:
         return old
+    retimed = old is not None and (old.cron, old.tz) != (cron, tz)
     c.eval(_PUT, 3, DEFS, CURSOR, VERSION, name, json.dumps(sched.as_dict()),
-           str(int(time.time())), CHANNEL)
+           str(int(time.time())), CHANNEL, "1" if retimed else "0")
     return sched
 
 

@@ -234,15 +234,23 @@ def test_a_host_files_schedules_are_checked_with_their_line(qname):
         assert says in str(err.value)
 
 
-def test_put_replaces_a_schedule_and_keeps_its_cursor(client, qname, r):
+def test_put_replaces_a_schedule_keeping_its_cursor_unless_retimed(client, qname, r):
     a = sch.put(client, "p", qname, "* * * * *", 1)
     version = r.get(sch.VERSION)
     assert sch.put(client, "p", qname, "* * * * *", 1) == a
     assert r.get(sch.VERSION) == version  # the same: nothing written
     r.hset(sch.CURSOR, "p", 5)
-    b = sch.put(client, "p", qname, "*/2 * * * *", 2)
-    assert (b.cron, b.payload, b.created) == ("*/2 * * * *", 2, a.created)
+    b = sch.put(client, "p", qname, "* * * * *", 2, stream="s")  # same times
+    assert (b.payload, b.stream, b.created) == (2, "s", a.created)
     assert r.hget(sch.CURSOR, "p") == b"5" and r.get(sch.VERSION) != version
+    # a new cron starts from now: no occurrence of it before now counts as missed
+    before = int(time.time())
+    c = sch.put(client, "p", qname, "*/2 * * * *", 2, stream="s")
+    assert (c.cron, c.created) == ("*/2 * * * *", a.created)
+    assert int(r.hget(sch.CURSOR, "p")) >= before
+    r.hset(sch.CURSOR, "p", 5)
+    sch.put(client, "p", qname, "*/2 * * * *", 2, stream="s", tz="Europe/Paris")
+    assert int(r.hget(sch.CURSOR, "p")) >= before  # so does a new zone
 
 
 def test_workers_start_runs_its_host_files_schedule(client, qname, r, subprocess_env,
