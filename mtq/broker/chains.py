@@ -60,9 +60,6 @@ MAX_CHAIN_ID = 61
 CHAINED = 3
 #: a submit's answers that refuse the whole call for now: the record stays
 REFUSED = (Code.QUEUE_FULL, Code.RATE_LIMITED, Code.WOULD_MISS)
-#: those of them that may refuse a call for one of its tasks (one tenant's limit, one
-#: task's deadline): the call's steps are then submitted one by one
-PER_TASK = (Code.RATE_LIMITED, Code.WOULD_MISS)
 #: what ack.lua answers for a task whose hand-off it recorded, with the result the
 #: worker sent: its ``then``, ``chain``, ``reply`` (None: none) and result
 Known = tuple[bytes | None, bytes | None, bytes | None, bytes]
@@ -141,6 +138,22 @@ def _replies(reply: bytes | None, src: QueueKeys, dst: QueueKeys) -> str:
     return " ".join(out)
 
 
+def _refused_for(answer: list[Any], items: list[tuple[str, NewTask]]
+                 ) -> list[tuple[str, NewTask]]:
+    """The steps of a refused call that the refusal is about: a rate-limited tenant's
+    steps, the one step that would miss its deadline, every step for a full queue (or
+    a refusal that names none of them)."""
+    what = answer[2] if len(answer) > 2 else None
+    what = what.decode() if isinstance(what, bytes) else str(what)
+    if answer[0] == Code.RATE_LIMITED:
+        named = [item for item in items if item[1].tenant == what]
+    elif answer[0] == Code.WOULD_MISS:
+        named = [item for item in items if item[1].id == what]
+    else:
+        named = []
+    return named or items
+
+
 class HandOff:
     """Submits the next steps of the chained tasks one worker's acks recorded."""
 
@@ -163,10 +176,10 @@ class HandOff:
         what ack.lua answered for some of them (their ``then``, ``chain``, ``reply``,
         and the result the worker sent), which saves reading them. A step a queue
         refuses for now (full, rate limited) keeps its record for the next try
-        (:func:`recover`); a call refused for one tenant's limit or one deadline is
-        tried again step by step, so the other steps go in. One round trip per next
-        queue (and per step of a call so refused), one to read what is not known, and
-        one to remove the records."""
+        (:func:`recover`); a call refused for one tenant's limit or one step's deadline
+        is made again without the steps the refusal names, so the others go in. One
+        round trip per next queue (and per such refusal), one to read what is not
+        known, and one to remove the records."""
         rows: dict[str, tuple[bytes | None, ...]] = dict(known or {})
         missing = [tid for tid in ids if tid not in rows]
         if missing:
@@ -217,15 +230,15 @@ class HandOff:
             else:
                 answer = b.submit(tasks, replies)
             if answer and answer[0] in REFUSED:  # the call's: nothing went in
-                if len(items) > 1 and answer[0] in PER_TASK:
-                    # one tenant over its limit (or one deadline) refuses the call:
-                    # each step alone, so that only those refused wait a lease
-                    pending[:0] = [((queue, replies), [item]) for item in items]
-                    continue
+                out = _refused_for(answer, items)
                 log.info("chain steps %s: queue %r refused them for now (code %s); "
-                         "retried a lease later", [n.id for _, n in items], queue,
+                         "retried a lease later", [n.id for _, n in out], queue,
                          answer[0])
-                refused += [tid for tid, _ in items]
+                refused += [tid for tid, _ in out]
+                if len(out) < len(items):  # the others again, without those it named
+                    named = {id(item) for item in out}
+                    pending.insert(0, ((queue, replies),
+                                       [item for item in items if id(item) not in named]))
                 continue
             if unconfirmed:
                 log.info("chain steps %s: queue %r's replicas did not confirm them; "

@@ -66,14 +66,31 @@ def test_one_tenant_over_its_limit_keeps_only_its_own_step_back(
     qb.submit("first", tenant="acme")  # acme is at its limit on b
     q = mtq.Queue(a, client=client)
     limited = q.submit("x", tenant="acme", then=[b])
-    free = q.submit("y", tenant="beta", then=[b])
-    ids = [ack_without_hand_off(redis_url, a), ack_without_hand_off(redis_url, a)]
-    assert set(ids) == {limited.id, free.id}
-    h = chains.HandOff(client, a)
-    assert h.run(ids) == 1  # beta's step went in, in the same round
-    assert client.exists(QueueKeys(b).task(chains.step_id(free.id, 1)))
+    free = [q.submit(p, tenant=t, then=[b]) for p, t in (("y", "beta"), ("z", "gamma"))]
+    ids = [ack_without_hand_off(redis_url, a) for _ in range(3)]
+    assert set(ids) == {limited.id, *(t.id for t in free)}
+    watcher = redis.Redis.from_url(redis_url)
+    try:
+        with watcher.monitor() as m:
+            h = chains.HandOff(client, a)
+            assert h.run(ids) == 2  # beta's and gamma's steps went in, in the same round
+            marker = uuid.uuid4().hex
+            client.echo(marker)
+            calls = []
+            for cmd in m.listen():
+                if marker in str(cmd["command"]):
+                    break
+                calls.append(str(cmd["command"]))
+    finally:
+        watcher.close()
+    for t in free:
+        assert client.exists(QueueKeys(b).task(chains.step_id(t.id, 1)))
     assert not client.exists(QueueKeys(b).task(chains.step_id(limited.id, 1)))
     assert client.zrange(QueueKeys(a).handoffs, 0, -1) == [limited.id.encode()]
+    # the call made again once, without acme's step: not one call per step
+    steps = [chains.step_id(t.id, 1) for t in (limited, *free)]
+    submits = [c for c in calls if c.startswith("EVALSHA") and any(i in c for i in steps)]
+    assert len(submits) == 2, submits
 
 
 def test_a_refused_record_is_retried_a_lease_later_and_holds_up_no_other(
