@@ -124,10 +124,11 @@ def test_at_zero_a_delayed_task_wakes_the_autoscaler_when_it_falls_due(
     wait_for(lambda: "supervisor" in sup.output(), 20, f"started: {sup.output()}")
     t0 = time.monotonic()
     task = q.submit({"i": 7}, delay=1.0)
+    # the wake itself is timed: the process's start-up (a model's imports) is not
+    wait_for(lambda: "woken from zero" in sup.output(), 30, f"woken: {sup.output()}")
+    woke = time.monotonic() - t0
+    assert 1.0 <= woke < 3.0, (woke, sup.output()[-2000:])
     assert task.result(timeout=30)["i"] == 7
-    took = time.monotonic() - t0
-    assert 1.0 <= took < 4.0, (took, sup.output()[-2000:])
-    assert "woken from zero" in sup.output(), sup.output()
 
 
 @pytest.mark.slow

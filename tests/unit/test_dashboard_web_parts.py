@@ -13,7 +13,7 @@ import redis
 
 from mtq import serialization
 from mtq.dashboard.web.charts import _nice, chart, timeline
-from mtq.dashboard.web.live import FragmentStream, fragments
+from mtq.dashboard.web.live import FragmentStream, fragments, until_stopped
 from mtq.dashboard.web.reads import cap, preview
 from mtq.dashboard.web.sampler import Sampler
 
@@ -155,3 +155,37 @@ def test_a_stream_cancelled_as_the_refresh_comes_ends() -> None:
         return cancelled
 
     assert asyncio.run(run()), "the cancel was lost: the wait returned the refresh"
+
+
+def test_a_task_stream_that_ends_leaves_no_wait_behind() -> None:
+    # a task's stream waits for its client to leave or the dashboard to stop; when
+    # the stream ends (its wait cancelled), neither wait may live on, waking at every
+    # refresh until the dashboard stops
+    sampler = Sampler(redis.Redis(port=1, retry=None), refresh_s=60)
+
+    async def run() -> int:
+        never = asyncio.get_running_loop().create_future()
+
+        async def receive() -> Any:
+            return await never  # the client stays
+
+        async def send(message: Any) -> None:
+            pass
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()
+
+        served = asyncio.ensure_future(until_stopped(app, sampler)({"type": "http"},
+                                                                     receive, send))
+        for _ in range(5):
+            await asyncio.sleep(0)  # it waits
+        served.cancel()
+        try:
+            await served
+        except asyncio.CancelledError:
+            pass
+        for _ in range(5):
+            await asyncio.sleep(0)  # cancelled tasks end
+        return len(asyncio.all_tasks() - {asyncio.current_task()})
+
+    assert asyncio.run(run()) == 0, "waits left running after their stream ended"

@@ -91,10 +91,12 @@ def until_stopped(app: ASGIApp, sampler: Sampler) -> ASGIApp:
         async def receive_or_stop() -> Message:
             got = asyncio.ensure_future(receive())
             stop = asyncio.ensure_future(sampler.stopped())
-            await asyncio.wait({got, stop}, return_when=asyncio.FIRST_COMPLETED)
-            for t in (got, stop):
-                if not t.done():
-                    t.cancel()
+            try:
+                await asyncio.wait({got, stop}, return_when=asyncio.FIRST_COMPLETED)
+            finally:  # also when this wait is cancelled (the stream ended): no task left
+                for t in (got, stop):
+                    if not t.done():
+                        t.cancel()
             return got.result() if got.done() and not got.cancelled() else \
                 {"type": "http.disconnect"}
 
