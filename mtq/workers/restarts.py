@@ -4,10 +4,11 @@ means giving up.
 
 A crash restarts its slot after ``RESTART_BASE_S * 2**(crashes in a row - 1)``
 seconds, at most ``RESTART_MAX_S``; a task settled since the last restart resets
-the count (a process killed to stop a call past its timeout or cancelled settled its
-tasks: the supervisor counts it so). A process that dies before its set-up ends, ``MAX_SETUP_FAILURES``
-times in a row, stops the supervisor (the warm standby and the quarantine
-process, which restart with the same backoff, are given up on instead).
+the count (a process the supervisor killed to stop a call past its timeout, or
+cancelled, ended its tasks: the supervisor counts it so). A process that dies
+before its set-up ends, ``MAX_SETUP_FAILURES`` times in a row, stops the
+supervisor (the warm standby and the quarantine process, which restart with the
+same backoff, are given up on instead).
 """
 
 from __future__ import annotations
