@@ -9,6 +9,7 @@ on every shard). The failover tests (a primary killed) are in test_cluster_failo
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,8 +160,9 @@ def test_submit_work_and_results_on_queues_of_every_shard(the_cluster: Cluster, 
     out = subprocess.run([sys.executable, "-m", "mtq", "status"], env=workers.env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+    assert not re.search(r"… \d+ more", out.stdout), out.stdout
     for name in names:
-        assert name in out.stdout
+        assert name in out.stdout, out.stdout
 
 
 def test_a_chain_across_three_shards_hands_off_and_streams(the_cluster: Cluster, url: str,
@@ -387,7 +389,10 @@ def test_the_exporter_and_the_dashboard_read_queues_of_every_shard(
     assert "mtq_up 1.0" in text
     for i, name in enumerate(names):
         assert f'mtq_queue_waiting_tasks{{queue="{name}"}} {float(i + 1)}' in text, text[:2000]
-    out = subprocess.run([sys.executable, "-m", "mtq", "dashboard", "--once"], env=workers.env,
+    # a frame tall enough for every queue: the session's cluster holds other tests' too
+    # (past its height the list ends with "... N more")
+    out = subprocess.run([sys.executable, "-m", "mtq", "dashboard", "--once"],
+                         env={**workers.env, "LINES": "1000", "COLUMNS": "160"},
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     for name in names:
