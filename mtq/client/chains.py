@@ -277,6 +277,14 @@ class Chain:
         with redis_errors():
             return bool(t.queue.redis.exists(t.queue.broker.keys.task(t.id)))
 
+    def _submitted(self, i: int) -> bool:
+        """Whether step ``i`` is submitted; raises as :meth:`_stopped` when it never
+        will be."""
+        if self._exists(i):
+            return True
+        self._stopped(i)
+        return False
+
     def _await_submitted(self, i: int, deadline: float | None) -> None:
         """Wait until step ``i`` is submitted: woken by any event of it on this client's
         reply subscription, and looking at most every LOOK_MAX_S (a follower whose
@@ -289,8 +297,7 @@ class Chain:
         hub.open(feed)
         backoff = Backoff()
         try:
-            while not self._exists(i):
-                self._stopped(i)
+            while not self._submitted(i):
                 feed.get(_look_wait(backoff, deadline, t.id))
         finally:
             hub.close(feed)
@@ -336,18 +343,25 @@ class Chain:
         deadline = None if timeout is None else time.monotonic() + timeout
         epochs = self._take_own()
         value = None
-        for i in range(len(self.tasks)):
-            value = self._step_result(i, deadline, epochs)
+        try:
+            for i in range(len(self.tasks)):
+                value = self._step_result(i, deadline, epochs)
+        except ResultTimeout as exc:  # the time given, not what was left of it
+            raise ResultTimeout(exc.task_id, timeout or 0.0, exc.status) from None
         return value
 
     async def aresult(self, timeout: float | None = None) -> Any:
-        """:meth:`result` for asyncio: each step's wait is its task's ``aresult`` (no
-        thread; a cancel ends the wait at once). Raises as :meth:`result`."""
+        """:meth:`result` for asyncio: each step's wait is its task's ``aresult`` (a
+        cancel ends the wait at once); the reads that look for a step not yet submitted
+        run in a thread, off the loop. Raises as :meth:`result`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         epochs = self._take_own()
         value = None
-        for i in range(len(self.tasks)):
-            value = await self._astep_result(i, deadline, epochs)
+        try:
+            for i in range(len(self.tasks)):
+                value = await self._astep_result(i, deadline, epochs)
+        except ResultTimeout as exc:  # the time given, not what was left of it
+            raise ResultTimeout(exc.task_id, timeout or 0.0, exc.status) from None
         return value
 
     async def _astep_result(self, i: int, deadline: float | None,
@@ -372,14 +386,13 @@ class Chain:
     async def _await_submitted_async(self, i: int, deadline: float | None) -> None:
         """:meth:`_await_submitted` for asyncio."""
         t = self.tasks[i]
-        t.queue.reply_channel()
+        await asyncio.to_thread(t.queue.reply_channel)  # (Redis reads: off the loop)
         hub = t.queue.hub
         feed = AsyncFeed((t.queue.name, t.id), asyncio.get_running_loop())
         hub.open(feed)
         backoff = Backoff()
         try:
-            while not self._exists(i):
-                self._stopped(i)
+            while not await asyncio.to_thread(self._submitted, i):
                 await feed.get(_look_wait(backoff, deadline, t.id))
         finally:
             hub.close(feed)

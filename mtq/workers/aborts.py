@@ -141,7 +141,7 @@ class Aborts:
         led = self.ledger
         if not (led.cancel or led.timed_out or led.deadlines):  # most calls
             return False
-        return bool(tasks) and len(self.stopped([t.id for t in tasks])) == len(tasks)
+        return bool(tasks) and all(self.reason(t.id) is not None for t in tasks)
 
     def error(self, task_id: str) -> BaseException:
         """The exception a stopped task's item gets in place of a result."""
