@@ -43,7 +43,7 @@ processes are serving (registered), and how many scale changes the run logged.
 
 chain: three bare ``mtq worker run benchmarks.children.nap:nap`` processes, one per
 queue, and N three-step chains of no-op tasks (``{"s": 0}``, each step's payload that
-dict with the previous result under ``prev``), one chain at a time (each waited for
+dict with the previous result under ``i``), one chain at a time (each waited for
 through ``Chain.result``). A hand-off's time is the next step's ``started`` minus the
 previous step's ``finished`` (its ack), both Redis server time (ms): the worker's read
 of the chain spec, its submit of the next step to the next queue (where a worker sleeps

@@ -299,8 +299,6 @@ def test_cli_submit_then_and_task_show_every_step(redis_url: str, client: redis.
     assert "chain" in text.output and a in text.output and "succeeded" in text.output
 
 
-
-
 def test_cli_then_takes_a_steps_fields_as_json(redis_url: str, client: redis.Redis) -> None:
     runner = CliRunner()
     env = {"MTQ_REDIS_URL": redis_url}
@@ -355,8 +353,7 @@ def _commands_per_task(url: str, name: str, chained_before: bool) -> float:
 
 def test_plain_tasks_cost_the_same_redis_commands(tmp_path: Any) -> None:
     """A plain task's submit, claim and ack send no command for chains, in a queue that
-    served a chain too (26.625 commands per task here, as on the commit before chains:
-    the ack's HMGET reads one field more, no command more)."""
+    served a chain too (the ack's HMGET reads one field more, no command more)."""
     from tests.support.servers import RedisServer
 
     server = RedisServer(tmp_path)

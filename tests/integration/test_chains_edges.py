@@ -189,9 +189,10 @@ def test_result_keeps_its_time_limit_while_a_hand_off_is_pending(
     ack_without_hand_off(redis_url, a)  # its worker "died": nobody recovers it
     chain = task.chain()
     t0 = time.monotonic()
-    with pytest.raises(ResultTimeout):
+    with pytest.raises(ResultTimeout) as timed_out:
         chain.result(timeout=0.3)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 2.0
+    assert timed_out.value.timeout == 0.3, "it names the time given, not what was left"
 
 
 def test_aresult(redis_url: str, client: redis.Redis) -> None:
@@ -237,7 +238,7 @@ def test_a_cancelled_aresult_leaves_no_wait_behind(redis_url: str, client: redis
     runner.start()
     runner.join(10)
     assert not runner.is_alive() and not errors, errors
-    assert time.monotonic() - t0 < 2.0, "asyncio.run waited for a thread still waiting"
+    assert time.monotonic() - t0 < 4.0, "asyncio.run waited for a thread still waiting"
 
 
 def test_aresult_of_a_late_follower_waits_through_a_pending_hand_off(
@@ -277,7 +278,7 @@ def test_a_step_submitted_and_then_gone_ends_the_wait(redis_url: str,
     t0 = time.monotonic()  # (a reader of its own chain hears no end first: 10 s at most)
     with pytest.raises(TaskNotFound, match="gone"):
         chain.result(timeout=5)
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # at once, not at its 5 s limit
 
 
 def test_cancel_after_the_chain_failed_at_a_hand_off_changes_nothing(

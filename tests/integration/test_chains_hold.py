@@ -31,9 +31,9 @@ def held(client: redis.Redis, queue: str, stream: str) -> bool:
 def test_a_record_removed_behind_the_hand_off_s_back_is_swept_by_recovery(
         redis_url: str, client: redis.Redis) -> None:
     """A record removed by anything but handed.lua (an operator's ZREM or DEL of the
-    records) left its stream held with nothing to release it: every later task
-    of the stream stalled silently. Recovery finds the hold whose record is gone and
-    releases it, once; a hold whose record is there is left alone."""
+    records) leaves its stream held with nothing to release it, so every later task of
+    the stream would stall. Recovery finds the hold whose record is gone and releases
+    it, once; a hold whose record is there is left alone."""
     a, b = names(2)
     qa = mtq.Queue(a, client=client)
     first = qa.submit("x", stream="u", then=[b])
@@ -87,9 +87,9 @@ def test_an_id_reused_while_its_old_record_waits_releases_the_old_hold(
         redis_url: str, client: redis.Redis) -> None:
     """A step's hand-off is refused (next queue full) until its task's retention runs
     out; before the reaper drops the record, the id is submitted again (a client that
-    names its tasks) on another stream, as a chain, and acked: its hold replaced the
-    old one in the hash, and the old stream stayed held with nothing to release it.
-    The ack releases the old hold it replaces."""
+    names its tasks) on another stream, as a chain, and acked: its hold replaces the
+    old one in the hash. The ack releases the old hold it replaces, so the old stream
+    is not left held with nothing to release it."""
     a, b = names(2)
     qb = mtq.Queue(b, client=client)
     qb.configure(max_length=1)

@@ -13,7 +13,7 @@ from mtq.workers.localproc import wait_exit, wait_group
 
 def test_it_returns_when_a_process_that_is_not_a_child_exits() -> None:
     # a grandchild: the shell's child, not ours, killed when the shell says so
-    sh = subprocess.Popen(["sh", "-c", "sleep 0.3 & echo $!; wait"], stdout=subprocess.PIPE,
+    sh = subprocess.Popen(["sh", "-c", "sleep 1 & echo $!; wait"], stdout=subprocess.PIPE,
                           text=True)
     assert sh.stdout is not None
     pid = int(sh.stdout.readline())
