@@ -190,6 +190,7 @@ class HandOff:
                     pipe.hmget(self.keys.task(tid), fields)
                 rows.update(zip(missing, (tuple(r) for r in pipe.execute())))
         done: list[str] = []
+        refused: list[str] = []  # records kept: their next queue refused them for now
         groups: dict[tuple[str, str], list[tuple[str, NewTask]]] = {}
         for tid in ids:
             then, chain, reply, result, *more = rows[tid]
@@ -205,6 +206,11 @@ class HandOff:
             else:
                 try:
                     queue, new = self._next(then, chain, result)
+                except BrokerError as exc:  # its queue's settings unreadable: later
+                    log.warning("chain step after %s: cannot read its queue (%s); retried "
+                                "a lease later", tid, exc)
+                    refused.append(tid)
+                    continue
                 except BuildError as exc:
                     log.warning("chain step after %s: %s", tid, exc)
                     with redis_errors():
@@ -216,19 +222,26 @@ class HandOff:
                 replies = _replies(reply, self.keys, QueueKeys(queue))
                 groups.setdefault((queue, replies), []).append((tid, new))
         submitted: list[tuple[str, str, str]] = []  # (task, its next step, next queue)
-        refused: list[str] = []  # records kept: their next queue refused them for now
         pending = list(groups.items())
         while pending:
             (queue, replies), items = pending.pop(0)
             b, tasks = self.broker(queue), [new for _, new in items]
             unconfirmed = False
-            if b.settings.durable_replicas:  # as a client's submit to it would
-                answer, acks = b.submit_durable(tasks, replies)
-                # not confirmed: the record stays, so a step a failover lost is submitted
-                # again (a later try that finds it there, a duplicate id, is done)
-                unconfirmed = 0 <= acks < b.settings.durable_replicas
-            else:
-                answer = b.submit(tasks, replies)
+            try:
+                if b.settings.durable_replicas:  # as a client's submit to it would
+                    answer, acks = b.submit_durable(tasks, replies)
+                    # not confirmed: the record stays, so a step a failover lost is
+                    # submitted again (a later try that finds it there, a duplicate id,
+                    # is done)
+                    unconfirmed = 0 <= acks < b.settings.durable_replicas
+                else:
+                    answer = b.submit(tasks, replies)
+            except BrokerError as exc:  # that queue's node away, a user denied it: the
+                # other queues' steps go on, and these records go to the back
+                log.warning("chain steps %s: cannot submit to queue %r (%s); retried a "
+                            "lease later", [n.id for _, n in items], queue, exc)
+                refused += [tid for tid, _ in items]
+                continue
             if answer and answer[0] in REFUSED:  # the call's: nothing went in
                 out = _refused_for(answer, items)
                 log.info("chain steps %s: queue %r refused them for now (code %s); "

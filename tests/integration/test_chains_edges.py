@@ -93,6 +93,36 @@ def test_one_tenant_over_its_limit_keeps_only_its_own_step_back(
     assert len(submits) == 2, submits
 
 
+@pytest.mark.parametrize("access", ["none", "read"])
+def test_a_next_queue_that_cannot_be_reached_holds_up_only_its_own_steps(
+        access: str, redis_url: str, client: redis.Redis) -> None:
+    """One round hands off to two queues; one of them fails (here a Redis user denied
+    its keys, as a node away would: its settings cannot be read, or its submit cannot
+    write): the other's step goes in, the failing one's record stays for a later
+    round, and nothing raises out of the hand-off."""
+    a, b, c = names(3)
+    q = mtq.Queue(a, client=client)
+    to_b, to_c = q.submit("x", then=[b]), q.submit("y", then=[c])
+    ids = [ack_without_hand_off(redis_url, a) for _ in range(2)]
+    assert set(ids) == {to_b.id, to_c.id}
+    user = "handoff-" + uuid.uuid4().hex[:8]
+    rules = ["on", ">pw", "+@all", "&*", f"~mtq:{{{a}}}*", f"~mtq:{{{c}}}*", "~mtq:[^{]*"]
+    if access == "read":  # its settings are read, its submit script is refused
+        rules.append("~" + QueueKeys(b).config)
+    client.execute_command("ACL", "SETUSER", user, *rules)
+    denied = redis.Redis.from_url(redis_url, username=user, password="pw")
+    try:
+        assert chains.HandOff(denied, a).run(ids) == 1  # c's step; b's is kept
+    finally:
+        denied.close()
+        client.acl_deluser(user)
+    assert client.exists(QueueKeys(c).task(chains.step_id(to_c.id, 1)))
+    assert not client.exists(QueueKeys(b).task(chains.step_id(to_b.id, 1)))
+    assert client.zrange(QueueKeys(a).handoffs, 0, -1) == [to_b.id.encode()]
+    assert chains.recover(chains.HandOff(client, a), 0) == 1  # reachable again
+    assert client.exists(QueueKeys(b).task(chains.step_id(to_b.id, 1)))
+
+
 def test_a_refused_record_is_retried_a_lease_later_and_holds_up_no_other(
         redis_url: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """A record the next queue refuses goes to the back (scored now): the next round
