@@ -26,6 +26,8 @@ from mtq.broker.keys import QueueKeys
 from mtq.cli.main import cli
 from mtq.errors import ChainError, ChainFailed, EncodeError, PermanentError
 from mtq.workers.model import FunctionModel
+from tests.support.commands import commands_per_task
+from tests.support.threads import run_together
 from tests.support.waits import wait_for
 from tests.support.workers import make_worker, serving
 
@@ -179,24 +181,8 @@ def test_racing_recoverers_submit_the_next_step_once(redis_url: str,
     task = q.submit("x", then=[mtq.Step(b, field="text", payload={"n": 1})])
     tid = ack_without_hand_off(redis_url, a, "hello")
     assert client.zrange(QueueKeys(a).handoffs, 0, -1) == [tid.encode()]
-    barrier = threading.Barrier(4)
-    done: list[int] = []
-    errors: list[BaseException] = []
-
-    def recoverer() -> None:
-        try:
-            h = chains.HandOff(redis.Redis.from_url(redis_url), a)
-            barrier.wait(5)
-            done.append(chains.recover(h, 0))  # a record of any age is due
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=recoverer) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not errors and not any(t.is_alive() for t in threads), errors
+    hand_offs = [chains.HandOff(redis.Redis.from_url(redis_url), a) for _ in range(4)]
+    done = run_together(4, lambda: chains.recover(hand_offs.pop(), 0))  # any age is due
     assert sum(done) >= 1
     qb = mtq.Queue(b, client=client)
     assert qb.stats()["submitted"] == 1  # one task, whoever came second found it there
@@ -319,38 +305,6 @@ def test_cli_then_takes_a_steps_fields_as_json(redis_url: str, client: redis.Red
     assert json.loads(out.output.strip().splitlines()[-1]) == {"n": 1, "prompt": "HI"}
 
 
-def _commands_per_task(url: str, name: str, chained_before: bool) -> float:
-    """Redis commands (those the scripts run included) per plain task for 40 tasks on 8
-    streams submitted, claimed and acked; ``chained_before``: a chain's first task ran
-    on the queue before (its hand-off done)."""
-    from mtq import serialization
-    from mtq.broker.outcomes import Outcome
-
-    r = redis.Redis.from_url(url)
-    try:
-        q = mtq.Queue(name, client=r)
-        c = Consumer(name, url)
-        if chained_before:
-            q.submit("first", then=[name + "-next"])
-        q.submit("warm")
-        c.settle([Outcome(t, True, serialization.dumps(t.id)) for t in c.claim(8)])
-        r.config_resetstat()
-        for i in range(40):
-            q.submit(i, stream=f"s{i % 8}")
-        n = 0
-        while n < 40:
-            got = c.claim(8)
-            assert got, "the tasks are claimable"
-            n += len(got)
-            c.settle([Outcome(t, True, t.id) for t in got])
-        stats = r.info("commandstats")
-        skip = {"cmdstat_info", "cmdstat_config|resetstat"}
-        return sum(v["calls"] for k, v in stats.items() if k not in skip) / 40
-    finally:
-        mtq.replies.hub_of(r).close_all()
-        r.close()
-
-
 def test_plain_tasks_cost_the_same_redis_commands(tmp_path: Any) -> None:
     """A plain task's submit, claim and ack send no command for chains, in a queue that
     served a chain too (the ack's HMGET reads one field more, no command more)."""
@@ -359,8 +313,9 @@ def test_plain_tasks_cost_the_same_redis_commands(tmp_path: Any) -> None:
     server = RedisServer(tmp_path)
     server.start()
     try:
-        plain = _commands_per_task(server.url, "plain", chained_before=False)
-        after = _commands_per_task(server.url, "after-chain", chained_before=True)
+        plain = commands_per_task(server.url, "plain", lambda q: None)
+        after = commands_per_task(server.url, "after-chain",
+                                  lambda q: q.submit("first", then=["after-chain-next"]))
     finally:
         server.stop()
     assert plain == after, (plain, after)

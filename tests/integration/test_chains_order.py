@@ -8,7 +8,6 @@ the ack and the hand-off is tests/integration/test_chains_kill.py."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from typing import Any
 
@@ -20,6 +19,7 @@ from mtq import serialization
 from mtq.broker import chains
 from mtq.broker.consumer import Consumer
 from mtq.broker.keys import QueueKeys
+from tests.support.threads import run_together
 from tests.support.waits import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,23 +94,8 @@ def test_racing_completers_release_the_stream_once(redis_url: str,
     ca = Consumer(a, redis_url)
     got = ca.claim(4)
     assert ack(ca, first.id, got[0].token) == [chains.CHAINED]
-    barrier = threading.Barrier(4)
-    errors: list[BaseException] = []
-
-    def completer() -> None:
-        try:
-            h = chains.HandOff(redis.Redis.from_url(redis_url), a)
-            barrier.wait(5)
-            chains.recover(h, 0)
-        except BaseException as exc:  # pragma: no cover (reported below)
-            errors.append(exc)
-
-    threads = [threading.Thread(target=completer) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not errors
+    hand_offs = [chains.HandOff(redis.Redis.from_url(redis_url), a) for _ in range(4)]
+    run_together(4, lambda: chains.recover(hand_offs.pop(), 0))
     assert claim_ids(ca) == [second.id]  # released: the next task of the stream runs
     h = chains.HandOff(client, a)
     h.complete([first.id])  # a removal sent again

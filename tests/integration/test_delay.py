@@ -23,6 +23,7 @@ from mtq.cli.main import cli
 from mtq.errors import InvalidArgument
 from mtq.observe.prometheus import MtqCollector
 from mtq.settings import QueueSettings
+from tests.support.commands import commands_per_task
 from tests.support.processes import kill_process, worker_process
 from tests.support.servers import RedisServer
 from tests.support.waits import wait_for
@@ -254,36 +255,6 @@ def test_a_delayed_task_survives_a_redis_restart_with_aof(qname: str,
         server.stop()
 
 
-def _commands_per_task(url: str, name: str, delayed: bool) -> float:
-    """Redis commands (those the scripts run included) per task for 40 tasks on 8
-    streams submitted, claimed and acked; ``delayed``: one task of the queue waits in the
-    delayed set (not due) meanwhile."""
-    r = redis.Redis.from_url(url)
-    try:
-        q = mtq.Queue(name, client=r)
-        c = Consumer(name, url)
-        if delayed:
-            q.submit("later", delay=3600)
-        done(c, c.claim(8) or [])
-        q.submit("warm")
-        done(c, c.claim(8))
-        r.config_resetstat()
-        for i in range(40):
-            q.submit(i, stream=f"s{i % 8}")
-        n = 0
-        while n < 40:
-            got = c.claim(8)
-            assert got, "the tasks are claimable"
-            n += len(got)
-            done(c, got)
-        stats = r.info("commandstats")
-        skip = {"cmdstat_info", "cmdstat_config|resetstat"}
-        return sum(v["calls"] for k, v in stats.items() if k not in skip) / 40
-    finally:
-        mtq.replies.hub_of(r).close_all()
-        r.close()
-
-
 def test_a_waiting_delayed_task_adds_no_redis_command_to_the_hot_path(tmp_path: Path) -> None:
     """Submit, claim and ack cost the same commands per task whether a delayed task
     waits in the queue or none ever did (the claim reads the delayed set's first entry
@@ -291,8 +262,9 @@ def test_a_waiting_delayed_task_adds_no_redis_command_to_the_hot_path(tmp_path: 
     server = RedisServer(tmp_path)
     server.start()
     try:
-        plain = _commands_per_task(server.url, "plain", delayed=False)
-        with_one = _commands_per_task(server.url, "with-delayed", delayed=True)
+        plain = commands_per_task(server.url, "plain", lambda q: None)
+        with_one = commands_per_task(server.url, "with-delayed",
+                                     lambda q: q.submit("later", delay=3600))
     finally:
         server.stop()
     assert plain == with_one, (plain, with_one)
