@@ -22,7 +22,7 @@ from click.testing import CliRunner
 import mtq
 from mtq.broker import chains
 from mtq.broker.consumer import Consumer
-from mtq.broker.keys import QueueKeys
+from mtq.broker.keys import QUEUES, QueueKeys
 from mtq.cli.main import cli
 from mtq.errors import ChainError, ChainFailed, EncodeError, PermanentError
 from mtq.workers.model import FunctionModel
@@ -227,6 +227,12 @@ def test_each_step_keeps_its_retries_and_its_ttl(redis_url: str, client: redis.R
     assert fields == [b"2", b"20000", b"i"]
 
 
+def written(client: redis.Redis, queue: str) -> tuple[set[bytes], bool]:
+    """What a submit to ``queue`` may write: its own keys (one hash tag) and its name
+    in the set of queues (the server is shared: other tests' keys come and go)."""
+    return set(client.keys(f"mtq:{{{queue}}}*")), bool(client.sismember(QUEUES, queue))
+
+
 @pytest.mark.parametrize("then,match", [
     (["bad name!"], "step 1"),
     ([mtq.Step("ok", field=3)], "field"),
@@ -243,22 +249,22 @@ def test_each_step_keeps_its_retries_and_its_ttl(redis_url: str, client: redis.R
 ])
 def test_bad_steps_are_refused_before_anything_is_written(
         client: redis.Redis, qname: str, then: Any, match: str) -> None:
-    before = set(client.keys("*"))
+    before = written(client, qname)
     with pytest.raises(ChainError, match=match):
         mtq.Queue(qname, client=client).submit({"x": 1}, then=then)
-    assert set(client.keys("*")) == before
+    assert written(client, qname) == before
 
 
 def test_bad_step_payloads_and_ids(client: redis.Redis, qname: str) -> None:
     q = mtq.Queue(qname, client=client)
-    before = set(client.keys("*"))
+    before = written(client, qname)
     with pytest.raises(EncodeError):
         q.submit(1, then=[mtq.Step("ok", payload={"f": object()}, field="x")])
     with pytest.raises(ChainError, match="at most 61"):
         q.submit(1, id="x" * 62, then=["ok"])
     with pytest.raises(ChainError, match="delayed"):
         q.submit(1, delay=5, then=["ok"])
-    assert set(client.keys("*")) == before
+    assert written(client, qname) == before
 
 
 def test_cli_submit_then_and_task_show_every_step(redis_url: str, client: redis.Redis,
