@@ -33,7 +33,6 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from mtq.broker import chains
 from mtq.client import Queue, Request, Task
 from mtq.errors import MtqError
 from mtq.workers.localproc import alive, wait_exit
@@ -214,7 +213,7 @@ def run(url: str, *, users: int = 24, chats_per_user: int = 3, embeds_per_user: 
         q.purge()
         # (with the streams held for chain hand-offs: a hold left after its record and
         # busy set were deleted would be swept later, releasing a stream then running)
-        q.redis.delete(*q.broker.keys.script_keys[2:], chains.held_key(q.broker.keys))
+        q.redis.delete(*q.broker.keys.script_keys[2:], q.broker.keys.held)
     log = Path(tempfile.mkstemp(prefix="mtq-demo-", suffix=".log")[1])
     sups = _Supervisors(url, log)
     events: list[str] = []

@@ -70,12 +70,6 @@ RECOVER_AFTER_LEASES = 1.0
 RECOVER_BATCH = 100
 
 
-def held_key(keys: QueueKeys) -> str:
-    """The hash of the streams held for pending hand-offs: id -> stream (K_HELD in
-    the scripts)."""
-    return keys.handoffs + ":streams"
-
-
 class BuildError(MtqError):
     """The next step cannot be submitted: its payload cannot be built from the previous
     result (a ``pick`` key the result lacks, a result too large; ``status`` failed), or
@@ -377,7 +371,7 @@ def recover(h: HandOff, lease_ms: int) -> int:
         pipe = h.redis.pipeline(transaction=False)
         pipe.time()
         pipe.zrange(h.keys.handoffs, 0, RECOVER_BATCH - 1, withscores=True)
-        pipe.hlen(held_key(h.keys))
+        pipe.hlen(h.keys.held)
         pipe.zcard(h.keys.handoffs)
         (sec, usec), rows, holds, records = pipe.execute()
     if holds > records:

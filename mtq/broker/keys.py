@@ -81,6 +81,7 @@ class QueueKeys:
         "failures",
         "free",
         "handoffs",
+        "held",
         "hist",
         "idem_prefix",
         "idle",
@@ -145,6 +146,9 @@ class QueueKeys:
         #: chains (docs/streaming.md, "Chains"): id of a succeeded chained task whose next
         #: step is still to be submitted -> when it succeeded (ms, server time)
         self.handoffs = self.base + "handoffs"
+        #: the streams held for those pending hand-offs (hash: id -> stream; K_HELD in
+        #: the scripts, which derive it from the handoffs key)
+        self.held = self.handoffs + ":streams"
         self.script_keys = [
             self.task_prefix, self.stream_prefix, self.ready, self.busy, self.leases,
             self.delayed, self.dead, self.wake, self.stats, self.free, self.idem_prefix,

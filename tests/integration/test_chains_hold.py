@@ -113,4 +113,4 @@ def test_an_id_reused_while_its_old_record_waits_releases_the_old_hold(
     blocker.cancel()
     assert chains.recover(h, 0) == 1  # the new step goes in; its own hold released
     assert not held(client, a, "w")
-    assert client.hlen(chains.held_key(QueueKeys(a))) == 0
+    assert client.hlen(QueueKeys(a).held) == 0
