@@ -444,8 +444,14 @@ class Chain:
                     t.cancel()
                 return i
             if status in (b"queued", b"running", b"delayed"):
+                # marked first, so that a hand-off racing this cancel (the step
+                # succeeding now) stops before or after its submit
+                with redis_errors():
+                    t.queue.redis.hset(t.queue.broker.keys.task(t.id), "chainstop", "1")
                 t.cancel()
-                return i
+                if self._fields(i, "status")[0] != b"succeeded":
+                    return i
+                continue  # it succeeded first: stop the step after it
             if status != b"succeeded":
                 return None
         return None

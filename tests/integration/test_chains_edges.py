@@ -339,3 +339,29 @@ def test_a_hand_off_to_a_durable_queue_waits_for_its_replicas(redis_url: str,
     assert chains.recover(h, 0) == 1
     assert client.zcard(QueueKeys(a).handoffs) == 0
     assert mtq.Queue(b, client=client).stats()["submitted"] == 1
+
+
+def test_a_step_that_succeeds_as_the_chain_is_cancelled_does_not_carry_it_on(
+        redis_url: str, client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cancel() reads a step running, and the step succeeds (its hand-off made) before
+    its cancel lands: the step after it is stopped, not left to run."""
+    a, b = names(2)
+    task = mtq.Queue(a, client=client).submit("x", then=[b])
+    c = Consumer(a, redis_url)
+    (got,) = wait_for(lambda: c.claim(1), 5, "the first step to claim")
+    chain = task.chain()
+    read = chain._fields
+    acked: list[Any] = []
+
+    def racing(i: int, *fields: str) -> list[Any]:
+        out = read(i, *fields)
+        if i == 0 and not acked:  # the worker acks between the read and the cancel
+            acked.append(c.broker.ack([(got.id, got.token, serialization.dumps("done"))]))
+            chains.HandOff(client, a).run([got.id])
+        return out
+
+    monkeypatch.setattr(chain, "_fields", racing)
+    assert chain.cancel() == 1
+    assert acked == [[chains.CHAINED]]
+    step = client.hget(QueueKeys(b).task(chains.step_id(task.id, 1)), "status")
+    assert step in (None, b"cancelled"), step
