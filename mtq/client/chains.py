@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import math
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -24,20 +23,19 @@ from mtq.broker.connection import Backoff, redis_errors
 from mtq.broker.records import NewTask
 from mtq.client.replies.events import Event
 from mtq.client.replies.feeds import AsyncFeed, SyncFeed
+from mtq.client.submit import TIMEOUT_HINT, check_retries, check_seconds
 from mtq.errors import (
     ChainError,
     ChainFailed,
+    ConfigError,
     MtqError,
     ResultTimeout,
     TaskCancelled,
     TaskFailed,
     TaskNotFound,
 )
-from mtq.settings import MAX_RETRIES
 from mtq.validation import check_priority, check_queue_name, check_stream_name, check_tenant
 
-#: longest ttl, timeout or deadline a step may give (s), as a submit's
-MAX_S = 1e9
 #: how often, at most, a reader waiting for a step not submitted yet looks whether it
 #: is (s); an event of the step wakes it at once
 LOOK_MAX_S = 1.0
@@ -67,12 +65,12 @@ class Step:
     retries: int | None = None
 
 
-def _seconds(name: str, value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) \
-            or not math.isfinite(value) or not 0 < value <= MAX_S:
-        raise ChainError(f"{where}: {name} must be a number of seconds in (0, {MAX_S:.0e}], "
-                         f"got {value!r}")
-    return max(1, int(value * 1000))
+def _ms(name: str, value: Any, where: str, hint: str = "") -> int:
+    """A step's ttl, timeout or deadline in ms, checked as a submit's (ChainError)."""
+    try:
+        return max(1, int(check_seconds(name, value, hint) * 1000))
+    except ConfigError as exc:
+        raise ChainError(f"{where}: {exc}") from None
 
 
 def _spec(step: Step | str, index: int, stream: str, tenant: str, band: str) -> dict[str, Any]:
@@ -110,15 +108,14 @@ def _spec(step: Step | str, index: int, stream: str, tenant: str, band: str) -> 
         serialization.dumps(step.payload)  # EncodeError now, not at the hand-off
     spec.update(p=step.payload, f=step.field, k=step.pick)
     if step.ttl is not None:
-        spec["l"] = _seconds("ttl", step.ttl, where)
+        spec["l"] = _ms("ttl", step.ttl, where)
     if step.timeout is not None:
-        spec["o"] = _seconds("timeout", step.timeout, where)
+        spec["o"] = _ms("timeout", step.timeout, where, TIMEOUT_HINT)
     if step.retries is not None:
-        if isinstance(step.retries, bool) or not isinstance(step.retries, int) \
-                or not 0 <= step.retries <= MAX_RETRIES:
-            raise ChainError(f"{where}: retries must be an integer in [0, {MAX_RETRIES}], "
-                             f"got {step.retries!r}")
-        spec["y"] = step.retries
+        try:
+            spec["y"] = check_retries(step.retries)
+        except ConfigError as exc:
+            raise ChainError(f"{where}: {exc}") from None
     if step.deadline is not None:
         d = step.deadline
         if isinstance(d, datetime):
@@ -127,7 +124,7 @@ def _spec(step: Step | str, index: int, stream: str, tenant: str, band: str) -> 
                                  "zone")
             spec["d"] = int(d.astimezone(timezone.utc).timestamp() * 1000)
         else:
-            spec["d"] = int(time.time() * 1000) + _seconds("deadline", d, where)
+            spec["d"] = int(time.time() * 1000) + _ms("deadline", d, where)
     return spec
 
 
@@ -406,8 +403,8 @@ class Chain:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._take_own()  # its feeds take the outcomes: a later wait reads them
         for i, t in enumerate(self.tasks):
-            if i > 0 and not self._exists(i):
-                self._await_submitted(i, deadline)
+            if i > 0:
+                self._await_submitted(i, deadline)  # (at once when it is there)
             for ev in self._make(t.queue, t.id).events(self._left(deadline), tokens=tokens):
                 yield ev
                 if ev.terminal and ev.kind != "succeeded":

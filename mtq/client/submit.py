@@ -140,19 +140,12 @@ def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str
             f"({settings.max_payload_bytes}); send a reference (a URL or a key) "
             "instead, or raise max_payload_bytes"
         )
-    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float))
-                            or not 0 < ttl <= MAX_TTL_S):
-        raise ConfigError(f"ttl must be a number of seconds in (0, {MAX_TTL_S:.0e}], "
-                          f"got {ttl!r}")
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not 0 < timeout <= MAX_TTL_S or not math.isfinite(timeout)):
-        raise ConfigError(f"timeout must be a number of seconds in (0, {MAX_TTL_S:.0e}] (how "
-                          f"long a run may take once started; leave it out for the queue's "
-                          f"task_timeout_s), got {timeout!r}")
-    if retries is not None and (isinstance(retries, bool) or not isinstance(retries, int)
-                                or not 0 <= retries <= MAX_RETRIES):
-        raise ConfigError(f"retries must be an integer in [0, {MAX_RETRIES}], got "
-                          f"{retries!r}")
+    if ttl is not None:
+        check_seconds("ttl", ttl)
+    if timeout is not None:
+        check_seconds("timeout", timeout, TIMEOUT_HINT)
+    if retries is not None:
+        check_retries(retries)
     return NewTask(
         id=check_task_id(task_id) if task_id is not None else new_task_id(),
         own_id=task_id is None,
@@ -167,6 +160,29 @@ def new_task(settings: QueueSettings, payload: Any, stream: str | None, key: str
         timeout_ms=max(1, int(timeout * 1000)) if timeout is not None else 0,
         delay_ms=wait_ms,
     )
+
+
+#: what a run timeout is, said when one is refused
+TIMEOUT_HINT = (" (how long a run may take once started; leave it out for the queue's "
+                "task_timeout_s)")
+
+
+def check_seconds(name: str, value: object, hint: str = "") -> float:
+    """``value``, a number of seconds in (0, MAX_TTL_S] (a ttl, a run timeout); else
+    ConfigError naming ``name`` (and ``hint``: what it is)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not 0 < value <= MAX_TTL_S:
+        raise ConfigError(f"{name} must be a number of seconds in (0, {MAX_TTL_S:.0e}]"
+                          f"{hint}, got {value!r}")
+    return float(value)
+
+
+def check_retries(value: object) -> int:
+    """``value``, a task's retries (an integer in [0, MAX_RETRIES]); else ConfigError."""
+    if isinstance(value, bool) or not isinstance(value, int) \
+            or not 0 <= value <= MAX_RETRIES:
+        raise ConfigError(f"retries must be an integer in [0, {MAX_RETRIES}], got {value!r}")
+    return value
 
 
 def delay_ms(delay: object, at: object) -> int:
