@@ -401,9 +401,12 @@ def test_a_narrowed_reload_and_the_standby_after_new_options(
                   "--set", "model=m2", "--json")
     assert out.returncode == 0, (out.stdout, out.stderr)
     assert [a["worker"] for a in json.loads(out.stdout)["answers"]] == [one["id"]]
-    served = wait_for(lambda: {x["pid"]: x["options"]["model"] for x in results(q, 8)}
-                      if len({x["pid"] for x in results(q, 8)}) == 2 else None,
-                      60, "both processes never served")
+    def both_served() -> dict[int, str] | None:
+        # one round of tasks: the answer and the check must come from the same round
+        got = {x["pid"]: x["options"]["model"] for x in results(q, 8)}
+        return got if len(got) == 2 else None
+
+    served = wait_for(both_served, 60, "both processes never served")
     assert served == {one["pid"]: "m2", other["pid"]: "m1"}, served
 
     # to every engine: the supervisor starts its later processes with them, the
